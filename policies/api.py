@@ -1,0 +1,83 @@
+"""The routing plugin API: a policy is a pure function of (request view, fleet view) -> route.
+
+Policies do no I/O. The gateway builds the views from its residency index, its worker
+registry and shared in-flight counts, calls `Policy.route`, and acts on the `Route`.
+"""
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from workers.kv.cost_model import CostModel
+
+MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What a policy may know of a request."""
+    request_id: str
+    num_tokens: int
+    block_hashes: tuple[int, ...]
+    max_tokens: int = 256
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    session_id: str | None = None
+    priority: int = 0
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One candidate worker as the gateway sees it at decision time."""
+    worker_id: str
+    role: str = MIXED
+    matched_blocks: int = 0
+    block_size: int = 16
+    waiting: int = 0
+    running: int = 0
+    in_flight: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    queued_prefill_tokens: int = 0
+    kv_tokens: int = 0
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    step_ms: float | None = None
+    cost: CostModel | None = None
+    transfer_gbps: float = 1.0
+    kv_bytes_per_token: int = 0
+    url: str = ""
+
+    @property
+    def load(self) -> int:
+        """Requests this worker is busy with: the max of its own count and the gateways' count."""
+        return max(self.waiting + self.running, self.in_flight)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    workers: tuple[WorkerView, ...]
+    now: float = 0.0
+
+    def by_role(self, *roles: str) -> tuple[WorkerView, ...]:
+        return tuple(w for w in self.workers if w.role in roles)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A decision: one worker, a (prefill, decode) pair, or a rejection with a reason."""
+    worker: str | None = None
+    prefill: str | None = None
+    reject: str | None = None
+    predicted_cached_tokens: int = 0
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
+    info: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def route(self, req: RequestView, fleet: FleetView) -> Route:
+        """Choose where `req` runs. Must not block or do I/O."""
+        ...

@@ -1,0 +1,91 @@
+"""`kvgate worker`: serve one model from a paged KV cache over the OpenAI API."""
+import argparse
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import uvicorn
+
+from workers.engine import Engine, EngineConfig
+from workers.kv.cost_model import CostModel
+from workers.model_store import load_tokenizer, resolve, served_name
+from workers.server import WorkerServer
+
+log = logging.getLogger("kvgate.worker")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate worker", description=__doc__)
+    p.add_argument("--model", required=True, help="HF model folder or alias (smollm2-135m)")
+    p.add_argument("--served-model-name", help="name clients use (default: alias or folder name)")
+    p.add_argument("--executor", choices=["torch", "sim"], default="torch")
+    p.add_argument("--sim-profile", help="cost-model JSON for the sim executor (kvgate calibrate writes one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, help="cap the context length below the model's")
+    p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
+    p.add_argument("--worker-id", help="stable id in KV events and the registry (default: random)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--redis", help="publish KV events, residency and heartbeats to this Redis URL")
+    p.add_argument("--advertise-url", help="URL the gateway should use (default: http://HOST:PORT)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def model_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    return json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+
+
+def build_executor(args, path: Path, tokenizer):
+    """The torch model runner, or the sim executor with the model's vocabulary and EOS."""
+    if args.executor == "torch":
+        import torch
+
+        from workers.executors.torch_runner import TorchRunner
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        runner = TorchRunner(str(path), args.num_blocks, args.block_size, args.device, dtype)
+    else:
+        from workers.executors.sim import SimExecutor
+        cfg = model_config(path)
+        cost = CostModel.load(args.sim_profile) if args.sim_profile else CostModel()
+        eos = cfg.get("eos_token_id", tokenizer.eos_token_id)
+        runner = SimExecutor(cost, cfg.get("vocab_size", len(tokenizer)),
+                             tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+                             cfg.get("max_position_embeddings", 8192))
+    if args.max_model_len:
+        runner.max_model_len = min(runner.max_model_len, args.max_model_len)
+    return runner
+
+
+def build_server(args) -> WorkerServer:
+    path = resolve(args.model, tokenizer_only=args.executor == "sim")
+    tokenizer = load_tokenizer(args.model)
+    executor = build_executor(args, path, tokenizer)
+    name = args.served_model_name or served_name(args.model)
+    config = EngineConfig(
+        model_id=name, block_size=args.block_size, num_blocks=args.num_blocks,
+        max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
+        worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}", role=args.role,
+        enable_prefix_caching=not args.no_prefix_caching)
+    engine = Engine(executor, tokenizer, config)
+    engine.start()
+    return WorkerServer(engine, name, getattr(executor, "vocab_size", len(tokenizer)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    server = build_server(args)
+    print(f"kvgate worker {server.engine.config.worker_id} serving {server.model} "
+          f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}", flush=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,243 @@
+"""The engine: scheduler + KV manager + executor, stepped by one background thread.
+
+The HTTP server talks to it only through `submit`/`abort` (thread-safe queues) and the
+per-request `sink` callbacks it passes in; everything else runs on the engine thread.
+"""
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from workers.detokenizer import Detokenizer
+from workers.executors.batch import Executor, SeqChunk
+from workers.kv.block_pool import BlockPool
+from workers.kv.events import EventLog
+from workers.kv.hashing import seed_hash
+from workers.kv.kv_manager import KVCacheManager
+from workers.request import FINISHED, Request
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, StepPlan
+
+
+@dataclass
+class EngineConfig:
+    model_id: str
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    worker_id: str = "worker-0"
+    role: str = "mixed"
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class RequestOutput:
+    """A delta for one request after a step; `finish_reason` is set on the last one."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    num_prompt: int
+    num_cached: int
+    num_output: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class StepStats:
+    """What the last steps did and how long they took (for /state, metrics and calibrate)."""
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+
+    def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> None:
+        self.steps += 1
+        self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens))
+
+
+class Engine:
+    def __init__(self, executor: Executor, tokenizer, config: EngineConfig):
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.config = config
+        self.events = EventLog(config.worker_id)
+        self.pool = BlockPool(config.num_blocks, config.block_size, self.events)
+        self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size),
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs)
+        self.stats = StepStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._requests: dict[str, tuple[Request, Detokenizer | None, Callable]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._snapshot = self._make_state()
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               sink: Callable[[RequestOutput], None], detokenize: bool = True) -> None:
+        """Queue a request; `sink` is called from the engine thread with each output delta."""
+        self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run fn on the engine thread between steps (snapshots, KV import, cache clears)."""
+        fut: Future = Future()
+        self._inbox.put(("call", fn, fut))
+        self._wake.set()
+        return fut
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt_ids, params, sink, detok = cmd
+                req = Request(rid, prompt_ids, params)
+                d = Detokenizer(self.tokenizer, prompt_ids, params.stop) if detok else None
+                self._requests[rid] = (req, d, sink)
+                self.scheduler.add(req)
+            elif cmd[0] == "abort":
+                entry = self._requests.pop(cmd[1], None)
+                if entry:
+                    self.scheduler.abort(entry[0])
+            else:
+                _, fn, fut = cmd
+                try:
+                    fut.set_result(fn())
+                except Exception as e:
+                    fut.set_exception(e)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or not self._inbox.empty()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step: plan, execute, append tokens, emit deltas."""
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
+        if plan.scheduled:
+            t0 = time.perf_counter()
+            sampled = self.executor.execute(self._chunks(plan))
+            self._record(plan, (time.perf_counter() - t0) * 1000)
+            for (req, n), tok in zip(plan.scheduled, sampled):
+                req.num_computed += n
+                self.kv.commit(req)
+                if tok is not None:
+                    out = self._append(req, tok)
+                    if out is not None:
+                        outputs.append(out)
+        self._snapshot = self._make_state()
+        for out in outputs:
+            entry = self._requests.get(out.request_id)
+            if entry:
+                entry[2](out)
+            if out.finish_reason is not None:
+                self._requests.pop(out.request_id, None)
+        return outputs
+
+    def _chunks(self, plan: StepPlan) -> list[SeqChunk]:
+        B = self.config.block_size
+        chunks = []
+        for req, n in plan.scheduled:
+            end = req.num_computed + n
+            chunks.append(SeqChunk(
+                token_ids=req.token_ids[req.num_computed:end], start_pos=req.num_computed,
+                block_table=[b.block_id for b in req.blocks[:-(-end // B)]],
+                sample=end == req.num_tokens, params=req.params,
+                output_index=req.num_tokens - req.num_prompt))
+        return chunks
+
+    def _record(self, plan: StepPlan, ms: float) -> None:
+        prefill = sum(n for r, n in plan.scheduled if n > 1 or r.is_prefilling)
+        decodes = [r for r, n in plan.scheduled if n == 1 and not r.is_prefilling]
+        self.stats.record(ms, prefill, len(decodes), sum(r.num_tokens for r in decodes))
+
+    def _append(self, req: Request, tok: int) -> RequestOutput | None:
+        if req.status == FINISHED:
+            return None
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+            self.stats.prompt_tokens += req.num_prompt
+            self.stats.cached_tokens += max(req.num_cached, 0)
+        req.token_ids.append(tok)
+        self.stats.generated_tokens += 1
+        p = req.params
+        _, detok, _ = self._requests[req.request_id]
+        hit_stop = detok.add(tok) if detok and tok not in self.executor.eos_token_ids else False
+        reason = None
+        if tok in p.stop_token_ids or hit_stop or (not p.ignore_eos and tok in self.executor.eos_token_ids):
+            reason = "stop"
+        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.executor.max_model_len:
+            reason = "length"
+        if reason:
+            self._remove(req, reason)
+        text = detok.flush(reason is not None) if detok else ""
+        return RequestOutput(req.request_id, [tok], text, req.num_prompt, max(req.num_cached, 0),
+                             len(req.output_ids), reason)
+
+    def _remove(self, req: Request, reason: str) -> None:
+        if req in self.scheduler.running:
+            self.scheduler.running.remove(req)
+        self.scheduler.finish(req, reason)
+        self.stats.finished += 1
+
+    def _finish_evicted(self, req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
+                             len(req.output_ids), req.finish_reason)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            if self.has_work():
+                self.step()
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def state(self) -> dict:
+        """Load as the gateway's policies need it (GET /state), as of the last step."""
+        return self._snapshot
+
+    def _make_state(self) -> dict:
+        s, c = self.scheduler, self.config
+        recent = list(self.stats.recent)[-32:]
+        return {
+            "worker_id": c.worker_id, "role": c.role, "model": c.model_id,
+            "block_size": c.block_size, "total_blocks": self.pool.num_blocks,
+            "free_blocks": self.pool.num_free, "waiting": len(s.waiting), "running": len(s.running),
+            "queued_prefill_tokens": s.queued_prefill_tokens,
+            "kv_tokens": sum(r.num_computed for r in s.running),
+            "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
+            "step_ms": sum(r[0] for r in recent) / len(recent) if recent else None,
+            "recent_steps": [list(r) for r in recent],
+            "kv_seq": self.events.last_seq,
+            "preemptions": self.stats.preemptions,
+            "max_model_len": self.executor.max_model_len,
+        }

@@ -1,0 +1,57 @@
+"""The `sim` executor: no model; each step takes the time the cost model predicts.
+
+It runs the real scheduler, block pool and events, so fleets of realistic workers fit on a
+CPU, and the fleet simulator drives it in virtual time by passing its own `wait`.
+"""
+import time
+from collections.abc import Callable
+
+from workers.executors.batch import SeqChunk
+from workers.kv.cost_model import CostModel
+
+
+class SimExecutor:
+    """Emits deterministic token ids (never EOS) after waiting the modelled step time."""
+
+    def __init__(self, cost: CostModel, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
+                 max_model_len: int = 8192, wait: Callable[[float], None] = time.sleep,
+                 first_token_id: int = 256, kv_bytes_per_token: int = 36864):
+        self.cost = cost
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.wait = wait
+        self.first_token_id = min(first_token_id, vocab_size // 2)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.last_step_ms = 0.0
+
+    def step_ms(self, chunks: list[SeqChunk]) -> float:
+        prefill = [c for c in chunks if len(c.token_ids) > 1 or not c.sample]
+        decode = [c for c in chunks if len(c.token_ids) == 1 and c.sample]
+        return self.cost.step_ms(
+            prefill_tokens=sum(len(c.token_ids) for c in prefill),
+            prefill_ctx_products=sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2)
+                                     for c in prefill),
+            decode_seqs=len(decode),
+            decode_kv_tokens=sum(c.start_pos + 1 for c in decode))
+
+    def _token(self, chunk: SeqChunk) -> int:
+        pos = chunk.start_pos + len(chunk.token_ids)
+        x = (chunk.token_ids[-1] * 1103515245 + pos * 12345 + (chunk.params.seed or 0)) & 0x7FFFFFFF
+        span = self.vocab_size - self.first_token_id
+        tok = self.first_token_id + x % span
+        while tok in self.eos_token_ids:
+            tok = self.first_token_id + (tok + 1 - self.first_token_id) % span
+        return tok
+
+    def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
+        self.last_step_ms = self.step_ms(chunks)
+        self.wait(self.last_step_ms / 1000.0)
+        return [self._token(c) if c.sample else None for c in chunks]
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Sim blocks carry no data; P/D over sim workers moves only hashes."""
+        return b""
+
+    def write_blocks(self, block_ids: list[int], kv: bytes) -> None:
+        return None

@@ -1,0 +1,60 @@
+"""The step-time cost model: the `sim` executor sleeps by it and policies predict TTFT/TPOT by it.
+
+It lives in `workers/kv` (the pure, torch-free contract package) so the worker that simulates
+time and the gateway that predicts time use one formula. `kvgate calibrate` fits its
+coefficients to a real worker and writes them as JSON (a "profile").
+"""
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Milliseconds one engine step takes, as a linear model of its work.
+
+    step = base + prefill_token * P + prefill_attn * sum(P_i * ctx_i) / 1000
+                + decode_seq * D + decode_kv_token * (KV tokens read by the D decodes)
+    """
+    base_ms: float = 4.0
+    prefill_token_ms: float = 0.08
+    prefill_attn_ms: float = 0.002
+    decode_seq_ms: float = 0.25
+    decode_kv_token_ms: float = 0.00005
+
+    def step_ms(self, prefill_tokens: int = 0, prefill_ctx_products: float = 0.0,
+                decode_seqs: int = 0, decode_kv_tokens: int = 0) -> float:
+        if prefill_tokens == 0 and decode_seqs == 0:
+            return 0.0
+        return (self.base_ms + self.prefill_token_ms * prefill_tokens
+                + self.prefill_attn_ms * prefill_ctx_products / 1000.0
+                + self.decode_seq_ms * decode_seqs + self.decode_kv_token_ms * decode_kv_tokens)
+
+    def prefill_ms(self, uncached_tokens: int, cached_tokens: int = 0, chunk: int = 0) -> float:
+        """Time to prefill `uncached_tokens` after `cached_tokens`, in steps of at most `chunk`."""
+        if uncached_tokens <= 0:
+            return 0.0
+        chunk = chunk or uncached_tokens
+        total, done = 0.0, cached_tokens
+        left = uncached_tokens
+        while left > 0:
+            n = min(chunk, left)
+            total += self.step_ms(prefill_tokens=n, prefill_ctx_products=n * (done + n / 2))
+            done += n
+            left -= n
+        return total
+
+    def decode_ms(self, batch: int, kv_tokens: int) -> float:
+        """One decode step of `batch` sequences reading `kv_tokens` tokens of KV in total."""
+        return self.step_ms(decode_seqs=batch, decode_kv_tokens=kv_tokens)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "CostModel":
+        return CostModel(**{k: float(v) for k, v in d.items() if k in CostModel.__dataclass_fields__})
+
+    @staticmethod
+    def load(path: str) -> "CostModel":
+        with open(path) as f:
+            return CostModel.from_json(json.load(f))

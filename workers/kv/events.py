@@ -1,0 +1,93 @@
+"""KV events: the schema every worker publishes and every consumer (gateway, Redis) reads.
+
+Events are numbered 1, 2, 3... per worker with no gaps. A consumer that sees a gap (its
+next expected seq is older than what the log still holds) resynchronises from a snapshot.
+"""
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from threading import Condition
+
+STORED = "stored"
+REMOVED = "removed"
+CLEARED = "cleared"
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    seq: int
+    kind: str
+    hashes: tuple[int, ...] = ()
+    parent: int | None = None
+    ts: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["hashes"] = list(self.hashes)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "KVEvent":
+        return KVEvent(d["seq"], d["kind"], tuple(d.get("hashes", ())), d.get("parent"), d.get("ts", 0.0))
+
+
+@dataclass
+class EventBatch:
+    """What `/kv/events` returns: events after a seq, or `gap=True` when they are gone."""
+    worker_id: str
+    events: list[KVEvent]
+    last_seq: int
+    gap: bool = False
+
+    def to_json(self) -> dict:
+        return {"worker_id": self.worker_id, "last_seq": self.last_seq, "gap": self.gap,
+                "events": [e.to_json() for e in self.events]}
+
+    @staticmethod
+    def from_json(d: dict) -> "EventBatch":
+        return EventBatch(d["worker_id"], [KVEvent.from_json(e) for e in d["events"]],
+                          d["last_seq"], d.get("gap", False))
+
+
+class EventLog:
+    """A bounded, thread-safe log that numbers events and lets readers wait for new ones."""
+
+    def __init__(self, worker_id: str, capacity: int = 65536):
+        self.worker_id = worker_id
+        self._events: deque[KVEvent] = deque(maxlen=capacity)
+        self._seq = 0
+        self._cond = Condition()
+        self._listeners: list = []
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def subscribe(self, fn) -> None:
+        """Call fn(event) for every appended event (e.g. a Redis publisher's queue)."""
+        self._listeners.append(fn)
+
+    def append(self, kind: str, hashes: tuple[int, ...] = (), parent: int | None = None) -> KVEvent:
+        with self._cond:
+            self._seq += 1
+            ev = KVEvent(self._seq, kind, tuple(hashes), parent)
+            self._events.append(ev)
+            self._cond.notify_all()
+        for fn in self._listeners:
+            fn(ev)
+        return ev
+
+    def after(self, seq: int, limit: int = 4096) -> EventBatch:
+        """Events with seq > `seq`; `gap` when some of them have been dropped from the log."""
+        with self._cond:
+            oldest = self._events[0].seq if self._events else self._seq + 1
+            if seq + 1 < oldest and seq < self._seq:
+                return EventBatch(self.worker_id, [], self._seq, gap=True)
+            start = max(0, seq + 1 - oldest)
+            evs = [self._events[i] for i in range(start, min(len(self._events), start + limit))]
+            return EventBatch(self.worker_id, evs, self._seq)
+
+    def wait(self, seq: int, timeout: float) -> bool:
+        """Block until an event newer than `seq` exists (long-poll support)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._seq > seq, timeout)

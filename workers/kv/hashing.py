@@ -1,0 +1,38 @@
+"""The block hash of the design contract: one function, used by the gateway and every worker.
+
+A prompt is cut into full blocks of B tokens; block i's hash chains the hash of block i-1 with
+its own token ids, so equal hashes mean equal prefixes (up to 64-bit collisions, which the
+worker's prefix cache guards against by also comparing token ids).
+"""
+from array import array
+from hashlib import blake2b
+
+MASK64 = (1 << 64) - 1
+
+
+def seed_hash(model_id: str, block_size: int) -> int:
+    """h_0: ties every chain to one model and block size, so pools never mix."""
+    digest = blake2b(f"{model_id}\x00{block_size}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def block_hash(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
+    """h_i = H(h_{i-1}, tokens of block i) as an unsigned 64-bit int."""
+    h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(tokens: list[int], block_size: int, seed: int, start: int = 0,
+                 parent: int | None = None) -> list[int]:
+    """Hashes of the full blocks of `tokens` from block index `start` on.
+
+    `parent` is the hash of block start-1 (or the seed when start is 0); passing it lets a
+    caller extend a chain without rehashing the prefix.
+    """
+    prev = seed if parent is None else parent
+    out: list[int] = []
+    for i in range(start, len(tokens) // block_size):
+        prev = block_hash(prev, tokens[i * block_size:(i + 1) * block_size])
+        out.append(prev)
+    return out

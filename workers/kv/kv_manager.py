@@ -1,0 +1,72 @@
+"""Per-request view of the block pool: prefix matching, slot allocation, hashing, freeing.
+
+The engine calls these around every step: `match_prefix` when a request is first scheduled,
+`allocate_slots` before computing tokens, `commit` after computing them (newly full blocks
+are hashed and published), `free` when it finishes, is aborted or is preempted.
+"""
+from workers.kv.block_pool import BlockPool
+from workers.kv.hashing import block_hash
+from workers.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, seed: int, enable_prefix_caching: bool = True):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.seed = seed
+        self.enable_prefix_caching = enable_prefix_caching
+
+    def _hashes(self, req: Request, n_blocks: int) -> list[int]:
+        """Extend the request's hash chain to cover `n_blocks` full blocks."""
+        B = self.block_size
+        hs = req.block_hashes
+        while len(hs) < n_blocks:
+            i = len(hs)
+            hs.append(block_hash(hs[-1] if hs else self.seed, req.token_ids[i * B:(i + 1) * B]))
+        return hs
+
+    def match_prefix(self, req: Request) -> int:
+        """Take the longest cached prefix (never the whole prompt); returns the tokens it covers."""
+        assert not req.blocks and req.num_computed == 0
+        if not self.enable_prefix_caching:
+            return 0
+        B = self.block_size
+        limit = (req.num_tokens - 1) // B
+        hashes = self._hashes(req, limit)
+        for i, h in enumerate(hashes):
+            block = self.pool.lookup(h, tuple(req.token_ids[i * B:(i + 1) * B]))
+            if block is None:
+                break
+            self.pool.touch(block)
+            req.blocks.append(block)
+        req.num_computed = req.num_registered = len(req.blocks) * B
+        return req.num_computed
+
+    def blocks_needed(self, req: Request, n_new: int) -> int:
+        return max(0, -(-(req.num_computed + n_new) // self.block_size) - len(req.blocks))
+
+    def allocate_slots(self, req: Request, n_new: int) -> bool:
+        """Grow the block table to hold `n_new` more tokens; False when the pool is short."""
+        need = self.blocks_needed(req, n_new)
+        if not self.pool.can_allocate(need):
+            return False
+        req.blocks.extend(self.pool.allocate(need))
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Hash and publish the blocks that the last step filled."""
+        B = self.block_size
+        first, full = req.num_registered // B, req.num_computed // B
+        if full <= first or not self.enable_prefix_caching:
+            req.num_registered = max(req.num_registered, full * B)
+            return
+        hashes = self._hashes(req, full)
+        tokens = [tuple(req.token_ids[i * B:(i + 1) * B]) for i in range(first, full)]
+        parent = hashes[first - 1] if first else None
+        self.pool.register(req.blocks[first:full], hashes[first:full], tokens, parent)
+        req.num_registered = full * B
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.num_computed = req.num_registered = 0

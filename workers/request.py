@@ -1,0 +1,51 @@
+"""A request as the engine tracks it: plain data that the scheduler and KV manager mutate."""
+import time
+from dataclasses import dataclass, field
+
+from workers.kv.block_pool import Block
+from workers.sampling_params import SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = -1
+    blocks: list[Block] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0
+    status: str = WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens whose K/V is not computed yet (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_remaining > 1 or self.num_computed < self.num_prompt
