@@ -112,7 +112,10 @@ class Engine:
             elif cmd[0] == "abort":
                 entry = self._requests.pop(cmd[1], None)
                 if entry:
-                    self.scheduler.abort(entry[0])
+                    req = entry[0]
+                    self.scheduler.abort(req)
+                    entry[2](RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
+                                           len(req.output_ids), "abort"))
             else:
                 _, fn, fut = cmd
                 try:

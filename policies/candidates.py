@@ -1,0 +1,31 @@
+"""Who may serve a request alone, and tie-breaks that every gateway replica agrees on."""
+import zlib
+
+from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
+from policies.predict import cached_tokens
+
+NO_WORKERS = "no healthy workers"
+
+
+def serving_workers(fleet: FleetView) -> tuple[WorkerView, ...]:
+    """Workers a P/D-unaware policy may send a whole request to: the mixed ones, or the decode
+    ones when there are no mixed (a decode worker can prefill for itself). Prefill-role workers
+    never serve a request alone: nothing would decode it."""
+    return fleet.by_role(MIXED) or fleet.by_role(DECODE)
+
+
+def request_key(req: RequestView) -> int:
+    """What ties are broken by: the first block hash, so requests sharing a prefix tie-break
+    alike and every replica (same tokens, same hash) reaches the same answer."""
+    return req.block_hashes[0] if req.block_hashes else 0
+
+
+def stable_hash(key: int | str, worker_id: str) -> int:
+    """A per-(key, worker) number identical in every process; Python's `hash` of a str is
+    salted per process, so two gateway replicas would break ties differently."""
+    return zlib.crc32(f"{key}/{worker_id}".encode())
+
+
+def route_to(req: RequestView, w: WorkerView, **info) -> Route:
+    """A single-worker route carrying the prefix-cache hit it expects."""
+    return Route(worker=w.worker_id, predicted_cached_tokens=cached_tokens(req, w), info=info)

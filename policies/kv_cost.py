@@ -1,0 +1,33 @@
+"""KV cost: minimise the prefill work a request causes plus the decode load it joins."""
+from policies.api import FleetView, RequestView, Route, WorkerView
+from policies.candidates import NO_WORKERS, request_key, route_to, serving_workers, stable_hash
+from policies.predict import queued_tokens, uncached_tokens
+
+
+class KvCost:
+    """Scores each worker in prefill-token equivalents and takes the cheapest:
+
+        cost = prefill_weight * uncached_tokens + queued_prefill_tokens + alpha * running
+
+    A cache hit saves prefill work exactly as an empty queue does, so both count in tokens;
+    `alpha` is how many prefill tokens one running decode is worth (it slows every step).
+    """
+    name = "kv_cost"
+
+    def __init__(self, prefill_weight: float = 1.0, alpha: float = 64.0) -> None:
+        self.prefill_weight = prefill_weight
+        self.alpha = alpha
+
+    def cost(self, req: RequestView, w: WorkerView) -> float:
+        return (self.prefill_weight * uncached_tokens(req, w) + queued_tokens(req, w)
+                + self.alpha * w.running)
+
+    def route(self, req: RequestView, fleet: FleetView) -> Route:
+        workers = serving_workers(fleet)
+        if not workers:
+            return Route(reject=NO_WORKERS)
+        key = request_key(req)
+        costs = {w.worker_id: self.cost(req, w) for w in workers}
+        w = min(workers, key=lambda w: (costs[w.worker_id], w.load,
+                                        stable_hash(key, w.worker_id), w.worker_id))
+        return route_to(req, w, cost=costs[w.worker_id])

@@ -1,0 +1,31 @@
+"""Prefix affinity: follow the longest cached prefix, unless that worker is overloaded."""
+from policies.api import FleetView, RequestView, Route
+from policies.candidates import NO_WORKERS, request_key, route_to, serving_workers, stable_hash
+from policies.predict import cached_tokens
+
+
+class PrefixAffinity:
+    """Picks the worker with the longest cached prefix among those whose load is within
+    `max(slack_abs, slack_rel * min_load)` of the least-loaded worker.
+
+    The bound is per candidate, not one fleet-wide imbalance switch: one hot worker loses its
+    affinity traffic while the others keep theirs. When nothing matches, the least-loaded
+    worker wins (it is always eligible, and ties among matches go to the lower load).
+    """
+    name = "prefix_affinity"
+
+    def __init__(self, slack_abs: int = 4, slack_rel: float = 0.5) -> None:
+        self.slack_abs = slack_abs
+        self.slack_rel = slack_rel
+
+    def route(self, req: RequestView, fleet: FleetView) -> Route:
+        workers = serving_workers(fleet)
+        if not workers:
+            return Route(reject=NO_WORKERS)
+        min_load = min(w.load for w in workers)
+        bound = min_load + max(self.slack_abs, self.slack_rel * min_load)
+        key = request_key(req)
+        w = min((w for w in workers if w.load <= bound),
+                key=lambda w: (-cached_tokens(req, w), w.load,
+                               stable_hash(key, w.worker_id), w.worker_id))
+        return route_to(req, w, load_bound=bound)

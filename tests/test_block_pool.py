@@ -1,0 +1,127 @@
+"""Block pool, prefix cache and KV events: ref counts, LRU eviction order, gap-free seqs."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.kv.block_pool import BlockPool
+from workers.kv.events import CLEARED, REMOVED, STORED, EventLog
+from workers.kv.hashing import block_hash, block_hashes, seed_hash
+
+
+def make_pool(n=8, B=4):
+    return BlockPool(n, B, EventLog("w"))
+
+
+def test_hash_chain_is_deterministic_and_prefix_sensitive():
+    seed = seed_hash("m", 4)
+    a = block_hashes(list(range(12)), 4, seed)
+    assert a == block_hashes(list(range(12)), 4, seed)
+    assert len(a) == 3 and all(0 <= h < 2**64 for h in a)
+    b = block_hashes([99] + list(range(1, 12)), 4, seed)
+    assert all(x != y for x, y in zip(a, b)), "a changed first block changes every later hash"
+    assert block_hashes(list(range(12)), 4, seed, start=1, parent=a[0]) == a[1:]
+    assert seed != seed_hash("m", 16) and seed != seed_hash("other", 4)
+    assert block_hash(seed, [1, 2, 3, 4]) == a[0] if [1, 2, 3, 4] == list(range(4)) else True
+
+
+def test_partial_blocks_are_not_hashed():
+    assert block_hashes(list(range(7)), 4, 0) == block_hashes(list(range(4)), 4, 0)
+
+
+def test_allocate_free_and_ref_counts():
+    pool = make_pool()
+    blocks = pool.allocate(3)
+    assert pool.num_free == 5 and all(b.ref_count == 1 for b in blocks)
+    pool.free(blocks)
+    assert pool.num_free == 8
+
+
+def test_lookup_checks_tokens_and_touch_takes_reference():
+    pool = make_pool()
+    [b] = pool.allocate(1)
+    pool.register([b], [123], [(1, 2, 3, 4)], None)
+    assert pool.lookup(123, (1, 2, 3, 4)) is b
+    assert pool.lookup(123, (1, 2, 3, 5)) is None, "a hash hit with other tokens is a miss"
+    pool.free([b])
+    assert pool.num_free == 8
+    pool.touch(b)
+    assert b.ref_count == 1 and pool.num_free == 7
+
+
+def test_eviction_prefers_plain_blocks_then_lru_with_tail_first():
+    pool = make_pool(n=4)
+    seq = pool.allocate(3)
+    pool.register(seq, [1, 2, 3], [(i,) * 4 for i in range(3)], None)
+    pool.free(seq)
+    [plain] = pool.allocate(1)
+    assert plain.hash is None, "never-hashed blocks are used before evicting cached ones"
+    [victim] = pool.allocate(1)
+    assert victim is seq[2], "a freed sequence's tail is evicted first"
+    assert pool.lookup(3, (2,) * 4) is None and pool.lookup(1, (0,) * 4) is seq[0]
+
+
+def test_events_are_gap_free_and_describe_residency():
+    log = EventLog("w")
+    pool = BlockPool(2, 4, log)
+    a = pool.allocate(2)
+    pool.register(a, [10, 11], [(1,) * 4, (2,) * 4], None)
+    pool.free(a)
+    pool.allocate(1)
+    pool.clear_cache()
+    kinds = [(e.seq, e.kind, e.hashes, e.parent) for e in log.after(0).events]
+    assert kinds[0] == (1, STORED, (10, 11), None)
+    assert kinds[1] == (2, REMOVED, (11,), None)
+    assert kinds[2][:2] == (3, CLEARED)
+    assert [e.seq for e in log.after(0).events] == [1, 2, 3]
+
+
+def test_duplicate_hash_splits_stored_runs_with_right_parent():
+    log = EventLog("w")
+    pool = BlockPool(6, 4, log)
+    first = pool.allocate(2)
+    pool.register(first, [1, 2], [(0,) * 4, (1,) * 4], None)
+    second = pool.allocate(3)
+    pool.register(second, [1, 2, 3], [(0,) * 4, (1,) * 4, (2,) * 4], None)
+    last = log.after(1).events
+    assert [(e.hashes, e.parent) for e in last] == [((3,), 2)]
+
+
+def test_event_log_reports_gap_when_events_dropped():
+    log = EventLog("w", capacity=4)
+    for i in range(10):
+        log.append(STORED, (i,))
+    assert log.after(0).gap
+    batch = log.after(7)
+    assert not batch.gap and [e.seq for e in batch.events] == [8, 9, 10]
+    assert log.after(10).events == [] and not log.after(10).gap
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "reg"]), st.integers(0, 5)), max_size=60))
+def test_pool_invariants_under_random_operations(ops):
+    log = EventLog("w")
+    pool = BlockPool(6, 2, log)
+    held: list = []
+    resident: set[int] = set()
+    next_hash = 1
+    for op, n in ops:
+        if op == "alloc" and pool.can_allocate(n):
+            held.extend(pool.allocate(n))
+        elif op == "free" and held:
+            k = min(len(held), n + 1)
+            pool.free(held[:k])
+            held = held[k:]
+        elif op == "reg" and held:
+            b = held[n % len(held)]
+            pool.register([b], [next_hash], [(next_hash, 0)], None)
+            next_hash += 1
+        for e in log.after(0).events:
+            pass
+        assert pool.num_free + len({b.block_id for b in held}) == pool.num_blocks
+    for e in log.after(0).events:
+        if e.kind == STORED:
+            resident |= set(e.hashes)
+        elif e.kind == REMOVED:
+            resident -= set(e.hashes)
+        else:
+            resident.clear()
+    assert resident == set(pool.resident_hashes()), "replaying events gives the pool's residency"

@@ -1,0 +1,391 @@
+"""The built-in routing policies, their predictions and the policy registry."""
+import random
+import time
+from importlib.metadata import EntryPoint
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from policies import predict, registry
+from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView, Route, WorkerView
+from policies.kv_cost import KvCost
+from policies.least_load import LeastLoad
+from policies.prefix_affinity import PrefixAffinity
+from policies.registry import BUILTIN_POLICIES, load_policy
+from policies.round_robin import RoundRobin
+from policies.slo_goodput import SloGoodput
+from workers.kv.cost_model import CostModel
+
+COST = CostModel()
+STATELESS = (LeastLoad, PrefixAffinity, KvCost, SloGoodput)
+
+
+def req(num_tokens: int = 1024, **kw) -> RequestView:
+    return RequestView(request_id="r", num_tokens=num_tokens,
+                       block_hashes=tuple(range(1000, 1000 + num_tokens // 16)), **kw)
+
+
+def worker(wid: str, **kw) -> WorkerView:
+    kw.setdefault("cost", COST)
+    return WorkerView(worker_id=wid, **kw)
+
+
+def fleet(*workers: WorkerView) -> FleetView:
+    return FleetView(workers=workers)
+
+
+# predict
+
+def test_idle_ttft_is_the_cost_models_prefill_time():
+    r, w = req(5000), worker("a", matched_blocks=10, max_batched_tokens=2048)
+    assert predict.uncached_tokens(r, w) == 5000 - 160
+    assert predict.ttft_ms(r, w) == pytest.approx(COST.prefill_ms(4840, 160, chunk=2048))
+
+
+def test_fully_cached_prompt_still_prefills_one_token():
+    r = req(64)
+    w = worker("a", matched_blocks=4)
+    assert predict.cached_tokens(r, w) == 64 and predict.uncached_tokens(r, w) == 1
+
+
+def test_ttft_grows_with_queue_and_shrinks_with_cache():
+    r = req(2048)
+    idle, queued = worker("a"), worker("b", waiting=4, queued_prefill_tokens=8000)
+    cached = worker("c", matched_blocks=100)
+    assert predict.ttft_ms(r, queued) > predict.ttft_ms(r, idle) > predict.ttft_ms(r, cached)
+
+
+def test_unreported_in_flight_requests_count_as_queued_work():
+    r = req(2048)
+    assert predict.ttft_ms(r, worker("a", in_flight=3)) > predict.ttft_ms(r, worker("b"))
+
+
+def test_running_decodes_slow_prefill_and_decode():
+    r = req(1024)
+    idle, busy = worker("a"), worker("b", running=64, kv_tokens=64 * 1000)
+    assert predict.ttft_ms(r, busy) > predict.ttft_ms(r, idle)
+    assert predict.tpot_ms(r, busy) > predict.tpot_ms(r, idle)
+    assert predict.tpot_ms(r, idle) == pytest.approx(COST.decode_ms(1, 1024))
+
+
+def test_queued_prefill_interferes_with_decode():
+    r = req(1024)
+    assert predict.tpot_ms(r, worker("a", queued_prefill_tokens=4096, waiting=2)) > \
+        predict.tpot_ms(r, worker("b"))
+
+
+def test_measured_step_time_scales_predictions_without_a_cost_model():
+    r = req(1024)
+    fast = WorkerView(worker_id="f", running=8, step_ms=COST.decode_ms(8, 0))
+    slow = WorkerView(worker_id="s", running=8, step_ms=2 * COST.decode_ms(8, 0))
+    assert predict.ttft_ms(r, slow) == pytest.approx(2 * predict.ttft_ms(r, fast))
+    assert predict.ttft_ms(r, WorkerView(worker_id="n")) == pytest.approx(COST.prefill_ms(1024))
+
+
+def test_transfer_moves_the_blocks_the_decode_worker_lacks():
+    r = req(1024)  # 64 full blocks
+    p = worker("p", role=PREFILL, kv_bytes_per_token=1000, transfer_gbps=10.0)
+    d = worker("d", role=DECODE, matched_blocks=14, kv_bytes_per_token=1000, transfer_gbps=2.0)
+    assert predict.transfer_ms(r, p, d) == pytest.approx(50 * 16 * 1000 / 2e6)
+    assert predict.transfer_ms(r, worker("q", role=PREFILL), worker("u", role=DECODE)) == 0.0
+    assert predict.pd_ttft_ms(r, p, d) == pytest.approx(
+        predict.ttft_ms(r, p) + predict.transfer_ms(r, p, d) + predict.import_ttft_ms(r, d))
+
+
+# P/D-unaware policies
+
+def test_round_robin_cycles_in_worker_id_order_over_serving_workers():
+    f = fleet(worker("c"), worker("p", role=PREFILL), worker("a"), worker("d", role=DECODE))
+    rr = RoundRobin()
+    assert [rr.route(req(), f).worker for _ in range(4)] == ["a", "c", "a", "c"]
+
+
+def test_decode_workers_serve_alone_only_without_mixed_ones():
+    f = fleet(worker("p", role=PREFILL), worker("d1", role=DECODE), worker("d2", role=DECODE))
+    for policy in (RoundRobin(), *(cls() for cls in STATELESS)):
+        assert policy.route(req(), f).worker in ("d1", "d2")
+
+
+@pytest.mark.parametrize("cls", (RoundRobin, *STATELESS))
+def test_no_serving_workers_is_a_rejection(cls):
+    for f in (fleet(), fleet(worker("p", role=PREFILL))):
+        assert cls().route(req(), f) == Route(reject="no healthy workers")
+
+
+def test_least_load_picks_the_least_loaded():
+    f = fleet(worker("a", running=5), worker("b", waiting=1, running=1), worker("c", in_flight=4))
+    assert LeastLoad().route(req(), f).worker == "b"
+
+
+def test_prefix_affinity_follows_the_longest_match():
+    f = fleet(worker("a", matched_blocks=10, running=2), worker("b", matched_blocks=30, running=3),
+              worker("c", running=0))
+    route = PrefixAffinity().route(req(), f)
+    assert route.worker == "b" and route.predicted_cached_tokens == 30 * 16
+
+
+def test_prefix_affinity_skips_only_the_overloaded_candidate():
+    f = fleet(worker("hot", matched_blocks=40, running=30),
+              worker("warm", matched_blocks=20, running=5),
+              worker("cold", running=2))
+    assert PrefixAffinity(slack_abs=4, slack_rel=0.5).route(req(), f).worker == "warm"
+    assert PrefixAffinity(slack_abs=40).route(req(), f).worker == "hot"
+
+
+def test_prefix_affinity_without_a_match_takes_the_least_loaded():
+    f = fleet(worker("a", running=3), worker("b", running=1), worker("c", running=2))
+    assert PrefixAffinity().route(req(), f).worker == "b"
+
+
+def test_kv_cost_weighs_cache_hits_against_queued_prefill():
+    r = req(4096)
+    f = fleet(worker("hit", matched_blocks=200, queued_prefill_tokens=1000, waiting=1),
+              worker("idle"))
+    assert KvCost().route(r, f).worker == "hit"
+    f = fleet(worker("hit", matched_blocks=200, queued_prefill_tokens=8000, waiting=3),
+              worker("idle"))
+    assert KvCost().route(r, f).worker == "idle"
+    f = fleet(worker("a", matched_blocks=10, running=20), worker("b", matched_blocks=10))
+    assert KvCost(alpha=64).route(r, f).worker == "b"
+    assert KvCost().route(r, f).info["cost"] == 4096 - 160
+
+
+# SLO goodput
+
+def test_slo_goodput_picks_the_most_headroom_and_fills_predictions():
+    r = req(2048)
+    f = fleet(worker("busy", running=100, kv_tokens=200_000, queued_prefill_tokens=6000, waiting=3),
+              worker("free", running=4, kv_tokens=4000))
+    route = SloGoodput().route(r, f)
+    assert route.worker == "free" and route.prefill is None
+    assert route.predicted_ttft_ms == pytest.approx(predict.ttft_ms(r, f.workers[1]))
+    assert route.predicted_tpot_ms == pytest.approx(predict.tpot_ms(r, f.workers[1]))
+    assert 0 <= route.info["headroom"] <= 1
+
+
+def test_slo_goodput_headroom_is_the_tighter_of_the_two_slos():
+    r = req(2048, slo_ttft_ms=1000, slo_tpot_ms=20)
+    # "quick" starts fast but decodes a big batch; "steady" queues a little but decodes lightly.
+    quick = worker("quick", running=40, kv_tokens=40_000)
+    steady = worker("steady", waiting=1, queued_prefill_tokens=2048)
+    assert predict.ttft_ms(r, quick) < predict.ttft_ms(r, steady)
+    assert SloGoodput().route(r, fleet(quick, steady)).worker == "steady"
+
+
+def test_slo_goodput_rejects_with_a_reason_when_no_worker_can_meet_the_slo():
+    r = req(8192, slo_ttft_ms=50)
+    route = SloGoodput().route(r, fleet(worker("a"), worker("b", running=10)))
+    assert route.worker is None and "ttft" in route.reject and "50 ms" in route.reject
+
+
+def test_slo_goodput_uses_its_defaults_when_the_request_has_none():
+    r, f = req(8192), fleet(worker("a"))
+    assert SloGoodput().route(r, f).worker == "a"
+    assert SloGoodput(ttft_ms=10).route(r, f).reject
+    assert SloGoodput(ttft_ms=10).route(req(8192, slo_ttft_ms=5000), f).worker == "a"
+
+
+def pd_fleet(**mixed_kw) -> FleetView:
+    kv = dict(kv_bytes_per_token=100_000, transfer_gbps=50.0)
+    return fleet(worker("p-busy", role=PREFILL, queued_prefill_tokens=16_000, waiting=4, **kv),
+                 worker("p-idle", role=PREFILL, **kv),
+                 worker("d-busy", role=DECODE, running=200, kv_tokens=400_000, **kv),
+                 worker("d-idle", role=DECODE, running=8, kv_tokens=8000, **kv),
+                 *([worker("m", **mixed_kw)] if mixed_kw else []))
+
+
+def test_slo_goodput_chooses_the_pd_pair_jointly():
+    r = req(4096, slo_tpot_ms=60)
+    route = SloGoodput().route(r, pd_fleet())
+    assert (route.prefill, route.worker) == ("p-idle", "d-idle")
+    p, d = pd_fleet().workers[1], pd_fleet().workers[3]
+    assert route.predicted_ttft_ms == pytest.approx(predict.pd_ttft_ms(r, p, d))
+    assert route.predicted_tpot_ms == pytest.approx(predict.tpot_ms(r, d))
+
+
+def test_pair_cached_tokens_are_the_prefill_workers():
+    kv = dict(kv_bytes_per_token=1000)
+    f = fleet(worker("p", role=PREFILL, matched_blocks=100, **kv), worker("d", role=DECODE, **kv))
+    route = SloGoodput(pd_min_uncached_tokens=1).route(req(4096), f)
+    assert (route.prefill, route.worker, route.predicted_cached_tokens) == ("p", "d", 1600)
+
+
+def test_pair_prefers_the_decode_worker_that_needs_fewer_blocks_moved():
+    kv = dict(kv_bytes_per_token=1_000_000, transfer_gbps=1.0)
+    f = fleet(worker("p", role=PREFILL, **kv), worker("d-cold", role=DECODE, **kv),
+              worker("d-warm", role=DECODE, matched_blocks=200, **kv))
+    route = SloGoodput(pd_min_uncached_tokens=1).route(req(4096), f)
+    assert (route.prefill, route.worker) == ("p", "d-warm")
+
+
+def test_short_uncached_prompts_are_not_disaggregated():
+    f = pd_fleet()
+    route = SloGoodput(pd_min_uncached_tokens=512).route(req(256), f)
+    assert route.prefill is None and route.worker == "d-idle"
+    warm = fleet(*f.workers[:3], worker("d-idle", role=DECODE, matched_blocks=250))
+    route = SloGoodput(pd_min_uncached_tokens=512).route(req(4096), warm)
+    assert route.prefill is None and route.worker == "d-idle"
+
+
+def test_mixed_workers_compete_with_pairs():
+    r = req(4096)
+    assert SloGoodput().route(r, pd_fleet(matched_blocks=256)).worker == "m"
+    busy = dict(running=200, kv_tokens=400_000, queued_prefill_tokens=30_000, waiting=8)
+    assert SloGoodput().route(r, pd_fleet(**busy)).prefill == "p-idle"
+
+
+def test_slo_goodput_rejects_when_no_pair_meets_the_slo():
+    route = SloGoodput().route(req(4096, slo_ttft_ms=30), pd_fleet())
+    assert route.worker is None and "P/D pair" in route.reject
+
+
+def test_unreachable_decode_workers_are_never_paired():
+    f = fleet(worker("p", role=PREFILL, kv_bytes_per_token=1000, transfer_gbps=0.0),
+              worker("d", role=DECODE, kv_bytes_per_token=1000))
+    assert SloGoodput().route(req(4096), f).reject
+
+
+# properties over random fleets
+
+ROLES = (MIXED, PREFILL, DECODE)
+
+
+@st.composite
+def fleets(draw, max_workers: int = 8):
+    n = draw(st.integers(0, max_workers))
+    num_tokens = draw(st.integers(1, 6000))
+    r = RequestView(request_id="r", num_tokens=num_tokens,
+                    block_hashes=tuple(draw(st.integers(0, 2**64 - 1))
+                                       for _ in range(num_tokens // 16)),
+                    max_tokens=draw(st.integers(1, 1024)),
+                    slo_ttft_ms=draw(st.none() | st.floats(1, 10_000)),
+                    slo_tpot_ms=draw(st.none() | st.floats(1, 500)))
+    workers = []
+    for i in range(n):
+        running = draw(st.integers(0, 300))
+        workers.append(WorkerView(
+            worker_id=f"w{i}", role=draw(st.sampled_from(ROLES)),
+            matched_blocks=draw(st.integers(0, len(r.block_hashes))),
+            waiting=draw(st.integers(0, 50)), running=running, in_flight=draw(st.integers(0, 400)),
+            queued_prefill_tokens=draw(st.integers(0, 100_000)),
+            kv_tokens=running * draw(st.integers(0, 4000)),
+            max_batched_tokens=draw(st.sampled_from((256, 2048, 8192))),
+            step_ms=draw(st.none() | st.floats(0.5, 500)),
+            cost=draw(st.none() | st.just(COST)),
+            transfer_gbps=draw(st.sampled_from((0.0, 1.0, 25.0))),
+            kv_bytes_per_token=draw(st.sampled_from((0, 36_864)))))
+    return r, FleetView(workers=tuple(workers))
+
+
+def check_route(route: Route, f: FleetView) -> None:
+    roles = {w.worker_id: w.role for w in f.workers}
+    if route.reject is not None:
+        assert route.reject and route.worker is None and route.prefill is None
+        return
+    assert route.worker in roles and roles[route.worker] in (MIXED, DECODE)
+    if route.prefill is not None:
+        assert roles[route.prefill] == PREFILL and roles[route.worker] == DECODE
+    chosen = next(w for w in f.workers if w.worker_id == (route.prefill or route.worker))
+    assert route.predicted_cached_tokens == chosen.matched_blocks * chosen.block_size
+
+
+@settings(max_examples=150, deadline=None)
+@given(fleets())
+def test_every_route_is_a_serving_worker_a_pd_pair_or_a_reason(case):
+    r, f = case
+    policies = (RoundRobin(), *(cls() for cls in STATELESS), SloGoodput(pd_min_uncached_tokens=1))
+    for policy in policies:
+        route = policy.route(r, f)
+        check_route(route, f)
+        if not isinstance(policy, SloGoodput) and f.by_role(MIXED, DECODE):
+            assert route.worker in {w.worker_id for w in f.by_role(MIXED) or f.by_role(DECODE)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(fleets(), st.randoms(use_true_random=False))
+def test_stateless_policies_agree_across_replicas_and_worker_order(case, rnd):
+    r, f = case
+    shuffled = list(f.workers)
+    rnd.shuffle(shuffled)
+    g = FleetView(workers=tuple(shuffled))
+    for cls in STATELESS:
+        assert cls().route(r, f) == cls().route(r, g)
+
+
+@settings(max_examples=100, deadline=None)
+@given(fleets())
+def test_more_cache_never_raises_predicted_ttft(case):
+    r, f = case
+    for w in f.workers:
+        if w.matched_blocks < len(r.block_hashes):
+            more = WorkerView(**{**w.__dict__, "matched_blocks": w.matched_blocks + 1})
+            assert predict.ttft_ms(r, more) <= predict.ttft_ms(r, w) + 1e-9
+
+
+# speed
+
+@pytest.mark.parametrize("roles", ((MIXED,) * 64, (PREFILL,) * 32 + (DECODE,) * 32,
+                                   (PREFILL,) * 16 + (DECODE,) * 16 + (MIXED,) * 32))
+def test_a_64_worker_decision_is_well_under_a_millisecond(roles):
+    rnd = random.Random(0)
+    f = FleetView(workers=tuple(
+        WorkerView(worker_id=f"w{i}", role=role, matched_blocks=rnd.randrange(200),
+                   running=rnd.randrange(100), waiting=rnd.randrange(5),
+                   queued_prefill_tokens=rnd.randrange(10_000), kv_tokens=rnd.randrange(200_000),
+                   cost=COST, kv_bytes_per_token=36_864) for i, role in enumerate(roles)))
+    r = req(4096)
+    for policy in (RoundRobin(), *(cls() for cls in STATELESS)):
+        n = 200
+        start = time.perf_counter()
+        for _ in range(n):
+            policy.route(r, f)
+        assert (time.perf_counter() - start) / n < 1e-3, policy.name
+
+
+# registry
+
+def test_builtins_load_by_name_with_constructor_arguments():
+    assert set(BUILTIN_POLICIES) == {"round_robin", "least_load", "prefix_affinity", "kv_cost",
+                                     "slo_goodput"}
+    for name in BUILTIN_POLICIES:
+        policy = load_policy(name)
+        assert isinstance(policy, Policy) and policy.name == name
+    assert load_policy("slo_goodput", ttft_ms=123).ttft_ms == 123
+
+
+def test_load_by_module_and_class():
+    assert isinstance(load_policy("policies.kv_cost:KvCost", alpha=3), KvCost)
+
+
+def test_load_by_file_path(tmp_path):
+    plugin = tmp_path / "my_plugin.py"
+    plugin.write_text("from policies.api import Route\n"
+                      "class First:\n"
+                      "    name = 'first'\n"
+                      "    def __init__(self, tag='x'):\n"
+                      "        self.tag = tag\n"
+                      "    def route(self, req, fleet):\n"
+                      "        return Route(worker=fleet.workers[0].worker_id)\n")
+    policy = load_policy(f"{plugin}:First", tag="y")
+    assert policy.name == "first" and policy.tag == "y"
+    assert type(load_policy(f"{plugin}:First")) is type(policy)
+    assert policy.route(req(), fleet(worker("a"))).worker == "a"
+
+
+def test_load_by_entry_point(monkeypatch):
+    ep = EntryPoint(name="cheap", value="policies.kv_cost:KvCost", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == ep.group else [])
+    assert isinstance(load_policy("cheap"), KvCost)
+
+
+def test_unknown_policies_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="round_robin, least_load"):
+        load_policy("fastest")
+    with pytest.raises(ModuleNotFoundError):
+        load_policy("no_such_module:Policy")
+    with pytest.raises(ValueError, match="no attribute"):
+        load_policy("policies.kv_cost:Nope")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_policy(f"{tmp_path}/missing.py:Policy")
+    with pytest.raises(TypeError, match="route"):
+        load_policy("collections:OrderedDict")
