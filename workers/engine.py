@@ -56,6 +56,10 @@ class StepStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     finished: int = 0
+    kv_arrived: int = 0
+    kv_fallbacks: int = 0
+    kv_imported_blocks: int = 0
+    kv_exported_blocks: int = 0
 
     def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> None:
         self.steps += 1
@@ -76,14 +80,21 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._requests: dict[str, tuple[Request, Detokenizer | None, Callable]] = {}
+        self._pending: list[Request] = []
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._snapshot = self._make_state()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               sink: Callable[[RequestOutput], None], detokenize: bool = True) -> None:
-        """Queue a request; `sink` is called from the engine thread with each output delta."""
-        self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize))
+               sink: Callable[[RequestOutput], None], detokenize: bool = True,
+               kv_wait_s: float = 0.0, export: Callable | None = None) -> None:
+        """Queue a request; `sink` is called from the engine thread with each output delta.
+
+        `kv_wait_s` holds the request back until its prompt's blocks arrive by KV import (P/D
+        decode leg), at most that long; then it is admitted and prefills what is missing.
+        `export(spec_args, data)` receives its full prompt blocks when it finishes (P/D prefill leg).
+        """
+        self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -104,15 +115,21 @@ class Engine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt_ids, params, sink, detok = cmd
-                req = Request(rid, prompt_ids, params)
+                _, rid, prompt_ids, params, sink, detok, kv_wait_s, export = cmd
+                req = Request(rid, prompt_ids, params, export=export)
                 d = Detokenizer(self.tokenizer, prompt_ids, params.stop) if detok else None
                 self._requests[rid] = (req, d, sink)
-                self.scheduler.add(req)
+                if kv_wait_s > 0:
+                    req.kv_deadline = time.monotonic() + kv_wait_s
+                    self._pending.append(req)
+                else:
+                    self.scheduler.add(req)
             elif cmd[0] == "abort":
                 entry = self._requests.pop(cmd[1], None)
                 if entry:
                     req = entry[0]
+                    if req in self._pending:
+                        self._pending.remove(req)
                     self.scheduler.abort(req)
                     entry[2](RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
                                            len(req.output_ids), "abort"))
@@ -124,11 +141,27 @@ class Engine:
                     fut.set_exception(e)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or not self._inbox.empty()
+        return self.scheduler.has_work() or bool(self._pending) or not self._inbox.empty()
+
+    def _admit_pending(self) -> None:
+        """Admit P/D decode requests whose blocks have arrived or whose wait has run out."""
+        now, still = time.monotonic(), []
+        for req in self._pending:
+            if self.kv.prefix_resident(req):
+                self.stats.kv_arrived += 1
+            elif now >= req.kv_deadline:
+                self.stats.kv_fallbacks += 1
+            else:
+                still.append(req)
+                continue
+            self.scheduler.add(req)
+        self._pending = still
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step: plan, execute, append tokens, emit deltas."""
         self._drain_inbox()
+        if self._pending:
+            self._admit_pending()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
@@ -193,10 +226,22 @@ class Engine:
                              len(req.output_ids), reason)
 
     def _remove(self, req: Request, reason: str) -> None:
+        if req.export is not None:
+            self._export(req)
         if req in self.scheduler.running:
             self.scheduler.running.remove(req)
         self.scheduler.finish(req, reason)
         self.stats.finished += 1
+
+    def _export(self, req: Request) -> None:
+        """Hand the request's full prompt blocks to its exporter before they are freed."""
+        B = self.config.block_size
+        n = min(req.num_prompt // B, req.num_registered // B, len(req.block_hashes))
+        if n == 0:
+            return
+        ids = [b.block_id for b in req.blocks[:n]]
+        tokens = [req.token_ids[i * B:(i + 1) * B] for i in range(n)]
+        req.export(req.block_hashes[:n], tokens, self.executor.export_bytes(ids))
 
     def _finish_evicted(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
@@ -218,11 +263,11 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopped:
+            if not (self.scheduler.has_work() or not self._inbox.empty()):
+                self._wake.wait(0.002 if self._pending else 0.05)
+                self._wake.clear()
             if self.has_work():
                 self.step()
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
 
     def state(self) -> dict:
         """Load as the gateway's policies need it (GET /state), as of the last step."""
@@ -242,5 +287,6 @@ class Engine:
             "recent_steps": [list(r) for r in recent],
             "kv_seq": self.events.last_seq,
             "preemptions": self.stats.preemptions,
+            "pending_kv": len(self._pending),
             "max_model_len": self.executor.max_model_len,
         }

@@ -19,6 +19,19 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    kv_transfer: dict
+
+
+def _kv_transfer(body: dict) -> dict:
+    """The internal P/D extension: {"export_to": decode worker URL} or {"wait_ms": N}."""
+    kv = body.get("kv_transfer") or {}
+    if not isinstance(kv, dict) or not set(kv) <= {"export_to", "wait_ms"}:
+        raise InvalidRequest("'kv_transfer' takes only 'export_to' and 'wait_ms'", "kv_transfer")
+    if "export_to" in kv and not (isinstance(kv["export_to"], str) and kv["export_to"].startswith("http")):
+        raise InvalidRequest("'kv_transfer.export_to' must be an http(s) URL", "kv_transfer")
+    if not 0 <= _number(kv, "wait_ms", 0.0) <= 60000:
+        raise InvalidRequest("'kv_transfer.wait_ms' must be in [0, 60000]", "kv_transfer")
+    return kv
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -97,7 +110,7 @@ def parse_request(body: object, kind: str, tokenizer, max_model_len: int,
     opts = body.get("stream_options") or {}
     return ParsedRequest(kind, str(body.get("model", "")), ids, params, bool(body.get("stream", False)),
                          bool(isinstance(opts, dict) and opts.get("include_usage")),
-                         bool(body.get("return_token_ids", False)))
+                         bool(body.get("return_token_ids", False)), _kv_transfer(body))
 
 
 def new_id(kind: str) -> str:

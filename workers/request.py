@@ -1,5 +1,6 @@
 """A request as the engine tracks it: plain data that the scheduler and KV manager mutate."""
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.kv.block_pool import Block
@@ -24,6 +25,8 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_at: float | None = None
+    kv_deadline: float | None = None
+    export: Callable | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

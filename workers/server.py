@@ -14,6 +14,7 @@ from workers.metrics import WorkerMetrics
 from workers.protocol import (ParsedRequest, chunk, error_body, full_response, new_id,
                               parse_request, usage)
 from workers.sampling_params import InvalidRequest
+from workers.transfer_http import TransferService
 
 
 def error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -24,8 +25,10 @@ def error(status: int, message: str, type_: str = "invalid_request_error", code:
 class WorkerServer:
     """Binds one engine to HTTP. Each request gets an asyncio queue fed from the engine thread."""
 
-    def __init__(self, engine: Engine, served_model: str, vocab_size: int):
+    def __init__(self, engine: Engine, served_model: str, vocab_size: int,
+                 internal_token: str | None = None):
         self.engine = engine
+        self.transfer = TransferService(engine, served_model, internal_token)
         self.model = served_model
         self.vocab_size = vocab_size
         self.metrics = WorkerMetrics(engine)
@@ -38,12 +41,14 @@ class WorkerServer:
             Route("/state", self.state),
             Route("/kv/events", self.kv_events),
             Route("/kv/snapshot", self.kv_snapshot),
+            Route("/kv/import", self.transfer.import_endpoint, methods=["POST"]),
         ], lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         yield
         self.engine.stop()
+        await self.transfer.close()
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
@@ -78,8 +83,11 @@ class WorkerServer:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         started = time.monotonic()
+        kv = parsed.kv_transfer
         self.engine.submit(rid, parsed.prompt_ids, parsed.params,
-                           lambda out: loop.call_soon_threadsafe(q.put_nowait, out))
+                           lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
+                           kv_wait_s=kv.get("wait_ms", 0) / 1000.0,
+                           export=self.transfer.exporter(kv["export_to"], loop) if "export_to" in kv else None)
         if parsed.stream:
             return StreamingResponse(self._stream(rid, parsed, q, started), media_type="text/event-stream",
                                      headers={"x-request-id": rid})

@@ -29,10 +29,10 @@ class Executor(Protocol):
         """Run one step; one entry per chunk: the sampled token, or None when not sampling."""
         ...
 
-    def read_blocks(self, block_ids: list[int]):
-        """K/V of these blocks as one tensor [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+    def export_bytes(self, block_ids: list[int]) -> bytes:
+        """K/V of these blocks in the transfer payload layout (workers/transfer.py)."""
         ...
 
-    def write_blocks(self, block_ids: list[int], kv) -> None:
-        """Write a tensor shaped as `read_blocks` returns into these blocks (P/D import)."""
+    def import_bytes(self, block_ids: list[int], data: bytes, positions: list[int], total: int) -> None:
+        """Write blocks `positions` of a `total`-block payload into `block_ids` (P/D import)."""
         ...

@@ -49,9 +49,9 @@ class SimExecutor:
         self.wait(self.last_step_ms / 1000.0)
         return [self._token(c) if c.sample else None for c in chunks]
 
-    def read_blocks(self, block_ids: list[int]) -> bytes:
-        """Sim blocks carry no data; P/D over sim workers moves only hashes."""
+    def export_bytes(self, block_ids: list[int]) -> bytes:
+        """Sim blocks carry no K/V data; P/D between sim workers moves hashes and tokens only."""
         return b""
 
-    def write_blocks(self, block_ids: list[int], kv: bytes) -> None:
+    def import_bytes(self, block_ids: list[int], data: bytes, positions: list[int], total: int) -> None:
         return None

@@ -42,6 +42,13 @@ class KVCacheManager:
         req.num_computed = req.num_registered = len(req.blocks) * B
         return req.num_computed
 
+    def prefix_resident(self, req: Request) -> bool:
+        """Whether every block a prefix hit could cover for `req` is in the cache now."""
+        B = self.block_size
+        hashes = self._hashes(req, (req.num_tokens - 1) // B)
+        return all(self.pool.lookup(h, tuple(req.token_ids[i * B:(i + 1) * B])) is not None
+                   for i, h in enumerate(hashes))
+
     def blocks_needed(self, req: Request, n_new: int) -> int:
         return max(0, -(-(req.num_computed + n_new) // self.block_size) - len(req.blocks))
 

@@ -1,0 +1,94 @@
+"""Paged attention: store new K/V into a block-paged cache and attend through block tables.
+
+A layer's cache is a pair of tensors [num_blocks, block_size, kv_heads, head_dim]. A sequence's
+tokens live in the blocks its block table lists, so sequences share a cached prefix simply by
+listing the same block ids. This is the gather-based path: whole blocks are gathered with one
+index per block and handed to scaled_dot_product_attention, which is correct on every device.
+One-token (decode) sequences are batched into a single padded call; multi-token (prefill) chunks
+run one call each, since padding them together would waste more than the loop costs.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence computing several new tokens: flat rows `rows`, the first at `start_pos`."""
+    rows: slice
+    start_pos: int
+    block_table: Tensor  # [blocks covering 0 .. start_pos + n - 1]
+
+
+@dataclass
+class AttentionBatch:
+    """Per-step attention metadata, tensorised once by the runner and shared by every layer."""
+    slot_mapping: Tensor  # [T] flat cache slot of each new token
+    decode_rows: Tensor  # [S] flat row of each one-token sequence
+    decode_tables: Tensor  # [S, max_blocks] block tables, padded with block 0 (masked out)
+    decode_lens: Tensor  # [S] context length including the new token
+    prefills: list[PrefillSeq]
+
+
+class PagedAttention(nn.Module):
+    """Causal attention over the paged cache; the runner binds `k_cache`/`v_cache` to each layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
+        """q [T, heads, hd], k/v [T, kv_heads, hd] for the new tokens -> output [T, heads, hd]."""
+        self._store(k, v, batch.slot_mapping)
+        out = torch.empty_like(q)
+        if len(batch.decode_rows):
+            out[batch.decode_rows] = self._decode(q[batch.decode_rows], batch)
+        for seq in batch.prefills:
+            out[seq.rows] = self._prefill(q[seq.rows], k[seq.rows], v[seq.rows], seq)
+        return out
+
+    def _store(self, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
+        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
+
+    def _gather(self, cache: Tensor, tables: Tensor) -> Tensor:
+        """[S, blocks] tables -> [S, kv_heads, blocks * block_size, hd], the layout SDPA wants."""
+        s, n = tables.shape
+        return cache[tables].view(s, n * cache.shape[1], self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _decode(self, q: Tensor, batch: AttentionBatch) -> Tensor:
+        k = self._gather(self.k_cache, batch.decode_tables)
+        v = self._gather(self.v_cache, batch.decode_tables)
+        kv_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+        lens = batch.decode_lens[:, None]
+        mask = kv_pos < lens
+        if self.sliding_window is not None:
+            mask &= kv_pos >= lens - self.sliding_window
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
+        return out[:, :, 0]
+
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, seq: PrefillSeq) -> Tensor:
+        q = q.transpose(0, 1)[None]
+        if seq.start_pos == 0 and self.sliding_window is None:
+            # Nothing cached precedes the chunk: plain causal attention on the fresh K/V, which
+            # also lets CUDA pick a fused kernel.
+            out = F.scaled_dot_product_attention(
+                q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        ctx = seq.start_pos + q.shape[2]
+        k = self._gather(self.k_cache, seq.block_table[None])[:, :, :ctx]
+        v = self._gather(self.v_cache, seq.block_table[None])[:, :, :ctx]
+        q_pos = torch.arange(seq.start_pos, ctx, device=q.device)[:, None]
+        kv_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = kv_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= kv_pos > q_pos - self.sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1)

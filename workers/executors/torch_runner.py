@@ -1,0 +1,136 @@
+"""The torch executor: runs one scheduler step of the model over the paged KV cache.
+
+The scheduler hands plain `SeqChunk`s; here they become tensors once per step (token ids,
+positions, cache slots, block tables), the model runs once over all tokens of the step, and
+logits are computed only for the last token of each chunk that samples.
+"""
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from workers.attention import AttentionBatch, PrefillSeq
+from workers.executors.batch import SeqChunk
+from workers.models.llama import ModelConfig
+from workers.models.loader import default_dtype, load_config, load_model
+from workers.sampling import sample
+
+
+class TorchRunner:
+    def __init__(self, model_dir: str, num_blocks: int, block_size: int, device: str = "cpu",
+                 dtype: torch.dtype | None = None):
+        hf_config = load_config(model_dir)
+        self.config = ModelConfig.from_hf(hf_config)
+        self.device = torch.device(device)
+        self.dtype = dtype or default_dtype(self.device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = self.config.vocab_size
+        self.max_model_len = self.config.max_position_embeddings
+        self.num_layers = self.config.num_layers
+        self.num_kv_heads = self.config.num_kv_heads
+        self.head_dim = self.config.head_dim
+        self.kv_bytes_per_token = kv_bytes_per_token(self.config, self.dtype)
+        self.eos_token_ids = eos_token_ids(model_dir, hf_config)
+        self.model = load_model(model_dir, self.config, self.device, self.dtype)
+        # One tensor for the whole cache, so read_blocks/write_blocks are single index ops.
+        self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
+        """Run one step; one entry per chunk: the sampled token, or None when not sampling."""
+        input_ids, positions, batch = self._prepare(chunks)
+        sampled = [i for i, c in enumerate(chunks) if c.sample]
+        results: list[int | None] = [None] * len(chunks)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, batch)
+            if not sampled:
+                return results
+            ends = _chunk_ends(chunks)
+            logits = self.model.compute_logits(hidden[self._tensor([ends[i] for i in sampled])])
+            tokens = sample(logits, [chunks[i].params for i in sampled],
+                            [chunks[i].output_index for i in sampled])
+        for i, token in zip(sampled, tokens):
+            results[i] = token
+        return results
+
+    def read_blocks(self, block_ids: list[int]) -> Tensor:
+        """K/V of these blocks, [layers, 2, n, block_size, kv_heads, head_dim], on the runner's device."""
+        return self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)]
+
+    def write_blocks(self, block_ids: list[int], kv: Tensor) -> None:
+        """Write a tensor shaped as `read_blocks` returns into these blocks (P/D import)."""
+        index = torch.tensor(block_ids, device=self.device)
+        self.kv_cache[:, :, index] = kv.to(device=self.device, dtype=self.dtype)
+
+    def _prepare(self, chunks: list[SeqChunk]) -> tuple[Tensor, Tensor, AttentionBatch]:
+        """Flatten the chunks into the step's tensors; the only per-token Python work of a step."""
+        b = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows, decode_tables, decode_lens = [], [], []
+        prefills: list[PrefillSeq] = []
+        for chunk in chunks:
+            row, n = len(input_ids), len(chunk.token_ids)
+            end = chunk.start_pos + n
+            table = chunk.block_table[:-(-end // b)]
+            input_ids += chunk.token_ids
+            positions += range(chunk.start_pos, end)
+            slots += [table[p // b] * b + p % b for p in range(chunk.start_pos, end)]
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(slice(row, row + n), chunk.start_pos, self._tensor(table)))
+        width = max(map(len, decode_tables), default=0)
+        batch = AttentionBatch(
+            slot_mapping=self._tensor(slots),
+            decode_rows=self._tensor(decode_rows),
+            decode_tables=self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            .view(len(decode_tables), width),
+            decode_lens=self._tensor(decode_lens),
+            prefills=prefills,
+        )
+        return self._tensor(input_ids), self._tensor(positions), batch
+
+    def _tensor(self, values: list) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _chunk_ends(chunks: list[SeqChunk]) -> list[int]:
+    """Flat row of each chunk's last token."""
+    ends, total = [], 0
+    for chunk in chunks:
+        total += len(chunk.token_ids)
+        ends.append(total - 1)
+    return ends
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def blocks_that_fit(model_dir: str, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    """How many KV blocks a memory budget holds, before building a runner (to size `num_blocks`)."""
+    cfg = ModelConfig.from_hf(load_config(model_dir))
+    return memory_bytes // (block_size * kv_bytes_per_token(cfg, dtype))
+
+
+def eos_token_ids(model_dir: str, hf_config: dict) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (Llama 3 instruct lists several there)."""
+    ids: list[int] = []
+    sources = [hf_config]
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()))
+    for source in sources:
+        eos = source.get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [eos]:
+            if token is not None and token not in ids:
+                ids.append(token)
+    return tuple(ids)

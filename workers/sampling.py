@@ -1,0 +1,59 @@
+"""Next-token sampling for one step: greedy, temperature, top-k, top-p, and per-request seeds.
+
+All rows are processed as one tensor; only the random noise of seeded rows is drawn row by row,
+from a generator seeded by (seed, output_index), so a seeded request produces the same tokens
+whatever else shares its batch. Sampling uses the exponential race (argmax of p / Exp(1)), which
+draws from p exactly and turns the whole batch into one argmax.
+"""
+import torch
+from torch import Tensor
+
+from workers.sampling_params import SamplingParams
+
+_MASK64 = (1 << 63) - 1
+
+
+def sample(logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
+    """logits [n, V] -> one token per row; `output_indices[i]` is how many tokens row i has emitted."""
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        picked = [params[i] for i in rows]
+        noise = _exponential_noise(logits.shape[1], picked, [output_indices[i] for i in rows], logits.device)
+        tokens[rows] = _sample_rows(logits[rows].float(), picked, noise)
+    return tokens.tolist()
+
+
+def _sample_rows(logits: Tensor, params: list[SamplingParams], noise: Tensor) -> Tensor:
+    """Temperature, then top-k, then top-p on the renormalised remainder (the HF/vLLM order)."""
+    temperature = logits.new_tensor([p.temperature for p in params])[:, None]
+    logits, order = (logits / temperature).sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    top_k = logits.new_tensor([p.top_k or logits.shape[1] for p in params])[:, None]
+    logits = logits.masked_fill(rank >= top_k, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    top_p = logits.new_tensor([p.top_p for p in params])[:, None]
+    # Keep a token while the mass strictly before it is below top_p (the first always stays);
+    # top_p == 1 is skipped so float error in the cumsum cannot clip the tail.
+    probs = probs.masked_fill((probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1), 0.0)
+    # Exp(1) noise can be exactly 0; clamping keeps masked tokens at 0 instead of NaN.
+    choice = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1, keepdim=True)
+    return order.gather(1, choice)[:, 0]
+
+
+def _exponential_noise(vocab: int, params: list[SamplingParams], output_indices: list[int],
+                       device: torch.device) -> Tensor:
+    """Exp(1) noise per row (indexed by rank in the sorted vocabulary); seeded rows get their own stream."""
+    noise = torch.empty(len(params), vocab, device=device).exponential_()
+    for i, (p, index) in enumerate(zip(params, output_indices)):
+        if p.seed is not None:
+            gen = torch.Generator(device=device).manual_seed(_row_seed(p.seed, index))
+            noise[i].exponential_(generator=gen)
+    return noise
+
+
+def _row_seed(seed: int, output_index: int) -> int:
+    """Mix (seed, output_index) into one 63-bit seed so neighbouring steps get unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 31
+    return (x * 0x94D049BB133111EB) & _MASK64

@@ -1,0 +1,119 @@
+"""The KV transfer format for P/D: hashed blocks, layer-major, behind a checked header.
+
+    b"KVG1" | u32 header length | header JSON | payload
+
+The header names the model, block size, dtype and K/V shapes, and for every block its hash
+and token ids; the payload is one tensor [layers, 2, blocks, block_size, kv_heads, head_dim]
+in the sender's dtype, so a layer's K and V for all blocks are contiguous. The receiver
+checks the header against its own config and re-derives every hash from the tokens before
+anything touches its cache.
+"""
+import json
+import struct
+from dataclasses import dataclass
+
+from workers.kv.hashing import block_hash
+from workers.sampling_params import InvalidRequest
+
+MAGIC = b"KVG1"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "none": 0}
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What must match between sender and receiver for blocks to be interchangeable."""
+    model: str
+    block_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class KVPayload:
+    spec: KVSpec
+    hashes: list[int]
+    tokens: list[list[int]]
+    parent: int | None
+    data: bytes | memoryview
+
+
+def encode_header(spec: KVSpec, hashes: list[int], tokens: list[list[int]], parent: int | None) -> bytes:
+    header = json.dumps({"spec": spec.__dict__, "hashes": [str(h) for h in hashes],
+                         "tokens": tokens, "parent": None if parent is None else str(parent)}).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header
+
+
+def decode(body: bytes, own: KVSpec, seed: int) -> KVPayload:
+    """Parse and validate a transfer; any mismatch is the sender's error (InvalidRequest)."""
+    if len(body) < 8 or body[:4] != MAGIC:
+        raise InvalidRequest("not a kvgate KV transfer (bad magic)", code="bad_kv_transfer")
+    (n,) = struct.unpack("<I", body[4:8])
+    try:
+        head = json.loads(body[8:8 + n])
+        spec = KVSpec(**head["spec"])
+        hashes = [int(h) for h in head["hashes"]]
+        tokens = [list(map(int, t)) for t in head["tokens"]]
+        parent = None if head["parent"] is None else int(head["parent"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise InvalidRequest(f"malformed KV transfer header: {e}", code="bad_kv_transfer") from e
+    if spec != own:
+        raise InvalidRequest(f"KV transfer does not match this worker: got {spec}, expected {own}",
+                             code="kv_spec_mismatch")
+    data = memoryview(body)[8 + n:]
+    if len(hashes) != len(tokens) or len(data) != len(hashes) * spec.block_bytes():
+        raise InvalidRequest(f"KV transfer of {len(hashes)} blocks has {len(tokens)} token lists and "
+                             f"{len(data)} payload bytes ({spec.block_bytes()} per block expected)",
+                             code="bad_kv_transfer")
+    verify_chain(hashes, tokens, parent, seed, spec.block_size)
+    return KVPayload(spec, hashes, tokens, parent, data)
+
+
+def verify_chain(hashes: list[int], tokens: list[list[int]], parent: int | None, seed: int,
+                 block_size: int) -> None:
+    """Every hash must be the chain hash of its tokens: no block enters the cache unproven."""
+    prev = seed if parent is None else parent
+    for i, (h, toks) in enumerate(zip(hashes, tokens)):
+        if len(toks) != block_size:
+            raise InvalidRequest(f"block {i} has {len(toks)} tokens, expected {block_size}",
+                                 code="bad_kv_transfer")
+        if block_hash(prev, toks) != h:
+            raise InvalidRequest(f"block {i}: hash does not match its tokens", code="kv_hash_mismatch")
+        prev = h
+
+
+def executor_spec(model: str, block_size: int, executor) -> KVSpec:
+    """The KVSpec of a worker: the sim executor carries no K/V data (dtype "none")."""
+    dtype = str(getattr(executor, "dtype", "none")).removeprefix("torch.")
+    return KVSpec(model, block_size, dtype, getattr(executor, "num_layers", 0),
+                  getattr(executor, "num_kv_heads", 0), getattr(executor, "head_dim", 0))
+
+
+def import_payload(pool, executor, payload: KVPayload) -> tuple[int, int]:
+    """Write a verified transfer into free blocks and publish them as cached (engine thread).
+
+    Blocks already resident are skipped; import stops at the first block the pool has no room
+    for, since later blocks of a chain are useless without it. Returns (imported, present).
+    """
+    blocks, fresh, positions = [], [], []
+    for i, (h, toks) in enumerate(zip(payload.hashes, payload.tokens)):
+        block = pool.lookup(h, tuple(toks))
+        if block is None:
+            if not pool.can_allocate(1):
+                break
+            block = pool.allocate(1)[0]
+            fresh.append(block)
+            positions.append(i)
+        else:
+            pool.touch(block)
+        blocks.append(block)
+    if fresh:
+        executor.import_bytes([b.block_id for b in fresh], payload.data, positions, len(payload.hashes))
+    n = len(blocks)
+    pool.register(blocks, payload.hashes[:n], [tuple(t) for t in payload.tokens[:n]], payload.parent)
+    pool.free(blocks)
+    return len(fresh), n - len(fresh)
