@@ -1,0 +1,69 @@
+"""The KV transfer format: round trip, and every way a bad transfer is refused."""
+import pytest
+
+from tests.sim_engine import drain, sim_engine
+from workers.kv.hashing import block_hashes, seed_hash
+from workers.sampling_params import InvalidRequest, SamplingParams
+from workers.transfer import KVSpec, decode, encode_header, import_payload
+
+SPEC = KVSpec("m", 4, "float32", 2, 1, 2)
+SEED = seed_hash("m", 4)
+
+
+def transfer(tokens, spec=SPEC, payload=None, hashes=None):
+    blocks = [tokens[i:i + 4] for i in range(0, len(tokens) - len(tokens) % 4, 4)]
+    hashes = block_hashes(tokens, 4, SEED) if hashes is None else hashes
+    data = payload if payload is not None else bytes(range(256))[:1] * (spec.block_bytes() * len(blocks))
+    return encode_header(spec, hashes, blocks, None) + data, hashes, blocks
+
+
+def test_round_trip():
+    body, hashes, blocks = transfer(list(range(12)))
+    p = decode(body, SPEC, SEED)
+    assert p.hashes == hashes and p.tokens == blocks and len(p.data) == 3 * SPEC.block_bytes()
+
+
+@pytest.mark.parametrize("case", ["magic", "spec", "size", "hash", "tokens"])
+def test_bad_transfers_are_client_errors(case):
+    toks = list(range(8))
+    if case == "magic":
+        body = b"XXXX" + transfer(toks)[0][4:]
+    elif case == "spec":
+        body = transfer(toks, spec=KVSpec("m", 4, "bfloat16", 2, 1, 2))[0]
+    elif case == "size":
+        body = transfer(toks)[0][:-3]
+    elif case == "hash":
+        hs = block_hashes(toks, 4, SEED)
+        body = transfer(toks, hashes=[hs[0], hs[1] ^ 1])[0]
+    else:
+        hs = block_hashes(toks, 4, SEED)
+        body = encode_header(SPEC, hs, [toks[:4], toks[4:7]], None) + b"\0" * 2 * SPEC.block_bytes()
+    with pytest.raises(InvalidRequest):
+        decode(body, SPEC, SEED)
+
+
+def test_import_populates_prefix_cache_and_emits_stored_events():
+    eng = sim_engine(num_blocks=16, block_size=4)
+    prompt = list(range(3, 20))
+    spec = KVSpec("m", 4, "none", 0, 0, 0)
+    hashes = block_hashes(prompt, 4, eng.kv.seed)
+    body = encode_header(spec, hashes, [prompt[i:i + 4] for i in range(0, 16, 4)], None)
+    imported, present = import_payload(eng.pool, eng.executor, decode(body, spec, eng.kv.seed))
+    assert (imported, present) == (4, 0)
+    assert [e.hashes for e in eng.events.after(0).events] == [tuple(hashes)]
+    assert eng.pool.num_free == 16, "imported blocks are cached, not held"
+    outs = []
+    eng.submit("r", prompt, SamplingParams(max_tokens=2, ignore_eos=True), outs.append)
+    drain(eng)
+    assert outs[-1].num_cached == 16
+    assert import_payload(eng.pool, eng.executor, decode(body, spec, eng.kv.seed)) == (0, 4)
+
+
+def test_decode_leg_falls_back_when_blocks_never_arrive():
+    eng = sim_engine()
+    outs = []
+    eng.submit("r", list(range(3, 30)), SamplingParams(max_tokens=2, ignore_eos=True), outs.append,
+               kv_wait_s=0.05)
+    drain(eng)
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output == 2
+    assert eng.stats.kv_fallbacks == 1 and eng.pool.num_free == eng.pool.num_blocks
