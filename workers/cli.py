@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     server = build_server(args)
+    if args.redis:
+        from workers.redis_publisher import RedisPublisher
+        server.publisher = RedisPublisher(server.engine, args.redis,
+                                          args.advertise_url or f"http://{args.host}:{args.port}", server.model)
     print(f"kvgate worker {server.engine.config.worker_id} serving {server.model} "
           f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}", flush=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -32,6 +32,7 @@ class WorkerServer:
         self.model = served_model
         self.vocab_size = vocab_size
         self.metrics = WorkerMetrics(engine)
+        self.publisher = None  # a workers.redis_publisher.RedisPublisher when --redis is given
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -46,7 +47,11 @@ class WorkerServer:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
+        if self.publisher is not None:
+            await self.publisher.start()
         yield
+        if self.publisher is not None:
+            await self.publisher.stop()
         self.engine.stop()
         await self.transfer.close()
 

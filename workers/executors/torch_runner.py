@@ -66,6 +66,17 @@ class TorchRunner:
         index = torch.tensor(block_ids, device=self.device)
         self.kv_cache[:, :, index] = kv.to(device=self.device, dtype=self.dtype)
 
+    def export_bytes(self, block_ids: list[int]) -> bytes:
+        """The transfer payload of these blocks: read_blocks' tensor as raw bytes, on the CPU."""
+        kv = self.read_blocks(block_ids).contiguous().cpu()
+        return kv.view(torch.uint8).numpy().tobytes()
+
+    def import_bytes(self, block_ids: list[int], data: bytes, positions: list[int], total: int) -> None:
+        """Write blocks `positions` of a `total`-block payload into `block_ids`."""
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
+        kv = raw.view(self.num_layers, 2, total, self.block_size, self.num_kv_heads, self.head_dim)
+        self.write_blocks(block_ids, kv[:, :, positions])
+
     def _prepare(self, chunks: list[SeqChunk]) -> tuple[Tensor, Tensor, AttentionBatch]:
         """Flatten the chunks into the step's tensors; the only per-token Python work of a step."""
         b = self.block_size
@@ -77,7 +88,7 @@ class TorchRunner:
         for chunk in chunks:
             row, n = len(input_ids), len(chunk.token_ids)
             end = chunk.start_pos + n
-            table = chunk.block_table[:-(-end // b)]
+            table = chunk.block_table[:(end + b - 1) // b]
             input_ids += chunk.token_ids
             positions += range(chunk.start_pos, end)
             slots += [table[p // b] * b + p % b for p in range(chunk.start_pos, end)]
@@ -88,11 +99,11 @@ class TorchRunner:
             else:
                 prefills.append(PrefillSeq(slice(row, row + n), chunk.start_pos, self._tensor(table)))
         width = max(map(len, decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0: masked out
         batch = AttentionBatch(
             slot_mapping=self._tensor(slots),
             decode_rows=self._tensor(decode_rows),
-            decode_tables=self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            .view(len(decode_tables), width),
+            decode_tables=self._tensor(padded).view(len(padded), width),
             decode_lens=self._tensor(decode_lens),
             prefills=prefills,
         )

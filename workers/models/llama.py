@@ -210,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         # Tied models read the embedding matrix directly instead of sharing a Parameter, so meta
         # construction and checkpoint loading need no re-tying.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.rotary = Rotary(rope_inv_freq(cfg.rope, cfg.head_dim))
 
     def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch) -> Tensor:

@@ -20,7 +20,8 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device,
+               dtype: torch.dtype) -> LlamaForCausalLM:
     """Construct on the meta device (no random init, no double allocation), then fill from disk."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)

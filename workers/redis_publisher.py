@@ -1,0 +1,168 @@
+"""Worker -> Redis: KV events onto the pool's stream, the resident set, heartbeats with load.
+
+The engine thread only appends events to a deque; an asyncio task on the server's loop
+drains it into one MULTI/EXEC pipeline per batch (stream entry, set update and seq move
+together, so a reader of set + seq always sees a consistent snapshot). Redis being down
+never blocks the engine: queued events are dropped and, once Redis answers again, the
+worker rewrites its whole set from the block pool and says so with a `snapshot` entry.
+"""
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from workers.kv import redis_schema as rs
+from workers.kv.events import CLEARED, REMOVED, STORED, KVEvent
+
+log = logging.getLogger("kvgate.worker")
+
+MAX_QUEUED = 100_000
+SADD_CHUNK = 10_000
+
+
+class RedisPublisher:
+    def __init__(self, engine, url: str, advertise_url: str, pool: str,
+                 heartbeat_s: float = 1.0, ttl_s: float = 3.0):
+        self.engine = engine
+        self.url = url
+        self.advertise_url = advertise_url
+        self.pool = pool
+        self.worker_id = engine.config.worker_id
+        self.heartbeat_s, self.ttl_ms = heartbeat_s, int(ttl_s * 1000)
+        self._queue: deque[KVEvent] = deque()
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._published = 0
+        self.connected = False
+        engine.events.subscribe(self._on_event)
+
+    def _on_event(self, ev: KVEvent) -> None:
+        """Engine thread: queue only. Overflow is fine: the seq gap forces a full resync."""
+        if len(self._queue) < MAX_QUEUED:
+            self._queue.append(ev)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop publishing and deregister, so gateways drop this worker at once."""
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            r = self._client()
+            async with r.pipeline(transaction=True) as p:
+                p.delete(rs.heartbeat_key(self.pool, self.worker_id), rs.resident_key(self.pool, self.worker_id),
+                         rs.seq_key(self.pool, self.worker_id))
+                p.srem(rs.workers_key(self.pool), self.worker_id)
+                await p.execute()
+            await r.aclose()
+        except (RedisError, OSError) as e:
+            log.warning("could not deregister from redis: %r", e)
+
+    def _client(self) -> aioredis.Redis:
+        return aioredis.from_url(self.url, socket_timeout=2.0, socket_connect_timeout=1.0)
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            r = self._client()
+            try:
+                await self.resync(r)
+                self.connected, backoff = True, 0.2
+                await self._publish_loop(r)
+            except (RedisError, OSError) as e:
+                if self.connected:
+                    log.warning("redis at %s failed (%r); retrying, then resyncing", self.url, e)
+                self.connected = False
+                self._queue.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                await r.aclose()
+
+    async def resync(self, r: aioredis.Redis) -> None:
+        """Rewrite the resident set from the block pool, as of the engine's current seq."""
+        eng = self.engine
+        hashes, seq = await asyncio.wrap_future(
+            eng.call(lambda: (eng.pool.resident_hashes(), eng.events.last_seq)))
+        res = rs.resident_key(self.pool, self.worker_id)
+        async with r.pipeline(transaction=True) as p:
+            p.delete(res)
+            for i in range(0, len(hashes), SADD_CHUNK):
+                p.sadd(res, *hashes[i:i + SADD_CHUNK])
+            p.set(rs.seq_key(self.pool, self.worker_id), seq)
+            p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, KVEvent(seq, rs.SNAPSHOT)),
+                   maxlen=rs.STREAM_MAXLEN, approximate=True)
+            self._heartbeat(p)
+            await p.execute()
+        self._published = seq
+        log.info("published %d resident blocks to redis as of seq %d", len(hashes), seq)
+
+    async def _publish_loop(self, r: aioredis.Redis) -> None:
+        next_beat = time.monotonic() + self.heartbeat_s
+        while True:
+            timeout = max(0.0, next_beat - time.monotonic())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            events = self._drain()
+            if events is None:
+                await self.resync(r)
+                continue
+            beat = time.monotonic() >= next_beat
+            if not events and not beat:
+                continue
+            async with r.pipeline(transaction=True) as p:
+                for ev in events:
+                    self._event(p, ev)
+                if beat:
+                    self._heartbeat(p)
+                    next_beat = time.monotonic() + self.heartbeat_s
+                await p.execute()
+            if events:
+                self._published = events[-1].seq
+
+    def _drain(self) -> list[KVEvent] | None:
+        """Queued events after the last published seq; None when some were lost (overflow)."""
+        out: list[KVEvent] = []
+        expect = self._published + 1
+        while self._queue:
+            ev = self._queue.popleft()
+            if ev.seq < expect:
+                continue
+            if ev.seq != expect:
+                self._queue.clear()
+                return None
+            out.append(ev)
+            expect += 1
+        return out
+
+    def _event(self, p, ev: KVEvent) -> None:
+        res = rs.resident_key(self.pool, self.worker_id)
+        if ev.kind == STORED and ev.hashes:
+            p.sadd(res, *ev.hashes)
+        elif ev.kind == REMOVED and ev.hashes:
+            p.srem(res, *ev.hashes)
+        elif ev.kind == CLEARED:
+            p.delete(res)
+        p.set(rs.seq_key(self.pool, self.worker_id), ev.seq)
+        p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, ev),
+               maxlen=rs.STREAM_MAXLEN, approximate=True)
+
+    def _heartbeat(self, p) -> None:
+        info = {"worker_id": self.worker_id, "url": self.advertise_url, "pool": self.pool,
+                "state": self.engine.state(), "ts": time.time()}
+        p.set(rs.heartbeat_key(self.pool, self.worker_id), json.dumps(info), px=self.ttl_ms)
+        p.sadd(rs.POOLS, self.pool)
+        p.sadd(rs.workers_key(self.pool), self.worker_id)
