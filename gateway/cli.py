@@ -29,3 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2 if argv and argv[0] not in ("-h", "--help") else 0)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

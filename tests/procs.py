@@ -1,0 +1,150 @@
+"""Real processes on loopback for tests and benchmarks: workers, gateways, redis-server.
+
+Every process runs in its own process group and is stopped by group (SIGTERM, then SIGKILL),
+so nothing outlives a test even when it fails; output goes to a log file whose tail is shown
+when a process does not come up.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+KVGATE = [sys.executable, "-m", "gateway.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process in its own group, with a log file and a base URL."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: str | None = None):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvgate-")) / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                      start_new_session=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def wait_ready(self, path: str = "/health", timeout: float = 60.0) -> "Proc":
+        """Poll `path` until it answers 200; raise with the log tail if it never does."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not ready on {self.url}{path} after {timeout}s:\n{self.log_tail()}")
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the whole group, as a crash would."""
+        self.signal(signal.SIGKILL)
+        self.popen.wait()
+        self._log.close()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.alive:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()  # whatever is left in the group
+
+
+class Worker(Proc):
+    """A `kvgate worker` for smollm2-135m on a free port (sim executor unless told otherwise)."""
+
+    def __init__(self, executor: str = "sim", worker_id: str = "w0", port: int | None = None,
+                 redis: str | None = None, extra: tuple[str, ...] | list[str] = (),
+                 model: str = "smollm2-135m", log_dir: str | None = None):
+        port = port or free_port()
+        argv = KVGATE + ["worker", "--model", model, "--executor", executor, "--port", str(port),
+                         "--worker-id", worker_id, *extra]
+        if redis:
+            argv += ["--redis", redis]
+        super().__init__(worker_id, argv, port, log_dir)
+        self.worker_id = worker_id
+
+    def ready(self, timeout: float = 180.0) -> "Worker":
+        return self.wait_ready("/health", timeout)
+
+
+def start_worker(worker_id: str, port: int | None = None, executor: str = "sim", redis: str | None = None,
+                 extra: list[str] = (), log_dir: str | None = None) -> Worker:
+    return Worker(executor, worker_id, port, redis, extra, log_dir=log_dir)
+
+
+def start_gateway(workers: list[str] = (), policy: str = "prefix_affinity", port: int | None = None,
+                  redis: str | None = None, extra: list[str] = (), name: str = "gateway",
+                  log_dir: str | None = None) -> Proc:
+    port = port or free_port()
+    argv = KVGATE + ["gateway", "--port", str(port), "--policy", policy, "--model", "smollm2-135m", *extra]
+    for url in workers:
+        argv += ["--worker", url]
+    if redis:
+        argv += ["--redis", redis]
+    return Proc(name, argv, port, log_dir)
+
+
+def start_redis(port: int | None = None, log_dir: str | None = None) -> Proc:
+    """A private, memory-only redis-server (never the shared one on 6379)."""
+    port = port or free_port()
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return Proc("redis", argv, port, log_dir)
+
+
+def wait_redis(proc: Proc, timeout: float = 10.0) -> Proc:
+    import redis
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if redis.Redis(port=proc.port, socket_timeout=0.5).ping():
+                return proc
+        except redis.RedisError:
+            time.sleep(0.05)
+    raise TimeoutError(f"redis-server not up on port {proc.port}:\n{proc.log_tail()}")
+
+
+def stop_all(procs: list[Proc]) -> None:
+    for p in procs:
+        p.stop()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy; returns that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,122 @@
+"""The worker's HTTP API on a sim worker process: OpenAI shapes, errors, KV endpoints, aborts."""
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.procs import Worker
+from workers.kv.hashing import block_hashes, seed_hash
+from workers.model_store import load_tokenizer
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker(worker_id="api", extra=("--num-blocks", "64", "--max-model-len", "512"))
+    try:
+        yield w.ready()
+    finally:
+        w.kill()
+
+
+def post(w, path, body, **kw):
+    return httpx.post(w.url + path, json=body, timeout=30, **kw)
+
+
+def test_completion_and_usage(worker):
+    r = post(worker, "/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 5})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+    assert "cached_tokens" in body["usage"]["prompt_tokens_details"]
+
+
+def test_chat_uses_the_chat_template(worker):
+    tok = load_tokenizer(MODEL)
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    expected = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    r = post(worker, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_streaming_ends_with_done_and_usage(worker):
+    with httpx.stream("POST", worker.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL, "prompt": list(range(600))}, 400, "prompt"),
+    ({"model": MODEL, "prompt": list(range(500)), "max_tokens": 100}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": "nope"}, 400, "messages"),
+])
+def test_bad_input_gets_openai_errors(worker, body, status, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = post(worker, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_malformed_json(worker):
+    r = httpx.post(worker.url + "/v1/completions", content=b"{nope", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_models_health_metrics_state(worker):
+    assert httpx.get(worker.url + "/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(worker.url + "/health").status_code == 200
+    assert "kvgate_worker_generation_tokens_total" in httpx.get(worker.url + "/metrics").text
+    state = httpx.get(worker.url + "/state").json()
+    assert state["worker_id"] == "api" and state["total_blocks"] == 64 and state["block_size"] == 16
+
+
+def test_kv_events_long_poll_and_snapshot_agree_with_hashes(worker):
+    seq = httpx.get(worker.url + "/kv/snapshot").json()["seq"]
+    ids = list(range(1000, 1040))
+    got = {}
+    t = threading.Thread(target=lambda: got.update(
+        httpx.get(worker.url + f"/kv/events?after={seq}&timeout=10", timeout=15).json()))
+    t.start()
+    time.sleep(0.3)
+    post(worker, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})
+    t.join()
+    stored = [h for e in got["events"] if e["kind"] == "stored" for h in e["hashes"]]
+    expected = block_hashes(ids, 16, seed_hash(MODEL, 16))
+    assert stored[:2] == expected and got["events"][0]["seq"] == seq + 1
+    snap = httpx.get(worker.url + "/kv/snapshot").json()
+    assert set(expected) <= set(snap["hashes"]) and snap["seq"] >= got["last_seq"]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(worker):
+    with httpx.stream("POST", worker.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": list(range(2000, 2100)), "max_tokens": 400,
+            "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        s = httpx.get(worker.url + "/state").json()
+        if s["running"] == 0 and s["free_blocks"] == s["total_blocks"]:
+            break
+        time.sleep(0.05)
+    assert s["running"] == 0 and s["free_blocks"] == s["total_blocks"]
