@@ -22,6 +22,10 @@ class _EngineCollector:
             "kvgate_worker_preemptions": ("Requests preempted by recompute", st.preemptions),
             "kvgate_worker_requests_finished": ("Finished requests", st.finished),
             "kvgate_worker_steps": ("Engine steps", st.steps),
+            "kvgate_worker_kv_arrived": ("P/D decode requests whose blocks arrived in time", st.kv_arrived),
+            "kvgate_worker_kv_fallbacks": ("P/D decode requests that computed their own prefill", st.kv_fallbacks),
+            "kvgate_worker_kv_imported_blocks": ("KV blocks imported into the prefix cache", st.kv_imported_blocks),
+            "kvgate_worker_kv_exported_blocks": ("KV blocks exported to decode workers", st.kv_exported_blocks),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=["worker"])

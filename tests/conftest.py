@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny random checkpoints built at test time (no model hub)."""
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama-shaped model with GQA and the SmolLM2 tokenizer, saved as an HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from workers.model_store import load_tokenizer
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = load_tokenizer("smollm2-135m")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
