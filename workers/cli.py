@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
                    help="shared secret for /kv/import (default: $KVGATE_INTERNAL_TOKEN); none disables imports")
+    p.add_argument("--kv-transport", choices=["http", "ipc"], default="http",
+                   help="P/D export: bytes over HTTP, or CUDA IPC handles between GPUs of one host")
     p.add_argument("--redis", help="publish KV events, residency and heartbeats to this Redis URL")
     p.add_argument("--advertise-url", help="URL the gateway should use (default: http://HOST:PORT)")
     p.add_argument("--log-level", default="warning")
@@ -80,7 +82,8 @@ def build_server(args) -> WorkerServer:
         enable_prefix_caching=not args.no_prefix_caching)
     engine = Engine(executor, tokenizer, config)
     engine.start()
-    return WorkerServer(engine, name, getattr(executor, "vocab_size", len(tokenizer)), args.internal_token)
+    return WorkerServer(engine, name, getattr(executor, "vocab_size", len(tokenizer)), args.internal_token,
+                        args.kv_transport)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -92,7 +92,8 @@ class Engine:
 
         `kv_wait_s` holds the request back until its prompt's blocks arrive by KV import (P/D
         decode leg), at most that long; then it is admitted and prefills what is missing.
-        `export(spec_args, data)` receives its full prompt blocks when it finishes (P/D prefill leg).
+        `export(hashes, tokens, block_ids)` is called on the engine thread when it finishes, while
+        its full prompt blocks are still held, so the exporter can read them (P/D prefill leg).
         """
         self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export))
         self._wake.set()
@@ -241,7 +242,7 @@ class Engine:
             return
         ids = [b.block_id for b in req.blocks[:n]]
         tokens = [req.token_ids[i * B:(i + 1) * B] for i in range(n)]
-        req.export(req.block_hashes[:n], tokens, self.executor.export_bytes(ids))
+        req.export(req.block_hashes[:n], tokens, ids)
 
     def _finish_evicted(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),

@@ -26,9 +26,9 @@ class WorkerServer:
     """Binds one engine to HTTP. Each request gets an asyncio queue fed from the engine thread."""
 
     def __init__(self, engine: Engine, served_model: str, vocab_size: int,
-                 internal_token: str | None = None):
+                 internal_token: str | None = None, kv_transport: str = "http"):
         self.engine = engine
-        self.transfer = TransferService(engine, served_model, internal_token)
+        self.transfer = TransferService(engine, served_model, internal_token, kv_transport)
         self.model = served_model
         self.vocab_size = vocab_size
         self.metrics = WorkerMetrics(engine)
@@ -161,7 +161,7 @@ class WorkerServer:
         return Response(body, media_type=ctype)
 
     async def state(self, request: Request) -> Response:
-        return JSONResponse(self.engine.state())
+        return JSONResponse({**self.engine.state(), "kv_transfer": self.transfer.stats()})
 
     async def kv_events(self, request: Request) -> Response:
         try:

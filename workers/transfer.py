@@ -48,8 +48,11 @@ def encode_header(spec: KVSpec, hashes: list[int], tokens: list[list[int]], pare
     return MAGIC + struct.pack("<I", len(header)) + header
 
 
-def decode(body: bytes, own: KVSpec, seed: int) -> KVPayload:
-    """Parse and validate a transfer; any mismatch is the sender's error (InvalidRequest)."""
+def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
+    """Parse and validate a transfer; any mismatch is the sender's error (InvalidRequest).
+
+    With `ipc` the payload is a CUDA IPC handle (workers/transfer_ipc.py), not the bytes.
+    """
     if len(body) < 8 or body[:4] != MAGIC:
         raise InvalidRequest("not a kvgate KV transfer (bad magic)", code="bad_kv_transfer")
     (n,) = struct.unpack("<I", body[4:8])
@@ -65,7 +68,10 @@ def decode(body: bytes, own: KVSpec, seed: int) -> KVPayload:
         raise InvalidRequest(f"KV transfer does not match this worker: got {spec}, expected {own}",
                              code="kv_spec_mismatch")
     data = memoryview(body)[8 + n:]
-    if len(hashes) != len(tokens) or len(data) != len(hashes) * spec.block_bytes():
+    if ipc:
+        from workers.transfer_ipc import open_shared
+        data = open_shared(bytes(data), (own.num_layers, 2, len(hashes)))
+    if len(hashes) != len(tokens) or (not ipc and len(data) != len(hashes) * spec.block_bytes()):
         raise InvalidRequest(f"KV transfer of {len(hashes)} blocks has {len(tokens)} token lists and "
                              f"{len(data)} payload bytes ({spec.block_bytes()} per block expected)",
                              code="bad_kv_transfer")
@@ -112,7 +118,7 @@ def import_payload(pool, executor, payload: KVPayload) -> tuple[int, int]:
             pool.touch(block)
         blocks.append(block)
     if fresh:
-        executor.import_bytes([b.block_id for b in fresh], payload.data, positions, len(payload.hashes))
+        executor.import_blocks([b.block_id for b in fresh], payload.data, positions, len(payload.hashes))
     n = len(blocks)
     pool.register(blocks, payload.hashes[:n], [tuple(t) for t in payload.tokens[:n]], payload.parent)
     pool.free(blocks)

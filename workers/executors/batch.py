@@ -33,6 +33,7 @@ class Executor(Protocol):
         """K/V of these blocks in the transfer payload layout (workers/transfer.py)."""
         ...
 
-    def import_bytes(self, block_ids: list[int], data: bytes, positions: list[int], total: int) -> None:
-        """Write blocks `positions` of a `total`-block payload into `block_ids` (P/D import)."""
+    def import_blocks(self, block_ids: list[int], data, positions: list[int], total: int) -> None:
+        """Write blocks `positions` of a `total`-block payload (bytes, or a tensor shaped as
+        read_blocks returns) into `block_ids` (P/D import)."""
         ...

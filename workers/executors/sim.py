@@ -53,5 +53,5 @@ class SimExecutor:
         """Sim blocks carry no K/V data; P/D between sim workers moves hashes and tokens only."""
         return b""
 
-    def import_bytes(self, block_ids: list[int], data: bytes, positions: list[int], total: int) -> None:
+    def import_blocks(self, block_ids: list[int], data, positions: list[int], total: int) -> None:
         return None

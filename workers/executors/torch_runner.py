@@ -67,15 +67,23 @@ class TorchRunner:
         self.kv_cache[:, :, index] = kv.to(device=self.device, dtype=self.dtype)
 
     def export_bytes(self, block_ids: list[int]) -> bytes:
-        """The transfer payload of these blocks: read_blocks' tensor as raw bytes, on the CPU."""
-        kv = self.read_blocks(block_ids).contiguous().cpu()
-        return kv.view(torch.uint8).numpy().tobytes()
+        """The transfer payload of these blocks: read_blocks' tensor as raw bytes."""
+        return self.to_bytes(self.read_blocks(block_ids))
 
-    def import_bytes(self, block_ids: list[int], data: bytes, positions: list[int], total: int) -> None:
-        """Write blocks `positions` of a `total`-block payload into `block_ids`."""
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
-        kv = raw.view(self.num_layers, 2, total, self.block_size, self.num_kv_heads, self.head_dim)
+    @staticmethod
+    def to_bytes(kv: Tensor) -> bytes:
+        return kv.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    def import_blocks(self, block_ids: list[int], data: bytes | Tensor, positions: list[int], total: int) -> None:
+        """Write blocks `positions` of a `total`-block payload (bytes, or a tensor from CUDA IPC)."""
+        if isinstance(data, Tensor):
+            kv = data
+        else:
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
+            kv = raw.view(self.num_layers, 2, total, self.block_size, self.num_kv_heads, self.head_dim)
         self.write_blocks(block_ids, kv[:, :, positions])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _prepare(self, chunks: list[SeqChunk]) -> tuple[Tensor, Tensor, AttentionBatch]:
         """Flatten the chunks into the step's tensors; the only per-token Python work of a step."""

@@ -1,0 +1,113 @@
+"""P/D KV transfer throughput between two real workers: HTTP bytes vs CUDA IPC.
+
+Starts a prefill worker and a decode worker (random weights from a Llama config: transfer cost
+depends on the KV shape, not on the weights), runs P/D requests of growing prompt length with
+fresh prompts (so every block really moves), and reads the bytes and seconds the prefill
+worker's exporter spent from its /state. JSON and PNG out.
+"""
+import argparse
+import concurrent.futures as cf
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.random_model import add_args, make_model
+from tests.procs import Worker
+
+TOKEN = "bench-token"
+
+
+def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
+    """Send one leg; returns seconds to its first streamed token."""
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
+            "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0, "kv_transfer": kv}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t0
+    raise RuntimeError("no token streamed")
+
+
+def measure(p: Worker, d: Worker, n: int, rng: random.Random, vocab: int) -> dict:
+    ids = [rng.randrange(100, vocab) for _ in range(n)]
+    before = httpx.get(p.url + "/state").json()["kv_transfer"]
+    with cf.ThreadPoolExecutor(2) as pool:
+        dec = pool.submit(leg, d.url, ids, 4, {"wait_ms": 60000})
+        pool.submit(leg, p.url, ids, 1, {"export_to": d.url}).result()
+        ttft = dec.result()
+    after = httpx.get(p.url + "/state").json()["kv_transfer"]
+    nbytes = after["sent_bytes"] - before["sent_bytes"]
+    secs = after["sent_seconds"] - before["sent_seconds"]
+    return {"prompt_tokens": n, "bytes": nbytes, "seconds": secs, "gbps": nbytes / secs / 1e9 if secs else None,
+            "pd_ttft_s": ttft, "failures": after["failures"]}
+
+
+def run_transport(args, model: Path, transport: str) -> list[dict]:
+    extra = ["--num-blocks", str(args.num_blocks), "--internal-token", TOKEN, "--kv-transport", transport,
+             "--max-batched-tokens", str(args.max_batched_tokens)]
+    p = Worker("torch", f"p-{transport}", extra=extra + ["--role", "prefill", "--device", args.devices[0]],
+               model=str(model))
+    d = Worker("torch", f"d-{transport}", extra=extra + ["--role", "decode", "--device", args.devices[1]],
+               model=str(model))
+    rng = random.Random(0)
+    rows = []
+    try:
+        p.ready(300), d.ready(300)
+        measure(p, d, 256, rng, args.vocab_size)
+        for n in args.lengths:
+            for _ in range(args.repeats):
+                rows.append({"transport": transport, **measure(p, d, n, rng, args.vocab_size)})
+                print(f"{transport} {n} tokens: {rows[-1]['gbps']} GB/s", file=sys.stderr, flush=True)
+    finally:
+        p.stop(), d.stop()
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for t in sorted({r["transport"] for r in rows}):
+        pts = [(r["bytes"] / 2**20, r["gbps"]) for r in rows if r["transport"] == t and r["gbps"]]
+        ax.plot(*zip(*pts), "o-", label=t)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV payload (MiB)")
+    ax.set_ylabel("GB/s")
+    ax.legend()
+    ax.set_title("P/D KV transfer throughput")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_args(p)
+    p.add_argument("--devices", default="cuda:0,cuda:1", type=lambda s: s.split(","))
+    p.add_argument("--transports", default="http,ipc", type=lambda s: s.split(","))
+    p.add_argument("--lengths", default="1024,4096,16384", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--out", default="bench/results/transfer_throughput.json")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model(args, Path(tmp))
+        rows = [r for t in args.transports for r in run_transport(args, model, t)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": "python -m bench.transfer_throughput " + " ".join(argv or sys.argv[1:]),
+                               "config": {k: v for k, v in vars(args).items()}, "runs": rows}, indent=1))
+    plot(rows, out.with_suffix(".png"))
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
