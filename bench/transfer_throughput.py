@@ -38,15 +38,18 @@ def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
 def measure(p: Worker, d: Worker, n: int, rng: random.Random, vocab: int) -> dict:
     ids = [rng.randrange(100, vocab) for _ in range(n)]
     before = httpx.get(p.url + "/state").json()["kv_transfer"]
+    recv0 = httpx.get(d.url + "/state").json()["kv_transfer"]["received_seconds"]
     with cf.ThreadPoolExecutor(2) as pool:
         dec = pool.submit(leg, d.url, ids, 4, {"wait_ms": 60000})
         pool.submit(leg, p.url, ids, 1, {"export_to": d.url}).result()
         ttft = dec.result()
     after = httpx.get(p.url + "/state").json()["kv_transfer"]
+    recv1 = httpx.get(d.url + "/state").json()["kv_transfer"]["received_seconds"]
     nbytes = after["sent_bytes"] - before["sent_bytes"]
     secs = after["sent_seconds"] - before["sent_seconds"]
     return {"prompt_tokens": n, "bytes": nbytes, "seconds": secs, "gbps": nbytes / secs / 1e9 if secs else None,
-            "pd_ttft_s": ttft, "failures": after["failures"]}
+            "pd_ttft_s": ttft, "failures": after["failures"],
+            "receiver_seconds": {k: recv1[k] - recv0[k] for k in recv1}}
 
 
 def run_transport(args, model: Path, transport: str) -> list[dict]:
@@ -64,7 +67,8 @@ def run_transport(args, model: Path, transport: str) -> list[dict]:
         for n in args.lengths:
             for _ in range(args.repeats):
                 rows.append({"transport": transport, **measure(p, d, n, rng, args.vocab_size)})
-                print(f"{transport} {n} tokens: {rows[-1]['gbps']} GB/s", file=sys.stderr, flush=True)
+                print(f"{transport} {n} tokens: {rows[-1]['gbps']} GB/s, receiver {rows[-1]['receiver_seconds']}",
+                      file=sys.stderr, flush=True)
     finally:
         p.stop(), d.stop()
     return rows

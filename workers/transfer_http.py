@@ -31,6 +31,7 @@ class TransferService:
         self.sent_bytes = 0
         self.sent_seconds = 0.0
         self.failures = 0
+        self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
 
     def exporter(self, url: str, loop: asyncio.AbstractEventLoop) -> Callable:
         """An engine-thread callback that ships a finished prefill's blocks to `url`."""
@@ -69,7 +70,8 @@ class TransferService:
             r.raise_for_status()
         except httpx.HTTPError as e:
             self.failures += 1
-            log.warning("KV export (%s) to %s failed: %s", ctype, url, e)
+            detail = e.response.text[:300] if isinstance(e, httpx.HTTPStatusError) else ""
+            log.warning("KV export (%s) to %s failed: %s %s", ctype, url, e, detail)
             return False
         self.sent_seconds += time.perf_counter() - t0
         self.sent_bytes += nbytes
@@ -84,8 +86,10 @@ class TransferService:
         if not self.authorised(request):
             return JSONResponse(error_body("KV import needs the fleet's internal token", "permission_error",
                                            "forbidden"), status_code=403)
+        t0 = time.perf_counter()
         body = await request.body()
         ipc = request.headers.get("content-type") == "application/x-kvgate-ipc"
+        t1 = time.perf_counter()
         try:
             payload = await asyncio.to_thread(decode, body, self.spec, self.engine.kv.seed, ipc)
         except InvalidRequest as e:
@@ -94,16 +98,19 @@ class TransferService:
             return JSONResponse(error_body(f"cannot open KV IPC handle: {e}", code="ipc_unavailable"),
                                 status_code=422)
         eng = self.engine
+        t2 = time.perf_counter()
         imported, present = await asyncio.wrap_future(
             eng.call(lambda: import_payload(eng.pool, eng.executor, payload)))
         eng.stats.kv_imported_blocks += imported
+        for key, dt in (("body", t1 - t0), ("decode", t2 - t1), ("import", time.perf_counter() - t2)):
+            self.received_seconds[key] += dt
         return JSONResponse({"imported": imported, "present": present,
                              "dropped": len(payload.hashes) - imported - present})
 
     def stats(self) -> dict:
         return {"transport": self.transport, "sent_bytes": self.sent_bytes, "sent_seconds": self.sent_seconds,
                 "gbps": self.sent_bytes / self.sent_seconds / 1e9 if self.sent_seconds else None,
-                "failures": self.failures}
+                "failures": self.failures, "received_seconds": self.received_seconds}
 
     async def close(self) -> None:
         if self.client:

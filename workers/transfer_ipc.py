@@ -12,7 +12,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 _ALLOWED = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"),
-            ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch", "device")}
+            ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+            ("torch", "device")}
 
 
 class _HandleUnpickler(pickle.Unpickler):
