@@ -1,0 +1,55 @@
+"""Prefill/decode orchestration: two legs started at once, one ordinary stream to the client.
+
+The decode leg is the client's request plus `kv_transfer.wait_ms`: the decode worker holds it
+until the prompt's blocks are in its prefix cache, or the wait runs out and it computes them
+itself. The prefill leg is the same prompt with `max_tokens: 1` and
+`kv_transfer.export_to: <decode worker>`; the prefill worker ships its full blocks there when
+its prefill ends. The prefill leg's own answer is discarded; its failure only costs the decode
+worker a recompute, so it is logged and counted, never shown to the client.
+"""
+import asyncio
+import json
+import logging
+
+from gateway.proxy import ConnectFailed, Proxy
+
+log = logging.getLogger("kvgate.pd")
+
+
+def decode_leg(body: dict, wait_ms: float) -> bytes:
+    """The client's request, told to wait for its blocks."""
+    return json.dumps({**body, "kv_transfer": {"wait_ms": wait_ms}}).encode()
+
+
+def prefill_leg(body: dict, decode_url: str) -> bytes:
+    """Prefill only: one token, no stream, blocks exported to the decode worker."""
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    leg.update(max_tokens=1, stream=False, kv_transfer={"export_to": decode_url})
+    return json.dumps(leg).encode()
+
+
+async def run_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str]) -> bool:
+    """Send the prefill leg and wait for it; True when the prefill worker finished it."""
+    try:
+        resp = await proxy.open(url, path, payload, headers)
+    except ConnectFailed as e:
+        log.warning("prefill leg to %s failed to connect: %s", url, e)
+        return False
+    try:
+        await resp.aread()
+        if resp.status_code != 200:
+            log.warning("prefill leg to %s answered %s: %s", url, resp.status_code, resp.text[:200])
+        return resp.status_code == 200
+    except Exception as e:
+        log.warning("prefill leg to %s broke off: %s", url, e)
+        return False
+    finally:
+        await resp.aclose()
+
+
+def start_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str],
+                  done) -> asyncio.Task:
+    """Run the prefill leg in the background; `done(ok)` is called when it ends."""
+    task = asyncio.ensure_future(run_prefill(proxy, url, path, payload, headers))
+    task.add_done_callback(lambda t: done(not t.cancelled() and t.result()))
+    return task

@@ -1,0 +1,37 @@
+"""The dashboard only charts metrics that the gateway and workers really export."""
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.sim_engine import drain, sim_engine
+from workers.metrics import WorkerMetrics
+from workers.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def exported_names() -> set[str]:
+    from gateway.fleet import Fleet
+    from gateway.index import ResidencyIndex
+    from gateway.metrics import GatewayMetrics
+    eng = sim_engine()
+    eng.submit("r", [3, 4, 5], SamplingParams(max_tokens=2), lambda o: None)
+    drain(eng)
+    texts = [WorkerMetrics(eng).render()[0].decode(), GatewayMetrics(Fleet(ResidencyIndex())).render()[0].decode()]
+    names = set()
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}.get(fam.type, ("",))
+            names |= {fam.name + suffix for suffix in suffixes}
+    return names
+
+
+def test_dashboard_queries_name_exported_metrics():
+    dash = json.loads((ROOT / "grafana/dashboards/kvgate.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"kvgate_[a-z_]+", e)}
+    assert used, "the dashboard charts something"
+    missing = used - exported_names()
+    assert not missing, f"dashboard uses metrics nobody exports: {sorted(missing)}"
