@@ -60,8 +60,8 @@ class RedisPublisher:
         try:
             r = self._client()
             async with r.pipeline(transaction=True) as p:
-                p.delete(rs.heartbeat_key(self.pool, self.worker_id), rs.resident_key(self.pool, self.worker_id),
-                         rs.seq_key(self.pool, self.worker_id))
+                p.delete(rs.heartbeat_key(self.pool, self.worker_id),
+                         rs.resident_key(self.pool, self.worker_id), rs.seq_key(self.pool, self.worker_id))
                 p.srem(rs.workers_key(self.pool), self.worker_id)
                 await p.execute()
             await r.aclose()

@@ -1,0 +1,277 @@
+"""The gateway's OpenAI front door (starlette): tokenize, decide, forward, account.
+
+A request is parsed and tokenized exactly as a worker would (so bad input fails here with the
+worker's own OpenAI error), hashed into blocks, matched against the residency index, and
+handed with the fleet's in-memory view to the policy; the chosen worker gets the client's
+original bytes. A worker that cannot be reached is retried once on another one.
+"""
+import contextlib
+import json
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.fleet import Fleet, Worker
+from gateway.index import ResidencyIndex
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamFailed,
+                           cached_tokens, relay)
+from gateway.tokenize import Prepared, Tokenizers
+from policies.api import FleetView, Policy, RequestView
+from policies.api import Route as Decision
+from policies.candidates import NO_WORKERS
+from workers.protocol import error_body, new_id
+from workers.sampling_params import InvalidRequest
+
+log = logging.getLogger("kvgate.gateway")
+
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+class ApiError(Exception):
+    """An error answered to the client as an OpenAI error object with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.code, self.param = status, type_, code, param
+
+
+class Gateway:
+    def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
+                 redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None):
+        self.fleet = fleet
+        self.index: ResidencyIndex = fleet.index
+        self.tokenizers = tokenizers
+        self.policy = policy
+        self.proxy = proxy or Proxy()
+        self.redis = redis
+        self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+        self.metrics = GatewayMetrics(fleet)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models),
+            Route("/health", self.health),
+            Route("/metrics", self.prometheus),
+        ], lifespan=self._lifespan, exception_handlers={Exception: self._internal_error})
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        await self.fleet.start()
+        if self.redis is not None:
+            await self.redis.start()
+        for name in self.tokenizers.sources:
+            await self.tokenizers.get(name)
+        try:
+            yield
+        finally:
+            if self.redis is not None:
+                await self.redis.stop()
+            await self.fleet.stop()
+            await self.proxy.close()
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        """A bug (say in a plugin policy) still answers in OpenAI's shape, and is logged."""
+        log.exception("internal error on %s", request.url.path, exc_info=exc)
+        return self.error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
+                                      "internal_error"))
+
+    def headers(self, worker: str = "", predicted: int = 0) -> dict[str, str]:
+        return {"x-kvgate-worker": worker, "x-kvgate-policy": self.policy.name,
+                "x-kvgate-predicted-cached-tokens": str(predicted)}
+
+    def error(self, e: ApiError, worker: str = "") -> JSONResponse:
+        self.metrics.requests.labels(worker, self.policy.name, str(e.status)).inc()
+        return JSONResponse(error_body(str(e), e.type, e.code, e.param), status_code=e.status,
+                            headers=self.headers(worker))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request, "completion")
+
+    async def chat(self, request: Request) -> Response:
+        return await self.handle(request, "chat")
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        try:
+            raw = await request.body()
+            model, prep, view = await self.prepare(request, raw, kind)
+            return await self.dispatch(request, kind, raw, model, prep, view)
+        except ApiError as e:
+            return self.error(e)
+
+    async def prepare(self, request: Request, raw: bytes,
+                      kind: str) -> tuple[str, Prepared | None, RequestView]:
+        """Body -> (model, tokenized request, the policy's request view); raises ApiError."""
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        models = self.fleet.models()
+        model = self.resolve_model(body.get("model"), models)
+        tok = await self.tokenizers.get(model)
+        prep = None
+        if tok is not None:
+            try:
+                prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model])
+            except InvalidRequest as e:
+                raise ApiError(400, str(e), code=e.code, param=e.param)
+        return model, prep, self.request_view(request, body, kind, model, prep, len(raw))
+
+    def resolve_model(self, model: object, models: dict[str, int]) -> str:
+        """The served model a request names; without a name, the `--model` default or the
+        fleet's only model."""
+        if not models:
+            raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
+        if model is None:
+            model = self.tokenizers.default_model or (next(iter(models)) if len(models) == 1 else None)
+            if model is None:
+                raise ApiError(400, "'model' is required: this fleet serves several", param="model")
+        if not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        if model not in models:
+            raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        return model
+
+    def request_view(self, request: Request, body: dict, kind: str, model: str,
+                     prep: Prepared | None, size: int) -> RequestView:
+        h = request.headers
+        session = h.get("x-session-id") or body.get("user")
+        return RequestView(
+            request_id=h.get("x-request-id") or new_id(kind),
+            num_tokens=len(prep.parsed.prompt_ids) if prep else size // 4,
+            block_hashes=tuple(prep.hashes) if prep else (),
+            max_tokens=prep.parsed.params.max_tokens if prep else 16,
+            slo_ttft_ms=_slo(h, "x-slo-ttft-ms", self.slo_ttft_ms),
+            slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
+            session_id=str(session) if session is not None else None, model=model)
+
+    def decide(self, view: RequestView, model: str, exclude: set[str]) -> tuple[Worker, Decision]:
+        """Match the prompt against the index and ask the policy; all in memory."""
+        t0 = time.perf_counter()
+        workers = [w for w in self.fleet.candidates(model) if w.worker_id not in exclude]
+        if not workers:
+            raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
+        matches = self.index.match(view.block_hashes)
+        route = self.policy.route(view, FleetView(self.fleet.views(workers, matches), time.time()))
+        self.metrics.decision.observe(time.perf_counter() - t0)
+        if route.reject:
+            if route.reject == NO_WORKERS:
+                raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
+            raise ApiError(429, route.reject, "rate_limit_error", "policy_rejected")
+        chosen = next((w for w in workers if w.worker_id == route.worker), None)
+        if chosen is None:
+            raise ApiError(500, f"policy {self.policy.name} chose {route.worker!r}, not a candidate",
+                           "server_error", "bad_route")
+        return chosen, route
+
+    async def dispatch(self, request: Request, kind: str, raw: bytes, model: str,
+                       prep: Prepared | None, view: RequestView) -> Response:
+        """Decide and forward; a worker that cannot be reached costs one retry elsewhere."""
+        headers = {"content-type": "application/json", "x-request-id": view.request_id}
+        exclude: set[str] = set()
+        for _ in range(2):
+            w, route = self.decide(view, model, exclude)
+            self.fleet.begin(w)
+            started = time.monotonic()
+            try:
+                resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request)
+            except ClientGone:
+                self.fleet.end(w)
+                self.metrics.requests.labels(w.worker_id, self.policy.name, "499").inc()
+                return Response(b"", 499, self.headers(w.worker_id, route.predicted_cached_tokens))
+            except ConnectFailed as e:
+                self.fleet.end(w)
+                self.worker_failed(w, "connect", str(e))
+                exclude.add(w.worker_id)
+                continue
+            except BaseException:
+                self.fleet.end(w)
+                raise
+            return await self.respond(w, route, view, prep, kind, resp, started)
+        raise ApiError(502, "no worker could be reached", "server_error", "worker_unreachable")
+
+    async def respond(self, w: Worker, route: Decision, view: RequestView, prep: Prepared | None,
+                      kind: str, resp, started: float) -> Response:
+        """The worker's answer with the routing headers: streamed through, or read whole."""
+        out = self.headers(w.worker_id, route.predicted_cached_tokens)
+        out["x-request-id"] = view.request_id
+        self.metrics.predicted_cached.labels(w.worker_id).inc(route.predicted_cached_tokens)
+        self.metrics.prompt_tokens.labels(w.worker_id).inc(view.num_tokens)
+        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        if (prep.parsed.stream if prep else is_sse) and resp.status_code == 200:
+            return self.stream(w, kind, resp, out, started)
+        return await self.collect(w, resp, out, started)
+
+    def worker_failed(self, w: Worker, stage: str, why: str) -> str:
+        self.metrics.upstream_failures.labels(w.worker_id, stage).inc()
+        self.fleet.mark_suspect(w, why)
+        return f"worker {w.worker_id} failed: {why}"
+
+    async def collect(self, w: Worker, resp, headers: dict, started: float) -> Response:
+        status = resp.status_code
+        try:
+            body = await self.proxy.read(resp)
+        except UpstreamFailed as e:
+            return self.error(ApiError(502, self.worker_failed(w, "response", str(e)), "server_error",
+                                          "worker_failed"), w.worker_id)
+        finally:
+            self.fleet.end(w)
+        if status == 200:
+            self.metrics.ttft.labels(w.worker_id).observe(time.monotonic() - started)
+            self.metrics.actual_cached.labels(w.worker_id).inc(cached_tokens(body) or 0)
+        self.metrics.requests.labels(w.worker_id, self.policy.name, str(status)).inc()
+        return Response(body, status, headers, resp.headers.get("content-type", "application/json"))
+
+    def stream(self, w: Worker, kind: str, resp, headers: dict, started: float) -> Response:
+        tap = StreamTap(kind, started)
+        status = ["200"]
+
+        def failed(e: Exception) -> str:
+            status[0] = "502"
+            return self.worker_failed(w, "stream", str(e))
+
+        def closed() -> None:
+            self.fleet.end(w)
+            self.metrics.requests.labels(w.worker_id, self.policy.name, status[0]).inc()
+            if tap.ttft is not None:
+                self.metrics.ttft.labels(w.worker_id).observe(tap.ttft)
+            if tap.cached is not None:
+                self.metrics.actual_cached.labels(w.worker_id).inc(tap.cached)
+
+        headers["cache-control"] = "no-cache"
+        return PassThrough(relay(resp, tap, failed), resp, closed, headers)
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate", "max_model_len": n}
+                for m, n in sorted(self.fleet.models().items())]
+        return JSONResponse({"object": "list", "data": data}, headers=self.headers())
+
+    async def health(self, request: Request) -> Response:
+        up = sum(w.available for w in self.fleet.workers.values())
+        body = {"status": "ok" if up else NO_WORKERS, "workers": len(self.fleet.workers), "healthy": up,
+                "redis": self.redis.status() if self.redis is not None else "off"}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        body, ctype = self.metrics.render()
+        return Response(body, media_type=ctype)
+
+
+def _slo(headers, name: str, default: float | None) -> float | None:
+    v = headers.get(name)
+    if v is None:
+        return default
+    try:
+        ms = float(v)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0:
+        raise ApiError(400, f"header {name} must be a positive number of milliseconds", param=name)
+    return ms

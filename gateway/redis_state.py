@@ -1,0 +1,237 @@
+"""Gateway <- Redis: worker discovery, residency (sets + stream) and in-flight load shared
+between gateway replicas (layout: workers/kv/redis_schema.py).
+
+Everything here runs in background tasks that feed the in-memory fleet and index, so a
+routing decision never waits on Redis. On start (and after every outage) the replica
+bootstraps each registered worker's residency from its set and then tails the pools'
+streams. While Redis is down, workers' tailers in the fleet poll `/kv/events` directly
+(the embedded path) and in-flight counts are this replica's own.
+"""
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.fleet import Fleet
+from gateway.index import RESYNC, ResidencyIndex
+from workers.kv import redis_schema as rs
+from workers.kv.events import EventBatch
+
+log = logging.getLogger("kvgate.gateway")
+
+ERRORS = (RedisError, OSError)
+
+
+class RedisState:
+    def __init__(self, url: str, fleet: Fleet, replica_id: str | None = None, interval: float = 0.5,
+                 inflight_interval: float = 0.1):
+        self.url = url
+        self.fleet = fleet
+        self.index: ResidencyIndex = fleet.index
+        self.replica = replica_id or uuid.uuid4().hex[:12]
+        self.interval, self.inflight_interval = interval, inflight_interval
+        self.registered: dict[str, dict] = {}  # worker id -> heartbeat info
+        self.cursors: dict[str, bytes] = {}  # pool -> last stream entry id read
+        self.up = False
+        self.last_bootstrap_s: float | None = None
+        self._task: asyncio.Task | None = None
+
+    def status(self) -> str:
+        return "up" if self.up else "down"
+
+    def client(self) -> aioredis.Redis:
+        return aioredis.from_url(self.url, socket_timeout=2.0, socket_connect_timeout=1.0)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._degrade()
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            r = self.client()
+            try:
+                await self.bootstrap(r)
+                self.up, backoff = True, 0.2
+                await _first_failure(self._tail(r), self._registry_loop(r), self._inflight_loop(r))
+            except ERRORS as e:
+                if self.up:
+                    log.warning("redis at %s failed (%r): routing on the embedded path",
+                                self.url, e)
+            except Exception:
+                log.exception("redis state failed: routing on the embedded path")
+            finally:
+                await r.aclose()
+            self._degrade()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def _degrade(self) -> None:
+        """Hand residency back to the workers' direct tailers; forget other replicas' load."""
+        self.up = False
+        for w in self.fleet.workers.values():
+            w.redis_residency = False
+            w.shared_in_flight = 0
+
+    # discovery and residency
+
+    async def bootstrap(self, r: aioredis.Redis) -> int:
+        """Read the registry, then every live worker's set + seq and each stream's tail in one
+        transaction (a consistent cut); returns the blocks loaded."""
+        t0 = time.perf_counter()
+        await self.refresh_registry(r)
+        pools = sorted({info["pool"] for info in self.registered.values()})
+        wids = sorted(self.registered)
+        async with r.pipeline(transaction=True) as p:
+            for pool in pools:
+                p.xrevrange(rs.stream_key(pool), count=1)
+            for wid in wids:
+                pool = self.registered[wid]["pool"]
+                p.smembers(rs.resident_key(pool, wid))
+                p.get(rs.seq_key(pool, wid))
+            out = await p.execute()
+        for pool, tail in zip(pools, out):
+            self.cursors[pool] = tail[0][0] if tail else b"0-0"
+        total = 0
+        for i, wid in enumerate(wids):
+            members, seq = out[len(pools) + 2 * i], out[len(pools) + 2 * i + 1]
+            if seq is not None:
+                self.index.reset(wid, map(int, members), int(seq))
+                total += len(members)
+        self._claim()
+        self.last_bootstrap_s = time.perf_counter() - t0
+        log.info("bootstrapped %d resident blocks of %d workers from redis in %.0f ms",
+                 total, len(wids), self.last_bootstrap_s * 1000)
+        return total
+
+    async def refresh_registry(self, r: aioredis.Redis) -> None:
+        """Live workers from their heartbeats: new ones join the fleet, expired ones leave."""
+        pools = sorted(p.decode() for p in await r.smembers(rs.POOLS))
+        members = [(pool, w.decode()) for pool in pools for w in await r.smembers(rs.workers_key(pool))]
+        beats = await r.mget([rs.heartbeat_key(pool, wid) for pool, wid in members]) if members else []
+        live = {}
+        for (pool, wid), beat in zip(members, beats):
+            if beat is not None:
+                live[wid] = json.loads(beat)
+        for wid, info in self.registered.items():
+            if wid not in live:
+                w = self.fleet.workers.get(info["url"].rstrip("/"))
+                if w is not None and not w.static:
+                    self.fleet.remove(info["url"])
+                self.index.drop(wid)
+        for info in live.values():
+            self.fleet.add(info["url"], static=False)
+        self.registered = live
+
+    def _claim(self) -> None:
+        """Redis now carries the residency of the registered workers the fleet knows."""
+        urls = {info["url"].rstrip("/"): wid for wid, info in self.registered.items()}
+        for url, w in self.fleet.workers.items():
+            w.redis_residency = url in urls and w.worker_id in (None, urls[url])
+
+    async def resync(self, r: aioredis.Redis, wid: str) -> None:
+        pool = self.registered[wid]["pool"]
+        async with r.pipeline(transaction=True) as p:
+            p.smembers(rs.resident_key(pool, wid))
+            p.get(rs.seq_key(pool, wid))
+            members, seq = await p.execute()
+        w = self.fleet.by_id(wid)
+        if seq is not None and w is not None and w.healthy and w.redis_residency:
+            self.index.reset(wid, map(int, members), int(seq))
+
+    async def _registry_loop(self, r: aioredis.Redis) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.refresh_registry(r)
+            await self._add_pools(r)
+            self._claim()
+            for wid in list(self.registered):
+                w = self.fleet.by_id(wid)
+                if w is not None and w.healthy and w.redis_residency and self.index.seq(wid) is None:
+                    await self.resync(r, wid)
+
+    async def _add_pools(self, r: aioredis.Redis) -> None:
+        """Tail pools that appeared since the bootstrap from their current end; their workers'
+        sets are read by the resync above, so nothing before the end is needed."""
+        for pool in {info["pool"] for info in self.registered.values()} - set(self.cursors):
+            tail = await r.xrevrange(rs.stream_key(pool), count=1)
+            self.cursors[pool] = tail[0][0] if tail else b"0-0"
+            for wid, info in self.registered.items():
+                if info["pool"] == pool:
+                    self.index.drop(wid)
+
+    async def _tail(self, r: aioredis.Redis) -> None:
+        while True:
+            if not self.cursors:
+                await asyncio.sleep(self.interval)
+                continue
+            streams = {rs.stream_key(pool): cur for pool, cur in self.cursors.items()}
+            for key, entries in await r.xread(streams, count=1000, block=int(self.interval * 1000)):
+                pool = key.decode().split(":")[1]
+                for entry_id, fields in entries:
+                    self._apply(fields)
+                    self.cursors[pool] = entry_id
+
+    def _apply(self, fields: dict) -> None:
+        wid, ev = rs.decode_event(fields)
+        w = self.fleet.by_id(wid)
+        if w is None or not w.redis_residency or self.index.seq(wid) is None:
+            return
+        if ev.kind == rs.SNAPSHOT or self.index.apply(EventBatch(wid, [ev], ev.seq)) == RESYNC:
+            self.index.drop(wid)  # the registry loop resyncs it from the set
+
+    # shared in-flight load
+
+    async def _inflight_loop(self, r: aioredis.Redis) -> None:
+        mine = rs.inflight_key(self.replica)
+        ttl_ms = int(max(2.0, 10 * self.inflight_interval) * 1000)
+        while True:
+            local = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
+                     if w.worker_id and w.in_flight}
+            async with r.pipeline(transaction=True) as p:
+                p.delete(mine)
+                if local:
+                    p.hset(mine, mapping=local)
+                p.pexpire(mine, ttl_ms)
+                p.sadd(rs.REPLICAS, self.replica)
+                p.smembers(rs.REPLICAS)
+                replicas = (await p.execute())[-1]
+            others = [x.decode() for x in replicas if x.decode() != self.replica]
+            await self._read_others(r, others)
+            await asyncio.sleep(self.inflight_interval)
+
+    async def _read_others(self, r: aioredis.Redis, others: list[str]) -> None:
+        async with r.pipeline(transaction=False) as p:
+            for o in others:
+                p.hgetall(rs.inflight_key(o))
+            tables = await p.execute() if others else []
+        shared: dict[str, int] = {}
+        for o, table in zip(others, tables):
+            if not table:
+                await r.srem(rs.REPLICAS, o)
+            for wid, n in table.items():
+                shared[wid.decode()] = shared.get(wid.decode(), 0) + int(n)
+        for w in self.fleet.workers.values():
+            w.shared_in_flight = shared.get(w.worker_id, 0)
+
+
+async def _first_failure(*loops) -> None:
+    """Run endless loops together until one fails; cancel the rest and raise its error."""
+    tasks = [asyncio.ensure_future(c) for c in loops]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            t.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

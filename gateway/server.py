@@ -1,0 +1,62 @@
+"""`kvgate gateway`: the KV-aware OpenAI gateway in front of a worker fleet."""
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from gateway.app import Gateway
+from gateway.fleet import Fleet
+from gateway.index import ResidencyIndex
+from gateway.tokenize import Tokenizers
+from policies.registry import load_policy
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate gateway", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="a worker's base URL (repeatable); with --redis, more are discovered")
+    p.add_argument("--policy", default="prefix_affinity",
+                   help="built-in name (round_robin, least_load, prefix_affinity, kv_cost, slo_goodput), "
+                        "module:Class, path/to/file.py:Class, or a kvgate.policies entry point")
+    p.add_argument("--model", action="append", default=[], metavar="PATH|ALIAS",
+                   help="tokenizer and chat template of a served model (repeatable; the first is the "
+                        "default); other models of the fleet load by alias on first use")
+    p.add_argument("--redis", metavar="URL", help="discover workers, residency and shared load in Redis")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
+    p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for requests without x-slo-ttft-ms")
+    p.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for requests without x-slo-tpot-ms")
+    p.add_argument("--health-interval", type=float, default=0.5,
+                   help="seconds between /state polls; a worker is out after one failed poll")
+    p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def build(args: argparse.Namespace) -> Gateway:
+    """Wire index, fleet, tokenizers, policy and (optionally) Redis into one ASGI app."""
+    if not args.worker and not args.redis:
+        raise SystemExit("kvgate gateway: give at least one --worker URL or --redis URL")
+    fleet = Fleet(ResidencyIndex(), interval=args.health_interval,
+                  timeout=max(0.25, min(1.0, 1.9 - args.health_interval)))
+    for url in args.worker:
+        fleet.add(url)
+    redis = None
+    if args.redis:
+        from gateway.redis_state import RedisState
+        redis = RedisState(args.redis, fleet, args.replica_id, interval=args.health_interval)
+    return Gateway(fleet, Tokenizers(args.block_size, args.model), load_policy(args.policy), redis=redis,
+                   slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    gateway = build(args)
+    print(f"kvgate gateway ({gateway.policy.name}) on http://{args.host}:{args.port} "
+          f"for {len(args.worker)} static workers{' + redis ' + args.redis if args.redis else ''}", flush=True)
+    uvicorn.run(gateway.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

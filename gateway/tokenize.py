@@ -1,0 +1,77 @@
+"""Prompt -> token ids -> block hashes at the gateway, exactly as the workers do it.
+
+The gateway runs the workers' own `parse_request` with the model's own tokenizer (and chat
+template) and the shared `workers.kv.hashing` chain, so its hashes name the very blocks the
+workers cache. Long prompts are tokenized in a thread so they never stall the event loop;
+short ones inline, where a thread hop would cost more than the work.
+"""
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from workers.kv.hashing import block_hashes, seed_hash
+from workers.model_store import load_tokenizer, served_name
+from workers.protocol import ParsedRequest, parse_request
+
+log = logging.getLogger("kvgate.gateway")
+
+INLINE_BYTES = 2048
+
+
+@dataclass
+class Prepared:
+    parsed: ParsedRequest
+    hashes: list[int]
+
+
+class ModelTokenizer:
+    """One served model's tokenizer and block-hash seed."""
+
+    def __init__(self, name: str, tokenizer, block_size: int):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.seed = seed_hash(name, block_size)
+
+    def prepare(self, body: object, kind: str, max_model_len: int) -> Prepared:
+        """Validate and tokenize like the worker, then hash the full blocks (raises InvalidRequest)."""
+        parsed = parse_request(body, kind, self.tokenizer, max_model_len)
+        return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, self.seed))
+
+
+class Tokenizers:
+    """Tokenizers by served model name: `--model` ones up front, fleet aliases on first use.
+
+    A model whose tokenizer cannot be loaded here (say a path that exists only on the workers)
+    maps to None: its requests are routed cache-blind and validated by the worker.
+    """
+
+    def __init__(self, block_size: int, models: list[str] = ()):
+        self.block_size = block_size
+        self.sources = {served_name(m): m for m in models}
+        self._loading: dict[str, asyncio.Future] = {}
+
+    @property
+    def default_model(self) -> str | None:
+        return next(iter(self.sources), None)
+
+    async def get(self, name: str) -> ModelTokenizer | None:
+        fut = self._loading.get(name)
+        if fut is None:
+            fut = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(self._load, name))
+        return await asyncio.shield(fut)
+
+    def _load(self, name: str) -> ModelTokenizer | None:
+        source = self.sources.get(name, name)
+        try:
+            return ModelTokenizer(name, load_tokenizer(source), self.block_size)
+        except (OSError, ValueError) as e:
+            log.warning("no tokenizer for model %r (%s): routing it cache-blind", name, e)
+            return None
+
+    async def prepare(self, tok: ModelTokenizer, body: dict, kind: str, size: int,
+                      max_model_len: int) -> Prepared:
+        """`tok.prepare`, in a thread when the body (of `size` bytes) is long."""
+        if size <= INLINE_BYTES:
+            return tok.prepare(body, kind, max_model_len)
+        return await asyncio.to_thread(tok.prepare, body, kind, max_model_len)

@@ -1,0 +1,166 @@
+"""Residency, registry and shared load through a test-started redis-server (never port 6379)."""
+import asyncio
+import concurrent.futures as cf
+import json
+import random
+import time
+
+import httpx
+import pytest
+import redis
+
+from gateway.fleet import Fleet
+from gateway.index import ResidencyIndex
+from gateway.redis_state import RedisState
+from tests.procs import Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from workers.kv import redis_schema as rs
+
+MODEL = "smollm2-135m"
+WORDS = "cache block token worker gateway prefix decode prefill route fleet queue page hash".split()
+
+pytestmark = pytest.mark.slow
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """redis-server, four sim workers publishing to it, two gateway replicas discovering them
+    there (no --worker flags)."""
+    logs = str(tmp_path_factory.mktemp("redis"))
+    server = wait_redis(start_redis(log_dir=logs))
+    url = f"redis://127.0.0.1:{server.port}/0"
+    workers = [Worker(worker_id=f"r{i}", redis=url, log_dir=logs) for i in range(4)]
+    gateways = [start_gateway([], "prefix_affinity", redis=url, name=f"replica-{c}", log_dir=logs,
+                              extra=["--replica-id", c]) for c in "ab"]
+    box: dict = {}
+    try:
+        for p in workers:
+            p.ready()
+        for g in gateways:
+            g.wait_ready("/v1/models")
+            wait_for(lambda: httpx.get(g.url + "/health").json()["healthy"] == 4, timeout=20,
+                     what="4 workers discovered through redis")
+        box = {"redis": server, "url": url, "workers": workers, "gateways": gateways, "logs": logs}
+        yield box
+    finally:
+        stop_all(gateways + workers + [box.get("redis", server)])
+
+
+def complete(url: str, prompt: str, max_tokens: int = 2, stream: bool = False) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+
+
+def test_worker_publishes_its_set_events_and_heartbeat(cluster):
+    r = redis.Redis(port=cluster["redis"].port)
+    w = cluster["workers"][0]
+    httpx.post(w.url + "/v1/completions", json={"prompt": text(random.Random(5), 120), "max_tokens": 2})
+    snap = httpx.get(w.url + "/kv/snapshot").json()
+
+    def published():
+        seq = r.get(rs.seq_key(MODEL, w.worker_id))
+        return seq is not None and int(seq) == snap["seq"]
+    wait_for(published, timeout=5, what="the worker's seq in redis")
+    assert {int(h) for h in r.smembers(rs.resident_key(MODEL, w.worker_id))} == set(snap["hashes"])
+    beat = json.loads(r.get(rs.heartbeat_key(MODEL, w.worker_id)))
+    assert beat["url"] == w.url and beat["state"]["worker_id"] == w.worker_id
+    assert 0 < r.pttl(rs.heartbeat_key(MODEL, w.worker_id)) <= 3000
+    entries = [rs.decode_event(f) for _, f in r.xrange(rs.stream_key(MODEL))]
+    mine = [ev for wid, ev in entries if wid == w.worker_id]
+    assert mine[0].kind == rs.SNAPSHOT and any(ev.kind == "stored" for ev in mine)
+    stored = {h for ev in mine if ev.kind == "stored" for h in ev.hashes}
+    assert set(snap["hashes"]) <= stored
+
+
+def test_two_replicas_choose_the_same_worker(cluster):
+    a, b = (g.url for g in cluster["gateways"])
+    rng = random.Random(9)
+    docs = [text(rng, 200) for _ in range(6)]
+    for d in docs:
+        assert complete(a, d + " warm").status_code == 200
+    wait_for(lambda: int(complete(b, docs[-1] + " probe").headers["x-kvgate-predicted-cached-tokens"]) > 0,
+             timeout=5, what="replica b to see residency that replica a caused")
+    probes = [d + f" question {i}" for i, d in enumerate(docs)] + [text(rng, 150) for _ in range(4)]
+    chosen = []
+    with cf.ThreadPoolExecutor(2) as pool:
+        for p in probes:
+            time.sleep(0.6)  # both replicas' last /state polls show the fleet idle
+            ra, rb = pool.map(lambda u: complete(u, p), (a, b))
+            assert ra.status_code == rb.status_code == 200
+            chosen.append((ra.headers["x-kvgate-worker"], rb.headers["x-kvgate-worker"]))
+    assert all(x == y for x, y in chosen), chosen
+    assert len({x for x, _ in chosen}) >= 2, "the probes spread over the fleet"
+
+
+def test_in_flight_counts_are_shared_between_replicas(cluster):
+    a, b = (g.url for g in cluster["gateways"])
+    with httpx.stream("POST", a + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "long", "max_tokens": 600, "stream": True}) as r:
+        wid = r.headers["x-kvgate-worker"]
+        line = f'kvgate_gateway_shared_in_flight{{worker="{wid}"}} 1.0'
+        wait_for(lambda: line in httpx.get(b + "/metrics").text, timeout=2, what="b to see a's request")
+    wait_for(lambda: line.replace("1.0", "0.0") in httpx.get(b + "/metrics").text, timeout=2,
+             what="b to see it finish")
+
+
+def test_restarted_replica_rebuilds_100k_resident_blocks_in_under_a_second(tmp_path):
+    proc = wait_redis(start_redis(log_dir=str(tmp_path)))
+    try:
+        r = redis.Redis(port=proc.port)
+        rng = random.Random(0)
+        for i in range(8):
+            wid = f"big{i}"
+            hashes = [rng.getrandbits(64) for _ in range(12_500)]
+            r.sadd(rs.resident_key(MODEL, wid), *hashes)
+            r.set(rs.seq_key(MODEL, wid), 1000 + i)
+            r.set(rs.heartbeat_key(MODEL, wid), json.dumps({"worker_id": wid, "url": f"http://127.0.0.1:{20 + i}",
+                                                            "pool": MODEL, "state": {}}), px=60_000)
+            r.sadd(rs.workers_key(MODEL), wid)
+        r.sadd(rs.POOLS, MODEL)
+
+        async def bootstrap() -> tuple[float, ResidencyIndex]:
+            fleet = Fleet(ResidencyIndex())
+            state = RedisState(f"redis://127.0.0.1:{proc.port}/0", fleet)
+            client = state.client()
+            t0 = time.perf_counter()
+            await state.bootstrap(client)
+            took = time.perf_counter() - t0
+            await client.aclose()
+            await fleet.client.aclose()
+            return took, fleet.index
+        took, index = asyncio.run(bootstrap())
+        assert index.num_blocks() == 100_000 and index.seq("big3") == 1003
+        assert took < 1.0, f"bootstrap took {took:.3f} s"
+    finally:
+        proc.stop()
+
+
+def test_redis_outage_degrades_to_the_embedded_path_and_recovers(cluster):
+    a = cluster["gateways"][0].url
+    rng = random.Random(21)
+    cluster["redis"].kill()
+    wait_for(lambda: httpx.get(a + "/health").json()["redis"] == "down", timeout=5, what="a to notice")
+    assert httpx.get(a + "/health").json()["healthy"] == 4, "workers found through redis stay"
+    doc = text(rng, 200)
+    first = complete(a, doc + " one")
+    assert first.status_code == 200
+
+    def predicted():
+        r = complete(a, doc + f" again {rng.random()}")
+        assert r.status_code == 200
+        return int(r.headers["x-kvgate-predicted-cached-tokens"]) > 0 and r
+    again = wait_for(predicted, timeout=5, interval=0.2, what="residency via /kv/events")
+    assert again.headers["x-kvgate-worker"] == first.headers["x-kvgate-worker"]
+    cluster["redis"] = start_redis(cluster["redis"].port, log_dir=cluster["logs"])
+    wait_redis(cluster["redis"])
+    wait_for(lambda: httpx.get(a + "/health").json()["redis"] == "up", timeout=10, what="a to reconnect")
+    r = redis.Redis(port=cluster["redis"].port)
+    wid = first.headers["x-kvgate-worker"]
+    wait_for(lambda: r.scard(rs.resident_key(MODEL, wid)) > 0, timeout=10, what="the worker to resync its set")
+    doc2 = text(rng, 200)
+    complete(a, doc2 + " one")
+    wait_for(lambda: int(complete(a, doc2 + f" {rng.random()}").headers["x-kvgate-predicted-cached-tokens"]) > 0,
+             timeout=5, interval=0.2, what="residency via redis again")
