@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import pd
 from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
 from gateway.metrics import GatewayMetrics
@@ -43,8 +44,10 @@ class ApiError(Exception):
 
 class Gateway:
     def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
-                 redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None):
+                 redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+                 pd_wait_ms: float = 5000.0):
         self.fleet = fleet
+        self.pd_wait_ms = pd_wait_ms
         self.index: ResidencyIndex = fleet.index
         self.tokenizers = tokenizers
         self.policy = policy
@@ -152,7 +155,7 @@ class Gateway:
             slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
             session_id=str(session) if session is not None else None, model=model)
 
-    def decide(self, view: RequestView, model: str, exclude: set[str]) -> tuple[Worker, Decision]:
+    def decide(self, view: RequestView, model: str, exclude: set[str]) -> tuple[Worker, Decision, Worker | None]:
         """Match the prompt against the index and ask the policy; all in memory."""
         t0 = time.perf_counter()
         workers = [w for w in self.fleet.candidates(model) if w.worker_id not in exclude]
@@ -165,11 +168,12 @@ class Gateway:
             if route.reject == NO_WORKERS:
                 raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
             raise ApiError(429, route.reject, "rate_limit_error", "policy_rejected")
-        chosen = next((w for w in workers if w.worker_id == route.worker), None)
-        if chosen is None:
-            raise ApiError(500, f"policy {self.policy.name} chose {route.worker!r}, not a candidate",
-                           "server_error", "bad_route")
-        return chosen, route
+        by_id = {w.worker_id: w for w in workers}
+        chosen, prefill = by_id.get(route.worker), by_id.get(route.prefill)
+        if chosen is None or (route.prefill is not None and prefill is None):
+            raise ApiError(500, f"policy {self.policy.name} chose {route.worker!r}/{route.prefill!r}, "
+                           "not candidates", "server_error", "bad_route")
+        return chosen, route, prefill
 
     async def dispatch(self, request: Request, kind: str, raw: bytes, model: str,
                        prep: Prepared | None, view: RequestView) -> Response:
@@ -177,11 +181,12 @@ class Gateway:
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
         exclude: set[str] = set()
         for _ in range(2):
-            w, route = self.decide(view, model, exclude)
+            w, route, p = self.decide(view, model, exclude)
             self.fleet.begin(w)
             started = time.monotonic()
+            payload = raw if p is None else self.start_prefill(p, w, kind, raw, headers)
             try:
-                resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request)
+                resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request)
             except ClientGone:
                 self.fleet.end(w)
                 self.metrics.requests.labels(w.worker_id, self.policy.name, "499").inc()
@@ -197,11 +202,25 @@ class Gateway:
             return await self.respond(w, route, view, prep, kind, resp, started)
         raise ApiError(502, "no worker could be reached", "server_error", "worker_unreachable")
 
+    def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict) -> bytes:
+        """Start the prefill leg on `p` in the background; returns the decode leg's body for `d`."""
+        body = json.loads(raw)
+        self.fleet.begin(p)
+
+        def done(ok: bool) -> None:
+            self.fleet.end(p)
+            self.metrics.prefill_legs.labels(p.worker_id, "ok" if ok else "failed").inc()
+
+        pd.start_prefill(self.proxy, p.url, PATHS[kind], pd.prefill_leg(body, d.url), headers, done)
+        return pd.decode_leg(body, self.pd_wait_ms)
+
     async def respond(self, w: Worker, route: Decision, view: RequestView, prep: Prepared | None,
                       kind: str, resp, started: float) -> Response:
         """The worker's answer with the routing headers: streamed through, or read whole."""
         out = self.headers(w.worker_id, route.predicted_cached_tokens)
         out["x-request-id"] = view.request_id
+        if route.prefill is not None:
+            out["x-kvgate-prefill-worker"] = route.prefill
         self.metrics.predicted_cached.labels(w.worker_id).inc(route.predicted_cached_tokens)
         self.metrics.prompt_tokens.labels(w.worker_id).inc(view.num_tokens)
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")

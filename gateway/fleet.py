@@ -17,6 +17,7 @@ import httpx
 
 from gateway.index import RESYNC, ResidencyIndex
 from policies.api import MIXED, WorkerView
+from workers.kv.cost_model import CostModel
 from workers.kv.events import EventBatch
 
 log = logging.getLogger("kvgate.gateway")
@@ -48,6 +49,9 @@ class Worker:
         return self.state.get("model")
 
 
+TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0}
+
+
 def _view(state: dict, url: str) -> WorkerView:
     return WorkerView(
         worker_id=state["worker_id"], role=state.get("role", MIXED),
@@ -56,7 +60,15 @@ def _view(state: dict, url: str) -> WorkerView:
         total_blocks=state.get("total_blocks", 0),
         queued_prefill_tokens=state.get("queued_prefill_tokens", 0),
         kv_tokens=state.get("kv_tokens", 0), max_batched_tokens=state.get("max_batched_tokens", 2048),
-        max_num_seqs=state.get("max_num_seqs", 256), step_ms=state.get("step_ms"), url=url)
+        max_num_seqs=state.get("max_num_seqs", 256), step_ms=state.get("step_ms"), url=url,
+        cost=CostModel.from_json(state["cost_model"]) if state.get("cost_model") else None,
+        kv_bytes_per_token=state.get("kv_bytes_per_token", 0), transfer_gbps=_transfer_gbps(state))
+
+
+def _transfer_gbps(state: dict) -> float:
+    """The worker's measured export rate, else what its transport typically reaches."""
+    kv = state.get("kv_transfer") or {}
+    return kv.get("gbps") or TRANSPORT_GBPS.get(kv.get("transport"), TRANSPORT_GBPS["http"])
 
 
 def with_fields(base: WorkerView, **changes) -> WorkerView:

@@ -54,6 +54,8 @@ class GatewayMetrics:
         self.upstream_failures = Counter("kvgate_gateway_upstream_failures",
                                          "Worker failures: before the response (retried) or mid-response",
                                          ["worker", "stage"], registry=r)
+        self.prefill_legs = Counter("kvgate_gateway_prefill_legs", "P/D prefill legs, by prefill worker and outcome",
+                                    ["worker", "outcome"], registry=r)
         r.register(_FleetCollector(fleet))
 
     def render(self) -> tuple[bytes, str]:

@@ -30,6 +30,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for requests without x-slo-tpot-ms")
     p.add_argument("--health-interval", type=float, default=0.5,
                    help="seconds between /state polls; a worker is out after one failed poll")
+    p.add_argument("--pd-min-uncached-tokens", type=int, metavar="N",
+                   help="P/D-aware policies (slo_goodput) disaggregate only when the best decode/mixed worker "
+                        "lacks at least N prompt tokens; shorter prefills run on the decode worker (default 512)")
+    p.add_argument("--pd-wait-ms", type=float, default=5000.0,
+                   help="how long a decode leg waits for its KV blocks before computing them itself")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="constructor argument for the policy (repeatable; numbers are parsed)")
     p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -47,8 +54,29 @@ def build(args: argparse.Namespace) -> Gateway:
     if args.redis:
         from gateway.redis_state import RedisState
         redis = RedisState(args.redis, fleet, args.replica_id, interval=args.health_interval)
-    return Gateway(fleet, Tokenizers(args.block_size, args.model), load_policy(args.policy), redis=redis,
-                   slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    kwargs = policy_kwargs(args)
+    try:
+        policy = load_policy(args.policy, **kwargs)
+    except TypeError as e:
+        raise SystemExit(f"kvgate gateway: policy {args.policy!r} does not take {sorted(kwargs)}: {e}")
+    return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, redis=redis, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                   pd_wait_ms=args.pd_wait_ms)
+
+
+def policy_kwargs(args: argparse.Namespace) -> dict:
+    """--policy-arg KEY=VALUE pairs (numbers parsed), plus the P/D threshold when given."""
+    kwargs: dict = {}
+    for item in args.policy_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"kvgate gateway: --policy-arg wants KEY=VALUE, got {item!r}")
+        try:
+            kwargs[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            kwargs[key] = value
+    if args.pd_min_uncached_tokens is not None:
+        kwargs["pd_min_uncached_tokens"] = args.pd_min_uncached_tokens
+    return kwargs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF model folder or alias (smollm2-135m)")
     p.add_argument("--served-model-name", help="name clients use (default: alias or folder name)")
     p.add_argument("--executor", choices=["torch", "sim"], default="torch")
-    p.add_argument("--sim-profile", help="cost-model JSON for the sim executor (kvgate calibrate writes one)")
+    p.add_argument("--sim-profile", help="cost-model JSON: the sim executor's step times, and for any executor "
+                   "the model the gateway predicts this worker by (kvgate calibrate writes one)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--block-size", type=int, default=16)
@@ -79,7 +80,8 @@ def build_server(args) -> WorkerServer:
         model_id=name, block_size=args.block_size, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
         worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}", role=args.role,
-        enable_prefix_caching=not args.no_prefix_caching)
+        enable_prefix_caching=not args.no_prefix_caching,
+        cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None))
     engine = Engine(executor, tokenizer, config)
     engine.start()
     return WorkerServer(engine, name, getattr(executor, "vocab_size", len(tokenizer)), args.internal_token,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from workers.detokenizer import Detokenizer
 from workers.executors.batch import Executor, SeqChunk
 from workers.kv.block_pool import BlockPool
+from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
 from workers.kv.kv_manager import KVCacheManager
@@ -32,6 +33,7 @@ class EngineConfig:
     worker_id: str = "worker-0"
     role: str = "mixed"
     enable_prefix_caching: bool = True
+    cost_model: CostModel | None = None
 
 
 @dataclass
@@ -286,6 +288,8 @@ class Engine:
             "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
             "step_ms": sum(r[0] for r in recent) / len(recent) if recent else None,
             "recent_steps": [list(r) for r in recent],
+            "cost_model": c.cost_model.to_json() if c.cost_model else None,
+            "kv_bytes_per_token": getattr(self.executor, "kv_bytes_per_token", 0),
             "kv_seq": self.events.last_seq,
             "preemptions": self.stats.preemptions,
             "pending_kv": len(self._pending),
