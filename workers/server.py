@@ -47,6 +47,9 @@ class WorkerServer:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
+        loop = asyncio.get_running_loop()
+        self._kv_changed = asyncio.Event()
+        self.engine.events.subscribe(lambda ev: loop.call_soon_threadsafe(self._kv_changed.set))
         if self.publisher is not None:
             await self.publisher.start()
         yield
@@ -170,8 +173,16 @@ class WorkerServer:
         except ValueError:
             return error(400, "'after' must be an integer and 'timeout' a number of seconds")
         events = self.engine.events
-        if timeout > 0 and events.last_seq <= after:
-            await asyncio.to_thread(events.wait, after, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while events.last_seq <= after and loop.time() < deadline:
+            self._kv_changed.clear()
+            if events.last_seq > after:
+                break
+            try:
+                await asyncio.wait_for(self._kv_changed.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
         return JSONResponse(events.after(after).to_json())
 
     async def kv_snapshot(self, request: Request) -> Response:

@@ -6,7 +6,7 @@ next expected seq is older than what the log still holds) resynchronises from a 
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from threading import Condition
+from threading import Lock
 
 STORED = "stored"
 REMOVED = "removed"
@@ -50,13 +50,13 @@ class EventBatch:
 
 
 class EventLog:
-    """A bounded, thread-safe log that numbers events and lets readers wait for new ones."""
+    """A bounded, thread-safe log that numbers events; listeners hear of each new one."""
 
     def __init__(self, worker_id: str, capacity: int = 65536):
         self.worker_id = worker_id
         self._events: deque[KVEvent] = deque(maxlen=capacity)
         self._seq = 0
-        self._cond = Condition()
+        self._lock = Lock()
         self._listeners: list = []
 
     @property
@@ -68,26 +68,20 @@ class EventLog:
         self._listeners.append(fn)
 
     def append(self, kind: str, hashes: tuple[int, ...] = (), parent: int | None = None) -> KVEvent:
-        with self._cond:
+        with self._lock:
             self._seq += 1
             ev = KVEvent(self._seq, kind, tuple(hashes), parent)
             self._events.append(ev)
-            self._cond.notify_all()
         for fn in self._listeners:
             fn(ev)
         return ev
 
     def after(self, seq: int, limit: int = 4096) -> EventBatch:
         """Events with seq > `seq`; `gap` when some of them have been dropped from the log."""
-        with self._cond:
+        with self._lock:
             oldest = self._events[0].seq if self._events else self._seq + 1
             if seq + 1 < oldest and seq < self._seq:
                 return EventBatch(self.worker_id, [], self._seq, gap=True)
             start = max(0, seq + 1 - oldest)
             evs = [self._events[i] for i in range(start, min(len(self._events), start + limit))]
             return EventBatch(self.worker_id, evs, self._seq)
-
-    def wait(self, seq: int, timeout: float) -> bool:
-        """Block until an event newer than `seq` exists (long-poll support)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._seq > seq, timeout)
