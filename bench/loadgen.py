@@ -1,0 +1,206 @@
+"""`kvgate bench serve`: an open-loop, streaming load generator for any OpenAI endpoint.
+
+    kvgate bench serve --url http://127.0.0.1:8000 --workload shared-prefix --sweep 1,2,4 \\
+        --duration 60 --slo-ttft-ms 2000 --slo-tpot-ms 200 --out bench/results/serve.json
+
+Open loop: each request is sent at its arrival time whatever happened to earlier ones, so a
+slow server builds a queue instead of slowing the client down (a closed loop would hide
+overload). Prompts go as token-id lists to /v1/completions with `stream: true`,
+`ignore_eos: true` and usage in the last chunk; the SLOs ride along as `x-slo-ttft-ms` /
+`x-slo-tpot-ms` headers for SLO-aware routers. Several `--url`s are used round-robin from the
+client (a fleet without a router). Per request: TTFT, TPOT, inter-token latencies,
+end-to-end, cached tokens, the worker that served it (`x-kvgate-worker`), errors.
+"""
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+
+from bench import report as rep
+from bench.plots import plot_report
+from bench.workloads import BenchRequest, WorkloadConfig, add_args, from_args, generate
+
+
+class Progress:
+    """A one-line status on stderr while requests are in the air."""
+
+    def __init__(self, label: str, total: int, duration: float):
+        self.label, self.total, self.duration = label, total, duration
+        self.sent = self.done = self.errors = 0
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def line(self) -> str:
+        el = time.perf_counter() - self.start
+        return (f"  {self.label}: sent {self.sent}/{self.total}, done {self.done}, errors {self.errors}, "
+                f"{el:.0f}/{self.duration:.0f} s")
+
+    async def show(self) -> None:
+        while True:
+            await asyncio.sleep(0.5 if self.tty else 5.0)
+            print(("\r" if self.tty else "") + self.line(), end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
+
+
+def request_body(br: BenchRequest, model: str | None, token_ids: bool) -> dict:
+    body = {"prompt": br.prompt, "max_tokens": br.max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.0}
+    if model:
+        body["model"] = model
+    if token_ids:
+        body["return_token_ids"] = True
+    if br.session:
+        body["user"] = br.session
+    return body
+
+
+async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str | None,
+               headers: dict, token_ids: bool) -> dict:
+    """Stream one completion; the record holds client-side timings and the server's usage."""
+    rec = {"index": br.index, "arrival_s": br.arrival_s, "prompt_tokens": len(br.prompt),
+           "max_tokens": br.max_tokens, "output_tokens": 0, "cached_tokens": 0, "ttft_ms": None,
+           "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "worker": None, "error": None,
+           "session": br.session}
+    if br.session:
+        headers = {**headers, "x-session-id": br.session}
+    start = time.perf_counter()
+    times: list[float] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=request_body(br, model, token_ids),
+                                 headers=headers) as resp:
+            rec["worker"] = resp.headers.get("x-kvgate-worker")
+            if resp.status_code != 200:
+                rec["error"] = f"http {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec["error"] = f"stream error: {obj['error'].get('message', obj['error'])}"
+                    break
+                usage = obj.get("usage") or usage
+                now = time.perf_counter()
+                for ch in obj.get("choices") or ():
+                    n = len(ch.get("token_ids") or ()) or (1 if ch.get("text") else 0)
+                    times.extend([now] * n)
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    return finish_record(rec, start, end, times, usage)
+
+
+def finish_record(rec: dict, start: float, end: float, times: list[float], usage: dict) -> dict:
+    out = usage.get("completion_tokens", len(times))
+    rec["output_tokens"] = out
+    rec["prompt_tokens"] = usage.get("prompt_tokens", rec["prompt_tokens"])
+    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    if times:
+        rec["ttft_ms"] = (times[0] - start) * 1000.0
+        rec["e2e_ms"] = (end - start) * 1000.0
+        rec["tpot_ms"] = rep.tpot_ms(rec["ttft_ms"], (times[-1] - start) * 1000.0, out)
+        rec["itl_ms"] = [(b - a) * 1000.0 for a, b in zip(times, times[1:]) if b > a]
+    elif not rec["error"]:
+        rec["error"] = "no tokens: the stream ended without output"
+    return rec
+
+
+async def run_rate(urls: list[str], cfg: WorkloadConfig, model: str | None, slo: tuple[float, float],
+                   token_ids: bool = True, timeout: float = 600.0) -> list[dict]:
+    """Fire the workload's requests at their arrival times; wait for all; return records."""
+    requests = list(generate(cfg))
+    headers = {"x-slo-ttft-ms": str(slo[0]), "x-slo-tpot-ms": str(slo[1])}
+    progress = Progress(f"{cfg.rate:g} req/s", len(requests), cfg.duration_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+
+        async def one(i: int, br: BenchRequest) -> dict:
+            rec = await send(client, urls[i % len(urls)], br, model, headers, token_ids)
+            progress.done += 1
+            progress.errors += rec["error"] is not None
+            return rec
+
+        shower = asyncio.create_task(progress.show())
+        loop = asyncio.get_running_loop()
+        t0, tasks = loop.time(), []
+        for i, br in enumerate(requests):
+            delay = t0 + br.arrival_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, br)))
+            progress.sent += 1
+        records = await asyncio.gather(*tasks)
+        shower.cancel()
+    progress.close()
+    return list(records)
+
+
+def served_model(url: str) -> str | None:
+    """The first model the endpoint lists, when the caller did not name one."""
+    try:
+        data = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        return data[0]["id"] if data else None
+    except (httpx.HTTPError, KeyError, ValueError, IndexError):
+        return None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", action="append", required=True,
+                   help="endpoint base URL (repeat to spread requests round-robin from the client)")
+    rate = p.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--rate", type=float, help="requests per second")
+    rate.add_argument("--sweep", help="R1,R2,...: one run per rate; goodput from the sweep")
+    add_args(p)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument("--model", help="model name (default: the first one /v1/models lists)")
+    p.add_argument("--label", help="name of this target in the report (default: the URL)")
+    p.add_argument("--no-token-ids", action="store_true",
+                   help="do not ask for return_token_ids (for endpoints that reject it; tokens are then counted per chunk)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--title", help="plot title")
+    p.add_argument("--out", required=True, help="report JSON; plots are written next to it")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        sys.exit("usage: kvgate bench serve --url URL ... (see kvgate bench serve --help)")
+    args = parser().parse_args(argv[1:])
+    urls = [u.rstrip("/") for u in args.url]
+    model = args.model or served_model(urls[0])
+    rates = [args.rate] if args.rate else sorted(float(r) for r in args.sweep.split(","))
+    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+    label = args.label or (urls[0] if len(urls) == 1 else f"{len(urls)} urls, client round-robin")
+    t0 = time.perf_counter()
+    runs = []
+    for rate in rates:
+        records = asyncio.run(run_rate(urls, from_args(args, rate), model, slo, not args.no_token_ids, args.timeout))
+        run = rep.summarize(records, *slo)
+        run.update(rate_rps=rate, records=records)
+        runs.append(run)
+        print(f"  {rate:g} req/s: attainment {run['slo_attainment']:.3f}, ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, "
+              f"tpot p50 {run['tpot_p50_ms'] or 0:.1f} ms, cached {run['cached_token_ratio']:.2f}, "
+              f"errors {run['errors']}", file=sys.stderr, flush=True)
+    meta = {"kind": "bench-serve", "title": args.title or f"{args.workload} against {label}",
+            "command": "kvgate bench " + " ".join(argv), "urls": urls, "model": model,
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+            "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
+            "wall_s": time.perf_counter() - t0}
+    report = rep.build({label: runs}, meta)
+    report["plots"] = plot_report(report, args.out)
+    rep.write_json(args.out, report)
+    rep.print_table(report, sys.stderr)
+    print(f"wrote {args.out} and {', '.join(report['plots'])}", file=sys.stderr)

@@ -1,0 +1,236 @@
+"""One worker in virtual time: the real scheduler, KV cache manager, block pool and event log,
+with each step taking what the `sim` executor's cost model says.
+
+It is the engine's step loop (drain the inbox, schedule, execute, commit, emit) cut at the
+execute: a step starts at one event and its results land at the next, when the virtual clock
+reaches its end. What changes in between is exactly what changes in `Engine.step`.
+
+Decode segments. When a step can only be "every running request decodes one token" (nothing
+waiting, nothing prefilling, the pool has the blocks) the next steps are the same step again
+until a request finishes, so k of them run as one event: the k step times are summed from the
+same cost model, and blocks, commits and tokens are applied in bulk through the same KV
+manager. An arrival routed here mid-segment cuts it after the step in progress, as the
+engine would drain it at the next step. The result is identical to stepping one at a time
+(tests/test_simulate.py checks that), only far fewer events.
+
+Output token ids: a constant per request (from its seed), never in any prompt; what matters
+for the cache is only that each request's output blocks hash uniquely.
+"""
+from bisect import bisect_left, bisect_right
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from workers.executors.batch import SeqChunk
+from workers.executors.sim import SimExecutor
+from workers.kv.block_pool import BlockPool
+from workers.kv.cost_model import CostModel
+from workers.kv.events import EventLog
+from workers.kv.hashing import seed_hash
+from workers.kv.kv_manager import KVCacheManager
+from workers.request import Request
+from workers.scheduler import Scheduler, StepPlan
+
+OUTPUT_TOKEN_LOW, OUTPUT_TOKEN_SPAN = 1000, 30000
+
+
+@dataclass
+class SimConfig:
+    model_id: str = "sim"
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 65536
+    fast_forward: bool = True
+
+
+def output_token(req: Request) -> int:
+    return OUTPUT_TOKEN_LOW + (req.params.seed or 0) % OUTPUT_TOKEN_SPAN
+
+
+class SimWorker:
+    """Call `submit` when a request is routed here and `advance` at each time it returns."""
+
+    def __init__(self, worker_id: str, cfg: SimConfig, cost: CostModel,
+                 on_finish: Callable[[Request, float], None]):
+        self.worker_id = worker_id
+        self.cfg = cfg
+        self.events = EventLog(worker_id)
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events)
+        self.kv = KVCacheManager(self.pool, seed_hash(cfg.model_id, cfg.block_size))
+        self.scheduler = Scheduler(self.kv, cfg.max_batched_tokens, cfg.max_num_seqs)
+        self.executor = SimExecutor(cost, vocab_size=OUTPUT_TOKEN_LOW + OUTPUT_TOKEN_SPAN,
+                                    max_model_len=cfg.max_model_len, wait=lambda s: None)
+        self.on_finish = on_finish
+        self.inbox: list[Request] = []
+        self.busy = False
+        self.plan: StepPlan | None = None
+        self.samples: list[bool] = []
+        self.seg_ends: list[float] = []
+        self.seg_ms: list[float] = []
+        self.seg_len = 0
+        self.seg_done = 0
+        self.seg_finishing: list[Request] = []
+        self.recent_ms: deque[float] = deque(maxlen=32)
+
+    # arrivals and events
+
+    def submit(self, req: Request, now: float) -> float | None:
+        """Queue `req`; returns a new time for this worker's next event, if it changed."""
+        self.inbox.append(req)
+        if not self.busy:
+            self.busy = True
+            return now
+        if self.seg_len:
+            cut = 1 + bisect_left(self.seg_ends, now, 0, self.seg_len - 1)
+            if cut < self.seg_len:
+                self.seg_len = cut
+                return self.seg_ends[cut - 1]
+        return None
+
+    def advance(self, now: float) -> float | None:
+        """Land the step (or segment) ending now, then start the next; None when idle."""
+        if self.plan is not None:
+            self._land_step(now)
+        elif self.seg_len:
+            self._land_segment(self.seg_len)
+        return self._start(now)
+
+    def sync(self, now: float) -> None:
+        """Land the segment's steps that have ended by `now` (before a state poll)."""
+        if self.seg_len:
+            done = bisect_right(self.seg_ends, now, 0, self.seg_len)
+            if self.seg_done < done < self.seg_len:
+                self._apply_decodes(done - self.seg_done)
+
+    # one step
+
+    def _start(self, now: float) -> float | None:
+        for req in self.inbox:
+            self.scheduler.add(req)
+        self.inbox.clear()
+        self.seg_len = self.seg_done = 0
+        while self.scheduler.has_work():
+            if self.cfg.fast_forward and self._plan_segment(now):
+                return self.seg_ends[self.seg_len - 1]
+            plan = self.scheduler.schedule()
+            for req in plan.evicted:
+                self.on_finish(req, now)
+            if plan.scheduled:
+                return self._launch(plan, now)
+        self.busy = False
+        return None
+
+    def _launch(self, plan: StepPlan, now: float) -> float:
+        chunks = []
+        for req, n in plan.scheduled:
+            start = req.num_computed
+            chunks.append(SeqChunk(req.token_ids[start:start + n], start, [],
+                                   start + n == req.num_tokens, req.params))
+        ms = self.executor.step_ms(chunks)
+        self.plan, self.samples = plan, [c.sample for c in chunks]
+        self.recent_ms.append(ms)
+        return now + ms / 1000.0
+
+    def _land_step(self, now: float) -> None:
+        plan, self.plan = self.plan, None
+        for (req, n), sample in zip(plan.scheduled, self.samples):
+            req.num_computed += n
+            self.kv.commit(req)
+            if sample:
+                if req.first_token_at is None:
+                    req.first_token_at = now
+                req.token_ids.append(output_token(req))
+                if self._done(req):
+                    self._finish(req, now)
+
+    def _done(self, req: Request) -> bool:
+        return req.num_tokens - req.num_prompt >= req.params.max_tokens or req.num_tokens >= self.cfg.max_model_len
+
+    def _finish(self, req: Request, now: float) -> None:
+        self.scheduler.running.remove(req)
+        self.scheduler.finish(req, "length")
+        self.on_finish(req, now)
+
+    # decode segments
+
+    def _steps_left(self) -> int:
+        """Decode steps until the first running request finishes (noting which ones finish
+        then); 0 if the next step is not a pure decode of every running request."""
+        s = self.scheduler
+        if s.waiting or not s.running or len(s.running) > s.max_batched_tokens:
+            return 0
+        left = []
+        for r in s.running:
+            n = r.num_tokens
+            if n - r.num_computed != 1 or r.num_computed < r.num_prompt:
+                return 0
+            left.append(min(r.params.max_tokens - (n - r.num_prompt), self.cfg.max_model_len - n))
+        k = min(left)
+        self.seg_finishing = [r for r, n in zip(s.running, left) if n == k]
+        return k
+
+    def _blocks_for(self, k: int) -> int:
+        B = self.cfg.block_size
+        return sum(max(0, -(-(r.num_computed + k) // B) - len(r.blocks)) for r in self.scheduler.running)
+
+    def _plan_segment(self, now: float) -> bool:
+        """Plan k identical decode steps (fewer if the pool would run short mid-way)."""
+        k = self._steps_left()
+        if k and self._blocks_for(k) > self.pool.num_free:
+            lo, hi = 0, k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self._blocks_for(mid) <= self.pool.num_free else (lo, mid - 1)
+            k = lo
+        if not k:
+            return False
+        running = self.scheduler.running
+        seqs, kv = len(running), sum(r.num_tokens for r in running)
+        cost, t = self.executor.cost, now
+        self.seg_ends, self.seg_ms = [], []
+        for i in range(k):
+            ms = cost.step_ms(decode_seqs=seqs, decode_kv_tokens=kv + seqs * i)
+            t += ms / 1000.0
+            self.seg_ends.append(t)
+            self.seg_ms.append(ms)
+        self.seg_len, self.seg_done = k, 0
+        return True
+
+    def _apply_decodes(self, m: int) -> None:
+        """m decode steps for every running request: blocks, then tokens and commits. The
+        KV manager is called only where it has something to do (a block to add, a block
+        filled); elsewhere its calls are no-ops."""
+        kv, B = self.kv, self.cfg.block_size
+        for r in self.scheduler.running:
+            if kv.blocks_needed(r, m):
+                assert kv.allocate_slots(r, m), "planned decode segment ran out of blocks"
+        for r in self.scheduler.running:
+            r.num_computed += m
+            r.token_ids.extend([output_token(r)] * m)
+            if r.num_computed // B > r.num_registered // B:
+                kv.commit(r)
+        self.recent_ms.extend(self.seg_ms[self.seg_done:self.seg_done + m])
+        self.seg_done += m
+
+    def _land_segment(self, upto: int) -> None:
+        if upto > self.seg_done:
+            self._apply_decodes(upto - self.seg_done)
+        now = self.seg_ends[upto - 1]
+        for r in self.seg_finishing:
+            if self._done(r):
+                self._finish(r, now)
+
+    # what the gateway's state poll would read
+
+    def state(self) -> dict:
+        s = self.scheduler
+        recent = self.recent_ms
+        return {"worker_id": self.worker_id, "block_size": self.cfg.block_size,
+                "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.num_free,
+                "waiting": len(s.waiting), "running": len(s.running),
+                "queued_prefill_tokens": s.queued_prefill_tokens,
+                "kv_tokens": sum(r.num_computed for r in s.running),
+                "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
+                "step_ms": sum(recent) / len(recent) if recent else None}

@@ -1,0 +1,190 @@
+"""`kvgate simulate`: compare routing policies on a simulated fleet, in virtual time.
+
+    kvgate simulate --workers 128 --policies round_robin,prefix_affinity --workload shared-prefix \\
+        --sweep --duration 60 --slo-ttft-ms 1000 --slo-tpot-ms 50 \\
+        --profile bench/profiles/h200-llama8b.json --out bench/results/sim.json
+
+Each (policy, rate) is one independent simulation of a fresh fleet (see fleet_sim). `--rate R`
+runs one rate; `--sweep R1,R2,...` runs those; a bare `--sweep` searches each policy's goodput:
+it doubles the rate from a conservative guess until attainment drops below 90%, then bisects
+`--refine` times, and finally runs every policy at the best policy's highest passing rate so
+the headline numbers compare like with like. Output: the JSON report plus -cdf.png and
+-attainment.png next to it.
+"""
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+
+from bench import report as rep
+from bench.fleet_sim import FleetConfig, FleetSim, stderr_progress
+from bench.plots import plot_report
+from bench.sim_worker import SimConfig
+from bench.workloads import WorkloadConfig, add_args, from_args, generate
+from policies.registry import BUILTIN_POLICIES, load_policy
+from workers.kv.cost_model import CostModel
+
+MAX_DOUBLINGS = 14
+
+
+def run_one(policy: str, rate: float, wl: WorkloadConfig, fleet: FleetConfig, quiet: bool = False) -> dict:
+    """One simulation: a fresh fleet behind `policy` at `rate`; returns its summary."""
+    label = f"{policy} @ {rate:g} req/s"
+    sim = FleetSim(load_policy(policy), fleet)
+    t0 = time.perf_counter()
+    records = sim.run(generate(wl.with_rate(rate)), wl.duration_s, None if quiet else stderr_progress(label))
+    wall = time.perf_counter() - t0
+    out = rep.summarize(records, fleet.slo_ttft_ms, fleet.slo_tpot_ms)
+    out.update(rate_rps=rate, wall_s=wall, events=sim.events_processed)
+    if not quiet:
+        print(f"  {label}: attainment {out['slo_attainment']:.3f}, ttft p50 {out['ttft_p50_ms'] or 0:.0f} ms, "
+              f"tpot p50 {out['tpot_p50_ms'] or 0:.1f} ms, cached {out['cached_token_ratio']:.2f}, "
+              f"{out['requests']} requests in {wall:.1f} s wall", file=sys.stderr, flush=True)
+    return out
+
+
+def start_rate(wl: WorkloadConfig, fleet: FleetConfig) -> float:
+    """A rate the fleet surely sustains: every worker serving one uncached request at a time."""
+    sample = [r for _, r in zip(range(200), generate(wl.with_rate(max(wl.rate, 1.0))))]
+    if not sample:
+        return 1.0
+    prompt = sum(len(r.prompt) for r in sample) / len(sample)
+    out = sum(r.max_tokens for r in sample) / len(sample)
+    c = fleet.cost
+    ms = c.prefill_ms(int(prompt), chunk=fleet.sim.max_batched_tokens) + out * c.decode_ms(1, int(prompt + out / 2))
+    return _round(fleet.workers * 1000.0 / ms)
+
+
+def _round(r: float) -> float:
+    return float(f"{r:.3g}")
+
+
+def search(policy: str, wl: WorkloadConfig, fleet: FleetConfig, start: float, refine: int) -> list[dict]:
+    """Attainment at the rates needed to bracket the 90% crossing, then `refine` bisections."""
+    runs: dict[float, dict] = {}
+
+    def passes(r: float) -> bool:
+        if r not in runs:
+            runs[r] = run_one(policy, r, wl, fleet)
+        return runs[r]["slo_attainment"] >= rep.TARGET
+
+    r = start
+    if passes(r):
+        for _ in range(MAX_DOUBLINGS):
+            if not passes(_round(r * 2)):
+                break
+            r = _round(r * 2)
+        lo, hi = r, _round(r * 2)
+    else:
+        for _ in range(MAX_DOUBLINGS):
+            if passes(_round(r / 2)):
+                break
+            r = _round(r / 2)
+        lo, hi = _round(r / 2), r
+    for _ in range(refine):
+        mid = _round((lo + hi) / 2)
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if passes(mid) else (lo, mid)
+    return list(runs.values())
+
+
+def sweep(policies: list[str], rates: list[float] | None, wl: WorkloadConfig, fleet: FleetConfig,
+          refine: int, jobs: int) -> dict[str, list[dict]]:
+    """Runs per policy: the given rates, or a goodput search plus the common reference rate."""
+    with ProcessPoolExecutor(jobs) as pool:
+        if rates:
+            futs = {(p, r): pool.submit(run_one, p, r, wl, fleet) for p in policies for r in rates}
+            series = {p: [futs[p, r].result() for r in rates] for p in policies}
+        else:
+            start = start_rate(wl, fleet)
+            futs = {p: pool.submit(search, p, wl, fleet, start, refine) for p in policies}
+            series = {p: futs[p].result() for p in policies}
+            passing = [r["rate_rps"] for runs in series.values() for r in runs if r["slo_attainment"] >= rep.TARGET]
+            ref = max(passing) if passing else min(r["rate_rps"] for runs in series.values() for r in runs)
+            extra = {p: pool.submit(run_one, p, ref, wl, fleet) for p, runs in series.items()
+                     if all(r["rate_rps"] != ref for r in runs)}
+            for p, fut in extra.items():
+                series[p].append(fut.result())
+    return series
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--policies", default=",".join(BUILTIN_POLICIES),
+                   help="comma-separated policy names or module:Class specs")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, help="one request rate (req/s)")
+    rate.add_argument("--sweep", nargs="?", const="auto",
+                      help="R1,R2,... rates to run, or nothing to search each policy's goodput")
+    add_args(p)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--profile", help="cost-model JSON (kvgate calibrate writes one); default CostModel()")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker")
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=65536)
+    p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
+    p.add_argument("--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival")
+    p.add_argument("--request-overhead-ms", type=float,
+                   help="delay from arrival to the worker's queue (default: the profile's, else 0)")
+    p.add_argument("--views-with-cost", action="store_true",
+                   help="give policies the cost model (the gateway does not: it sends step_ms only)")
+    p.add_argument("--no-fast-forward", action="store_true", help="step every decode one at a time (slow; for checking)")
+    p.add_argument("--refine", type=int, default=3, help="bisection steps of the goodput search")
+    p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel processes")
+    p.add_argument("--title", help="plot title")
+    p.add_argument("--out", required=True, help="report JSON; plots are written next to it")
+    return p
+
+
+def fleet_config(args: argparse.Namespace) -> FleetConfig:
+    sim = SimConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                    max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len, fast_forward=not args.no_fast_forward)
+    profile = load_profile(args.profile) if args.profile else {}
+    cost = CostModel.from_json(profile) if profile else CostModel()
+    overhead = args.request_overhead_ms if args.request_overhead_ms is not None else profile.get("request_overhead_ms", 0.0)
+    return FleetConfig(workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
+                       slo_tpot_ms=args.slo_tpot_ms, poll_s=args.poll_ms / 1000.0, drain_s=args.drain_s,
+                       views_with_cost=args.views_with_cost, request_overhead_ms=overhead)
+
+
+def load_profile(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        load_policy(p)
+    fleet = fleet_config(args)
+    wl = from_args(args, args.rate or 10.0)
+    rates = [args.rate] if args.rate else None
+    if args.sweep and args.sweep != "auto":
+        rates = sorted(float(r) for r in args.sweep.split(","))
+    if not rates and not args.sweep:
+        sys.exit("kvgate simulate: give --rate R or --sweep [R1,R2,...]")
+    t0 = time.perf_counter()
+    series = sweep(policies, rates, wl, fleet, args.refine, args.jobs)
+    title = args.title or f"{args.workload}, {args.workers} simulated workers"
+    meta = {"kind": "simulate", "title": title, "command": "kvgate simulate " + " ".join(argv or sys.argv[1:]),
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "workers": args.workers,
+            "workload": {k: v for k, v in asdict(wl).items() if k != "rate"},
+            "fleet": {"sim": asdict(fleet.sim), "cost": fleet.cost.to_json(), "profile": args.profile,
+                      "poll_s": fleet.poll_s, "views_with_cost": fleet.views_with_cost,
+                      "request_overhead_ms": fleet.request_overhead_ms},
+            "wall_s": time.perf_counter() - t0}
+    report = rep.build(series, meta)
+    report["plots"] = plot_report(report, args.out)
+    rep.write_json(args.out, report)
+    rep.print_table(report, sys.stderr)
+    print(f"wrote {args.out} and {', '.join(report['plots'])} in {meta['wall_s']:.1f} s", file=sys.stderr)

@@ -1,0 +1,211 @@
+"""Request streams for benchmarks and the simulator: who asks what, and when.
+
+Each workload yields `BenchRequest`s in arrival order as prompt token ids, so the same stream
+drives a real endpoint (`prompt` as a list of ints) and the simulator, and equal prefixes are
+equal token ids (hence equal block hashes) wherever they run. Streams are lazy: the simulator
+holds only requests in flight, not minutes of prompts. Everything is seeded.
+"""
+import argparse
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+import numpy as np
+
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc-qa", "random", "trace")
+TRACE_BLOCK = 512
+TOKEN_LOW = 100
+
+# Per-workload defaults for the knobs left unset on the command line.
+DEFAULTS = {
+    "shared-prefix": dict(groups=16, prefix_len=2048, question_len=128, output_len=128),
+    "long-doc-qa": dict(groups=4, prefix_len=8192, question_len=64, output_len=64),
+    "multi-turn": dict(prefix_len=512, question_len=128, output_len=128, turns=8, think_s=5.0),
+    "random": dict(input_len=1024, output_len=128),
+    "trace": dict(),
+}
+
+
+@dataclass
+class BenchRequest:
+    index: int
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+    session: str | None = None
+
+
+@dataclass
+class WorkloadConfig:
+    """Every knob of every workload; `None` means the workload's default from DEFAULTS."""
+    name: str = "shared-prefix"
+    rate: float = 10.0
+    duration_s: float = 60.0
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    seed: int = 0
+    vocab_size: int = 32000
+    groups: int | None = None
+    prefix_len: int | None = None
+    question_len: int | None = None
+    output_len: int | None = None
+    input_len: int | None = None
+    turns: int | None = None
+    think_s: float | None = None
+    trace: str | None = None
+
+    def get(self, knob: str):
+        v = getattr(self, knob)
+        return DEFAULTS[self.name].get(knob) if v is None else v
+
+    def with_rate(self, rate: float) -> "WorkloadConfig":
+        return WorkloadConfig(**{**self.__dict__, "rate": rate})
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags shared by `kvgate bench serve` and `kvgate simulate`."""
+    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="coefficient of variation of gamma inter-arrival times (>1 is bursty)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
+    for knob in ("groups", "prefix_len", "question_len", "output_len", "input_len", "turns"):
+        p.add_argument("--" + knob.replace("_", "-"), type=int, default=None)
+    p.add_argument("--think-s", type=float, default=None, help="multi-turn: mean gap between turns")
+    p.add_argument("--trace", help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids)")
+
+
+def from_args(args: argparse.Namespace, rate: float) -> WorkloadConfig:
+    known = {f.name for f in fields(WorkloadConfig)} - {"name", "rate", "duration_s"}
+    kw = {k: v for k, v in vars(args).items() if k in known}
+    return WorkloadConfig(**kw, name=args.workload, rate=rate, duration_s=args.duration)
+
+
+def arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Iterator[float]:
+    """Arrival times in [0, duration): Poisson, or gamma with coefficient of variation
+    `burstiness` (shape 1/CV^2), which at CV > 1 clusters requests into bursts at the same mean rate."""
+    if cfg.rate <= 0:
+        return
+    t = 0.0
+    while True:
+        if cfg.arrival == "gamma":
+            shape = 1.0 / cfg.burstiness ** 2
+            t += rng.gamma(shape, 1.0 / (cfg.rate * shape))
+        else:
+            t += rng.exponential(1.0 / cfg.rate)
+        if t >= cfg.duration_s:
+            return
+        yield t
+
+
+def tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    return rng.integers(TOKEN_LOW, vocab_size, n).tolist()
+
+
+def generate(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
+    """The request stream `cfg` describes, in arrival order."""
+    if cfg.name not in WORKLOADS:
+        raise ValueError(f"unknown workload {cfg.name!r}; choose from {', '.join(WORKLOADS)}")
+    if cfg.name == "trace":
+        return trace(cfg)
+    return {"shared-prefix": shared_prefix, "long-doc-qa": shared_prefix,
+            "multi-turn": multi_turn, "random": random_prompts}[cfg.name](cfg)
+
+
+def shared_prefix(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
+    """G groups, each with an L-token system prompt (or document), plus a fresh Q-token
+    question per request; `long-doc-qa` is the same shape with few, long prefixes."""
+    rng = np.random.default_rng(cfg.seed)
+    groups, out = cfg.get("groups"), cfg.get("output_len")
+    prefixes = [tokens(rng, cfg.get("prefix_len"), cfg.vocab_size) for _ in range(groups)]
+    for i, t in enumerate(arrivals(cfg, rng)):
+        g = int(rng.integers(groups))
+        prompt = prefixes[g] + tokens(rng, cfg.get("question_len"), cfg.vocab_size)
+        yield BenchRequest(i, t, prompt, out, f"group-{g}")
+
+
+def random_prompts(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
+    """No sharing: prompt lengths uniform in [L/2, 3L/2]."""
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.get("input_len")
+    for i, t in enumerate(arrivals(cfg, rng)):
+        length = int(rng.integers(max(1, n // 2), n + n // 2 + 1))
+        yield BenchRequest(i, t, tokens(rng, length, cfg.vocab_size), cfg.get("output_len"))
+
+
+def multi_turn(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
+    """Chat sessions of `turns` turns that all open with the same system prompt.
+
+    A turn's prompt is the previous prompt + the previous answer + a new question. The answer
+    is planned here (a real model or the simulator says something else), so what a later turn
+    can hit in cache is the previous turn's prompt. Arrivals are dealt round-robin to
+    ceil(rate * think_s) session slots, so a session's turns are about `think_s` apart at any
+    rate; a slot whose session is done starts a new one. The first session of each slot
+    joins at a random turn (with its history made up), so the mix of turns is steady from
+    the start rather than only after `turns * think_s` seconds.
+    """
+    rng = np.random.default_rng(cfg.seed)
+    system = tokens(rng, cfg.get("prefix_len"), cfg.vocab_size)
+    q, out, turns = cfg.get("question_len"), cfg.get("output_len"), cfg.get("turns")
+    slots: list[tuple[str, int, list[int]] | None] = [None] * max(1, math.ceil(cfg.rate * cfg.get("think_s")))
+    sessions = 0
+    for i, t in enumerate(arrivals(cfg, rng)):
+        k = i % len(slots)
+        if slots[k] is None or slots[k][1] >= turns:
+            turn = int(rng.integers(turns)) if slots[k] is None else 0
+            slots[k] = (f"session-{sessions}", turn, system + tokens(rng, turn * (q + out), cfg.vocab_size))
+            sessions += 1
+        sid, turn, context = slots[k]
+        prompt = context + tokens(rng, q, cfg.vocab_size)
+        slots[k] = (sid, turn + 1, prompt + tokens(rng, out, cfg.vocab_size))
+        yield BenchRequest(i, t, prompt, out, sid)
+
+
+def read_trace(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@lru_cache(maxsize=16384)
+def trace_block(hash_id: int, seed: int, vocab_size: int) -> tuple[int, ...]:
+    """The 512 token ids standing for one trace hash id: equal ids give equal tokens."""
+    rng = np.random.default_rng([seed, hash_id])
+    return tuple(rng.integers(TOKEN_LOW, vocab_size, TRACE_BLOCK).tolist())
+
+
+def trace_prompt(row: dict, index: int, cfg: WorkloadConfig) -> list[int]:
+    """Concatenated blocks of the row's hash ids, cut to `input_length`; a trace that lists too
+    few blocks is padded with tokens unique to this request."""
+    n = int(row["input_length"])
+    prompt: list[int] = []
+    for h in row.get("hash_ids", ()):
+        if len(prompt) >= n:
+            break
+        prompt.extend(trace_block(int(h), cfg.seed, cfg.vocab_size))
+    if len(prompt) < n:
+        rng = np.random.default_rng([cfg.seed, 1 << 40, index])
+        prompt.extend(tokens(rng, n - len(prompt), cfg.vocab_size))
+    return prompt[:n]
+
+
+def trace(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
+    """Replay a Mooncake-format trace. With `rate` > 0 the timestamps are rescaled so the
+    trace's mean rate becomes `rate` (a sweep replays the same requests faster or slower)."""
+    if not cfg.trace:
+        raise ValueError("the trace workload needs --trace FILE.jsonl")
+    rows = sorted(read_trace(cfg.trace), key=lambda r: r["timestamp"])
+    if not rows:
+        return
+    t0 = rows[0]["timestamp"] / 1000.0
+    span = rows[-1]["timestamp"] / 1000.0 - t0
+    scale = (len(rows) / span) / cfg.rate if cfg.rate > 0 and span > 0 else 1.0
+    for i, row in enumerate(rows):
+        t = (row["timestamp"] / 1000.0 - t0) * scale
+        if t >= cfg.duration_s:
+            return
+        yield BenchRequest(i, t, trace_prompt(row, i, cfg), max(1, int(row["output_length"])),
+                           str(row["session"]) if "session" in row else None)

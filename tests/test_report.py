@@ -1,0 +1,79 @@
+"""The report: SLO attainment with failures as misses, DistServe goodput, JSON and plots."""
+import json
+import math
+
+import pytest
+
+from bench import report as rep
+from bench.plots import plot_report
+
+
+def rec(ttft, e2e, out=11, prompt=100, cached=50, error=None, arrival=0.0, worker="w0"):
+    return {"arrival_s": arrival, "prompt_tokens": prompt, "output_tokens": out, "cached_tokens": cached,
+            "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": rep.tpot_ms(ttft, e2e, out) if ttft is not None else None,
+            "worker": worker, "error": error}
+
+
+def test_meets_slo():
+    assert rep.meets_slo(rec(100, 200), 150, 20)
+    assert not rep.meets_slo(rec(200, 300), 150, 20)
+    assert not rep.meets_slo(rec(100, 400), 150, 20)
+    assert rep.meets_slo(rec(100, 100, out=1), 150, 1e-9)
+    assert not rep.meets_slo(rec(None, None, error="http 500: boom"), 150, 20)
+    assert rep.tpot_ms(100, 200, 1) is None
+    assert rep.tpot_ms(100, 200, 11) == 10
+
+
+def test_summarize():
+    rs = [rec(100 * (i + 1), 100 * (i + 1) + 100, arrival=i * 0.5, worker=f"w{i % 2}") for i in range(10)]
+    rs.append(rec(None, None, out=0, error="rejected: full", arrival=1.0))
+    s = rep.summarize(rs, slo_ttft_ms=500, slo_tpot_ms=20)
+    assert s["requests"] == 11 and s["completed"] == 10 and s["errors"] == 1
+    assert s["error_kinds"] == {"rejected": 1}
+    assert s["slo_attainment"] == pytest.approx(5 / 11)
+    assert s["ttft_p50_ms"] == pytest.approx(550)
+    assert s["tpot_p90_ms"] == pytest.approx(10)
+    assert s["cached_token_ratio"] == pytest.approx(0.5)
+    span = 4.5 + 1.1
+    assert s["span_s"] == pytest.approx(span)
+    assert s["throughput_rps"] == pytest.approx(10 / span)
+    assert s["throughput_tok_s"] == pytest.approx(110 / span)
+    assert s["workers_used"] == 2 and s["worker_imbalance"] == 1.0
+    assert len(s["cdf"]["ttft"]) == rep.CDF_POINTS and s["cdf"]["ttft"][0] == 100
+
+
+def test_summarize_itl_when_present():
+    r = rec(100, 200)
+    r["itl_ms"] = [5.0, 15.0]
+    s = rep.summarize([r], 500, 50)
+    assert s["itl_p50_ms"] == 10.0 and s["cdf"]["itl"][0] == 5.0
+
+
+def test_goodput_interpolates_between_passing_and_failing_rates():
+    g, how = rep.goodput([(4, 0.5), (1, 1.0), (2, 0.95)])
+    assert how == "interpolated" and g == pytest.approx(2 + 0.05 / 0.45 * 2)
+    assert rep.goodput([(1, 1.0), (2, 0.95)]) == (2, "at_highest_rate")
+    assert rep.goodput([(1, 0.5), (2, 0.1)]) == (0.0, "below_lowest_rate")
+    assert rep.goodput([(1, 0.9), (2, 0.2)]) == (1, "interpolated")
+
+
+def test_build_write_and_plot(tmp_path):
+    runs = {name: [{"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
+                   for r in (1, 2, 4)] for name in ("a", "b")}
+    report = rep.build(runs, {"title": "t", "slo_ttft_ms": 300, "slo_tpot_ms": 50})
+    for name, e in report["policies"].items():
+        for key in ("goodput_rps", "slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+                    "tpot_p90_ms", "cached_token_ratio", "throughput_tok_s"):
+            assert key in e
+    assert report["reference_rate_rps"] == 1
+    assert report["policies"]["a"]["goodput_rps"] == pytest.approx(1 + 0.1 / 0.25)
+    assert report["policies"]["a"]["goodput_method"] == "interpolated"
+    assert report["policies"]["a"]["slo_attainment"] == 1.0
+    report["policies"]["a"]["runs"][0]["nan"] = math.nan
+    path = tmp_path / "r.json"
+    pngs = plot_report(report, str(path))
+    rep.write_json(str(path), report)
+    assert json.loads(path.read_text())["policies"]["a"]["runs"][0]["nan"] is None
+    for p in pngs:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

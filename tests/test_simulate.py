@@ -1,0 +1,126 @@
+"""The fleet simulator: exact event skipping, seeded, ranks policies the way caching says it
+should, degrades with load, and is fast at 128 workers."""
+import json
+import time
+
+import pytest
+
+from bench import simulate
+from bench.fleet_sim import FleetConfig, FleetSim
+from bench.report import summarize
+from bench.sim_worker import SimConfig
+from bench.workloads import WorkloadConfig, generate
+from policies.registry import BUILTIN_POLICIES, load_policy
+from workers.kv.cost_model import CostModel
+
+
+def run(policy="prefix_affinity", workers=4, wl=None, **sim):
+    wl = wl or WorkloadConfig(name="shared-prefix", rate=15, duration_s=15, seed=1)
+    fleet = FleetConfig(workers=workers, sim=SimConfig(**sim), slo_ttft_ms=1000, slo_tpot_ms=30)
+    s = FleetSim(load_policy(policy), fleet)
+    records = s.run(generate(wl), wl.duration_s)
+    return s, sorted(records, key=lambda r: r["arrival_s"])
+
+
+@pytest.mark.parametrize("name,blocks", [("shared-prefix", 4096), ("shared-prefix", 300),
+                                         ("multi-turn", 300), ("random", 4096)])
+def test_fast_forward_is_exact(name, blocks):
+    """Decode segments give the very records that stepping every decode gives, under KV
+    pressure (preemption, eviction) too."""
+    wl = WorkloadConfig(name=name, rate=15, duration_s=12, seed=2)
+    fast, a = run(wl=wl, num_blocks=blocks)
+    slow, b = run(wl=wl, num_blocks=blocks, fast_forward=False)
+    assert a == b
+    assert fast.events_processed < slow.events_processed
+    assert len(a) > 100 and all(r["error"] is None for r in a)
+
+
+def test_seeded_runs_repeat():
+    assert run()[1] == run()[1]
+
+
+def test_index_mirrors_each_pool():
+    """The router's residency index, fed only by KV events, equals every worker's prefix cache."""
+    s, records = run(num_blocks=400)
+    for w in s.workers:
+        held = {h for h in w.pool.resident_hashes()}
+        assert s.index.num_blocks(w.worker_id) == len(held)
+        assert all(s.index.holds(w.worker_id, h) for h in held)
+
+
+def test_prefix_affinity_beats_round_robin_on_cached_tokens():
+    """32 prefixes, room for about 8 per worker: round robin makes every worker cycle through
+    all of them and thrash; affinity keeps each prefix where it is cached."""
+    wl = WorkloadConfig(name="shared-prefix", rate=20, duration_s=20, seed=0, groups=32,
+                        prefix_len=1024, question_len=32, output_len=16)
+    ratios = {}
+    for policy in ("round_robin", "prefix_affinity"):
+        _, records = run(policy, workers=8, wl=wl, num_blocks=560)
+        ratios[policy] = summarize(records, 1000, 30)["cached_token_ratio"]
+    assert ratios["prefix_affinity"] > ratios["round_robin"] + 0.2
+
+
+def test_attainment_falls_as_rate_rises():
+    wl = WorkloadConfig(name="shared-prefix", duration_s=10, seed=0, groups=4, prefix_len=512)
+    att = []
+    for rate in (5, 60, 200):
+        _, records = run("least_load", workers=2, wl=wl.with_rate(rate))
+        att.append(summarize(records, 1000, 30)["slo_attainment"])
+    assert att[0] > 0.95 and att[0] >= att[1] >= att[2] and att[2] < 0.5
+
+
+def test_every_builtin_policy_runs():
+    for policy in BUILTIN_POLICIES:
+        _, records = run(policy, wl=WorkloadConfig(name="multi-turn", rate=10, duration_s=5))
+        assert records and summarize(records, 1000, 30)["completed"] > 0
+
+
+def test_request_overhead_delays_first_token():
+    wl = WorkloadConfig(name="random", rate=2, duration_s=10, seed=0, input_len=64)
+    base = summarize(run(wl=wl)[1], 1000, 30)
+    fleet = FleetConfig(workers=4, slo_ttft_ms=1000, slo_tpot_ms=30, request_overhead_ms=25.0)
+    late = summarize(FleetSim(load_policy("prefix_affinity"), fleet).run(generate(wl), 10), 1000, 30)
+    assert late["ttft_p50_ms"] == pytest.approx(base["ttft_p50_ms"] + 25.0, abs=1.0)
+    assert late["tpot_p50_ms"] == pytest.approx(base["tpot_p50_ms"])
+
+
+def test_128_workers_at_high_rate_is_fast():
+    """128 H200-like workers at 1500 req/s: 4500 requests of 2k-token prompts."""
+    cost = CostModel.load("bench/profiles/h200-llama8b.json")
+    fleet = FleetConfig(workers=128, sim=SimConfig(num_blocks=2048), cost=cost, slo_ttft_ms=1000, slo_tpot_ms=50)
+    wl = WorkloadConfig(name="shared-prefix", rate=1500, duration_s=3, seed=0)
+    t0 = time.perf_counter()
+    s = FleetSim(load_policy("prefix_affinity"), fleet)
+    out = summarize(s.run(generate(wl), wl.duration_s), 1000, 50)
+    wall = time.perf_counter() - t0
+    assert out["requests"] > 4000 and out["completed"] == out["requests"]
+    assert out["workers_used"] == 128
+    assert wall < 30, f"128-worker run took {wall:.1f} s"
+
+
+def test_cli_sweep_writes_report_and_plots(tmp_path):
+    out = tmp_path / "sim.json"
+    simulate.main(["--workers", "2", "--policies", "round_robin,kv_cost", "--workload", "shared-prefix",
+                   "--groups", "4", "--prefix-len", "256", "--sweep", "5,80", "--duration", "5",
+                   "--slo-ttft-ms", "500", "--slo-tpot-ms", "30", "--jobs", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["reference_rate_rps"] == 5
+    for name in ("round_robin", "kv_cost"):
+        e = report["policies"][name]
+        for key in ("goodput_rps", "slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+                    "tpot_p90_ms", "cached_token_ratio", "throughput_tok_s"):
+            assert isinstance(e[key], float), key
+        assert [r["rate_rps"] for r in e["runs"]] == [5, 80]
+    assert all((tmp_path / p.split("/")[-1]).exists() for p in report["plots"])
+
+
+def test_goodput_search_brackets_the_90_percent_crossing(tmp_path):
+    out = tmp_path / "search.json"
+    simulate.main(["--workers", "2", "--policies", "least_load", "--workload", "random", "--input-len", "256",
+                   "--output-len", "32", "--sweep", "--refine", "2", "--duration", "8",
+                   "--slo-ttft-ms", "300", "--slo-tpot-ms", "30", "--jobs", "1", "--out", str(out)])
+    e = json.loads(out.read_text())["policies"]["least_load"]
+    assert e["goodput_method"] == "interpolated"
+    passing = [r["rate_rps"] for r in e["runs"] if r["slo_attainment"] >= 0.9]
+    failing = [r["rate_rps"] for r in e["runs"] if r["slo_attainment"] < 0.9]
+    assert max(passing) <= e["goodput_rps"] <= min(f for f in failing if f > max(passing))

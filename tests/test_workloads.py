@@ -1,0 +1,123 @@
+"""Workloads: seeded, sharing exactly what they claim to share, arriving at the asked rate."""
+import json
+
+import numpy as np
+import pytest
+
+from bench import make_trace
+from bench.workloads import TRACE_BLOCK, WorkloadConfig, generate, trace_block
+
+
+def reqs(**kw):
+    return list(generate(WorkloadConfig(**kw)))
+
+
+def gaps(rs):
+    t = np.array([r.arrival_s for r in rs])
+    return np.diff(t)
+
+
+@pytest.mark.parametrize("name", ["shared-prefix", "multi-turn", "long-doc-qa", "random"])
+def test_seeded_and_ordered(name):
+    a = reqs(name=name, rate=20, duration_s=5, seed=3)
+    b = reqs(name=name, rate=20, duration_s=5, seed=3)
+    c = reqs(name=name, rate=20, duration_s=5, seed=4)
+    assert [(r.arrival_s, r.prompt, r.max_tokens, r.session) for r in a] == \
+           [(r.arrival_s, r.prompt, r.max_tokens, r.session) for r in b]
+    assert [r.prompt for r in a] != [r.prompt for r in c]
+    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:]))
+    assert all(0 <= r.arrival_s < 5 for r in a)
+    assert all(100 <= t < 32000 for r in a for t in r.prompt)
+
+
+def test_shared_prefix_groups():
+    rs = reqs(name="shared-prefix", rate=50, duration_s=10, groups=3, prefix_len=64, question_len=8, output_len=5)
+    prefixes = {tuple(r.prompt[:64]) for r in rs}
+    assert len(prefixes) == 3
+    assert all(len(r.prompt) == 72 and r.max_tokens == 5 for r in rs)
+    assert len({tuple(r.prompt[64:]) for r in rs}) == len(rs)
+    by_group = {r.session: tuple(r.prompt[:64]) for r in rs}
+    assert len(by_group) == 3
+
+
+def test_long_doc_qa_defaults_are_few_long_documents():
+    rs = reqs(name="long-doc-qa", rate=5, duration_s=10)
+    assert len({tuple(r.prompt[:8192]) for r in rs}) <= 4
+    assert all(len(r.prompt) == 8192 + 64 for r in rs)
+
+
+def test_multi_turn_prompt_grows_from_previous_turn():
+    rs = reqs(name="multi-turn", rate=10, duration_s=30, think_s=2, turns=4, prefix_len=32,
+              question_len=8, output_len=4)
+    sessions: dict[str, list] = {}
+    for r in rs:
+        sessions.setdefault(r.session, []).append(r)
+    assert len(sessions) > 1
+    for turns in sessions.values():
+        assert len(turns) <= 4
+        assert (len(turns[0].prompt) - 32 - 8) % 12 == 0
+        for prev, nxt in zip(turns, turns[1:]):
+            assert nxt.prompt[:len(prev.prompt)] == prev.prompt
+            assert len(nxt.prompt) == len(prev.prompt) + 4 + 8
+            assert 0.5 < nxt.arrival_s - prev.arrival_s < 10
+    assert len({tuple(r.prompt[:32]) for r in rs}) == 1
+    early = [len(r.prompt) for r in rs if r.arrival_s < 2]
+    assert max(early) >= 32 + 3 * 12 + 8 and min(early) == 32 + 8
+
+
+def test_random_shares_nothing():
+    rs = reqs(name="random", rate=20, duration_s=5, input_len=64)
+    assert len({tuple(r.prompt[:16]) for r in rs}) == len(rs)
+    assert all(32 <= len(r.prompt) <= 96 for r in rs)
+
+
+def test_poisson_rate_and_gamma_burstiness():
+    p = gaps(reqs(name="random", rate=100, duration_s=100, input_len=4))
+    assert 1 / p.mean() == pytest.approx(100, rel=0.05)
+    assert p.std() / p.mean() == pytest.approx(1.0, rel=0.1)
+    g = gaps(reqs(name="random", rate=100, duration_s=100, input_len=4, arrival="gamma", burstiness=3.0))
+    assert 1 / g.mean() == pytest.approx(100, rel=0.15)
+    assert g.std() / g.mean() == pytest.approx(3.0, rel=0.2)
+
+
+def write_trace(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_trace_equal_hash_ids_give_equal_tokens(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 1200, "output_length": 7, "hash_ids": [1, 2, 3]},
+            {"timestamp": 500, "input_length": 700, "output_length": 3, "hash_ids": [1, 9]},
+            {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [4]}]
+    cfg = WorkloadConfig(name="trace", rate=0, duration_s=100, trace=write_trace(tmp_path / "t.jsonl", rows))
+    a, b, c = generate(cfg)
+    assert [len(r.prompt) for r in (a, b, c)] == [1200, 700, 1100]
+    assert [r.max_tokens for r in (a, b, c)] == [7, 3, 5]
+    assert [r.arrival_s for r in (a, b, c)] == [0.0, 0.5, 1.0]
+    assert a.prompt[:TRACE_BLOCK] == b.prompt[:TRACE_BLOCK] == list(trace_block(1, 0, 32000))
+    assert a.prompt[TRACE_BLOCK:2 * TRACE_BLOCK] != b.prompt[TRACE_BLOCK:2 * TRACE_BLOCK]
+    assert c.prompt[:TRACE_BLOCK] == list(trace_block(4, 0, 32000))
+    assert c.prompt[TRACE_BLOCK:] != a.prompt[TRACE_BLOCK:1100]
+
+
+def test_trace_rate_rescales_time(tmp_path):
+    rows = [{"timestamp": 1000 * i, "input_length": 16, "output_length": 1, "hash_ids": [i]} for i in range(11)]
+    cfg = WorkloadConfig(name="trace", rate=5.5, duration_s=100, trace=write_trace(tmp_path / "t.jsonl", rows))
+    rs = list(generate(cfg))
+    assert rs[-1].arrival_s == pytest.approx(2.0)
+    assert len(list(generate(WorkloadConfig(**{**cfg.__dict__, "duration_s": 0.9})))) == 5
+
+
+def test_synthetic_mooncake_trace(tmp_path):
+    out = tmp_path / "mc.jsonl"
+    make_trace.main(["--requests", "400", "--rate", "10", "--out", str(out)])
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 400
+    for r in rows:
+        assert set(r) == {"timestamp", "input_length", "output_length", "hash_ids"}
+        assert len(r["hash_ids"]) == -(-r["input_length"] // TRACE_BLOCK)
+    assert 1 / np.diff([r["timestamp"] / 1000 for r in rows]).mean() == pytest.approx(10, rel=0.2)
+    firsts = [r["hash_ids"][0] for r in rows]
+    assert len(set(firsts)) < len(rows) * 0.7
+    rs = list(generate(WorkloadConfig(name="trace", rate=0, duration_s=1e9, trace=str(out))))
+    assert len(rs) == 400 and all(len(r.prompt) == row["input_length"] for r, row in zip(rs, rows))
