@@ -178,3 +178,16 @@ def test_request_token_bookkeeping():
     r.num_computed = 3
     r.token_ids.append(9)
     assert r.output_ids == [9] and r.num_remaining == 1 and not r.is_prefilling
+
+
+def test_prefix_match_of_a_preempted_request_leaves_a_token_to_compute():
+    """A request whose hash chain already covers every token (e.g. after preemption with a
+    block-aligned length) still computes its last token, never the empty remainder."""
+    eng = sim_engine(num_blocks=32, block_size=4)
+    prompt = list(range(3, 11))
+    eng.submit("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True), lambda o: None)
+    drain(eng)
+    req = Request("b", prompt, SamplingParams(max_tokens=1))
+    eng.kv._hashes(req, 2)
+    assert len(req.block_hashes) == 2
+    assert eng.kv.match_prefix(req) == 4 and req.num_remaining == 4

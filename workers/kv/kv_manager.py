@@ -17,13 +17,13 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
 
     def _hashes(self, req: Request, n_blocks: int) -> list[int]:
-        """Extend the request's hash chain to cover `n_blocks` full blocks."""
+        """The first `n_blocks` hashes of the request's chain, extending it as needed."""
         B = self.block_size
         hs = req.block_hashes
         while len(hs) < n_blocks:
             i = len(hs)
             hs.append(block_hash(hs[-1] if hs else self.seed, req.token_ids[i * B:(i + 1) * B]))
-        return hs
+        return hs[:n_blocks]
 
     def match_prefix(self, req: Request) -> int:
         """Take the longest cached prefix (never the whole prompt); returns the tokens it covers."""
