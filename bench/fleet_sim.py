@@ -11,6 +11,14 @@ Events: arrivals come from the (lazy) workload stream; each worker has at most o
 step event (the end of its step or decode segment) and a recurring poll, all in one heap
 keyed by virtual time. At equal times arrivals go first, so a step starting at t drains
 everything that arrived by t.
+
+P/D: with `roles` giving workers the "prefill" and "decode" roles, a policy may route a
+request to a pair. As the gateway does, the decode request goes to D at once and D holds it
+(as `Engine._admit_pending` does) until its prompt's full blocks are resident or `pd_wait_s`
+has passed (then D computes them itself: a fallback); a prefill leg (max_tokens=1, not a
+client record) goes to P, and when P finishes it the blocks travel for
+blocks x block_size x kv_bytes_per_token / (transfer_gbps * 1e9) s and are written into D's
+pool by the real `import_payload`, published as stored events like any cached block.
 """
 import heapq
 import sys
@@ -30,8 +38,10 @@ from workers.kv.events import EventBatch
 from workers.kv.hashing import block_hash, seed_hash
 from workers.request import Request
 from workers.sampling_params import SamplingParams
+from workers.transfer import KVPayload, executor_spec, import_payload
 
-STEP, POLL, DELIVER = 0, 1, 2
+STEP, POLL, DELIVER, TRANSFER, KV_TIMEOUT = 0, 1, 2, 3, 4
+PREFILL_SUFFIX = "/prefill"
 
 
 @dataclass
@@ -45,6 +55,10 @@ class FleetConfig:
     drain_s: float = 120.0
     views_with_cost: bool = False
     request_overhead_ms: float = 0.0
+    roles: tuple[str, ...] | None = None  # per worker; None: all mixed
+    kv_bytes_per_token: int = 131072  # Llama-3-8B in bf16
+    transfer_gbps: float = 20.0  # GB/s (1e9 bytes)
+    pd_wait_s: float = 5.0  # the gateway's default KV wait on the decode worker
 
 
 class FleetSim:
@@ -67,6 +81,11 @@ class FleetSim:
         self.delivering: dict[int, Request] = {}
         self.records: list[dict] = []
         self.events_processed = 0
+        self.held: dict[str, Request] = {}  # decode requests waiting for their KV (by id)
+        self.transfers: dict[int, tuple[Request, int]] = {}  # event seq -> (decode request, D)
+        self.timeouts: dict[int, str] = {}
+        self.prefill_of: dict[str, int] = {}  # decode request id -> P
+        self.pd_routed = self.pd_arrived = self.pd_fallbacks = 0
 
     def _worker(self, i: int) -> SimWorker:
         w = SimWorker(f"w{i:03d}", self.cfg.sim, self.cfg.cost, lambda req, now: self._finished(req, now, i))
@@ -74,9 +93,14 @@ class FleetSim:
         w.events.subscribe(lambda ev: self.index.apply(EventBatch(w.worker_id, [ev], ev.seq)))
         return w
 
+    def _role(self, i: int) -> str:
+        return self.cfg.roles[i] if self.cfg.roles else "mixed"
+
     def _view(self, w: SimWorker) -> WorkerView:
         s = w.state()
         return WorkerView(
+            role=self._role(int(w.worker_id[1:])),
+            kv_bytes_per_token=self.cfg.kv_bytes_per_token, transfer_gbps=self.cfg.transfer_gbps,
             worker_id=s["worker_id"], block_size=s["block_size"], waiting=s["waiting"],
             running=s["running"], free_blocks=s["free_blocks"], total_blocks=s["total_blocks"],
             queued_prefill_tokens=s["queued_prefill_tokens"], kv_tokens=s["kv_tokens"],
@@ -115,11 +139,66 @@ class FleetSim:
         self.live[req.request_id] = (req, i)
         self.in_flight[i] += 1
         self._refresh(i)
-        if cfg.request_overhead_ms > 0:
-            self._push(now + cfg.request_overhead_ms / 1000.0, DELIVER, i)
+        if route.prefill is not None:
+            p = int(route.prefill[1:])
+            self.pd_routed += 1
+            self.prefill_of[req.request_id] = p
+            leg = Request(req.request_id + PREFILL_SUFFIX, br.prompt,
+                          SamplingParams(max_tokens=1, ignore_eos=True, seed=br.index), arrival=now)
+            leg.block_hashes = req.block_hashes
+            self.live[leg.request_id] = (leg, p)
+            self.in_flight[p] += 1
+            self._refresh(p)
+            self._deliver(leg, p, now)
+            self.held[req.request_id] = req
+            self._push(now + cfg.request_overhead_ms / 1000.0 + cfg.pd_wait_s, KV_TIMEOUT, i)
+            self.timeouts[self.seq] = req.request_id
+            self._admit_if_resident(req, i, now)
+            return
+        self._deliver(req, i, now)
+
+    def _deliver(self, req: Request, i: int, now: float) -> None:
+        if self.cfg.request_overhead_ms > 0:
+            self._push(now + self.cfg.request_overhead_ms / 1000.0, DELIVER, i)
             self.delivering[self.seq] = req
         else:
             self._schedule_step(i, self.workers[i].submit(req, now))
+
+    # P/D
+
+    def _admit_if_resident(self, req: Request, i: int, now: float) -> None:
+        """`Engine._admit_pending` for one held request: admit once its blocks are in D's cache."""
+        if req.request_id in self.held and self.workers[i].kv.prefix_resident(req):
+            del self.held[req.request_id]
+            self.pd_arrived += 1
+            self._deliver(req, i, now)
+
+    def _prefilled(self, leg: Request, now: float) -> None:
+        """P finished a prefill leg: send its full blocks to D."""
+        rid = leg.request_id.removesuffix(PREFILL_SUFFIX)
+        if rid not in self.held or leg.num_tokens <= leg.num_prompt:
+            return
+        req, d = self.live[rid]
+        B = self.cfg.sim.block_size
+        size = len(req.block_hashes) * B * self.cfg.kv_bytes_per_token
+        self._push(now + size / (self.cfg.transfer_gbps * 1e9), TRANSFER, d)
+        self.transfers[self.seq] = (req, d)
+
+    def _import(self, req: Request, d: int, now: float) -> None:
+        if req.request_id not in self.held:
+            return
+        w, B = self.workers[d], self.cfg.sim.block_size
+        hashes = list(req.block_hashes)
+        tokens = [req.prompt_ids[k * B:(k + 1) * B] for k in range(len(hashes))]
+        spec = executor_spec(self.cfg.sim.model_id, B, w.executor)
+        import_payload(w.pool, w.executor, KVPayload(spec, hashes, tokens, None, b""))
+        self._admit_if_resident(req, d, now)
+
+    def _kv_timeout(self, rid: str, d: int, now: float) -> None:
+        req = self.held.pop(rid, None)
+        if req is not None:
+            self.pd_fallbacks += 1
+            self._deliver(req, d, now)
 
     def views(self, matches: dict[str, int]) -> tuple[WorkerView, ...]:
         """`Fleet.views`: the polled view with this request's match and the in-flight count.
@@ -145,6 +224,10 @@ class FleetSim:
         del self.live[req.request_id]
         self.in_flight[i] -= 1
         self._refresh(i)
+        if req.request_id.endswith(PREFILL_SUFFIX):
+            self._prefilled(req, now)
+            return
+        p = self.prefill_of.pop(req.request_id, None)
         out = req.num_tokens - req.num_prompt
         error = None if out >= req.params.max_tokens else "evicted: the KV pool cannot hold it"
         ttft = (req.first_token_at - req.arrival) * 1000.0 if req.first_token_at is not None else None
@@ -153,12 +236,13 @@ class FleetSim:
             "arrival_s": req.arrival, "prompt_tokens": req.num_prompt, "output_tokens": out,
             "cached_tokens": max(req.num_cached, 0), "ttft_ms": ttft, "e2e_ms": e2e,
             "tpot_ms": tpot_ms(ttft, e2e, out) if ttft is not None else None,
-            "worker": self.workers[i].worker_id, "error": error})
+            "worker": self.workers[i].worker_id, "error": error,
+            "prefill_worker": self.workers[p].worker_id if p is not None else None})
 
     def _failed(self, arrival_s: float, n: int, error: str) -> None:
         self.records.append({"arrival_s": arrival_s, "prompt_tokens": n, "output_tokens": 0,
                              "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None, "e2e_ms": None,
-                             "worker": None, "error": error})
+                             "worker": None, "error": error, "prefill_worker": None})
 
     # the event loop
 
@@ -188,12 +272,18 @@ class FleetSim:
                 self._push(t + self.cfg.poll_s, POLL, i)
             elif kind == DELIVER:
                 self._schedule_step(i, self.workers[i].submit(self.delivering.pop(seq), t))
+            elif kind == TRANSFER:
+                self._import(*self.transfers.pop(seq), t)
+            elif kind == KV_TIMEOUT:
+                self._kv_timeout(self.timeouts.pop(seq), i, t)
             elif seq == self.version[i]:
                 self._schedule_step(i, self.workers[i].advance(t))
             if progress and self.events_processed % 4096 == 0 and time.monotonic() - last_report > 2:
                 last_report = time.monotonic()
                 progress(t, len(self.records))
         for req, i in list(self.live.values()):
+            if req.request_id.endswith(PREFILL_SUFFIX):
+                continue
             self._failed(req.arrival, req.num_prompt, "unfinished: still running when the simulation stopped")
         return self.records
 

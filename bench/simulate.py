@@ -38,6 +38,8 @@ def run_one(policy: str, rate: float, wl: WorkloadConfig, fleet: FleetConfig, qu
     wall = time.perf_counter() - t0
     out = rep.summarize(records, fleet.slo_ttft_ms, fleet.slo_tpot_ms)
     out.update(rate_rps=rate, wall_s=wall, events=sim.events_processed)
+    if fleet.roles:
+        out.update(pd_routed=sim.pd_routed, pd_kv_arrived=sim.pd_arrived, pd_fallbacks=sim.pd_fallbacks)
     if not quiet:
         print(f"  {label}: attainment {out['slo_attainment']:.3f}, ttft p50 {out['ttft_p50_ms'] or 0:.0f} ms, "
               f"tpot p50 {out['tpot_p50_ms'] or 0:.1f} ms, cached {out['cached_token_ratio']:.2f}, "
@@ -134,6 +136,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival")
     p.add_argument("--request-overhead-ms", type=float,
                    help="delay from arrival to the worker's queue (default: the profile's, else 0)")
+    p.add_argument("--roles", help="worker roles as ROLE:COUNT,... summing to --workers, e.g. "
+                   "prefill:2,decode:2 (roles: mixed, prefill, decode); default: all mixed")
+    p.add_argument("--kv-bytes-per-token", type=int, default=131072,
+                   help="KV bytes per token for P/D transfers (default: Llama-3-8B in bf16)")
+    p.add_argument("--transfer-gbps", type=float, default=20.0, help="P/D link speed in GB/s")
     p.add_argument("--views-with-cost", action="store_true",
                    help="give policies the cost model (the gateway does not: it sends step_ms only)")
     p.add_argument("--no-fast-forward", action="store_true", help="step every decode one at a time (slow; for checking)")
@@ -151,9 +158,25 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
     profile = load_profile(args.profile) if args.profile else {}
     cost = CostModel.from_json(profile) if profile else CostModel()
     overhead = args.request_overhead_ms if args.request_overhead_ms is not None else profile.get("request_overhead_ms", 0.0)
-    return FleetConfig(workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
+    return FleetConfig(roles=parse_roles(args.roles, args.workers), kv_bytes_per_token=args.kv_bytes_per_token,
+                       transfer_gbps=args.transfer_gbps, workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
                        slo_tpot_ms=args.slo_tpot_ms, poll_s=args.poll_ms / 1000.0, drain_s=args.drain_s,
                        views_with_cost=args.views_with_cost, request_overhead_ms=overhead)
+
+
+def parse_roles(spec: str | None, workers: int) -> tuple[str, ...] | None:
+    """"prefill:2,decode:2" -> ("prefill", "prefill", "decode", "decode")."""
+    if not spec:
+        return None
+    roles: list[str] = []
+    for part in spec.split(","):
+        role, _, count = part.partition(":")
+        if role not in ("mixed", "prefill", "decode"):
+            sys.exit(f"kvgate simulate: unknown role {role!r} in --roles")
+        roles += [role] * int(count or 1)
+    if len(roles) != workers:
+        sys.exit(f"kvgate simulate: --roles names {len(roles)} workers, --workers is {workers}")
+    return tuple(roles)
 
 
 def load_profile(path: str) -> dict:
@@ -181,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
             "workload": {k: v for k, v in asdict(wl).items() if k != "rate"},
             "fleet": {"sim": asdict(fleet.sim), "cost": fleet.cost.to_json(), "profile": args.profile,
                       "poll_s": fleet.poll_s, "views_with_cost": fleet.views_with_cost,
-                      "request_overhead_ms": fleet.request_overhead_ms},
+                      "request_overhead_ms": fleet.request_overhead_ms, "roles": args.roles,
+                      "kv_bytes_per_token": fleet.kv_bytes_per_token, "transfer_gbps": fleet.transfer_gbps},
             "wall_s": time.perf_counter() - t0}
     report = rep.build(series, meta)
     report["plots"] = plot_report(report, args.out)
