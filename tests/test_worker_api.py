@@ -15,7 +15,8 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def worker():
-    w = Worker(worker_id="api", extra=("--num-blocks", "64", "--max-model-len", "512"))
+    w = Worker(worker_id="api", extra=("--num-blocks", "64", "--max-model-len", "512",
+                                             "--internal-token", "api-token"))
     try:
         yield w.ready()
     finally:
@@ -120,3 +121,14 @@ def test_client_disconnect_aborts_and_frees_blocks(worker):
             break
         time.sleep(0.05)
     assert s["running"] == 0 and s["free_blocks"] == s["total_blocks"]
+
+
+def test_prefix_cache_reset_needs_token_and_evicts_everything(worker):
+    post(worker, "/v1/completions", {"model": MODEL, "prompt": list(range(3000, 3040)), "max_tokens": 1})
+    assert httpx.post(worker.url + "/kv/reset").status_code == 403
+    r = httpx.post(worker.url + "/kv/reset", headers={"x-kvgate-token": "api-token"})
+    assert r.status_code == 200 and r.json()["evicted"] > 0
+    snap = httpx.get(worker.url + "/kv/snapshot").json()
+    assert snap["hashes"] == []
+    last = httpx.get(worker.url + f"/kv/events?after={snap['seq'] - 1}").json()["events"][-1]
+    assert last["kind"] == "cleared"

@@ -27,6 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--kv-cache-gb", type=float,
+                   help="size the KV pool by memory instead of --num-blocks (torch executor)")
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, help="cap the context length below the model's")
@@ -55,8 +57,12 @@ def build_executor(args, path: Path, tokenizer):
     if args.executor == "torch":
         import torch
 
-        from workers.executors.torch_runner import TorchRunner
+        from workers.executors.torch_runner import TorchRunner, blocks_that_fit
+        from workers.models.loader import default_dtype
         dtype = getattr(torch, args.dtype) if args.dtype else None
+        if args.kv_cache_gb:
+            args.num_blocks = blocks_that_fit(str(path), int(args.kv_cache_gb * 2**30), args.block_size,
+                                              dtype or default_dtype(torch.device(args.device)))
         runner = TorchRunner(str(path), args.num_blocks, args.block_size, args.device, dtype)
     else:
         from workers.executors.sim import SimExecutor

@@ -43,6 +43,7 @@ class WorkerServer:
             Route("/kv/events", self.kv_events),
             Route("/kv/snapshot", self.kv_snapshot),
             Route("/kv/import", self.transfer.import_endpoint, methods=["POST"]),
+            Route("/kv/reset", self.kv_reset, methods=["POST"]),
         ], lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
@@ -184,6 +185,14 @@ class WorkerServer:
             except asyncio.TimeoutError:
                 break
         return JSONResponse(events.after(after).to_json())
+
+    async def kv_reset(self, request: Request) -> Response:
+        """Drop every cached-but-free block (after a weight reload); internal, token-protected."""
+        if not self.transfer.authorised(request):
+            return error(403, "resetting the prefix cache needs the fleet's internal token",
+                         "permission_error", "forbidden")
+        evicted = await asyncio.wrap_future(self.engine.call(self.engine.pool.clear_cache))
+        return JSONResponse({"evicted": evicted})
 
     async def kv_snapshot(self, request: Request) -> Response:
         eng = self.engine
