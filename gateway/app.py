@@ -224,7 +224,7 @@ class Gateway:
         self.metrics.predicted_cached.labels(w.worker_id).inc(route.predicted_cached_tokens)
         self.metrics.prompt_tokens.labels(w.worker_id).inc(view.num_tokens)
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        if (prep.parsed.stream if prep else is_sse) and resp.status_code == 200:
+        if (prep.parsed.stream if prep else is_sse) and resp.status == 200:
             return self.stream(w, kind, resp, out, started)
         return await self.collect(w, resp, out, started)
 
@@ -234,7 +234,7 @@ class Gateway:
         return f"worker {w.worker_id} failed: {why}"
 
     async def collect(self, w: Worker, resp, headers: dict, started: float) -> Response:
-        status = resp.status_code
+        status = resp.status
         try:
             body = await self.proxy.read(resp)
         except UpstreamFailed as e:

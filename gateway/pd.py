@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 
-from gateway.proxy import ConnectFailed, Proxy
+from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed
 
 log = logging.getLogger("kvgate.pd")
 
@@ -36,15 +36,13 @@ async def run_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers
         log.warning("prefill leg to %s failed to connect: %s", url, e)
         return False
     try:
-        await resp.aread()
-        if resp.status_code != 200:
-            log.warning("prefill leg to %s answered %s: %s", url, resp.status_code, resp.text[:200])
-        return resp.status_code == 200
-    except Exception as e:
+        body = await proxy.read(resp)
+    except UpstreamFailed as e:
         log.warning("prefill leg to %s broke off: %s", url, e)
         return False
-    finally:
-        await resp.aclose()
+    if resp.status != 200:
+        log.warning("prefill leg to %s answered %s: %s", url, resp.status, body[:200])
+    return resp.status == 200
 
 
 def start_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str],

@@ -1,7 +1,9 @@
 """Forwarding one request to one worker: pooled connections, pass-through streams, failures.
 
-Upstream responses are opened with `stream=True` so a stream's events reach the client as the
-worker writes them. Closing an upstream response early closes its connection, which is how a
+The client is aiohttp: on this path it costs about a quarter of httpx's CPU per request
+(0.2 vs 0.7 ms measured against a zero-cost worker), which is most of what the gateway adds.
+Upstream responses are returned once their head has arrived, so a stream's events reach the
+client as the worker writes them. Closing an upstream response early closes its connection, which is how a
 client's disconnect reaches the worker (the worker aborts a request whose client went away).
 A failure before the response starts is the caller's to retry elsewhere (`ConnectFailed`); a
 failure mid-stream ends that stream with an SSE error event and `[DONE]`.
@@ -12,8 +14,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 
-import anyio
-import httpx
+import aiohttp
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
@@ -35,23 +36,31 @@ class UpstreamFailed(Exception):
 
 class Proxy:
     def __init__(self, connect_timeout: float = 2.0):
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0))
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """Made on first use: an aiohttp session belongs to the event loop it is made in."""
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=None)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
+                                                  auto_decompress=False, skip_auto_headers=("User-Agent",))
+        return self._session
 
     async def close(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def open(self, url: str, path: str, body: bytes, headers: dict[str, str],
-                   client: Request | None = None) -> httpx.Response:
+                   client: Request | None = None) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head (the body stays unread).
 
         A non-streaming worker answers only when the whole completion is done, so with
         `client` given the wait is abandoned (`ClientGone`, upstream connection closed, the
         worker aborts) as soon as that client disconnects.
         """
-        req = self.client.build_request("POST", url + path, content=body, headers=headers)
-        send = asyncio.ensure_future(self.client.send(req, stream=True))
+        send = asyncio.ensure_future(self.session.post(url + path, data=body, headers=headers))
         gone = asyncio.ensure_future(_wait_disconnect(client)) if client is not None else None
         try:
             if gone is not None:
@@ -59,21 +68,22 @@ class Proxy:
                 if not send.done():
                     raise ClientGone()
             return await send
-        except httpx.TransportError as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from e
         finally:
             send.cancel()
             if gone is not None:
                 gone.cancel()
 
-    async def read(self, resp: httpx.Response) -> bytes:
-        """The whole body of a response whose head has arrived; closes it."""
+    async def read(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body of a response whose head has arrived; its connection goes back to the
+        pool, or is closed if the body could not be read."""
         try:
-            return await resp.aread()
-        except httpx.TransportError as e:
+            return await resp.read()
+        except aiohttp.ClientError as e:
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
         finally:
-            await _close(resp)
+            _close(resp)
 
 
 class StreamTap:
@@ -101,7 +111,7 @@ def cached_tokens(body: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
-async def relay(resp: httpx.Response, tap: StreamTap,
+async def relay(resp: aiohttp.ClientResponse, tap: StreamTap,
                 on_error: Callable[[Exception], str]) -> AsyncIterator[bytes]:
     """Pass an SSE stream through as it arrives.
 
@@ -111,7 +121,7 @@ async def relay(resp: httpx.Response, tap: StreamTap,
     """
     partial = b""
     try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in resp.content.iter_any():
             if partial:
                 chunk, partial = partial + chunk, b""
             if not chunk.endswith(b"\n\n"):
@@ -124,12 +134,12 @@ async def relay(resp: httpx.Response, tap: StreamTap,
             yield chunk
         if partial:
             yield partial
-    except httpx.TransportError as e:
+    except aiohttp.ClientError as e:
         message = on_error(UpstreamFailed(f"{type(e).__name__}: {e}"))
         yield sse_error(message)
         yield DONE
     finally:
-        await _close(resp)
+        _close(resp)
 
 
 class PassThrough(StreamingResponse):
@@ -137,7 +147,7 @@ class PassThrough(StreamingResponse):
     ends: finished, failed, cancelled by a client disconnect, or never started because the
     client was gone before the first byte."""
 
-    def __init__(self, content: AsyncIterator[bytes], upstream: httpx.Response, on_close: Callable[[], None],
+    def __init__(self, content: AsyncIterator[bytes], upstream: aiohttp.ClientResponse, on_close: Callable[[], None],
                  headers: dict[str, str]):
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.upstream, self.on_close = upstream, on_close
@@ -146,7 +156,7 @@ class PassThrough(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await _close(self.upstream)
+            _close(self.upstream)
             self.on_close()
 
 
@@ -155,10 +165,13 @@ def sse_error(message: str, type_: str = "server_error", code: str = "worker_fai
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-async def _close(resp: httpx.Response) -> None:
-    """Close the upstream response even while the calling task is being cancelled."""
-    with anyio.CancelScope(shield=True):
-        await resp.aclose()
+def _close(resp: aiohttp.ClientResponse) -> None:
+    """Give a wholly read response's connection back to the pool; close any other (the worker
+    sees the disconnect and aborts the request). Synchronous, so a cancelled task still does it."""
+    if resp.content.at_eof():
+        resp.release()
+    else:
+        resp.close()
 
 
 async def _wait_disconnect(request: Request) -> None:
