@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamFailed,
                            cached_tokens, relay)
 from gateway.tokenize import Prepared, Tokenizers
+from gateway.tracing import RequestTrace, Tracing
 from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
@@ -45,8 +46,9 @@ class ApiError(Exception):
 class Gateway:
     def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
                  redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                 pd_wait_ms: float = 5000.0):
+                 pd_wait_ms: float = 5000.0, tracing: Tracing | None = None):
         self.fleet = fleet
+        self.tracing = tracing or Tracing()
         self.pd_wait_ms = pd_wait_ms
         self.index: ResidencyIndex = fleet.index
         self.tokenizers = tokenizers
@@ -77,6 +79,7 @@ class Gateway:
                 await self.redis.stop()
             await self.fleet.stop()
             await self.proxy.close()
+            self.tracing.shutdown()
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         """A bug (say in a plugin policy) still answers in OpenAI's shape, and is logged."""
@@ -100,12 +103,21 @@ class Gateway:
         return await self.handle(request, "chat")
 
     async def handle(self, request: Request, kind: str) -> Response:
+        trace = self.tracing.start(f"POST {PATHS[kind]}", request.headers)
         try:
             raw = await request.body()
-            model, prep, view = await self.prepare(request, raw, kind)
-            return await self.dispatch(request, kind, raw, model, prep, view)
+            with trace.phase("tokenize"):
+                model, prep, view = await self.prepare(request, raw, kind)
+            trace.set(model=model, request_id=view.request_id, prompt_tokens=view.num_tokens)
+            resp = await self.dispatch(request, kind, raw, model, prep, view, trace)
         except ApiError as e:
-            return self.error(e)
+            resp = self.error(e)
+        except BaseException:
+            trace.end(500)
+            raise
+        if not isinstance(resp, PassThrough):
+            trace.end(resp.status_code)
+        return resp
 
     async def prepare(self, request: Request, raw: bytes,
                       kind: str) -> tuple[str, Prepared | None, RequestView]:
@@ -175,18 +187,23 @@ class Gateway:
                            "not candidates", "server_error", "bad_route")
         return chosen, route, prefill
 
-    async def dispatch(self, request: Request, kind: str, raw: bytes, model: str,
-                       prep: Prepared | None, view: RequestView) -> Response:
+    async def dispatch(self, request: Request, kind: str, raw: bytes, model: str, prep: Prepared | None,
+                       view: RequestView, trace: RequestTrace) -> Response:
         """Decide and forward; a worker that cannot be reached costs one retry elsewhere."""
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
+        trace.inject(headers)
         exclude: set[str] = set()
         for _ in range(2):
-            w, route, p = self.decide(view, model, exclude)
+            with trace.phase("route"):
+                w, route, p = self.decide(view, model, exclude)
+            trace.set(policy=self.policy.name, worker=w.worker_id, prefill_worker=route.prefill,
+                      predicted_cached_tokens=route.predicted_cached_tokens)
             self.fleet.begin(w)
             started = time.monotonic()
-            payload = raw if p is None else self.start_prefill(p, w, kind, raw, headers)
+            payload = raw if p is None else self.start_prefill(p, w, kind, raw, headers, trace)
             try:
-                resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request)
+                with trace.phase("upstream", worker=w.worker_id):
+                    resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request)
             except ClientGone:
                 self.fleet.end(w)
                 self.metrics.requests.labels(w.worker_id, self.policy.name, "499").inc()
@@ -199,15 +216,19 @@ class Gateway:
             except BaseException:
                 self.fleet.end(w)
                 raise
-            return await self.respond(w, route, view, prep, kind, resp, started)
+            return await self.respond(w, route, view, prep, kind, resp, started, trace)
         raise ApiError(502, "no worker could be reached", "server_error", "worker_unreachable")
 
-    def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict) -> bytes:
+    def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict,
+                      trace: RequestTrace) -> bytes:
         """Start the prefill leg on `p` in the background; returns the decode leg's body for `d`."""
         body = json.loads(raw)
         self.fleet.begin(p)
+        span = trace.child("prefill_leg", worker=p.worker_id)
 
         def done(ok: bool) -> None:
+            span.set_attribute("kvgate.ok", ok)
+            span.end()
             self.fleet.end(p)
             self.metrics.prefill_legs.labels(p.worker_id, "ok" if ok else "failed").inc()
 
@@ -215,7 +236,7 @@ class Gateway:
         return pd.decode_leg(body, self.pd_wait_ms)
 
     async def respond(self, w: Worker, route: Decision, view: RequestView, prep: Prepared | None,
-                      kind: str, resp, started: float) -> Response:
+                      kind: str, resp, started: float, trace: RequestTrace) -> Response:
         """The worker's answer with the routing headers: streamed through, or read whole."""
         out = self.headers(w.worker_id, route.predicted_cached_tokens)
         out["x-request-id"] = view.request_id
@@ -225,15 +246,15 @@ class Gateway:
         self.metrics.prompt_tokens.labels(w.worker_id).inc(view.num_tokens)
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if (prep.parsed.stream if prep else is_sse) and resp.status == 200:
-            return self.stream(w, kind, resp, out, started)
-        return await self.collect(w, resp, out, started)
+            return self.stream(w, kind, resp, out, started, trace)
+        return await self.collect(w, resp, out, started, trace)
 
     def worker_failed(self, w: Worker, stage: str, why: str) -> str:
         self.metrics.upstream_failures.labels(w.worker_id, stage).inc()
         self.fleet.mark_suspect(w, why)
         return f"worker {w.worker_id} failed: {why}"
 
-    async def collect(self, w: Worker, resp, headers: dict, started: float) -> Response:
+    async def collect(self, w: Worker, resp, headers: dict, started: float, trace: RequestTrace) -> Response:
         status = resp.status
         try:
             body = await self.proxy.read(resp)
@@ -245,10 +266,12 @@ class Gateway:
         if status == 200:
             self.metrics.ttft.labels(w.worker_id).observe(time.monotonic() - started)
             self.metrics.actual_cached.labels(w.worker_id).inc(cached_tokens(body) or 0)
+            trace.set(cached_tokens=cached_tokens(body))
         self.metrics.requests.labels(w.worker_id, self.policy.name, str(status)).inc()
         return Response(body, status, headers, resp.headers.get("content-type", "application/json"))
 
-    def stream(self, w: Worker, kind: str, resp, headers: dict, started: float) -> Response:
+    def stream(self, w: Worker, kind: str, resp, headers: dict, started: float,
+               trace: RequestTrace) -> Response:
         tap = StreamTap(kind, started)
         status = ["200"]
 
@@ -263,6 +286,8 @@ class Gateway:
                 self.metrics.ttft.labels(w.worker_id).observe(tap.ttft)
             if tap.cached is not None:
                 self.metrics.actual_cached.labels(w.worker_id).inc(tap.cached)
+            trace.set(cached_tokens=tap.cached, ttft_ms=tap.ttft * 1000.0 if tap.ttft is not None else None)
+            trace.end(int(status[0]))
 
         headers["cache-control"] = "no-cache"
         return PassThrough(relay(resp, tap, failed), resp, closed, headers)
