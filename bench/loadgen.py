@@ -64,8 +64,8 @@ async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str
     """Stream one completion; the record holds client-side timings and the server's usage."""
     rec = {"index": br.index, "arrival_s": br.arrival_s, "prompt_tokens": len(br.prompt),
            "max_tokens": br.max_tokens, "output_tokens": 0, "cached_tokens": 0, "ttft_ms": None,
-           "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "worker": None, "error": None,
-           "session": br.session}
+           "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "worker": None, "prefill_worker": None,
+           "error": None, "session": br.session}
     if br.session:
         headers = {**headers, "x-session-id": br.session}
     start = time.perf_counter()
@@ -75,6 +75,7 @@ async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str
         async with client.stream("POST", url + "/v1/completions", json=request_body(br, model, token_ids),
                                  headers=headers) as resp:
             rec["worker"] = resp.headers.get("x-kvgate-worker")
+            rec["prefill_worker"] = resp.headers.get("x-kvgate-prefill-worker")
             if resp.status_code != 200:
                 rec["error"] = f"http {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
                 return rec
