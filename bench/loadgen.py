@@ -20,7 +20,6 @@ import time
 import httpx
 
 from bench import report as rep
-from bench.plots import plot_report
 from bench.workloads import BenchRequest, WorkloadConfig, add_args, from_args, generate
 
 
@@ -200,8 +199,4 @@ def main(argv: list[str] | None = None) -> None:
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
             "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
             "wall_s": time.perf_counter() - t0}
-    report = rep.build({label: runs}, meta)
-    report["plots"] = plot_report(report, args.out)
-    rep.write_json(args.out, report)
-    rep.print_table(report, sys.stderr)
-    print(f"wrote {args.out} and {', '.join(report['plots'])}", file=sys.stderr)
+    rep.publish({label: runs}, meta, args.out)

@@ -23,7 +23,6 @@ import httpx
 
 from bench import report as rep
 from bench.loadgen import run_rate
-from bench.plots import plot_report
 from bench.workloads import add_args, from_args
 from tests.procs import Worker, start_gateway, stop_all, wait_for
 
@@ -123,11 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             "slo_tpot_ms": args.slo_tpot_ms, "gateway_args": args.gateway_arg, "worker_args": args.worker_arg,
             "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
             "wall_s": time.perf_counter() - t0}
-    report = rep.build(series, meta)
-    report["plots"] = plot_report(report, args.out)
-    rep.write_json(args.out, report)
-    rep.print_table(report, sys.stderr)
-    print(f"wrote {args.out} and {', '.join(report['plots'])}", file=sys.stderr)
+    rep.publish(series, meta, args.out)
 
 
 if __name__ == "__main__":

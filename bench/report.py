@@ -11,6 +11,7 @@ continuously between them.
 """
 import json
 import math
+import sys
 from collections import Counter
 
 import numpy as np
@@ -161,3 +162,15 @@ def print_table(report: dict, out) -> None:
     for label, e in report["policies"].items():
         cells = "".join(f"{e.get(c):>19.4g}" if isinstance(e.get(c), (int, float)) else f"{'-':>19}" for c in cols)
         print(f"{label:<18}" + cells, file=out)
+
+
+def publish(series: dict[str, list[dict]], meta: dict, out: str) -> dict:
+    """Build the report, draw its plots next to `out`, write it and print its table: the last
+    step of every command that writes one."""
+    from bench.plots import plot_report
+    report = build(series, meta)
+    report["plots"] = plot_report(report, out)
+    write_json(out, report)
+    print_table(report, sys.stderr)
+    print(f"wrote {out} and {', '.join(report['plots'])} ({meta['wall_s']:.0f} s)", file=sys.stderr)
+    return report
