@@ -61,6 +61,10 @@ def _view(state: dict, url: str) -> WorkerView:
         queued_prefill_tokens=state.get("queued_prefill_tokens", 0),
         kv_tokens=state.get("kv_tokens", 0), max_batched_tokens=state.get("max_batched_tokens", 2048),
         max_num_seqs=state.get("max_num_seqs", 256), step_ms=state.get("step_ms"), url=url,
+        step_prefill_tokens=state.get("step_prefill_tokens", 0.0),
+        step_prefill_ctx_products=state.get("step_prefill_ctx_products", 0.0),
+        step_decode_seqs=state.get("step_decode_seqs", 0.0),
+        step_decode_kv_tokens=state.get("step_decode_kv_tokens", 0.0),
         cost=CostModel.from_json(state["cost_model"]) if state.get("cost_model") else None,
         kv_bytes_per_token=state.get("kv_bytes_per_token", 0), transfer_gbps=_transfer_gbps(state))
 
@@ -75,8 +79,7 @@ def with_fields(base: WorkerView, **changes) -> WorkerView:
     """A copy of a frozen view with some fields changed, ~10x cheaper than
     `dataclasses.replace`: it runs once per worker per request on the routing hot path."""
     v = object.__new__(WorkerView)
-    v.__dict__.update(base.__dict__)
-    v.__dict__.update(changes)
+    object.__setattr__(v, "__dict__", base.__dict__ | changes)
     return v
 
 

@@ -27,7 +27,12 @@ class RequestView:
 
 @dataclass(frozen=True)
 class WorkerView:
-    """One candidate worker as the gateway sees it at decision time."""
+    """One candidate worker as the gateway sees it at decision time.
+
+    `step_ms` is the worker's mean recent step time and the `step_*` fields the mean work of
+    those same steps (in `CostModel.step_ms` terms): a time means little without the work it
+    took, and a worker's current queue need not look like its recent steps.
+    """
     worker_id: str
     role: str = MIXED
     matched_blocks: int = 0
@@ -42,6 +47,10 @@ class WorkerView:
     max_batched_tokens: int = 2048
     max_num_seqs: int = 256
     step_ms: float | None = None
+    step_prefill_tokens: float = 0.0
+    step_prefill_ctx_products: float = 0.0
+    step_decode_seqs: float = 0.0
+    step_decode_kv_tokens: float = 0.0
     cost: CostModel | None = None
     transfer_gbps: float = 1.0
     kv_bytes_per_token: int = 0

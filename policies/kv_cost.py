@@ -1,6 +1,6 @@
 """KV cost: minimise the prefill work a request causes plus the decode load it joins."""
 from policies.api import FleetView, RequestView, Route, WorkerView
-from policies.candidates import NO_WORKERS, request_key, route_to, serving_workers, stable_hash
+from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
 from policies.predict import queued_tokens, uncached_tokens
 
 
@@ -26,8 +26,5 @@ class KvCost:
         workers = serving_workers(fleet)
         if not workers:
             return Route(reject=NO_WORKERS)
-        key = request_key(req)
-        costs = {w.worker_id: self.cost(req, w) for w in workers}
-        w = min(workers, key=lambda w: (costs[w.worker_id], w.load,
-                                        stable_hash(key, w.worker_id), w.worker_id))
-        return route_to(req, w, cost=costs[w.worker_id])
+        w = cheapest(request_key(req), workers, [(self.cost(req, w), w.load) for w in workers])
+        return route_to(req, w, cost=self.cost(req, w))

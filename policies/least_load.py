@@ -1,6 +1,6 @@
 """Least load: the queue-aware, cache-blind baseline."""
 from policies.api import FleetView, RequestView, Route
-from policies.candidates import NO_WORKERS, request_key, route_to, serving_workers, stable_hash
+from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
 
 
 class LeastLoad:
@@ -12,7 +12,5 @@ class LeastLoad:
         workers = serving_workers(fleet)
         if not workers:
             return Route(reject=NO_WORKERS)
-        key = request_key(req)
-        w = min(workers, key=lambda w: (w.load, w.queued_prefill_tokens,
-                                        stable_hash(key, w.worker_id), w.worker_id))
+        w = cheapest(request_key(req), workers, [(w.load, w.queued_prefill_tokens) for w in workers])
         return route_to(req, w)

@@ -3,8 +3,8 @@
 Every prediction is a closed form of the worker's view: a routing decision scores every worker
 (and every P/D pair) for every request, so nothing here may loop over chunks or blocks.
 Times come from the worker's calibrated `CostModel` when it has one; otherwise the default
-model's shape is rescaled to the worker's measured mean step time; with neither, the default
-model alone gives a crude per-token estimate.
+model's shape is rescaled to the worker's measured mean step time for the work those steps did;
+with neither, the default model alone gives a crude per-token estimate.
 """
 import math
 
@@ -43,6 +43,11 @@ def chunk_tokens(w: WorkerView) -> int:
     return max(1, w.max_batched_tokens - w.running)
 
 
+def queued_requests(w: WorkerView) -> int:
+    """Requests the prefill queue ahead is made of (at least one, to share its tokens among)."""
+    return max(1, w.waiting + unseen_requests(w))
+
+
 def ttft_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
             cached: int | None = None) -> float:
     """Time until `w` emits `req`'s first token: drain the prefill queue ahead, then prefill
@@ -51,27 +56,41 @@ def ttft_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
     model, scale = _model(w)
     own = uncached_tokens(req, w) if uncached is None else uncached
     ctx = cached_tokens(req, w) if cached is None else cached
-    queued = queued_tokens(req, w)
-    queued_requests = max(1, w.waiting + unseen_requests(w))
-    steps = math.ceil((queued + own) / chunk_tokens(w))
-    per_step = (model.base_ms + model.decode_seq_ms * w.running
-                + model.decode_kv_token_ms * w.kv_tokens)
-    attn = queued * queued / (2 * queued_requests) + own * (ctx + own / 2)
-    return scale * (steps * per_step + model.prefill_token_ms * (queued + own)
-                    + model.prefill_attn_ms * attn / 1000.0)
+    return scale * _ttft(model, w, queued_tokens(req, w), queued_requests(w), own, ctx)
 
 
 def tpot_ms(req: RequestView, w: WorkerView) -> float:
     """Time per output token of `req` on `w`: a decode step with `req` joining the running batch,
     plus the queued prefill chunks that share those steps, amortised over `req`'s output."""
     model, scale = _model(w)
+    return scale * _tpot(model, req, w, queued_tokens(req, w), queued_requests(w))
+
+
+def ttft_tpot_ms(req: RequestView, w: WorkerView) -> tuple[float, float]:
+    """`ttft_ms` and `tpot_ms` of `req` on `w` at once: a decision asks both of every worker, and
+    computing their shared terms once makes that ~30% cheaper."""
+    model, scale = _model(w)
+    queued, requests = queued_tokens(req, w), queued_requests(w)
+    return (scale * _ttft(model, w, queued, requests, uncached_tokens(req, w), cached_tokens(req, w)),
+            scale * _tpot(model, req, w, queued, requests))
+
+
+def _ttft(model: CostModel, w: WorkerView, queued: int, requests: int, own: int, ctx: int) -> float:
+    steps = math.ceil((queued + own) / chunk_tokens(w))
+    per_step = (model.base_ms + model.decode_seq_ms * w.running
+                + model.decode_kv_token_ms * w.kv_tokens)
+    attn = queued * queued / (2 * requests) + own * (ctx + own / 2)
+    return (steps * per_step + model.prefill_token_ms * (queued + own)
+            + model.prefill_attn_ms * attn / 1000.0)
+
+
+def _tpot(model: CostModel, req: RequestView, w: WorkerView, queued: int, requests: int) -> float:
     decode = model.decode_ms(w.running + 1, w.kv_tokens + req.num_tokens)
     out = max(1, req.max_tokens)
-    shared = min(queued_tokens(req, w), chunk_tokens(w) * out)
-    queued_requests = max(1, w.waiting + unseen_requests(w))
+    shared = min(queued, chunk_tokens(w) * out)
     interference = (model.prefill_token_ms * shared
-                    + model.prefill_attn_ms * shared * shared / (2 * queued_requests) / 1000.0)
-    return scale * (decode + interference / out)
+                    + model.prefill_attn_ms * shared * shared / (2 * requests) / 1000.0)
+    return decode + interference / out
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
@@ -98,11 +117,16 @@ def pd_ttft_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
 
 
 def _model(w: WorkerView) -> tuple[CostModel, float]:
-    """The cost model to predict `w` by and a factor scaling its times to `w`'s speed."""
+    """The cost model to predict `w` by and a factor scaling its times to `w`'s speed.
+
+    The factor compares `w`'s mean step time with the default model's time for the mean work of
+    those same steps: a prefill worker's steps are whole chunks even while its queue is empty
+    now. A step time without the work it took says nothing about speed, so it is not used.
+    """
     if w.cost is not None:
         return w.cost, 1.0
-    if not w.step_ms:
+    reference = DEFAULT_COST.step_ms(w.step_prefill_tokens, w.step_prefill_ctx_products,
+                                     w.step_decode_seqs, w.step_decode_kv_tokens)
+    if not w.step_ms or not reference:
         return DEFAULT_COST, 1.0
-    reference = DEFAULT_COST.step_ms(prefill_tokens=min(w.queued_prefill_tokens, chunk_tokens(w)),
-                                     decode_seqs=w.running, decode_kv_tokens=w.kv_tokens)
-    return DEFAULT_COST, w.step_ms / (reference or DEFAULT_COST.decode_ms(1, 0))
+    return DEFAULT_COST, w.step_ms / reference

@@ -1,6 +1,6 @@
 """Prefix affinity: follow the longest cached prefix, unless that worker is overloaded."""
 from policies.api import FleetView, RequestView, Route
-from policies.candidates import NO_WORKERS, request_key, route_to, serving_workers, stable_hash
+from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
 from policies.predict import cached_tokens
 
 
@@ -24,8 +24,6 @@ class PrefixAffinity:
             return Route(reject=NO_WORKERS)
         min_load = min(w.load for w in workers)
         bound = min_load + max(self.slack_abs, self.slack_rel * min_load)
-        key = request_key(req)
-        w = min((w for w in workers if w.load <= bound),
-                key=lambda w: (-cached_tokens(req, w), w.load,
-                               stable_hash(key, w.worker_id), w.worker_id))
+        eligible = [w for w in workers if w.load <= bound]
+        w = cheapest(request_key(req), eligible, [(-cached_tokens(req, w), w.load) for w in eligible])
         return route_to(req, w, load_bound=bound)

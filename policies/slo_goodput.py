@@ -5,11 +5,9 @@ A request that will miss its SLO anyway only steals capacity from ones that woul
 rejecting it early (with the reason) is what maximises goodput.
 """
 from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
-from policies.candidates import NO_WORKERS, request_key, stable_hash
+from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.predict import (cached_tokens, import_ttft_ms, tpot_ms, transfer_ms, ttft_ms,
-                              uncached_tokens)
-
-Candidate = tuple[float, float, float, WorkerView | None, WorkerView]  # headroom, ttft, tpot, P, D
+                              ttft_tpot_ms, uncached_tokens)
 
 
 class SloGoodput:
@@ -39,13 +37,12 @@ class SloGoodput:
         if not mixed and not decode:
             return Route(reject=NO_WORKERS)
         split = bool(prefill and decode) and self.disaggregate(req, mixed + decode)
-        candidates = [(ttft_ms(req, w), tpot_ms(req, w), None, w)
-                      for w in (mixed if split else mixed + decode)]
+        candidates = [(*ttft_tpot_ms(req, w), None, w) for w in (mixed if split else mixed + decode)]
         if split:
             candidates += self.pairs(req, prefill, decode)
-        key = request_key(req)
         scored = [(_headroom(t, o, slo_ttft, slo_tpot), t, o, p, d) for t, o, p, d in candidates]
-        headroom, ttft, tpot, p, d = min(scored, key=lambda c: _order(key, c))
+        headroom, ttft, tpot, p, d = cheapest(request_key(req), scored, [-c[0] for c in scored],
+                                              name=lambda c: _name(c[3], c[4]))
         if headroom < 0:
             return Route(reject=f"no {'P/D pair or ' if split else ''}worker meets the SLOs "
                                 f"(ttft {slo_ttft:.0f} ms, tpot {slo_tpot:.0f} ms): best is "
@@ -89,9 +86,3 @@ def _headroom(ttft: float, tpot: float, slo_ttft: float, slo_tpot: float) -> flo
 
 def _name(p: WorkerView | None, d: WorkerView) -> str:
     return f"{p.worker_id}>{d.worker_id}" if p else d.worker_id
-
-
-def _order(key: int, c: Candidate) -> tuple:
-    """Most headroom first; ties by a hash every gateway replica computes alike."""
-    name = _name(c[3], c[4])
-    return (-c[0], stable_hash(key, name), name)

@@ -6,15 +6,20 @@ from importlib.metadata import EntryPoint
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from gateway.fleet import _view
 from policies import predict, registry
 from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView, Route, WorkerView
+from policies.candidates import stable_hash
 from policies.kv_cost import KvCost
 from policies.least_load import LeastLoad
 from policies.prefix_affinity import PrefixAffinity
 from policies.registry import BUILTIN_POLICIES, load_policy
 from policies.round_robin import RoundRobin
 from policies.slo_goodput import SloGoodput
+from workers.engine import Engine, EngineConfig
+from workers.executors.sim import SimExecutor
 from workers.kv.cost_model import CostModel
+from workers.sampling_params import SamplingParams
 
 COST = CostModel()
 STATELESS = (LeastLoad, PrefixAffinity, KvCost, SloGoodput)
@@ -76,10 +81,58 @@ def test_queued_prefill_interferes_with_decode():
 
 def test_measured_step_time_scales_predictions_without_a_cost_model():
     r = req(1024)
-    fast = WorkerView(worker_id="f", running=8, step_ms=COST.decode_ms(8, 0))
-    slow = WorkerView(worker_id="s", running=8, step_ms=2 * COST.decode_ms(8, 0))
+    fast = WorkerView(worker_id="f", running=8, step_ms=COST.decode_ms(8, 0), step_decode_seqs=8)
+    slow = WorkerView(worker_id="s", running=8, step_ms=2 * COST.decode_ms(8, 0), step_decode_seqs=8)
     assert predict.ttft_ms(r, slow) == pytest.approx(2 * predict.ttft_ms(r, fast))
     assert predict.ttft_ms(r, WorkerView(worker_id="n")) == pytest.approx(COST.prefill_ms(1024))
+    unknown = WorkerView(worker_id="u", running=8, step_ms=2 * COST.decode_ms(8, 0))
+    assert predict.ttft_ms(r, unknown) == pytest.approx(predict.ttft_ms(r, fast)), \
+        "a step time without the work it measured is no speed"
+
+
+def prefill_worker(wid: str, speed: float, chunk: int = 2048) -> WorkerView:
+    """An idle prefill worker whose recent steps were `chunk`-token prefills of fresh prompts,
+    each taking `speed` times the default model's time."""
+    ctx = chunk * chunk / 2
+    return WorkerView(worker_id=wid, role=PREFILL, max_batched_tokens=chunk,
+                      step_ms=speed * COST.step_ms(prefill_tokens=chunk, prefill_ctx_products=ctx),
+                      step_prefill_tokens=chunk, step_prefill_ctx_products=ctx)
+
+
+def test_a_prefill_workers_speed_comes_from_the_chunks_it_measured_not_its_empty_queue():
+    """Issue 5: the step time of big chunks was compared with an empty queue's decode-only step,
+    which made an idle prefill worker look ~40x slower than it is."""
+    r = req(4096)
+    for speed in (0.5, 1.0, 3.0):
+        assert predict.ttft_ms(r, prefill_worker("p", speed)) == pytest.approx(
+            speed * COST.prefill_ms(4096, chunk=2048), rel=0.05)
+
+
+def test_slo_goodput_pairs_a_prefill_worker_measured_on_big_chunks():
+    p = prefill_worker("p", speed=3.0)
+    d = WorkerView(worker_id="d", role=DECODE, running=8, kv_tokens=8000,
+                   step_ms=3.0 * COST.decode_ms(8, 8000), step_decode_seqs=8, step_decode_kv_tokens=8000)
+    route = SloGoodput().route(req(4096), fleet(p, d))
+    assert (route.prefill, route.worker) == ("p", "d"), route.reject
+    assert route.predicted_ttft_ms < 1.2 * 3.0 * COST.prefill_ms(4096, chunk=2048)
+
+
+def test_a_workers_state_carries_the_work_its_step_time_measured(monkeypatch):
+    """Engine -> /state -> the gateway's view -> prediction, for a prefill worker 3x slower than
+    the default model whose queue is empty by the time it is polled."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    ex = SimExecutor(COST, vocab_size=1000, wait=lambda s: clock.__setitem__(0, clock[0] + 3 * s))
+    eng = Engine(ex, None, EngineConfig("m", num_blocks=1024, role=PREFILL))
+    rnd = random.Random(0)
+    for i, n in enumerate((3000, 4096, 2500, 5000)):
+        eng.submit(f"r{i}", [rnd.randrange(3, 1000) for _ in range(n)], SamplingParams(max_tokens=1),
+                   sink=lambda out: None, detokenize=False)
+    while eng.has_work():
+        eng.step()
+    view = _view(eng.state(), "")
+    assert view.role == PREFILL and view.queued_prefill_tokens == 0 and view.running == 0
+    assert predict.ttft_ms(req(4096), view) == pytest.approx(3 * COST.prefill_ms(4096, chunk=2048))
 
 
 def test_transfer_moves_the_blocks_the_decode_worker_lacks():
@@ -271,6 +324,10 @@ def fleets(draw, max_workers: int = 8):
             kv_tokens=running * draw(st.integers(0, 4000)),
             max_batched_tokens=draw(st.sampled_from((256, 2048, 8192))),
             step_ms=draw(st.none() | st.floats(0.5, 500)),
+            step_prefill_tokens=draw(st.sampled_from((0.0, 100.0, 2048.0))),
+            step_prefill_ctx_products=draw(st.sampled_from((0.0, 1e6))),
+            step_decode_seqs=draw(st.sampled_from((0.0, 1.0, 40.5))),
+            step_decode_kv_tokens=draw(st.sampled_from((0.0, 50_000.0))),
             cost=draw(st.none() | st.just(COST)),
             transfer_gbps=draw(st.sampled_from((0.0, 1.0, 25.0))),
             kv_bytes_per_token=draw(st.sampled_from((0, 36_864)))))
@@ -299,6 +356,14 @@ def test_every_route_is_a_serving_worker_a_pd_pair_or_a_reason(case):
         check_route(route, f)
         if not isinstance(policy, SloGoodput) and f.by_role(MIXED, DECODE):
             assert route.worker in {w.worker_id for w in f.by_role(MIXED) or f.by_role(DECODE)}
+
+
+def test_ties_go_by_the_stable_hash_of_the_first_block_then_the_id():
+    r = req(1024)
+    ws = [worker(f"w{i}") for i in range(16)] + [worker("busy", running=3)]
+    tied = min(ws[:16], key=lambda w: (stable_hash(r.block_hashes[0], w.worker_id), w.worker_id))
+    for cls in STATELESS:
+        assert cls().route(r, fleet(*ws)).worker == tied.worker_id, cls.name
 
 
 @settings(max_examples=100, deadline=None)

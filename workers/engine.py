@@ -50,7 +50,11 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """What the last steps did and how long they took (for /state, metrics and calibrate)."""
+    """What the last steps did and how long they took (for /state, metrics and calibrate).
+
+    `recent` holds (ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products) per
+    step; /state's `recent_steps` shows the first four.
+    """
     recent: deque = field(default_factory=lambda: deque(maxlen=256))
     steps: int = 0
     preemptions: int = 0
@@ -63,9 +67,20 @@ class StepStats:
     kv_imported_blocks: int = 0
     kv_exported_blocks: int = 0
 
-    def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> None:
+    def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int,
+               prefill_ctx_products: float) -> None:
         self.steps += 1
-        self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens))
+        self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens, prefill_ctx_products))
+
+
+def step_means(recent: list[tuple]) -> dict:
+    """Mean time and work per step of `recent` steps, in `CostModel.step_ms` terms: the gateway
+    rescales its cost model by the measured time against the model's time for the same work."""
+    if not recent:
+        return {"step_ms": None}
+    ms, prefill, seqs, kv, ctx = (sum(col) / len(recent) for col in zip(*recent))
+    return {"step_ms": ms, "step_prefill_tokens": prefill, "step_prefill_ctx_products": ctx,
+            "step_decode_seqs": seqs, "step_decode_kv_tokens": kv}
 
 
 class Engine:
@@ -201,9 +216,10 @@ class Engine:
         return chunks
 
     def _record(self, plan: StepPlan, ms: float) -> None:
-        prefill = sum(n for r, n in plan.scheduled if n > 1 or r.is_prefilling)
+        prefill = [(r, n) for r, n in plan.scheduled if n > 1 or r.is_prefilling]
         decodes = [r for r, n in plan.scheduled if n == 1 and not r.is_prefilling]
-        self.stats.record(ms, prefill, len(decodes), sum(r.num_tokens for r in decodes))
+        self.stats.record(ms, sum(n for _, n in prefill), len(decodes), sum(r.num_tokens for r in decodes),
+                          sum(n * (r.num_computed + n / 2) for r, n in prefill))
 
     def _append(self, req: Request, tok: int) -> RequestOutput | None:
         if req.status == FINISHED:
@@ -286,8 +302,8 @@ class Engine:
             "queued_prefill_tokens": s.queued_prefill_tokens,
             "kv_tokens": sum(r.num_computed for r in s.running),
             "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
-            "step_ms": sum(r[0] for r in recent) / len(recent) if recent else None,
-            "recent_steps": [list(r) for r in recent],
+            **step_means(recent),
+            "recent_steps": [list(r[:4]) for r in recent],
             "cost_model": c.cost_model.to_json() if c.cost_model else None,
             "kv_bytes_per_token": getattr(self.executor, "kv_bytes_per_token", 0),
             "kv_seq": self.events.last_seq,
