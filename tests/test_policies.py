@@ -6,8 +6,8 @@ from importlib.metadata import EntryPoint
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gateway.fleet import _view
-from policies import predict, registry
+from gateway.fleet import _view, with_fields
+from policies import predict, registry, slo_goodput
 from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView, Route, WorkerView
 from policies.candidates import stable_hash
 from policies.kv_cost import KvCost
@@ -214,6 +214,23 @@ def test_slo_goodput_picks_the_most_headroom_and_fills_predictions():
     assert route.predicted_ttft_ms == pytest.approx(predict.ttft_ms(r, f.workers[1]))
     assert route.predicted_tpot_ms == pytest.approx(predict.tpot_ms(r, f.workers[1]))
     assert 0 <= route.info["headroom"] <= 1
+
+
+def test_slo_goodput_prefers_the_cache_holder_while_it_meets_the_slos():
+    """A cache hit is fleet capacity saved: the holder wins while it meets the SLOs, even with
+    less headroom than an idle worker; once it would miss, the idle worker gets the request."""
+    r = req(4096, slo_ttft_ms=1000, slo_tpot_ms=50)
+    holder = worker("holder", matched_blocks=240, running=90, kv_tokens=200_000, waiting=1,
+                    queued_prefill_tokens=1024)
+    idle = worker("idle")
+    h_holder, h_idle = (slo_goodput._headroom(*predict.ttft_tpot_ms(r, w), 1000, 50) for w in (holder, idle))
+    assert 0 <= h_holder < h_idle
+    route = SloGoodput().route(r, fleet(holder, idle))
+    assert route.worker == "holder" and route.predicted_cached_tokens == 240 * 16
+    swamped = with_fields(holder, queued_prefill_tokens=40_000, waiting=20)
+    assert slo_goodput._headroom(*predict.ttft_tpot_ms(r, swamped), 1000, 50) < 0
+    assert SloGoodput().route(r, fleet(swamped, idle)).worker == "idle"
+    assert SloGoodput(margin=h_holder + 0.01).route(r, fleet(holder, idle)).worker == "idle"
 
 
 def test_slo_goodput_headroom_is_the_tighter_of_the_two_slos():
