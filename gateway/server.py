@@ -107,7 +107,7 @@ def settle_gc() -> None:
     """Hide what startup built from the cyclic garbage collector, and collect young objects less
     often.
 
-    After startup the gateway holds ~200k tracked objects (starlette, httpx, prometheus, the
+    After startup the gateway holds ~200k tracked objects (starlette, aiohttp, prometheus, the
     tokenizers) that live as long as the process; every full collection walked them all, a
     pause of ~100 ms every several thousand requests, landing on whichever request or routing
     decision happened to allocate. Frozen, they are never walked again. Serving leaves ~25
@@ -138,7 +138,6 @@ def settle_gc_after_startup(app: Starlette) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     gateway = build(args)
     settle_gc_after_startup(gateway.app)

@@ -129,7 +129,6 @@ def test_restarted_replica_rebuilds_100k_resident_blocks_in_under_a_second(tmp_p
             await state.bootstrap(client)
             took = time.perf_counter() - t0
             await client.aclose()
-            await fleet.client.aclose()
             return took, fleet.index
         took, index = asyncio.run(bootstrap())
         assert index.num_blocks() == 100_000 and index.seq("big3") == 1003
