@@ -241,3 +241,25 @@ def test_policy_rejection_is_429_and_no_worker_is_503(procs):
     r = complete(dead, {"prompt": "hi"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_workers"
     assert httpx.get(dead + "/health").status_code == 503
+
+
+def test_gateway_tokenizer_loads_without_torch_and_matches_auto_tokenizer():
+    """The gateway must run without torch: loading the model's tokenizer must not import it
+    (transformers' AutoTokenizer does, through the model config), and the generic fast
+    tokenizer it loads instead must give AutoTokenizer's ids and chat text."""
+    import subprocess
+    import sys
+    code = ("import sys; from workers.model_store import load_tokenizer; load_tokenizer('smollm2-135m'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    from transformers import AutoTokenizer
+    from workers.model_store import resolve
+    auto = AutoTokenizer.from_pretrained(str(resolve(MODEL, tokenizer_only=True)))
+    ours = load_tokenizer(MODEL)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo <|im_end|> wörld"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    for text in ("plain text", " leading space\nnew line\t tab", "emoji 🎉 and 中文", "<|im_start|>user"):
+        assert ours.encode(text) == auto.encode(text)
+    assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)

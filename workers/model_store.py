@@ -69,6 +69,16 @@ def resolve(model: str, tokenizer_only: bool = False) -> Path:
 
 
 def load_tokenizer(model: str):
-    """The HF tokenizer (with chat template) for a model path or alias; needs no torch."""
+    """The HF tokenizer (with chat template) for a model path or alias.
+
+    A folder with a `tokenizer.json` loads as the generic fast tokenizer, which is what
+    `AutoTokenizer` builds from that file anyway: AutoTokenizer first reads the model config,
+    and transformers' config module imports torch when it is installed (~1 s and hundreds of MB
+    in a gateway that never runs a model). Workers and gateways load the same way, so their
+    token ids agree by construction."""
+    path = resolve(model, tokenizer_only=True)
+    if (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(resolve(model, tokenizer_only=True)))
+    return AutoTokenizer.from_pretrained(str(path))
