@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.executors.batch import SeqChunk
+from workers.engine import step_means, step_work
 from workers.executors.sim import SimExecutor
 from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
@@ -68,11 +69,11 @@ class SimWorker:
         self.plan: StepPlan | None = None
         self.samples: list[bool] = []
         self.seg_ends: list[float] = []
-        self.seg_ms: list[float] = []
+        self.seg_steps: list[tuple] = []
         self.seg_len = 0
         self.seg_done = 0
         self.seg_finishing: list[Request] = []
-        self.recent_ms: deque[float] = deque(maxlen=32)
+        self.recent: deque[tuple] = deque(maxlen=32)  # (ms, *step_work) per step, as /state reads
 
     # arrivals and events
 
@@ -127,17 +128,21 @@ class SimWorker:
         for req, n in plan.scheduled:
             start = req.num_computed
             chunks.append(SeqChunk(req.token_ids[start:start + n], start, [],
-                                   start + n == req.num_tokens, req.params))
+                                   start + n == len(req.token_ids), req.params))
         ms = self.executor.step_ms(chunks)
         self.plan, self.samples = plan, [c.sample for c in chunks]
-        self.recent_ms.append(ms)
+        self.recent.append((ms, *step_work(plan)))
         return now + ms / 1000.0
 
     def _land_step(self, now: float) -> None:
+        """The step's tokens are computed: commit the blocks they filled (`commit` is a no-op
+        unless a block was filled), sample, finish."""
         plan, self.plan = self.plan, None
+        kv, B = self.kv, self.cfg.block_size
         for (req, n), sample in zip(plan.scheduled, self.samples):
             req.num_computed += n
-            self.kv.commit(req)
+            if req.num_computed // B > req.num_registered // B:
+                kv.commit(req)
             if sample:
                 if req.first_token_at is None:
                     req.first_token_at = now
@@ -146,7 +151,8 @@ class SimWorker:
                     self._finish(req, now)
 
     def _done(self, req: Request) -> bool:
-        return req.num_tokens - req.num_prompt >= req.params.max_tokens or req.num_tokens >= self.cfg.max_model_len
+        n = len(req.token_ids)
+        return n - len(req.prompt_ids) >= req.params.max_tokens or n >= self.cfg.max_model_len
 
     def _finish(self, req: Request, now: float) -> None:
         self.scheduler.running.remove(req)
@@ -161,12 +167,12 @@ class SimWorker:
         s = self.scheduler
         if s.waiting or not s.running or len(s.running) > s.max_batched_tokens:
             return 0
-        left = []
+        left, max_len = [], self.cfg.max_model_len
         for r in s.running:
-            n = r.num_tokens
-            if n - r.num_computed != 1 or r.num_computed < r.num_prompt:
+            n, done, prompt = len(r.token_ids), r.num_computed, len(r.prompt_ids)
+            if n - done != 1 or done < prompt:
                 return 0
-            left.append(min(r.params.max_tokens - (n - r.num_prompt), self.cfg.max_model_len - n))
+            left.append(min(r.params.max_tokens - (n - prompt), max_len - n))
         k = min(left)
         self.seg_finishing = [r for r, n in zip(s.running, left) if n == k]
         return k
@@ -187,31 +193,34 @@ class SimWorker:
         if not k:
             return False
         running = self.scheduler.running
-        seqs, kv = len(running), sum(r.num_tokens for r in running)
-        cost, t = self.executor.cost, now
-        self.seg_ends, self.seg_ms = [], []
-        for i in range(k):
-            ms = cost.step_ms(decode_seqs=seqs, decode_kv_tokens=kv + seqs * i)
-            t += ms / 1000.0
+        seqs, kv = len(running), sum(len(r.token_ids) for r in running)
+        step_ms = self.executor.cost.step_ms
+        self.seg_steps = [(step_ms(0, 0.0, seqs, kv + seqs * i), 0, seqs, kv + seqs * i, 0.0)
+                          for i in range(k)]
+        self.seg_ends, t = [], now
+        for step in self.seg_steps:
+            t += step[0] / 1000.0
             self.seg_ends.append(t)
-            self.seg_ms.append(ms)
         self.seg_len, self.seg_done = k, 0
         return True
 
     def _apply_decodes(self, m: int) -> None:
         """m decode steps for every running request: blocks, then tokens and commits. The
         KV manager is called only where it has something to do (a block to add, a block
-        filled); elsewhere its calls are no-ops."""
+        filled); elsewhere its calls are no-ops. A segment only runs requests that have
+        sampled already, so each one's last token is its (constant) output token."""
         kv, B = self.kv, self.cfg.block_size
-        for r in self.scheduler.running:
-            if kv.blocks_needed(r, m):
-                assert kv.allocate_slots(r, m), "planned decode segment ran out of blocks"
-        for r in self.scheduler.running:
+        running = self.scheduler.running
+        for r in running:
+            if -(-(r.num_computed + m) // B) > len(r.blocks):
+                grown = kv.allocate_slots(r, m)
+                assert grown, "planned decode segment ran out of blocks"
+        for r in running:
             r.num_computed += m
-            r.token_ids.extend([output_token(r)] * m)
+            r.token_ids += [r.token_ids[-1]] * m
             if r.num_computed // B > r.num_registered // B:
                 kv.commit(r)
-        self.recent_ms.extend(self.seg_ms[self.seg_done:self.seg_done + m])
+        self.recent.extend(self.seg_steps[self.seg_done:self.seg_done + m])
         self.seg_done += m
 
     def _land_segment(self, upto: int) -> None:
@@ -226,11 +235,10 @@ class SimWorker:
 
     def state(self) -> dict:
         s = self.scheduler
-        recent = self.recent_ms
         return {"worker_id": self.worker_id, "block_size": self.cfg.block_size,
                 "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.num_free,
                 "waiting": len(s.waiting), "running": len(s.running),
                 "queued_prefill_tokens": s.queued_prefill_tokens,
                 "kv_tokens": sum(r.num_computed for r in s.running),
                 "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
-                "step_ms": sum(recent) / len(recent) if recent else None}
+                **step_means(list(self.recent))}

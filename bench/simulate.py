@@ -8,10 +8,12 @@ Each (policy, rate) is one independent simulation of a fresh fleet (see fleet_si
 runs one rate; `--sweep R1,R2,...` runs those; a bare `--sweep` searches each policy's goodput:
 it doubles the rate from a conservative guess until attainment drops below 90%, then bisects
 `--refine` times, and finally runs every policy at the best policy's highest passing rate so
-the headline numbers compare like with like. Output: the JSON report plus -cdf.png and
--attainment.png next to it.
+the headline numbers compare like with like. `--policy-arg KEY=VALUE` passes constructor
+arguments to the policies that take them (e.g. slo_goodput's pd_min_uncached_tokens). Output:
+the JSON report plus -cdf.png and -attainment.png next to it.
 """
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -23,16 +25,19 @@ from bench.fleet_sim import FleetConfig, FleetSim, stderr_progress
 from bench.plots import plot_report
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate
+from gateway.server import parse_policy_args
 from policies.registry import BUILTIN_POLICIES, load_policy
 from workers.kv.cost_model import CostModel
 
 MAX_DOUBLINGS = 14
 
 
-def run_one(policy: str, rate: float, wl: WorkloadConfig, fleet: FleetConfig, quiet: bool = False) -> dict:
-    """One simulation: a fresh fleet behind `policy` at `rate`; returns its summary."""
+def run_one(policy: str, kwargs: dict, rate: float, wl: WorkloadConfig, fleet: FleetConfig,
+            quiet: bool = False) -> dict:
+    """One simulation: a fresh fleet behind `policy` (built with `kwargs`) at `rate`; returns
+    its summary."""
     label = f"{policy} @ {rate:g} req/s"
-    sim = FleetSim(load_policy(policy), fleet)
+    sim = FleetSim(load_policy(policy, **kwargs), fleet)
     t0 = time.perf_counter()
     records = sim.run(generate(wl.with_rate(rate)), wl.duration_s, None if quiet else stderr_progress(label))
     wall = time.perf_counter() - t0
@@ -63,13 +68,14 @@ def _round(r: float) -> float:
     return float(f"{r:.3g}")
 
 
-def search(policy: str, wl: WorkloadConfig, fleet: FleetConfig, start: float, refine: int) -> list[dict]:
+def search(policy: str, kwargs: dict, wl: WorkloadConfig, fleet: FleetConfig, start: float,
+           refine: int) -> list[dict]:
     """Attainment at the rates needed to bracket the 90% crossing, then `refine` bisections."""
     runs: dict[float, dict] = {}
 
     def passes(r: float) -> bool:
         if r not in runs:
-            runs[r] = run_one(policy, r, wl, fleet)
+            runs[r] = run_one(policy, kwargs, r, wl, fleet)
         return runs[r]["slo_attainment"] >= rep.TARGET
 
     r = start
@@ -93,20 +99,21 @@ def search(policy: str, wl: WorkloadConfig, fleet: FleetConfig, start: float, re
     return list(runs.values())
 
 
-def sweep(policies: list[str], rates: list[float] | None, wl: WorkloadConfig, fleet: FleetConfig,
+def sweep(policies: dict[str, dict], rates: list[float] | None, wl: WorkloadConfig, fleet: FleetConfig,
           refine: int, jobs: int) -> dict[str, list[dict]]:
-    """Runs per policy: the given rates, or a goodput search plus the common reference rate."""
+    """Runs per policy (name -> constructor kwargs): the given rates, or a goodput search plus
+    the common reference rate."""
     with ProcessPoolExecutor(jobs) as pool:
         if rates:
-            futs = {(p, r): pool.submit(run_one, p, r, wl, fleet) for p in policies for r in rates}
+            futs = {(p, r): pool.submit(run_one, p, kw, r, wl, fleet) for p, kw in policies.items() for r in rates}
             series = {p: [futs[p, r].result() for r in rates] for p in policies}
         else:
             start = start_rate(wl, fleet)
-            futs = {p: pool.submit(search, p, wl, fleet, start, refine) for p in policies}
+            futs = {p: pool.submit(search, p, kw, wl, fleet, start, refine) for p, kw in policies.items()}
             series = {p: futs[p].result() for p in policies}
             passing = [r["rate_rps"] for runs in series.values() for r in runs if r["slo_attainment"] >= rep.TARGET]
             ref = max(passing) if passing else min(r["rate_rps"] for runs in series.values() for r in runs)
-            extra = {p: pool.submit(run_one, p, ref, wl, fleet) for p, runs in series.items()
+            extra = {p: pool.submit(run_one, p, policies[p], ref, wl, fleet) for p, runs in series.items()
                      if all(r["rate_rps"] != ref for r in runs)}
             for p, fut in extra.items():
                 series[p].append(fut.result())
@@ -119,6 +126,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--policies", default=",".join(BUILTIN_POLICIES),
                    help="comma-separated policy names or module:Class specs")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="constructor argument for the policies that take it, e.g. pd_min_uncached_tokens=256 "
+                        "(repeatable; numbers are parsed, as by `kvgate gateway --policy-arg`)")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="one request rate (req/s)")
     rate.add_argument("--sweep", nargs="?", const="auto",
@@ -184,11 +194,26 @@ def load_profile(path: str) -> dict:
         return json.load(f)
 
 
+def policy_kwargs(specs: list[str], items: list[str]) -> dict[str, dict]:
+    """Per policy, the --policy-arg pairs its constructor takes; every pair must be taken by
+    at least one of the policies (a typo would otherwise be silently ignored). Each policy is
+    built here once, so a bad value fails before any simulation starts."""
+    given = parse_policy_args(items, "kvgate simulate")
+    out = {}
+    for spec in specs:
+        params = inspect.signature(type(load_policy(spec))).parameters
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        out[spec] = {k: v for k, v in given.items() if takes_any or k in params}
+        load_policy(spec, **out[spec])
+    unused = set(given) - {k for kw in out.values() for k in kw}
+    if unused:
+        sys.exit(f"kvgate simulate: no policy of {', '.join(specs)} takes --policy-arg {', '.join(sorted(unused))}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        load_policy(p)
+    policies = policy_kwargs([p for p in args.policies.split(",") if p], args.policy_arg)
     fleet = fleet_config(args)
     wl = from_args(args, args.rate or 10.0)
     rates = [args.rate] if args.rate else None
@@ -201,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     title = args.title or f"{args.workload}, {args.workers} simulated workers"
     meta = {"kind": "simulate", "title": title, "command": "kvgate simulate " + " ".join(argv or sys.argv[1:]),
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "workers": args.workers,
+            "policy_args": policies,
             "workload": {k: v for k, v in asdict(wl).items() if k != "rate"},
             "fleet": {"sim": asdict(fleet.sim), "cost": fleet.cost.to_json(), "profile": args.profile,
                       "poll_s": fleet.poll_s, "views_with_cost": fleet.views_with_cost,

@@ -4,6 +4,13 @@ Each workload yields `BenchRequest`s in arrival order as prompt token ids, so th
 drives a real endpoint (`prompt` as a list of ints) and the simulator, and equal prefixes are
 equal token ids (hence equal block hashes) wherever they run. Streams are lazy: the simulator
 holds only requests in flight, not minutes of prompts. Everything is seeded.
+
+`mixed` interleaves two kinds of traffic, the case for prefill/decode disaggregation: with
+probability `long_fraction` a long-document request (a fresh document of `input_len` tokens,
+uniform in [L/2, 3L/2], to summarise in `long_output_len` tokens: long prefill, short decode),
+otherwise a chat turn (a shared `prefix_len`-token system prompt plus a fresh `question_len`-token
+question, answered in `output_len` tokens: short prefill, long decode). On a mixed worker every
+long prefill stalls the chats decoding beside it.
 """
 import argparse
 import json
@@ -14,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-doc-qa", "random", "trace")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc-qa", "random", "mixed", "trace")
 TRACE_BLOCK = 512
 TOKEN_LOW = 100
 
@@ -24,6 +31,8 @@ DEFAULTS = {
     "long-doc-qa": dict(groups=4, prefix_len=8192, question_len=64, output_len=64),
     "multi-turn": dict(prefix_len=512, question_len=128, output_len=128, turns=8, think_s=5.0),
     "random": dict(input_len=1024, output_len=128),
+    "mixed": dict(long_fraction=0.2, input_len=4096, long_output_len=64, prefix_len=512,
+                  question_len=128, output_len=256),
     "trace": dict(),
 }
 
@@ -54,6 +63,8 @@ class WorkloadConfig:
     input_len: int | None = None
     turns: int | None = None
     think_s: float | None = None
+    long_fraction: float | None = None
+    long_output_len: int | None = None
     trace: str | None = None
 
     def get(self, knob: str):
@@ -73,9 +84,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="coefficient of variation of gamma inter-arrival times (>1 is bursty)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
-    for knob in ("groups", "prefix_len", "question_len", "output_len", "input_len", "turns"):
+    for knob in ("groups", "prefix_len", "question_len", "output_len", "input_len", "turns", "long_output_len"):
         p.add_argument("--" + knob.replace("_", "-"), type=int, default=None)
     p.add_argument("--think-s", type=float, default=None, help="multi-turn: mean gap between turns")
+    p.add_argument("--long-fraction", type=float, default=None, help="mixed: share of long-document requests")
     p.add_argument("--trace", help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids)")
 
 
@@ -113,7 +125,7 @@ def generate(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
     if cfg.name == "trace":
         return trace(cfg)
     return {"shared-prefix": shared_prefix, "long-doc-qa": shared_prefix,
-            "multi-turn": multi_turn, "random": random_prompts}[cfg.name](cfg)
+            "multi-turn": multi_turn, "random": random_prompts, "mixed": mixed}[cfg.name](cfg)
 
 
 def shared_prefix(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
@@ -135,6 +147,21 @@ def random_prompts(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
     for i, t in enumerate(arrivals(cfg, rng)):
         length = int(rng.integers(max(1, n // 2), n + n // 2 + 1))
         yield BenchRequest(i, t, tokens(rng, length, cfg.vocab_size), cfg.get("output_len"))
+
+
+def mixed(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
+    """Long-document summaries (a fraction `long_fraction`) among chat turns; see the module
+    docstring. Chats share their system prompt, so they share a session as shared-prefix
+    groups do; documents are unique and have none."""
+    rng = np.random.default_rng(cfg.seed)
+    system = tokens(rng, cfg.get("prefix_len"), cfg.vocab_size)
+    n, q = cfg.get("input_len"), cfg.get("question_len")
+    for i, t in enumerate(arrivals(cfg, rng)):
+        if rng.random() < cfg.get("long_fraction"):
+            length = int(rng.integers(max(1, n // 2), n + n // 2 + 1))
+            yield BenchRequest(i, t, tokens(rng, length, cfg.vocab_size), cfg.get("long_output_len"))
+        else:
+            yield BenchRequest(i, t, system + tokens(rng, q, cfg.vocab_size), cfg.get("output_len"), "chat")
 
 
 def multi_turn(cfg: WorkloadConfig) -> Iterator[BenchRequest]:

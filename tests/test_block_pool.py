@@ -125,3 +125,28 @@ def test_pool_invariants_under_random_operations(ops):
         else:
             resident.clear()
     assert resident == set(pool.resident_hashes()), "replaying events gives the pool's residency"
+
+
+def test_touch_prefix_stops_at_a_hash_hit_with_other_tokens():
+    """A prefix hit walks the chain like lookup + touch per block, so a 64-bit hash collision
+    (same hash, other tokens) ends the hit there."""
+    pool = make_pool()
+    blocks = pool.allocate(3)
+    pool.register(blocks, [1, 2, 3], [(1,) * 4, (2,) * 4, (3,) * 4], None)
+    pool.free(blocks)
+    assert pool.touch_prefix([1, 2, 3], [1] * 4 + [2] * 4 + [3] * 4) == blocks
+    assert [b.ref_count for b in blocks] == [1, 1, 1] and pool.num_free == 5
+    pool.free(blocks)
+    hit = pool.touch_prefix([1, 2, 3], [1] * 4 + [9] * 4 + [3] * 4)
+    assert hit == blocks[:1] and blocks[1].ref_count == 0 and pool.num_free == 7
+    assert pool.touch_prefix([7, 1], [1] * 8) == []
+
+
+def test_blocks_are_created_on_first_use_in_id_order():
+    pool = make_pool(n=4)
+    assert pool.blocks == [] and pool.num_free == 4
+    a = pool.allocate(2)
+    pool.free(a)
+    b = pool.allocate(4)
+    assert [x.block_id for x in b] == [2, 3, 1, 0], "never-used first, then freed ones (tail first)"
+    assert pool.num_free == 0 and len(pool.blocks) == 4

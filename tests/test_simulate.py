@@ -6,12 +6,13 @@ import time
 import pytest
 
 from bench import simulate
-from bench.fleet_sim import FleetConfig, FleetSim
+from bench.fleet_sim import ChainHasher, FleetConfig, FleetSim
 from bench.report import summarize
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, generate
 from policies.registry import BUILTIN_POLICIES, load_policy
 from workers.kv.cost_model import CostModel
+from workers.kv.hashing import block_hashes
 
 
 def run(policy="prefix_affinity", workers=4, wl=None, **sim):
@@ -33,6 +34,16 @@ def test_fast_forward_is_exact(name, blocks):
     assert a == b
     assert fast.events_processed < slow.events_processed
     assert len(a) > 100 and all(r["error"] is None for r in a)
+
+
+def test_chain_hasher_gives_block_hashes():
+    """Memoised by runs and by blocks, evicted when full: the values never change."""
+    hasher = ChainHasher(4, 7, span=3, limit=40)
+    doc = list(range(100, 160))
+    prompts = [doc, doc[:30] + [1] * 9, doc + [2] * 5, doc[:7], [], doc[:30] + [1] * 9, doc]
+    for tokens in prompts * 3:
+        assert hasher.hashes(tokens) == block_hashes(tokens, 4, 7)
+    assert hasher.runs, "content seen twice is looked up by runs"
 
 
 def test_seeded_runs_repeat():
@@ -124,3 +135,33 @@ def test_goodput_search_brackets_the_90_percent_crossing(tmp_path):
     passing = [r["rate_rps"] for r in e["runs"] if r["slo_attainment"] >= 0.9]
     failing = [r["rate_rps"] for r in e["runs"] if r["slo_attainment"] < 0.9]
     assert max(passing) <= e["goodput_rps"] <= min(f for f in failing if f > max(passing))
+
+
+def test_policy_args_reach_the_policies_that_take_them(tmp_path, monkeypatch):
+    built = []
+    real = simulate.load_policy
+    monkeypatch.setattr(simulate, "load_policy", lambda spec, **kw: built.append((spec, kw)) or real(spec, **kw))
+    out = tmp_path / "args.json"
+    simulate.main(["--workers", "2", "--policies", "slo_goodput,round_robin", "--workload", "random",
+                   "--input-len", "64", "--output-len", "8", "--rate", "5", "--duration", "3", "--jobs", "1",
+                   "--policy-arg", "pd_min_uncached_tokens=256", "--policy-arg", "tpot_ms=80.5", "--out", str(out)])
+    args = json.loads(out.read_text())["policy_args"]
+    assert args == {"slo_goodput": {"pd_min_uncached_tokens": 256, "tpot_ms": 80.5}, "round_robin": {}}
+    assert ("slo_goodput", args["slo_goodput"]) in built and ("round_robin", {}) in built
+    with pytest.raises(SystemExit, match="no policy of round_robin takes --policy-arg typo"):
+        simulate.main(["--policies", "round_robin", "--rate", "1", "--policy-arg", "typo=1", "--out", str(out)])
+
+
+def test_state_reports_step_work_like_the_engine():
+    """/state's step_* means are the work of the steps step_ms timed (as `Engine` reports them),
+    so a policy without the cost model rescales its default model to the worker's speed."""
+    cost = CostModel.load("bench/profiles/h200-llama8b.json")
+    fleet = FleetConfig(workers=2, cost=cost, slo_ttft_ms=1000, slo_tpot_ms=50)
+    wl = WorkloadConfig(name="mixed", rate=20, duration_s=3, seed=0)
+    s = FleetSim(load_policy("slo_goodput"), fleet)
+    s.run(generate(wl), wl.duration_s)
+    for w in s.workers:
+        st = w.state()
+        work = [st[k] for k in ("step_prefill_tokens", "step_prefill_ctx_products", "step_decode_seqs",
+                                "step_decode_kv_tokens")]
+        assert st["step_ms"] == pytest.approx(cost.step_ms(*work))

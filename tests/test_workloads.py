@@ -17,7 +17,7 @@ def gaps(rs):
     return np.diff(t)
 
 
-@pytest.mark.parametrize("name", ["shared-prefix", "multi-turn", "long-doc-qa", "random"])
+@pytest.mark.parametrize("name", ["shared-prefix", "multi-turn", "long-doc-qa", "random", "mixed"])
 def test_seeded_and_ordered(name):
     a = reqs(name=name, rate=20, duration_s=5, seed=3)
     b = reqs(name=name, rate=20, duration_s=5, seed=3)
@@ -63,6 +63,21 @@ def test_multi_turn_prompt_grows_from_previous_turn():
     assert len({tuple(r.prompt[:32]) for r in rs}) == 1
     early = [len(r.prompt) for r in rs if r.arrival_s < 2]
     assert max(early) >= 32 + 3 * 12 + 8 and min(early) == 32 + 8
+
+
+def test_mixed_is_long_unique_documents_among_chats_sharing_a_system_prompt():
+    rs = reqs(name="mixed", rate=100, duration_s=20, long_fraction=0.3, input_len=1000,
+              long_output_len=16, prefix_len=64, question_len=8, output_len=40)
+    long = [r for r in rs if r.session is None]
+    chat = [r for r in rs if r.session == "chat"]
+    assert len(long) + len(chat) == len(rs) and 0.25 < len(long) / len(rs) < 0.35
+    assert all(500 <= len(r.prompt) <= 1500 and r.max_tokens == 16 for r in long)
+    assert len({tuple(r.prompt[:16]) for r in long}) == len(long), "every document is new"
+    assert all(len(r.prompt) == 72 and r.max_tokens == 40 for r in chat)
+    assert len({tuple(r.prompt[:64]) for r in chat}) == 1
+    assert len({tuple(r.prompt[64:]) for r in chat}) == len(chat)
+    default = reqs(name="mixed", rate=50, duration_s=10)
+    assert {r.max_tokens for r in default} == {64, 256}
 
 
 def test_random_shares_nothing():

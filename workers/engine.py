@@ -73,6 +73,15 @@ class StepStats:
         self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens, prefill_ctx_products))
 
 
+def step_work(plan: StepPlan) -> tuple[int, int, int, float]:
+    """(prefill tokens, decode seqs, decode KV tokens, prefill ctx products) of a step about to
+    run: the work `CostModel.step_ms` prices. The fleet simulator's workers report the same."""
+    prefill = [(r, n) for r, n in plan.scheduled if n > 1 or r.is_prefilling]
+    decodes = [r for r, n in plan.scheduled if n == 1 and not r.is_prefilling]
+    return (sum(n for _, n in prefill), len(decodes), sum(r.num_tokens for r in decodes),
+            sum(n * (r.num_computed + n / 2) for r, n in prefill))
+
+
 def step_means(recent: list[tuple]) -> dict:
     """Mean time and work per step of `recent` steps, in `CostModel.step_ms` terms: the gateway
     rescales its cost model by the measured time against the model's time for the same work."""
@@ -216,10 +225,7 @@ class Engine:
         return chunks
 
     def _record(self, plan: StepPlan, ms: float) -> None:
-        prefill = [(r, n) for r, n in plan.scheduled if n > 1 or r.is_prefilling]
-        decodes = [r for r, n in plan.scheduled if n == 1 and not r.is_prefilling]
-        self.stats.record(ms, sum(n for _, n in prefill), len(decodes), sum(r.num_tokens for r in decodes),
-                          sum(n * (r.num_computed + n / 2) for r, n in prefill))
+        self.stats.record(ms, *step_work(plan))
 
     def _append(self, req: Request, tok: int) -> RequestOutput | None:
         if req.status == FINISHED:

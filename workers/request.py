@@ -9,7 +9,7 @@ from workers.sampling_params import SamplingParams
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_ids: list[int]

@@ -70,10 +70,13 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_batched_tokens
-        decodes = [r for r in self.running if not r.is_prefilling]
-        prefills = [r for r in self.running if r.is_prefilling]
+        decodes, prefills = [], []
+        for r in self.running:
+            (prefills if r.is_prefilling else decodes).append(r)
         for req in decodes + prefills:
-            if req not in self.running or budget == 0:
+            if budget == 0:
+                break
+            if req.status != RUNNING:  # preempted for a request ahead of it in this step
                 continue
             n = min(req.num_remaining, budget)
             if not self._make_room(req, n, plan):

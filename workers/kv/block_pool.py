@@ -4,14 +4,19 @@ Blocks are fixed-size (B tokens) and ref-counted. A block whose ref count drops 
 its hash and contents ("cached but free") until it is reused; reuse evicts the least recently
 freed cached block, after first using blocks that never held a full hashed block. Every change
 of residency (a hash registered, a hash evicted, the cache cleared) goes to the event log.
+
+Block objects are created on first use, in id order (the order a fresh pool hands them out
+anyway), so a pool of many blocks costs nothing until it fills: the fleet simulator builds
+hundreds of them.
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import chain
 
 from workers.kv.events import CLEARED, REMOVED, STORED, EventLog
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
@@ -24,19 +29,16 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, events: EventLog):
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_blocks = num_blocks
+        self.blocks: list[Block] = []  # the blocks used so far; block i is blocks[i]
         self.events = events
-        self._free_plain: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_plain: OrderedDict[int, None] = OrderedDict()  # freed, never hashed or cleared
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[int, int] = {}
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free(self) -> int:
-        return len(self._free_plain) + len(self._free_cached)
+        return self.num_blocks - len(self.blocks) + len(self._free_plain) + len(self._free_cached)
 
     def lookup(self, h: int, token_ids: tuple[int, ...]) -> Block | None:
         """The cached block for hash `h` whose tokens really are `token_ids`, if any."""
@@ -52,6 +54,28 @@ class BlockPool:
             del self._free_cached[block.block_id]
         block.ref_count += 1
 
+    def touch_prefix(self, hashes: list[int], token_ids: list[int]) -> list[Block]:
+        """`lookup` and `touch` along a chain until the first miss: the cached blocks of the
+        longest prefix of `hashes`, block i holding token_ids[i*B:(i+1)*B]. Prompts run to
+        hundreds of blocks, so the tokens of all hash hits are compared in one go, block by
+        block only when that finds a difference (a 64-bit hash collision)."""
+        B, by_hash, blocks = self.block_size, self._by_hash, self.blocks
+        found = []
+        for h in hashes:
+            bid = by_hash.get(h)
+            if bid is None:
+                break
+            found.append(blocks[bid])
+        if list(chain.from_iterable([b.token_ids for b in found])) != token_ids[:len(found) * B]:
+            del found[next(i for i, b in enumerate(found)
+                           if b.token_ids != tuple(token_ids[i * B:(i + 1) * B])):]
+        cached = self._free_cached
+        for block in found:
+            if block.ref_count == 0:
+                del cached[block.block_id]
+            block.ref_count += 1
+        return found
+
     def can_allocate(self, n: int) -> bool:
         return self.num_free >= n
 
@@ -59,14 +83,16 @@ class BlockPool:
         """n fresh blocks (ref 1); evicts cached-free blocks LRU-first when plain ones run out."""
         if n > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free}")
-        out, evicted = [], []
+        out, evicted, blocks = [], [], self.blocks
         for _ in range(n):
-            if self._free_plain:
-                bid, _ = self._free_plain.popitem(last=False)
+            if len(blocks) < self.num_blocks:
+                block = Block(len(blocks))
+                blocks.append(block)
+            elif self._free_plain:
+                block = blocks[self._free_plain.popitem(last=False)[0]]
             else:
-                bid, _ = self._free_cached.popitem(last=False)
-                evicted.append(self._evict(self.blocks[bid]))
-            block = self.blocks[bid]
+                block = blocks[self._free_cached.popitem(last=False)[0]]
+                evicted.append(self._evict(block))
             block.ref_count = 1
             out.append(block)
         if evicted:
@@ -81,14 +107,15 @@ class BlockPool:
 
     def free(self, blocks: list[Block]) -> None:
         """Drop one reference from each block; a sequence's tail goes first in eviction order."""
+        plain, cached = self._free_plain, self._free_cached
         for block in reversed(blocks):
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block.block_id} freed twice"
             if block.ref_count == 0:
                 if block.hash is None:
-                    self._free_plain[block.block_id] = None
+                    plain[block.block_id] = None
                 else:
-                    self._free_cached[block.block_id] = None
+                    cached[block.block_id] = None
 
     def register(self, blocks: list[Block], hashes: list[int], tokens: list[tuple[int, ...]],
                  parent: int | None) -> None:

@@ -17,13 +17,14 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
 
     def _hashes(self, req: Request, n_blocks: int) -> list[int]:
-        """The first `n_blocks` hashes of the request's chain, extending it as needed."""
+        """The request's chain, extended to at least `n_blocks` hashes (it may hold more: read
+        only the first `n_blocks`)."""
         B = self.block_size
         hs = req.block_hashes
         while len(hs) < n_blocks:
             i = len(hs)
             hs.append(block_hash(hs[-1] if hs else self.seed, req.token_ids[i * B:(i + 1) * B]))
-        return hs[:n_blocks]
+        return hs
 
     def match_prefix(self, req: Request) -> int:
         """Take the longest cached prefix (never the whole prompt); returns the tokens it covers."""
@@ -32,22 +33,17 @@ class KVCacheManager:
             return 0
         B = self.block_size
         limit = (req.num_tokens - 1) // B
-        hashes = self._hashes(req, limit)
-        for i, h in enumerate(hashes):
-            block = self.pool.lookup(h, tuple(req.token_ids[i * B:(i + 1) * B]))
-            if block is None:
-                break
-            self.pool.touch(block)
-            req.blocks.append(block)
+        req.blocks = self.pool.touch_prefix(self._hashes(req, limit)[:limit], req.token_ids)
         req.num_computed = req.num_registered = len(req.blocks) * B
         return req.num_computed
 
     def prefix_resident(self, req: Request) -> bool:
         """Whether every block a prefix hit could cover for `req` is in the cache now."""
         B = self.block_size
-        hashes = self._hashes(req, (req.num_tokens - 1) // B)
-        return all(self.pool.lookup(h, tuple(req.token_ids[i * B:(i + 1) * B])) is not None
-                   for i, h in enumerate(hashes))
+        n = (req.num_tokens - 1) // B
+        hashes = self._hashes(req, n)
+        return all(self.pool.lookup(hashes[i], tuple(req.token_ids[i * B:(i + 1) * B])) is not None
+                   for i in range(n))
 
     def blocks_needed(self, req: Request, n_new: int) -> int:
         return max(0, -(-(req.num_computed + n_new) // self.block_size) - len(req.blocks))
@@ -55,9 +51,10 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, n_new: int) -> bool:
         """Grow the block table to hold `n_new` more tokens; False when the pool is short."""
         need = self.blocks_needed(req, n_new)
-        if not self.pool.can_allocate(need):
-            return False
-        req.blocks.extend(self.pool.allocate(need))
+        if need:
+            if not self.pool.can_allocate(need):
+                return False
+            req.blocks.extend(self.pool.allocate(need))
         return True
 
     def commit(self, req: Request) -> None:
