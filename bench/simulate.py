@@ -22,7 +22,6 @@ from dataclasses import asdict
 
 from bench import report as rep
 from bench.fleet_sim import FleetConfig, FleetSim, stderr_progress
-from bench.plots import plot_report
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate
 from gateway.server import parse_policy_args
@@ -233,8 +232,4 @@ def main(argv: list[str] | None = None) -> None:
                       "request_overhead_ms": fleet.request_overhead_ms, "roles": args.roles,
                       "kv_bytes_per_token": fleet.kv_bytes_per_token, "transfer_gbps": fleet.transfer_gbps},
             "wall_s": time.perf_counter() - t0}
-    report = rep.build(series, meta)
-    report["plots"] = plot_report(report, args.out)
-    rep.write_json(args.out, report)
-    rep.print_table(report, sys.stderr)
-    print(f"wrote {args.out} and {', '.join(report['plots'])} in {meta['wall_s']:.1f} s", file=sys.stderr)
+    rep.publish(series, meta, args.out)
