@@ -9,8 +9,10 @@ load generator and compared in one report (same JSON and plots as `bench serve`)
 A fleet is `LABEL=POLICY@ROLE:COUNT,...`. For each, in turn: its workers start
 (`kvgate worker --model M --executor E --role ROLE`, one CPU thread each, a shared internal
 token so P/D transfers are allowed), then a gateway with that policy; every rate of the sweep
-runs against the gateway; then all of it stops, so fleets never share the machine. Caches are
-kept from one rate to the next within a fleet, as in a long-running deployment.
+runs against the gateway; then all of it stops, so fleets never share the machine. Before each
+rate every worker's prefix cache is emptied (`POST /kv/reset`, with the internal token): the
+workloads are seeded, so each rate sends the same documents and prefixes, and a cache warmed
+by the previous rate would turn its long prefills into hits.
 """
 import argparse
 import asyncio
@@ -42,9 +44,9 @@ def parse_fleet(spec: str) -> tuple[str, str, list[str]]:
     return label, policy, out
 
 
-def start_fleet(label: str, policy: str, roles: list[str], args: argparse.Namespace) -> list:
+def start_fleet(label: str, policy: str, roles: list[str], args: argparse.Namespace,
+                token: str) -> list:
     """Workers and their gateway, ready; the gateway is last in the list."""
-    token = secrets.token_hex(16)
     extra = ["--internal-token", token, *args.worker_arg]
     workers = [Worker(args.executor, f"{label}-{role[0]}{i}", model=args.model, log_dir=args.log_dir,
                       extra=["--role", role, *extra]) for i, role in enumerate(roles)]
@@ -68,11 +70,14 @@ def start_fleet(label: str, policy: str, roles: list[str], args: argparse.Namesp
 def run_fleet(spec: str, args: argparse.Namespace, rates: list[float]) -> tuple[str, list[dict]]:
     label, policy, roles = parse_fleet(spec)
     print(f"fleet {label}: {policy} over {', '.join(roles)}", file=sys.stderr, flush=True)
-    procs = start_fleet(label, policy, roles, args)
+    token = secrets.token_hex(16)
+    procs = start_fleet(label, policy, roles, args, token)
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     runs = []
     try:
         for rate in rates:
+            for w in procs[:-1]:
+                httpx.post(w.url + "/kv/reset", headers={"x-kvgate-token": token}, timeout=30).raise_for_status()
             records = asyncio.run(run_rate([procs[-1].url], from_args(args, rate), args.model, slo,
                                            timeout=args.timeout))
             run = rep.summarize(records, *slo)
