@@ -7,13 +7,22 @@ Three probes, one request shape each, so every engine step has a known compositi
   prefill: prompts of growing length, never seen before, max_tokens=1 (one prefill step each);
   cached prefill: a prompt, then the same prompt extended, so the step prefills after a
            cached prefix (this separates per-token cost from the attention term);
-  decode:  b streams at once, for several b and prompt lengths (steps of b decodes).
+  decode:  b streams at once after a cached prefix (steps of b decodes), for each batch size b
+           and two context lengths; once all b decode, one more request joins them, so one
+           step prefills beside b decodes (a mixed step, the usual step under load).
 The worker's `/state` `recent_steps` gives each step's executor time and composition
 [ms, prefill_tokens, decode_seqs, kv_tokens]. What the engine does around the executor (its
 per-step Python) is the client's inter-token gap minus the step's executor time; it is added
-to every step. What a request costs outside steps (HTTP, parsing) is TTFT minus the step
-and goes into the profile as `request_overhead_ms`, which the simulator adds to TTFT. The
-five CostModel coefficients are fitted by non-negative least squares on relative error.
+to every step. What a request costs outside steps (HTTP, parsing) is TTFT minus the step and
+goes into the profile as `request_overhead_ms`, which the simulator adds to TTFT.
+
+The probes run in `rounds`, each round all of them in turn with the prefill and decode probes
+interleaved, and every probe's time is the median over the rounds: on a machine shared with
+other jobs a burst of load then inflates one sample of every kind, not every sample of one
+kind (which skews the fit). The linear CostModel terms (and `mixed_ms`) are fitted by
+non-negative least squares on relative error to the steps that prefill, alone or beside
+decodes; steps that only decode get their measured time per batch size (`decode_batch_ms`),
+since small batches are not linear in their size.
 """
 import argparse
 import asyncio
@@ -24,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import defaultdict
 
 import httpx
 import numpy as np
@@ -33,7 +43,9 @@ from bench.workloads import BenchRequest, TOKEN_LOW
 from workers.kv.cost_model import CostModel
 
 VOCAB = 32000
-COLUMNS = ("base_ms", "prefill_token_ms", "prefill_attn_ms", "decode_seq_ms", "decode_kv_token_ms")
+COLUMNS = ("base_ms", "prefill_token_ms", "prefill_attn_ms", "decode_seq_ms", "decode_kv_token_ms", "mixed_ms")
+DECODE_SUFFIX = 16  # fresh tokens after the cached prefix of each decode stream
+MEASURED = ("ms", "gap_ms", "ttft_ms", "kv", "ctx")  # what varies from round to round
 
 
 class Probe:
@@ -47,8 +59,11 @@ class Probe:
     def prompt(self, n: int) -> list[int]:
         return self.rng.integers(TOKEN_LOW, self.vocab, n).tolist()
 
+    async def state(self) -> dict:
+        return (await self.client.get(self.url + "/state")).json()
+
     async def steps(self) -> list[list[float]]:
-        return (await self.client.get(self.url + "/state")).json()["recent_steps"]
+        return (await self.state())["recent_steps"]
 
     async def one(self, prompt: list[int], max_tokens: int) -> dict:
         self.index += 1
@@ -61,41 +76,96 @@ class Probe:
     async def prefill(self, prompt: list[int]) -> dict:
         """One prefill step: its executor ms, uncached and cached tokens, and the client TTFT."""
         rec = await self.one(prompt, 1)
-        ms, tokens, seqs, _ = (await self.steps())[-1]
+        ms, tokens, seqs, *_ = (await self.steps())[-1]
         cached = rec["cached_tokens"]
         assert seqs == 0 and tokens == len(prompt) - cached, "unexpected step: is the worker idle?"
-        return {"kind": "prefill", "ms": ms, "tokens": tokens, "ctx": tokens * (cached + tokens / 2),
-                "ttft_ms": rec["ttft_ms"]}
+        return {"kind": "prefill", "key": ("prefill", tokens, cached), "ms": ms, "tokens": tokens,
+                "ctx": tokens * (cached + tokens / 2), "ttft_ms": rec["ttft_ms"]}
 
-    async def decode(self, batch: int, prompt_len: int, tokens: int) -> dict:
-        """b concurrent streams; the steps where all b decode, and the clients' median gap."""
-        recs = await asyncio.gather(*(self.one(self.prompt(prompt_len), tokens) for _ in range(batch)))
-        steps = [s for s in await self.steps() if s[1] == 0 and s[2] == batch]
-        gaps = [g for r in recs for g in r["itl_ms"][2:]]
-        return {"kind": "decode", "batch": batch, "kv": float(np.median([s[3] for s in steps])),
-                "ms": float(np.median([s[0] for s in steps])), "gap_ms": float(np.median(gaps))}
+    async def until_decoding(self, batch: int, streams: list[asyncio.Task]) -> None:
+        """Wait until `batch` requests run and none has prompt left to prefill (or one is done)."""
+        while not any(t.done() for t in streams):
+            s = await self.state()
+            if s["running"] >= batch and s["queued_prefill_tokens"] == 0:
+                return
+            await asyncio.sleep(0.05)
+
+    async def decode(self, batch: int, prefix: list[int], tokens: int) -> list[dict]:
+        """b streams after a cached prefix: the steps where all b decode and the clients' median
+        gap (past the first two, which may hold the other streams' prefills); and the step where
+        one more request (a quarter of the prefix more) joins them."""
+        streams = [asyncio.create_task(self.one(prefix + self.prompt(DECODE_SUFFIX), tokens))
+                   for _ in range(batch)]
+        await self.until_decoding(batch, streams)
+        joined = await self.one(prefix + self.prompt(max(DECODE_SUFFIX, len(prefix) // 4)), 1)
+        recs = await asyncio.gather(*streams)
+        steps = await self.steps()
+        dec = [s for s in steps if s[1] == 0 and s[2] == batch]
+        gaps = [g for r in recs for g in sorted(r["itl_ms"][2:])[:-1]]  # less the step the joining request was in
+        out = [{"kind": "decode", "key": ("decode", batch, len(prefix)), "batch": batch,
+                "kv": float(np.median([s[3] for s in dec])), "ms": float(np.median([s[0] for s in dec])),
+                "gap_ms": float(np.median(gaps))}]
+        cached = joined["cached_tokens"]
+        mixed = [s for s in steps if s[1] == joined["prompt_tokens"] - cached and s[2] == batch]
+        if mixed:
+            ms, n, _, kv = mixed[-1]
+            out.append({"kind": "mixed", "key": ("mixed", batch, len(prefix)), "batch": batch, "tokens": n,
+                        "ctx": n * (cached + n / 2), "kv": kv, "ms": ms})
+        return out
+
+    async def cached_prefill(self, n: int) -> dict:
+        base = self.prompt(n)
+        await self.one(base, 1)
+        return await self.prefill(base + self.prompt(max(16, n // 4)))
+
+    async def round(self, lengths: list[int], batches: list[int], decode_tokens: int) -> list[dict]:
+        """Every probe once, the prefill and decode probes interleaved, so that both kinds
+        see the same load from whatever else runs on the machine."""
+        prefixes = {n: self.prompt(n) for n in (min(lengths), max(lengths))}
+        for prefix in prefixes.values():
+            await self.one(prefix, 1)
+        prefills = [lambda n=n: self.prefill(self.prompt(n)) for n in lengths]
+        prefills += [lambda n=n: self.cached_prefill(n) for n in lengths[len(lengths) // 2:]]
+        decodes = [lambda b=b, p=p: self.decode(b, p, decode_tokens) for p in prefixes.values() for b in batches]
+        samples = []
+        for probe in spread(prefills, decodes):
+            got = await probe()
+            samples += got if isinstance(got, list) else [got]
+        return samples
+
+
+def spread(*lists: list) -> list:
+    """The lists merged with each one's items spread evenly over the result."""
+    keyed = [((i + 0.5) / len(items), k, x) for k, items in enumerate(lists) for i, x in enumerate(items)]
+    return [x for *_, x in sorted(keyed, key=lambda t: t[:2])]
 
 
 async def measure(url: str, model: str | None, lengths: list[int], batches: list[int],
-                  decode_tokens: int, seed: int, vocab: int) -> list[dict]:
+                  decode_tokens: int, seed: int, vocab: int, rounds: int) -> list[dict]:
+    """`rounds` rounds of every probe, after a first request of each kind to warm the worker up
+    (a GPU's first kernel launches are slow; a CPU's first steps cost a few percent more)."""
     p = Probe(url, model, seed, vocab)
+    await p.one(p.prompt(max(lengths)), 2)
+    await asyncio.gather(*(p.one(p.prompt(DECODE_SUFFIX), 4) for _ in range(max(batches))))
     samples = []
-    await p.one(p.prompt(32), 4)
-    for n in lengths:
-        samples.append(await p.prefill(p.prompt(n)))
-        print(f"  {url} prefill {n} tokens: {samples[-1]['ms']:.1f} ms", file=sys.stderr, flush=True)
-    for n in lengths[len(lengths) // 2:]:
-        base = p.prompt(n)
-        await p.one(base, 1)
-        samples.append(await p.prefill(base + p.prompt(max(16, n // 4))))
-        print(f"  {url} prefill after {n} cached: {samples[-1]['ms']:.1f} ms", file=sys.stderr, flush=True)
-    for b in batches:
-        for n in (32, max(lengths)):
-            samples.append(await p.decode(b, n, decode_tokens))
-            print(f"  {url} decode batch {b} kv {samples[-1]['kv']:.0f}: step {samples[-1]['ms']:.1f} ms, "
-                  f"gap {samples[-1]['gap_ms']:.1f} ms", file=sys.stderr, flush=True)
+    for r in range(rounds):
+        got = await p.round(lengths, batches, decode_tokens)
+        samples += got
+        longest = max(s["ms"] for s in got if s["kind"] == "prefill")
+        decodes = ", ".join(f"b={s['batch']} {s['ms']:.0f} ms" for s in got if s["kind"] == "decode")
+        print(f"  {url} round {r + 1}/{rounds}: longest prefill {longest:.0f} ms; decode steps {decodes}",
+              file=sys.stderr, flush=True)
     await p.client.aclose()
     return samples
+
+
+def medians(samples: list[dict]) -> list[dict]:
+    """One sample per probe: the median of each measured value over the rounds (and workers)."""
+    groups = defaultdict(list)
+    for s in samples:
+        groups[s["key"]].append(s)
+    return [{**group[0], **{k: float(np.median([g[k] for g in group])) for k in MEASURED if k in group[0]},
+             "key": list(key), "n": len(group)} for key, group in groups.items()]
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -109,27 +179,64 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
         active.remove(active[int(np.argmin(x[active]))])
 
 
+def row(s: dict) -> list[float]:
+    """The sample's work in CostModel terms: [1, P, sum(P_i * ctx_i) / 1000, D, KV, mixed?]."""
+    prefill = s["kind"] != "decode"
+    decode = s["kind"] != "prefill"
+    return [1.0, s["tokens"] if prefill else 0.0, s["ctx"] / 1000.0 if prefill else 0.0,
+            s["batch"] if decode else 0.0, s["kv"] if decode else 0.0, float(prefill and decode)]
+
+
 def fit(samples: list[dict]) -> dict:
-    """CostModel coefficients, the per-step engine overhead and the per-request overhead."""
-    dec = [s for s in samples if s["kind"] == "decode"]
-    step_overhead = max(0.0, float(np.median([s["gap_ms"] - s["ms"] for s in dec if s["batch"] == min(d["batch"] for d in dec)])))
-    rows, target = [], []
-    for s in samples:
-        if s["kind"] == "prefill":
-            rows.append([1.0, s["tokens"], s["ctx"] / 1000.0, 0.0, 0.0])
-            target.append(s["ms"] + step_overhead)
-        else:
-            rows.append([1.0, 0.0, 0.0, s["batch"], s["kv"]])
-            target.append(s["gap_ms"])
-    a, y = np.array(rows), np.array(target)
-    coef = nnls(a / y[:, None], np.ones_like(y))
-    pred = a @ coef
-    cost = CostModel(**dict(zip(COLUMNS, map(float, coef))))
-    request_overhead = [s["ttft_ms"] - (s["ms"] + step_overhead) for s in samples if s["kind"] == "prefill"]
+    """CostModel coefficients and decode table, the per-step engine overhead and the
+    per-request overhead, from the probes' medians. Steps that only decode get their own table;
+    a decode's cost past it, and beside a prefill, is the table's slope over its larger batches
+    (where one more sequence is one more row, not another kernel); the other terms are fitted
+    to the steps that prefill, alone or beside decodes."""
+    points = medians(samples)
+    dec = [s for s in points if s["kind"] == "decode"]
+    smallest = min(s["batch"] for s in dec)
+    step_overhead = max(0.0, float(np.median([s["gap_ms"] - s["ms"] for s in dec if s["batch"] == smallest])))
+    target = np.array([s["gap_ms"] if s["kind"] == "decode" else s["ms"] + step_overhead for s in points])
+    a = np.array([row(s) for s in points])
+    prefills = np.array([s["kind"] != "decode" for s in points])
+    seq_ms = decode_slope(dec)
+    free = [i for i, c in enumerate(COLUMNS) if c != "decode_seq_ms"]
+    y = target[prefills] - seq_ms * a[prefills, COLUMNS.index("decode_seq_ms")]
+    coef = nnls(a[prefills][:, free] / y[:, None], np.ones(len(y)))
+    linear = {**dict(zip([COLUMNS[i] for i in free], map(float, coef))), "decode_seq_ms": seq_ms}
+    cost = CostModel(**linear, decode_batch_ms=decode_table(dec, linear["decode_kv_token_ms"]))
+    pred = np.array([cost.step_ms(int(r[1]), r[2] * 1000.0, int(r[3]), int(r[4])) for r in a])
+    request_overhead = [s["ttft_ms"] - (s["ms"] + step_overhead) for s in points if s["kind"] == "prefill"]
     return {**cost.to_json(), "step_overhead_ms": step_overhead,
             "request_overhead_ms": max(0.0, float(np.median(request_overhead))),
-            "fit_rel_rmse": float(np.sqrt(np.mean(((pred - y) / y) ** 2))),
-            "fit": [{"measured_ms": float(t), "fitted_ms": float(f), **s} for s, t, f in zip(samples, y, pred)]}
+            "fit_rel_rmse": float(np.sqrt(np.mean(((pred - target) / target) ** 2))),
+            "fit": [{"measured_ms": float(t), "fitted_ms": float(f), **s} for s, t, f in zip(points, target, pred)]}
+
+
+def decode_slope(dec: list[dict]) -> float:
+    """Milliseconds one more decoding sequence adds, from the decode steps of the larger half
+    of the probed batch sizes (least squares over batch size and KV tokens; at least 0)."""
+    sizes = sorted({s["batch"] for s in dec})
+    large = [s for s in dec if s["batch"] >= sizes[len(sizes) // 2]]
+    if len({s["batch"] for s in large}) < 2:
+        return 0.0
+    a = np.array([[1.0, s["batch"], s["kv"]] for s in large])
+    return max(0.0, float(np.linalg.lstsq(a, np.array([s["gap_ms"] for s in large]), rcond=None)[0][1]))
+
+
+def decode_table(dec: list[dict], kv_token_ms: float) -> tuple[float, ...]:
+    """A pure decode step's time for b = 1 .. the largest batch probed, less its KV term: the
+    median over the probed contexts, linearly interpolated between probed batch sizes (no
+    table unless batch 1 was probed: the table starts there)."""
+    by_batch = defaultdict(list)
+    for s in dec:
+        by_batch[s["batch"]].append(s["gap_ms"] - kv_token_ms * s["kv"])
+    sizes = sorted(by_batch)
+    if sizes[0] != 1:
+        return ()
+    values = [float(np.median(by_batch[b])) for b in sizes]
+    return tuple(float(v) for v in np.interp(np.arange(1, sizes[-1] + 1), sizes, values))
 
 
 def plot_fit(profile: dict, path: str) -> None:
@@ -137,7 +244,7 @@ def plot_fit(profile: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 5))
-    for kind, marker in (("prefill", "o"), ("decode", "s")):
+    for kind, marker in (("prefill", "o"), ("decode", "s"), ("mixed", "^")):
         pts = [(f["measured_ms"], f["fitted_ms"]) for f in profile["fit"] if f["kind"] == kind]
         if pts:
             ax.scatter(*zip(*pts), marker=marker, label=kind)
@@ -182,7 +289,7 @@ def stop_worker(proc: subprocess.Popen) -> None:
 
 
 def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_tokens: int = 24,
-              seed: int = 0) -> dict:
+              seed: int = 0, rounds: int = 3) -> dict:
     """Measure the workers at `urls` (at the same time, so a fleet sharing one machine is
     measured under its own contention) and return one profile fitted to all their samples."""
     state = httpx.get(urls[0] + "/state", timeout=10).json()
@@ -190,7 +297,7 @@ def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_to
     lengths = [n for n in lengths if n <= state.get("max_batched_tokens", 2048)]
 
     async def all_workers() -> list[dict]:
-        runs = [measure(u, model, lengths, batches, decode_tokens, seed + i, VOCAB) for i, u in enumerate(urls)]
+        runs = [measure(u, model, lengths, batches, decode_tokens, seed + i, VOCAB, rounds) for i, u in enumerate(urls)]
         return [s for samples in await asyncio.gather(*runs) for s in samples]
 
     profile = fit(asyncio.run(all_workers()))
@@ -211,8 +318,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--executor", default="torch", help="with --model: the worker's executor")
     p.add_argument("--worker-arg", action="append", default=[], help="with --model: extra worker flag (repeatable)")
     p.add_argument("--lengths", default="16,32,64,128,256,512", help="prefill lengths (tokens)")
-    p.add_argument("--batches", default="1,2,4,8", help="decode batch sizes")
+    p.add_argument("--batches", default="1,2,3,4,5,6,7,8",
+                   help="decode batch sizes (the profile's decode_batch_ms covers 1 to the largest)")
     p.add_argument("--decode-tokens", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=3, help="repeats of every probe (each probe's median is fitted)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="profile JSON (a -fit.png plot is written next to it)")
     args = p.parse_args(argv)
@@ -224,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
         proc, url = start_worker(args.model, args.executor, args.worker_arg)
         urls = [url]
     try:
-        profile = calibrate([u.rstrip("/") for u in urls], lengths, batches, args.decode_tokens, args.seed)
+        profile = calibrate([u.rstrip("/") for u in urls], lengths, batches, args.decode_tokens, args.seed,
+                            args.rounds)
     finally:
         if proc is not None:
             stop_worker(proc)

@@ -1,6 +1,8 @@
-"""Calibration: it recovers a known cost model, and a simulation with the profile it measures
-reproduces a real CPU SmolLM2 fleet's TTFT and TPOT medians within 15%."""
+"""Calibration: it recovers a known cost model (batch-size table and mixed-step cost too), and
+a simulation with the profile it measures reproduces a real CPU SmolLM2 fleet's TTFT and TPOT
+medians within 15%."""
 import asyncio
+import glob
 import json
 import os
 
@@ -27,40 +29,122 @@ def test_nnls_keeps_coefficients_non_negative():
     assert calibrate.nnls(a, np.array([2.0, 3.0, 4.0])) == pytest.approx([1.0, 1.0])
 
 
+def test_cost_model_decode_table_and_mixed_term():
+    cost = CostModel(base_ms=10, prefill_token_ms=1, prefill_attn_ms=0, decode_seq_ms=2, decode_kv_token_ms=0.01,
+                     mixed_ms=5, decode_batch_ms=(20.0, 40.0, 30.0))
+    assert cost.step_ms(decode_seqs=2, decode_kv_tokens=100) == pytest.approx(41.0)
+    assert cost.step_ms(decode_seqs=3) == 30.0 and cost.step_ms(decode_seqs=5) == 34.0  # table, then its slope
+    assert cost.step_ms(prefill_tokens=8) == 18.0
+    assert cost.step_ms(prefill_tokens=8, decode_seqs=2, decode_kv_tokens=100) == pytest.approx(18 + 4 + 1 + 5)
+    assert CostModel.from_json(json.loads(json.dumps(cost.to_json()))) == cost
+    assert CostModel.from_json(KNOWN).step_ms(decode_seqs=2) == pytest.approx(13.0)  # profiles without the new fields
+
+
+def synthetic_samples(true: CostModel, overhead: float) -> list[dict]:
+    """Probe results as `Probe` reports them, for a worker whose steps take exactly `true` + overhead."""
+    samples = []
+    for n, c in ((16, 0), (64, 0), (256, 0), (512, 0), (32, 128), (64, 256)):
+        ms = true.step_ms(n, n * (c + n / 2))
+        samples.append({"kind": "prefill", "key": ("prefill", n, c), "ms": ms, "tokens": n, "ctx": n * (c + n / 2),
+                        "ttft_ms": ms + overhead + 3.0})
+    for ctx in (16, 256):
+        for b in range(1, len(true.decode_batch_ms) + 1):
+            kv = b * (ctx + 20)
+            ms = true.step_ms(decode_seqs=b, decode_kv_tokens=kv)
+            samples.append({"kind": "decode", "key": ("decode", b, ctx), "batch": b, "kv": float(kv), "ms": ms,
+                            "gap_ms": ms + overhead})
+            n = max(16, ctx // 4)
+            ms = true.step_ms(n, n * (ctx + n / 2), b, kv)
+            samples.append({"kind": "mixed", "key": ("mixed", b, ctx), "batch": b, "tokens": n,
+                            "ctx": n * (ctx + n / 2), "kv": kv, "ms": ms})
+    return samples
+
+
+def test_fit_recovers_a_nonlinear_decode_table_and_the_mixed_cost():
+    """Small decode batches that are not linear in their size (3 dearer than 4, as on a CPU;
+    from 4 on, 3 ms a sequence) and a fixed cost of decoding beside a prefill: the fit must
+    find the table, its slope as the cost of a decode beside a prefill, and the fixed cost."""
+    true = CostModel(base_ms=50, prefill_token_ms=2.5, prefill_attn_ms=1.0, decode_seq_ms=3.0,
+                     decode_kv_token_ms=0.02, mixed_ms=30, decode_batch_ms=(58, 90, 113, 84, 87, 90, 93))
+    profile = calibrate.fit(synthetic_samples(true, overhead=0.5))
+    expected = {**{k: getattr(true, k) for k in calibrate.COLUMNS}, "base_ms": true.base_ms + 0.5}  # + step overhead
+    assert {k: profile[k] for k in calibrate.COLUMNS} == pytest.approx(expected, rel=0.02, abs=1e-4)
+    assert profile["decode_batch_ms"] == pytest.approx([v + 0.5 for v in true.decode_batch_ms], rel=0.01)
+    assert profile["step_overhead_ms"] == pytest.approx(0.5)
+    assert profile["request_overhead_ms"] == pytest.approx(3.0)
+    assert profile["fit_rel_rmse"] < 0.01
+
+
 def test_recovers_a_known_cost_model(tmp_path):
     """A sim-executor worker sleeps exactly by KNOWN; calibration must find KNOWN again."""
     path = tmp_path / "known.json"
     path.write_text(json.dumps(KNOWN))
     w = start_worker("known", executor="sim", extra=["--sim-profile", str(path)]).ready()
     try:
-        profile = calibrate.calibrate([w.url], [16, 64, 128, 256, 512], [1, 2, 4, 8])
+        profile = calibrate.calibrate([w.url], [16, 64, 128, 256, 512], [1, 2, 3, 4], decode_tokens=12, rounds=1)
     finally:
         w.stop()
     for k in ("base_ms", "prefill_token_ms", "decode_seq_ms"):
         assert profile[k] == pytest.approx(KNOWN[k], rel=0.1), k
+    assert profile["mixed_ms"] < 1.0
+    step = CostModel.from_json(KNOWN).step_ms
+    assert profile["decode_batch_ms"] == pytest.approx([step(decode_seqs=b) for b in range(1, 5)], rel=0.1)
     assert profile["fit_rel_rmse"] < 0.05
     assert 0 < profile["request_overhead_ms"] < 50
 
 
+def cpu_times(pids: list[int]) -> tuple[int, int]:
+    """Nanoseconds the threads of these processes ran and waited in a run queue, for the
+    report: how much other jobs on the machine slowed the workers down."""
+    run = wait = 0
+    for pid in pids:
+        for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+            try:
+                r, w, _ = open(path).read().split()
+            except (OSError, ValueError):
+                continue
+            run, wait = run + int(r), wait + int(w)
+    return run, wait
+
+
+def slowdown(before: tuple[int, int], after: tuple[int, int]) -> float:
+    return 1.0 + (after[1] - before[1]) / max(1, after[0] - before[0])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("KVGATE_FIDELITY_TESTS") != "1",
-                    reason="timing-sensitive: the 15% bound holds on a quiet machine but not reliably on a shared "
-                           "2-core one; run with KVGATE_FIDELITY_TESTS=1")
+                    reason="timing-sensitive: on a machine shared with other jobs, a change in their load between "
+                           "the calibration and the run (steps 1.5x their CPU time, then 2x) shifts the real medians "
+                           "by as much; within ~10% when the load is steady (bench/results/README.md); "
+                           "run with KVGATE_FIDELITY_TESTS=1")
 def test_simulation_matches_real_smollm2_fleet(monkeypatch, tmp_path):
     """Two torch SmolLM2 workers (one CPU thread each) behind client-side round robin; the
-    simulator, given the profile calibrated on both of them at once (they share this
-    machine's cores, and the workload keeps both busy), runs the same seeded workload with
-    the round_robin policy (the same assignment) and must land within 15% of the real
-    median TTFT and TPOT."""
+    simulator, given the profile calibrated on both of them at once, runs the same seeded
+    workload with the round_robin policy (the same assignment) and must land within 15% of the
+    real median TTFT and TPOT.
+
+    The workload keeps each worker decoding one to four requests most of the time, and a new
+    request waits only for the step in progress before it prefills its 32-token question after
+    the cached 128-token prefix beside those decodes: TTFT is compute, not overhead, queueing
+    does not amplify small speed errors, and about three TTFTs in four are such a step. (With
+    12 output tokens about half the requests found an idle worker and the TTFT median fell
+    between the two modes, where a few requests more or less in one of them moved it by 15%;
+    with 32 the batches outgrew the calibrated ones whenever other jobs slowed the machine.)
+    Calibration warms the workers up before the run."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     workers = [start_worker(f"cpu{i}", executor="torch", log_dir=str(tmp_path)) for i in range(2)]
+    wl = WorkloadConfig(name="shared-prefix", rate=2.0, duration_s=40, seed=7, groups=2,
+                        prefix_len=128, question_len=32, output_len=20)
     try:
         for w in workers:
             w.ready(300)
-        profile = calibrate.calibrate([w.url for w in workers], [16, 32, 64, 128, 256], [1, 2, 4], decode_tokens=20)
-        wl = WorkloadConfig(name="shared-prefix", rate=2.0, duration_s=40, seed=7, groups=2,
-                            prefix_len=128, question_len=32, output_len=12)
+        pids = [w.popen.pid for w in workers]
+        t0 = cpu_times(pids)
+        profile = calibrate.calibrate([w.url for w in workers], [16, 32, 64, 128, 256], [1, 2, 3, 4, 5, 6],
+                                      decode_tokens=12, rounds=2)
+        t1 = cpu_times(pids)
         real = asyncio.run(run_rate([w.url for w in workers], wl, "smollm2-135m", (5000, 1000)))
+        t2 = cpu_times(pids)
     finally:
         for w in workers:
             w.stop()
@@ -70,6 +154,9 @@ def test_simulation_matches_real_smollm2_fleet(monkeypatch, tmp_path):
     r, s = summarize(real, 5000, 1000), summarize(sim, 5000, 1000)
     assert r["errors"] == 0 and s["errors"] == 0
     assert r["cached_token_ratio"] == pytest.approx(s["cached_token_ratio"], abs=0.02)
-    report = {k: (r[k], s[k]) for k in ("ttft_p50_ms", "tpot_p50_ms")}
-    for k, (real_ms, sim_ms) in report.items():
-        assert sim_ms == pytest.approx(real_ms, rel=0.15), f"{k}: real {real_ms:.1f} ms, simulated {sim_ms:.1f} ms ({report})"
+    report = {k: (round(r[k], 1), round(s[k], 1)) for k in ("ttft_p50_ms", "tpot_p50_ms")}
+    report["worker cpu slowdown (calibration, run)"] = (round(slowdown(t0, t1), 2), round(slowdown(t1, t2), 2))
+    print(f"real, simulated: {report}")
+    for k in ("ttft_p50_ms", "tpot_p50_ms"):
+        real_ms, sim_ms = report[k]
+        assert sim_ms == pytest.approx(real_ms, rel=0.15), f"{k}: real {real_ms} ms, simulated {sim_ms} ms ({report})"

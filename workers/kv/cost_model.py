@@ -14,20 +14,36 @@ class CostModel:
 
     step = base + prefill_token * P + prefill_attn * sum(P_i * ctx_i) / 1000
                 + decode_seq * D + decode_kv_token * (KV tokens read by the D decodes)
+                + mixed (when the step both prefills and decodes)
+
+    `mixed` is what running decodes beside a prefill adds beyond their rows: the decode
+    attention path, which a prefill-only step does not run. `decode_batch_ms`, when measured,
+    replaces `base + decode_seq * D` in a step that only decodes, for D = 1, 2, ... up to its
+    length (beyond it the last entry grows by `decode_seq` per sequence): small batches are
+    not linear in D (on a CPU a decode of 3 costs more than one of 4, as matmul kernels change
+    with the row count). Closed-form predictions use the linear terms alone.
     """
     base_ms: float = 4.0
     prefill_token_ms: float = 0.08
     prefill_attn_ms: float = 0.002
     decode_seq_ms: float = 0.25
     decode_kv_token_ms: float = 0.00005
+    mixed_ms: float = 0.0
+    decode_batch_ms: tuple[float, ...] = ()
 
     def step_ms(self, prefill_tokens: int = 0, prefill_ctx_products: float = 0.0,
                 decode_seqs: int = 0, decode_kv_tokens: int = 0) -> float:
-        if prefill_tokens == 0 and decode_seqs == 0:
-            return 0.0
+        if prefill_tokens == 0:
+            if decode_seqs == 0:
+                return 0.0
+            if self.decode_batch_ms:
+                n = len(self.decode_batch_ms)
+                return (self.decode_batch_ms[min(decode_seqs, n) - 1] + self.decode_seq_ms * max(0, decode_seqs - n)
+                        + self.decode_kv_token_ms * decode_kv_tokens)
         return (self.base_ms + self.prefill_token_ms * prefill_tokens
                 + self.prefill_attn_ms * prefill_ctx_products / 1000.0
-                + self.decode_seq_ms * decode_seqs + self.decode_kv_token_ms * decode_kv_tokens)
+                + self.decode_seq_ms * decode_seqs + self.decode_kv_token_ms * decode_kv_tokens
+                + (self.mixed_ms if prefill_tokens and decode_seqs else 0.0))
 
     def prefill_ms(self, uncached_tokens: int, cached_tokens: int = 0, chunk: int = 0) -> float:
         """Time to prefill `uncached_tokens` after `cached_tokens`, in steps of at most `chunk`."""
@@ -52,7 +68,8 @@ class CostModel:
 
     @staticmethod
     def from_json(d: dict) -> "CostModel":
-        return CostModel(**{k: float(v) for k, v in d.items() if k in CostModel.__dataclass_fields__})
+        fields = {k: float(v) for k, v in d.items() if k in CostModel.__dataclass_fields__ and k != "decode_batch_ms"}
+        return CostModel(**fields, decode_batch_ms=tuple(float(x) for x in d.get("decode_batch_ms") or ()))
 
     @staticmethod
     def load(path: str) -> "CostModel":
