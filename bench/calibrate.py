@@ -190,21 +190,22 @@ def row(s: dict) -> list[float]:
 def fit(samples: list[dict]) -> dict:
     """CostModel coefficients and decode table, the per-step engine overhead and the
     per-request overhead, from the probes' medians. Steps that only decode get their own table;
-    a decode's cost past it, and beside a prefill, is the table's slope over its larger batches
-    (where one more sequence is one more row, not another kernel); the other terms are fitted
-    to the steps that prefill, alone or beside decodes."""
+    what one more decoding sequence and one more KV token add, past the table and beside a
+    prefill, comes from the table's larger batches (where a sequence is one more row, not
+    another kernel); the other terms are fitted to the steps that prefill, alone or beside
+    decodes."""
     points = medians(samples)
     dec = [s for s in points if s["kind"] == "decode"]
     smallest = min(s["batch"] for s in dec)
     step_overhead = max(0.0, float(np.median([s["gap_ms"] - s["ms"] for s in dec if s["batch"] == smallest])))
     target = np.array([s["gap_ms"] if s["kind"] == "decode" else s["ms"] + step_overhead for s in points])
     a = np.array([row(s) for s in points])
+    decode = dict(zip(("decode_seq_ms", "decode_kv_token_ms"), decode_terms(dec)))
     prefills = np.array([s["kind"] != "decode" for s in points])
-    seq_ms = decode_slope(dec)
-    free = [i for i, c in enumerate(COLUMNS) if c != "decode_seq_ms"]
-    y = target[prefills] - seq_ms * a[prefills, COLUMNS.index("decode_seq_ms")]
+    free = [i for i, c in enumerate(COLUMNS) if c not in decode]
+    y = target[prefills] - sum(v * a[prefills, COLUMNS.index(c)] for c, v in decode.items())
     coef = nnls(a[prefills][:, free] / y[:, None], np.ones(len(y)))
-    linear = {**dict(zip([COLUMNS[i] for i in free], map(float, coef))), "decode_seq_ms": seq_ms}
+    linear = {**{COLUMNS[i]: float(x) for i, x in zip(free, coef)}, **decode}
     cost = CostModel(**linear, decode_batch_ms=decode_table(dec, linear["decode_kv_token_ms"]))
     pred = np.array([cost.step_ms(int(r[1]), r[2] * 1000.0, int(r[3]), int(r[4])) for r in a])
     request_overhead = [s["ttft_ms"] - (s["ms"] + step_overhead) for s in points if s["kind"] == "prefill"]
@@ -214,15 +215,14 @@ def fit(samples: list[dict]) -> dict:
             "fit": [{"measured_ms": float(t), "fitted_ms": float(f), **s} for s, t, f in zip(points, target, pred)]}
 
 
-def decode_slope(dec: list[dict]) -> float:
-    """Milliseconds one more decoding sequence adds, from the decode steps of the larger half
-    of the probed batch sizes (least squares over batch size and KV tokens; at least 0)."""
+def decode_terms(dec: list[dict]) -> tuple[float, float]:
+    """Milliseconds per decoding sequence and per KV token it reads: least squares (at least 0)
+    over the decode steps of the larger half of the probed batch sizes, at both contexts."""
     sizes = sorted({s["batch"] for s in dec})
     large = [s for s in dec if s["batch"] >= sizes[len(sizes) // 2]]
-    if len({s["batch"] for s in large}) < 2:
-        return 0.0
     a = np.array([[1.0, s["batch"], s["kv"]] for s in large])
-    return max(0.0, float(np.linalg.lstsq(a, np.array([s["gap_ms"] for s in large]), rcond=None)[0][1]))
+    _, seq_ms, kv_ms = nnls(a, np.array([s["gap_ms"] for s in large]))
+    return float(seq_ms), float(kv_ms)
 
 
 def decode_table(dec: list[dict], kv_token_ms: float) -> tuple[float, ...]:
