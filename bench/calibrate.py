@@ -19,10 +19,11 @@ goes into the profile as `request_overhead_ms`, which the simulator adds to TTFT
 The probes run in `rounds`, each round all of them in turn with the prefill and decode probes
 interleaved, and every probe's time is the median over the rounds: on a machine shared with
 other jobs a burst of load then inflates one sample of every kind, not every sample of one
-kind (which skews the fit). The linear CostModel terms (and `mixed_ms`) are fitted by
-non-negative least squares on relative error to the steps that prefill, alone or beside
-decodes; steps that only decode get their measured time per batch size (`decode_batch_ms`),
-since small batches are not linear in their size.
+kind (which skews the fit). Steps that only decode get their measured time per batch size
+(`decode_batch_ms`, since small batches are not linear in their size), and from its larger
+batches the growth per sequence past it and the cost of a KV token; the other CostModel terms
+(`mixed_ms` too) are fitted by non-negative least squares on relative error to the steps that
+prefill, alone or beside decodes.
 """
 import argparse
 import asyncio
@@ -189,24 +190,23 @@ def row(s: dict) -> list[float]:
 
 def fit(samples: list[dict]) -> dict:
     """CostModel coefficients and decode table, the per-step engine overhead and the
-    per-request overhead, from the probes' medians. Steps that only decode get their own table;
-    what one more decoding sequence and one more KV token add, past the table and beside a
-    prefill, comes from the table's larger batches (where a sequence is one more row, not
-    another kernel); the other terms are fitted to the steps that prefill, alone or beside
-    decodes."""
+    per-request overhead, from the probes' medians. Steps that only decode get their own table,
+    and its growth per sequence past the largest batch and the cost of a KV token come from its
+    larger batches (where a sequence is one more row, not another kernel); the other terms are
+    fitted to the steps that prefill, alone or beside decodes."""
     points = medians(samples)
     dec = [s for s in points if s["kind"] == "decode"]
     smallest = min(s["batch"] for s in dec)
     step_overhead = max(0.0, float(np.median([s["gap_ms"] - s["ms"] for s in dec if s["batch"] == smallest])))
     target = np.array([s["gap_ms"] if s["kind"] == "decode" else s["ms"] + step_overhead for s in points])
     a = np.array([row(s) for s in points])
-    decode = dict(zip(("decode_seq_ms", "decode_kv_token_ms"), decode_terms(dec)))
+    slope, kv_ms = decode_terms(dec)
     prefills = np.array([s["kind"] != "decode" for s in points])
-    free = [i for i, c in enumerate(COLUMNS) if c not in decode]
-    y = target[prefills] - sum(v * a[prefills, COLUMNS.index(c)] for c, v in decode.items())
+    free = [i for i, c in enumerate(COLUMNS) if c != "decode_kv_token_ms"]
+    y = target[prefills] - kv_ms * a[prefills, COLUMNS.index("decode_kv_token_ms")]
     coef = nnls(a[prefills][:, free] / y[:, None], np.ones(len(y)))
-    linear = {**{COLUMNS[i]: float(x) for i, x in zip(free, coef)}, **decode}
-    cost = CostModel(**linear, decode_batch_ms=decode_table(dec, linear["decode_kv_token_ms"]))
+    linear = {**{COLUMNS[i]: float(x) for i, x in zip(free, coef)}, "decode_kv_token_ms": kv_ms}
+    cost = CostModel(**linear, decode_batch_ms=decode_table(dec, kv_ms), decode_batch_slope_ms=slope)
     pred = np.array([cost.step_ms(int(r[1]), r[2] * 1000.0, int(r[3]), int(r[4])) for r in a])
     request_overhead = [s["ttft_ms"] - (s["ms"] + step_overhead) for s in points if s["kind"] == "prefill"]
     return {**cost.to_json(), "step_overhead_ms": step_overhead,

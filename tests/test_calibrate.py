@@ -31,9 +31,9 @@ def test_nnls_keeps_coefficients_non_negative():
 
 def test_cost_model_decode_table_and_mixed_term():
     cost = CostModel(base_ms=10, prefill_token_ms=1, prefill_attn_ms=0, decode_seq_ms=2, decode_kv_token_ms=0.01,
-                     mixed_ms=5, decode_batch_ms=(20.0, 40.0, 30.0))
+                     mixed_ms=5, decode_batch_ms=(20.0, 40.0, 30.0), decode_batch_slope_ms=3.0)
     assert cost.step_ms(decode_seqs=2, decode_kv_tokens=100) == pytest.approx(41.0)
-    assert cost.step_ms(decode_seqs=3) == 30.0 and cost.step_ms(decode_seqs=5) == 34.0  # table, then its slope
+    assert cost.step_ms(decode_seqs=3) == 30.0 and cost.step_ms(decode_seqs=5) == 36.0  # table, then its slope
     assert cost.step_ms(prefill_tokens=8) == 18.0
     assert cost.step_ms(prefill_tokens=8, decode_seqs=2, decode_kv_tokens=100) == pytest.approx(18 + 4 + 1 + 5)
     assert CostModel.from_json(json.loads(json.dumps(cost.to_json()))) == cost
@@ -62,14 +62,16 @@ def synthetic_samples(true: CostModel, overhead: float) -> list[dict]:
 
 def test_fit_recovers_a_nonlinear_decode_table_and_the_mixed_cost():
     """Small decode batches that are not linear in their size (3 dearer than 4, as on a CPU;
-    from 4 on, 3 ms a sequence) and a fixed cost of decoding beside a prefill: the fit must
-    find the table, its slope as the cost of a decode beside a prefill, and the fixed cost."""
-    true = CostModel(base_ms=50, prefill_token_ms=2.5, prefill_attn_ms=1.0, decode_seq_ms=3.0,
-                     decode_kv_token_ms=0.02, mixed_ms=30, decode_batch_ms=(58, 90, 113, 84, 87, 90, 93))
+    from 4 on, 3 ms a sequence), decodes beside a prefill that cost less per sequence than that
+    plus a fixed cost for running beside it: the fit must find all of them."""
+    true = CostModel(base_ms=50, prefill_token_ms=2.5, prefill_attn_ms=1.0, decode_seq_ms=1.0,
+                     decode_kv_token_ms=0.02, mixed_ms=30, decode_batch_ms=(58, 90, 113, 84, 87, 90, 93),
+                     decode_batch_slope_ms=3.0)
     profile = calibrate.fit(synthetic_samples(true, overhead=0.5))
     expected = {**{k: getattr(true, k) for k in calibrate.COLUMNS}, "base_ms": true.base_ms + 0.5}  # + step overhead
     assert {k: profile[k] for k in calibrate.COLUMNS} == pytest.approx(expected, rel=0.02, abs=1e-4)
     assert profile["decode_batch_ms"] == pytest.approx([v + 0.5 for v in true.decode_batch_ms], rel=0.01)
+    assert profile["decode_batch_slope_ms"] == pytest.approx(3.0)
     assert profile["step_overhead_ms"] == pytest.approx(0.5)
     assert profile["request_overhead_ms"] == pytest.approx(3.0)
     assert profile["fit_rel_rmse"] < 0.01
@@ -89,6 +91,7 @@ def test_recovers_a_known_cost_model(tmp_path):
     assert profile["mixed_ms"] < 1.0
     step = CostModel.from_json(KNOWN).step_ms
     assert profile["decode_batch_ms"] == pytest.approx([step(decode_seqs=b) for b in range(1, 5)], rel=0.1)
+    assert profile["decode_batch_slope_ms"] == pytest.approx(KNOWN["decode_seq_ms"], rel=0.2)
     assert profile["fit_rel_rmse"] < 0.05
     assert 0 < profile["request_overhead_ms"] < 50
 

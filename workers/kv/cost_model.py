@@ -19,9 +19,9 @@ class CostModel:
     `mixed` is what running decodes beside a prefill adds beyond their rows: the decode
     attention path, which a prefill-only step does not run. `decode_batch_ms`, when measured,
     replaces `base + decode_seq * D` in a step that only decodes, for D = 1, 2, ... up to its
-    length (beyond it the last entry grows by `decode_seq` per sequence): small batches are
-    not linear in D (on a CPU a decode of 3 costs more than one of 4, as matmul kernels change
-    with the row count). Closed-form predictions use the linear terms alone.
+    length (beyond it the last entry grows by `decode_batch_slope` per sequence): small batches
+    are not linear in D (on a CPU a decode of 3 costs more than one of 4, as matmul kernels
+    change with the row count). Closed-form predictions use the linear terms alone.
     """
     base_ms: float = 4.0
     prefill_token_ms: float = 0.08
@@ -30,6 +30,7 @@ class CostModel:
     decode_kv_token_ms: float = 0.00005
     mixed_ms: float = 0.0
     decode_batch_ms: tuple[float, ...] = ()
+    decode_batch_slope_ms: float = 0.0
 
     def step_ms(self, prefill_tokens: int = 0, prefill_ctx_products: float = 0.0,
                 decode_seqs: int = 0, decode_kv_tokens: int = 0) -> float:
@@ -38,7 +39,8 @@ class CostModel:
                 return 0.0
             if self.decode_batch_ms:
                 n = len(self.decode_batch_ms)
-                return (self.decode_batch_ms[min(decode_seqs, n) - 1] + self.decode_seq_ms * max(0, decode_seqs - n)
+                return (self.decode_batch_ms[min(decode_seqs, n) - 1]
+                        + self.decode_batch_slope_ms * max(0, decode_seqs - n)
                         + self.decode_kv_token_ms * decode_kv_tokens)
         return (self.base_ms + self.prefill_token_ms * prefill_tokens
                 + self.prefill_attn_ms * prefill_ctx_products / 1000.0
