@@ -3,8 +3,9 @@
 The client is aiohttp: on this path it costs about a quarter of httpx's CPU per request
 (0.2 vs 0.7 ms measured against a zero-cost worker), which is most of what the gateway adds.
 Upstream responses are returned once their head has arrived, so a stream's events reach the
-client as the worker writes them. Closing an upstream response early closes its connection, which is how a
-client's disconnect reaches the worker (the worker aborts a request whose client went away).
+client as the worker writes them. Closing an upstream response early closes its connection,
+which is how a client's disconnect reaches the worker (the worker aborts a request whose
+client went away).
 A failure before the response starts is the caller's to retry elsewhere (`ConnectFailed`); a
 failure mid-stream ends that stream with an SSE error event and `[DONE]`.
 """
