@@ -38,59 +38,48 @@ def queued_tokens(req: RequestView, w: WorkerView) -> int:
     return max(w.queued_prefill_tokens, w.waiting) + unseen_requests(w) * uncached_tokens(req, w)
 
 
-def chunk_tokens(w: WorkerView) -> int:
-    """Prefill tokens per step: the token budget left after one token for each running decode."""
-    return max(1, w.max_batched_tokens - w.running)
-
-
-def queued_requests(w: WorkerView) -> int:
-    """Requests the prefill queue ahead is made of (at least one, to share its tokens among)."""
-    return max(1, w.waiting + unseen_requests(w))
-
-
 def ttft_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
             cached: int | None = None) -> float:
     """Time until `w` emits `req`'s first token: drain the prefill queue ahead, then prefill
     `uncached` tokens after `cached` ones (default: what `w` lacks and holds), in chunks that
     share every step with `w`'s running decodes."""
-    model, scale = _model(w)
-    own = uncached_tokens(req, w) if uncached is None else uncached
-    ctx = cached_tokens(req, w) if cached is None else cached
-    return scale * _ttft(model, w, queued_tokens(req, w), queued_requests(w), own, ctx)
+    return ttft_tpot_ms(req, w, uncached, cached)[0]
 
 
 def tpot_ms(req: RequestView, w: WorkerView) -> float:
     """Time per output token of `req` on `w`: a decode step with `req` joining the running batch,
     plus the queued prefill chunks that share those steps, amortised over `req`'s output."""
+    return ttft_tpot_ms(req, w)[1]
+
+
+def ttft_tpot_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
+                 cached: int | None = None) -> tuple[float, float]:
+    """`ttft_ms` and `tpot_ms` of `req` on `w` at once. A decision asks both of every worker
+    (128 of them for every request in a large simulated fleet), so the helpers above are
+    inlined here: one call instead of a dozen per worker.
+
+    The queue ahead is `queued_tokens`, made of at least one request; prefill runs in chunks of
+    the token budget left after one token per running decode, and each step also pays for the
+    running decodes. The queue's chunks share `req`'s first decode steps."""
     model, scale = _model(w)
-    return scale * _tpot(model, req, w, queued_tokens(req, w), queued_requests(w))
-
-
-def ttft_tpot_ms(req: RequestView, w: WorkerView) -> tuple[float, float]:
-    """`ttft_ms` and `tpot_ms` of `req` on `w` at once: a decision asks both of every worker, and
-    computing their shared terms once makes that ~30% cheaper."""
-    model, scale = _model(w)
-    queued, requests = queued_tokens(req, w), queued_requests(w)
-    return (scale * _ttft(model, w, queued, requests, uncached_tokens(req, w), cached_tokens(req, w)),
-            scale * _tpot(model, req, w, queued, requests))
-
-
-def _ttft(model: CostModel, w: WorkerView, queued: int, requests: int, own: int, ctx: int) -> float:
-    steps = math.ceil((queued + own) / chunk_tokens(w))
-    per_step = (model.base_ms + model.decode_seq_ms * w.running
-                + model.decode_kv_token_ms * w.kv_tokens)
+    n, hit, waiting, running = req.num_tokens, w.matched_blocks * w.block_size, w.waiting, w.running
+    lacking = max(1, n - hit)
+    own = lacking if uncached is None else uncached
+    ctx = min(hit, n) if cached is None else cached
+    unseen = max(0, w.in_flight - waiting - running)
+    queued = max(w.queued_prefill_tokens, waiting) + unseen * lacking
+    requests = max(1, waiting + unseen)
+    chunk = max(1, w.max_batched_tokens - running)
+    per_step = model.base_ms + model.decode_seq_ms * running + model.decode_kv_token_ms * w.kv_tokens
     attn = queued * queued / (2 * requests) + own * (ctx + own / 2)
-    return (steps * per_step + model.prefill_token_ms * (queued + own)
+    ttft = (math.ceil((queued + own) / chunk) * per_step + model.prefill_token_ms * (queued + own)
             + model.prefill_attn_ms * attn / 1000.0)
-
-
-def _tpot(model: CostModel, req: RequestView, w: WorkerView, queued: int, requests: int) -> float:
-    decode = model.decode_ms(w.running + 1, w.kv_tokens + req.num_tokens)
     out = max(1, req.max_tokens)
-    shared = min(queued, chunk_tokens(w) * out)
+    shared = min(queued, chunk * out)
     interference = (model.prefill_token_ms * shared
                     + model.prefill_attn_ms * shared * shared / (2 * requests) / 1000.0)
-    return decode + interference / out
+    tpot = model.decode_ms(running + 1, w.kv_tokens + n) + interference / out
+    return scale * ttft, scale * tpot
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:

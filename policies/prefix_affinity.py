@@ -22,8 +22,14 @@ class PrefixAffinity:
         workers = serving_workers(fleet)
         if not workers:
             return Route(reject=NO_WORKERS)
-        min_load = min(w.load for w in workers)
+        loads = [w.load for w in workers]
+        min_load = min(loads)
         bound = min_load + max(self.slack_abs, self.slack_rel * min_load)
-        eligible = [w for w in workers if w.load <= bound]
-        w = cheapest(request_key(req), eligible, [(-cached_tokens(req, w), w.load) for w in eligible])
+        key = request_key(req)
+        hits = [(w, load) for w, load in zip(workers, loads)
+                if load <= bound and w.matched_blocks and cached_tokens(req, w)]
+        if hits:
+            w = cheapest(key, [w for w, _ in hits], [(-cached_tokens(req, w), load) for w, load in hits])
+        else:
+            w = cheapest(key, workers, loads)
         return route_to(req, w, load_bound=bound)

@@ -47,8 +47,11 @@ class Request:
     @property
     def num_remaining(self) -> int:
         """Tokens whose K/V is not computed yet (prompt, or recompute after preemption)."""
-        return self.num_tokens - self.num_computed
+        return len(self.token_ids) - self.num_computed
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_remaining > 1 or self.num_computed < self.num_prompt
+        """Whether the next step computes prompt tokens (or recomputes after preemption).
+        Asked of every running request every step, so it reads the fields directly."""
+        done = self.num_computed
+        return len(self.token_ids) - done > 1 or done < len(self.prompt_ids)
