@@ -3,7 +3,8 @@
 Starts a prefill worker and a decode worker (random weights from a Llama config: transfer cost
 depends on the KV shape, not on the weights), runs P/D requests of growing prompt length with
 fresh prompts (so every block really moves), and reads the bytes and seconds the prefill
-worker's exporter spent from its /state. JSON and PNG out.
+worker's exporter spent from its /state, and the time each worker's engine thread spent on the
+transfer instead of stepping (`engine_calls_s`). JSON and PNG out.
 """
 import argparse
 import concurrent.futures as cf
@@ -37,19 +38,22 @@ def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
 
 def measure(p: Worker, d: Worker, n: int, rng: random.Random, vocab: int) -> dict:
     ids = [rng.randrange(100, vocab) for _ in range(n)]
-    before = httpx.get(p.url + "/state").json()["kv_transfer"]
-    recv0 = httpx.get(d.url + "/state").json()["kv_transfer"]["received_seconds"]
+    p0, d0 = httpx.get(p.url + "/state").json(), httpx.get(d.url + "/state").json()
+    before, recv0 = p0["kv_transfer"], d0["kv_transfer"]["received_seconds"]
     with cf.ThreadPoolExecutor(2) as pool:
         dec = pool.submit(leg, d.url, ids, 4, {"wait_ms": 60000})
         pool.submit(leg, p.url, ids, 1, {"export_to": d.url}).result()
         ttft = dec.result()
-    after = httpx.get(p.url + "/state").json()["kv_transfer"]
-    recv1 = httpx.get(d.url + "/state").json()["kv_transfer"]["received_seconds"]
+    time.sleep(0.2)  # the exporter releases its blocks on the engine thread after sending
+    p1, d1 = httpx.get(p.url + "/state").json(), httpx.get(d.url + "/state").json()
+    after, recv1 = p1["kv_transfer"], d1["kv_transfer"]["received_seconds"]
     nbytes = after["sent_bytes"] - before["sent_bytes"]
     secs = after["sent_seconds"] - before["sent_seconds"]
     return {"prompt_tokens": n, "bytes": nbytes, "seconds": secs, "gbps": nbytes / secs / 1e9 if secs else None,
             "pd_ttft_s": ttft, "failures": after["failures"],
-            "receiver_seconds": {k: recv1[k] - recv0[k] for k in recv1}}
+            "receiver_seconds": {k: recv1[k] - recv0[k] for k in recv1},
+            "engine_thread_s": {"prefill": p1["engine_calls_s"] - p0["engine_calls_s"],
+                                "decode": d1["engine_calls_s"] - d0["engine_calls_s"]}}
 
 
 def run_transport(args, model: Path, transport: str) -> list[dict]:

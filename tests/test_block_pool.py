@@ -1,4 +1,5 @@
 """Block pool, prefix cache and KV events: ref counts, LRU eviction order, gap-free seqs."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,3 +151,22 @@ def test_blocks_are_created_on_first_use_in_id_order():
     b = pool.allocate(4)
     assert [x.block_id for x in b] == [2, 3, 1, 0], "never-used first, then freed ones (tail first)"
     assert pool.num_free == 0 and len(pool.blocks) == 4
+
+
+def test_hold_keeps_blocks_from_reuse_until_freed():
+    pool = make_pool(n=4)
+    blocks = pool.allocate(2)
+    held = pool.hold([b.block_id for b in blocks])
+    pool.free(blocks)  # the request finishes; the exporter still holds them
+    assert pool.num_free == 2
+    assert {b.block_id for b in pool.allocate(2)}.isdisjoint(b.block_id for b in held)
+    pool.free(held)
+    assert pool.num_free == 2 and all(b.ref_count == 0 for b in held)
+
+
+def test_hold_refuses_free_blocks():
+    pool = make_pool(n=4)
+    blocks = pool.allocate(1)
+    pool.free(blocks)
+    with pytest.raises(AssertionError):
+        pool.hold([blocks[0].block_id])

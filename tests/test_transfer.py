@@ -4,7 +4,7 @@ import pytest
 from tests.sim_engine import drain, sim_engine
 from workers.kv.hashing import block_hashes, seed_hash
 from workers.sampling_params import InvalidRequest, SamplingParams
-from workers.transfer import KVSpec, decode, encode_header, import_payload
+from workers.transfer import KVSpec, decode, encode_header, import_payload, publish, reserve
 
 SPEC = KVSpec("m", 4, "float32", 2, 1, 2)
 SEED = seed_hash("m", 4)
@@ -67,3 +67,22 @@ def test_decode_leg_falls_back_when_blocks_never_arrive():
     drain(eng)
     assert outs[-1].finish_reason == "length" and outs[-1].num_output == 2
     assert eng.stats.kv_fallbacks == 1 and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_reserved_blocks_are_invisible_until_published_and_a_failed_write_leaks_nothing():
+    eng = sim_engine(num_blocks=16, block_size=4)
+    prompt = list(range(3, 20))
+    spec = KVSpec("m", 4, "none", 0, 0, 0)
+    hashes = block_hashes(prompt, 4, eng.kv.seed)
+    payload = decode(encode_header(spec, hashes, [prompt[i:i + 4] for i in range(0, 16, 4)], None),
+                     spec, eng.kv.seed)
+    res = reserve(eng.pool, payload)
+    assert len(res.fresh) == 4 and res.positions == [0, 1, 2, 3] and eng.pool.num_free == 12
+    assert eng.pool.lookup(hashes[0], tuple(prompt[:4])) is None, "not cached before publish"
+    assert not eng.events.after(0).events
+    eng.pool.free(res.blocks)  # what the receiver does when the write fails
+    assert eng.pool.num_free == 16 and not eng.events.after(0).events
+    assert import_payload(eng.pool, eng.executor, payload) == (4, 0)
+    res = reserve(eng.pool, payload)
+    assert res.fresh == [] and len(res.blocks) == 4, "resident blocks are touched, not rewritten"
+    assert publish(eng.pool, payload, res) == (0, 4) and eng.pool.num_free == 16

@@ -66,6 +66,7 @@ class StepStats:
     kv_fallbacks: int = 0
     kv_imported_blocks: int = 0
     kv_exported_blocks: int = 0
+    calls_s: float = 0.0  # engine-thread time in `call` functions and exporters: no step ran
 
     def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int,
                prefill_ctx_products: float) -> None:
@@ -162,10 +163,12 @@ class Engine:
                                            len(req.output_ids), "abort"))
             else:
                 _, fn, fut = cmd
+                t0 = time.perf_counter()
                 try:
                     fut.set_result(fn())
                 except Exception as e:
                     fut.set_exception(e)
+                self.stats.calls_s += time.perf_counter() - t0
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or not self._inbox.empty()
@@ -264,9 +267,11 @@ class Engine:
         n = min(req.num_prompt // B, req.num_registered // B, len(req.block_hashes))
         if n == 0:
             return
+        t0 = time.perf_counter()
         ids = [b.block_id for b in req.blocks[:n]]
         tokens = [req.token_ids[i * B:(i + 1) * B] for i in range(n)]
         req.export(req.block_hashes[:n], tokens, ids)
+        self.stats.calls_s += time.perf_counter() - t0
 
     def _finish_evicted(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
@@ -315,5 +320,6 @@ class Engine:
             "kv_seq": self.events.last_seq,
             "preemptions": self.stats.preemptions,
             "pending_kv": len(self._pending),
+            "engine_calls_s": self.stats.calls_s,
             "max_model_len": self.executor.max_model_len,
         }

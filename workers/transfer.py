@@ -99,12 +99,23 @@ def executor_spec(model: str, block_size: int, executor) -> KVSpec:
                   getattr(executor, "num_kv_heads", 0), getattr(executor, "head_dim", 0))
 
 
-def import_payload(pool, executor, payload: KVPayload) -> tuple[int, int]:
-    """Write a verified transfer into free blocks and publish them as cached (engine thread).
+@dataclass
+class Reservation:
+    """The blocks an import will publish, held (ref'd) until it does: `fresh` ones are newly
+    allocated and wait for their K/V, which is block `positions[i]` of the payload."""
+    blocks: list
+    fresh: list
+    positions: list[int]
 
-    Blocks already resident are skipped; import stops at the first block the pool has no room
-    for, since later blocks of a chain are useless without it. Returns (imported, present).
-    """
+    @property
+    def fresh_ids(self) -> list[int]:
+        return [b.block_id for b in self.fresh]
+
+
+def reserve(pool, payload: KVPayload) -> Reservation:
+    """Hold the transfer's blocks (engine thread): resident ones are touched, the others
+    allocated. Stops at the first block the pool has no room for, since later blocks of a chain
+    are useless without it. Nothing is published yet, so nothing reads the fresh blocks."""
     blocks, fresh, positions = [], [], []
     for i, (h, toks) in enumerate(zip(payload.hashes, payload.tokens)):
         block = pool.lookup(h, tuple(toks))
@@ -117,9 +128,22 @@ def import_payload(pool, executor, payload: KVPayload) -> tuple[int, int]:
         else:
             pool.touch(block)
         blocks.append(block)
-    if fresh:
-        executor.import_blocks([b.block_id for b in fresh], payload.data, positions, len(payload.hashes))
-    n = len(blocks)
-    pool.register(blocks, payload.hashes[:n], [tuple(t) for t in payload.tokens[:n]], payload.parent)
-    pool.free(blocks)
-    return len(fresh), n - len(fresh)
+    return Reservation(blocks, fresh, positions)
+
+
+def publish(pool, payload: KVPayload, res: Reservation) -> tuple[int, int]:
+    """Register the reserved blocks, their K/V now written, as cached and let them go (engine
+    thread); returns (imported, present)."""
+    n = len(res.blocks)
+    pool.register(res.blocks, payload.hashes[:n], [tuple(t) for t in payload.tokens[:n]], payload.parent)
+    pool.free(res.blocks)
+    return len(res.fresh), n - len(res.fresh)
+
+
+def import_payload(pool, executor, payload: KVPayload) -> tuple[int, int]:
+    """`reserve`, write, `publish` in one go, all on the calling (engine) thread. The HTTP
+    receiver runs the write on another thread instead (workers/transfer_http.py)."""
+    res = reserve(pool, payload)
+    if res.fresh:
+        executor.import_blocks(res.fresh_ids, payload.data, res.positions, len(payload.hashes))
+    return publish(pool, payload, res)

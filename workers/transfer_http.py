@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
-from workers.transfer import decode, encode_header, executor_spec, import_payload
+from workers.transfer import KVPayload, decode, encode_header, executor_spec, publish, reserve
 
 log = logging.getLogger("kvgate.transfer")
 CHUNK = 1 << 20
@@ -34,25 +34,33 @@ class TransferService:
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
 
     def exporter(self, url: str, loop: asyncio.AbstractEventLoop) -> Callable:
-        """An engine-thread callback that ships a finished prefill's blocks to `url`."""
+        """An engine-thread callback that ships a finished prefill's blocks to `url`. It only
+        takes a reference on the blocks: copying tens of MB there would stall every stream
+        decoding on this worker, so `send` reads them on another thread and lets them go."""
         def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int]) -> None:
             self.engine.stats.kv_exported_blocks += len(hashes)
-            ex = self.engine.executor
-            kv = ex.read_blocks(block_ids) if self.transport == "ipc" else ex.export_bytes(block_ids)
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(url, hashes, tokens, kv)))
+            held = self.engine.pool.hold(block_ids)
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(url, hashes, tokens, held)))
         return export
 
-    async def send(self, url: str, hashes: list[int], tokens: list[list[int]], kv) -> bool:
-        """Ship blocks: an IPC handle (falling back to bytes if refused) or streamed bytes.
+    async def send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list) -> bool:
+        """Read the held blocks and release them, then ship them: an IPC handle (falling back to
+        bytes if refused) or streamed bytes.
 
         Failures only cost the decode side a recompute, so they are counted and logged.
         """
+        eng, ex = self.engine, self.engine.executor
+        try:
+            kv = await asyncio.to_thread(ex.read_blocks, [b.block_id for b in held])
+        finally:
+            eng.call(lambda: eng.pool.free(held))
         header = encode_header(self.spec, hashes, tokens, None)
-        if not isinstance(kv, bytes):
+        if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
             if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes):
                 return True
-            kv = self.engine.executor.to_bytes(kv)
+        if not isinstance(kv, bytes):
+            kv = await asyncio.to_thread(ex.to_bytes, kv)
         view = memoryview(kv)
         pieces = [header] + [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)]
         return await self._post(url, pieces, "application/octet-stream", len(kv))
@@ -82,12 +90,17 @@ class TransferService:
         return bool(self.token) and hmac.compare_digest(given, self.token)
 
     async def import_endpoint(self, request: Request) -> Response:
-        """POST /kv/import: verify, then write the blocks into the prefix cache (engine thread)."""
+        """POST /kv/import: verify, then write the blocks into the prefix cache.
+
+        The engine thread only reserves and publishes blocks (bookkeeping); decoding the body
+        and writing tens of MB of K/V run on other threads, so decoding streams do not stall."""
         if not self.authorised(request):
             return JSONResponse(error_body("KV import needs the fleet's internal token", "permission_error",
                                            "forbidden"), status_code=403)
         t0 = time.perf_counter()
-        body = await request.body()
+        body = bytearray()  # writable, so the K/V payload becomes a tensor without a copy
+        async for piece in request.stream():
+            body += piece
         ipc = request.headers.get("content-type") == "application/x-kvgate-ipc"
         t1 = time.perf_counter()
         try:
@@ -97,15 +110,27 @@ class TransferService:
         except Exception as e:
             return JSONResponse(error_body(f"cannot open KV IPC handle: {e}", code="ipc_unavailable"),
                                 status_code=422)
-        eng = self.engine
         t2 = time.perf_counter()
-        imported, present = await asyncio.wrap_future(
-            eng.call(lambda: import_payload(eng.pool, eng.executor, payload)))
-        eng.stats.kv_imported_blocks += imported
+        imported, present = await asyncio.shield(asyncio.ensure_future(self._import(payload)))
+        self.engine.stats.kv_imported_blocks += imported
         for key, dt in (("body", t1 - t0), ("decode", t2 - t1), ("import", time.perf_counter() - t2)):
             self.received_seconds[key] += dt
         return JSONResponse({"imported": imported, "present": present,
                              "dropped": len(payload.hashes) - imported - present})
+
+    async def _import(self, payload: KVPayload) -> tuple[int, int]:
+        """Reserve, write, publish. Run as its own task: cancelled half-way it would leave blocks
+        held, or freed while a thread still writes them."""
+        eng = self.engine
+        res = await asyncio.wrap_future(eng.call(lambda: reserve(eng.pool, payload)))
+        try:
+            if res.fresh:
+                await asyncio.to_thread(eng.executor.import_blocks, res.fresh_ids, payload.data,
+                                        res.positions, len(payload.hashes))
+        except Exception:
+            eng.call(lambda: eng.pool.free(res.blocks))
+            raise
+        return await asyncio.wrap_future(eng.call(lambda: publish(eng.pool, payload, res)))
 
     def stats(self) -> dict:
         return {"transport": self.transport, "sent_bytes": self.sent_bytes, "sent_seconds": self.sent_seconds,

@@ -29,11 +29,16 @@ class Executor(Protocol):
         """Run one step; one entry per chunk: the sampled token, or None when not sampling."""
         ...
 
-    def export_bytes(self, block_ids: list[int]) -> bytes:
-        """K/V of these blocks in the transfer payload layout (workers/transfer.py)."""
+    def read_blocks(self, block_ids: list[int]):
+        """A copy of these blocks' K/V, [layers, 2, n, block_size, kv_heads, head_dim] (P/D export)."""
+        ...
+
+    def to_bytes(self, kv) -> bytes:
+        """`read_blocks`' result in the transfer payload layout (workers/transfer.py)."""
         ...
 
     def import_blocks(self, block_ids: list[int], data, positions: list[int], total: int) -> None:
         """Write blocks `positions` of a `total`-block payload (bytes, or a tensor shaped as
-        read_blocks returns) into `block_ids` (P/D import)."""
+        read_blocks returns) into `block_ids` (P/D import); safe off the engine thread for
+        blocks no step reads."""
         ...

@@ -49,9 +49,13 @@ class SimExecutor:
         self.wait(self.last_step_ms / 1000.0)
         return [self._token(c) if c.sample else None for c in chunks]
 
-    def export_bytes(self, block_ids: list[int]) -> bytes:
+    def read_blocks(self, block_ids: list[int]) -> bytes:
         """Sim blocks carry no K/V data; P/D between sim workers moves hashes and tokens only."""
         return b""
+
+    @staticmethod
+    def to_bytes(kv: bytes) -> bytes:
+        return kv
 
     def import_blocks(self, block_ids: list[int], data, positions: list[int], total: int) -> None:
         return None

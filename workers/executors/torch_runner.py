@@ -64,24 +64,25 @@ class TorchRunner:
     def write_blocks(self, block_ids: list[int], kv: Tensor) -> None:
         """Write a tensor shaped as `read_blocks` returns into these blocks (P/D import)."""
         index = torch.tensor(block_ids, device=self.device)
-        self.kv_cache[:, :, index] = kv.to(device=self.device, dtype=self.dtype)
-
-    def export_bytes(self, block_ids: list[int]) -> bytes:
-        """The transfer payload of these blocks: read_blocks' tensor as raw bytes."""
-        return self.to_bytes(self.read_blocks(block_ids))
+        self.kv_cache.index_copy_(2, index, kv.to(device=self.device, dtype=self.dtype))
 
     @staticmethod
     def to_bytes(kv: Tensor) -> bytes:
+        """`read_blocks`' tensor as the transfer payload's raw bytes."""
         return kv.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
     def import_blocks(self, block_ids: list[int], data: bytes | Tensor, positions: list[int], total: int) -> None:
-        """Write blocks `positions` of a `total`-block payload (bytes, or a tensor from CUDA IPC)."""
+        """Write blocks `positions` of a `total`-block payload (bytes, or a tensor from CUDA IPC).
+
+        Any thread may call it: it writes only `block_ids`, which the importer holds and has not
+        published, so no step reads them (workers/transfer.py: reserve, write, publish)."""
         if isinstance(data, Tensor):
             kv = data
         else:
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
+            buf = data if not memoryview(data).readonly else bytearray(data)
+            raw = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
             kv = raw.view(self.num_layers, 2, total, self.block_size, self.num_kv_heads, self.head_dim)
-        self.write_blocks(block_ids, kv[:, :, positions])
+        self.write_blocks(block_ids, kv if len(positions) == total else kv[:, :, positions])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -76,6 +76,15 @@ class BlockPool:
             block.ref_count += 1
         return found
 
+    def hold(self, block_ids: list[int]) -> list[Block]:
+        """One more reference on blocks in use, so they outlive their request until `free`:
+        a P/D export reads a finished prefill's blocks off the engine thread."""
+        held = [self.blocks[i] for i in block_ids]
+        for block in held:
+            assert block.ref_count > 0, f"block {block.block_id} is not in use"
+            block.ref_count += 1
+        return held
+
     def can_allocate(self, n: int) -> bool:
         return self.num_free >= n
 
