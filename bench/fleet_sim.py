@@ -117,6 +117,8 @@ class FleetSim:
             step_ms=s["step_ms"], step_prefill_tokens=s.get("step_prefill_tokens", 0.0),
             step_prefill_ctx_products=s.get("step_prefill_ctx_products", 0.0),
             step_decode_seqs=s.get("step_decode_seqs", 0.0), step_decode_kv_tokens=s.get("step_decode_kv_tokens", 0.0),
+            decode_step_ms=s.get("decode_step_ms"), decode_step_seqs=s.get("decode_step_seqs", 0.0),
+            decode_step_kv_tokens=s.get("decode_step_kv_tokens", 0.0),
             cost=self.cfg.cost if self.cfg.views_with_cost else None)
 
     def _push(self, t: float, kind: int, i: int) -> None:

@@ -66,6 +66,8 @@ def _view(state: dict, url: str) -> WorkerView:
         step_prefill_tokens=state.get("step_prefill_tokens", 0.0),
         step_prefill_ctx_products=state.get("step_prefill_ctx_products", 0.0),
         step_decode_seqs=state.get("step_decode_seqs", 0.0),
+        decode_step_ms=state.get("decode_step_ms"), decode_step_seqs=state.get("decode_step_seqs", 0.0),
+        decode_step_kv_tokens=state.get("decode_step_kv_tokens", 0.0),
         step_decode_kv_tokens=state.get("step_decode_kv_tokens", 0.0),
         cost=CostModel.from_json(state["cost_model"]) if state.get("cost_model") else None,
         kv_bytes_per_token=state.get("kv_bytes_per_token", 0), transfer_gbps=_transfer_gbps(state))

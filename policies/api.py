@@ -31,7 +31,8 @@ class WorkerView:
 
     `step_ms` is the worker's mean recent step time and the `step_*` fields the mean work of
     those same steps (in `CostModel.step_ms` terms): a time means little without the work it
-    took, and a worker's current queue need not look like its recent steps.
+    took, and a worker's current queue need not look like its recent steps. `decode_step_*`
+    are the same for the recent steps that only decoded.
     """
     worker_id: str
     role: str = MIXED
@@ -51,6 +52,9 @@ class WorkerView:
     step_prefill_ctx_products: float = 0.0
     step_decode_seqs: float = 0.0
     step_decode_kv_tokens: float = 0.0
+    decode_step_ms: float | None = None
+    decode_step_seqs: float = 0.0
+    decode_step_kv_tokens: float = 0.0
     cost: CostModel | None = None
     transfer_gbps: float = 1.0
     kv_bytes_per_token: int = 0

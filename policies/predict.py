@@ -61,7 +61,7 @@ def ttft_tpot_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
     The queue ahead is `queued_tokens`, made of at least one request; prefill runs in chunks of
     the token budget left after one token per running decode, and each step also pays for the
     running decodes. The queue's chunks share `req`'s first decode steps."""
-    model, scale = _model(w)
+    model, pscale, dscale = _model(w)
     n, hit, waiting, running = req.num_tokens, w.matched_blocks * w.block_size, w.waiting, w.running
     lacking = max(1, n - hit)
     own = lacking if uncached is None else uncached
@@ -72,14 +72,13 @@ def ttft_tpot_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
     chunk = max(1, w.max_batched_tokens - running)
     per_step = model.base_ms + model.decode_seq_ms * running + model.decode_kv_token_ms * w.kv_tokens
     attn = queued * queued / (2 * requests) + own * (ctx + own / 2)
-    ttft = (math.ceil((queued + own) / chunk) * per_step + model.prefill_token_ms * (queued + own)
-            + model.prefill_attn_ms * attn / 1000.0)
+    ttft = (dscale * (math.ceil((queued + own) / chunk) * per_step)
+            + pscale * (model.prefill_token_ms * (queued + own)) + pscale * (model.prefill_attn_ms * attn / 1000.0))
     out = max(1, req.max_tokens)
     shared = min(queued, chunk * out)
     interference = (model.prefill_token_ms * shared
                     + model.prefill_attn_ms * shared * shared / (2 * requests) / 1000.0)
-    tpot = model.decode_ms(running + 1, w.kv_tokens + n) + interference / out
-    return scale * ttft, scale * tpot
+    return ttft, dscale * model.decode_ms(running + 1, w.kv_tokens + n) + pscale * (interference / out)
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
@@ -105,17 +104,33 @@ def pd_ttft_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
     return ttft_ms(req, p) + transfer_ms(req, p, d) + import_ttft_ms(req, d)
 
 
-def _model(w: WorkerView) -> tuple[CostModel, float]:
-    """The cost model to predict `w` by and a factor scaling its times to `w`'s speed.
+def _model(w: WorkerView) -> tuple[CostModel, float, float]:
+    """The cost model to predict `w` by, and factors scaling its prefill terms and its per-step
+    (base and decode) terms to `w`'s speed.
 
-    The factor compares `w`'s mean step time with the default model's time for the mean work of
+    Factors compare measured step times with the default model's time for the mean work of
     those same steps: a prefill worker's steps are whole chunks even while its queue is empty
-    now. A step time without the work it took says nothing about speed, so it is not used.
+    now. The decode factor comes from the recent decode-only steps; the prefill factor is what
+    the mean step left after its decode part, over its prefill part. Real hardware is not the
+    default model scaled by one number (a CPU prefills ~29x slower than it, decodes ~14x), and one
+    factor over-predicted whichever side the recent steps held less of. Where a side was not
+    seen (or is under a tenth of the work, too little to measure) the overall factor stands in.
+    A step time without the work it took says nothing about speed, so it is not used.
     """
     if w.cost is not None:
-        return w.cost, 1.0
-    reference = DEFAULT_COST.step_ms(w.step_prefill_tokens, w.step_prefill_ctx_products,
-                                     w.step_decode_seqs, w.step_decode_kv_tokens)
+        return w.cost, 1.0, 1.0
+    c = DEFAULT_COST
+    reference = c.step_ms(w.step_prefill_tokens, w.step_prefill_ctx_products,
+                          w.step_decode_seqs, w.step_decode_kv_tokens)
     if not w.step_ms or not reference:
-        return DEFAULT_COST, 1.0
-    return DEFAULT_COST, w.step_ms / reference
+        return c, 1.0, 1.0
+    overall = w.step_ms / reference
+    decode_reference = c.step_ms(0, 0.0, w.decode_step_seqs, w.decode_step_kv_tokens)
+    if not w.decode_step_ms or not decode_reference:
+        return c, overall, overall
+    decode = w.decode_step_ms / decode_reference
+    prefill_part = c.prefill_token_ms * w.step_prefill_tokens + c.prefill_attn_ms * w.step_prefill_ctx_products / 1000.0
+    left = w.step_ms - decode * (reference - prefill_part)
+    if prefill_part < 0.1 * reference or left <= 0:
+        return c, overall, decode
+    return c, left / prefill_part, decode

@@ -1,4 +1,4 @@
-"""The built-in routing policies, their predictions and the policy registry."""
+"""The built-in routing policies and the policy registry (predictions: test_predict.py)."""
 import random
 import time
 from importlib.metadata import EntryPoint
@@ -6,7 +6,7 @@ from importlib.metadata import EntryPoint
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gateway.fleet import _view, with_fields
+from gateway.fleet import with_fields
 from policies import predict, registry, slo_goodput
 from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView, Route, WorkerView
 from policies.candidates import stable_hash
@@ -16,133 +16,9 @@ from policies.prefix_affinity import PrefixAffinity
 from policies.registry import BUILTIN_POLICIES, load_policy
 from policies.round_robin import RoundRobin
 from policies.slo_goodput import SloGoodput
-from workers.engine import Engine, EngineConfig
-from workers.executors.sim import SimExecutor
-from workers.kv.cost_model import CostModel
-from workers.sampling_params import SamplingParams
+from tests.views import COST, fleet, req, worker
 
-COST = CostModel()
 STATELESS = (LeastLoad, PrefixAffinity, KvCost, SloGoodput)
-
-
-def req(num_tokens: int = 1024, **kw) -> RequestView:
-    return RequestView(request_id="r", num_tokens=num_tokens,
-                       block_hashes=tuple(range(1000, 1000 + num_tokens // 16)), **kw)
-
-
-def worker(wid: str, **kw) -> WorkerView:
-    kw.setdefault("cost", COST)
-    return WorkerView(worker_id=wid, **kw)
-
-
-def fleet(*workers: WorkerView) -> FleetView:
-    return FleetView(workers=workers)
-
-
-# predict
-
-def test_idle_ttft_is_the_cost_models_prefill_time():
-    r, w = req(5000), worker("a", matched_blocks=10, max_batched_tokens=2048)
-    assert predict.uncached_tokens(r, w) == 5000 - 160
-    assert predict.ttft_ms(r, w) == pytest.approx(COST.prefill_ms(4840, 160, chunk=2048))
-
-
-def test_fully_cached_prompt_still_prefills_one_token():
-    r = req(64)
-    w = worker("a", matched_blocks=4)
-    assert predict.cached_tokens(r, w) == 64 and predict.uncached_tokens(r, w) == 1
-
-
-def test_ttft_grows_with_queue_and_shrinks_with_cache():
-    r = req(2048)
-    idle, queued = worker("a"), worker("b", waiting=4, queued_prefill_tokens=8000)
-    cached = worker("c", matched_blocks=100)
-    assert predict.ttft_ms(r, queued) > predict.ttft_ms(r, idle) > predict.ttft_ms(r, cached)
-
-
-def test_unreported_in_flight_requests_count_as_queued_work():
-    r = req(2048)
-    assert predict.ttft_ms(r, worker("a", in_flight=3)) > predict.ttft_ms(r, worker("b"))
-
-
-def test_running_decodes_slow_prefill_and_decode():
-    r = req(1024)
-    idle, busy = worker("a"), worker("b", running=64, kv_tokens=64 * 1000)
-    assert predict.ttft_ms(r, busy) > predict.ttft_ms(r, idle)
-    assert predict.tpot_ms(r, busy) > predict.tpot_ms(r, idle)
-    assert predict.tpot_ms(r, idle) == pytest.approx(COST.decode_ms(1, 1024))
-
-
-def test_queued_prefill_interferes_with_decode():
-    r = req(1024)
-    assert predict.tpot_ms(r, worker("a", queued_prefill_tokens=4096, waiting=2)) > \
-        predict.tpot_ms(r, worker("b"))
-
-
-def test_measured_step_time_scales_predictions_without_a_cost_model():
-    r = req(1024)
-    fast = WorkerView(worker_id="f", running=8, step_ms=COST.decode_ms(8, 0), step_decode_seqs=8)
-    slow = WorkerView(worker_id="s", running=8, step_ms=2 * COST.decode_ms(8, 0), step_decode_seqs=8)
-    assert predict.ttft_ms(r, slow) == pytest.approx(2 * predict.ttft_ms(r, fast))
-    assert predict.ttft_ms(r, WorkerView(worker_id="n")) == pytest.approx(COST.prefill_ms(1024))
-    unknown = WorkerView(worker_id="u", running=8, step_ms=2 * COST.decode_ms(8, 0))
-    assert predict.ttft_ms(r, unknown) == pytest.approx(predict.ttft_ms(r, fast)), \
-        "a step time without the work it measured is no speed"
-
-
-def prefill_worker(wid: str, speed: float, chunk: int = 2048) -> WorkerView:
-    """An idle prefill worker whose recent steps were `chunk`-token prefills of fresh prompts,
-    each taking `speed` times the default model's time."""
-    ctx = chunk * chunk / 2
-    return WorkerView(worker_id=wid, role=PREFILL, max_batched_tokens=chunk,
-                      step_ms=speed * COST.step_ms(prefill_tokens=chunk, prefill_ctx_products=ctx),
-                      step_prefill_tokens=chunk, step_prefill_ctx_products=ctx)
-
-
-def test_a_prefill_workers_speed_comes_from_the_chunks_it_measured_not_its_empty_queue():
-    """Issue 5: the step time of big chunks was compared with an empty queue's decode-only step,
-    which made an idle prefill worker look ~40x slower than it is."""
-    r = req(4096)
-    for speed in (0.5, 1.0, 3.0):
-        assert predict.ttft_ms(r, prefill_worker("p", speed)) == pytest.approx(
-            speed * COST.prefill_ms(4096, chunk=2048), rel=0.05)
-
-
-def test_slo_goodput_pairs_a_prefill_worker_measured_on_big_chunks():
-    p = prefill_worker("p", speed=3.0)
-    d = WorkerView(worker_id="d", role=DECODE, running=8, kv_tokens=8000,
-                   step_ms=3.0 * COST.decode_ms(8, 8000), step_decode_seqs=8, step_decode_kv_tokens=8000)
-    route = SloGoodput().route(req(4096), fleet(p, d))
-    assert (route.prefill, route.worker) == ("p", "d"), route.reject
-    assert route.predicted_ttft_ms < 1.2 * 3.0 * COST.prefill_ms(4096, chunk=2048)
-
-
-def test_a_workers_state_carries_the_work_its_step_time_measured(monkeypatch):
-    """Engine -> /state -> the gateway's view -> prediction, for a prefill worker 3x slower than
-    the default model whose queue is empty by the time it is polled."""
-    clock = [0.0]
-    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
-    ex = SimExecutor(COST, vocab_size=1000, wait=lambda s: clock.__setitem__(0, clock[0] + 3 * s))
-    eng = Engine(ex, None, EngineConfig("m", num_blocks=1024, role=PREFILL))
-    rnd = random.Random(0)
-    for i, n in enumerate((3000, 4096, 2500, 5000)):
-        eng.submit(f"r{i}", [rnd.randrange(3, 1000) for _ in range(n)], SamplingParams(max_tokens=1),
-                   sink=lambda out: None, detokenize=False)
-    while eng.has_work():
-        eng.step()
-    view = _view(eng.state(), "")
-    assert view.role == PREFILL and view.queued_prefill_tokens == 0 and view.running == 0
-    assert predict.ttft_ms(req(4096), view) == pytest.approx(3 * COST.prefill_ms(4096, chunk=2048))
-
-
-def test_transfer_moves_the_blocks_the_decode_worker_lacks():
-    r = req(1024)  # 64 full blocks
-    p = worker("p", role=PREFILL, kv_bytes_per_token=1000, transfer_gbps=10.0)
-    d = worker("d", role=DECODE, matched_blocks=14, kv_bytes_per_token=1000, transfer_gbps=2.0)
-    assert predict.transfer_ms(r, p, d) == pytest.approx(50 * 16 * 1000 / 2e6)
-    assert predict.transfer_ms(r, worker("q", role=PREFILL), worker("u", role=DECODE)) == 0.0
-    assert predict.pd_ttft_ms(r, p, d) == pytest.approx(
-        predict.ttft_ms(r, p) + predict.transfer_ms(r, p, d) + predict.import_ttft_ms(r, d))
 
 
 # P/D-unaware policies
@@ -345,6 +221,9 @@ def fleets(draw, max_workers: int = 8):
             step_prefill_ctx_products=draw(st.sampled_from((0.0, 1e6))),
             step_decode_seqs=draw(st.sampled_from((0.0, 1.0, 40.5))),
             step_decode_kv_tokens=draw(st.sampled_from((0.0, 50_000.0))),
+            decode_step_ms=draw(st.none() | st.floats(0.5, 500)),
+            decode_step_seqs=draw(st.sampled_from((0.0, 1.0, 40.5))),
+            decode_step_kv_tokens=draw(st.sampled_from((0.0, 50_000.0))),
             cost=draw(st.none() | st.just(COST)),
             transfer_gbps=draw(st.sampled_from((0.0, 1.0, 25.0))),
             kv_bytes_per_token=draw(st.sampled_from((0, 36_864)))))
@@ -373,6 +252,34 @@ def test_every_route_is_a_serving_worker_a_pd_pair_or_a_reason(case):
         check_route(route, f)
         if not isinstance(policy, SloGoodput) and f.by_role(MIXED, DECODE):
             assert route.worker in {w.worker_id for w in f.by_role(MIXED) or f.by_role(DECODE)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(fleets(), st.sampled_from((0.0, 0.1)))
+def test_slo_goodput_decides_as_if_it_had_scored_every_worker(case, margin):
+    """It predicts only the prefix holders when one of them is safe; that must never change
+    the decision against scoring every candidate."""
+    r, f = case
+    policy = SloGoodput(margin=margin)
+    full = SloGoodput(margin=margin)
+    full.safe_hit = lambda *args: None
+    assert policy.route(r, f) == full.route(r, f)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fleets())
+def test_prefix_affinity_takes_the_longest_eligible_match_then_the_least_load(case):
+    r, f = case
+    workers = f.by_role(MIXED) or f.by_role(DECODE)
+    if not workers:
+        return
+    route = PrefixAffinity().route(r, f)
+    bound = route.info["load_bound"]
+    eligible = [w for w in workers if w.load <= bound]
+    chosen = next(w for w in workers if w.worker_id == route.worker)
+    assert chosen in eligible
+    assert (-predict.cached_tokens(r, chosen), chosen.load) == min(
+        (-predict.cached_tokens(r, w), w.load) for w in eligible)
 
 
 def test_ties_go_by_the_stable_hash_of_the_first_block_then_the_id():

@@ -85,12 +85,20 @@ def step_work(plan: StepPlan) -> tuple[int, int, int, float]:
 
 def step_means(recent: list[tuple]) -> dict:
     """Mean time and work per step of `recent` steps, in `CostModel.step_ms` terms: the gateway
-    rescales its cost model by the measured time against the model's time for the same work."""
+    rescales its cost model by the measured time against the model's time for the same work.
+    The decode-only steps' means are given apart (`decode_step_*`): prefill and decode differ
+    from the model's shape by different factors (on a CPU, ~29x and ~14x the default's), and
+    these let the gateway tell them apart."""
     if not recent:
         return {"step_ms": None}
     ms, prefill, seqs, kv, ctx = (sum(col) / len(recent) for col in zip(*recent))
-    return {"step_ms": ms, "step_prefill_tokens": prefill, "step_prefill_ctx_products": ctx,
-            "step_decode_seqs": seqs, "step_decode_kv_tokens": kv}
+    out = {"step_ms": ms, "step_prefill_tokens": prefill, "step_prefill_ctx_products": ctx,
+           "step_decode_seqs": seqs, "step_decode_kv_tokens": kv}
+    decodes = [r for r in recent if r[1] == 0 and r[2] > 0]
+    if decodes:
+        ms, _, seqs, kv, _ = (sum(col) / len(decodes) for col in zip(*decodes))
+        out.update(decode_step_ms=ms, decode_step_seqs=seqs, decode_step_kv_tokens=kv)
+    return out
 
 
 class Engine:
