@@ -65,6 +65,12 @@ class CostModel:
         """One decode step of `batch` sequences reading `kv_tokens` tokens of KV in total."""
         return self.step_ms(decode_seqs=batch, decode_kv_tokens=kv_tokens)
 
+    def scaled(self, factor: float) -> "CostModel":
+        """Every step `factor` times as long: the same hardware uniformly slowed down (or sped
+        up), e.g. by other jobs taking turns on its cores."""
+        times = {k: v * factor for k, v in asdict(self).items() if k != "decode_batch_ms"}
+        return CostModel(**times, decode_batch_ms=tuple(x * factor for x in self.decode_batch_ms))
+
     def to_json(self) -> dict:
         return asdict(self)
 
