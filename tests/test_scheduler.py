@@ -191,3 +191,16 @@ def test_prefix_match_of_a_preempted_request_leaves_a_token_to_compute():
     eng.kv._hashes(req, 2)
     assert len(req.block_hashes) == 2
     assert eng.kv.match_prefix(req) == 4 and req.num_remaining == 4
+
+
+def test_a_waiting_prefix_hit_queues_only_its_uncached_tokens():
+    eng = sim_engine(num_blocks=64, block_size=4, max_batched_tokens=64)
+    prefix = list(range(3, 35))  # 8 full blocks
+    eng.submit("warm", prefix + [40, 41], SamplingParams(max_tokens=1, ignore_eos=True), lambda o: None)
+    drain(eng)
+    eng.submit("hit", prefix + [50, 51, 52], SamplingParams(max_tokens=1, ignore_eos=True), lambda o: None)
+    eng.submit("cold", list(range(100, 135)), SamplingParams(max_tokens=1, ignore_eos=True), lambda o: None)
+    eng._drain_inbox()
+    assert eng.scheduler.queued_prefill_tokens == 3 + 35, "the hit's 32 cached tokens are not queued work"
+    drain(eng)
+    assert eng.scheduler.queued_prefill_tokens == 0

@@ -21,6 +21,7 @@ class Request:
     blocks: list[Block] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered: int = 0
+    queued_tokens: int = 0  # the prefill work it adds while waiting (set when queued)
     status: str = WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

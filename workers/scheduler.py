@@ -34,6 +34,7 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
+        req.queued_tokens = self.kv.uncached_estimate(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -41,8 +42,11 @@ class Scheduler:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens not yet computed: the prefill work queued on this worker."""
-        return sum(r.num_remaining for r in self.waiting) + sum(
+        """Prompt tokens not yet computed: the prefill work queued on this worker. A waiting
+        request counts what its cached prefix did not cover when it was queued: counted whole,
+        a queue of prefix hits (or of P/D requests whose blocks were just imported) read as
+        many times the work it is, and routers predicted this worker far too slow."""
+        return sum(r.queued_tokens for r in self.waiting) + sum(
             r.num_remaining for r in self.running if r.is_prefilling)
 
     def abort(self, req: Request) -> None:
@@ -64,6 +68,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = WAITING
         req.num_preemptions += 1
+        req.queued_tokens = self.kv.uncached_estimate(req)
         self.waiting.appendleft(req)
         plan.preempted.append(req)
 

@@ -54,6 +54,15 @@ class BlockPool:
             del self._free_cached[block.block_id]
         block.ref_count += 1
 
+    def resident_prefix(self, hashes: list[int]) -> int:
+        """How many leading `hashes` are cached, by hash alone and taking nothing: an estimate
+        of a prefix hit (`touch_prefix` also checks the tokens)."""
+        by_hash = self._by_hash
+        for i, h in enumerate(hashes):
+            if h not in by_hash:
+                return i
+        return len(hashes)
+
     def touch_prefix(self, hashes: list[int], token_ids: list[int]) -> list[Block]:
         """`lookup` and `touch` along a chain until the first miss: the cached blocks of the
         longest prefix of `hashes`, block i holding token_ids[i*B:(i+1)*B]. Prompts run to

@@ -37,6 +37,14 @@ class KVCacheManager:
         req.num_computed = req.num_registered = len(req.blocks) * B
         return req.num_computed
 
+    def uncached_estimate(self, req: Request) -> int:
+        """Tokens `req` would compute if admitted now: what its cached prefix does not cover."""
+        if not self.enable_prefix_caching or req.blocks:
+            return req.num_tokens - req.num_computed
+        B = self.block_size
+        limit = (req.num_tokens - 1) // B
+        return req.num_tokens - self.pool.resident_prefix(self._hashes(req, limit)[:limit]) * B
+
     def prefix_resident(self, req: Request) -> bool:
         """Whether every block a prefix hit could cover for `req` is in the cache now."""
         B = self.block_size
