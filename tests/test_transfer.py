@@ -86,3 +86,28 @@ def test_reserved_blocks_are_invisible_until_published_and_a_failed_write_leaks_
     res = reserve(eng.pool, payload)
     assert res.fresh == [] and len(res.blocks) == 4, "resident blocks are touched, not rewritten"
     assert publish(eng.pool, payload, res) == (0, 4) and eng.pool.num_free == 16
+
+
+def test_a_failed_kv_write_is_a_500_and_leaks_nothing():
+    """The K/V write runs off the engine thread; when it fails the reserved blocks go back
+    unpublished and the sender gets an OpenAI-shaped error."""
+    from starlette.testclient import TestClient
+
+    from workers.server import WorkerServer
+
+    eng = sim_engine(num_blocks=16, block_size=4)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+    eng.executor.import_blocks = broken
+    server = WorkerServer(eng, "m", vocab_size=1000, internal_token="t")
+    prompt = list(range(3, 20))
+    spec = KVSpec("m", 4, "none", 0, 0, 0)
+    body = encode_header(spec, block_hashes(prompt, 4, eng.kv.seed), [prompt[i:i + 4] for i in range(0, 16, 4)], None)
+    eng.start()
+    with TestClient(server.app) as client:
+        r = client.post("/kv/import", content=body, headers={"x-kvgate-token": "t"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "kv_import_failed"
+        state = client.get("/state").json()
+    assert eng.pool.num_free == 16 and not eng.events.after(0).events
+    assert state["engine_calls_s"] >= 0

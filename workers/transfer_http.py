@@ -111,7 +111,12 @@ class TransferService:
             return JSONResponse(error_body(f"cannot open KV IPC handle: {e}", code="ipc_unavailable"),
                                 status_code=422)
         t2 = time.perf_counter()
-        imported, present = await asyncio.shield(asyncio.ensure_future(self._import(payload)))
+        try:
+            imported, present = await asyncio.shield(asyncio.ensure_future(self._import(payload)))
+        except Exception as e:
+            log.exception("KV import failed")
+            return JSONResponse(error_body(f"KV import failed: {e}", "server_error", "kv_import_failed"),
+                                status_code=500)
         self.engine.stats.kv_imported_blocks += imported
         for key, dt in (("body", t1 - t0), ("decode", t2 - t1), ("import", time.perf_counter() - t2)):
             self.received_seconds[key] += dt
