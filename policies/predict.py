@@ -3,8 +3,9 @@
 Every prediction is a closed form of the worker's view: a routing decision scores every worker
 (and every P/D pair) for every request, so nothing here may loop over chunks or blocks.
 Times come from the worker's calibrated `CostModel` when it has one; otherwise the default
-model's shape is rescaled to the worker's measured mean step time for the work those steps did;
-with neither, the default model alone gives a crude per-token estimate.
+model's prefill and decode terms are rescaled, each by its own factor, to the worker's measured
+step times for the work those steps did; with neither, the default model alone gives a crude
+per-token estimate.
 """
 import math
 
