@@ -5,6 +5,7 @@ so nothing outlives a test even when it fails; output goes to a log file whose t
 when a process does not come up.
 """
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,9 +21,25 @@ KVGATE = [sys.executable, "-m", "gateway.cli"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that binds now, picked below the kernel's ephemeral range: a port the
+    kernel hands out (bind to 0) may be handed again to an outgoing connection before the
+    child process binds it, and ports below the range are never handed out that way."""
+    low = ephemeral_low()
+    while True:
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class Proc:
