@@ -96,8 +96,14 @@ def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
 def import_ttft_ms(req: RequestView, d: WorkerView) -> float:
     """Time for `d`, once it holds every full block of `req`, to compute the partial last block
     and emit the first token (P/D admits the request as an ordinary prefix-cache hit)."""
+    return import_ttft_tpot_ms(req, d)[0]
+
+
+def import_ttft_tpot_ms(req: RequestView, d: WorkerView) -> tuple[float, float]:
+    """`import_ttft_ms` and `tpot_ms` of `req` on decode worker `d` in one prediction (pair
+    selection asks both of every decode worker)."""
     full = len(req.block_hashes) * d.block_size
-    return ttft_ms(req, d, uncached=max(1, req.num_tokens - full), cached=min(full, req.num_tokens))
+    return ttft_tpot_ms(req, d, uncached=max(1, req.num_tokens - full), cached=min(full, req.num_tokens))
 
 
 def pd_ttft_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:

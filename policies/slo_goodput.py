@@ -11,8 +11,8 @@ that would not, so rejecting it early (with the reason) is what maximises goodpu
 """
 from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
-from policies.predict import (cached_tokens, import_ttft_ms, tpot_ms, transfer_ms, ttft_ms,
-                              ttft_tpot_ms, uncached_tokens)
+from policies.predict import (cached_tokens, import_ttft_tpot_ms, transfer_ms, ttft_ms, ttft_tpot_ms,
+                              uncached_tokens)
 
 
 class SloGoodput:
@@ -110,7 +110,7 @@ class SloGoodput:
                 fastest[link] = entry
         out = []
         for d in decode:
-            tail, tpot = import_ttft_ms(req, d), tpot_ms(req, d)
+            tail, tpot = import_ttft_tpot_ms(req, d)
             ttft, p = min(((t + transfer_ms(req, p, d) + tail, p) for t, _, p in fastest.values()),
                           key=lambda c: (c[0], c[1].worker_id))
             out.append((ttft, tpot, p, d))

@@ -26,32 +26,32 @@ class KVCacheManager:
             hs.append(block_hash(hs[-1] if hs else self.seed, req.token_ids[i * B:(i + 1) * B]))
         return hs
 
+    def _prefix_hashes(self, req: Request) -> list[int]:
+        """The hashes a prefix hit may cover: every full block but the one holding the last
+        token, which is always computed (it yields the first output's logits)."""
+        limit = (req.num_tokens - 1) // self.block_size
+        return self._hashes(req, limit)[:limit]
+
     def match_prefix(self, req: Request) -> int:
         """Take the longest cached prefix (never the whole prompt); returns the tokens it covers."""
         assert not req.blocks and req.num_computed == 0
         if not self.enable_prefix_caching:
             return 0
-        B = self.block_size
-        limit = (req.num_tokens - 1) // B
-        req.blocks = self.pool.touch_prefix(self._hashes(req, limit)[:limit], req.token_ids)
-        req.num_computed = req.num_registered = len(req.blocks) * B
+        req.blocks = self.pool.touch_prefix(self._prefix_hashes(req), req.token_ids)
+        req.num_computed = req.num_registered = len(req.blocks) * self.block_size
         return req.num_computed
 
     def uncached_estimate(self, req: Request) -> int:
         """Tokens `req` would compute if admitted now: what its cached prefix does not cover."""
         if not self.enable_prefix_caching or req.blocks:
             return req.num_tokens - req.num_computed
-        B = self.block_size
-        limit = (req.num_tokens - 1) // B
-        return req.num_tokens - self.pool.resident_prefix(self._hashes(req, limit)[:limit]) * B
+        return req.num_tokens - self.pool.resident_prefix(self._prefix_hashes(req)) * self.block_size
 
     def prefix_resident(self, req: Request) -> bool:
         """Whether every block a prefix hit could cover for `req` is in the cache now."""
         B = self.block_size
-        n = (req.num_tokens - 1) // B
-        hashes = self._hashes(req, n)
-        return all(self.pool.lookup(hashes[i], tuple(req.token_ids[i * B:(i + 1) * B])) is not None
-                   for i in range(n))
+        return all(self.pool.lookup(h, tuple(req.token_ids[i * B:(i + 1) * B])) is not None
+                   for i, h in enumerate(self._prefix_hashes(req)))
 
     def blocks_needed(self, req: Request, n_new: int) -> int:
         return max(0, -(-(req.num_computed + n_new) // self.block_size) - len(req.blocks))
