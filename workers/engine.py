@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import islice
 
 from workers.detokenizer import Detokenizer
 from workers.executors.batch import Executor, SeqChunk
@@ -21,6 +22,8 @@ from workers.kv.kv_manager import KVCacheManager
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, StepPlan
+
+STEP_LOG = 4096  # steps a worker keeps for /steps: minutes of traffic at CPU speed
 
 
 @dataclass
@@ -52,10 +55,13 @@ class RequestOutput:
 class StepStats:
     """What the last steps did and how long they took (for /state, metrics and calibrate).
 
-    `recent` holds (ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products) per
-    step; /state's `recent_steps` shows the first four.
+    `recent` holds (ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products,
+    wall ms) per step, step `steps` last: `ms` is the executor's time, `wall ms` the whole step's
+    (scheduling, commits, detokenizing, and any wait for a core or the GIL); /state's `recent_steps` shows the first four of the last 32, and
+    GET /steps all it holds (a profile is rescaled to the machine from them: `kvgate
+    calibrate --rescale`).
     """
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))
+    recent: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     steps: int = 0
     preemptions: int = 0
     prompt_tokens: int = 0
@@ -69,9 +75,16 @@ class StepStats:
     calls_s: float = 0.0  # engine-thread time in `call` functions and exporters: no step ran
 
     def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int,
-               prefill_ctx_products: float) -> None:
+               prefill_ctx_products: float, wall_ms: float) -> None:
         self.steps += 1
-        self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens, prefill_ctx_products))
+        self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens, prefill_ctx_products, wall_ms))
+
+    def after(self, seq: int) -> list[list[float]]:
+        """[step number, *step] for the steps numbered above `seq` that are still held."""
+        held = len(self.recent)
+        first = self.steps - held + 1
+        skip = max(0, seq + 1 - first)
+        return [[first + skip + i, *step] for i, step in enumerate(islice(self.recent, skip, None))]
 
 
 def step_work(plan: StepPlan) -> tuple[int, int, int, float]:
@@ -88,15 +101,16 @@ def step_means(recent: list[tuple]) -> dict:
     rescales its cost model by the measured time against the model's time for the same work.
     The decode-only steps' means are given apart (`decode_step_*`): prefill and decode differ
     from the model's shape by different factors (on a CPU, ~29x and ~14x the default's), and
-    these let the gateway tell them apart."""
+    these let the gateway tell them apart. Each step's first five columns are read (the
+    engine logs a sixth, the step's wall time, for `kvgate calibrate --rescale`)."""
     if not recent:
         return {"step_ms": None}
-    ms, prefill, seqs, kv, ctx = (sum(col) / len(recent) for col in zip(*recent))
+    ms, prefill, seqs, kv, ctx = (sum(col) / len(recent) for col in list(zip(*recent))[:5])
     out = {"step_ms": ms, "step_prefill_tokens": prefill, "step_prefill_ctx_products": ctx,
            "step_decode_seqs": seqs, "step_decode_kv_tokens": kv}
     decodes = [r for r in recent if r[1] == 0 and r[2] > 0]
     if decodes:
-        ms, _, seqs, kv, _ = (sum(col) / len(decodes) for col in zip(*decodes))
+        ms, _, seqs, kv, _ = (sum(col) / len(decodes) for col in list(zip(*decodes))[:5])
         out.update(decode_step_ms=ms, decode_step_seqs=seqs, decode_step_kv_tokens=kv)
     return out
 
@@ -197,6 +211,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step: plan, execute, append tokens, emit deltas."""
+        start = time.perf_counter()
         self._drain_inbox()
         if self._pending:
             self._admit_pending()
@@ -204,9 +219,10 @@ class Engine:
         self.stats.preemptions += len(plan.preempted)
         outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
         if plan.scheduled:
+            work = step_work(plan)
             t0 = time.perf_counter()
             sampled = self.executor.execute(self._chunks(plan))
-            self._record(plan, (time.perf_counter() - t0) * 1000)
+            ms = (time.perf_counter() - t0) * 1000
             for (req, n), tok in zip(plan.scheduled, sampled):
                 req.num_computed += n
                 self.kv.commit(req)
@@ -214,6 +230,7 @@ class Engine:
                     out = self._append(req, tok)
                     if out is not None:
                         outputs.append(out)
+            self.stats.record(ms, *work, (time.perf_counter() - start) * 1000)
         self._snapshot = self._make_state()
         for out in outputs:
             entry = self._requests.get(out.request_id)
@@ -234,9 +251,6 @@ class Engine:
                 sample=end == req.num_tokens, params=req.params,
                 output_index=req.num_tokens - req.num_prompt))
         return chunks
-
-    def _record(self, plan: StepPlan, ms: float) -> None:
-        self.stats.record(ms, *step_work(plan))
 
     def _append(self, req: Request, tok: int) -> RequestOutput | None:
         if req.status == FINISHED:
@@ -313,7 +327,8 @@ class Engine:
 
     def _make_state(self) -> dict:
         s, c = self.scheduler, self.config
-        recent = list(self.stats.recent)[-32:]
+        log = self.stats.recent
+        recent = [log[i] for i in range(-min(32, len(log)), 0)]
         return {
             "worker_id": c.worker_id, "role": c.role, "model": c.model_id,
             "block_size": c.block_size, "total_blocks": self.pool.num_blocks,

@@ -40,6 +40,7 @@ class WorkerServer:
             Route("/health", self.health),
             Route("/metrics", self.prometheus),
             Route("/state", self.state),
+            Route("/steps", self.steps),
             Route("/kv/events", self.kv_events),
             Route("/kv/snapshot", self.kv_snapshot),
             Route("/kv/import", self.transfer.import_endpoint, methods=["POST"]),
@@ -166,6 +167,17 @@ class WorkerServer:
 
     async def state(self, request: Request) -> Response:
         return JSONResponse({**self.engine.state(), "kv_transfer": self.transfer.stats()})
+
+    async def steps(self, request: Request) -> Response:
+        """The engine's step log after step `after`: [step, executor ms, prefill tokens, decode
+        seqs, decode KV tokens, prefill ctx products, wall ms] each (`StepStats`)."""
+        try:
+            after = int(request.query_params.get("after", "0"))
+        except ValueError:
+            return error(400, "'after' must be an integer")
+        eng = self.engine
+        got = await asyncio.wrap_future(eng.call(lambda: (eng.stats.steps, eng.stats.after(after))))
+        return JSONResponse({"last": got[0], "steps": got[1]})
 
     async def kv_events(self, request: Request) -> Response:
         try:

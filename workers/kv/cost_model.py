@@ -65,11 +65,16 @@ class CostModel:
         """One decode step of `batch` sequences reading `kv_tokens` tokens of KV in total."""
         return self.step_ms(decode_seqs=batch, decode_kv_tokens=kv_tokens)
 
-    def scaled(self, factor: float) -> "CostModel":
+    def scaled(self, factor: float, decode_factor: float | None = None) -> "CostModel":
         """Every step `factor` times as long: the same hardware uniformly slowed down (or sped
-        up), e.g. by other jobs taking turns on its cores."""
-        times = {k: v * factor for k, v in asdict(self).items() if k != "decode_batch_ms"}
-        return CostModel(**times, decode_batch_ms=tuple(x * factor for x in self.decode_batch_ms))
+        up), e.g. by other jobs taking turns on its cores. With `decode_factor`, what decoding
+        rows cost (the decode table, and per sequence and KV token) scales by it instead, and
+        the rest (base, prefill, mixed) by `factor`: prefill and decode slow down unequally
+        when what limits them differs (compute against memory bandwidth)."""
+        d = factor if decode_factor is None else decode_factor
+        decode = {"decode_seq_ms", "decode_kv_token_ms", "decode_batch_slope_ms"}
+        times = {k: v * (d if k in decode else factor) for k, v in asdict(self).items() if k != "decode_batch_ms"}
+        return CostModel(**times, decode_batch_ms=tuple(x * d for x in self.decode_batch_ms))
 
     def to_json(self) -> dict:
         return asdict(self)
