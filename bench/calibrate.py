@@ -2,6 +2,7 @@
 
     kvgate calibrate --url http://127.0.0.1:8100 --out bench/profiles/cpu-smollm2-135m.json
     kvgate calibrate --model smollm2-135m --executor torch --out PROFILE.json   # starts a worker
+    kvgate calibrate --url http://127.0.0.1:8100 --rescale PROFILE.json --out NOW.json
 
 Three probes, one request shape each, so every engine step has a known composition:
   prefill: prompts of growing length, never seen before, max_tokens=1 (one prefill step each);
@@ -15,6 +16,11 @@ The worker's `/state` `recent_steps` gives each step's executor time and composi
 per-step Python) is the client's inter-token gap minus the step's executor time; it is added
 to every step. What a request costs outside steps (HTTP, parsing) is TTFT minus the step and
 goes into the profile as `request_overhead_ms`, which the simulator adds to TTFT.
+
+`--rescale PROFILE` measures nothing itself: it keeps PROFILE's shape and rescales its speed,
+prefill and decode each by its own factor, to the steps the workers logged serving real
+traffic (GET /steps): on a machine whose speed drifts (other jobs, clocks) that is the
+machine as the traffic found it.
 
 The probes run in `rounds`, each round all of them in turn with the prefill and decode probes
 interleaved, and every probe's time is the median over the rounds: on a machine shared with
@@ -239,6 +245,61 @@ def decode_table(dec: list[dict], kv_token_ms: float) -> tuple[float, ...]:
     return tuple(float(v) for v in np.interp(np.arange(1, sizes[-1] + 1), sizes, values))
 
 
+def speed_factors(cost: CostModel, steps: list[list[float]]) -> tuple[float, float]:
+    """(prefill, decode) factors for `cost.scaled` under which the steps that prefill and those
+    that do not each take, in all, as long as they did; each step's time is split as `scaled`
+    splits it (decoding rows against the rest). Totals, not a fit per step: latency is made of
+    sums of steps, and on a busy machine step times are skewed (a step that lost its core
+    takes twice as long), which biases a per-step fit low. Each step is [step number, executor
+    ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products, wall ms] (GET
+    /steps). A profile's step is the executor's time plus the engine's own per step, so it is
+    compared with the step's wall time, which also holds any wait for a core. With one kind
+    of step only, one factor serves both parts; with none, both are 1."""
+    parts = (cost.scaled(1.0, 0.0), cost.scaled(0.0, 1.0))
+    rows, totals = [], []
+    for group in ([s for s in steps if s[2] == 0], [s for s in steps if s[2] > 0]):
+        if group:
+            rows.append([sum(m.step_ms(int(s[2]), s[5], int(s[3]), int(s[4])) for s in group) for m in parts])
+            totals.append(sum(s[6] for s in group))
+    used = [j for j in range(2) if any(r[j] for r in rows)]
+    if not used:
+        return 1.0, 1.0
+    if len(rows) < len(used):
+        common = sum(totals) / sum(map(sum, rows))
+        return common, common
+    a = np.array(rows)[:, used]
+    solved = nnls(a, np.array(totals))
+    factors = [1.0, 1.0]
+    for j, x in zip(used, solved):
+        factors[j] = float(x)
+    return factors[0], factors[1]
+
+
+def rescale(profile: dict, steps: list[list[float]]) -> dict:
+    """`profile` rescaled to the machine that ran `steps`: its shape (what each kind of work
+    costs relative to the others) as the probes measured it, its speed as those steps ran.
+    On a machine shared with other jobs a profile measured minutes earlier can be 20% off
+    both ways; the steps of real traffic need no probing. The per-request and per-step
+    overheads scale by the steps' overall ratio."""
+    cost = CostModel.from_json(profile)
+    prefill, decode = speed_factors(cost, steps)
+    new = cost.scaled(prefill, decode)
+    measured = sum(s[6] for s in steps)
+    before = sum(cost.step_ms(int(s[2]), s[5], int(s[3]), int(s[4])) for s in steps)
+    overall = measured / before if before > 0 else 1.0
+    return {**profile, **new.to_json(),
+            "step_overhead_ms": profile.get("step_overhead_ms", 0.0) * overall,
+            "request_overhead_ms": profile.get("request_overhead_ms", 0.0) * overall,
+            "rescaled": {"prefill": prefill, "decode": decode, "overall": overall, "steps": len(steps),
+                         "at": time.strftime("%Y-%m-%d %H:%M")}}
+
+
+def step_log(url: str, after: int = 0) -> tuple[int, list[list[float]]]:
+    """A worker's last step number and the steps after `after` it still holds (GET /steps)."""
+    got = httpx.get(f"{url}/steps", params={"after": after}, timeout=30).json()
+    return got["last"], got["steps"]
+
+
 def plot_fit(profile: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -308,6 +369,21 @@ def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_to
     return {**head, **profile}
 
 
+def rescale_main(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    if not args.url:
+        p.error("--rescale reads the step logs of running workers: give --url")
+    with open(args.rescale) as f:
+        profile = json.load(f)
+    steps = [s for u in args.url for s in step_log(u.rstrip("/"), args.after)[1]]
+    if not steps:
+        sys.exit("kvgate calibrate: the workers have logged no steps to rescale by")
+    out = rescale(profile, steps)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(json.dumps(out["rescaled"]), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvgate calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -323,8 +399,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=3, help="repeats of every probe (each probe's median is fitted)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rescale", metavar="PROFILE",
+                   help="with --url: no probes; rescale PROFILE's speed to the workers' logged steps of real traffic")
+    p.add_argument("--after", type=int, default=0, help="with --rescale: only the steps numbered above this")
     p.add_argument("--out", required=True, help="profile JSON (a -fit.png plot is written next to it)")
     args = p.parse_args(argv)
+    if args.rescale:
+        rescale_main(args, p)
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     proc = None
