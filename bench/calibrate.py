@@ -245,6 +245,11 @@ def decode_table(dec: list[dict], kv_token_ms: float) -> tuple[float, ...]:
     return tuple(float(v) for v in np.interp(np.arange(1, sizes[-1] + 1), sizes, values))
 
 
+def logged_ms(cost: CostModel, step: list[float]) -> float:
+    """`cost`'s time for a logged step (a GET /steps entry)."""
+    return cost.step_ms(int(step[2]), step[5], int(step[3]), int(step[4]))
+
+
 def speed_factors(cost: CostModel, steps: list[list[float]]) -> tuple[float, float]:
     """(prefill, decode) factors for `cost.scaled` under which the steps that prefill and those
     that do not each take, in all, as long as they did; each step's time is split as `scaled`
@@ -259,7 +264,7 @@ def speed_factors(cost: CostModel, steps: list[list[float]]) -> tuple[float, flo
     rows, totals = [], []
     for group in ([s for s in steps if s[2] == 0], [s for s in steps if s[2] > 0]):
         if group:
-            rows.append([sum(m.step_ms(int(s[2]), s[5], int(s[3]), int(s[4])) for s in group) for m in parts])
+            rows.append([sum(logged_ms(m, s) for s in group) for m in parts])
             totals.append(sum(s[6] for s in group))
     used = [j for j in range(2) if any(r[j] for r in rows)]
     if not used:
@@ -285,7 +290,7 @@ def rescale(profile: dict, steps: list[list[float]]) -> dict:
     prefill, decode = speed_factors(cost, steps)
     new = cost.scaled(prefill, decode)
     measured = sum(s[6] for s in steps)
-    before = sum(cost.step_ms(int(s[2]), s[5], int(s[3]), int(s[4])) for s in steps)
+    before = sum(logged_ms(cost, s) for s in steps)
     overall = measured / before if before > 0 else 1.0
     return {**profile, **new.to_json(),
             "step_overhead_ms": profile.get("step_overhead_ms", 0.0) * overall,

@@ -131,7 +131,7 @@ def test_speed_factors_recover_how_much_slower_each_kind_ran():
         s[6] *= 3  # it lost its core for a while: the totals still match
     now = cost.scaled(*calibrate.speed_factors(cost, skewed))
     for group in ([s for s in skewed if s[2] == 0], [s for s in skewed if s[2] > 0]):
-        total = sum(now.step_ms(int(s[2]), s[5], int(s[3]), int(s[4])) for s in group)
+        total = sum(calibrate.logged_ms(now, s) for s in group)
         assert total == pytest.approx(sum(s[6] for s in group))
     only_decodes = [s for s in logged_steps(cost.scaled(1.0, 1.2), 0.0) if s[2] == 0]
     assert calibrate.speed_factors(cost, only_decodes) == pytest.approx((1.0, 1.2))

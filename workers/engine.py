@@ -56,10 +56,10 @@ class StepStats:
     """What the last steps did and how long they took (for /state, metrics and calibrate).
 
     `recent` holds (ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products,
-    wall ms) per step, step `steps` last: `ms` is the executor's time, `wall ms` the whole step's
-    (scheduling, commits, detokenizing, and any wait for a core or the GIL); /state's `recent_steps` shows the first four of the last 32, and
-    GET /steps all it holds (a profile is rescaled to the machine from them: `kvgate
-    calibrate --rescale`).
+    wall ms) per step, step `steps` last: `ms` is the executor's time, `wall ms` the whole
+    step's (scheduling, commits, detokenizing, and any wait for a core or the GIL). /state's
+    `recent_steps` shows the first four of the last 32, and GET /steps all it holds (a profile
+    is rescaled to the machine from them: `kvgate calibrate --rescale`).
     """
     recent: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     steps: int = 0
