@@ -11,8 +11,8 @@ Three probes, one request shape each, so every engine step has a known compositi
   decode:  b streams at once after a cached prefix (steps of b decodes), for each batch size b
            and two context lengths; once all b decode, one more request joins them, so one
            step prefills beside b decodes (a mixed step, the usual step under load).
-The worker's `/state` `recent_steps` gives each step's executor time and composition
-[ms, prefill_tokens, decode_seqs, kv_tokens]. What the engine does around the executor (its
+The worker's step log (GET /steps) gives each step's executor time and composition, so a probe
+reads every step it caused however many there were. What the engine does around the executor (its
 per-step Python) is the client's inter-token gap minus the step's executor time; it is added
 to every step. What a request costs outside steps (HTTP, parsing) is TTFT minus the step and
 goes into the profile as `request_overhead_ms`, which the simulator adds to TTFT.
@@ -60,7 +60,8 @@ class Probe:
         self.url, self.model = url, model
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
-        self.client = httpx.AsyncClient(timeout=600)
+        unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.client = httpx.AsyncClient(timeout=600, limits=unlimited)  # httpx's default 100 would cap the batch
         self.index = 0
 
     def prompt(self, n: int) -> list[int]:
@@ -69,8 +70,14 @@ class Probe:
     async def state(self) -> dict:
         return (await self.client.get(self.url + "/state")).json()
 
-    async def steps(self) -> list[list[float]]:
-        return (await self.state())["recent_steps"]
+    async def mark(self) -> int:
+        """The worker's last step number: probes read the steps after it."""
+        return (await self.client.get(self.url + "/steps", params={"after": 2 ** 62})).json()["last"]
+
+    async def steps(self, after: int) -> list[list[float]]:
+        """[ms, prefill tokens, decode seqs, decode KV tokens] of each step after `after`."""
+        log = (await self.client.get(self.url + "/steps", params={"after": after})).json()["steps"]
+        return [s[1:5] for s in log]
 
     async def one(self, prompt: list[int], max_tokens: int) -> dict:
         self.index += 1
@@ -82,8 +89,9 @@ class Probe:
 
     async def prefill(self, prompt: list[int]) -> dict:
         """One prefill step: its executor ms, uncached and cached tokens, and the client TTFT."""
+        mark = await self.mark()
         rec = await self.one(prompt, 1)
-        ms, tokens, seqs, *_ = (await self.steps())[-1]
+        ms, tokens, seqs, *_ = (await self.steps(mark))[-1]
         cached = rec["cached_tokens"]
         assert seqs == 0 and tokens == len(prompt) - cached, "unexpected step: is the worker idle?"
         return {"kind": "prefill", "key": ("prefill", tokens, cached), "ms": ms, "tokens": tokens,
@@ -101,14 +109,19 @@ class Probe:
         """b streams after a cached prefix: the steps where all b decode and the clients' median
         gap (past the first two, which may hold the other streams' prefills); and the step where
         one more request (a quarter of the prefix more) joins them."""
+        mark = await self.mark()
         streams = [asyncio.create_task(self.one(prefix + self.prompt(DECODE_SUFFIX), tokens))
                    for _ in range(batch)]
         await self.until_decoding(batch, streams)
         joined = await self.one(prefix + self.prompt(max(DECODE_SUFFIX, len(prefix) // 4)), 1)
         recs = await asyncio.gather(*streams)
-        steps = await self.steps()
+        steps = await self.steps(mark)
         dec = [s for s in steps if s[1] == 0 and s[2] == batch]
         gaps = [g for r in recs for g in sorted(r["itl_ms"][2:])[:-1]]  # less the step the joining request was in
+        if not dec or not gaps:
+            print(f"  {self.url}: no step decoded all {batch} streams at once; batch {batch} not measured "
+                  f"(more --decode-tokens give large batches time to settle)", file=sys.stderr, flush=True)
+            return []
         out = [{"kind": "decode", "key": ("decode", batch, len(prefix)), "batch": batch,
                 "kv": float(np.median([s[3] for s in dec])), "ms": float(np.median([s[0] for s in dec])),
                 "gap_ms": float(np.median(gaps))}]
