@@ -9,13 +9,9 @@ import httpx
 import numpy as np
 import pytest
 
-from bench import calibrate
-from bench.fleet_sim import FleetConfig, FleetSim
+from bench import calibrate, fidelity
 from bench.loadgen import run_rate
-from bench.report import summarize
-from bench.sim_worker import SimConfig
-from bench.workloads import WorkloadConfig, generate
-from policies.registry import load_policy
+from bench.workloads import WorkloadConfig
 from tests.procs import start_worker
 from workers.kv.cost_model import CostModel
 
@@ -196,24 +192,44 @@ def test_simulation_matches_real_smollm2_fleet(monkeypatch, tmp_path):
     try:
         for w in workers:
             w.ready(300)
-        profile = calibrate.calibrate([w.url for w in workers], [16, 32, 64, 128, 256], [1, 2, 3, 4, 5, 6],
-                                      decode_tokens=12, rounds=2)
-        before = [calibrate.step_log(w.url)[0] for w in workers]
-        real = asyncio.run(run_rate([w.url for w in workers], wl, "smollm2-135m", (5000, 1000)))
-        steps = [s for w, n in zip(workers, before) for s in calibrate.step_log(w.url, n)[1]]
+        urls = [w.url for w in workers]
+        profile = calibrate.calibrate(urls, [16, 32, 64, 128, 256], [1, 2, 3, 4, 5, 6], decode_tokens=12, rounds=2)
+        records, steps = fidelity.run(urls, wl, "smollm2-135m")
+        sim = fidelity.sim_config(urls[0])
     finally:
         for w in workers:
             w.stop()
-    now = calibrate.rescale(profile, steps)
-    fleet = FleetConfig(workers=2, sim=SimConfig(num_blocks=1024, max_model_len=8192),
-                        cost=CostModel.from_json(now), request_overhead_ms=now["request_overhead_ms"])
-    sim = FleetSim(load_policy("round_robin"), fleet).run(generate(wl), wl.duration_s)
-    r, s = summarize(real, 5000, 1000), summarize(sim, 5000, 1000)
-    assert r["errors"] == 0 and s["errors"] == 0
-    assert r["cached_token_ratio"] == pytest.approx(s["cached_token_ratio"], abs=0.02)
-    report = {k: (round(r[k], 1), round(s[k], 1)) for k in ("ttft_p50_ms", "tpot_p50_ms")}
-    report["speed factors (prefill, decode)"] = (round(now["rescaled"]["prefill"], 2), round(now["rescaled"]["decode"], 2))
-    print(f"real, simulated: {report}")
-    for k in ("ttft_p50_ms", "tpot_p50_ms"):
-        real_ms, sim_ms = report[k]
-        assert sim_ms == pytest.approx(real_ms, rel=0.15), f"{k}: real {real_ms} ms, simulated {sim_ms} ms ({report})"
+    got = fidelity.compare(profile, wl, records, steps, len(workers), sim)
+    real, simulated = got["real"], got["rescaled"]
+    print(f"real, simulated: {real}, {simulated}; speed factors {got['speed_factors']}")
+    assert got["errors"] == 0 and simulated["errors"] == 0
+    assert simulated["cached_token_ratio"] == pytest.approx(real["cached_token_ratio"], abs=0.02)
+    for k in fidelity.METRICS:
+        assert simulated[k] == pytest.approx(real[k], rel=0.15), f"{k}: real {real[k]:.1f} ms, simulated {simulated[k]:.1f} ms"
+
+
+def test_fidelity_benchmark_on_sim_workers(tmp_path):
+    """`python -m bench.fidelity` against two sim-executor workers that sleep by KNOWN: every
+    rate is reported, real against simulated, and the rescaled simulation lands close (the
+    workers' steps are the cost model's, so only scheduling and HTTP can differ)."""
+    path = tmp_path / "known.json"
+    path.write_text(json.dumps(KNOWN))
+    workers = [start_worker(f"known{i}", executor="sim", extra=["--sim-profile", str(path)]) for i in range(2)]
+    out = tmp_path / "fidelity.json"
+    try:
+        for w in workers:
+            w.ready()
+        fidelity.main([a for w in workers for a in ("--url", w.url)] + [
+            "--rates", "4,8", "--duration", "4", "--groups", "2", "--prefix-len", "64", "--question-len", "32",
+            "--output-len", "8", "--lengths", "16,64,128", "--batches", "1,2,3", "--rounds", "1", "--out", str(out)])
+    finally:
+        for w in workers:
+            w.stop()
+    report = json.loads(out.read_text())
+    assert [r["rate_rps"] for r in report["runs"]] == [4.0, 8.0]
+    assert (tmp_path / "fidelity.png").exists()
+    for r in report["runs"]:
+        assert r["errors"] == 0 and r["rescaled"]["errors"] == 0
+        assert r["speed_factors"]["steps"] > 0
+        for k in fidelity.METRICS:
+            assert r["rescaled"]["ratio"][k] == pytest.approx(1.0, abs=0.15), (k, r)
