@@ -57,9 +57,9 @@ class StepStats:
 
     `recent` holds (ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products,
     wall ms) per step, step `steps` last: `ms` is the executor's time, `wall ms` the whole
-    step's (scheduling, commits, detokenizing, and any wait for a core or the GIL). /state's
-    `recent_steps` shows the first four of the last 32, and GET /steps all it holds (a profile
-    is rescaled to the machine from them: `kvgate calibrate --rescale`).
+    step's (scheduling, commits, detokenizing, and any wait for a core or the GIL). /state
+    gives the means of the last 32, and GET /steps all it holds (calibration probes read their
+    steps there, and `kvgate calibrate --rescale` rescales a profile to them).
     """
     recent: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     steps: int = 0
@@ -337,7 +337,6 @@ class Engine:
             "kv_tokens": sum(r.num_computed for r in s.running),
             "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
             **step_means(recent),
-            "recent_steps": [list(r[:4]) for r in recent],
             "cost_model": c.cost_model.to_json() if c.cost_model else None,
             "kv_bytes_per_token": getattr(self.executor, "kv_bytes_per_token", 0),
             "kv_seq": self.events.last_seq,
