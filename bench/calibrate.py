@@ -271,8 +271,9 @@ def speed_factors(cost: CostModel, steps: list[list[float]]) -> tuple[float, flo
     takes twice as long), which biases a per-step fit low. Each step is [step number, executor
     ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products, wall ms] (GET
     /steps). A profile's step is the executor's time plus the engine's own per step, so it is
-    compared with the step's wall time, which also holds any wait for a core. With one kind
-    of step only, one factor serves both parts; with none, both are 1."""
+    compared with the step's wall time, which also holds any wait for a core. A part no step
+    exercised keeps factor 1; when the steps cannot tell the parts apart (one kind of step,
+    exercising both), one factor serves both."""
     parts = (cost.scaled(1.0, 0.0), cost.scaled(0.0, 1.0))
     rows, totals = [], []
     for group in ([s for s in steps if s[2] == 0], [s for s in steps if s[2] > 0]):
