@@ -1,34 +1,53 @@
 """Incremental detokenization and stop-string matching for one request.
 
-Decoding only a short window of ids per token keeps this O(1) per step, and text that could
-still become a stop string is held back until it can't.
+With a fast (Rust) tokenizer, `tokenizers`' own `DecodeStream` turns each token into its new
+text: about 1 us a token against 6.5 us for two windowed `decode` calls through transformers,
+on the engine thread that every stream's step waits for. Other tokenizers decode a short
+window of ids per token, which keeps that O(1) per step too. Either way, text that could still
+become a stop string is held back until it can't.
 """
+from tokenizers.decoders import DecodeStream
+
+CONTEXT = 4  # prompt ids before the output: how the first output token's text starts
 
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-4:])
+        self.ids = list(prompt_ids[-CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
         self.emitted = 0
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self.backend = None  # transformers edits the decoded text; only `decode` does that
+        self.stream = DecodeStream(self.ids, skip_special_tokens=True) if self.backend is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; True when a stop string has appeared (the text is cut before it)."""
+    def _new_text(self, token_id: int) -> str | None:
+        """The text `token_id` completes, or None while it ends in a partial character."""
+        if self.stream is not None:
+            return self.stream.step(self.backend, token_id)
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new = self._decode(self.ids[self.prefix_offset:])
         if len(new) <= len(prefix) or new.endswith("\ufffd"):
+            return None
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new[len(prefix):]
+
+    def add(self, token_id: int) -> bool:
+        """Append a token; True when a stop string has appeared (the text is cut before it)."""
+        new = self._new_text(token_id)
+        if not new:
             return False
         start = max(0, len(self.text) - self.holdback)
-        self.text += new[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += new
         hits = [at for at in (self.text.find(s, start) for s in self.stop) if at >= 0]
         if hits:
             self.text = self.text[:min(hits)]
