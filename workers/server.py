@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from workers.engine import Engine, RequestOutput
+from workers.engine import Engine, RequestOutput, call_sinks
 from workers.metrics import WorkerMetrics
 from workers.protocol import (ParsedRequest, chunk, error_body, full_response, new_id,
                               parse_request, usage)
@@ -50,6 +50,7 @@ class WorkerServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         loop = asyncio.get_running_loop()
+        self.engine.deliver = lambda batch: loop.call_soon_threadsafe(call_sinks, batch)
         self._kv_changed = asyncio.Event()
         self.engine.events.subscribe(lambda ev: loop.call_soon_threadsafe(self._kv_changed.set))
         if self.publisher is not None:
@@ -94,8 +95,7 @@ class WorkerServer:
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         started = time.monotonic()
         kv = parsed.kv_transfer
-        self.engine.submit(rid, parsed.prompt_ids, parsed.params,
-                           lambda out: loop.call_soon_threadsafe(q.put_nowait, out),
+        self.engine.submit(rid, parsed.prompt_ids, parsed.params, q.put_nowait,
                            kv_wait_s=kv.get("wait_ms", 0) / 1000.0,
                            export=self.transfer.exporter(kv["export_to"], loop) if "export_to" in kv else None)
         if parsed.stream:

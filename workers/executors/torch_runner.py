@@ -5,6 +5,7 @@ positions, cache slots, block tables), the model runs once over all tokens of th
 logits are computed only for the last token of each chunk that samples.
 """
 import json
+from array import array
 from pathlib import Path
 
 import torch
@@ -107,12 +108,10 @@ class TorchRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillSeq(slice(row, row + n), chunk.start_pos, self._tensor(table)))
-        width = max(map(len, decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]  # block 0: masked out
         batch = AttentionBatch(
             slot_mapping=self._tensor(slots),
             decode_rows=self._tensor(decode_rows),
-            decode_tables=self._tensor(padded).view(len(padded), width),
+            decode_tables=self._table_tensor(decode_tables),
             decode_lens=self._tensor(decode_lens),
             prefills=prefills,
         )
@@ -120,6 +119,19 @@ class TorchRunner:
 
     def _tensor(self, values: list) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _table_tensor(self, tables: list[list[int]]) -> Tensor:
+        """The decode block tables as one [seqs, width] tensor, padded with block 0 (masked
+        out). Filled through a flat int64 array: `torch.tensor` of the nested lists took ~3 ms
+        a step at 256 sequences of 2k tokens, on the thread the GPU waits for."""
+        width = max(map(len, tables), default=0)
+        flat, pad = array("q"), [0] * width
+        for t in tables:
+            flat.extend(t)
+            flat.extend(pad[:width - len(t)])
+        if not flat:
+            return torch.zeros((len(tables), width), dtype=torch.long, device=self.device)
+        return torch.frombuffer(flat, dtype=torch.long).view(len(tables), width).to(self.device)
 
 
 def _chunk_ends(chunks: list[SeqChunk]) -> list[int]:
