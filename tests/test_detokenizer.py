@@ -64,3 +64,39 @@ def test_stop_strings_cut_alike_on_both_paths(tok, stop):
 def test_special_and_out_of_vocab_ids_add_no_text(tok):
     d = Detokenizer(tok, [1, 2])
     assert run(d, [0, 2, len(tok) + 5]) == (["", "", "", ""], None)
+
+
+def test_prompt_ending_mid_character_does_not_leak_into_the_output(tok):
+    """A token-id prompt may end inside a character (a continuation of an output cut there):
+    its text is not output, and a stop string found only in the prompt stops nothing."""
+    prompt = tok.encode("I like 🎉")[:-1]
+    assert tok.decode(prompt).endswith("\ufffd")
+    out = tok.encode(" The answer is 42.")
+    for stop in ((), ("like",)):
+        got = run(Detokenizer(tok, prompt, stop), out)
+        assert got == run(Detokenizer(Windowed(tok), prompt, stop), out)
+        assert got[1] is None and "like" not in "".join(got[0])
+
+
+def byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer (byte fallback, `▁` for spaces) built in place."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for t in ("▁", "a", "▁a"):
+        vocab[t] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab, [], byte_fallback=True, unk_token="<unk>"))
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, clean_up_tokenization_spaces=False), vocab
+
+
+def test_a_byte_run_the_stream_cannot_reconcile_falls_back_instead_of_raising():
+    """tokenizers' DecodeStream raises when a byte-fallback run rewrites text it already gave
+    (here "日" then a stray lead byte); on the engine thread that would stop every request."""
+    tok, vocab = byte_fallback_tokenizer()
+    d = Detokenizer(tok, [vocab["▁a"]])
+    assert d.stream is not None
+    pieces, stopped = run(d, [vocab[t] for t in ("<0xE6>", "<0x97>", "<0xA5>", "<0xE2>", "▁a", "a")])
+    assert stopped is None and d.stream is None
+    assert "".join(pieces).startswith("日") and "".join(pieces).endswith("aa")

@@ -22,18 +22,29 @@ class Detokenizer:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            self.backend = None  # transformers edits the decoded text; only `decode` does that
-        self.stream = DecodeStream(self.ids, skip_special_tokens=True) if self.backend is not None else None
+        self.stream = DecodeStream(self.ids, skip_special_tokens=True) if self._streamable() else None
+
+    def _streamable(self) -> bool:
+        """Whether DecodeStream gives the same text here. Not where transformers edits decoded
+        text (`clean_up_tokenization_spaces`), and not where the prompt's last ids end in a
+        partial character: the stream would take them for unseen output and emit them."""
+        if self.backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return False
+        return not self._decode(self.ids).endswith("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _new_text(self, token_id: int) -> str | None:
         """The text `token_id` completes, or None while it ends in a partial character."""
-        if self.stream is not None:
-            return self.stream.step(self.backend, token_id)
         self.ids.append(token_id)
+        if self.stream is not None:
+            try:
+                return self.stream.step(self.backend, token_id)
+            except Exception:  # tokenizers raises when byte-fallback text it emitted changes
+                self.stream = None  # windowed from here; what the stream emitted stays emitted
+                self.read_offset = len(self.ids) - 1
+                self.prefix_offset = max(0, self.read_offset - CONTEXT)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new = self._decode(self.ids[self.prefix_offset:])
         if len(new) <= len(prefix) or new.endswith("\ufffd"):
