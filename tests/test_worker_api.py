@@ -132,3 +132,30 @@ def test_prefix_cache_reset_needs_token_and_evicts_everything(worker):
     assert snap["hashes"] == []
     last = httpx.get(worker.url + f"/kv/events?after={snap['seq'] - 1}").json()["events"][-1]
     assert last["kind"] == "cleared"
+
+
+def test_streams_complete_without_the_app_lifespan():
+    """The engine posts each step's outputs to the loop that requests arrive on, bound on first
+    use: an app served without lifespan events (mounted in another app, ASGITransport) streams."""
+    import asyncio
+
+    from tests.sim_engine import sim_engine
+    from workers.server import WorkerServer
+
+    eng = sim_engine()
+    server = WorkerServer(eng, "m", vocab_size=1000)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://w") as c:
+            async def one(i):
+                body = {"prompt": [3 + i, 4, 5, 6], "max_tokens": 8, "stream": True, "ignore_eos": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    return [line async for line in r.aiter_lines() if line.startswith("data:")]
+            return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(4)]), 10)
+
+    eng.start()
+    try:
+        outs = asyncio.run(go())
+    finally:
+        eng.stop()
+    assert all(len(o) == 9 and o[-1] == "data: [DONE]" for o in outs)

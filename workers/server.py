@@ -33,6 +33,7 @@ class WorkerServer:
         self.vocab_size = vocab_size
         self.metrics = WorkerMetrics(engine)
         self.publisher = None  # a workers.redis_publisher.RedisPublisher when --redis is given
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -50,7 +51,6 @@ class WorkerServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         loop = asyncio.get_running_loop()
-        self.engine.deliver = lambda batch: loop.call_soon_threadsafe(call_sinks, batch)
         self._kv_changed = asyncio.Event()
         self.engine.events.subscribe(lambda ev: loop.call_soon_threadsafe(self._kv_changed.set))
         if self.publisher is not None:
@@ -92,6 +92,7 @@ class WorkerServer:
             return parsed
         rid = request.headers.get("x-request-id") or new_id(kind)
         loop = asyncio.get_running_loop()
+        self._bind(loop)
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         started = time.monotonic()
         kv = parsed.kv_transfer
@@ -102,6 +103,14 @@ class WorkerServer:
             return StreamingResponse(self._stream(rid, parsed, q, started), media_type="text/event-stream",
                                      headers={"x-request-id": rid})
         return await self._collect(request, rid, parsed, q, started)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have the engine post each step's outputs to this loop, where the sinks (queue puts)
+        must run. Done on first use, not at startup: an app mounted elsewhere or served
+        without lifespan events never runs the startup hook."""
+        if self._loop is not loop:
+            self._loop = loop
+            self.engine.deliver = lambda batch: loop.call_soon_threadsafe(call_sinks, batch)
 
     async def _collect(self, request: Request, rid: str, p: ParsedRequest, q: asyncio.Queue,
                        started: float) -> Response:
