@@ -11,6 +11,11 @@ run twice with the round_robin policy: with the probed profile, and with it resc
 run's own steps (`kvgate calibrate --rescale`: the probes' shape, the run's speed). The JSON
 holds, per rate, the real and both simulated TTFT and TPOT medians with their ratios; a PNG
 shows them. The simulated workers get the real ones' pool, batch and length limits (/state).
+
+`--warmup-s S` first serves S seconds of the same workload (another seed) at the highest rate,
+unmeasured. A GPU worker's first half-minute under a new load ran its steps ~1.8x slower than
+the same load later (bench/results/README.md, "warm-up"), so probes or runs on a cold worker
+measure the warm-up, not the worker.
 """
 import argparse
 import asyncio
@@ -98,16 +103,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,2,3,4,5,6", help="calibration decode batch sizes")
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup-s", type=float, default=0.0, help="serve this long at the highest rate first, unmeasured")
     p.add_argument("--title")
     p.add_argument("--out", required=True, help="report JSON; a .png beside it")
     args = p.parse_args(argv)
     urls = [u.rstrip("/") for u in args.url]
+    rates = [float(r) for r in args.rates.split(",")]
     t0 = time.perf_counter()
+    if args.warmup_s > 0:
+        warm = from_args(args, max(rates))
+        run(urls, WorkloadConfig(**{**warm.__dict__, "duration_s": args.warmup_s, "seed": warm.seed + 1000}), None)
     profile = calibrate.calibrate(urls, [int(x) for x in args.lengths.split(",")],
                                   [int(x) for x in args.batches.split(",")], args.decode_tokens, rounds=args.rounds)
     sim, model = sim_config(urls[0]), profile.get("model")
     runs = []
-    for rate in (float(r) for r in args.rates.split(",")):
+    for rate in rates:
         wl = from_args(args, rate)
         records, steps = run(urls, wl, model)
         runs.append(compare(profile, wl, records, steps, len(urls), sim))
