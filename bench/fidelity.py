@@ -110,9 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     urls = [u.rstrip("/") for u in args.url]
     rates = [float(r) for r in args.rates.split(",")]
     t0 = time.perf_counter()
+    warmup = {"seconds": args.warmup_s, "requests": 0, "errors": 0}
     if args.warmup_s > 0:
         warm = from_args(args, max(rates))
-        run(urls, WorkloadConfig(**{**warm.__dict__, "duration_s": args.warmup_s, "seed": warm.seed + 1000}), None)
+        done, _ = run(urls, WorkloadConfig(**{**warm.__dict__, "duration_s": args.warmup_s, "seed": warm.seed + 1000}), None)
+        warmup.update(requests=len(done), errors=sum(r["error"] is not None for r in done))
     profile = calibrate.calibrate(urls, [int(x) for x in args.lengths.split(",")],
                                   [int(x) for x in args.batches.split(",")], args.decode_tokens, rounds=args.rounds)
     sim, model = sim_config(urls[0]), profile.get("model")
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     report = {"title": args.title or f"{model}: {len(urls)} workers, real against simulated",
               "command": "python -m bench.fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "profile": profile, "runs": runs, "wall_s": time.perf_counter() - t0}
+              "warmup": warmup, "profile": profile, "runs": runs, "wall_s": time.perf_counter() - t0}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")

@@ -221,12 +221,14 @@ def test_fidelity_benchmark_on_sim_workers(tmp_path):
             w.ready()
         fidelity.main([a for w in workers for a in ("--url", w.url)] + [
             "--rates", "4,8", "--duration", "4", "--groups", "2", "--prefix-len", "64", "--question-len", "32",
-            "--output-len", "8", "--lengths", "16,64,128", "--batches", "1,2,3", "--rounds", "1", "--out", str(out)])
+            "--output-len", "8", "--lengths", "16,64,128", "--batches", "1,2,3", "--rounds", "1", "--warmup-s", "1",
+            "--out", str(out)])
     finally:
         for w in workers:
             w.stop()
     report = json.loads(out.read_text())
     assert [r["rate_rps"] for r in report["runs"]] == [4.0, 8.0]
+    assert report["warmup"]["requests"] >= 4 and report["warmup"]["errors"] == 0
     assert (tmp_path / "fidelity.png").exists()
     for r in report["runs"]:
         assert r["errors"] == 0 and r["rescaled"]["errors"] == 0
