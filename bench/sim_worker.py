@@ -73,7 +73,9 @@ class SimWorker:
         self.seg_len = 0
         self.seg_done = 0
         self.seg_finishing: list[Request] = []
-        self.recent: deque[tuple] = deque(maxlen=32)  # (ms, *step_work) per step, as /state reads
+        self.recent: deque[tuple] = deque(maxlen=32)  # (ms, *step_work) per ended step, as /state reads
+        self.plan_log: tuple = ()  # the step in progress, logged when it ends
+        self.before: dict = {}  # the load as the step in progress began
 
     # arrivals and events
 
@@ -108,6 +110,7 @@ class SimWorker:
     # one step
 
     def _start(self, now: float) -> float | None:
+        self.before = self._load()
         for req in self.inbox:
             self.scheduler.add(req)
         self.inbox.clear()
@@ -131,13 +134,14 @@ class SimWorker:
                                    start + n == len(req.token_ids), req.params))
         ms = self.executor.step_ms(chunks)
         self.plan, self.samples = plan, [c.sample for c in chunks]
-        self.recent.append((ms, *step_work(plan)))
+        self.plan_log = (ms, *step_work(plan))
         return now + ms / 1000.0
 
     def _land_step(self, now: float) -> None:
         """The step's tokens are computed: commit the blocks they filled (`commit` is a no-op
         unless a block was filled), sample, finish."""
         plan, self.plan = self.plan, None
+        self.recent.append(self.plan_log)
         kv, B = self.kv, self.cfg.block_size
         for (req, n), sample in zip(plan.scheduled, self.samples):
             req.num_computed += n
@@ -233,12 +237,18 @@ class SimWorker:
 
     # what the gateway's state poll would read
 
+    def _load(self) -> dict:
+        s = self.scheduler
+        return {"free_blocks": self.pool.num_free, "waiting": len(s.waiting), "running": len(s.running),
+                "queued_prefill_tokens": s.queued_prefill_tokens,
+                "kv_tokens": sum(r.num_computed for r in s.running)}
+
     def state(self) -> dict:
+        """The engine's snapshot: as of the end of the last step that ended. Mid-step that is
+        the state before the step was planned (its admissions and blocks not yet shown)."""
         s = self.scheduler
         return {"worker_id": self.worker_id, "block_size": self.cfg.block_size,
-                "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.num_free,
-                "waiting": len(s.waiting), "running": len(s.running),
-                "queued_prefill_tokens": s.queued_prefill_tokens,
-                "kv_tokens": sum(r.num_computed for r in s.running),
+                "total_blocks": self.pool.num_blocks,
+                **(self.before if self.plan is not None else self._load()),
                 "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
                 **step_means(list(self.recent))}

@@ -36,6 +36,42 @@ def test_fast_forward_is_exact(name, blocks):
     assert len(a) > 100 and all(r["error"] is None for r in a)
 
 
+@pytest.mark.parametrize("name", ["random", "mixed"])
+def test_fast_forward_is_exact_with_a_measured_profile(name):
+    """slo_goodput rescales its cost model by the step times the polls read: those must be the
+    steps that have ended, in both modes, as in the engine's /state. (Logged at launch, a poll
+    mid-step read the step in progress, and most routes changed with fast-forward.)"""
+    cost = CostModel.load("bench/profiles/h200-llama8b-kvgate.json")
+    wl = WorkloadConfig(name=name, rate=40, duration_s=10, seed=3)
+
+    def records(ff):
+        fleet = FleetConfig(workers=4, sim=SimConfig(fast_forward=ff, num_blocks=16384), cost=cost,
+                            slo_ttft_ms=1000, slo_tpot_ms=40)
+        return sorted(FleetSim(load_policy("slo_goodput"), fleet).run(generate(wl), wl.duration_s),
+                      key=lambda r: (r["arrival_s"], r["prompt_tokens"]))
+    a = records(True)
+    assert a == records(False)
+    assert len({r["worker"] for r in a} - {None}) == 4 and len(a) > 300
+
+
+def test_a_poll_mid_step_reads_the_state_before_the_step():
+    """/state is the engine's snapshot after its last step: a request admitted by the step in
+    progress still shows as waiting, with its blocks still free."""
+    from bench.sim_worker import SimWorker
+    from workers.request import Request
+    from workers.sampling_params import SamplingParams
+    w = SimWorker("w0", SimConfig(num_blocks=64, block_size=16), CostModel(), lambda req, now: None)
+    before = w.state()
+    end = w.advance(w.submit(Request("a", list(range(100, 180)), SamplingParams(max_tokens=4)), 0.0))
+    assert end > 0.0 and w.plan is not None
+    mid = w.state()
+    assert (mid["running"], mid["free_blocks"], mid["step_ms"]) == (0, 64, None) == \
+        (before["running"], before["free_blocks"], before["step_ms"])
+    w.advance(end)
+    after = w.state()
+    assert after["running"] == 1 and after["free_blocks"] < 64 and after["step_ms"] > 0
+
+
 def test_chain_hasher_gives_block_hashes():
     """Memoised by runs and by blocks, evicted when full: the values never change."""
     hasher = ChainHasher(4, 7, span=3, limit=40)
