@@ -172,9 +172,11 @@ class FleetSim:
             return
         self._deliver(req, i, now)
 
-    def _deliver(self, req: Request, i: int, now: float) -> None:
-        if self.cfg.request_overhead_ms > 0:
-            self._push(now + self.cfg.request_overhead_ms / 1000.0, DELIVER, i)
+    def _deliver(self, req: Request, i: int, now: float, at: float | None = None) -> None:
+        """Hand `req` to worker i at `at`: by default once the request overhead has passed."""
+        at = now + self.cfg.request_overhead_ms / 1000.0 if at is None else at
+        if at > now:
+            self._push(at, DELIVER, i)
             self.delivering[self.seq] = req
         else:
             self._schedule_step(i, self.workers[i].submit(req, now))
@@ -182,11 +184,12 @@ class FleetSim:
     # P/D
 
     def _admit_if_resident(self, req: Request, i: int, now: float) -> None:
-        """`Engine._admit_pending` for one held request: admit once its blocks are in D's cache."""
+        """`Engine._admit_pending` for one held request: admit once its blocks are in D's cache,
+        and not before the request itself has reached D."""
         if req.request_id in self.held and self.workers[i].kv.prefix_resident(req):
             del self.held[req.request_id]
             self.pd_arrived += 1
-            self._deliver(req, i, now)
+            self._deliver(req, i, now, max(now, req.arrival + self.cfg.request_overhead_ms / 1000.0))
 
     def _prefilled(self, leg: Request, now: float) -> None:
         """P finished a prefill leg: send its full blocks to D."""
@@ -213,7 +216,7 @@ class FleetSim:
         req = self.held.pop(rid, None)
         if req is not None:
             self.pd_fallbacks += 1
-            self._deliver(req, d, now)
+            self._deliver(req, d, now, now)  # D has held it since it arrived, pd_wait_s ago
 
     def views(self, matches: dict[str, int]) -> tuple[WorkerView, ...]:
         """`Fleet.views`: the polled view with this request's match and the in-flight count.

@@ -1,5 +1,7 @@
 """P/D in the fleet simulator: pairs are prefilled on P, their KV imported into D, and the
 decode request admitted as a prefix hit; no blocks leak; seeded runs repeat."""
+import pytest
+
 from bench import simulate
 from bench.fleet_sim import FleetConfig, FleetSim
 from bench.sim_worker import SimConfig
@@ -61,3 +63,25 @@ def test_roles_option():
     sim = FleetSim(load_policy("slo_goodput"), fleet)
     assert [v.role for v in sim.base] == ["prefill", "decode"]
     assert all(v.kv_bytes_per_token == 131072 and v.transfer_gbps == 5.0 for v in sim.base)
+
+
+def one_pair_ttft(overhead_ms: float, **kw) -> tuple[FleetSim, float]:
+    """TTFT of one 2000-token request on an idle P/D pair."""
+    import random
+
+    from bench.workloads import BenchRequest
+    fleet = FleetConfig(workers=2, roles=("prefill", "decode"), request_overhead_ms=overhead_ms,
+                        slo_ttft_ms=5000, slo_tpot_ms=200, **kw)
+    sim = FleetSim(load_policy("slo_goodput"), fleet)
+    rng = random.Random(0)
+    [rec] = sim.run([BenchRequest(0, 0.0, [rng.randrange(100, 30000) for _ in range(2000)], 4)], 1.0)
+    return sim, rec["ttft_ms"]
+
+
+def test_the_request_overhead_is_paid_once_by_a_pair():
+    """The decode request reaches D once: admitted when its KV lands, or when D stops waiting
+    for it, it pays no second request overhead."""
+    for kw in ({}, {"pd_wait_s": 0.001}):
+        sim, base = one_pair_ttft(0.0, **kw)
+        assert sim.pd_routed == 1 and (sim.pd_fallbacks == 1) == bool(kw)
+        assert one_pair_ttft(100.0, **kw)[1] == pytest.approx(base + 100.0)
