@@ -20,7 +20,7 @@ import time
 import httpx
 
 from bench import report as rep
-from bench.workloads import BenchRequest, WorkloadConfig, add_args, from_args, generate
+from bench.workloads import BenchRequest, WorkloadConfig, add_args, from_args, generate, resolve_rates
 
 
 class Progress:
@@ -159,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", action="append", required=True,
                    help="endpoint base URL (repeat to spread requests round-robin from the client)")
     rate = p.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--rate", type=float, help="requests per second")
+    rate.add_argument("--rate", type=float, help="requests per second (0: a trace at its own timestamps)")
     rate.add_argument("--sweep", help="R1,R2,...: one run per rate; goodput from the sweep")
     add_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: kvgate bench serve --url URL ... (see kvgate bench serve --help)")
     args = parser().parse_args(argv[1:])
     urls = [u.rstrip("/") for u in args.url]
+    rates = resolve_rates(args, [args.rate] if args.rate is not None else sorted(float(r) for r in args.sweep.split(",")))
     model = args.model or served_model(urls[0])
-    rates = [args.rate] if args.rate else sorted(float(r) for r in args.sweep.split(","))
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     label = args.label or (urls[0] if len(urls) == 1 else f"{len(urls)} urls, client round-robin")
     t0 = time.perf_counter()

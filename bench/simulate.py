@@ -23,7 +23,7 @@ from dataclasses import asdict
 from bench import report as rep
 from bench.fleet_sim import FleetConfig, FleetSim, stderr_progress
 from bench.sim_worker import SimConfig
-from bench.workloads import WorkloadConfig, add_args, from_args, generate
+from bench.workloads import WorkloadConfig, add_args, from_args, generate, resolve_rates
 from gateway.server import parse_policy_args
 from policies.registry import BUILTIN_POLICIES, load_policy
 from workers.kv.cost_model import CostModel
@@ -129,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
                    help="constructor argument for the policies that take it, e.g. pd_min_uncached_tokens=256 "
                         "(repeatable; numbers are parsed, as by `kvgate gateway --policy-arg`)")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--rate", type=float, help="one request rate (req/s)")
+    rate.add_argument("--rate", type=float, help="one request rate (req/s; 0: a trace at its own timestamps)")
     rate.add_argument("--sweep", nargs="?", const="auto",
                       help="R1,R2,... rates to run, or nothing to search each policy's goodput")
     add_args(p)
@@ -214,12 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     policies = policy_kwargs([p for p in args.policies.split(",") if p], args.policy_arg)
     fleet = fleet_config(args)
-    wl = from_args(args, args.rate or 10.0)
-    rates = [args.rate] if args.rate else None
+    rates = [args.rate] if args.rate is not None else None
     if args.sweep and args.sweep != "auto":
         rates = sorted(float(r) for r in args.sweep.split(","))
     if not rates and not args.sweep:
         sys.exit("kvgate simulate: give --rate R or --sweep [R1,R2,...]")
+    rates = resolve_rates(args, rates) if rates else None
+    wl = from_args(args, rates[0] if rates else 10.0)
     t0 = time.perf_counter()
     series = sweep(policies, rates, wl, fleet, args.refine, args.jobs)
     title = args.title or f"{args.workload}, {args.workers} simulated workers"

@@ -97,6 +97,27 @@ def from_args(args: argparse.Namespace, rate: float) -> WorkloadConfig:
     return WorkloadConfig(**kw, name=args.workload, rate=rate, duration_s=args.duration)
 
 
+def resolve_rates(args: argparse.Namespace, rates: list[float]) -> list[float]:
+    """The rates given on the command line, checked; 0 stands for a trace's own mean rate
+    (its requests at their own timestamps) and is refused for the other workloads."""
+    for r in rates:
+        if r < 0 or (r == 0 and args.workload != "trace"):
+            raise SystemExit(f"request rates must be > 0 (0 replays --workload trace at its own "
+                             f"timestamps); got {r:g}")
+    if 0 in rates and not args.trace:
+        raise SystemExit("the trace workload needs --trace FILE.jsonl")
+    return [trace_rate(args.trace) if r == 0 else r for r in rates]
+
+
+def trace_rate(path: str) -> float:
+    """A trace's mean request rate, first to last timestamp: replayed at it, no time is scaled."""
+    stamps = sorted(r["timestamp"] for r in read_trace(path))
+    span = (stamps[-1] - stamps[0]) / 1000.0 if stamps else 0.0
+    if span <= 0:
+        raise SystemExit(f"{path}: a trace needs two or more distinct timestamps to have a rate")
+    return len(stamps) / span
+
+
 def arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Iterator[float]:
     """Arrival times in [0, duration): Poisson, or gamma with coefficient of variation
     `burstiness` (shape 1/CV^2), which at CV > 1 clusters requests into bursts at the same mean rate."""

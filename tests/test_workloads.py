@@ -136,3 +136,24 @@ def test_synthetic_mooncake_trace(tmp_path):
     assert len(set(firsts)) < len(rows) * 0.7
     rs = list(generate(WorkloadConfig(name="trace", rate=0, duration_s=1e9, trace=str(out))))
     assert len(rs) == 400 and all(len(r.prompt) == row["input_length"] for r, row in zip(rs, rows))
+
+
+def test_rate_zero_replays_a_trace_at_its_own_timestamps(tmp_path):
+    """`--rate 0` on either CLI: a trace at its own mean rate (no time scaled), refused with a
+    message for the other workloads and for negative rates; before any request is sent."""
+    from bench import loadgen, simulate
+    rows = [{"timestamp": 250 * i, "input_length": 32, "output_length": 2, "hash_ids": [i % 3]} for i in range(9)]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "sim.json"
+    simulate.main(["--workers", "2", "--policies", "round_robin", "--workload", "trace", "--trace", path,
+                   "--rate", "0", "--duration", "10", "--drain-s", "5", "--jobs", "1", "--out", str(out)])
+    [run] = json.loads(out.read_text())["policies"]["round_robin"]["runs"]
+    assert run["rate_rps"] == pytest.approx(9 / 2.0) and run["requests"] == 9
+    cfg = WorkloadConfig(name="trace", rate=run["rate_rps"], duration_s=10, trace=path)
+    assert [r.arrival_s for r in generate(cfg)] == pytest.approx([0.25 * i for i in range(9)])
+    for argv in (["--workload", "random", "--rate", "0"], ["--workload", "trace", "--trace", path, "--rate", "-1"],
+                 ["--workload", "trace", "--rate", "0"]):
+        for main, extra in ((simulate.main, ["--workers", "1"]), (loadgen.main, ["serve", "--url", "http://127.0.0.1:9"])):
+            with pytest.raises(SystemExit) as e:
+                main(extra + argv + ["--out", str(tmp_path / "x.json")])
+            assert "rate" in str(e.value.code) or "--trace" in str(e.value.code)
