@@ -123,12 +123,10 @@ def call_sinks(batch: list[tuple[Callable, RequestOutput]]) -> None:
 
 class Engine:
     """`deliver(batch)` receives each step's outputs on the engine thread; by default it calls
-    each sink there. The server hands the whole batch to its event loop in one call instead:
-    a loop wakeup per stream per step was a third of the engine thread's host time at 256
-    streams, time a launch-bound GPU step waits for."""
+    each sink there. The server replaces it to hand the whole batch to its event loop in one
+    call: one loop wakeup (a self-pipe write) per step, not one per stream."""
 
-    def __init__(self, executor: Executor, tokenizer, config: EngineConfig,
-                 deliver: Callable[[list[tuple[Callable, RequestOutput]]], None] = call_sinks):
+    def __init__(self, executor: Executor, tokenizer, config: EngineConfig):
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
@@ -143,7 +141,7 @@ class Engine:
         self._requests: dict[str, tuple[Request, Detokenizer | None, Callable]] = {}
         self._pending: list[Request] = []
         self._outbox: list[tuple[Callable, RequestOutput]] = []
-        self.deliver = deliver
+        self.deliver: Callable[[list[tuple[Callable, RequestOutput]]], None] = call_sinks
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._snapshot = self._make_state()
