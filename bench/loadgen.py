@@ -70,6 +70,7 @@ async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str
     start = time.perf_counter()
     times: list[float] = []
     usage: dict = {}
+    finish = None
     try:
         async with client.stream("POST", url + "/v1/completions", json=request_body(br, model, token_ids),
                                  headers=headers) as resp:
@@ -93,15 +94,22 @@ async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str
                 for ch in obj.get("choices") or ():
                     n = len(ch.get("token_ids") or ()) or (1 if ch.get("text") else 0)
                     times.extend([now] * n)
+                    finish = ch.get("finish_reason") or finish
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
-    return finish_record(rec, start, end, times, usage)
+    return finish_record(rec, start, end, times, usage, finish)
 
 
-def finish_record(rec: dict, start: float, end: float, times: list[float], usage: dict) -> dict:
+def finish_record(rec: dict, start: float, end: float, times: list[float], usage: dict,
+                  finish: str | None = None) -> dict:
+    """Timings and usage into the record. A `length` finish short of max_tokens is an error:
+    the server cut the request (context or KV limit), as the simulator counts it; a `stop`
+    finish (EOS, where the endpoint ignores ignore_eos) is not."""
     out = usage.get("completion_tokens", len(times))
     rec["output_tokens"] = out
+    if finish == "length" and out < rec["max_tokens"] and not rec["error"]:
+        rec["error"] = f"cut short: {out} of {rec['max_tokens']} tokens (finish_reason length)"
     rec["prompt_tokens"] = usage.get("prompt_tokens", rec["prompt_tokens"])
     rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     if times:

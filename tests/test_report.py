@@ -77,3 +77,32 @@ def test_build_write_and_plot(tmp_path):
     for p in pngs:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loadgen_counts_a_length_finish_short_of_max_tokens_as_an_error():
+    """As the simulator does: a server that cuts a request (finish_reason length before
+    max_tokens) did not serve it; an EOS stop did, and a full length finish did."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from bench.loadgen import send
+    from bench.workloads import BenchRequest
+
+    def sse(n: int, finish: str) -> bytes:
+        chunks = [{"choices": [{"text": "x", "token_ids": [7], "finish_reason": finish if i == n - 1 else None}]}
+                  for i in range(n)]
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+    async def one(n: int, finish: str) -> dict:
+        reply = httpx.MockTransport(lambda req: httpx.Response(200, content=sse(n, finish),
+                                                                headers={"content-type": "text/event-stream"}))
+        async with httpx.AsyncClient(transport=reply) as client:
+            return await send(client, "http://w", BenchRequest(0, 0.0, [1, 2, 3], 5), None, {}, True)
+
+    cut, eos, full = (asyncio.run(one(n, f)) for n, f in ((3, "length"), (3, "stop"), (5, "length")))
+    assert cut["error"] == "cut short: 3 of 5 tokens (finish_reason length)"
+    assert eos["error"] is None and full["error"] is None
+    assert cut["output_tokens"] == eos["output_tokens"] == 3 and full["output_tokens"] == 5
