@@ -83,14 +83,15 @@ class FleetSim:
         self.delivering: dict[int, Request] = {}
         self.records: list[dict] = []
         self.events_processed = 0
-        self.held: dict[str, Request] = {}  # decode requests waiting for their KV (by id)
+        self.held: list[dict[str, Request]] = [{} for _ in range(cfg.workers)]  # per D: decode requests waiting for their KV
         self.transfers: dict[int, tuple[Request, int]] = {}  # event seq -> (decode request, D)
         self.timeouts: dict[int, str] = {}
         self.prefill_of: dict[str, int] = {}  # decode request id -> P
         self.pd_routed = self.pd_arrived = self.pd_fallbacks = 0
 
     def _worker(self, i: int) -> SimWorker:
-        w = SimWorker(f"w{i:03d}", self.cfg.sim, self.cfg.cost, lambda req, now: self._finished(req, now, i))
+        w = SimWorker(f"w{i:03d}", self.cfg.sim, self.cfg.cost, lambda req, now: self._finished(req, now, i),
+                      lambda now: self._admit_held(i, now))
         self.index.reset(w.worker_id, [], 0)
         w.events.subscribe(lambda ev: self.unindexed.setdefault(w.worker_id, []).append(ev))
         return w
@@ -165,7 +166,7 @@ class FleetSim:
             self.in_flight[p] += 1
             self._refresh(p)
             self._deliver(leg, p, now)
-            self.held[req.request_id] = req
+            self.held[i][req.request_id] = req
             self._push(now + cfg.request_overhead_ms / 1000.0 + cfg.pd_wait_s, KV_TIMEOUT, i)
             self.timeouts[self.seq] = req.request_id
             self._admit_if_resident(req, i, now)
@@ -186,24 +187,37 @@ class FleetSim:
     def _admit_if_resident(self, req: Request, i: int, now: float) -> None:
         """`Engine._admit_pending` for one held request: admit once its blocks are in D's cache,
         and not before the request itself has reached D."""
-        if req.request_id in self.held and self.workers[i].kv.prefix_resident(req):
-            del self.held[req.request_id]
+        if req.request_id in self.held[i] and self.workers[i].kv.prefix_resident(req):
+            del self.held[i][req.request_id]
             self.pd_arrived += 1
             self._deliver(req, i, now, max(now, req.arrival + self.cfg.request_overhead_ms / 1000.0))
+
+    def _admit_held(self, d: int, now: float) -> None:
+        """`Engine._admit_pending` as D's step starts: admit the held requests (already at D)
+        whose blocks are resident now, whoever's import or prefill put them there."""
+        held = self.held[d]
+        if not held:
+            return
+        w, overhead = self.workers[d], self.cfg.request_overhead_ms / 1000.0
+        for rid, req in list(held.items()):
+            if now >= req.arrival + overhead and w.kv.prefix_resident(req):
+                del held[rid]
+                self.pd_arrived += 1
+                w.inbox.append(req)
 
     def _prefilled(self, leg: Request, now: float) -> None:
         """P finished a prefill leg: send its full blocks to D."""
         rid = leg.request_id.removesuffix(PREFILL_SUFFIX)
-        if rid not in self.held or leg.num_tokens <= leg.num_prompt:
+        req, d = self.live.get(rid, (None, 0))
+        if req is None or rid not in self.held[d] or leg.num_tokens <= leg.num_prompt:
             return
-        req, d = self.live[rid]
         B = self.cfg.sim.block_size
         size = len(req.block_hashes) * B * self.cfg.kv_bytes_per_token
         self._push(now + size / (self.cfg.transfer_gbps * 1e9), TRANSFER, d)
         self.transfers[self.seq] = (req, d)
 
     def _import(self, req: Request, d: int, now: float) -> None:
-        if req.request_id not in self.held:
+        if req.request_id not in self.held[d]:
             return
         w, B = self.workers[d], self.cfg.sim.block_size
         hashes = list(req.block_hashes)
@@ -213,7 +227,7 @@ class FleetSim:
         self._admit_if_resident(req, d, now)
 
     def _kv_timeout(self, rid: str, d: int, now: float) -> None:
-        req = self.held.pop(rid, None)
+        req = self.held[d].pop(rid, None)
         if req is not None:
             self.pd_fallbacks += 1
             self._deliver(req, d, now, now)  # D has held it since it arrived, pd_wait_s ago

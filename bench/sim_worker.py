@@ -54,7 +54,10 @@ class SimWorker:
     """Call `submit` when a request is routed here and `advance` at each time it returns."""
 
     def __init__(self, worker_id: str, cfg: SimConfig, cost: CostModel,
-                 on_finish: Callable[[Request, float], None]):
+                 on_finish: Callable[[Request, float], None],
+                 on_start: Callable[[float], None] | None = None):
+        """`on_start(now)` runs as each step starts, before the inbox is drained: where the
+        engine admits held P/D requests whose blocks have arrived (`Engine._admit_pending`)."""
         self.worker_id = worker_id
         self.cfg = cfg
         self.events = EventLog(worker_id)
@@ -64,6 +67,7 @@ class SimWorker:
         self.executor = SimExecutor(cost, vocab_size=OUTPUT_TOKEN_LOW + OUTPUT_TOKEN_SPAN,
                                     max_model_len=cfg.max_model_len, wait=lambda s: None)
         self.on_finish = on_finish
+        self.on_start = on_start
         self.inbox: list[Request] = []
         self.busy = False
         self.plan: StepPlan | None = None
@@ -111,6 +115,8 @@ class SimWorker:
 
     def _start(self, now: float) -> float | None:
         self.before = self._load()
+        if self.on_start is not None:
+            self.on_start(now)
         for req in self.inbox:
             self.scheduler.add(req)
         self.inbox.clear()
