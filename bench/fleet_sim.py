@@ -84,7 +84,7 @@ class FleetSim:
         self.records: list[dict] = []
         self.events_processed = 0
         self.held: list[dict[str, Request]] = [{} for _ in range(cfg.workers)]  # per D: decode requests waiting for their KV
-        self.transfers: dict[int, tuple[Request, int]] = {}  # event seq -> (decode request, D)
+        self.transfers: dict[int, tuple[Request, int, list[int]]] = {}  # event seq -> (decode request, D, hashes)
         self.timeouts: dict[int, str] = {}
         self.prefill_of: dict[str, int] = {}  # decode request id -> P
         self.pd_routed = self.pd_arrived = self.pd_fallbacks = 0
@@ -161,7 +161,7 @@ class FleetSim:
             self.prefill_of[req.request_id] = p
             leg = Request(req.request_id + PREFILL_SUFFIX, br.prompt,
                           SamplingParams(max_tokens=1, ignore_eos=True, seed=br.index), arrival=now)
-            leg.block_hashes = req.block_hashes
+            leg.block_hashes = list(req.block_hashes)  # P's commits extend its own copy
             self.live[leg.request_id] = (leg, p)
             self.in_flight[p] += 1
             self._refresh(p)
@@ -206,21 +206,22 @@ class FleetSim:
                 w.inbox.append(req)
 
     def _prefilled(self, leg: Request, now: float) -> None:
-        """P finished a prefill leg: send its full blocks to D."""
+        """P finished a prefill leg: send its full prompt blocks to D, as `Engine._export` does
+        (the leg computed them all, so all are registered)."""
         rid = leg.request_id.removesuffix(PREFILL_SUFFIX)
         req, d = self.live.get(rid, (None, 0))
         if req is None or rid not in self.held[d] or leg.num_tokens <= leg.num_prompt:
             return
         B = self.cfg.sim.block_size
-        size = len(req.block_hashes) * B * self.cfg.kv_bytes_per_token
+        hashes = leg.block_hashes[:leg.num_prompt // B]
+        size = len(hashes) * B * self.cfg.kv_bytes_per_token
         self._push(now + size / (self.cfg.transfer_gbps * 1e9), TRANSFER, d)
-        self.transfers[self.seq] = (req, d)
+        self.transfers[self.seq] = (req, d, hashes)
 
-    def _import(self, req: Request, d: int, now: float) -> None:
+    def _import(self, req: Request, d: int, hashes: list[int], now: float) -> None:
         if req.request_id not in self.held[d]:
             return
         w, B = self.workers[d], self.cfg.sim.block_size
-        hashes = list(req.block_hashes)
         tokens = [req.prompt_ids[k * B:(k + 1) * B] for k in range(len(hashes))]
         spec = executor_spec(self.cfg.sim.model_id, B, w.executor)
         import_payload(w.pool, w.executor, KVPayload(spec, hashes, tokens, None, b""))

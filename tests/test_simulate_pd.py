@@ -103,3 +103,18 @@ def test_a_held_request_is_admitted_once_another_import_brings_its_blocks():
     assert sim.pd_routed == 2 and sim.pd_arrived == 2 and not any(sim.held)
     assert a["prefill_worker"] == b["prefill_worker"] == "w000"
     assert a["arrival_s"] + a["ttft_ms"] / 1000 == pytest.approx(b["arrival_s"] + b["ttft_ms"] / 1000)
+
+
+def test_the_transfer_carries_every_full_prompt_block():
+    """As `Engine._export`: num_prompt // B blocks, the last one too when the prompt fills it,
+    from the prefill leg's own chain; the decode request's chain stops a block short there (the
+    last token is always computed) and P's commits do not extend it."""
+    from bench.workloads import BenchRequest
+    fleet = FleetConfig(workers=2, roles=("prefill", "decode"), slo_ttft_ms=5000, slo_tpot_ms=200)
+    sim = FleetSim(load_policy("slo_goodput"), fleet)
+    seen, imported = [], sim._import
+    sim._import = lambda req, d, hashes, now: (seen.append((len(hashes), len(req.block_hashes))),
+                                               imported(req, d, hashes, now))
+    [rec] = sim.run([BenchRequest(0, 0.0, list(range(100, 2148)), 4)], 1.0)
+    assert rec["error"] is None and rec["prefill_worker"] == "w000"
+    assert seen == [(128, 127)]
