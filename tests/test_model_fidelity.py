@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from workers.executors.batch import SeqChunk
-from workers.executors.torch_runner import TorchRunner, blocks_that_fit, eos_token_ids
+from workers.executors.torch_runner import (BLOCK_BUCKET, SEQ_BUCKET, TOKEN_BUCKET, TorchRunner, blocks_that_fit,
+                                            eos_token_ids)
 from workers.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -76,10 +77,17 @@ def checkpoints(tmp_path_factory):
     return built
 
 
-@pytest.fixture(params=list(CONFIGS))
+@pytest.fixture(params=[(name, bucketed) for name in CONFIGS for bucketed in (False, True)],
+                ids=lambda p: p[0] + ("-bucketed" if p[1] else ""))
 def case(request, checkpoints):
-    path, model = checkpoints[request.param]
-    return TorchRunner(str(path), num_blocks=NUM_BLOCKS, block_size=BLOCK), model
+    """Each checkpoint, run as on CPU and with CUDA's shape buckets (padding rows, tables and
+    chunks): the padding must never change a token."""
+    name, bucketed = request.param
+    path, model = checkpoints[name]
+    runner = TorchRunner(str(path), num_blocks=NUM_BLOCKS, block_size=BLOCK)
+    if bucketed:
+        runner.seq_bucket, runner.block_bucket, runner.token_bucket = SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET
+    return runner, model
 
 
 def hf_greedy(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:

@@ -6,6 +6,15 @@ listing the same block ids. This is the gather-based path: whole blocks are gath
 index per block and handed to scaled_dot_product_attention, which is correct on every device.
 One-token (decode) sequences are batched into a single padded call; multi-token (prefill) chunks
 run one call each, since padding them together would waste more than the loop costs.
+
+Shape buckets. On CUDA, scaled_dot_product_attention runs cuDNN, which builds an execution plan
+the first time it meets a shape: ~40 ms on an H200, against ~0.4 ms to run one. Decode shapes
+(sequences x context) and prefill shapes (chunk x context) change nearly every step, so a fresh
+worker spent its first half-minute at a new load building plans, at ~1.8x the step time
+(bench/results/README.md, session 6). The runner therefore pads shapes to buckets: the decode
+batch with dummy rows (length 1, output dropped), block tables with block 0 (masked out), and
+each prefill chunk to a multiple of `bucket` tokens (rows after every real one, which causal
+masking hides from them; their output is dropped), so a few plans serve every load.
 """
 from dataclasses import dataclass
 
@@ -26,10 +35,12 @@ class PrefillSeq:
 class AttentionBatch:
     """Per-step attention metadata, tensorised once by the runner and shared by every layer."""
     slot_mapping: Tensor  # [T] flat cache slot of each new token
-    decode_rows: Tensor  # [S] flat row of each one-token sequence
-    decode_tables: Tensor  # [S, max_blocks] block tables, padded with block 0 (masked out)
-    decode_lens: Tensor  # [S] context length including the new token
+    decode_rows: Tensor  # [S'] flat row of each one-token sequence; S' >= S pads with row 0
+    decode_tables: Tensor  # [S', max_blocks] block tables, padded with block 0 (masked out)
+    decode_lens: Tensor  # [S'] context length including the new token (1 for padding rows)
     prefills: list[PrefillSeq]
+    num_decodes: int = 0  # S: the real decode rows, first in decode_rows
+    bucket: int = 1  # prefill chunks are padded to a multiple of this many tokens
 
 
 class PagedAttention(nn.Module):
@@ -47,10 +58,14 @@ class PagedAttention(nn.Module):
         """q [T, heads, hd], k/v [T, kv_heads, hd] for the new tokens -> output [T, heads, hd]."""
         self._store(k, v, batch.slot_mapping)
         out = torch.empty_like(q)
-        if len(batch.decode_rows):
-            out[batch.decode_rows] = self._decode(q[batch.decode_rows], batch)
+        n = batch.num_decodes
+        if n:
+            out[batch.decode_rows[:n]] = self._decode(q[batch.decode_rows], batch)[:n]
         for seq in batch.prefills:
-            out[seq.rows] = self._prefill(q[seq.rows], k[seq.rows], v[seq.rows], seq)
+            rows = seq.rows.stop - seq.rows.start
+            pad = -rows % batch.bucket
+            chunk = [F.pad(x[seq.rows], (0, 0, 0, 0, 0, pad)) if pad else x[seq.rows] for x in (q, k, v)]
+            out[seq.rows] = self._prefill(*chunk, seq)[:rows]
         return out
 
     def _store(self, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -82,11 +97,10 @@ class PagedAttention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
             return out[0].transpose(0, 1)
-        ctx = seq.start_pos + q.shape[2]
-        k = self._gather(self.k_cache, seq.block_table[None])[:, :, :ctx]
-        v = self._gather(self.v_cache, seq.block_table[None])[:, :, :ctx]
-        q_pos = torch.arange(seq.start_pos, ctx, device=q.device)[:, None]
-        kv_pos = torch.arange(ctx, device=q.device)[None, :]
+        k = self._gather(self.k_cache, seq.block_table[None])
+        v = self._gather(self.v_cache, seq.block_table[None])
+        q_pos = torch.arange(seq.start_pos, seq.start_pos + q.shape[2], device=q.device)[:, None]
+        kv_pos = torch.arange(k.shape[2], device=q.device)[None, :]
         mask = kv_pos <= q_pos
         if self.sliding_window is not None:
             mask &= kv_pos > q_pos - self.sliding_window
