@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import httpx
@@ -127,8 +128,7 @@ def plot(runs: list[dict], title: str, path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     for r in runs[1:]:
         ms = [s[0] for s in r["raw_steps"]]
-        t = [sum(ms[:i + 1]) / 1000 for i in range(len(ms))]
-        ax.plot(t, ms, linewidth=0.8, label=f"{r['label']}: TPOT p50 {r['tpot_p50_ms']:.0f} ms, "
+        ax.plot([t / 1000 for t in accumulate(ms)], ms, linewidth=0.8, label=f"{r['label']}: TPOT p50 {r['tpot_p50_ms']:.0f} ms, "
                 f"{r['steps_with_device_alloc']} steps with cudaMalloc")
     ax.set_yscale("log")
     ax.set_xlabel("time into the run (s)")
