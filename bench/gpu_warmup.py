@@ -4,8 +4,8 @@ with every step's wall time and the CUDA caching allocator's counters.
     python -m bench.gpu_warmup --tokenizer-dir DIR --out bench/results/h200-warmup-mechanism.json
 
 It builds a random-weight Llama-3-8B-shaped checkpoint (bench.random_model), serves it from a
-`kvgate worker` in this process (so the allocator is readable) and drives it from a load
-generator in a subprocess (so the client never holds the worker's GIL). The runs: 3 s at a
+`kvgate worker` in this process (so the allocator is readable) and drives it with `kvgate
+bench serve` in a subprocess (so the client never holds the worker's GIL). The runs: 3 s at a
 fifth of `--rate`, then `--runs` runs of `--duration` s at `--rate`, each with its own seed so
 no run reuses another's questions; `--empty-cache-after K` empties the allocator's cache
 after run K (the cold-start test of the allocator alone). Per run: TTFT/TPOT p50, mean step,
@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from itertools import accumulate
@@ -28,6 +29,8 @@ import httpx
 from bench import random_model
 
 COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+WORKLOAD = ["--workload", "shared-prefix", "--groups", "4", "--prefix-len", "1024", "--question-len", "128",
+            "--output-len", "64", "--vocab-size", "49152"]
 LLAMA_8B = ["--layers", "32", "--hidden", "4096", "--intermediate", "14336", "--heads", "32", "--kv-heads", "8",
             "--head-dim", "128", "--vocab-size", "49152", "--max-len", "8192"]
 
@@ -58,16 +61,16 @@ class StepLog:
 
 
 def load_run(url: str, rate: float, duration: float, seed: int) -> dict:
-    """One open-loop run from a subprocess; its summary."""
-    code = ("import asyncio, json, sys; from bench import report as rep; from bench.loadgen import run_rate;"
-            "from bench.workloads import WorkloadConfig;"
-            "cfg = WorkloadConfig(name='shared-prefix', rate=float(sys.argv[2]), duration_s=float(sys.argv[3]),"
-            " seed=int(sys.argv[4]), groups=4, prefix_len=1024, question_len=128, output_len=64, vocab_size=49152);"
-            "s = rep.summarize(asyncio.run(run_rate([sys.argv[1]], cfg, None, (2000.0, 100.0))), 2000.0, 100.0);"
-            "print(json.dumps({k: s[k] for k in ('requests', 'errors', 'ttft_p50_ms', 'tpot_p50_ms', 'throughput_tok_s')}))")
-    p = subprocess.run([sys.executable, "-c", code, url, str(rate), str(duration), str(seed)],
+    """One `kvgate bench serve` run of the workload, in a subprocess; its summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "serve", "--url", url, *WORKLOAD,
+                        "--rate", str(rate), "--duration", str(duration), "--seed", str(seed),
+                        "--slo-tpot-ms", "100", "--label", "run", "--out", out],
                        capture_output=True, text=True, check=True)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+        with open(out) as f:
+            run = json.load(f)["policies"]["run"]["runs"][0]
+    return {k: run[k] for k in ("requests", "errors", "ttft_p50_ms", "tpot_p50_ms", "throughput_tok_s")}
 
 
 def serve(args, root: Path, port: int):
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.shape = LLAMA_8B
+    if not args.plot_only and not args.tokenizer_dir and not (Path(args.model_dir) / "config.json").exists():
+        p.error("--tokenizer-dir is needed to build the checkpoint in --model-dir")
     if args.plot_only:
         saved = json.loads(Path(args.out).read_text())
         runs = saved["runs"] if isinstance(saved, dict) else saved
