@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.attention import AttentionBatch, PagedAttention
+from workers.attention import PagedAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -115,18 +115,44 @@ def _llama3_inv_freq(inv_freq: Tensor, rope: dict) -> Tensor:
 
 
 class Rotary:
-    """cos/sin for the step's positions, computed once per step and shared by all layers."""
+    """RoPE for the step's positions. Eager: cos/sin built once per step and shared by all
+    layers. Kernels: a [max_pos, head_dim] cos|sin table built once, read in place by the rotary
+    kernel, so a step builds no per-token tensors (and CUDA graphs replay without host work)."""
 
-    def __init__(self, inv_freq: Tensor):
+    def __init__(self, inv_freq: Tensor, max_positions: int, kernels: bool):
         self.inv_freq = inv_freq
+        self.max_positions = max_positions
+        self.kernels = kernels
+        self.cache: Tensor | None = None
 
-    def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def prepare(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """What every layer's `apply` needs for this step's positions."""
         if self.inv_freq.device != positions.device:
             # Kept out of the module's buffers so meta-device construction cannot clobber it.
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.kernels:
+            if self.cache is None or self.cache.dtype != dtype:
+                self.cache = self._table(torch.arange(self.max_positions, device=positions.device), dtype)
+            return (positions,)
+        emb = self._freqs(positions)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def apply(self, ctx: tuple[Tensor, ...], q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        if self.kernels:
+            from workers.kernels.rotary import apply_rotary_inplace
+            apply_rotary_inplace(q, k, ctx[0], self.cache)
+            return q, k
+        cos, sin = ctx
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def _freqs(self, positions: Tensor) -> Tensor:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return torch.cat((freqs, freqs), dim=-1)
+
+    def _table(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        """cos and sin rounded to `dtype` as HF rounds them, then held in fp32 side by side."""
+        emb = self._freqs(positions)
+        return torch.cat((emb.cos().to(dtype), emb.sin().to(dtype)), dim=-1).float()
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -136,12 +162,28 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm; given `residual`, first adds x into it and normalises the sum (vLLM's fused
+    add-norm), returning (normed, residual): one kernel instead of three on the GPU."""
+
+    def __init__(self, dim: int, eps: float, kernels: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        if self.kernels:
+            from workers.kernels.norm import fused_add_rms_norm, rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -149,78 +191,119 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """q, k and v come from one GEMM over the concatenated weights (`qkv_proj`); the loader
+    fills its three row ranges from HF's q_proj/k_proj/v_proj."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, kernels: bool):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer])
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: AttentionBatch) -> Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x: Tensor, rotary: Rotary, rope: tuple[Tensor, ...], batch) -> Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch)
-        return self.o_proj(out.flatten(1))
+        q, k = rotary.apply(rope, q, k)
+        return self.o_proj(self.attn(q, k, v, batch).flatten(1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """gate and up from one GEMM (`gate_up_proj`), then silu(gate) * up."""
+
+    def __init__(self, cfg: ModelConfig, kernels: bool):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.kernels = kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.kernels:
+            from workers.kernels.activation import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+    """Pre-norm block carrying the residual stream beside the hidden state, so each norm can
+    fold the preceding residual add into itself."""
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: AttentionBatch) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: ModelConfig, layer: int, kernels: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = LlamaAttention(cfg, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = LlamaMLP(cfg, kernels)
+
+    def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary, rope: tuple[Tensor, ...],
+                batch) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotary, rope, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+
+
+# HF weight name -> (our packed parameter, which of its row ranges): one GEMM for q/k/v and one
+# for gate/up instead of five.
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`kernels`: run norms, activation and RoPE through workers.kernels (Triton, CUDA); off,
+    plain torch ops, the reference the CPU runs."""
+
+    def __init__(self, cfg: ModelConfig, kernels: bool = False):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, kernels)
         # Tied models read the embedding matrix directly instead of sharing a Parameter, so meta
         # construction and checkpoint loading need no re-tying.
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
-        self.rotary = Rotary(rope_inv_freq(cfg.rope, cfg.head_dim))
+        self.rotary = Rotary(rope_inv_freq(cfg.rope, cfg.head_dim), cfg.max_position_embeddings, kernels)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, batch: AttentionBatch) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, batch) -> Tensor:
         """Flat token ids and positions [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = self.rotary.prepare(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, self.rotary, rope, batch)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def packed_shard(self, name: str) -> tuple[str, int, int] | None:
+        """For an HF weight that lives inside a packed parameter: (that parameter's name, first
+        row, rows); None for weights stored as they are."""
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-2] not in PACKED:
+            return None
+        packed, index = PACKED[parts[-2]]
+        cfg = self.config
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        sizes = [q, kv, kv] if packed == "qkv_proj" else [inter, inter]
+        return ".".join(parts[:-2] + [packed, parts[-1]]), sum(sizes[:index]), sizes[index]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

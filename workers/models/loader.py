@@ -21,10 +21,10 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype) -> LlamaForCausalLM:
+               dtype: torch.dtype, kernels: bool = False) -> LlamaForCausalLM:
     """Construct on the meta device (no random init, no double allocation), then fill from disk."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, kernels)
     model = model.to(dtype).to_empty(device=device).eval()
     load_weights(model, model_dir)
     return model
@@ -44,17 +44,25 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name; fail loudly on gaps."""
+    """Copy every checkpoint tensor into the parameter of the same name, or into its rows of a
+    packed parameter (q/k/v, gate/up); fail loudly on gaps: every row must be filled."""
     params = dict(model.named_parameters())
-    missing = set(params)
+    rows_left = {name: p.shape[0] for name, p in params.items()}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
                     continue
-                if name not in params:
+                target, start, rows = model.packed_shard(name) or (name, 0, None)
+                if target not in params:
                     raise ValueError(f"{path.name}: unexpected weight {name!r}")
-                params[name].copy_(f.get_tensor(name))
-                missing.discard(name)
+                dest = params[target] if rows is None else params[target].narrow(0, start, rows)
+                tensor = f.get_tensor(name)
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"{path.name}: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                rows_left[target] -= dest.shape[0]
+    missing = sorted(name for name, left in rows_left.items() if left)
     if missing:
-        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:8]}")
+        raise ValueError(f"weights missing from {model_dir}: {missing[:8]}")
