@@ -2,7 +2,10 @@
 
 256 sequences, input and output lengths uniform in [100, 1024], random token ids, EOS
 ignored, seed 0 — scalable down by flags for a CPU. Drives the engine directly (no HTTP),
-so the figure is the engine's: scheduler + KV manager + executor.
+so the figure is the engine's: scheduler + KV manager + executor. On CUDA it also measures the
+device's copy bandwidth and matmul rate and reports the run against the roofline of the steps
+it took (bench/roofline.py); `--hf-generate` times HF `generate` on the same prompts (equal
+lengths only: a static batch) for a naive baseline.
 """
 import argparse
 import json
@@ -30,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-kernels", action="store_true", help="the gather + SDPA path even on CUDA")
+    p.add_argument("--hf-generate", action="store_true", help="also time HF generate on the same prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/engine_throughput.json")
     return p
@@ -48,7 +54,9 @@ def build_engine(args, seqs) -> Engine:
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in seqs)
     blocks = args.num_blocks or need
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    runner = TorchRunner(str(resolve(args.model)), blocks, args.block_size, args.device, dtype)
+    runner = TorchRunner(str(resolve(args.model)), blocks, args.block_size, args.device, dtype,
+                         kernels=False if args.no_kernels else None, enforce_eager=args.enforce_eager,
+                         max_num_seqs=min(args.max_num_seqs, args.num_seqs))
     cfg = EngineConfig(served_name(args.model), args.block_size, blocks, args.max_batched_tokens,
                        args.max_num_seqs, worker_id="bench")
     return Engine(runner, load_tokenizer(args.model), cfg)
@@ -74,7 +82,54 @@ def run(engine: Engine, seqs) -> dict:
     in_tokens = sum(len(p) for p, _ in seqs)
     return {"seconds": elapsed, "output_tokens": out_tokens, "input_tokens": in_tokens,
             "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
-            "steps": engine.stats.steps, "preemptions": engine.stats.preemptions, "timeline": timeline}
+            "steps": engine.stats.steps, "preemptions": engine.stats.preemptions, "timeline": timeline,
+            "step_log": [list(step) for step in engine.stats.recent]}
+
+
+def roofline(engine: Engine, result: dict) -> dict:
+    """The run's steps priced at the device's measured ceilings: bound time, tok/s, fraction."""
+    import torch
+
+    from bench.roofline import measure, model_cost
+    runner = engine.executor
+    ceilings = measure(runner.device, runner.dtype)
+    cost = model_cost(runner)
+    bound = sum(cost.step_bound_s(*step[1:5], ceilings) for step in result["step_log"])
+    if len(result["step_log"]) < result["steps"]:
+        raise RuntimeError("the step log dropped steps; raise workers.engine.STEP_LOG")
+    torch.cuda.empty_cache()
+    return {"ceilings": ceilings.to_json(), "bound_s": bound, "roofline_output_tok_s": result["output_tokens"] / bound,
+            "roofline_fraction": bound / result["seconds"], "weight_bytes": cost.weight_bytes,
+            "kv_bytes_per_token": cost.kv_bytes_per_token}
+
+
+def hf_generate(args, seqs) -> dict:
+    """HF `generate` (sdpa, static batch, greedy, exactly n new tokens) on the same prompts."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    if len({len(p) for p, _ in seqs}) != 1 or len({n for _, n in seqs}) != 1:
+        raise SystemExit("--hf-generate needs equal prompt and output lengths (--min-input-len = --max-input-len ...)")
+    gc.collect()
+    torch.cuda.empty_cache()
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(resolve(args.model)), dtype=dtype,
+                                                 attn_implementation="sdpa").to(args.device).eval()
+    ids = torch.tensor([p for p, _ in seqs], device=args.device)
+    n = seqs[0][1]
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+              pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"seconds": elapsed, "output_tok_s": len(seqs) * n / elapsed}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -97,6 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     seqs = workload(args)
     engine = build_engine(args, seqs)
     result = run(engine, seqs)
+    runner = engine.executor
+    result["path"] = {"kernels": runner.kernels, "cuda_graphs": runner.graphs is not None}
+    if runner.graphs is not None:
+        result["path"].update(capture_s=runner.graphs.capture_s, graph_mib=runner.graphs.memory_bytes / 2**20)
+    if runner.device.type == "cuda":
+        result["roofline"] = roofline(engine, result)
+        del engine, runner
+        if args.hf_generate:
+            result["hf_generate"] = hf_generate(args, seqs)
+    del result["step_log"]
     result["config"] = vars(args)
     result["command"] = "python -m bench.engine_throughput " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
@@ -105,6 +170,11 @@ def main(argv: list[str] | None = None) -> None:
     result["timeline"] = result["timeline"][::max(1, len(result["timeline"]) // 200)]
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("timeline", "config")}, indent=1))
+    if "roofline" in result:
+        r = result["roofline"]
+        print(f"{result['output_tok_s']:.0f} output tok/s = {100 * r['roofline_fraction']:.1f}% of the roofline's "
+              f"{r['roofline_output_tok_s']:.0f} ({r['ceilings']['copy_gbps']:.0f} GB/s copy, "
+              f"{r['ceilings']['matmul_tflops']:.0f} TFLOP/s matmul)")
 
 
 if __name__ == "__main__":

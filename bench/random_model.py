@@ -14,6 +14,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--max-len", type=int, default=32768)
+    p.add_argument("--init-device", default="cpu", help="where the random weights are drawn (cuda: seconds for 8B)")
 
 
 def make_model(args, root: Path) -> Path:
@@ -24,7 +25,9 @@ def make_model(args, root: Path) -> Path:
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
                       max_position_embeddings=args.max_len, tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(root)
+    with torch.device(args.init_device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(root)
     for f in Path(args.tokenizer_dir).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, root / f.name)

@@ -2,10 +2,14 @@
 
 A layer's cache is a pair of tensors [num_blocks, block_size, kv_heads, head_dim]. A sequence's
 tokens live in the blocks its block table lists, so sequences share a cached prefix simply by
-listing the same block ids. This is the gather-based path: whole blocks are gathered with one
-index per block and handed to scaled_dot_product_attention, which is correct on every device.
-One-token (decode) sequences are batched into a single padded call; multi-token (prefill) chunks
-run one call each, since padding them together would waste more than the loop costs.
+listing the same block ids. Two paths, chosen by the step's metadata type:
+
+- `KernelBatch` (CUDA): Triton kernels (workers/kernels) read K/V in place through the block
+  tables: one-token rows go to the decode kernel (CUDA-graph safe), chunks to the varlen
+  prefill kernel.
+- `AttentionBatch` (everywhere, the reference): whole blocks are gathered with one index per
+  block and handed to scaled_dot_product_attention. One-token (decode) sequences are batched
+  into a single padded call; multi-token (prefill) chunks run one call each.
 
 Shape buckets. On CUDA, scaled_dot_product_attention runs cuDNN, which builds an execution plan
 the first time it meets a shape: ~40 ms on an H200, against ~0.4 ms to run one. Decode shapes
@@ -43,6 +47,24 @@ class AttentionBatch:
     bucket: int = 1  # prefill chunks are padded to a multiple of this many tokens
 
 
+@dataclass
+class KernelBatch:
+    """Per-step metadata for the kernel path, tensorised once by the runner (int32 throughout).
+
+    The first `num_decodes` rows are one-token sequences, attended by the decode kernel (GQA
+    packed, split-K); the remaining rows are chunks, attended by the varlen prefill kernel. The
+    scheduler lists running decodes first, so a mixed step is one call of each."""
+    slot_mapping: Tensor  # [T] flat cache slot of each new token; -1 stores nothing (padding)
+    num_decodes: int
+    decode_tables: Tensor | None  # [D, W] blocks of each decode row; entries past its context unread
+    decode_lens: Tensor | None  # [D] context length including the new token; 0 for padding rows
+    prefill_tables: Tensor | None = None  # [P, W] blocks of each chunk
+    prefill_lens: Tensor | None = None  # [P] context length including the chunk
+    cu_seqlens_q: Tensor | None = None  # [P+1] first row of each chunk, counted from row num_decodes
+    max_seqlen_q: int = 0
+    num_splits: int | None = None  # decode context partitions (None: the kernel picks from shapes)
+
+
 class PagedAttention(nn.Module):
     """Causal attention over the paged cache; the runner binds `k_cache`/`v_cache` to each layer."""
 
@@ -54,8 +76,10 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch | KernelBatch) -> Tensor:
         """q [T, heads, hd], k/v [T, kv_heads, hd] for the new tokens -> output [T, heads, hd]."""
+        if isinstance(batch, KernelBatch):
+            return self._kernels(q, k, v, batch)
         self._store(k, v, batch.slot_mapping)
         out = torch.empty_like(q)
         n = batch.num_decodes
@@ -66,6 +90,21 @@ class PagedAttention(nn.Module):
             pad = -rows % batch.bucket
             chunk = [F.pad(x[seq.rows], (0, 0, 0, 0, 0, pad)) if pad else x[seq.rows] for x in (q, k, v)]
             out[seq.rows] = self._prefill(*chunk, seq)[:rows]
+        return out
+
+    def _kernels(self, q: Tensor, k: Tensor, v: Tensor, batch: KernelBatch) -> Tensor:
+        from workers.kernels.decode_attention import paged_decode_attention
+        from workers.kernels.prefill_attention import paged_prefill_attention
+        from workers.kernels.store_kv import store_kv
+        store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        scale, d = self.head_dim ** -0.5, batch.num_decodes
+        out = torch.empty_like(q)
+        if d:
+            paged_decode_attention(q[:d], self.k_cache, self.v_cache, batch.decode_tables, batch.decode_lens,
+                                   scale, self.sliding_window, batch.num_splits, out=out[:d])
+        if batch.cu_seqlens_q is not None:
+            paged_prefill_attention(q[d:], self.k_cache, self.v_cache, batch.prefill_tables, batch.cu_seqlens_q,
+                                    batch.prefill_lens, batch.max_seqlen_q, scale, self.sliding_window, out=out[d:])
         return out
 
     def _store(self, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

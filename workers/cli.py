@@ -37,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (torch executor on CUDA; default: graphs on)")
     p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
                    help="shared secret for /kv/import (default: $KVGATE_INTERNAL_TOKEN); none disables imports")
     p.add_argument("--kv-transport", choices=["http", "ipc"], default="http",
@@ -63,7 +65,8 @@ def build_executor(args, path: Path, tokenizer):
         if args.kv_cache_gb:
             args.num_blocks = blocks_that_fit(str(path), int(args.kv_cache_gb * 2**30), args.block_size,
                                               dtype or default_dtype(torch.device(args.device)))
-        runner = TorchRunner(str(path), args.num_blocks, args.block_size, args.device, dtype)
+        runner = TorchRunner(str(path), args.num_blocks, args.block_size, args.device, dtype,
+                             enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
     else:
         from workers.executors.sim import SimExecutor
         cfg = model_config(path)

@@ -3,6 +3,11 @@
 The scheduler hands plain `SeqChunk`s; here they become tensors once per step (token ids,
 positions, cache slots, block tables), the model runs once over all tokens of the step, and
 logits are computed only for the last token of each chunk that samples.
+
+On CUDA the fast path runs (`kernels`): Triton kernels read the cache in place and fuse norms,
+activation and RoPE (workers/kernels), and decode steps replay CUDA graphs
+(workers/executors/cuda_graphs.py) unless `enforce_eager`. Elsewhere, plain torch ops and the
+gather attention path: the reference the fidelity tests hold against HF.
 """
 import json
 from array import array
@@ -13,19 +18,26 @@ from torch import Tensor
 
 from workers.attention import AttentionBatch, PrefillSeq
 from workers.executors.batch import SeqChunk
+from workers.executors.cuda_graphs import DecodeGraphs
+from workers.executors.kernel_inputs import Staging, decode_inputs, is_decode, kernel_inputs
 from workers.models.llama import ModelConfig
 from workers.models.loader import default_dtype, load_config, load_model
 from workers.sampling import sample
 
-# Shape buckets on CUDA (see workers/attention.py): decode batches pad to a multiple of
-# SEQ_BUCKET sequences, block tables to a multiple of BLOCK_BUCKET blocks, prefill chunks to a
-# multiple of TOKEN_BUCKET tokens. Elsewhere nothing is padded: the CPU has no plans to build.
+# Shape buckets for the gather path on CUDA (see workers/attention.py): decode batches pad to a
+# multiple of SEQ_BUCKET sequences, block tables to a multiple of BLOCK_BUCKET blocks, prefill
+# chunks to a multiple of TOKEN_BUCKET tokens. The CPU has no plans to build, and the kernel
+# path no cuDNN plans: neither pads.
 SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET = 8, 8, 64
 
 
 class TorchRunner:
+    """`kernels`: the Triton path (default: on where workers.kernels can run, i.e. CUDA);
+    `enforce_eager`: no CUDA graphs; `max_num_seqs`: the largest decode batch a graph covers."""
+
     def __init__(self, model_dir: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, kernels: bool | None = None, enforce_eager: bool = False,
+                 max_num_seqs: int = 256):
         hf_config = load_config(model_dir)
         self.config = ModelConfig.from_hf(hf_config)
         self.device = torch.device(device)
@@ -40,30 +52,56 @@ class TorchRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(self.config, self.dtype)
         self.eos_token_ids = eos_token_ids(model_dir, hf_config)
         cuda = self.device.type == "cuda"
-        self.seq_bucket, self.block_bucket, self.token_bucket = (SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET) if cuda else (1, 1, 1)
-        self.model = load_model(model_dir, self.config, self.device, self.dtype)
+        self.kernels = kernels_available(self.device) if kernels is None else kernels
+        gather_on_cuda = cuda and not self.kernels
+        self.seq_bucket, self.block_bucket, self.token_bucket = (
+            (SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET) if gather_on_cuda else (1, 1, 1))
+        self.model = load_model(model_dir, self.config, self.device, self.dtype, self.kernels)
         # One tensor for the whole cache, so read_blocks/write_blocks are single index ops.
         self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.staging = Staging(self.device) if self.kernels else None
+        self.graphs: DecodeGraphs | None = None
+        if self.kernels and cuda and not enforce_eager:
+            with torch.inference_mode():
+                max_blocks = min(num_blocks, -(-self.max_model_len // block_size))
+                self.graphs = DecodeGraphs(self._decode_logits, max_num_seqs, max_blocks, self.device, lambda bs: None)
 
     def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
         """Run one step; one entry per chunk: the sampled token, or None when not sampling."""
-        input_ids, positions, batch = self._prepare(chunks)
         sampled = [i for i, c in enumerate(chunks) if c.sample]
         results: list[int | None] = [None] * len(chunks)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, batch)
-            if not sampled:
+            logits = self._logits(chunks, sampled)
+            if logits is None:
                 return results
-            ends = _chunk_ends(chunks)
-            logits = self.model.compute_logits(hidden[self._tensor([ends[i] for i in sampled])])
             tokens = sample(logits, [chunks[i].params for i in sampled],
                             [chunks[i].output_index for i in sampled])
         for i, token in zip(sampled, tokens):
             results[i] = token
         return results
+
+    def _logits(self, chunks: list[SeqChunk], sampled: list[int]) -> Tensor | None:
+        """Logits of the sampled rows: a graph replay for decode steps it covers, else eager."""
+        if self.graphs is not None and len(chunks) <= self.graphs.max_num_seqs and is_decode(chunks):
+            return self.graphs.run(decode_inputs(chunks, self.block_size))
+        if self.staging is not None:
+            input_ids, positions, batch = kernel_inputs(chunks, self.block_size, self.staging)
+        else:
+            input_ids, positions, batch = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, batch)
+        if not sampled:
+            return None
+        if len(sampled) == len(hidden):
+            return self.model.compute_logits(hidden)
+        ends = _chunk_ends(chunks)
+        return self.model.compute_logits(hidden[self._tensor([ends[i] for i in sampled])])
+
+    def _decode_logits(self, input_ids: Tensor, positions: Tensor, batch) -> Tensor:
+        """The decode graphs' body: every row samples."""
+        return self.model.compute_logits(self.model(input_ids, positions, batch))
 
     def read_blocks(self, block_ids: list[int]) -> Tensor:
         """K/V of these blocks, [layers, 2, n, block_size, kv_heads, head_dim], on the runner's device."""
@@ -146,6 +184,15 @@ class TorchRunner:
         if not flat:
             return torch.zeros((len(tables), width), dtype=torch.long, device=self.device)
         return torch.frombuffer(flat, dtype=torch.long).view(len(tables), width).to(self.device)
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether the Triton path can run on `device` (workers.kernels decides; CPU never by default)."""
+    try:
+        from workers.kernels import available
+    except ImportError:
+        return False
+    return available(device)
 
 
 def _chunk_ends(chunks: list[SeqChunk]) -> list[int]:

@@ -1,0 +1,145 @@
+"""The kernel path's step inputs: the scheduler's chunks packed into int32 arrays on the host,
+moved to the device in one asynchronous copy from a reused pinned buffer.
+
+Per-sequence Python (a few list operations each) is the only host work of a step's inputs: no
+tensor is built per token or per sequence, and no pinned memory is allocated per step.
+"""
+from array import array
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from workers.attention import KernelBatch
+from workers.executors.batch import SeqChunk
+
+
+class Staging:
+    """A pinned host buffer, reused every step, for host -> device copies of int32 arrays.
+
+    The copy is asynchronous, so before the buffer is written again the previous copy must have
+    left it: an event recorded after each copy is waited on before the next fill."""
+
+    def __init__(self, device: torch.device, size: int = 1 << 16):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(size, dtype=torch.int32, pin_memory=self.pinned)
+        self.copied = torch.cuda.Event() if self.pinned else None
+
+    def upload(self, values: array) -> Tensor:
+        """`values` (array of 'i') as a new int32 tensor on the device."""
+        n = len(values)
+        if self.copied is not None:
+            self.copied.synchronize()
+        if n > self.host.numel():
+            self.host = torch.empty(max(n, 2 * self.host.numel()), dtype=torch.int32, pin_memory=self.pinned)
+        if n:
+            self.host[:n].copy_(torch.frombuffer(values, dtype=torch.int32))
+        out = self.host[:n].to(self.device, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        return out
+
+
+@dataclass
+class DecodeInputs:
+    """A decode-only step on the host: one token per sequence (graph replay fills its buffers)."""
+    token_ids: array
+    positions: array
+    slots: array
+    context_lens: array
+    tables: array  # [n, width] row-major
+    width: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.token_ids)
+
+
+def is_decode(chunks: list[SeqChunk]) -> bool:
+    """Every chunk computes one token and samples: the step a decode graph can replay."""
+    return all(len(c.token_ids) == 1 and c.sample for c in chunks)
+
+
+def leading_decodes(chunks: list[SeqChunk]) -> int:
+    """How many chunks from the front compute one token and sample (the scheduler puts running
+    decodes first): those rows go to the decode kernel."""
+    n = 0
+    for c in chunks:
+        if len(c.token_ids) != 1 or not c.sample:
+            break
+        n += 1
+    return n
+
+
+def decode_inputs(chunks: list[SeqChunk], block_size: int) -> DecodeInputs:
+    b = block_size
+    width = max((c.start_pos // b + 1 for c in chunks), default=0)
+    ids, pos, slots, lens, tables = array("i"), array("i"), array("i"), array("i"), array("i")
+    pad = [0] * width
+    for c in chunks:
+        p = c.start_pos
+        row = c.block_table[:p // b + 1]
+        ids.append(c.token_ids[0])
+        pos.append(p)
+        slots.append(row[-1] * b + p % b)
+        lens.append(p + 1)
+        tables.extend(row)
+        tables.extend(pad[:width - len(row)])
+    return DecodeInputs(ids, pos, slots, lens, tables, width)
+
+
+@dataclass
+class ChunkInputs:
+    """The multi-token part of a step on the host: varlen rows, chunk offsets, block tables."""
+    token_ids: array
+    positions: array
+    slots: array
+    context_lens: array
+    cu_seqlens: array
+    tables: array  # [n, width] row-major
+    width: int
+    longest: int
+
+
+def chunk_inputs(chunks: list[SeqChunk], block_size: int) -> ChunkInputs:
+    b = block_size
+    width = max((-(-(c.start_pos + len(c.token_ids)) // b) for c in chunks), default=0)
+    ids, pos, slots, lens, cu, tables = (array("i") for _ in range(6))
+    pad = [0] * width
+    cu.append(0)
+    longest = 0
+    for c in chunks:
+        n, start = len(c.token_ids), c.start_pos
+        end = start + n
+        row = c.block_table[:-(-end // b)]
+        ids.extend(c.token_ids)
+        pos.extend(range(start, end))
+        slots.extend(row[p // b] * b + p % b for p in range(start, end))
+        lens.append(end)
+        cu.append(cu[-1] + n)
+        tables.extend(row)
+        tables.extend(pad[:width - len(row)])
+        longest = max(longest, n)
+    return ChunkInputs(ids, pos, slots, lens, cu, tables, width, longest)
+
+
+def kernel_inputs(chunks: list[SeqChunk], block_size: int,
+                  staging: Staging) -> tuple[Tensor, Tensor, KernelBatch]:
+    """(token ids, positions, KernelBatch) for any step, in one host -> device copy."""
+    nd = leading_decodes(chunks)
+    d = decode_inputs(chunks[:nd], block_size)
+    c = chunk_inputs(chunks[nd:], block_size)
+    t, p = nd + len(c.token_ids), len(c.context_lens)
+    dev = staging.upload(d.token_ids + c.token_ids + d.positions + c.positions + d.slots + c.slots
+                         + d.context_lens + d.tables + c.context_lens + c.cu_seqlens + c.tables)
+    o = 3 * t
+    batch = KernelBatch(dev[2 * t:o], nd, None, None)
+    if nd:
+        batch.decode_lens, batch.decode_tables = dev[o:o + nd], dev[o + nd:o + nd + nd * d.width].view(nd, d.width)
+    o += nd + nd * d.width
+    if p:
+        batch.prefill_lens, batch.cu_seqlens_q = dev[o:o + p], dev[o + p:o + 2 * p + 1]
+        batch.prefill_tables = dev[o + 2 * p + 1:].view(p, c.width)
+        batch.max_seqlen_q = c.longest
+    return dev[:t], dev[t:2 * t], batch
