@@ -6,6 +6,10 @@ routing decision never waits on Redis. On start (and after every outage) the rep
 bootstraps each registered worker's residency from its set and then tails the pools'
 streams. While Redis is down, workers' tailers in the fleet poll `/kv/events` directly
 (the embedded path) and in-flight counts are this replica's own.
+
+Only registrations signed with the fleet's internal token join the fleet; others are ignored
+and logged. A restarted Redis is empty until the workers re-register, so for `grace_s` after
+each (re)connect a worker known before is kept (on the embedded path) rather than dropped.
 """
 import asyncio
 import json
@@ -27,14 +31,21 @@ ERRORS = (RedisError, OSError)
 
 
 class RedisState:
-    def __init__(self, url: str, fleet: Fleet, replica_id: str | None = None, interval: float = 0.5,
-                 inflight_interval: float = 0.1):
+    def __init__(self, url: str, fleet: Fleet, token: str, replica_id: str | None = None,
+                 interval: float = 0.5, inflight_interval: float = 0.1, grace_s: float = 10.0):
+        if not token:
+            raise ValueError("worker discovery in redis needs the fleet's internal token to verify registrations")
         self.url = url
+        self.token = token
         self.fleet = fleet
         self.index: ResidencyIndex = fleet.index
         self.replica = replica_id or uuid.uuid4().hex[:12]
         self.interval, self.inflight_interval = interval, inflight_interval
-        self.registered: dict[str, dict] = {}  # worker id -> heartbeat info
+        self.registered: dict[str, rs.Registration] = {}  # worker id -> its verified heartbeat
+        self.kept: dict[str, rs.Registration] = {}  # known before a reconnect, not re-registered yet
+        self.rejected: dict[str, str] = {}  # worker id -> why its registration was last ignored
+        self.grace_s = grace_s
+        self.grace_until = 0.0
         self.cursors: dict[str, bytes] = {}  # pool -> last stream entry id read
         self.up = False
         self.last_bootstrap_s: float | None = None
@@ -60,13 +71,15 @@ class RedisState:
         while True:
             r = self.client()
             try:
+                await r.ping()
+                self.grace_until = time.monotonic() + self.grace_s
                 await self.bootstrap(r)
                 self.up, backoff = True, 0.2
                 await _first_failure(self._tail(r), self._registry_loop(r), self._inflight_loop(r))
             except ERRORS as e:
                 if self.up:
                     log.warning("redis at %s failed (%r): routing on the embedded path",
-                                self.url, e)
+                                rs.redact_url(self.url), e)
             except Exception:
                 log.exception("redis state failed: routing on the embedded path")
             finally:
@@ -89,13 +102,13 @@ class RedisState:
         transaction (a consistent cut); returns the blocks loaded."""
         t0 = time.perf_counter()
         await self.refresh_registry(r)
-        pools = sorted({info["pool"] for info in self.registered.values()})
+        pools = sorted({reg.pool for reg in self.registered.values()})
         wids = sorted(self.registered)
         async with r.pipeline(transaction=True) as p:
             for pool in pools:
                 p.xrevrange(rs.stream_key(pool), count=1)
             for wid in wids:
-                pool = self.registered[wid]["pool"]
+                pool = self.registered[wid].pool
                 p.smembers(rs.resident_key(pool, wid))
                 p.get(rs.seq_key(pool, wid))
             out = await p.execute()
@@ -114,32 +127,61 @@ class RedisState:
         return total
 
     async def refresh_registry(self, r: aioredis.Redis) -> None:
-        """Live workers from their heartbeats: new ones join the fleet, expired ones leave."""
+        """Live workers from their signed heartbeats: new ones join the fleet, expired ones leave,
+        except that during the grace after a (re)connect a known worker is kept until it
+        re-registers: an empty registry then means a restarted Redis, not a dead fleet (a worker
+        that did die meanwhile fails its /state polls and is out of the candidate set anyway)."""
+        live = await self._registrations(r)
+        known = {**self.kept, **self.registered}
+        grace = time.monotonic() < self.grace_until
+        self.kept = {wid: reg for wid, reg in known.items() if wid not in live and grace}
+        for wid, reg in known.items():
+            if wid not in live and wid not in self.kept:
+                w = self.fleet.workers.get(reg.url.rstrip("/"))
+                if w is not None and not w.static:
+                    self.fleet.remove(reg.url)
+                self.index.drop(wid)
+        for reg in live.values():
+            self.fleet.add(reg.url, static=False)
+        self.registered = live
+
+    async def _registrations(self, r: aioredis.Redis) -> dict[str, rs.Registration]:
+        """Every heartbeat in the registry that the fleet's token signed, by worker id."""
         pools = sorted(p.decode() for p in await r.smembers(rs.POOLS))
         members = [(pool, w.decode()) for pool in pools for w in await r.smembers(rs.workers_key(pool))]
         beats = await r.mget([rs.heartbeat_key(pool, wid) for pool, wid in members]) if members else []
         live = {}
         for (pool, wid), beat in zip(members, beats):
             if beat is not None:
-                live[wid] = json.loads(beat)
-        for wid, info in self.registered.items():
-            if wid not in live:
-                w = self.fleet.workers.get(info["url"].rstrip("/"))
-                if w is not None and not w.static:
-                    self.fleet.remove(info["url"])
-                self.index.drop(wid)
-        for info in live.values():
-            self.fleet.add(info["url"], static=False)
-        self.registered = live
+                reg, why = self._verify(pool, wid, beat)
+                if reg is not None:
+                    live[wid] = reg
+                elif self.rejected.get(wid) != why:
+                    log.warning("ignoring the registration of worker %r in pool %r: %s", wid, pool, why)
+                self.rejected[wid] = why
+        return live
+
+    def _verify(self, pool: str, wid: str, beat: bytes) -> tuple[rs.Registration | None, str]:
+        """The registration in `beat` if the fleet's token signed it for this key, else why not."""
+        try:
+            reg = rs.Registration.from_json(json.loads(beat))
+        except (ValueError, UnicodeDecodeError) as e:
+            return None, f"malformed ({e})"
+        why = reg.why_invalid(self.token)
+        if why is None and (reg.worker_id, reg.pool) != (wid, pool):
+            why = "signed for another worker or pool"
+        if why is None and not reg.url.startswith(("http://", "https://")):
+            why = "not an http(s) URL"
+        return (reg, "") if why is None else (None, why)
 
     def _claim(self) -> None:
         """Redis now carries the residency of the registered workers the fleet knows."""
-        urls = {info["url"].rstrip("/"): wid for wid, info in self.registered.items()}
+        urls = {reg.url.rstrip("/"): wid for wid, reg in self.registered.items()}
         for url, w in self.fleet.workers.items():
             w.redis_residency = url in urls and w.worker_id in (None, urls[url])
 
     async def resync(self, r: aioredis.Redis, wid: str) -> None:
-        pool = self.registered[wid]["pool"]
+        pool = self.registered[wid].pool
         async with r.pipeline(transaction=True) as p:
             p.smembers(rs.resident_key(pool, wid))
             p.get(rs.seq_key(pool, wid))
@@ -162,11 +204,11 @@ class RedisState:
     async def _add_pools(self, r: aioredis.Redis) -> None:
         """Tail pools that appeared since the bootstrap from their current end; their workers'
         sets are read by the resync above, so nothing before the end is needed."""
-        for pool in {info["pool"] for info in self.registered.values()} - set(self.cursors):
+        for pool in {reg.pool for reg in self.registered.values()} - set(self.cursors):
             tail = await r.xrevrange(rs.stream_key(pool), count=1)
             self.cursors[pool] = tail[0][0] if tail else b"0-0"
-            for wid, info in self.registered.items():
-                if info["pool"] == pool:
+            for wid, reg in self.registered.items():
+                if reg.pool == pool:
                     self.index.drop(wid)
 
     async def _tail(self, r: aioredis.Redis) -> None:

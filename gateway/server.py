@@ -14,6 +14,7 @@ from gateway.index import ResidencyIndex
 from gateway.tokenize import Tokenizers
 from gateway.tracing import EXPORTERS, Tracing, make_exporter
 from policies.registry import load_policy
+from workers.kv.redis_schema import redact_url
 
 GC_THRESHOLDS = (10_000, 10, 10)
 
@@ -30,7 +31,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", default=[], metavar="PATH|ALIAS",
                    help="tokenizer and chat template of a served model (repeatable; the first is the "
                         "default); other models of the fleet load by alias on first use")
-    p.add_argument("--redis", metavar="URL", help="discover workers, residency and shared load in Redis")
+    p.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
+                   help="discover workers, residency, shared load and rate limits in Redis "
+                        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
+                        "needs --internal-token")
+    p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
+                   help="the fleet's shared secret (default: $KVGATE_INTERNAL_TOKEN): verifies workers' "
+                        "registrations in Redis")
     p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for requests without x-slo-ttft-ms")
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for requests without x-slo-tpot-ms")
@@ -65,7 +72,10 @@ def build(args: argparse.Namespace) -> Gateway:
     redis = None
     if args.redis:
         from gateway.redis_state import RedisState
-        redis = RedisState(args.redis, fleet, args.replica_id, interval=args.health_interval)
+        if not args.internal_token:
+            raise SystemExit("kvgate gateway: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
+                             "workers' registrations in Redis are verified with it")
+        redis = RedisState(args.redis, fleet, args.internal_token, args.replica_id, interval=args.health_interval)
     kwargs = policy_kwargs(args)
     try:
         policy = load_policy(args.policy, **kwargs)
@@ -142,5 +152,6 @@ def main(argv: list[str] | None = None) -> None:
     gateway = build(args)
     settle_gc_after_startup(gateway.app)
     print(f"kvgate gateway ({gateway.policy.name}) on http://{args.host}:{args.port} "
-          f"for {len(args.worker)} static workers{' + redis ' + args.redis if args.redis else ''}", flush=True)
+          f"for {len(args.worker)} static workers{' + redis ' + redact_url(args.redis) if args.redis else ''}",
+          flush=True)
     uvicorn.run(gateway.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

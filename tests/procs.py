@@ -18,6 +18,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 KVGATE = [sys.executable, "-m", "gateway.cli"]
+TEST_TOKEN = "kvgate-test-internal-token"  # the fleet secret of test-started workers and gateways
 
 
 def free_port() -> int:
@@ -45,12 +46,13 @@ def ephemeral_low() -> int:
 class Proc:
     """A child process in its own group, with a log file and a base URL."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log_dir: str | None = None):
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: str | None = None,
+                 env: dict[str, str] | None = None):
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvgate-")) / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
         self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                       start_new_session=True)
 
@@ -108,7 +110,7 @@ class Worker(Proc):
                          "--worker-id", worker_id, *extra]
         if redis:
             argv += ["--redis", redis]
-        super().__init__(worker_id, argv, port, log_dir)
+        super().__init__(worker_id, argv, port, log_dir, redis_env(redis))
         self.worker_id = worker_id
 
     def ready(self, timeout: float = 180.0) -> "Worker":
@@ -129,24 +131,35 @@ def start_gateway(workers: list[str] = (), policy: str = "prefix_affinity", port
         argv += ["--worker", url]
     if redis:
         argv += ["--redis", redis]
-    return Proc(name, argv, port, log_dir)
+    return Proc(name, argv, port, log_dir, redis_env(redis))
 
 
-def start_redis(port: int | None = None, log_dir: str | None = None) -> Proc:
-    """A private, memory-only redis-server (never the shared one on 6379)."""
+def redis_env(redis: str | None) -> dict[str, str]:
+    """Processes that meet through Redis share the fleet's internal token (registrations are
+    signed with it); given by environment so that only those processes get it."""
+    return {"KVGATE_INTERNAL_TOKEN": TEST_TOKEN} if redis else {}
+
+
+def start_redis(port: int | None = None, log_dir: str | None = None, extra: list[str] = ()) -> Proc:
+    """A private, memory-only redis-server (never the shared one on 6379); `extra` adds options
+    (a password, TLS)."""
     port = port or free_port()
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            *extra]
     return Proc("redis", argv, port, log_dir)
 
 
-def wait_redis(proc: Proc, timeout: float = 10.0) -> Proc:
+def wait_redis(proc: Proc, timeout: float = 10.0, url: str | None = None) -> Proc:
+    """Wait until the server answers PING, at `url` when given (password, TLS), else plainly."""
     import redis
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if redis.Redis(port=proc.port, socket_timeout=0.5).ping():
+            client = (redis.Redis.from_url(url, socket_timeout=0.5) if url
+                      else redis.Redis(port=proc.port, socket_timeout=0.5))
+            if client.ping():
                 return proc
-        except redis.RedisError:
+        except (redis.RedisError, OSError):
             time.sleep(0.05)
     raise TimeoutError(f"redis-server not up on port {proc.port}:\n{proc.log_tail()}")
 

@@ -12,7 +12,7 @@ import redis
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.redis_state import RedisState
-from tests.procs import Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from tests.procs import TEST_TOKEN, Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.kv import redis_schema as rs
 
 MODEL = "smollm2-135m"
@@ -116,14 +116,14 @@ def test_restarted_replica_rebuilds_100k_resident_blocks_in_under_a_second(tmp_p
             hashes = [rng.getrandbits(64) for _ in range(12_500)]
             r.sadd(rs.resident_key(MODEL, wid), *hashes)
             r.set(rs.seq_key(MODEL, wid), 1000 + i)
-            r.set(rs.heartbeat_key(MODEL, wid), json.dumps({"worker_id": wid, "url": f"http://127.0.0.1:{20 + i}",
-                                                            "pool": MODEL, "state": {}}), px=60_000)
+            reg = rs.Registration(wid, f"http://127.0.0.1:{20 + i}", MODEL, time.time()).signed(TEST_TOKEN)
+            r.set(rs.heartbeat_key(MODEL, wid), json.dumps(reg.to_json()), px=60_000)
             r.sadd(rs.workers_key(MODEL), wid)
         r.sadd(rs.POOLS, MODEL)
 
         async def bootstrap() -> tuple[float, ResidencyIndex]:
             fleet = Fleet(ResidencyIndex())
-            state = RedisState(f"redis://127.0.0.1:{proc.port}/0", fleet)
+            state = RedisState(f"redis://127.0.0.1:{proc.port}/0", fleet, TEST_TOKEN)
             client = state.client()
             t0 = time.perf_counter()
             await state.bootstrap(client)

@@ -43,7 +43,10 @@ def parser() -> argparse.ArgumentParser:
                    help="shared secret for /kv/import (default: $KVGATE_INTERNAL_TOKEN); none disables imports")
     p.add_argument("--kv-transport", choices=["http", "ipc"], default="http",
                    help="P/D export: bytes over HTTP, or CUDA IPC handles between GPUs of one host")
-    p.add_argument("--redis", help="publish KV events, residency and heartbeats to this Redis URL")
+    p.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
+                   help="publish KV events, residency and signed heartbeats to this Redis URL "
+                        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
+                        "needs --internal-token")
     p.add_argument("--advertise-url", help="URL the gateway should use (default: http://HOST:PORT)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -100,11 +103,15 @@ def build_server(args) -> WorkerServer:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.redis and not args.internal_token:
+        raise SystemExit("kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
+                         "registrations in Redis are signed with it")
     server = build_server(args)
     if args.redis:
         from workers.redis_publisher import RedisPublisher
         server.publisher = RedisPublisher(server.engine, args.redis,
-                                          args.advertise_url or f"http://{args.host}:{args.port}", server.model)
+                                          args.advertise_url or f"http://{args.host}:{args.port}", server.model,
+                                          args.internal_token)
     print(f"kvgate worker {server.engine.config.worker_id} serving {server.model} "
           f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}", flush=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -5,6 +5,8 @@ drains it into one MULTI/EXEC pipeline per batch (stream entry, set update and s
 together, so a reader of set + seq always sees a consistent snapshot). Redis being down
 never blocks the engine: queued events are dropped and, once Redis answers again, the
 worker rewrites its whole set from the block pool and says so with a `snapshot` entry.
+Heartbeats are registrations signed with the fleet's internal token (redis_schema.Registration):
+gateways route only to workers whose registration a token holder signed.
 """
 import asyncio
 import json
@@ -25,10 +27,13 @@ SADD_CHUNK = 10_000
 
 
 class RedisPublisher:
-    def __init__(self, engine, url: str, advertise_url: str, pool: str,
+    def __init__(self, engine, url: str, advertise_url: str, pool: str, token: str,
                  heartbeat_s: float = 1.0, ttl_s: float = 3.0):
+        if not token:
+            raise ValueError("publishing to redis needs the fleet's internal token to sign registrations")
         self.engine = engine
         self.url = url
+        self.token = token
         self.advertise_url = advertise_url
         self.pool = pool
         self.worker_id = engine.config.worker_id
@@ -81,7 +86,7 @@ class RedisPublisher:
                 await self._publish_loop(r)
             except (RedisError, OSError) as e:
                 if self.connected:
-                    log.warning("redis at %s failed (%r); retrying, then resyncing", self.url, e)
+                    log.warning("redis at %s failed (%r); retrying, then resyncing", rs.redact_url(self.url), e)
                 self.connected = False
                 self._queue.clear()
                 await asyncio.sleep(backoff)
@@ -161,8 +166,8 @@ class RedisPublisher:
                maxlen=rs.STREAM_MAXLEN, approximate=True)
 
     def _heartbeat(self, p) -> None:
-        info = {"worker_id": self.worker_id, "url": self.advertise_url, "pool": self.pool,
-                "state": self.engine.state(), "ts": time.time()}
-        p.set(rs.heartbeat_key(self.pool, self.worker_id), json.dumps(info), px=self.ttl_ms)
+        reg = rs.Registration(self.worker_id, self.advertise_url, self.pool, time.time(), self.engine.state())
+        p.set(rs.heartbeat_key(self.pool, self.worker_id), json.dumps(reg.signed(self.token).to_json()),
+              px=self.ttl_ms)
         p.sadd(rs.POOLS, self.pool)
         p.sadd(rs.workers_key(self.pool), self.worker_id)

@@ -6,13 +6,24 @@ served model: their block hashes share a seed, so their residency is comparable.
 
   kvgate:pools                     set of pool names
   kvgate:{pool}:workers            set of worker ids that registered in the pool
-  kvgate:{pool}:hb:{worker}        heartbeat JSON {worker_id, url, pool, state}, expires (TTL)
+  kvgate:{pool}:hb:{worker}        heartbeat JSON (a signed Registration), expires (TTL)
   kvgate:{pool}:res:{worker}       set of the worker's resident block hashes (decimal)
   kvgate:{pool}:seq:{worker}       the event seq the set is current to
   kvgate:{pool}:events             stream of KV events, fields w s k h p (see encode_event)
   kvgate:replicas                  set of gateway replica ids
   kvgate:inflight:{replica}        hash worker id -> requests that replica has open, expires
+  kvgate:ratelimit:{key}:{limit}   a gateway API key's token bucket {tokens, ts}, expires
+
+A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
+whoever can write to Redis but lacks the token cannot point gateways at a server of theirs.
 """
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from urllib.parse import urlsplit, urlunsplit
+
 from workers.kv.events import KVEvent
 
 PREFIX = "kvgate"
@@ -57,3 +68,66 @@ def decode_event(fields: dict[bytes, bytes]) -> tuple[str, KVEvent]:
     return fields[b"w"].decode(), KVEvent(int(fields[b"s"]), fields[b"k"].decode(),
                                           tuple(map(int, fields.get(b"h", b"").split())),
                                           int(parent) if parent else None)
+
+
+def ratelimit_key(key_name: str, limit: str) -> str:
+    return f"{PREFIX}:ratelimit:{key_name}:{limit}"
+
+
+MAX_REGISTRATION_AGE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A worker's heartbeat: where to reach it and in which pool, signed by a token holder."""
+    worker_id: str
+    url: str
+    pool: str
+    ts: float
+    state: dict = field(default_factory=dict)
+    sig: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Registration":
+        """Raises ValueError for a body that is not a registration."""
+        if not isinstance(d, dict):
+            raise ValueError("a registration is a JSON object")
+        try:
+            reg = cls(d["worker_id"], d["url"], d["pool"], float(d["ts"]), d.get("state", {}), d.get("sig", ""))
+        except (KeyError, TypeError, OverflowError) as e:
+            raise ValueError(f"not a registration: {e!r}") from None
+        if not all(isinstance(v, str) for v in (reg.worker_id, reg.url, reg.pool, reg.sig)) or \
+                not isinstance(reg.state, dict):
+            raise ValueError("a registration's worker_id, url, pool and sig are strings, its state an object")
+        return reg
+
+    def _mac(self, token: str) -> str:
+        body = json.dumps(replace(self, sig="").to_json(), sort_keys=True, separators=(",", ":"))
+        return hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
+
+    def signed(self, token: str) -> "Registration":
+        return replace(self, sig=self._mac(token))
+
+    def why_invalid(self, token: str, now: float | None = None) -> str | None:
+        """None when `token` signed it recently; else why not (a replayed old heartbeat is stale)."""
+        if not self.sig:
+            return "unsigned"
+        if not hmac.compare_digest(self.sig.encode(errors="replace"), self._mac(token).encode()):
+            return "bad signature"
+        if not abs((time.time() if now is None else now) - self.ts) <= MAX_REGISTRATION_AGE_S:
+            return "stale"
+        return None
+
+
+def redact_url(url: str) -> str:
+    """A Redis URL fit for logs: its password (and user) replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

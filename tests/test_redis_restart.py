@@ -1,0 +1,93 @@
+"""Redis killed and restarted under traffic: the gateway keeps serving, with 0 failed requests.
+
+Real redis-server (a private one on a free port), real gateway and sim workers that know each
+other only through Redis. A restarted Redis is empty until the workers re-register; the gateway
+must keep routing to the workers it knew rather than re-bootstrap to an empty registry.
+"""
+import random
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from tests.procs import TEST_TOKEN, Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from workers.kv import redis_schema as rs
+
+MODEL = "smollm2-135m"
+WORDS = "cache block token worker gateway prefix decode prefill route fleet queue page hash".split()
+
+pytestmark = pytest.mark.slow
+
+
+class Traffic:
+    """Clients in threads sending short completions until stopped; every answer is recorded."""
+
+    def __init__(self, url: str, clients: int = 3):
+        self.url = url
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> "Traffic":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def _client(self, i: int) -> None:
+        rng = random.Random(i)
+        with httpx.Client(timeout=30) as c:
+            while not self.stop.is_set():
+                prompt = " ".join(rng.choice(WORDS) for _ in range(40))
+                try:
+                    r = c.post(self.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+                    if r.status_code == 200:
+                        self.ok += 1
+                    else:
+                        self.failures.append(f"{time.monotonic():.2f} {r.status_code} {r.text[:200]}")
+                except httpx.HTTPError as e:
+                    self.failures.append(f"{time.monotonic():.2f} {e!r}")
+
+
+def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
+    logs = str(tmp_path)
+    server = wait_redis(start_redis(log_dir=logs))
+    port = server.port
+    url = f"redis://127.0.0.1:{port}/0"
+    workers = [Worker(worker_id=f"rr{i}", redis=url, log_dir=logs) for i in range(2)]
+    gateway = start_gateway([], "round_robin", redis=url, name="gateway", log_dir=logs)
+    procs = [gateway, *workers]
+    try:
+        for w in workers:
+            w.ready()
+        gateway.wait_ready("/v1/models")
+        wait_for(lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 2, timeout=20,
+                 what="2 workers discovered through redis")
+        with Traffic(gateway.url) as traffic:
+            wait_for(lambda: traffic.ok >= 20, timeout=30, what="traffic before the outage")
+            for _ in range(2):
+                server.kill()
+                wait_for(lambda: httpx.get(gateway.url + "/health").json()["redis"] == "down", timeout=10,
+                         what="the gateway to notice the outage")
+                before = traffic.ok
+                wait_for(lambda: traffic.ok >= before + 10, timeout=30, what="traffic during the outage")
+                server = wait_redis(start_redis(port, log_dir=logs))
+                wait_for(lambda: httpx.get(gateway.url + "/health").json()["redis"] == "up", timeout=15,
+                         what="the gateway to reconnect")
+                r = redis.Redis(port=port)
+                wait_for(lambda: r.scard(rs.workers_key(MODEL)) == 2, timeout=15,
+                         what="the workers to re-register")
+                before = traffic.ok
+                wait_for(lambda: traffic.ok >= before + 20, timeout=30, what="traffic after the restart")
+        assert traffic.failures == [], f"{len(traffic.failures)} failed of {traffic.ok + len(traffic.failures)}: " \
+                                       f"{traffic.failures[:5]}"
+        assert httpx.get(gateway.url + "/health").json()["healthy"] == 2
+    finally:
+        stop_all(procs + [server])
