@@ -9,7 +9,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from workers.kv.hashing import block_hashes, seed_hash
+from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 from workers.model_store import load_tokenizer, served_name
 from workers.protocol import ParsedRequest, parse_request
 
@@ -36,7 +36,8 @@ class ModelTokenizer:
     def prepare(self, body: object, kind: str, max_model_len: int) -> Prepared:
         """Validate and tokenize like the worker, then hash the full blocks (raises InvalidRequest)."""
         parsed = parse_request(body, kind, self.tokenizer, max_model_len)
-        return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, self.seed))
+        seed = salted_seed(self.seed, parsed.cache_salt)
+        return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, seed))
 
 
 class Tokenizers:

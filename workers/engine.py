@@ -148,15 +148,17 @@ class Engine:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[RequestOutput], None], detokenize: bool = True,
-               kv_wait_s: float = 0.0, export: Callable | None = None) -> None:
+               kv_wait_s: float = 0.0, export: Callable | None = None, cache_salt: str | None = None) -> None:
         """Queue a request; `sink` is called from the engine thread with each output delta.
 
         `kv_wait_s` holds the request back until its prompt's blocks arrive by KV import (P/D
         decode leg), at most that long; then it is admitted and prefills what is missing.
         `export(hashes, tokens, block_ids)` is called on the engine thread when it finishes, while
         its full prompt blocks are still held, so the exporter can read them (P/D prefill leg).
+        `cache_salt` seeds the request's block hashes: it shares cached blocks only with requests
+        of the same salt.
         """
-        self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export))
+        self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export, cache_salt))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -177,8 +179,8 @@ class Engine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt_ids, params, sink, detok, kv_wait_s, export = cmd
-                req = Request(rid, prompt_ids, params, export=export)
+                _, rid, prompt_ids, params, sink, detok, kv_wait_s, export, salt = cmd
+                req = Request(rid, prompt_ids, params, export=export, cache_salt=salt)
                 d = Detokenizer(self.tokenizer, prompt_ids, params.stop) if detok else None
                 self._requests[rid] = (req, d, sink)
                 if kv_wait_s > 0:

@@ -20,6 +20,7 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool
     kv_transfer: dict
+    cache_salt: str | None = None
 
 
 def _kv_transfer(body: dict) -> dict:
@@ -32,6 +33,18 @@ def _kv_transfer(body: dict) -> dict:
     if not 0 <= _number(kv, "wait_ms", 0.0) <= 60000:
         raise InvalidRequest("'kv_transfer.wait_ms' must be in [0, 60000]", "kv_transfer")
     return kv
+
+
+MAX_CACHE_SALT = 256
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt`: requests share cached blocks only with requests of the same salt."""
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and len(salt) <= MAX_CACHE_SALT):
+        raise InvalidRequest(f"'cache_salt' must be a string of at most {MAX_CACHE_SALT} characters",
+                             "cache_salt")
+    return salt or None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -110,7 +123,7 @@ def parse_request(body: object, kind: str, tokenizer, max_model_len: int,
     opts = body.get("stream_options") or {}
     return ParsedRequest(kind, str(body.get("model", "")), ids, params, bool(body.get("stream", False)),
                          bool(isinstance(opts, dict) and opts.get("include_usage")),
-                         bool(body.get("return_token_ids", False)), _kv_transfer(body))
+                         bool(body.get("return_token_ids", False)), _kv_transfer(body), _cache_salt(body))
 
 
 def new_id(kind: str) -> str:

@@ -28,6 +28,7 @@ class Request:
     first_token_at: float | None = None
     kv_deadline: float | None = None
     export: Callable | None = None
+    cache_salt: str | None = None  # folded into the block-hash seed: salts never share blocks
 
     def __post_init__(self) -> None:
         if not self.token_ids:

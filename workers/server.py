@@ -96,9 +96,9 @@ class WorkerServer:
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         started = time.monotonic()
         kv = parsed.kv_transfer
+        export = self.transfer.exporter(kv["export_to"], loop, parsed.cache_salt) if "export_to" in kv else None
         self.engine.submit(rid, parsed.prompt_ids, parsed.params, q.put_nowait,
-                           kv_wait_s=kv.get("wait_ms", 0) / 1000.0,
-                           export=self.transfer.exporter(kv["export_to"], loop) if "export_to" in kv else None)
+                           kv_wait_s=kv.get("wait_ms", 0) / 1000.0, export=export, cache_salt=parsed.cache_salt)
         if parsed.stream:
             return StreamingResponse(self._stream(rid, parsed, q, started), media_type="text/event-stream",
                                      headers={"x-request-id": rid})

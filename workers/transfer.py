@@ -12,7 +12,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from workers.kv.hashing import block_hash
+from workers.kv.hashing import block_hash, salted_seed
 from workers.sampling_params import InvalidRequest
 
 MAGIC = b"KVG1"
@@ -42,9 +42,11 @@ class KVPayload:
     data: bytes | memoryview
 
 
-def encode_header(spec: KVSpec, hashes: list[int], tokens: list[list[int]], parent: int | None) -> bytes:
-    header = json.dumps({"spec": spec.__dict__, "hashes": [str(h) for h in hashes],
-                         "tokens": tokens, "parent": None if parent is None else str(parent)}).encode()
+def encode_header(spec: KVSpec, hashes: list[int], tokens: list[list[int]], parent: int | None,
+                  cache_salt: str | None = None) -> bytes:
+    """`cache_salt` is the blocks' requests' salt: the receiver re-derives the chain from its seed."""
+    header = json.dumps({"spec": spec.__dict__, "hashes": [str(h) for h in hashes], "tokens": tokens,
+                         "parent": None if parent is None else str(parent), "cache_salt": cache_salt}).encode()
     return MAGIC + struct.pack("<I", len(header)) + header
 
 
@@ -62,6 +64,9 @@ def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
         hashes = [int(h) for h in head["hashes"]]
         tokens = [list(map(int, t)) for t in head["tokens"]]
         parent = None if head["parent"] is None else int(head["parent"])
+        salt = head.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError("cache_salt must be a string")
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidRequest(f"malformed KV transfer header: {e}", code="bad_kv_transfer") from e
     if spec != own:
@@ -75,7 +80,7 @@ def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
         raise InvalidRequest(f"KV transfer of {len(hashes)} blocks has {len(tokens)} token lists and "
                              f"{len(data)} payload bytes ({spec.block_bytes()} per block expected)",
                              code="bad_kv_transfer")
-    verify_chain(hashes, tokens, parent, seed, spec.block_size)
+    verify_chain(hashes, tokens, parent, salted_seed(seed, salt), spec.block_size)
     return KVPayload(spec, hashes, tokens, parent, data)
 
 

@@ -33,17 +33,18 @@ class TransferService:
         self.failures = 0
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
 
-    def exporter(self, url: str, loop: asyncio.AbstractEventLoop) -> Callable:
+    def exporter(self, url: str, loop: asyncio.AbstractEventLoop, cache_salt: str | None = None) -> Callable:
         """An engine-thread callback that ships a finished prefill's blocks to `url`. It only
         takes a reference on the blocks: copying tens of MB there would stall every stream
         decoding on this worker, so `send` reads them on another thread and lets them go."""
         def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int]) -> None:
             self.engine.stats.kv_exported_blocks += len(hashes)
             held = self.engine.pool.hold(block_ids)
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(url, hashes, tokens, held)))
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt)))
         return export
 
-    async def send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list) -> bool:
+    async def send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
+                   cache_salt: str | None = None) -> bool:
         """Read the held blocks and release them, then ship them: an IPC handle (falling back to
         bytes if refused) or streamed bytes.
 
@@ -54,7 +55,7 @@ class TransferService:
             kv = await asyncio.to_thread(ex.read_blocks, [b.block_id for b in held])
         finally:
             eng.call(lambda: eng.pool.free(held))
-        header = encode_header(self.spec, hashes, tokens, None)
+        header = encode_header(self.spec, hashes, tokens, None, cache_salt)
         if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
             if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes):

@@ -2,7 +2,9 @@
 
 A prompt is cut into full blocks of B tokens; block i's hash chains the hash of block i-1 with
 its own token ids, so equal hashes mean equal prefixes (up to 64-bit collisions, which the
-worker's prefix cache guards against by also comparing token ids).
+worker's prefix cache guards against by also comparing token ids). A request's `cache_salt`
+(per tenant) is folded into the chain's seed, so requests with different salts never share
+a block: one tenant cannot learn from cache hits what another tenant's prompts were.
 """
 from array import array
 from hashlib import blake2b
@@ -14,6 +16,16 @@ def seed_hash(model_id: str, block_size: int) -> int:
     """h_0: ties every chain to one model and block size, so pools never mix."""
     digest = blake2b(f"{model_id}\x00{block_size}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def salted_seed(seed: int, salt: str | None) -> int:
+    """h_0 of a request with `cache_salt` `salt`: the model's seed hashed with the salt; no salt
+    (None or "") keeps the seed, so unsalted requests share one cache."""
+    if not salt:
+        return seed
+    h = blake2b(seed.to_bytes(8, "little"), digest_size=8, person=b"kvgate-salt")
+    h.update(salt.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little")
 
 
 def block_hash(parent: int, tokens: list[int] | tuple[int, ...]) -> int:

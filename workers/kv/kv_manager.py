@@ -5,7 +5,7 @@ The engine calls these around every step: `match_prefix` when a request is first
 are hashed and published), `free` when it finishes, is aborted or is preempted.
 """
 from workers.kv.block_pool import BlockPool
-from workers.kv.hashing import block_hash
+from workers.kv.hashing import block_hash, salted_seed
 from workers.request import Request
 
 
@@ -23,7 +23,8 @@ class KVCacheManager:
         hs = req.block_hashes
         while len(hs) < n_blocks:
             i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else self.seed, req.token_ids[i * B:(i + 1) * B]))
+            parent = hs[-1] if hs else salted_seed(self.seed, req.cache_salt)
+            hs.append(block_hash(parent, req.token_ids[i * B:(i + 1) * B]))
         return hs
 
     def _prefix_hashes(self, req: Request) -> list[int]:
