@@ -11,11 +11,13 @@ import logging
 import time
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import pd
+from gateway.auth import Access, Guard, api_key, retry_after, too_many_tokens
 from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
 from gateway.metrics import GatewayMetrics
@@ -38,15 +40,16 @@ class ApiError(Exception):
     """An error answered to the client as an OpenAI error object with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+                 code: str | None = None, param: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.type, self.code, self.param = status, type_, code, param
+        self.retry_after = retry_after
 
 
 class Gateway:
     def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
                  redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                 pd_wait_ms: float = 5000.0, tracing: Tracing | None = None):
+                 pd_wait_ms: float = 5000.0, tracing: Tracing | None = None, access: Access | None = None):
         self.fleet = fleet
         self.tracing = tracing or Tracing()
         self.pd_wait_ms = pd_wait_ms
@@ -57,13 +60,16 @@ class Gateway:
         self.redis = redis
         self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
         self.metrics = GatewayMetrics(fleet)
+        self.access = access or Access()
+        self.access.register(self.metrics.registry)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/health", self.health),
             Route("/metrics", self.prometheus),
-        ], lifespan=self._lifespan, exception_handlers={Exception: self._internal_error})
+        ], lifespan=self._lifespan, exception_handlers={Exception: self._internal_error},
+            middleware=[Middleware(Guard, access=self.access)])
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -79,6 +85,7 @@ class Gateway:
                 await self.redis.stop()
             await self.fleet.stop()
             await self.proxy.close()
+            await self.access.limiter.close()
             self.tracing.shutdown()
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
@@ -93,8 +100,10 @@ class Gateway:
 
     def error(self, e: ApiError, worker: str = "") -> JSONResponse:
         self.metrics.requests.labels(worker, self.policy.name, str(e.status)).inc()
-        return JSONResponse(error_body(str(e), e.type, e.code, e.param), status_code=e.status,
-                            headers=self.headers(worker))
+        headers = self.headers(worker)
+        if e.retry_after is not None:
+            headers["retry-after"] = str(e.retry_after)
+        return JSONResponse(error_body(str(e), e.type, e.code, e.param), status_code=e.status, headers=headers)
 
     async def completions(self, request: Request) -> Response:
         return await self.handle(request, "completion")
@@ -107,8 +116,9 @@ class Gateway:
         try:
             raw = await request.body()
             with trace.phase("tokenize"):
-                model, prep, view = await self.prepare(request, raw, kind)
+                model, prep, view, raw = await self.prepare(request, raw, kind)
             trace.set(model=model, request_id=view.request_id, prompt_tokens=view.num_tokens)
+            await self.admit_tokens(request, view)
             resp = await self.dispatch(request, kind, raw, model, prep, view, trace)
         except ApiError as e:
             resp = self.error(e)
@@ -120,14 +130,17 @@ class Gateway:
         return resp
 
     async def prepare(self, request: Request, raw: bytes,
-                      kind: str) -> tuple[str, Prepared | None, RequestView]:
-        """Body -> (model, tokenized request, the policy's request view); raises ApiError."""
+                      kind: str) -> tuple[str, Prepared | None, RequestView, bytes]:
+        """Body -> (model, tokenized request, the policy's request view, the body to forward:
+        with the tenant's cache_salt); raises ApiError."""
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        if self.access.apply_cache_salt(api_key(request.scope), body):
+            raw = json.dumps(body).encode()
         models = self.fleet.models()
         model = self.resolve_model(body.get("model"), models)
         tok = await self.tokenizers.get(model)
@@ -137,7 +150,17 @@ class Gateway:
                 prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model])
             except InvalidRequest as e:
                 raise ApiError(400, str(e), code=e.code, param=e.param)
-        return model, prep, self.request_view(request, body, kind, model, prep, len(raw))
+        return model, prep, self.request_view(request, body, kind, model, prep, len(raw)), raw
+
+    async def admit_tokens(self, request: Request, view: RequestView) -> None:
+        """Charge the request's key for its prompt and max_tokens; a 429 when the key's
+        tokens-per-minute budget is spent."""
+        key = api_key(request.scope)
+        tokens = view.num_tokens + view.max_tokens
+        wait = await self.access.admit_tokens(key, tokens)
+        if wait:
+            raise ApiError(429, too_many_tokens(key, tokens, wait), "rate_limit_error", "rate_limit_exceeded",
+                           retry_after=retry_after(wait))
 
     def resolve_model(self, model: object, models: dict[str, int]) -> str:
         """The served model a request names; without a name, the `--model` default or the

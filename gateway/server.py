@@ -9,8 +9,10 @@ import uvicorn
 from starlette.applications import Starlette
 
 from gateway.app import Gateway
+from gateway.auth import Access, ApiKeys
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
+from gateway.ratelimit import RateLimiter
 from gateway.tokenize import Tokenizers
 from gateway.tracing import EXPORTERS, Tracing, make_exporter
 from policies.registry import load_policy
@@ -56,6 +58,20 @@ def parser() -> argparse.ArgumentParser:
                    help="OTLP/HTTP collector base URL (default: the OTEL_EXPORTER_OTLP_* variables)")
     p.add_argument("--trace-sample-ratio", type=float, default=1.0,
                    help="share of new traces recorded; a client's sampled traceparent is always followed")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a client API key (repeatable; each its own tenant); clients send `Authorization: "
+                        "Bearer KEY`, others get a 401. /health and /metrics stay open")
+    p.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                   help="client API keys: one a line, or a JSON list of {key, name, tenant, cache_salt, rpm, tpm, "
+                        "client_cache_salt} (repeatable); keeps keys out of the process list")
+    p.add_argument("--rate-limit-rpm", type=int, metavar="N",
+                   help="requests per minute per API key, for keys without their own rpm (shared by replicas "
+                        "through --redis)")
+    p.add_argument("--rate-limit-tpm", type=int, metavar="N",
+                   help="tokens (prompt + max_tokens) per minute per API key, for keys without their own tpm")
+    p.add_argument("--hide-cache-headers", action="store_true",
+                   help="do not send the x-kvgate-* routing headers (worker, policy, predicted cached tokens) "
+                        "to clients: they reveal what other clients' prompts put in the cache")
     p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -87,7 +103,21 @@ def build(args: argparse.Namespace) -> Gateway:
         raise SystemExit(f"kvgate gateway: {e}")
     return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, redis=redis,
                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, pd_wait_ms=args.pd_wait_ms,
-                   tracing=tracing)
+                   tracing=tracing, access=access(args))
+
+
+def access(args: argparse.Namespace) -> Access:
+    """API keys, their rate limits (in Redis when --redis is given) and the cache-header option."""
+    for flag in ("rate_limit_rpm", "rate_limit_tpm"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"kvgate gateway: --{flag.replace('_', '-')} must be a positive integer")
+    try:
+        keys = ApiKeys.load(args.api_key, args.api_key_file, args.rate_limit_rpm, args.rate_limit_tpm)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvgate gateway: bad API keys: {e}")
+    if not keys.enabled and (args.rate_limit_rpm or args.rate_limit_tpm):
+        raise SystemExit("kvgate gateway: rate limits are per API key: give --api-key or --api-key-file")
+    return Access(keys, RateLimiter(args.redis), args.hide_cache_headers)
 
 
 def policy_kwargs(args: argparse.Namespace) -> dict:
