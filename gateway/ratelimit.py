@@ -69,6 +69,7 @@ class RateLimiter:
         self._redis: aioredis.Redis | None = None
         self._script = None
         self._redis_down_until = 0.0
+        self._redis_failing = False
 
     async def acquire(self, key_name: str, limit: Limit, cost: float) -> float:
         """Take `cost` from `key_name`'s `limit` bucket: 0.0 when admitted, else the seconds to
@@ -78,10 +79,17 @@ class RateLimiter:
         bucket = rs.ratelimit_key(key_name, limit.name)
         if self.redis_url and time.monotonic() >= self._redis_down_until:
             try:
-                return await self._acquire_redis(bucket, limit, cost)
+                wait = await self._acquire_redis(bucket, limit, cost)
+                if self._redis_failing:
+                    log.warning("rate limits: redis at %s answers again; limits are shared again",
+                                rs.redact_url(self.redis_url))
+                self._redis_failing = False
+                return wait
             except (RedisError, OSError) as e:
-                log.warning("rate limits: redis at %s failed (%r); limiting per replica for %.0f s",
-                            rs.redact_url(self.redis_url), e, REDIS_RETRY_S)
+                if not self._redis_failing:
+                    log.warning("rate limits: redis at %s failed (%r); limiting per replica until it answers",
+                                rs.redact_url(self.redis_url), e)
+                self._redis_failing = True
                 self._redis_down_until = time.monotonic() + REDIS_RETRY_S
         self._local[bucket], wait = take(self._local.get(bucket), limit, cost, time.monotonic())
         return wait
