@@ -251,9 +251,10 @@ def test_tenants_never_share_cache_unless_configured(fleet):
 
 @pytest.mark.slow
 def test_cache_headers_can_be_hidden_from_clients(fleet):
-    r = post(fleet["hidden"], "sk-plain")
-    assert r.status_code == 200
-    assert not [h for h in r.headers if h.startswith("x-kvgate-") and h != "x-kvgate-request-id"], r.headers
+    for stream in (False, True):
+        r = post(fleet["hidden"], "sk-plain", stream=stream)
+        assert r.status_code == 200
+        assert not [h for h in r.headers if h.startswith("x-kvgate-") and h != "x-kvgate-request-id"], r.headers
     assert "x-kvgate-predicted-cached-tokens" in post(fleet["a"], "sk-alice").headers
     assert_openai_error(post(fleet["hidden"], None), 401, "invalid_request_error")
 
