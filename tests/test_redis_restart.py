@@ -4,6 +4,8 @@ Real redis-server (a private one on a free port), real gateway and sim workers t
 other only through Redis. A restarted Redis is empty until the workers re-register; the gateway
 must keep routing to the workers it knew rather than re-bootstrap to an empty registry.
 """
+import asyncio
+import json
 import random
 import threading
 import time
@@ -12,6 +14,9 @@ import httpx
 import pytest
 import redis
 
+from gateway.fleet import Fleet
+from gateway.index import ResidencyIndex
+from gateway.redis_state import RedisState
 from tests.procs import TEST_TOKEN, Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.kv import redis_schema as rs
 
@@ -86,8 +91,52 @@ def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
                          what="the workers to re-register")
                 before = traffic.ok
                 wait_for(lambda: traffic.ok >= before + 20, timeout=30, what="traffic after the restart")
+        print(f"redis killed and restarted twice under traffic: {traffic.ok} ok, {len(traffic.failures)} failed")
         assert traffic.failures == [], f"{len(traffic.failures)} failed of {traffic.ok + len(traffic.failures)}: " \
                                        f"{traffic.failures[:5]}"
         assert httpx.get(gateway.url + "/health").json()["healthy"] == 2
     finally:
         stop_all(procs + [server])
+
+
+def test_a_known_worker_is_kept_through_an_empty_registry_only_for_the_grace(tmp_path):
+    """A restarted (empty) Redis keeps the fleet for `grace_s`; a worker that has not
+    re-registered by then leaves, and one that re-registers stays."""
+    server = wait_redis(start_redis(log_dir=str(tmp_path)))
+    r = redis.Redis(port=server.port)
+
+    def register(wid: str) -> None:
+        reg = rs.Registration(wid, f"http://127.0.0.1:1/{wid}", MODEL, time.time()).signed(TEST_TOKEN)
+        r.set(rs.heartbeat_key(MODEL, wid), json.dumps(reg.to_json()), px=60_000)
+        r.sadd(rs.workers_key(MODEL), wid)
+        r.sadd(rs.POOLS, MODEL)
+
+    async def run() -> list[set[str]]:
+        fleet = Fleet(ResidencyIndex())
+        state = RedisState(f"redis://127.0.0.1:{server.port}/0", fleet, TEST_TOKEN, grace_s=0.3)
+        client = state.client()
+        urls = []
+        try:
+            await state.refresh_registry(client)
+            urls.append(set(fleet.workers))
+            r.flushall()  # what a restarted Redis looks like
+            state.grace_until = time.monotonic() + state.grace_s
+            await state.refresh_registry(client)
+            urls.append(set(fleet.workers))
+            register("back")
+            await asyncio.sleep(0.4)
+            await state.refresh_registry(client)
+            urls.append(set(fleet.workers))
+        finally:
+            await client.aclose()
+        return urls
+
+    try:
+        register("gone")
+        register("back")
+        before, during, after = asyncio.run(run())
+    finally:
+        server.stop()
+    both = {"http://127.0.0.1:1/gone", "http://127.0.0.1:1/back"}
+    assert before == both and during == both, "the empty registry dropped known workers"
+    assert after == {"http://127.0.0.1:1/back"}, "a worker that never re-registered stayed past the grace"
