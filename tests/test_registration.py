@@ -55,7 +55,8 @@ def test_a_malformed_registration_is_a_value_error(body):
 @pytest.mark.parametrize("url,shown", [
     ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
     ("redis://:pw@127.0.0.1:6379/0", "redis://***@127.0.0.1:6379/0"),
-    ("rediss://user:pw@cache.internal:6380/1?ssl_ca_certs=/ca.pem", "rediss://***@cache.internal:6380/1?ssl_ca_certs=/ca.pem"),
+    ("rediss://user:pw@cache.internal:6380/1?ssl_ca_certs=/ca.pem",
+     "rediss://***@cache.internal:6380/1?ssl_ca_certs=/ca.pem"),
     ("redis://:pw@[::1]:6379", "redis://***@[::1]:6379"),
 ])
 def test_redact_url_hides_the_password(url, shown):
