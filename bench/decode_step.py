@@ -31,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", default="graphs,eager,gather", help="which runner paths to time")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0,
+                   help="also profile this batch size's steps (torch.profiler): the GPU kernels by time")
     p.add_argument("--out", required=True)
     return p
 
@@ -42,8 +44,9 @@ def make_runner(args, path: str, max_seqs: int):
                        kernels=path != "gather", enforce_eager=path != "graphs", max_num_seqs=max_seqs)
 
 
-def time_batch(runner, n: int, args) -> dict:
-    """Prefill n sequences to the context, then time decode steps over them."""
+def time_batch(runner, n: int, args, profile: bool = False) -> dict:
+    """Prefill n sequences to the context, then time decode steps over them (and, with
+    `profile`, profile five more: each GPU kernel's time per step)."""
     import random
     rng = random.Random(args.seed)
     b = args.block_size
@@ -68,8 +71,24 @@ def time_batch(runner, n: int, args) -> dict:
         if step >= 3:
             preps.append((t1 - t0) * 1000)
             walls.append((t2 - t1) * 1000)
-    return {"batch": n, "context": args.context, "step_ms_median": statistics.median(walls),
-            "step_ms_min": min(walls), "step_ms_max": max(walls), "prep_ms_median": statistics.median(preps)}
+    row = {"batch": n, "context": args.context, "step_ms_median": statistics.median(walls),
+           "step_ms_min": min(walls), "step_ms_max": max(walls), "prep_ms_median": statistics.median(preps)}
+    if profile:
+        row["kernels"] = profile_steps(runner, [SeqChunk([last[i]], pos[i], tables[i], True, GREEDY, 0)
+                                                for i in range(n)], 5)
+    return row
+
+
+def profile_steps(runner, chunks: list[SeqChunk], steps: int) -> list[dict]:
+    """GPU time per step of each kernel name over `steps` repeats of one step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.execute(chunks)
+    rows = [{"name": e.key[:120], "ms_per_step": e.device_time_total / 1000 / steps, "calls_per_step": e.count / steps}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return rows[:25]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -114,12 +133,14 @@ def main(argv: list[str] | None = None) -> None:
         cost = model_cost(runner)
         rows = []
         for n in batches:
-            row = time_batch(runner, n, args)
+            row = time_batch(runner, n, args, profile=n == args.profile)
             if ceilings:
                 row["bound_ms"] = 1000 * cost.step_bound_s(0, n, n * (args.context + 1), 0, ceilings)
             rows.append(row)
             print(f"{path:7} batch {n:4}: {row['step_ms_median']:.2f} ms/step (prep {row['prep_ms_median']:.2f} ms)",
                   file=sys.stderr, flush=True)
+            for k in row.get("kernels", [])[:12]:
+                print(f"    {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f} {k['name']}", file=sys.stderr)
         if runner.graphs is not None:
             result.setdefault("capture", {})[path] = {"seconds": runner.graphs.capture_s,
                                                        "mib": runner.graphs.memory_bytes / 2**20}
@@ -133,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(result, indent=1))
     if ceilings:
         plot(result, out.with_suffix(".png"))
-    print(json.dumps(result["paths"], indent=1))
+    print(json.dumps({p: [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
+                      for p, rows in result["paths"].items()}, indent=1))
 
 
 if __name__ == "__main__":

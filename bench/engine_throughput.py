@@ -86,6 +86,18 @@ def run(engine: Engine, seqs) -> dict:
             "step_log": [list(step) for step in engine.stats.recent]}
 
 
+def step_split(log: list[list[float]]) -> dict:
+    """Where a step's time goes, decode-only and other steps apart: the executor's share (inputs,
+    forward, sampling) and the engine's around it (scheduling, commits, outputs)."""
+    out = {}
+    for kind, steps in (("decode", [s for s in log if s[1] == 0]), ("prefill_or_mixed", [s for s in log if s[1]])):
+        if steps:
+            out[kind] = {"steps": len(steps), "executor_ms_mean": sum(s[0] for s in steps) / len(steps),
+                         "wall_ms_mean": sum(s[5] for s in steps) / len(steps),
+                         "seconds": sum(s[5] for s in steps) / 1000}
+    return out
+
+
 def roofline(engine: Engine, result: dict) -> dict:
     """The run's steps priced at the device's measured ceilings: bound time, tok/s, fraction."""
     import torch
@@ -161,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         del engine, runner
         if args.hf_generate:
             result["hf_generate"] = hf_generate(args, seqs)
-    del result["step_log"]
+    result["steps_split"] = step_split(result.pop("step_log"))
     result["config"] = vars(args)
     result["command"] = "python -m bench.engine_throughput " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)

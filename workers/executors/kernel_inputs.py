@@ -73,20 +73,18 @@ def leading_decodes(chunks: list[SeqChunk]) -> int:
 
 
 def decode_inputs(chunks: list[SeqChunk], block_size: int) -> DecodeInputs:
+    """Each field built by one comprehension; table rows copied as slices into a zeroed array."""
     b = block_size
-    width = max((c.start_pos // b + 1 for c in chunks), default=0)
-    ids, pos, slots, lens, tables = array("i"), array("i"), array("i"), array("i"), array("i")
-    pad = [0] * width
-    for c in chunks:
-        p = c.start_pos
-        row = c.block_table[:p // b + 1]
-        ids.append(c.token_ids[0])
-        pos.append(p)
-        slots.append(row[-1] * b + p % b)
-        lens.append(p + 1)
-        tables.extend(row)
-        tables.extend(pad[:width - len(row)])
-    return DecodeInputs(ids, pos, slots, lens, tables, width)
+    n = len(chunks)
+    pos = array("i", [c.start_pos for c in chunks])
+    used = [p // b + 1 for p in pos]
+    width = max(used, default=0)
+    tables = array("i", bytes(4 * n * width))
+    for r, (c, k) in enumerate(zip(chunks, used)):
+        tables[r * width:r * width + k] = array("i", c.block_table[:k])
+    return DecodeInputs(token_ids=array("i", [c.token_ids[0] for c in chunks]), positions=pos,
+                        slots=array("i", [c.block_table[p // b] * b + p % b for c, p in zip(chunks, pos)]),
+                        context_lens=array("i", [p + 1 for p in pos]), tables=tables, width=width)
 
 
 @dataclass

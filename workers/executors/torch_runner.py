@@ -23,6 +23,7 @@ from workers.executors.kernel_inputs import Staging, decode_inputs, is_decode, k
 from workers.models.llama import ModelConfig
 from workers.models.loader import default_dtype, load_config, load_model
 from workers.sampling import sample
+from workers.sampling_params import SamplingParams
 
 # Shape buckets for the gather path on CUDA (see workers/attention.py): decode batches pad to a
 # multiple of SEQ_BUCKET sequences, block tables to a multiple of BLOCK_BUCKET blocks, prefill
@@ -64,6 +65,8 @@ class TorchRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.staging = Staging(self.device) if self.kernels else None
         self.graphs: DecodeGraphs | None = None
+        if self.kernels and cuda:
+            self.warmup()
         if self.kernels and cuda and not enforce_eager:
             with torch.inference_mode():
                 max_blocks = min(num_blocks, -(-self.max_model_len // block_size))
@@ -82,6 +85,24 @@ class TorchRunner:
         for i, token in zip(sampled, tokens):
             results[i] = token
         return results
+
+    def warmup(self) -> None:
+        """Run one step of each kind the kernels specialise on (long and short prefill chunks,
+        a mixed step, split and unsplit decodes) over scratch blocks, so Triton compiles them now
+        and not inside a client's first requests (seconds each). Nothing is cached yet, so the
+        K/V written here is overwritten before any step reads it."""
+        b, greedy = self.block_size, SamplingParams(temperature=0.0)
+        long = min(512, (self.num_blocks - 1) * b, self.max_model_len - 1)
+        table = list(range(-(-(long + 1) // b)))
+        steps = [
+            [SeqChunk([0] * long, 0, table, True, greedy)],
+            [SeqChunk([0], long, table, True, greedy), SeqChunk([0] * 8, 0, table, True, greedy)],
+            [SeqChunk([0], long, table, True, greedy)] * 64,
+            [SeqChunk([0], long, table, True, greedy)],
+        ]
+        for chunks in steps:
+            self.execute(chunks)
+        torch.cuda.synchronize(self.device)
 
     def _logits(self, chunks: list[SeqChunk], sampled: list[int]) -> Tensor | None:
         """Logits of the sampled rows: a graph replay for decode steps it covers, else eager."""
