@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.executors.batch import SeqChunk
-from workers.engine import step_means, step_work
+from workers.step_stats import step_means, step_work
 from workers.executors.sim import SimExecutor
 from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel

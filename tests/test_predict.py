@@ -11,7 +11,8 @@ from policies import predict
 from policies.api import DECODE, PREFILL, WorkerView
 from policies.slo_goodput import SloGoodput
 from tests.views import COST, fleet, req, worker
-from workers.engine import Engine, EngineConfig, step_means
+from workers.engine import Engine, EngineConfig
+from workers.step_stats import step_means
 from workers.executors.sim import SimExecutor
 from workers.kv.cost_model import CostModel
 from workers.sampling_params import SamplingParams

@@ -3,15 +3,19 @@
 The HTTP server talks to it only through `submit`/`abort` (thread-safe queues) and the
 per-request `sink` callbacks it passes in; everything else runs on the engine thread.
 Outputs leave once per step, as one batch of (sink, output) pairs handed to `deliver`.
+
+A fault never leaves a request unanswered: a step whose executor raises fails that step's
+requests (`error="engine_error"`) and the engine goes on; any other exception in the loop fails
+every request in flight and the engine goes on; if the thread itself ends, every request in
+flight and every later `submit` fails (`engine_stopped`).
 """
+import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from itertools import islice
+from dataclasses import dataclass
 
 from workers.detokenizer import Detokenizer
 from workers.executors.batch import Executor, SeqChunk
@@ -23,8 +27,16 @@ from workers.kv.kv_manager import KVCacheManager
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, StepPlan
+from workers.step_stats import StepStats, step_means, step_work
 
-STEP_LOG = 4096  # steps a worker keeps for /steps: minutes of traffic at CPU speed
+ENGINE_ERROR = "engine_error"  # the step running the request raised
+ENGINE_STOPPED = "engine_stopped"  # the engine thread has ended
+
+log = logging.getLogger("kvgate.engine")
+
+
+class EngineStopped(RuntimeError):
+    """`submit` on an engine whose thread has ended."""
 
 
 @dataclass
@@ -42,7 +54,8 @@ class EngineConfig:
 
 @dataclass
 class RequestOutput:
-    """A delta for one request after a step; `finish_reason` is set on the last one."""
+    """A delta for one request after a step; `finish_reason` is set on the last one. A failed
+    request ends with finish_reason "error" and `error` saying why (ENGINE_ERROR/ENGINE_STOPPED)."""
     request_id: str
     token_ids: list[int]
     text: str
@@ -50,70 +63,12 @@ class RequestOutput:
     num_cached: int
     num_output: int
     finish_reason: str | None = None
+    error: str | None = None
 
 
-@dataclass
-class StepStats:
-    """What the last steps did and how long they took (for /state, metrics and calibrate).
-
-    `recent` holds (ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products,
-    wall ms) per step, step `steps` last: `ms` is the executor's time, `wall ms` the whole
-    step's (scheduling, commits, detokenizing, and any wait for a core or the GIL). /state
-    gives the means of the last 32, and GET /steps all it holds (calibration probes read their
-    steps there, and `kvgate calibrate --rescale` rescales a profile to them).
-    """
-    recent: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    finished: int = 0
-    kv_arrived: int = 0
-    kv_fallbacks: int = 0
-    kv_imported_blocks: int = 0
-    kv_exported_blocks: int = 0
-    calls_s: float = 0.0  # engine-thread time in `call` functions and exporters: no step ran
-
-    def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int,
-               prefill_ctx_products: float, wall_ms: float) -> None:
-        self.steps += 1
-        self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens, prefill_ctx_products, wall_ms))
-
-    def after(self, seq: int) -> list[list[float]]:
-        """[step number, *step] for the steps numbered above `seq` that are still held."""
-        held = len(self.recent)
-        first = self.steps - held + 1
-        skip = max(0, seq + 1 - first)
-        return [[first + skip + i, *step] for i, step in enumerate(islice(self.recent, skip, None))]
-
-
-def step_work(plan: StepPlan) -> tuple[int, int, int, float]:
-    """(prefill tokens, decode seqs, decode KV tokens, prefill ctx products) of a step about to
-    run: the work `CostModel.step_ms` prices. The fleet simulator's workers report the same."""
-    prefill = [(r, n) for r, n in plan.scheduled if n > 1 or r.is_prefilling]
-    decodes = [r for r, n in plan.scheduled if n == 1 and not r.is_prefilling]
-    return (sum(n for _, n in prefill), len(decodes), sum(r.num_tokens for r in decodes),
-            sum(n * (r.num_computed + n / 2) for r, n in prefill))
-
-
-def step_means(recent: list[tuple]) -> dict:
-    """Mean time and work per step of `recent` steps, in `CostModel.step_ms` terms: the gateway
-    rescales its cost model by the measured time against the model's time for the same work.
-    The decode-only steps' means are given apart (`decode_step_*`): prefill and decode differ
-    from the model's shape by different factors (on a CPU, ~29x and ~14x the default's), and
-    these let the gateway tell them apart. Each step's first five columns are read (the
-    engine logs a sixth, the step's wall time, for `kvgate calibrate --rescale`)."""
-    if not recent:
-        return {"step_ms": None}
-    ms, prefill, seqs, kv, ctx = (sum(col) / len(recent) for col in list(zip(*recent))[:5])
-    out = {"step_ms": ms, "step_prefill_tokens": prefill, "step_prefill_ctx_products": ctx,
-           "step_decode_seqs": seqs, "step_decode_kv_tokens": kv}
-    decodes = [r for r in recent if r[1] == 0 and r[2] > 0]
-    if decodes:
-        ms, _, seqs, kv, _ = (sum(col) / len(decodes) for col in list(zip(*decodes))[:5])
-        out.update(decode_step_ms=ms, decode_step_seqs=seqs, decode_step_kv_tokens=kv)
-    return out
+def unstarted_failure(rid: str, prompt_ids: list[int], why: str) -> RequestOutput:
+    """The one output of a request that failed before the engine took it in."""
+    return RequestOutput(rid, [], "", len(prompt_ids), 0, 0, "error", why)
 
 
 def call_sinks(batch: list[tuple[Callable, RequestOutput]]) -> None:
@@ -130,6 +85,8 @@ class Engine:
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
+        # The context a request may use is what the model allows and the pool can hold alone.
+        self.max_model_len = min(executor.max_model_len, config.num_blocks * config.block_size)
         self.events = EventLog(config.worker_id)
         self.pool = BlockPool(config.num_blocks, config.block_size, self.events)
         self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size),
@@ -144,6 +101,9 @@ class Engine:
         self.deliver: Callable[[list[tuple[Callable, RequestOutput]]], None] = call_sinks
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._dead = False
+        self._submit_lock = threading.Lock()
+        self._beat = time.monotonic()
         self._snapshot = self._make_state()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -156,9 +116,14 @@ class Engine:
         `export(hashes, tokens, block_ids)` is called on the engine thread when it finishes, while
         its full prompt blocks are still held, so the exporter can read them (P/D prefill leg).
         `cache_salt` seeds the request's block hashes: it shares cached blocks only with requests
-        of the same salt.
+        of the same salt. Raises EngineStopped once the engine thread has ended: nothing would
+        ever answer.
         """
-        self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export, cache_salt))
+        with self._submit_lock:
+            if self._dead:
+                raise EngineStopped("the engine has stopped")
+            self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export,
+                             cache_salt))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -172,29 +137,23 @@ class Engine:
         self._wake.set()
         return fut
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[tuple]:
+        """The queued commands, oldest first, until the inbox is empty."""
         while True:
             try:
-                cmd = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for cmd in self._take_inbox():
             if cmd[0] == "add":
-                _, rid, prompt_ids, params, sink, detok, kv_wait_s, export, salt = cmd
-                req = Request(rid, prompt_ids, params, export=export, cache_salt=salt)
-                d = Detokenizer(self.tokenizer, prompt_ids, params.stop) if detok else None
-                self._requests[rid] = (req, d, sink)
-                if kv_wait_s > 0:
-                    req.kv_deadline = time.monotonic() + kv_wait_s
-                    self._pending.append(req)
-                else:
-                    self.scheduler.add(req)
+                self._add(*cmd[1:])
             elif cmd[0] == "abort":
                 entry = self._requests.pop(cmd[1], None)
                 if entry:
                     req = entry[0]
-                    if req in self._pending:
-                        self._pending.remove(req)
-                    self.scheduler.abort(req)
+                    self._drop(req)
                     self._outbox.append((entry[2], RequestOutput(
                         req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), len(req.output_ids), "abort")))
             else:
@@ -205,6 +164,23 @@ class Engine:
                 except Exception as e:
                     fut.set_exception(e)
                 self.stats.calls_s += time.perf_counter() - t0
+
+    def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Callable,
+             detok: bool, kv_wait_s: float, export: Callable | None, salt: str | None) -> None:
+        try:
+            req = Request(rid, prompt_ids, params, export=export, cache_salt=salt)
+            d = Detokenizer(self.tokenizer, prompt_ids, params.stop) if detok else None
+        except Exception:
+            log.exception("request %s could not be set up", rid)
+            self.stats.failed += 1
+            self._outbox.append((sink, unstarted_failure(rid, prompt_ids, ENGINE_ERROR)))
+            return
+        self._requests[rid] = (req, d, sink)
+        if kv_wait_s > 0:
+            req.kv_deadline = time.monotonic() + kv_wait_s
+            self._pending.append(req)
+        else:
+            self.scheduler.add(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or not self._inbox.empty()
@@ -233,18 +209,7 @@ class Engine:
         self.stats.preemptions += len(plan.preempted)
         outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
         if plan.scheduled:
-            work = step_work(plan)
-            t0 = time.perf_counter()
-            sampled = self.executor.execute(self._chunks(plan))
-            ms = (time.perf_counter() - t0) * 1000
-            for (req, n), tok in zip(plan.scheduled, sampled):
-                req.num_computed += n
-                self.kv.commit(req)
-                if tok is not None:
-                    out = self._append(req, tok)
-                    if out is not None:
-                        outputs.append(out)
-            self.stats.record(ms, *work, (time.perf_counter() - start) * 1000)
+            outputs += self._run(plan, start)
         self._snapshot = self._make_state()
         for out in outputs:
             entry = self._requests.get(out.request_id)
@@ -255,6 +220,28 @@ class Engine:
         if self._outbox:
             batch, self._outbox = self._outbox, []
             self.deliver(batch)
+        return outputs
+
+    def _run(self, plan: StepPlan, start: float) -> list[RequestOutput]:
+        """Execute the plan and append its tokens; if the executor raises, the plan's requests
+        fail and nothing of the step is committed."""
+        work = step_work(plan)
+        t0 = time.perf_counter()
+        try:
+            sampled = self.executor.execute(self._chunks(plan))
+        except Exception:
+            log.exception("a step of %d requests raised; failing them", len(plan.scheduled))
+            return [self._fail(req, ENGINE_ERROR) for req, _ in plan.scheduled]
+        ms = (time.perf_counter() - t0) * 1000
+        outputs = []
+        for (req, n), tok in zip(plan.scheduled, sampled):
+            req.num_computed += n
+            self.kv.commit(req)
+            if tok is not None:
+                out = self._append(req, tok)
+                if out is not None:
+                    outputs.append(out)
+        self.stats.record(ms, *work, (time.perf_counter() - start) * 1000)
         return outputs
 
     def _chunks(self, plan: StepPlan) -> list[SeqChunk]:
@@ -284,13 +271,49 @@ class Engine:
         reason = None
         if tok in p.stop_token_ids or hit_stop or (not p.ignore_eos and tok in self.executor.eos_token_ids):
             reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.executor.max_model_len:
+        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
             self._remove(req, reason)
         text = detok.flush(reason is not None) if detok else ""
         return RequestOutput(req.request_id, [tok], text, req.num_prompt, max(req.num_cached, 0),
                              len(req.output_ids), reason)
+
+    def _drop(self, req: Request) -> None:
+        """Take a request out of the pending list or the scheduler and free its blocks."""
+        if req in self._pending:
+            self._pending.remove(req)
+        self.scheduler.abort(req)
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """Take a request out wherever it is, free its blocks, and say why it failed. Its blocks
+        were never committed for the failed step, so nothing it half-computed enters the cache."""
+        self._drop(req)
+        self.stats.failed += 1
+        return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
+                             len(req.output_ids), "error", why)
+
+    def _fail_all(self, why: str) -> None:
+        """Fail every request in flight and hand out what is owed (after a fault outside the
+        executor, when the engine's state can no longer be trusted for them)."""
+        for rid, (req, _, sink) in list(self._requests.items()):
+            try:
+                out = self._fail(req, why)
+            except Exception:
+                log.exception("request %s could not be released", rid)
+                out = RequestOutput(rid, [], "", req.num_prompt, 0, len(req.output_ids), "error", why)
+            self._outbox.append((sink, out))
+        self._requests.clear()
+        self._pending.clear()
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            try:
+                self.deliver(batch)
+            except Exception:
+                log.exception("could not deliver %d outputs", len(batch))
 
     def _remove(self, req: Request, reason: str) -> None:
         if req.export is not None:
@@ -309,7 +332,10 @@ class Engine:
         t0 = time.perf_counter()
         ids = [b.block_id for b in req.blocks[:n]]
         tokens = [req.token_ids[i * B:(i + 1) * B] for i in range(n)]
-        req.export(req.block_hashes[:n], tokens, ids)
+        try:
+            req.export(req.block_hashes[:n], tokens, ids)
+        except Exception:  # the decode side recomputes what it does not get
+            log.exception("KV export of request %s failed", req.request_id)
         self.stats.calls_s += time.perf_counter() - t0
 
     def _finish_evicted(self, req: Request) -> RequestOutput:
@@ -330,13 +356,42 @@ class Engine:
         if self._thread:
             self._thread.join(timeout=5)
 
+    def stall_s(self) -> float:
+        """Seconds since the loop last went round while it has work (0.0 when idle): a step
+        that never returns (a hung device, a deadlock) shows here, and in /health."""
+        if not self.has_work():
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
+
     def _loop(self) -> None:
-        while not self._stopped:
-            if not (self.scheduler.has_work() or not self._inbox.empty()):
-                self._wake.wait(0.002 if self._pending else 0.05)
-                self._wake.clear()
-            if self.has_work():
-                self.step()
+        try:
+            while not self._stopped:
+                if not (self.scheduler.has_work() or not self._inbox.empty()):
+                    self._wake.wait(0.002 if self._pending else 0.05)
+                    self._wake.clear()
+                if self.has_work():
+                    try:
+                        self.step()
+                    except Exception:
+                        log.exception("engine step failed outside the executor; failing every request in flight")
+                        self._fail_all(ENGINE_ERROR)
+                self._beat = time.monotonic()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """The thread is ending: refuse new requests and answer every one still owed."""
+        with self._submit_lock:
+            self._dead = True
+        if not self._stopped:
+            log.critical("the engine thread has stopped; every request now fails")
+        self._fail_all(ENGINE_STOPPED)
+        for cmd in self._take_inbox():
+            if cmd[0] == "add":
+                self._outbox.append((cmd[4], unstarted_failure(cmd[1], cmd[2], ENGINE_STOPPED)))
+            elif cmd[0] == "call":
+                cmd[2].set_exception(EngineStopped("the engine has stopped"))
+        self._flush()
 
     def state(self) -> dict:
         """Load as the gateway's policies need it (GET /state), as of the last step."""
@@ -360,5 +415,5 @@ class Engine:
             "preemptions": self.stats.preemptions,
             "pending_kv": len(self._pending),
             "engine_calls_s": self.stats.calls_s,
-            "max_model_len": self.executor.max_model_len,
+            "max_model_len": self.max_model_len,
         }
