@@ -55,8 +55,8 @@ def start_fleet(label: str, policy: str, roles: list[str], args: argparse.Namesp
         for w in workers:
             w.ready(600)
         gateway = start_gateway([w.url for w in workers], policy, name=f"gateway-{label}", log_dir=args.log_dir,
-                                extra=["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms",
-                                       str(args.slo_tpot_ms), *args.gateway_arg])
+                                extra=["--internal-token", token, "--slo-ttft-ms", str(args.slo_ttft_ms),
+                                       "--slo-tpot-ms", str(args.slo_tpot_ms), *args.gateway_arg])
         procs.append(gateway)
         gateway.wait_ready(timeout=120)
         wait_for(lambda: httpx.get(gateway.url + "/health").json()["healthy"] == len(workers), timeout=30,

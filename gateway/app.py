@@ -6,6 +6,7 @@ handed with the fleet's in-memory view to the policy; the chosen worker gets the
 original bytes. A worker that cannot be reached is retried once on another one.
 """
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -49,8 +50,10 @@ class ApiError(Exception):
 class Gateway:
     def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
                  redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                 pd_wait_ms: float = 5000.0, tracing: Tracing | None = None, access: Access | None = None):
+                 pd_wait_ms: float = 5000.0, tracing: Tracing | None = None, access: Access | None = None,
+                 internal_token: str | None = None):
         self.fleet = fleet
+        self.internal_token = internal_token
         self.tracing = tracing or Tracing()
         self.pd_wait_ms = pd_wait_ms
         self.index: ResidencyIndex = fleet.index
@@ -203,6 +206,8 @@ class Gateway:
             if route.reject == NO_WORKERS:
                 raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
             raise ApiError(429, route.reject, "rate_limit_error", "policy_rejected")
+        if route.prefill is not None and not self.internal_token:
+            route = dataclasses.replace(route, prefill=None)  # P/D legs need the fleet's token
         by_id = {w.worker_id: w for w in workers}
         chosen, prefill = by_id.get(route.worker), by_id.get(route.prefill)
         if chosen is None or (route.prefill is not None and prefill is None):
@@ -223,10 +228,11 @@ class Gateway:
                       predicted_cached_tokens=route.predicted_cached_tokens)
             self.fleet.begin(w)
             started = time.monotonic()
-            payload = raw if p is None else self.start_prefill(p, w, kind, raw, headers, trace)
+            leg = headers if p is None else pd.leg_headers(headers, self.internal_token)
+            payload = raw if p is None else self.start_prefill(p, w, kind, raw, leg, trace)
             try:
                 with trace.phase("upstream", worker=w.worker_id):
-                    resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request)
+                    resp = await self.proxy.open(w.url, PATHS[kind], payload, leg, request)
             except ClientGone:
                 self.fleet.end(w)
                 self.metrics.requests.labels(w.worker_id, self.policy.name, "499").inc()

@@ -6,6 +6,9 @@ itself. The prefill leg is the same prompt with `max_tokens: 1` and
 `kv_transfer.export_to: <decode worker>`; the prefill worker ships its full blocks there when
 its prefill ends. The prefill leg's own answer is discarded; its failure only costs the decode
 worker a recompute, so it is logged and counted, never shown to the client.
+
+`kv_transfer` is internal: workers read it only with the fleet's token, so both legs carry it
+(`leg_headers`) and no other request does.
 """
 import asyncio
 import json
@@ -14,6 +17,11 @@ import logging
 from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed
 
 log = logging.getLogger("kvgate.pd")
+
+
+def leg_headers(headers: dict[str, str], token: str) -> dict[str, str]:
+    """A P/D leg's headers: the request's own plus the fleet's internal token."""
+    return {**headers, "x-kvgate-token": token}
 
 
 def decode_leg(body: dict, wait_ms: float) -> bytes:

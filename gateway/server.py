@@ -39,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
                         "needs --internal-token")
     p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
                    help="the fleet's shared secret (default: $KVGATE_INTERNAL_TOKEN): verifies workers' "
-                        "registrations in Redis")
+                        "registrations in Redis, and is sent to workers on P/D legs (only there); without "
+                        "it requests are never disaggregated")
     p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for requests without x-slo-ttft-ms")
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for requests without x-slo-tpot-ms")
@@ -103,7 +104,7 @@ def build(args: argparse.Namespace) -> Gateway:
         raise SystemExit(f"kvgate gateway: {e}")
     return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, redis=redis,
                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, pd_wait_ms=args.pd_wait_ms,
-                   tracing=tracing, access=access(args))
+                   tracing=tracing, access=access(args), internal_token=args.internal_token)
 
 
 def access(args: argparse.Namespace) -> Access:
