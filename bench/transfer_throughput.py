@@ -26,7 +26,7 @@ TOKEN = "bench-token"
 def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
     """Send one leg; returns seconds to its first streamed token."""
     t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
+    with httpx.stream("POST", url + "/v1/completions", timeout=600, headers={"x-kvgate-token": TOKEN}, json={
             "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0, "kv_transfer": kv}) as r:
         r.raise_for_status()

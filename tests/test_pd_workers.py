@@ -15,8 +15,12 @@ from tests.procs import Worker
 pytestmark = pytest.mark.slow
 
 
+TOKEN = "test-token"
+
+
 def complete(url, ids, max_tokens=10, **extra):
-    r = httpx.post(url + "/v1/completions", timeout=300, json={
+    headers = {"x-kvgate-token": TOKEN} if "kv_transfer" in extra else None
+    r = httpx.post(url + "/v1/completions", timeout=300, headers=headers, json={
         "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True, **extra})
     assert r.status_code == 200, r.text
@@ -46,7 +50,7 @@ def drained(w):
 @pytest.fixture(scope="module", params=["smollm2-135m", "tiny"])
 def fleet(request, tiny_llama):
     model = "smollm2-135m" if request.param == "smollm2-135m" else str(tiny_llama)
-    ws = [Worker("torch", f"{request.param}-{role}", extra=("--role", role, "--internal-token", "test-token"),
+    ws = [Worker("torch", f"{request.param}-{role}", extra=("--role", role, "--internal-token", TOKEN),
                  model=model) for role in ("prefill", "decode", "mixed")]
     try:
         yield [w.ready() for w in ws]
@@ -80,5 +84,5 @@ def test_decode_leg_without_blocks_falls_back(fleet):
 def test_import_needs_token_and_matching_spec(fleet):
     p, d, _ = fleet
     assert httpx.post(d.url + "/kv/import", content=b"KVG1").status_code == 403
-    r = httpx.post(d.url + "/kv/import", content=b"KVG1\x05\x00\x00\x00{bad}", headers={"x-kvgate-token": "test-token"})
+    r = httpx.post(d.url + "/kv/import", content=b"KVG1\x05\x00\x00\x00{bad}", headers={"x-kvgate-token": TOKEN})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_kv_transfer"

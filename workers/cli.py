@@ -8,6 +8,7 @@ from pathlib import Path
 
 import uvicorn
 
+from workers.drain import DrainingServer
 from workers.engine import Engine, EngineConfig
 from workers.kv.cost_model import CostModel
 from workers.model_store import load_tokenizer, resolve, served_name
@@ -40,7 +41,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (torch executor on CUDA; default: graphs on)")
     p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
-                   help="shared secret for /kv/import (default: $KVGATE_INTERNAL_TOKEN); none disables imports")
+                   help="the fleet's shared secret for internal calls: /kv/import, /kv/reset, a body's "
+                   "kv_transfer (default: $KVGATE_INTERNAL_TOKEN); none refuses them all; "
+                   "required for --role prefill|decode")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests held beyond the running batch (--max-num-seqs); more get 503 + Retry-After")
+    p.add_argument("--stall-timeout-s", type=float, default=5.0,
+                   help="/health answers 503 when the engine has work but no step completed for this long")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may take to finish before the worker exits")
     p.add_argument("--kv-transport", choices=["http", "ipc"], default="http",
                    help="P/D export: bytes over HTTP, or CUDA IPC handles between GPUs of one host")
     p.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
@@ -83,6 +92,20 @@ def build_executor(args, path: Path, tokenizer):
     return runner
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse settings that would fail on every request later."""
+    if args.role != "mixed" and not args.internal_token:
+        raise SystemExit(f"kvgate worker: --role {args.role} needs the fleet's internal token "
+                         "(--internal-token or $KVGATE_INTERNAL_TOKEN): P/D legs and KV imports "
+                         "are refused without it")
+    if args.redis and not args.internal_token:
+        raise SystemExit("kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
+                         "registrations in Redis are signed with it")
+    if args.max_queued_requests < 0 or args.stall_timeout_s <= 0 or args.drain_timeout_s < 0:
+        raise SystemExit("kvgate worker: --max-queued-requests and --drain-timeout-s must be >= 0, "
+                         "--stall-timeout-s > 0")
+
+
 def build_server(args) -> WorkerServer:
     path = resolve(args.model, tokenizer_only=args.executor == "sim")
     tokenizer = load_tokenizer(args.model)
@@ -97,16 +120,18 @@ def build_server(args) -> WorkerServer:
     engine = Engine(executor, tokenizer, config)
     engine.start()
     return WorkerServer(engine, name, getattr(executor, "vocab_size", len(tokenizer)), args.internal_token,
-                        args.kv_transport)
+                        args.kv_transport, args.max_queued_requests, args.stall_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    check_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    if args.redis and not args.internal_token:
-        raise SystemExit("kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
-                         "registrations in Redis are signed with it")
-    server = build_server(args)
+    serve(args, build_server(args))
+
+
+def serve(args: argparse.Namespace, server: WorkerServer) -> None:
+    """Publish to Redis if asked, then serve until SIGTERM has drained the worker."""
     if args.redis:
         from workers.redis_publisher import RedisPublisher
         server.publisher = RedisPublisher(server.engine, args.redis,
@@ -115,4 +140,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"kvgate worker {server.engine.config.worker_id} serving {server.model} "
           f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}", flush=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, server, args.drain_timeout_s).run()

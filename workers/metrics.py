@@ -1,7 +1,7 @@
 """Prometheus metrics of one worker: engine counters read at scrape time, latency histograms."""
 import time
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -21,6 +21,7 @@ class _EngineCollector:
             "kvgate_worker_generation_tokens": ("Generated tokens", st.generated_tokens),
             "kvgate_worker_preemptions": ("Requests preempted by recompute", st.preemptions),
             "kvgate_worker_requests_finished": ("Finished requests", st.finished),
+            "kvgate_worker_requests_failed": ("Requests failed by an engine fault", st.failed),
             "kvgate_worker_steps": ("Engine steps", st.steps),
             "kvgate_worker_kv_arrived": ("P/D decode requests whose blocks arrived in time", st.kv_arrived),
             "kvgate_worker_kv_fallbacks": ("P/D decode requests that computed their own prefill", st.kv_fallbacks),
@@ -38,6 +39,9 @@ class _EngineCollector:
             "kvgate_worker_kv_blocks_total": ("KV blocks in the pool", s["total_blocks"]),
             "kvgate_worker_queued_prefill_tokens": ("Prompt tokens not yet computed", s["queued_prefill_tokens"]),
             "kvgate_worker_step_ms": ("Mean recent step time (ms)", s["step_ms"] or 0.0),
+            "kvgate_worker_engine_alive": ("1 while the engine thread runs", float(self.engine.alive)),
+            "kvgate_worker_engine_stall_seconds": ("Seconds without a completed step while there is work",
+                                                   self.engine.stall_s()),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["worker"])
@@ -51,6 +55,8 @@ class WorkerMetrics:
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram("kvgate_worker_ttft_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.rejected = Counter("kvgate_worker_requests_rejected", "Requests refused with a 503, by reason",
+                                ["reason"], registry=self.registry)
         self.e2e = Histogram("kvgate_worker_e2e_seconds", "Request latency, arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
 

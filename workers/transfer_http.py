@@ -31,6 +31,7 @@ class TransferService:
         self.sent_bytes = 0
         self.sent_seconds = 0.0
         self.failures = 0
+        self.sending = 0  # exports between a finished prefill and the end of their POST
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
 
     def exporter(self, url: str, loop: asyncio.AbstractEventLoop, cache_salt: str | None = None) -> Callable:
@@ -40,8 +41,21 @@ class TransferService:
         def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int]) -> None:
             self.engine.stats.kv_exported_blocks += len(hashes)
             held = self.engine.pool.hold(block_ids)
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt)))
+            loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt)
         return export
+
+    def _start_send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
+                    cache_salt: str | None) -> None:
+        """Counted from here, on the loop, so a draining worker waits for the export too."""
+        self.sending += 1
+        task = asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt))
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self.sending -= 1
+        if not task.cancelled() and task.exception() is not None:
+            self.failures += 1
+            log.warning("KV export failed: %r", task.exception())
 
     async def send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
                    cache_salt: str | None = None) -> bool:
