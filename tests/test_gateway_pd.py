@@ -22,7 +22,8 @@ def pd_fleet(tiny_llama, tmp_path_factory):
     d = Worker("torch", "pd-d", extra=("--role", "decode", *SECRET), model=model, log_dir=logs)
     m = Worker("torch", "pd-m", extra=SECRET, model=model, log_dir=logs)
     gw = start_gateway([p.url, d.url], "slo_goodput", log_dir=logs, extra=[
-        *SECRET, "--model", model, "--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"])
+        *SECRET, "--model", model, "--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000",
+        "--slo-tpot-ms", "60000"])
     try:
         for w in (p, d, m):
             w.ready()
