@@ -1,0 +1,313 @@
+"""The Triton kernels (workers/kernels) against plain torch references, max abs error in every message.
+
+On CUDA the cases run in this process. On CPU they run through Triton's interpreter in one child
+process: TRITON_INTERPRET=1 must be set before triton's first import and this pytest process is
+shared with every other test file, so the parent never imports triton and the child (spawned,
+`interpreter.enable` as its initializer) does all the kernel work. Sizes are smaller on CPU.
+"""
+import importlib.util
+import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+from workers.kernels import available
+from workers.kernels.interpreter import enable
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU = DEVICE == "cpu"
+PAGE = 16
+# Context lengths of one decode batch (0 is a padding row); the long ones only on the GPU.
+CONTEXTS = [0, 1, 16, 17, 100, 300] if CPU else [0, 1, 15, 16, 17, 100, 600, 1000, 2049, 4100]
+# Prefill chunks (new tokens, context length) of one call: without a prefix, with one, 1 row.
+CHUNKS = [(37, 37), (20, 100), (1, 50), (70, 90)] if CPU else [(300, 300), (512, 2560), (1, 50), (200, 4000), (77, 90)]
+TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}  # (atol, rtol)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+cuda_only_bf16_dot = pytest.mark.skipif(
+    CPU, reason="Triton's interpreter does not support bf16 tl.dot (it multiplies the bit patterns, triton#11584)")
+
+
+@pytest.fixture(scope="module")
+def run():
+    """run(case, **kwargs): a case's max abs error, computed on CUDA here or in the interpreter child."""
+    if not CPU:
+        yield lambda case, **kw: case(**kw)
+        return
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=enable) as pool:
+        yield lambda case, **kw: pool.submit(case, **kw).result(timeout=600)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> float:
+    """Assert got ~ want within the dtype's tolerance; the max abs error."""
+    atol, rtol = TOL[dtype]
+    got, want = got.double(), want.double()
+    err = (got - want).abs()
+    worst = err.max().item() if err.numel() else 0.0
+    assert not got.isnan().any(), f"{what}: NaN in the output"
+    assert (err <= atol + rtol * want.abs()).all(), f"{what}: max abs error {worst:.3g} (atol {atol}, rtol {rtol})"
+    return worst
+
+
+def paged_cache(lens: list[int], kvh: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """Random caches and shuffled, non-contiguous block tables whose unused entries are garbage."""
+    need = [math.ceil(n / PAGE) for n in lens]
+    num_blocks = sum(need) + 7
+    k_cache = torch.randn(num_blocks, PAGE, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, PAGE, kvh, d, generator=gen).to(dtype)
+    width = max(need, default=0) + 2
+    tables = torch.randint(num_blocks, 1 << 20, (len(lens), width), generator=gen, dtype=torch.int32)
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n], ids = ids[:n], ids[n:]
+    return k_cache, v_cache, tables
+
+
+def reference(q: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              table: torch.Tensor, ctx: int, window: int | None, scale: float) -> torch.Tensor:
+    """q [n, H, D] at `positions` over one sequence's first ctx cached tokens, float64, causal and
+    windowed as workers/attention.py masks; a row that sees nothing is 0."""
+    kv = torch.arange(ctx)
+    blocks = table[kv // PAGE].long()
+    group = q.shape[1] // k_cache.shape[2]
+    k = k_cache[blocks, kv % PAGE].double().repeat_interleave(group, 1)
+    v = v_cache[blocks, kv % PAGE].double().repeat_interleave(group, 1)
+    s = torch.einsum("nhd,chd->hnc", q.double(), k) * scale
+    mask = kv[None, :] <= positions[:, None]
+    if window is not None:
+        mask &= kv[None, :] > positions[:, None] - window
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("hnc,chd->nhd", p, v)
+
+
+def case_decode(device: str, dtype: torch.dtype, group: int, d: int, num_splits: int | None,
+                window: int | None = None, strided_q: bool = False, seed: int = 0) -> float:
+    from workers.kernels.decode_attention import paged_decode_attention
+    gen = torch.Generator().manual_seed(seed)
+    kvh, lens = 2, CONTEXTS
+    h, s = kvh * group, len(lens)
+    k_cache, v_cache, tables = paged_cache(lens, kvh, d, dtype, gen)
+    qkv = torch.randn(s, h + 2 * kvh, d, generator=gen).to(dtype)
+    q = qkv[:, :h].contiguous()
+    dev = torch.device(device)
+    q_dev = qkv.to(dev)[:, :h] if strided_q else q.to(dev)  # a view of a fused qkv output, or not
+    scale = d ** -0.5
+    out = torch.full((s, h, d), float("nan"), dtype=dtype, device=dev)
+    got = paged_decode_attention(q_dev, k_cache.to(dev), v_cache.to(dev), tables.to(dev),
+                                 torch.tensor(lens, dtype=torch.int32, device=dev), scale,
+                                 sliding_window=window, num_splits=num_splits, out=out)
+    assert got is out
+    want = torch.stack([reference(q[i:i + 1], torch.tensor([n - 1]), k_cache, v_cache, tables[i], n, window, scale)[0]
+                        for i, n in enumerate(lens)])
+    return close(got.cpu(), want, dtype, f"decode group {group} d {d} splits {num_splits} window {window}")
+
+
+def case_prefill(device: str, dtype: torch.dtype, group: int, d: int, window: int | None = None,
+                 chunks: list | None = None, seed: int = 0) -> float:
+    from workers.kernels.prefill_attention import paged_prefill_attention
+    gen = torch.Generator().manual_seed(seed)
+    chunks = chunks or CHUNKS
+    kvh = 2
+    h = kvh * group
+    lens = [ctx for _, ctx in chunks]
+    k_cache, v_cache, tables = paged_cache(lens, kvh, d, dtype, gen)
+    rows = [n for n, _ in chunks]
+    cu = torch.tensor([0] + rows).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu[-1]), h, d, generator=gen).to(dtype)
+    scale = d ** -0.5
+    dev = torch.device(device)
+    got = paged_prefill_attention(q.to(dev), k_cache.to(dev), v_cache.to(dev), tables.to(dev), cu.to(dev),
+                                  torch.tensor(lens, dtype=torch.int32, device=dev), max(rows), scale,
+                                  sliding_window=window)
+    want = torch.cat([reference(q[cu[i]:cu[i + 1]], torch.arange(ctx - n, ctx), k_cache, v_cache, tables[i],
+                                ctx, window, scale) for i, (n, ctx) in enumerate(chunks)])
+    return close(got.cpu(), want, dtype, f"prefill group {group} d {d} window {window}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference(run, group, d, num_splits):
+    print(run(case_decode, device=DEVICE, dtype=torch.float32, group=group, d=d, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_sliding_window(run, num_splits):
+    print(run(case_decode, device=DEVICE, dtype=torch.float32, group=4, d=64, num_splits=num_splits, window=40))
+
+
+@pytest.mark.parametrize("d", [80, 96])
+def test_decode_pads_head_dim_and_reads_strided_q(run, d):
+    print(run(case_decode, device=DEVICE, dtype=torch.float32, group=2, d=d, num_splits=None, strided_q=True))
+
+
+@cuda_only_bf16_dot
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_bf16(run, num_splits):
+    print(run(case_decode, device=DEVICE, dtype=torch.bfloat16, group=8, d=128, num_splits=num_splits, window=None))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_matches_reference(run, group, d):
+    print(run(case_prefill, device=DEVICE, dtype=torch.float32, group=group, d=d))
+
+
+@pytest.mark.parametrize("window", [1, 24, 150])
+def test_prefill_sliding_window(run, window):
+    # (100, 300) at window 150 walks all three stages: window edge, whole tiles, diagonal.
+    chunks = [(37, 37), (20, 300), (100, 300), (1, 50)] if CPU else [(300, 300), (512, 2560), (1, 50), (700, 4000)]
+    print(run(case_prefill, device=DEVICE, dtype=torch.float32, group=4, d=64, window=window, chunks=chunks))
+
+
+@cuda_only_bf16_dot
+def test_prefill_bf16(run):
+    print(run(case_prefill, device=DEVICE, dtype=torch.bfloat16, group=4, d=128, window=None))
+
+
+def case_gather_path(device: str, dtype: torch.dtype) -> float:
+    """Decode and prefill kernels against workers/attention.py's gather + SDPA path, the CPU reference."""
+    from workers.attention import AttentionBatch, PagedAttention, PrefillSeq
+    from workers.kernels.decode_attention import paged_decode_attention
+    from workers.kernels.prefill_attention import paged_prefill_attention
+    gen = torch.Generator().manual_seed(3)
+    kvh, group, d, window = 2, 4, 64, 50
+    lens = [1, 33, 130]
+    k_cache, v_cache, tables = paged_cache(lens, kvh, d, dtype, gen)
+    attn = PagedAttention(kvh * group, kvh, d, window)
+    attn.k_cache, attn.v_cache = k_cache, v_cache
+    need = torch.tensor([math.ceil(n / PAGE) for n in lens])[:, None]
+    clean = torch.where(torch.arange(tables.shape[1]) < need, tables, 0)  # the gather path reads every entry
+    q = torch.randn(len(lens), kvh * group, d, generator=gen).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    batch = AttentionBatch(slot_mapping=torch.zeros(0, dtype=torch.long), decode_rows=torch.arange(len(lens)),
+                           decode_tables=clean.long(), decode_lens=lens_t.long(),
+                           prefills=[], num_decodes=len(lens))
+    dev = torch.device(device)
+    got = paged_decode_attention(q.to(dev), k_cache.to(dev), v_cache.to(dev), tables.to(dev), lens_t.to(dev),
+                                 d ** -0.5, sliding_window=window)
+    worst = close(got.cpu(), attn._decode(q, batch), dtype, "decode vs gather path")
+    n, ctx = 40, 130  # a chunk over a cached 90-token prefix
+    qp = torch.randn(n, kvh * group, d, generator=gen).to(dtype)
+    seq = PrefillSeq(slice(0, n), ctx - n, tables[2, :math.ceil(ctx / PAGE)].long())
+    want = attn._prefill(qp, None, None, seq)
+    got = paged_prefill_attention(qp.to(dev), k_cache.to(dev), v_cache.to(dev), tables[2:].to(dev),
+                                  torch.tensor([0, n], dtype=torch.int32, device=dev),
+                                  torch.tensor([ctx], dtype=torch.int32, device=dev), n, d ** -0.5,
+                                  sliding_window=window)
+    return max(worst, close(got.cpu(), want, dtype, "prefill vs gather path"))
+
+
+def test_attention_matches_gather_path(run):
+    print(run(case_gather_path, device=DEVICE, dtype=torch.float32))
+
+
+def case_store_kv(device: str, dtype: torch.dtype) -> float:
+    from workers.kernels.store_kv import store_kv
+    gen = torch.Generator().manual_seed(4)
+    kvh, d, blocks = 2, 64, 6
+    qkv = torch.randn(9, 4 + 2 * kvh, d, generator=gen).to(dtype)
+    k, v = qkv[:, 4:4 + kvh], qkv[:, 4 + kvh:]
+    slots = torch.tensor([3, -1, 16, 95, 40, -1, 0, 17, 64])
+    dev = torch.device(device)
+    k_cache = torch.zeros(blocks, PAGE, kvh, d, dtype=dtype, device=dev)
+    v_cache = torch.zeros_like(k_cache)
+    qkv_dev = qkv.to(dev)  # k and v as strided views of a fused qkv output
+    store_kv(qkv_dev[:, 4:4 + kvh], qkv_dev[:, 4 + kvh:], k_cache, v_cache, slots.to(dev))
+    want_k = torch.zeros(blocks * PAGE, kvh, d, dtype=dtype)
+    want_v = torch.zeros_like(want_k)
+    keep = slots >= 0
+    want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
+    assert torch.equal(k_cache.cpu().view(-1, kvh, d), want_k), "store_kv: K differs"
+    assert torch.equal(v_cache.cpu().view(-1, kvh, d), want_v), "store_kv: V differs"
+    return 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_slots_and_skips_padding(run, dtype):
+    run(case_store_kv, device=DEVICE, dtype=dtype)
+
+
+def case_norm(device: str, dtype: torch.dtype) -> float:
+    from workers.kernels.norm import fused_add_rms_norm, rms_norm
+    from workers.models.llama import RMSNorm
+    gen = torch.Generator().manual_seed(5)
+    dev = torch.device(device)
+    worst = 0.0
+    for n, shape in ((576, (7,)), (2048, (3,)), (64, (5, 6))):  # hidden sizes, and per-head q_norm
+        norm = RMSNorm(n, 1e-5).to(dtype)
+        norm.weight.data = torch.randn(n, generator=gen).to(dtype)
+        x = torch.randn(*shape, n, generator=gen).to(dtype)
+        got = rms_norm(x.to(dev), norm.weight.data.to(dev), 1e-5)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        worst = max(worst, close(got.cpu(), norm(x), dtype, f"rms_norm {tuple(x.shape)}"))
+    wide = torch.randn(5, 3, 2, 64, generator=gen).to(dtype)
+    got = rms_norm(wide.to(dev)[:, :, 0], norm.weight.data.to(dev), 1e-5)  # strided heads, as a qkv view
+    worst = max(worst, close(got.cpu(), norm(wide[:, :, 0]), dtype, "rms_norm strided"))
+    norm = RMSNorm(576, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(576, generator=gen).to(dtype)
+    x, residual = (torch.randn(9, 576, generator=gen).to(dtype) for _ in range(2))
+    want_res = residual + x
+    want = norm(want_res)
+    x_dev, res_dev = x.to(dev), residual.to(dev)
+    fused_add_rms_norm(x_dev, res_dev, norm.weight.data.to(dev), 1e-6)
+    worst = max(worst, close(res_dev.cpu(), want_res, dtype, "fused residual"))
+    return max(worst, close(x_dev.cpu(), want, dtype, "fused_add_rms_norm"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_match_eager_rmsnorm(run, dtype):
+    print(run(case_norm, device=DEVICE, dtype=dtype))
+
+
+def case_silu(device: str, dtype: torch.dtype) -> float:
+    import torch.nn.functional as F
+
+    from workers.kernels.activation import silu_and_mul
+    gen = torch.Generator().manual_seed(6)
+    inter = 1500
+    wide = torch.randn(5, 2 * inter + 8, generator=gen).to(dtype)
+    gate_up = wide[:, :2 * inter]
+    got = silu_and_mul(wide.to(torch.device(device))[:, :2 * inter])  # a free row stride
+    return close(got.cpu(), F.silu(gate_up[:, :inter]) * gate_up[:, inter:], dtype, "silu_and_mul")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_eager_mlp(run, dtype):
+    print(run(case_silu, device=DEVICE, dtype=dtype))
+
+
+def case_rotary(device: str, dtype: torch.dtype, rope: dict) -> float:
+    from workers.kernels.rotary import apply_rotary_inplace, rotary_cache
+    from workers.models.llama import Rotary, apply_rotary, rope_inv_freq
+    gen = torch.Generator().manual_seed(7)
+    h, kvh, d = 6, 2, 64
+    dev = torch.device(device)
+    qkv = torch.randn(8, h + 2 * kvh, d, generator=gen).to(dtype).to(dev)
+    q, k = qkv[:, :h], qkv[:, h:h + kvh]
+    positions = torch.tensor([0, 1, 2, 15, 16, 511, 1000, 4095], device=dev)
+    inv_freq = rope_inv_freq(rope, d)
+    cos, sin = Rotary(inv_freq)(positions, dtype)
+    want_q, want_k = apply_rotary(q, cos, sin).cpu(), apply_rotary(k, cos, sin).cpu()
+    apply_rotary_inplace(q, k, positions, rotary_cache(inv_freq, 4096, dtype, dev))
+    return max(close(q.cpu(), want_q, dtype, "rotary q"), close(k.cpu(), want_k, dtype, "rotary k"))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0}, LLAMA3_ROPE])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_apply_rotary(run, dtype, rope):
+    print(run(case_rotary, device=DEVICE, dtype=dtype, rope=rope))
+
+
+def test_available_follows_device_and_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert available("cuda")
+    assert not available("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert available("cpu")
