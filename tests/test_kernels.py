@@ -6,9 +6,13 @@ shared with every other test file, so the parent never imports triton and the ch
 `interpreter.enable` as its initializer) does all the kernel work. Sizes are smaller on CPU.
 """
 import importlib.util
+import json
 import math
 import multiprocessing
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +25,9 @@ CPU = DEVICE == "cpu"
 PAGE = 16
 # Context lengths of one decode batch (0 is a padding row); the long ones only on the GPU.
 CONTEXTS = [0, 1, 16, 17, 100, 300] if CPU else [0, 1, 15, 16, 17, 100, 600, 1000, 2049, 4100]
-# Prefill chunks (new tokens, context length) of one call: without a prefix, with one, 1 row.
-CHUNKS = [(37, 37), (20, 100), (1, 50), (70, 90)] if CPU else [(300, 300), (512, 2560), (1, 50), (200, 4000), (77, 90)]
+# Prefill chunks (new tokens, context length) of one call: without a prefix, with one, 1 row; a
+# 62-token prefix puts the diagonal one position short of a tile edge (BLOCK_N 32 or 64).
+CHUNKS = [(37, 37), (20, 100), (1, 50), (70, 132)] if CPU else [(300, 300), (512, 2560), (1, 50), (200, 4000), (77, 139)]
 TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}  # (atol, rtol)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -303,6 +308,94 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_apply_rotary(run, dtype, rope):
     print(run(case_rotary, device=DEVICE, dtype=dtype, rope=rope))
+
+
+H200_SHARED_BYTES = 232448  # the most shared memory one block may opt in to on sm_90
+COMPILED: list = []  # filled in the compile-only child
+
+
+def compile_only() -> None:
+    """Child initializer: real Triton compilation for sm_90 with no GPU. A stand-in driver names
+    the target, and a launch compiles (warmup) instead of running, recording the kernel."""
+    import os
+    os.environ.pop("TRITON_INTERPRET", None)
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90:
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(Sm90())
+    JITFunction.__getitem__ = lambda self, grid: (
+        lambda *args, **kw: COMPILED.append((self.fn.__name__, self.run(*args, grid=grid, warmup=True, **kw))))
+
+
+def case_compile_sm90() -> list[tuple[str, int]]:
+    """Every kernel variant the wrappers launch at production and test shapes, compiled for an
+    H200 through the wrappers themselves (same arguments, same specialisation); (name, shared bytes)."""
+    from workers.kernels.activation import silu_and_mul
+    from workers.kernels.decode_attention import paged_decode_attention
+    from workers.kernels.norm import fused_add_rms_norm, rms_norm
+    from workers.kernels.prefill_attention import paged_prefill_attention
+    from workers.kernels.rotary import apply_rotary_inplace
+    from workers.kernels.store_kv import store_kv
+    COMPILED.clear()
+    # (dtype, kv heads, head dim, window, decode splits, prefill chunk lengths): bf16 at the
+    # Llama-3.2-1B and 8B shapes with and without a window, fp32 at the tests' (largest tiles).
+    shapes = ((torch.bfloat16, 8, 64, None, (1, 4), (16, 512)), (torch.bfloat16, 8, 128, 4096, (4,), (512,)),
+              (torch.float32, 2, 128, None, (4,), (512,)))
+    for dtype, kvh, d, window, splits, max_qs in shapes:
+        k_cache = torch.zeros(64, PAGE, kvh, d, dtype=dtype)
+        tables, lens = torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
+        q = torch.zeros(4, 4 * kvh, d, dtype=dtype)
+        for n in splits:
+            paged_decode_attention(q, k_cache, k_cache, tables, lens, 0.1, window, n)
+        for max_q in max_qs:
+            cu = torch.tensor([0, max_q], dtype=torch.int32)
+            paged_prefill_attention(q.new_zeros(max_q, 4 * kvh, d), k_cache, k_cache, tables, cu, lens, max_q, 0.1, window)
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16)
+    q = torch.zeros(4, 40, 64, dtype=torch.bfloat16)
+    store_kv(q[:, 32:], q[:, 32:], torch.zeros(8, PAGE, 8, 64, dtype=torch.bfloat16), torch.zeros(8, PAGE, 8, 64,
+             dtype=torch.bfloat16), lens)
+    apply_rotary_inplace(q[:, :32], q[:, 32:], lens, torch.zeros(8, 64, dtype=torch.bfloat16))
+    rms_norm(q[:, :32], torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    fused_add_rms_norm(x, x.clone(), torch.ones(2048, dtype=torch.bfloat16), 1e-5)
+    silu_and_mul(torch.zeros(4, 16384, dtype=torch.bfloat16))
+    built = [(name, kernel.metadata.shared) for name, kernel in COMPILED]
+    over = [b for b in built if b[1] > H200_SHARED_BYTES]
+    assert not over, f"kernels over the H200's shared memory: {over}"
+    return built
+
+
+@pytest.mark.skipif(not CPU, reason="on CUDA every other test compiles and runs the kernels")
+def test_kernels_compile_for_h200_without_a_gpu():
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=compile_only) as pool:
+        built = pool.submit(case_compile_sm90).result(timeout=600)
+    print(built)
+    assert {name for name, _ in built} >= {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_store_kv_kernel",
+                                            "_rotary_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"}
+
+
+def test_attention_bench_dry_run_agrees_with_gather_and_flex(tmp_path):
+    """bench.attention_kernels end to end on the CPU (interpreter, tiny shapes): JSON, PNG, and
+    its Triton outputs against the gather path and FlexAttention's paged block mask."""
+    out = tmp_path / "attn.json"
+    subprocess.run([sys.executable, "-m", "bench.attention_kernels", "--dry-run", "--out", str(out)],
+                   cwd=Path(__file__).resolve().parents[1], check=True, timeout=600, capture_output=True)
+    report = json.loads(out.read_text())
+    entries = report["decode"] + report["prefill"]
+    assert len(report["decode"]) == 4 and len(report["prefill"]) == 4 and out.with_suffix(".png").exists()
+    assert max(e["max_abs_diff_vs_gather"] for e in entries) < 1e-5
+    flexed = [e["methods"]["flex"] for e in entries if "flex" in e["methods"]]
+    assert len(flexed) == 2 and max(f["max_abs_diff_vs_triton"] for f in flexed) < 1e-5, flexed
 
 
 def test_available_follows_device_and_interpreter(monkeypatch):
