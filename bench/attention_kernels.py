@@ -169,7 +169,7 @@ def flex(q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_q: int, 
 def decode_point(shape: Shape, batch: int, context: int, plan: Plan, dev: torch.device, timer: Timer,
                  with_flex: bool, config=None) -> dict:
     from workers.attention import AttentionBatch, PagedAttention
-    from workers.kernels.decode_attention import DECODE_CONFIG, default_num_splits, paged_decode_attention
+    from workers.kernels.decode_attention import default_num_splits, paged_decode_attention
     layers, tables, lens, kv_bytes, gen = point(shape, batch, context, plan.dtype, dev, seed=batch + context)
     q = torch.empty(batch, shape.heads, shape.head_dim, dtype=plan.dtype, device=dev).normal_(generator=gen)
     scale = shape.head_dim ** -0.5
@@ -182,7 +182,7 @@ def decode_point(shape: Shape, batch: int, context: int, plan: Plan, dev: torch.
         return attn._decode(q, meta)
 
     def ours(k, v):
-        return paged_decode_attention(q, k, v, tables, lens, scale, config=config or DECODE_CONFIG)
+        return paged_decode_attention(q, k, v, tables, lens, scale, config=config)
     reference = ours(*layers[0])
     methods = {"triton": per_layer(timer, layers, ours)}
     if config is None:

@@ -23,7 +23,6 @@ from torch import Tensor
 from workers.kernels.launch import TileConfig, dot_precision, pow2, sm_count
 from workers.kernels.paged_layout import check_paged
 
-DECODE_CONFIG = TileConfig(block_n=64, num_warps=4, num_stages=2)
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the merge than it saves
 MAX_SPLITS = 64
 
@@ -115,6 +114,11 @@ def _merge_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+def decode_config(dtype: torch.dtype) -> TileConfig:
+    """64 context tokens per step for 16-bit caches; 32 for fp32 (tests), which spills at 64."""
+    return TileConfig(block_n=32 if dtype.itemsize >= 4 else 64, num_warps=4, num_stages=2)
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per (sequence, kv head): enough programs to fill the SMs about twice, but no split
     shorter than MIN_SPLIT_TOKENS of the table's capacity. Shapes only, so graph-safe."""
@@ -127,7 +131,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float, sliding_window: int | None = None,
                            num_splits: int | None = None, out: Tensor | None = None,
-                           config: TileConfig = DECODE_CONFIG) -> Tensor:
+                           config: TileConfig | None = None) -> Tensor:
     """Attention of each sequence's one new token over its cached context -> [S, H, D].
 
     `num_splits` None picks one from S, KVH, the table's width and the SM count."""
@@ -141,6 +145,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     splits = num_splits or default_num_splits(s, kvh, max_context, q.device)
     group = h // kvh
     direct = splits == 1
+    cfg = config or decode_config(q.dtype)
     part_o = q.new_empty((s, h, splits, d) if not direct else (1, 1, 1, 1), dtype=torch.float32)
     part_lse = q.new_empty((s, h, splits) if not direct else (1, 1, 1), dtype=torch.float32)
     _decode_kernel[(s, kvh, splits)](
@@ -149,8 +154,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), *part_o.stride()[:3], *part_lse.stride()[:2],
         GROUP=group, BLOCK_G=pow2(group, 16), HEAD_DIM=d, BLOCK_D=pow2(d, 16), PAGE=page,
-        BLOCK_N=config.block_n, HAS_WINDOW=sliding_window is not None, DIRECT=direct,
-        DOT_PREC=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window is not None, DIRECT=direct,
+        DOT_PREC=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not direct:
         _merge_kernel[(s, h)](
             part_o, part_lse, out, splits, *part_o.stride()[:3], *part_lse.stride()[:2],
