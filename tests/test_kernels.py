@@ -123,9 +123,11 @@ def case_prefill(device: str, dtype: torch.dtype, group: int, d: int, window: in
     q = torch.randn(int(cu[-1]), h, d, generator=gen).to(dtype)
     scale = d ** -0.5
     dev = torch.device(device)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=dev)
     got = paged_prefill_attention(q.to(dev), k_cache.to(dev), v_cache.to(dev), tables.to(dev), cu.to(dev),
                                   torch.tensor(lens, dtype=torch.int32, device=dev), max(rows), scale,
-                                  sliding_window=window)
+                                  sliding_window=window, out=out)
+    assert got is out
     want = torch.cat([reference(q[cu[i]:cu[i + 1]], torch.arange(ctx - n, ctx), k_cache, v_cache, tables[i],
                                 ctx, window, scale) for i, (n, ctx) in enumerate(chunks)])
     return close(got.cpu(), want, dtype, f"prefill group {group} d {d} window {window}")
@@ -143,9 +145,10 @@ def test_decode_sliding_window(run, num_splits):
     print(run(case_decode, device=DEVICE, dtype=torch.float32, group=4, d=64, num_splits=num_splits, window=40))
 
 
-@pytest.mark.parametrize("d", [80, 96])
-def test_decode_pads_head_dim_and_reads_strided_q(run, d):
-    print(run(case_decode, device=DEVICE, dtype=torch.float32, group=2, d=d, num_splits=None, strided_q=True))
+@pytest.mark.parametrize(("group", "d"), [(2, 80), (2, 96), (7, 64), (16, 64)])
+def test_decode_odd_shapes_and_strided_q(run, group, d):
+    """Head dims padded to a power of two, groups that are not one or past 8, q a view of qkv."""
+    print(run(case_decode, device=DEVICE, dtype=torch.float32, group=group, d=d, num_splits=None, strided_q=True))
 
 
 @cuda_only_bf16_dot
@@ -165,6 +168,10 @@ def test_prefill_sliding_window(run, window):
     # (100, 300) at window 150 walks all three stages: window edge, whole tiles, diagonal.
     chunks = [(37, 37), (20, 300), (100, 300), (1, 50)] if CPU else [(300, 300), (512, 2560), (1, 50), (700, 4000)]
     print(run(case_prefill, device=DEVICE, dtype=torch.float32, group=4, d=64, window=window, chunks=chunks))
+
+
+def test_prefill_pads_head_dim(run):
+    print(run(case_prefill, device=DEVICE, dtype=torch.float32, group=2, d=80))
 
 
 @cuda_only_bf16_dot
@@ -207,6 +214,36 @@ def case_gather_path(device: str, dtype: torch.dtype) -> float:
 
 def test_attention_matches_gather_path(run):
     print(run(case_gather_path, device=DEVICE, dtype=torch.float32))
+
+
+@pytest.mark.skipif(CPU, reason="CUDA graphs need a GPU")
+def test_decode_replays_in_a_cuda_graph():
+    """Captured once with static buffers, replayed over new tables and lengths: no host sync and
+    no host decision on tensor values, so each replay matches the reference."""
+    from workers.kernels.decode_attention import paged_decode_attention
+    gen = torch.Generator().manual_seed(8)
+    kvh, group, d, s, width = 2, 4, 128, 6, 300
+    k_cache, v_cache, _ = paged_cache([width * PAGE] * 2, kvh, d, torch.float32, gen)
+    dev = torch.device("cuda")
+    static = {"q": torch.zeros(s, kvh * group, d, device=dev), "tables": torch.zeros(s, width, dtype=torch.int32, device=dev),
+              "lens": torch.zeros(s, dtype=torch.int32, device=dev), "out": torch.zeros(s, kvh * group, d, device=dev)}
+    kc, vc = k_cache.to(dev), v_cache.to(dev)
+
+    def step():
+        paged_decode_attention(static["q"], kc, vc, static["tables"], static["lens"], d ** -0.5, out=static["out"])
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([1, 5, 4000, 0, 17, 300], [4800, 2, 33, 600, 1, 0]):
+        tables = torch.stack([torch.randperm(k_cache.shape[0], generator=gen)[:width] for _ in range(s)]).int()
+        q = torch.randn(s, kvh * group, d, generator=gen)
+        for name, value in (("q", q), ("tables", tables), ("lens", torch.tensor(lens, dtype=torch.int32))):
+            static[name].copy_(value)
+        graph.replay()
+        want = torch.stack([reference(q[i:i + 1], torch.tensor([n - 1]), k_cache, v_cache, tables[i], n, None, d ** -0.5)[0]
+                            for i, n in enumerate(lens)])
+        print(close(static["out"].cpu(), want, torch.float32, f"graph replay at {lens}"))
 
 
 def case_store_kv(device: str, dtype: torch.dtype) -> float:
