@@ -321,30 +321,39 @@ def test_silu_and_mul_matches_eager_mlp(run, dtype):
     print(run(case_silu, device=DEVICE, dtype=dtype))
 
 
-def case_rotary(device: str, dtype: torch.dtype, rope: dict) -> float:
+def case_rotary(device: str, dtype: torch.dtype, rope: dict, table: str) -> float:
+    """Against llama.apply_rotary with the eager Rotary's cos/sin, reading either table layout:
+    `rotary_cache`'s [max_pos, D] or the [max_pos, 2D] fp32 one llama.Rotary builds for kernels."""
     from workers.kernels.rotary import apply_rotary_inplace, rotary_cache
-    from workers.models.llama import Rotary, apply_rotary, rope_inv_freq
+    from workers.models.llama import Rotary, rope_inv_freq
     gen = torch.Generator().manual_seed(7)
-    h, kvh, d = 6, 2, 64
+    h, kvh, d, max_pos = 6, 2, 64, 4096
     dev = torch.device(device)
     qkv = torch.randn(8, h + 2 * kvh, d, generator=gen).to(dtype).to(dev)
     q, k = qkv[:, :h], qkv[:, h:h + kvh]
     positions = torch.tensor([0, 1, 2, 15, 16, 511, 1000, 4095], device=dev)
     inv_freq = rope_inv_freq(rope, d)
-    cos, sin = Rotary(inv_freq)(positions, dtype)
-    want_q, want_k = apply_rotary(q, cos, sin).cpu(), apply_rotary(k, cos, sin).cpu()
-    apply_rotary_inplace(q, k, positions, rotary_cache(inv_freq, 4096, dtype, dev))
-    return max(close(q.cpu(), want_q, dtype, "rotary q"), close(k.cpu(), want_k, dtype, "rotary k"))
+    eager = Rotary(inv_freq, max_pos, kernels=False)
+    want_q, want_k = (x.cpu() for x in eager.apply(eager.prepare(positions, dtype), q, k))
+    if table == "model":
+        kernel_rotary = Rotary(inv_freq, max_pos, kernels=True)
+        kernel_rotary.prepare(positions, dtype)
+        cache = kernel_rotary.cache
+    else:
+        cache = rotary_cache(inv_freq, max_pos, dtype, dev)
+    apply_rotary_inplace(q, k, positions, cache)
+    return max(close(q.cpu(), want_q, dtype, f"rotary q, {table} table"), close(k.cpu(), want_k, dtype, "rotary k"))
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0}, LLAMA3_ROPE])
+@pytest.mark.parametrize(("rope", "table"), [({"rope_type": "default", "rope_theta": 10000.0}, "compact"),
+                                             (LLAMA3_ROPE, "compact"), (LLAMA3_ROPE, "model")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_matches_apply_rotary(run, dtype, rope):
-    print(run(case_rotary, device=DEVICE, dtype=dtype, rope=rope))
+def test_rotary_matches_apply_rotary(run, dtype, rope, table):
+    print(run(case_rotary, device=DEVICE, dtype=dtype, rope=rope, table=table))
 
 
 H200_SHARED_BYTES = 232448  # the most shared memory one block may opt in to on sm_90
@@ -419,6 +428,40 @@ def test_kernels_compile_for_h200_without_a_gpu():
     print(built)
     assert {name for name, _ in built} >= {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_store_kv_kernel",
                                             "_rotary_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"}
+
+
+def case_runner(name: str, path: str) -> float:
+    """The torch runner's kernel path (workers/attention.py KernelBatch, fused norms, RoPE table,
+    SiLU) against its eager path on one checkpoint: chunked prefill, mixed steps, decodes over
+    shuffled blocks give the same greedy tokens; the max abs difference of the KV caches."""
+    import random
+
+    from tests.test_model_fidelity import NUM_BLOCKS, run_greedy
+    from workers.executors.torch_runner import TorchRunner
+    runners = [TorchRunner(path, NUM_BLOCKS, 4, "cpu", torch.float32, kernels=kernels) for kernels in (False, True)]
+    rng = random.Random(9)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (19, 7, 30)]
+    blocks = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    tables = [blocks[:12], blocks[12:24], blocks[24:40]]
+    eager, fast = (run_greedy(r, prompts, tables, n=4, chunk=8) for r in runners)
+    assert fast == eager, f"{name}: kernel path {fast} != eager {eager}"
+    return (runners[0].kv_cache - runners[1].kv_cache).abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["qwen3-qknorm-headdim32-tied", "mistral-window5"])
+def test_runner_kernel_path_matches_eager(run, name, tmp_path):
+    """The integration: kernels at their real call sites (qkv views, the model's RoPE table) on
+    tiny Qwen3 (GQA, q/k norm, tied) and Mistral (sliding window) checkpoints."""
+    import transformers
+
+    from tests.test_model_fidelity import CONFIGS, _randomize
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name])
+    _randomize(model)
+    model.save_pretrained(tmp_path)
+    err = run(case_runner, name=name, path=str(tmp_path))
+    assert err < 1e-4, f"{name}: KV caches differ by {err:.3g}"
+    print(err)
 
 
 def test_attention_bench_dry_run_agrees_with_gather_and_flex(tmp_path):
