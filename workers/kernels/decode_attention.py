@@ -115,7 +115,8 @@ def _merge_kernel(
 
 
 def decode_config(dtype: torch.dtype) -> TileConfig:
-    """64 context tokens per step for 16-bit caches; 32 for fp32 (tests), which spills at 64."""
+    """64 context tokens per step for 16-bit caches (no spills on sm_90); 32 for fp32 (tests),
+    whose tl.dot runs on CUDA cores and needs the registers."""
     return TileConfig(block_n=32 if dtype.itemsize >= 4 else 64, num_warps=4, num_stages=2)
 
 
@@ -134,7 +135,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
                            config: TileConfig | None = None) -> Tensor:
     """Attention of each sequence's one new token over its cached context -> [S, H, D].
 
-    `num_splits` None picks one from S, KVH, the table's width and the SM count."""
+    `num_splits` None picks one from S, KVH, the table's width (or the window) and the SM count."""
     s, h, d = q.shape
     _, page, kvh, _ = k_cache.shape
     check_paged(q, k_cache, v_cache, block_tables, context_lens, s, out)
@@ -142,7 +143,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     if s == 0:
         return out
     max_context = block_tables.shape[1] * page
-    splits = num_splits or default_num_splits(s, kvh, max_context, q.device)
+    span = min(max_context, sliding_window or max_context)  # the most tokens a query sees
+    splits = num_splits or default_num_splits(s, kvh, span, q.device)
     group = h // kvh
     direct = splits == 1
     cfg = config or decode_config(q.dtype)
