@@ -321,10 +321,9 @@ def test_silu_and_mul_matches_eager_mlp(run, dtype):
     print(run(case_silu, device=DEVICE, dtype=dtype))
 
 
-def case_rotary(device: str, dtype: torch.dtype, rope: dict, table: str) -> float:
-    """Against llama.apply_rotary with the eager Rotary's cos/sin, reading either table layout:
-    `rotary_cache`'s [max_pos, D] or the [max_pos, 2D] fp32 one llama.Rotary builds for kernels."""
-    from workers.kernels.rotary import apply_rotary_inplace, rotary_cache
+def case_rotary(device: str, dtype: torch.dtype, rope: dict) -> float:
+    """Against llama.apply_rotary with the eager Rotary's cos/sin, through the kernel-mode
+    Rotary's table (`rotary_cache`), as the model runs it."""
     from workers.models.llama import Rotary, rope_inv_freq
     gen = torch.Generator().manual_seed(7)
     h, kvh, d, max_pos = 6, 2, 64, 4096
@@ -335,25 +334,19 @@ def case_rotary(device: str, dtype: torch.dtype, rope: dict, table: str) -> floa
     inv_freq = rope_inv_freq(rope, d)
     eager = Rotary(inv_freq, max_pos, kernels=False)
     want_q, want_k = (x.cpu() for x in eager.apply(eager.prepare(positions, dtype), q, k))
-    if table == "model":
-        kernel_rotary = Rotary(inv_freq, max_pos, kernels=True)
-        kernel_rotary.prepare(positions, dtype)
-        cache = kernel_rotary.cache
-    else:
-        cache = rotary_cache(inv_freq, max_pos, dtype, dev)
-    apply_rotary_inplace(q, k, positions, cache)
-    return max(close(q.cpu(), want_q, dtype, f"rotary q, {table} table"), close(k.cpu(), want_k, dtype, "rotary k"))
+    kernel_rotary = Rotary(inv_freq, max_pos, kernels=True)
+    kernel_rotary.apply(kernel_rotary.prepare(positions, dtype), q, k)
+    return max(close(q.cpu(), want_q, dtype, "rotary q"), close(k.cpu(), want_k, dtype, "rotary k"))
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-@pytest.mark.parametrize(("rope", "table"), [({"rope_type": "default", "rope_theta": 10000.0}, "compact"),
-                                             (LLAMA3_ROPE, "compact"), (LLAMA3_ROPE, "model")])
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0}, LLAMA3_ROPE])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_matches_apply_rotary(run, dtype, rope, table):
-    print(run(case_rotary, device=DEVICE, dtype=dtype, rope=rope, table=table))
+def test_rotary_matches_apply_rotary(run, dtype, rope):
+    print(run(case_rotary, device=DEVICE, dtype=dtype, rope=rope))
 
 
 H200_SHARED_BYTES = 232448  # the most shared memory one block may opt in to on sm_90

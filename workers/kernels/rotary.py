@@ -2,11 +2,10 @@
 
 Layouts: q [T, H, D] and k [T, KVH, D] (last dim contiguous, other strides free: views of a
 fused qkv output are fine), positions [T] int32 or int64 (each < the table's rows), and a table
-[max_positions, W] in q's dtype or fp32 whose first half holds cos and second half sin: W = D
-(the D/2 frequencies' cos then sin, as `rotary_cache` builds it) or W = 2D (cos and sin of the
-duplicated frequencies, as llama.Rotary builds its kernel table). Values are cos/sin of fp32
-frequencies rounded to the model dtype, so results follow llama.apply_rotary's rounding: HF's
-rotate-half (NeoX) convention, each product rounded to the dtype before the sum.
+[max_positions, D] in q's dtype, as `rotary_cache` builds it: the D/2 frequencies' cos, then
+their sin. Values are cos/sin of fp32 frequencies rounded to the model dtype, so results follow
+llama.apply_rotary's rounding: HF's rotate-half (NeoX) convention, each product rounded to the
+dtype before the sum.
 Why: no per-step cos/sin tensors and no rotate-half copies, one launch for q and k.
 """
 import torch
@@ -20,7 +19,7 @@ from workers.kernels.launch import pow2
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, SIN: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -29,7 +28,7 @@ def _rotary_kernel(
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
     cos = tl.load(cache_ptr + pos * stride_c + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_c + SIN + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     for which in tl.static_range(2):
         if which == 0:
             ptrs = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
@@ -60,10 +59,9 @@ def apply_rotary_inplace(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache:
     """Rotate q and k in place by their rows' positions."""
     t, h, d = q.shape
     kvh = k.shape[1]
-    width = cos_sin_cache.shape[-1]
-    if k.shape[0] != t or k.shape[2] != d or d % 2 or width not in (d, 2 * d):
+    if k.shape[0] != t or k.shape[2] != d or d % 2 or cos_sin_cache.shape[-1] != d:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, table {tuple(cos_sin_cache.shape)} do not fit")
-    if q.dtype != k.dtype or cos_sin_cache.dtype not in (q.dtype, torch.float32) or positions.shape[0] < t:
+    if q.dtype != k.dtype or cos_sin_cache.dtype != q.dtype or positions.shape[0] < t:
         raise ValueError(f"dtypes q {q.dtype}, k {k.dtype}, table {cos_sin_cache.dtype}; {positions.shape[0]} positions")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
         raise ValueError("q, k and the table need a contiguous last dimension")
@@ -71,5 +69,5 @@ def apply_rotary_inplace(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache:
         return
     _rotary_kernel[(t,)](
         q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_sin_cache.stride(0), HEADS=h, KV_HEADS=kvh, HALF=d // 2, SIN=width // 2,
+        cos_sin_cache.stride(0), HEADS=h, KV_HEADS=kvh, HALF=d // 2,
         BLOCK_H=pow2(max(h, kvh)), BLOCK_HALF=pow2(d // 2), num_warps=4)

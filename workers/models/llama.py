@@ -116,8 +116,8 @@ def _llama3_inv_freq(inv_freq: Tensor, rope: dict) -> Tensor:
 
 class Rotary:
     """RoPE for the step's positions. Eager: cos/sin built once per step and shared by all
-    layers. Kernels: a [max_pos, head_dim] cos|sin table built once, read in place by the rotary
-    kernel, so a step builds no per-token tensors (and CUDA graphs replay without host work)."""
+    layers. Kernels: a [max_pos, head_dim] cos|sin table (in the model's dtype, as HF rounds
+    them) built once and read in place by the rotary kernel, so a step builds no tensors."""
 
     def __init__(self, inv_freq: Tensor, max_positions: int, kernels: bool):
         self.inv_freq = inv_freq
@@ -132,7 +132,8 @@ class Rotary:
             self.inv_freq = self.inv_freq.to(positions.device)
         if self.kernels:
             if self.cache is None or self.cache.dtype != dtype:
-                self.cache = self._table(torch.arange(self.max_positions, device=positions.device), dtype)
+                from workers.kernels.rotary import rotary_cache
+                self.cache = rotary_cache(self.inv_freq, self.max_positions, dtype, positions.device)
             return (positions,)
         emb = self._freqs(positions)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
@@ -148,11 +149,6 @@ class Rotary:
     def _freqs(self, positions: Tensor) -> Tensor:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         return torch.cat((freqs, freqs), dim=-1)
-
-    def _table(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
-        """cos and sin rounded to `dtype` as HF rounds them, then held in fp32 side by side."""
-        emb = self._freqs(positions)
-        return torch.cat((emb.cos().to(dtype), emb.sin().to(dtype)), dim=-1).float()
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
