@@ -155,7 +155,7 @@ class Engine:
                     req = entry[0]
                     self._drop(req)
                     self._outbox.append((entry[2], RequestOutput(
-                        req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), len(req.output_ids), "abort")))
+                        req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "abort")))
             else:
                 _, fn, fut = cmd
                 t0 = time.perf_counter()
@@ -245,15 +245,14 @@ class Engine:
         return outputs
 
     def _chunks(self, plan: StepPlan) -> list[SeqChunk]:
-        B = self.config.block_size
+        """The step's chunks; each hands the request's own block-id list (no copy per step)."""
         chunks = []
         for req, n in plan.scheduled:
-            end = req.num_computed + n
-            chunks.append(SeqChunk(
-                token_ids=req.token_ids[req.num_computed:end], start_pos=req.num_computed,
-                block_table=[b.block_id for b in req.blocks[:-(-end // B)]],
-                sample=end == req.num_tokens, params=req.params,
-                output_index=req.num_tokens - req.num_prompt))
+            start = req.num_computed
+            end = start + n
+            total = len(req.token_ids)
+            chunks.append(SeqChunk(req.token_ids[start:end], start, req.block_ids, end == total, req.params,
+                                   total - len(req.prompt_ids)))
         return chunks
 
     def _append(self, req: Request, tok: int) -> RequestOutput | None:
@@ -271,13 +270,13 @@ class Engine:
         reason = None
         if tok in p.stop_token_ids or hit_stop or (not p.ignore_eos and tok in self.executor.eos_token_ids):
             reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif req.num_output >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason:
             self._remove(req, reason)
         text = detok.flush(reason is not None) if detok else ""
         return RequestOutput(req.request_id, [tok], text, req.num_prompt, max(req.num_cached, 0),
-                             len(req.output_ids), reason)
+                             req.num_output, reason)
 
     def _drop(self, req: Request) -> None:
         """Take a request out of the pending list or the scheduler and free its blocks."""
@@ -291,7 +290,7 @@ class Engine:
         self._drop(req)
         self.stats.failed += 1
         return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
-                             len(req.output_ids), "error", why)
+                             req.num_output, "error", why)
 
     def _fail_all(self, why: str) -> None:
         """Fail every request in flight and hand out what is owed (after a fault outside the
@@ -301,7 +300,7 @@ class Engine:
                 out = self._fail(req, why)
             except Exception:
                 log.exception("request %s could not be released", rid)
-                out = RequestOutput(rid, [], "", req.num_prompt, 0, len(req.output_ids), "error", why)
+                out = RequestOutput(rid, [], "", req.num_prompt, 0, req.num_output, "error", why)
             self._outbox.append((sink, out))
         self._requests.clear()
         self._pending.clear()
@@ -340,7 +339,7 @@ class Engine:
 
     def _finish_evicted(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
-                             len(req.output_ids), req.finish_reason)
+                             req.num_output, req.finish_reason)
 
     @property
     def alive(self) -> bool:

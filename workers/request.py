@@ -19,6 +19,7 @@ class Request:
     num_computed: int = 0
     num_cached: int = -1
     blocks: list[Block] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # blocks' ids, kept beside them for the step's tables
     block_hashes: list[int] = field(default_factory=list)
     num_registered: int = 0
     queued_tokens: int = 0  # the prefill work it adds while waiting (set when queued)
@@ -45,6 +46,10 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
 
     @property
     def num_remaining(self) -> int:

@@ -10,7 +10,9 @@ class SeqChunk:
     """One sequence's share of a step.
 
     The executor computes K/V for `token_ids` at positions start_pos.., writes it into the
-    blocks of `block_table`, and, when `sample` is set, returns the next token.
+    blocks of `block_table`, and, when `sample` is set, returns the next token. `block_table`
+    is the sequence's own list and may hold blocks past the chunk: read only the first
+    ceil((start_pos + len(token_ids)) / block_size), and never keep or change it.
     """
     token_ids: list[int]
     start_pos: int

@@ -39,6 +39,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         req.blocks = self.pool.touch_prefix(self._prefix_hashes(req), req.token_ids)
+        req.block_ids = [b.block_id for b in req.blocks]
         req.num_computed = req.num_registered = len(req.blocks) * self.block_size
         return req.num_computed
 
@@ -63,7 +64,9 @@ class KVCacheManager:
         if need:
             if not self.pool.can_allocate(need):
                 return False
-            req.blocks.extend(self.pool.allocate(need))
+            new = self.pool.allocate(need)
+            req.blocks.extend(new)
+            req.block_ids.extend(b.block_id for b in new)
         return True
 
     def commit(self, req: Request) -> None:
@@ -81,5 +84,5 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         self.pool.free(req.blocks)
-        req.blocks = []
+        req.blocks, req.block_ids = [], []
         req.num_computed = req.num_registered = 0
