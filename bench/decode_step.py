@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
 
 def make_runner(args, path: str, max_seqs: int):
     from workers.executors.torch_runner import TorchRunner
-    blocks = max_seqs * -(-(args.context + args.steps + 8) // args.block_size) + 1
+    blocks = max_seqs * -(-(args.context + 2 * args.steps + 8) // args.block_size) + 1
     return TorchRunner(str(resolve(args.model)), blocks, args.block_size, args.device,
                        kernels=path != "gather", enforce_eager=path != "graphs", max_num_seqs=max_seqs)
 
@@ -50,7 +50,7 @@ def time_batch(runner, n: int, args, profile: bool = False) -> dict:
     import random
     rng = random.Random(args.seed)
     b = args.block_size
-    per_seq = -(-(args.context + args.steps + 1) // b)
+    per_seq = -(-(args.context + 2 * args.steps + 8) // b)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
     prompts = [[rng.randrange(1000) for _ in range(args.context)] for _ in range(n)]
     chunk = max(1, 8192 // args.context)
@@ -73,10 +73,32 @@ def time_batch(runner, n: int, args, profile: bool = False) -> dict:
             walls.append((t2 - t1) * 1000)
     row = {"batch": n, "context": args.context, "step_ms_median": statistics.median(walls),
            "step_ms_min": min(walls), "step_ms_max": max(walls), "prep_ms_median": statistics.median(preps)}
+    if runner.overlaps:
+        row["overlapped_step_ms_median"] = overlapped(runner, tables, pos, args)
     if profile:
         row["kernels"] = profile_steps(runner, [SeqChunk([last[i]], pos[i], tables[i], True, GREEDY, 0)
                                                 for i in range(n)], 5)
     return row
+
+
+def overlapped(runner, tables: list[list[int]], pos: list[int], args) -> float:
+    """Median ms between step completions when each step is launched before the previous one's
+    tokens are read (as the engine runs on CUDA): input tokens filled on the device."""
+    from workers.inflight import PLACEHOLDER
+    n = len(tables)
+    pending = runner.launch([SeqChunk([0], pos[i], tables[i], True, GREEDY, 0) for i in range(n)])
+    gaps, last = [], time.perf_counter()
+    for step in range(1, args.steps + 3):
+        chunks = [SeqChunk([PLACEHOLDER], pos[i] + step, tables[i], True, GREEDY, step, prev_sample=i)
+                  for i in range(n)]
+        nxt = runner.launch(chunks)
+        runner.collect(pending)
+        pending, now = nxt, time.perf_counter()
+        if step > 3:
+            gaps.append((now - last) * 1000)
+        last = now
+    runner.collect(pending)
+    return statistics.median(gaps)
 
 
 def profile_steps(runner, chunks: list[SeqChunk], steps: int) -> list[dict]:
@@ -137,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
             if ceilings:
                 row["bound_ms"] = 1000 * cost.step_bound_s(0, n, n * (args.context + 1), 0, ceilings)
             rows.append(row)
-            print(f"{path:7} batch {n:4}: {row['step_ms_median']:.2f} ms/step (prep {row['prep_ms_median']:.2f} ms)",
+            print(f"{path:7} batch {n:4}: {row['step_ms_median']:.2f} ms/step (prep {row['prep_ms_median']:.2f} ms)"
+                  + (f", overlapped {row['overlapped_step_ms_median']:.2f} ms" if "overlapped_step_ms_median" in row else ""),
                   file=sys.stderr, flush=True)
             for k in row.get("kernels", [])[:12]:
                 print(f"    {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f} {k['name']}", file=sys.stderr)

@@ -124,7 +124,8 @@ def hf_generate(args, seqs) -> dict:
     if len({len(p) for p, _ in seqs}) != 1 or len({n for _, n in seqs}) != 1:
         raise SystemExit("--hf-generate needs equal prompt and output lengths (--min-input-len = --max-input-len ...)")
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(resolve(args.model)), dtype=dtype,
                                                  attn_implementation="sdpa").to(args.device).eval()
@@ -132,15 +133,17 @@ def hf_generate(args, seqs) -> dict:
     n = seqs[0][1]
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
               pad_token_id=0)
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     with torch.inference_mode():
-        model.generate(ids[:2], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        torch.cuda.synchronize()
+        model.generate(ids[:2], **{**kw, "attention_mask": kw["attention_mask"][:2], "max_new_tokens": 4,
+                                   "min_new_tokens": 4})
+        sync()
         t0 = time.perf_counter()
-        model.generate(ids, **kw)
-        torch.cuda.synchronize()
+        out = model.generate(ids, **kw)
+        sync()
     elapsed = time.perf_counter() - t0
-    del model
-    torch.cuda.empty_cache()
+    if out.shape[1] != ids.shape[1] + n:
+        raise RuntimeError(f"HF generate made {out.shape[1] - ids.shape[1]} tokens, not {n}")
     return {"seconds": elapsed, "output_tok_s": len(seqs) * n / elapsed}
 
 
@@ -170,9 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         result["path"].update(capture_s=runner.graphs.capture_s, graph_mib=runner.graphs.memory_bytes / 2**20)
     if runner.device.type == "cuda":
         result["roofline"] = roofline(engine, result)
+    if args.hf_generate:
         del engine, runner
-        if args.hf_generate:
-            result["hf_generate"] = hf_generate(args, seqs)
+        result["hf_generate"] = hf_generate(args, seqs)
     result["steps_split"] = step_split(result.pop("step_log"))
     result["config"] = vars(args)
     result["command"] = "python -m bench.engine_throughput " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -82,3 +82,24 @@ def test_graph_replay_equals_eager_across_buckets(batch, checkpoints):
     tables = [[i * 5 + j for j in range(5)] for i in range(batch)]
     graphed = fast_greedy(str(path), prompts, tables, None, None, eager=False)
     assert graphed == fast_greedy(str(path), prompts, tables, None, None, eager=True)
+
+
+@pytest.mark.skipif(not CUDA, reason="the engine overlaps steps only on CUDA")
+@pytest.mark.parametrize("blocks", [96, 20])
+def test_engine_overlapping_graph_steps_matches_cpu_engine(blocks, checkpoints):
+    """The engine as served on CUDA: each decode step planned and launched (a graph replay whose
+    input tokens are filled on the device) before the previous step's tokens are read; the same
+    tokens and finish reasons as the CPU engine one step at a time, with and without preemption."""
+    from tests.test_overlap import run, workload
+    from workers.engine import Engine, EngineConfig
+    from workers.executors.torch_runner import TorchRunner
+    from workers.model_store import load_tokenizer
+    path, _ = checkpoints["qwen2-bias-gqa2"]
+    tok = load_tokenizer("smollm2-135m")
+
+    def engine(device: str) -> Engine:
+        runner = TorchRunner(str(path), blocks, BLOCK, device, torch.float32, max_num_seqs=8)
+        assert runner.overlaps == (device == "cuda")
+        return Engine(runner, tok, EngineConfig("m", BLOCK, blocks, 64, 8))
+    requests = workload(4, 512)
+    assert run(engine("cuda"), requests) == run(engine("cpu"), requests)

@@ -18,12 +18,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from workers.detokenizer import Detokenizer
-from workers.executors.batch import Executor, SeqChunk
+from workers.executors.batch import Executor
+from workers.inflight import InFlight, SyncLaunch, advance, chunks_of, drop_unresolved, resolve
 from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
 from workers.kv.kv_manager import KVCacheManager
+from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, StepPlan
@@ -52,30 +54,6 @@ class EngineConfig:
     cost_model: CostModel | None = None
 
 
-@dataclass
-class RequestOutput:
-    """A delta for one request after a step; `finish_reason` is set on the last one. A failed
-    request ends with finish_reason "error" and `error` saying why (ENGINE_ERROR/ENGINE_STOPPED)."""
-    request_id: str
-    token_ids: list[int]
-    text: str
-    num_prompt: int
-    num_cached: int
-    num_output: int
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-def unstarted_failure(rid: str, prompt_ids: list[int], why: str) -> RequestOutput:
-    """The one output of a request that failed before the engine took it in."""
-    return RequestOutput(rid, [], "", len(prompt_ids), 0, 0, "error", why)
-
-
-def call_sinks(batch: list[tuple[Callable, RequestOutput]]) -> None:
-    for sink, out in batch:
-        sink(out)
-
-
 class Engine:
     """`deliver(batch)` receives each step's outputs on the engine thread; by default it calls
     each sink there. The server replaces it to hand the whole batch to its event loop in one
@@ -83,6 +61,7 @@ class Engine:
 
     def __init__(self, executor: Executor, tokenizer, config: EngineConfig):
         self.executor = executor
+        self._inflight: InFlight | None = None
         self.tokenizer = tokenizer
         self.config = config
         # The context a request may use is what the model allows and the pool can hold alone.
@@ -105,6 +84,18 @@ class Engine:
         self._submit_lock = threading.Lock()
         self._beat = time.monotonic()
         self._snapshot = self._make_state()
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    @executor.setter
+    def executor(self, executor: Executor) -> None:
+        """Steps go through launch/collect; an executor that overlaps lets the next step be
+        planned while the device runs this one (workers/inflight.py)."""
+        self._executor = executor
+        self._launcher = executor if hasattr(executor, "launch") else SyncLaunch(executor)
+        self._overlap = bool(getattr(self._launcher, "overlaps", False))
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[RequestOutput], None], detokenize: bool = True,
@@ -183,7 +174,8 @@ class Engine:
             self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending) or not self._inbox.empty()
+        return (self.scheduler.has_work() or bool(self._pending) or not self._inbox.empty()
+                or self._inflight is not None)
 
     def _admit_pending(self) -> None:
         """Admit P/D decode requests whose blocks have arrived or whose wait has run out."""
@@ -200,7 +192,8 @@ class Engine:
         self._pending = still
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step: plan, execute, append tokens, emit deltas."""
+        """One scheduling step: plan and launch a step, then resolve the previous one (with an
+        overlapping executor) or this one: append tokens, stop, emit deltas."""
         start = time.perf_counter()
         self._drain_inbox()
         if self._pending:
@@ -208,8 +201,11 @@ class Engine:
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
-        if plan.scheduled:
-            outputs += self._run(plan, start)
+        launched = self._launch(plan, start, outputs) if plan.scheduled else None
+        if self._overlap:
+            launched, self._inflight = self._inflight, launched
+        if launched is not None:
+            outputs += self._resolve(launched)
         self._snapshot = self._make_state()
         for out in outputs:
             entry = self._requests.get(out.request_id)
@@ -222,57 +218,58 @@ class Engine:
             self.deliver(batch)
         return outputs
 
-    def _run(self, plan: StepPlan, start: float) -> list[RequestOutput]:
-        """Execute the plan and append its tokens; if the executor raises, the plan's requests
-        fail and nothing of the step is committed."""
+    def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
+        """Hand the plan to the executor and count its tokens as launched; if the executor raises,
+        the plan's requests fail (into `outputs`) and nothing of the step is kept."""
         work = step_work(plan)
         t0 = time.perf_counter()
         try:
-            sampled = self.executor.execute(self._chunks(plan))
+            handle = self._launcher.launch(chunks_of(plan))
         except Exception:
             log.exception("a step of %d requests raised; failing them", len(plan.scheduled))
-            return [self._fail(req, ENGINE_ERROR) for req, _ in plan.scheduled]
-        ms = (time.perf_counter() - t0) * 1000
+            outputs += [self._fail(req, ENGINE_ERROR) for req, _ in plan.scheduled]
+            return None
+        advance(plan, self.max_model_len)
+        return InFlight(plan, handle, work, start, t0)
+
+    def _resolve(self, step: InFlight) -> list[RequestOutput]:
+        """Read a launched step's tokens, commit its blocks, append and stop; requests that
+        ended meanwhile (aborted, failed, stopped one step earlier) are skipped."""
+        try:
+            sampled, ms = self._launcher.collect(step.handle)
+        except Exception:
+            log.exception("a step of %d requests failed on the device; failing them", len(step.plan.scheduled))
+            return [self._fail(req, ENGINE_ERROR) for req, _ in step.plan.scheduled if req.status != FINISHED]
         outputs = []
-        for (req, n), tok in zip(plan.scheduled, sampled):
-            req.num_computed += n
+        for (req, _), tok in zip(step.plan.scheduled, sampled):
+            if req.status == FINISHED:
+                continue
+            if tok is not None:
+                resolve(req, tok)
             self.kv.commit(req)
             if tok is not None:
-                out = self._append(req, tok)
-                if out is not None:
-                    outputs.append(out)
-        self.stats.record(ms, *work, (time.perf_counter() - start) * 1000)
+                outputs.append(self._append(req, tok))
+        self.stats.record(ms, *step.work, (time.perf_counter() - step.start) * 1000)
         return outputs
 
-    def _chunks(self, plan: StepPlan) -> list[SeqChunk]:
-        """The step's chunks; each hands the request's own block-id list (no copy per step)."""
-        chunks = []
-        for req, n in plan.scheduled:
-            start = req.num_computed
-            end = start + n
-            total = len(req.token_ids)
-            chunks.append(SeqChunk(req.token_ids[start:end], start, req.block_ids, end == total, req.params,
-                                   total - len(req.prompt_ids)))
-        return chunks
-
-    def _append(self, req: Request, tok: int) -> RequestOutput | None:
-        if req.status == FINISHED:
-            return None
+    def _append(self, req: Request, tok: int) -> RequestOutput:
+        """The delta for a resolved token, after the stop checks (which end the request)."""
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
             self.stats.prompt_tokens += req.num_prompt
             self.stats.cached_tokens += max(req.num_cached, 0)
-        req.token_ids.append(tok)
         self.stats.generated_tokens += 1
         p = req.params
         _, detok, _ = self._requests[req.request_id]
-        hit_stop = detok.add(tok) if detok and tok not in self.executor.eos_token_ids else False
+        eos = self.executor.eos_token_ids
+        hit_stop = detok.add(tok) if detok and tok not in eos else False
         reason = None
-        if tok in p.stop_token_ids or hit_stop or (not p.ignore_eos and tok in self.executor.eos_token_ids):
+        if tok in p.stop_token_ids or hit_stop or (not p.ignore_eos and tok in eos):
             reason = "stop"
-        elif req.num_output >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif req.num_output >= p.max_tokens or len(req.token_ids) - req.unresolved >= self.max_model_len:
             reason = "length"
         if reason:
+            drop_unresolved(req)
             self._remove(req, reason)
         text = detok.flush(reason is not None) if detok else ""
         return RequestOutput(req.request_id, [tok], text, req.num_prompt, max(req.num_cached, 0),
@@ -304,6 +301,7 @@ class Engine:
             self._outbox.append((sink, out))
         self._requests.clear()
         self._pending.clear()
+        self._inflight = None
         self._flush()
 
     def _flush(self) -> None:
@@ -315,10 +313,14 @@ class Engine:
                 log.exception("could not deliver %d outputs", len(batch))
 
     def _remove(self, req: Request, reason: str) -> None:
+        """End a request that stopped: export its prompt blocks if asked, then free them. It may
+        be waiting (preempted while its last token was in flight) as well as running."""
         if req.export is not None:
             self._export(req)
         if req in self.scheduler.running:
             self.scheduler.running.remove(req)
+        elif req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
         self.scheduler.finish(req, reason)
         self.stats.finished += 1
 
@@ -365,7 +367,7 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stopped:
-                if not (self.scheduler.has_work() or not self._inbox.empty()):
+                if not (self.scheduler.has_work() or not self._inbox.empty() or self._inflight is not None):
                     self._wake.wait(0.002 if self._pending else 0.05)
                     self._wake.clear()
                 if self.has_work():

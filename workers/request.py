@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from workers.kv.block_pool import Block
 from workers.sampling_params import SamplingParams
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+WAITING, RUNNING, FINISHING, FINISHED = "waiting", "running", "finishing", "finished"
 
 
 @dataclass(eq=False, slots=True)
@@ -30,6 +30,8 @@ class Request:
     kv_deadline: float | None = None
     export: Callable | None = None
     cache_salt: str | None = None  # folded into the block-hash seed: salts never share blocks
+    unresolved: int = 0  # trailing tokens sampled by launched steps, not read yet (workers/inflight.py)
+    sample_row: int = -1  # this request's row among the last launched step's sampled tokens
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -49,7 +51,8 @@ class Request:
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - len(self.prompt_ids)
+        """Output tokens known so far (placeholders of launched steps not counted)."""
+        return len(self.token_ids) - len(self.prompt_ids) - self.unresolved
 
     @property
     def num_remaining(self) -> int:

@@ -15,24 +15,38 @@ _MASK64 = (1 << 63) - 1
 
 def sample(logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
     """logits [n, V] -> one token per row; `output_indices[i]` is how many tokens row i has emitted."""
+    return sample_tensor(logits, params, output_indices).tolist()
+
+
+def sample_tensor(logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> Tensor:
+    """`sample`'s tokens as a tensor on the logits' device, queued without waiting for the device
+    (host values go up through pinned memory), so a launched step need not be waited for."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         picked = [params[i] for i in rows]
         noise = _exponential_noise(logits.shape[1], picked, [output_indices[i] for i in rows], logits.device)
-        tokens[rows] = _sample_rows(logits[rows].float(), picked, noise)
-    return tokens.tolist()
+        index = to_device(rows, torch.long, logits.device)
+        tokens[index] = _sample_rows(logits[index].float(), picked, noise)
+    return tokens
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list as a tensor on `device`: through pinned memory and an asynchronous copy
+    on CUDA, where a plain copy from pageable memory would wait for the device to go idle."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _sample_rows(logits: Tensor, params: list[SamplingParams], noise: Tensor) -> Tensor:
     """Temperature, then top-k, then top-p on the renormalised remainder (the HF/vLLM order)."""
-    temperature = logits.new_tensor([p.temperature for p in params])[:, None]
+    temperature = to_device([p.temperature for p in params], logits.dtype, logits.device)[:, None]
     logits, order = (logits / temperature).sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    top_k = logits.new_tensor([p.top_k or logits.shape[1] for p in params])[:, None]
+    top_k = to_device([p.top_k or logits.shape[1] for p in params], logits.dtype, logits.device)[:, None]
     logits = logits.masked_fill(rank >= top_k, float("-inf"))
     probs = logits.softmax(dim=-1)
-    top_p = logits.new_tensor([p.top_p for p in params])[:, None]
+    top_p = to_device([p.top_p for p in params], logits.dtype, logits.device)[:, None]
     # Keep a token while the mass strictly before it is below top_p (the first always stays);
     # top_p == 1 is skipped so float error in the cumsum cannot clip the tail.
     probs = probs.masked_fill((probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1), 0.0)

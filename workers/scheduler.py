@@ -81,7 +81,7 @@ class Scheduler:
         for req in decodes + prefills:
             if budget == 0:
                 break
-            if req.status != RUNNING:  # preempted for a request ahead of it in this step
+            if req.status != RUNNING:  # preempted for a request ahead of it, or finishing
                 continue
             n = min(req.num_remaining, budget)
             if not self._make_room(req, n, plan):
@@ -95,7 +95,7 @@ class Scheduler:
     def _make_room(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Allocate blocks for req, preempting the newest other running requests if needed."""
         while not self.kv.allocate_slots(req, n):
-            victims = [r for r in self.running if r is not req and
+            victims = [r for r in self.running if r is not req and r.status == RUNNING and
                        all(r is not s for s, _ in plan.scheduled)]
             if not victims:
                 if len(self.running) == 1 and not plan.scheduled:

@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped, RequestOutput, call_sinks
+from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
+from workers.outputs import RequestOutput, call_sinks
 from workers.metrics import WorkerMetrics
 from workers.protocol import (ParsedRequest, chunk, error_body, full_response, new_id,
                               parse_request, usage)

@@ -20,6 +20,7 @@ class SeqChunk:
     sample: bool
     params: SamplingParams
     output_index: int = 0
+    prev_sample: int = -1  # >= 0: token_ids[0] is a placeholder for row prev_sample of the last step's samples
 
 
 class Executor(Protocol):

@@ -76,8 +76,9 @@ class DecodeGraphs:
     def max_num_seqs(self) -> int:
         return self.sizes[-1]
 
-    def run(self, d: DecodeInputs) -> Tensor:
-        """Logits [n, vocab] of a decode step of n <= max_num_seqs sequences."""
+    def run(self, d: DecodeInputs, fill_ids: Callable[[Tensor], None]) -> Tensor:
+        """Logits [n, vocab] of a decode step of n <= max_num_seqs sequences; `fill_ids` may
+        write device-side token ids into the input buffer before the replay."""
         n = d.num_seqs
         bs = next(b for b in self.sizes if b >= n)
         zeros, skip = array("i", [0]) * (bs - n), array("i", [-1]) * (bs - n)
@@ -86,6 +87,7 @@ class DecodeGraphs:
         self.vectors[:, :bs].copy_(dev[:4 * bs].view(4, bs))
         if d.width:
             self.tables[:n, :d.width].copy_(dev[4 * bs:].view(n, d.width))
+        fill_ids(self.vectors[0])
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 

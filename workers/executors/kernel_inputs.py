@@ -128,16 +128,31 @@ def kernel_inputs(chunks: list[SeqChunk], block_size: int,
     nd = leading_decodes(chunks)
     d = decode_inputs(chunks[:nd], block_size)
     c = chunk_inputs(chunks[nd:], block_size)
-    t, p = nd + len(c.token_ids), len(c.context_lens)
-    dev = staging.upload(d.token_ids + c.token_ids + d.positions + c.positions + d.slots + c.slots
-                         + d.context_lens + d.tables + c.context_lens + c.cu_seqlens + c.tables)
-    o = 3 * t
-    batch = KernelBatch(dev[2 * t:o], nd, None, None)
+    flat, at = packed([d.token_ids + c.token_ids, d.positions + c.positions, d.slots + c.slots, d.context_lens,
+                       d.tables, c.context_lens, c.cu_seqlens, c.tables])
+    dev = staging.upload(flat)
+    ids, pos, slots, dlens, dtables, plens, cu, ptables = (dev[lo:hi] for lo, hi in at)
+    batch = KernelBatch(slots, nd, None, None)
     if nd:
-        batch.decode_lens, batch.decode_tables = dev[o:o + nd], dev[o + nd:o + nd + nd * d.width].view(nd, d.width)
-    o += nd + nd * d.width
-    if p:
-        batch.prefill_lens, batch.cu_seqlens_q = dev[o:o + p], dev[o + p:o + 2 * p + 1]
-        batch.prefill_tables = dev[o + 2 * p + 1:].view(p, c.width)
-        batch.max_seqlen_q = c.longest
-    return dev[:t], dev[t:2 * t], batch
+        batch.decode_lens, batch.decode_tables = dlens, dtables.view(nd, d.width)
+    if len(c.context_lens):
+        batch.prefill_lens, batch.cu_seqlens_q = plens, cu
+        batch.prefill_tables, batch.max_seqlen_q = ptables.view(len(plens), c.width), c.longest
+    return ids, pos, batch
+
+
+def packed(fields: list[array]) -> tuple[array, list[tuple[int, int]]]:
+    """The fields end to end, each starting on a 16-byte boundary, and each one's (start, end).
+
+    Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so slices
+    at arbitrary offsets compiled a new variant for most steps (~0.5 s each, measured on an H200
+    as prefill steps of 490 ms)."""
+    flat, at = array("i"), []
+    for f in fields:
+        at.append((len(flat), len(flat) + len(f)))
+        flat.extend(f)
+        flat.extend(ALIGN_PAD[:-len(flat) % 4])
+    return flat, at
+
+
+ALIGN_PAD = array("i", [0, 0, 0])

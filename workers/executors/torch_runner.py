@@ -10,7 +10,9 @@ activation and RoPE (workers/kernels), and decode steps replay CUDA graphs
 gather attention path: the reference the fidelity tests hold against HF.
 """
 import json
+import time
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +24,7 @@ from workers.executors.cuda_graphs import DecodeGraphs
 from workers.executors.kernel_inputs import Staging, decode_inputs, is_decode, kernel_inputs
 from workers.models.llama import ModelConfig
 from workers.models.loader import default_dtype, load_config, load_model
-from workers.sampling import sample
+from workers.sampling import sample_tensor, to_device
 from workers.sampling_params import SamplingParams
 
 # Shape buckets for the gather path on CUDA (see workers/attention.py): decode batches pad to a
@@ -30,6 +32,17 @@ from workers.sampling_params import SamplingParams
 # chunks to a multiple of TOKEN_BUCKET tokens. The CPU has no plans to build, and the kernel
 # path no cuDNN plans: neither pads.
 SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET = 8, 8, 64
+
+
+@dataclass
+class Launched:
+    """A step queued on the device: its sampled tokens (still on the device), the chunk each
+    came from, and its timing (CUDA events, or the host time where the step ran in `launch`)."""
+    tokens: Tensor | None
+    rows: list[int]
+    num_chunks: int
+    events: tuple | None
+    host_ms: float
 
 
 class TorchRunner:
@@ -64,6 +77,7 @@ class TorchRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.staging = Staging(self.device) if self.kernels else None
+        self._last_sampled: Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         if self.kernels and cuda:
             self.warmup()
@@ -72,19 +86,45 @@ class TorchRunner:
                 max_blocks = min(num_blocks, -(-self.max_model_len // block_size))
                 self.graphs = DecodeGraphs(self._decode_logits, max_num_seqs, max_blocks, self.device, lambda bs: None)
 
+    @property
+    def overlaps(self) -> bool:
+        """`launch` returns before the device has run the step (CUDA): the engine may plan the
+        next step meanwhile (workers/inflight.py)."""
+        return self.device.type == "cuda"
+
     def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
         """Run one step; one entry per chunk: the sampled token, or None when not sampling."""
+        return self.collect(self.launch(chunks))[0]
+
+    def launch(self, chunks: list[SeqChunk]) -> Launched:
+        """Queue one step on the device and return without waiting for it. A chunk with
+        `prev_sample` >= 0 takes its input token from that row of the previous launch's samples."""
+        t0 = time.perf_counter()
         sampled = [i for i, c in enumerate(chunks) if c.sample]
-        results: list[int | None] = [None] * len(chunks)
+        cuda = self.device.type == "cuda"
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         with torch.inference_mode():
+            if events:
+                events[0].record()
             logits = self._logits(chunks, sampled)
-            if logits is None:
-                return results
-            tokens = sample(logits, [chunks[i].params for i in sampled],
-                            [chunks[i].output_index for i in sampled])
-        for i, token in zip(sampled, tokens):
-            results[i] = token
-        return results
+            tokens = None if logits is None else sample_tensor(
+                logits, [chunks[i].params for i in sampled], [chunks[i].output_index for i in sampled])
+            if events:
+                events[1].record()
+        self._last_sampled = tokens
+        return Launched(tokens, sampled, len(chunks), events, (time.perf_counter() - t0) * 1000)
+
+    def collect(self, step: Launched) -> tuple[list[int | None], float]:
+        """A launched step's tokens (one entry per chunk, None where it did not sample) and its
+        device time in ms; waits for the device to finish that step."""
+        results: list[int | None] = [None] * step.num_chunks
+        if step.tokens is not None:
+            for i, token in zip(step.rows, step.tokens.tolist()):
+                results[i] = token
+        if step.events is None:
+            return results, step.host_ms
+        step.events[1].synchronize()
+        return results, step.events[0].elapsed_time(step.events[1])
 
     def warmup(self) -> None:
         """Run one step of each kind the kernels specialise on (long and short prefill chunks,
@@ -106,19 +146,28 @@ class TorchRunner:
 
     def _logits(self, chunks: list[SeqChunk], sampled: list[int]) -> Tensor | None:
         """Logits of the sampled rows: a graph replay for decode steps it covers, else eager."""
+        ends = _chunk_ends(chunks)
+        patch = [(ends[i], c.prev_sample) for i, c in enumerate(chunks) if c.prev_sample >= 0]
         if self.graphs is not None and len(chunks) <= self.graphs.max_num_seqs and is_decode(chunks):
-            return self.graphs.run(decode_inputs(chunks, self.block_size))
+            return self.graphs.run(decode_inputs(chunks, self.block_size), lambda ids: self._fill(ids, patch))
         if self.staging is not None:
             input_ids, positions, batch = kernel_inputs(chunks, self.block_size, self.staging)
         else:
             input_ids, positions, batch = self._prepare(chunks)
+        self._fill(input_ids, patch)
         hidden = self.model(input_ids, positions, batch)
         if not sampled:
             return None
         if len(sampled) == len(hidden):
             return self.model.compute_logits(hidden)
-        ends = _chunk_ends(chunks)
-        return self.model.compute_logits(hidden[self._tensor([ends[i] for i in sampled])])
+        return self.model.compute_logits(hidden[to_device([ends[i] for i in sampled], torch.long, self.device)])
+
+    def _fill(self, input_ids: Tensor, patch: list[tuple[int, int]]) -> None:
+        """Write the previous launch's sampled tokens into the rows whose input was a placeholder."""
+        if patch:
+            rows, src = zip(*patch)
+            index = to_device(list(rows), torch.long, self.device)
+            input_ids[index] = self._last_sampled[to_device(list(src), torch.long, self.device)].to(input_ids.dtype)
 
     def _decode_logits(self, input_ids: Tensor, positions: Tensor, batch) -> Tensor:
         """The decode graphs' body: every row samples."""

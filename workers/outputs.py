@@ -1,0 +1,27 @@
+"""What the engine hands back per request and step: output deltas, and how they are delivered."""
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """A delta for one request after a step; `finish_reason` is set on the last one. A failed
+    request ends with finish_reason "error" and `error` saying why (ENGINE_ERROR/ENGINE_STOPPED)."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    num_prompt: int
+    num_cached: int
+    num_output: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def unstarted_failure(rid: str, prompt_ids: list[int], why: str) -> RequestOutput:
+    """The one output of a request that failed before the engine took it in."""
+    return RequestOutput(rid, [], "", len(prompt_ids), 0, 0, "error", why)
+
+
+def call_sinks(batch: list[tuple[Callable, RequestOutput]]) -> None:
+    for sink, out in batch:
+        sink(out)
