@@ -1,13 +1,32 @@
-"""The OpenAI request/response shapes: parsing, tokenization, errors.
+"""The OpenAI request/response shapes: parsing, validation, tokenization, errors.
 
 Pure (no torch): the gateway imports it too, so the gateway and the workers turn the same
-request into the same token ids by running the same code.
+request into the same token ids, and refuse the same bad input with the same 400, by running
+the same code. Every field a client may send is checked for type and range before the prompt
+is tokenized; a feature this server does not implement is refused, never silently ignored.
 """
+import math
+import re
 import time
 import uuid
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
-from workers.sampling_params import InvalidRequest, SamplingParams
+from workers.chat_template import chat_messages, render_chat
+from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
+
+# OpenAI and vLLM request fields this server does not implement, with the values that ask for nothing.
+NOOP_VALUES = {
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
+    "prompt_logprobs": (0,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+}
+# A prompt longer than this many characters per allowed token is first counted on a prefix.
+PREFIX_CHARS_PER_TOKEN = 8
+CUT_MARGIN = 16  # tokens a prefix cut at a word boundary may over-count (special tokens, prefix spaces)
+_LAST_CUT = re.compile(r".*\S( )", re.S)
+_token_chars: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -23,14 +42,105 @@ class ParsedRequest:
     cache_salt: str | None = None
 
 
+def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def parse_request(body: object, kind: str, tokenizer, max_model_len: int,
+                  vocab_size: int | None = None) -> ParsedRequest:
+    """Validate an OpenAI completions/chat body into token ids and sampling parameters.
+
+    Fields are checked before the prompt is tokenized, and a prompt that must be too long for
+    `max_model_len` is refused before it is tokenized whole (`surely_too_long`)."""
+    body = _object(body)
+    stream, include_usage, return_token_ids = _options(body)
+    asked = _max_tokens(body, kind)
+    params = sampling_params(body, asked or 1, vocab_size)
+    kv, salt = _kv_transfer(body), _cache_salt(body)
+    ids = prompt_ids(body, kind, tokenizer, max_model_len, vocab_size)
+    if asked is None:
+        asked = max_model_len - len(ids) if kind == "chat" else 16
+    _check_context(len(ids), asked, max_model_len)
+    return ParsedRequest(kind, body.get("model") or "", ids, replace(params, max_tokens=asked), stream,
+                         include_usage, return_token_ids, kv, salt)
+
+
+def check_request(body: object, kind: str) -> None:
+    """Everything `parse_request` checks that needs no tokenizer (for a gateway without one)."""
+    body = _object(body)
+    _options(body)
+    sampling_params(body, _max_tokens(body, kind) or 1)
+    _kv_transfer(body)
+    _cache_salt(body)
+    if kind == "chat":
+        chat_messages(body.get("messages"))
+    else:
+        _prompt(body, None)
+
+
+def _object(body: object) -> dict:
+    """The body as a dict whose top-level fields outside the sampling parameters are sound."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    if _number(body, "n", 1, int) != 1:
+        raise InvalidRequest("only n=1 is supported", "n")
+    for name, noop in NOOP_VALUES.items():
+        v = body.get(name)
+        if v is not None and v not in noop:
+            raise InvalidRequest(f"'{name}' is not supported by this server (leave it out)", name,
+                                 "unsupported_parameter")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise InvalidRequest("'model' must be a string", "model")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidRequest("'user' must be a string", "user")
+    return body
+
+
+def _options(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, stream_options.include_usage, return_token_ids)."""
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise InvalidRequest("'stream_options' must be an object", "stream_options")
+    return (_flag(body, "stream"), _flag(opts or {}, "include_usage", "stream_options"),
+            _flag(body, "return_token_ids"))
+
+
+def _max_tokens(body: dict, kind: str) -> int | None:
+    """The completion budget asked for (chat prefers `max_completion_tokens`), None if not given."""
+    key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    n = _number(body, key, None, int)
+    if n is not None and n < 1:
+        raise InvalidRequest(f"'{key}' must be at least 1", key)
+    return n
+
+
+def sampling_params(body: dict, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+    """The body's sampling fields, each type- and range-checked."""
+    top_k = _number(body, "top_k", 0, int)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0), top_k=0 if top_k == -1 else top_k,
+        seed=_number(body, "seed", None, int),
+        stop=_as_list(body.get("stop"), "stop", str),
+        stop_token_ids=_as_list(body.get("stop_token_ids"), "stop_token_ids", int),
+        ignore_eos=_flag(body, "ignore_eos")).validate()
+    if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    return params
+
+
 def _kv_transfer(body: dict) -> dict:
     """The internal P/D extension: {"export_to": decode worker URL} or {"wait_ms": N}."""
-    kv = body.get("kv_transfer") or {}
+    kv = body.get("kv_transfer")
+    if kv is None:
+        return {}
     if not isinstance(kv, dict) or not set(kv) <= {"export_to", "wait_ms"}:
         raise InvalidRequest("'kv_transfer' takes only 'export_to' and 'wait_ms'", "kv_transfer")
     if "export_to" in kv and not (isinstance(kv["export_to"], str) and kv["export_to"].startswith("http")):
         raise InvalidRequest("'kv_transfer.export_to' must be an http(s) URL", "kv_transfer")
-    if not 0 <= _number(kv, "wait_ms", 0.0) <= 60000:
+    if not 0 <= _number(kv, "wait_ms", 0.0, param="kv_transfer") <= 60000:
         raise InvalidRequest("'kv_transfer.wait_ms' must be in [0, 60000]", "kv_transfer")
     return kv
 
@@ -47,83 +157,125 @@ def _cache_salt(body: dict) -> str | None:
     return salt or None
 
 
-def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
-               param: str | None = None) -> dict:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def _check_context(n_prompt: int, n_out: int, max_model_len: int) -> None:
+    if n_prompt + max(n_out, 1) > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n_prompt + n_out} tokens ({n_prompt} in the prompt, {n_out} in the completion).",
+            "max_tokens" if n_prompt < max_model_len else "prompt", "context_length_exceeded")
+
+
+def prompt_ids(body: dict, kind: str, tokenizer, max_model_len: int,
+               vocab_size: int | None = None) -> list[int]:
+    """Token ids of the prompt: the chat template for chat, else text or ids as given."""
+    if kind == "chat":
+        text, special, param = render_chat(body.get("messages"), tokenizer), False, "messages"
+    else:
+        prompt = _prompt(body, vocab_size)
+        if isinstance(prompt, list):
+            _check_context(len(prompt), 1, max_model_len)
+            return prompt
+        text, special, param = prompt, True, "prompt"
+    if surely_too_long(text, tokenizer, max_model_len):
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens; this prompt "
+                             f"of {len(text)} characters is longer.", param, "context_length_exceeded")
+    ids = tokenizer.encode(text, add_special_tokens=special)
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param)
+    return ids
+
+
+def _prompt(body: dict, vocab_size: int | None) -> str | list[int]:
+    """A completion's prompt: a non-empty string or list of token ids (or a batch of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        limit = vocab_size or MAX_INT32 + 1
+        if not all(0 <= t < limit for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {limit})", "prompt")
+        return prompt
+    if prompt == "" or prompt == []:
+        raise InvalidRequest("the prompt is empty", "prompt")
+    raise InvalidRequest("'prompt' must be a string or a list of token ids (batches are not supported)", "prompt")
+
+
+def surely_too_long(text: str, tokenizer, limit: int) -> bool:
+    """True only if `text` must tokenize to at least `limit` tokens, decided without tokenizing
+    all of it, so a megabyte prompt costs neither the memory nor the CPU of its tokens.
+
+    A text of n characters has at least n / `token_chars` tokens. Past that bound, a prefix cut
+    just before a space that follows a non-space is counted: word-splitting pre-tokenizers split
+    there anyway, so the prefix's tokens start the full text's (up to CUT_MARGIN for tokens added
+    at either end). False means only "not decided": the caller tokenizes the whole text."""
+    if len(text) <= PREFIX_CHARS_PER_TOKEN * limit:
+        return False
+    per_token = token_chars(tokenizer)
+    if per_token is not None and len(text) > per_token * limit:
+        return True
+    cut = _LAST_CUT.match(text, 0, PREFIX_CHARS_PER_TOKEN * limit)
+    if cut is None:
+        return False
+    return len(tokenizer.encode(text[:cut.start(1)], add_special_tokens=False)) - CUT_MARGIN >= limit
+
+
+def token_chars(tokenizer) -> int | None:
+    """The most characters of text one token can stand for (cached per tokenizer): its longest
+    vocabulary entry, tripled when a normaliser may compose characters (NFC folds up to three
+    into one). None when the tokenizer does not list its vocabulary."""
+    try:
+        return _token_chars[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:
+        return None
+    try:
+        longest = max(map(len, tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    chars = longest * (1 if backend is not None and backend.normalizer is None else 3)
+    _token_chars[tokenizer] = chars
+    return chars
+
+
+def _number(body: dict, name: str, default, kind: type = float, param: str | None = None):
+    """A finite number (an integer when `kind` is int), or `default` when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return default
+    what = "an integer" if kind is int else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidRequest(f"'{name}' must be {what}", param or name)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise InvalidRequest(f"'{name}' must be finite", param or name)
+    if kind is int:
+        if v != int(v):
+            raise InvalidRequest(f"'{name}' must be {what}", param or name)
+        return int(v)
+    try:
+        return float(v)
+    except OverflowError:
+        raise InvalidRequest(f"'{name}' is out of range", param or name) from None
+
+
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise InvalidRequest(f"'{name}' must be a boolean", param or name)
+    return bool(v)
 
 
 def _as_list(v, name: str, item_type: type) -> tuple:
     if v is None:
         return ()
-    if isinstance(v, item_type):
+    if type(v) is item_type:
         return (v,)
-    if isinstance(v, list) and all(isinstance(x, item_type) for x in v):
+    if isinstance(v, list) and all(type(x) is item_type for x in v):
         return tuple(v)
     raise InvalidRequest(f"'{name}' must be a {item_type.__name__} or a list of them", name)
-
-
-def _number(body: dict, name: str, default, kind: type = float):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-        raise InvalidRequest(f"'{name}' must be a {kind.__name__}", name)
-    return kind(v)
-
-
-def prompt_ids(body: dict, kind: str, tokenizer) -> list[int]:
-    """Token ids of the prompt: the chat template for chat, else text or ids as given."""
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m for m in messages):
-            raise InvalidRequest("'messages' must be a non-empty list of {role, content}", "messages")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-    else:
-        raise InvalidRequest("'prompt' must be a string or a list of token ids (batches are not supported)", "prompt")
-    if not ids:
-        raise InvalidRequest("the prompt is empty", "prompt")
-    return ids
-
-
-def parse_request(body: object, kind: str, tokenizer, max_model_len: int,
-                  vocab_size: int | None = None) -> ParsedRequest:
-    """Validate an OpenAI completions/chat body into token ids and sampling parameters."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    if _number(body, "n", 1, int) != 1:
-        raise InvalidRequest("only n=1 is supported", "n")
-    ids = prompt_ids(body, kind, tokenizer)
-    if vocab_size is not None and any(t < 0 or t >= vocab_size for t in ids):
-        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    max_key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
-    default_max = max_model_len - len(ids) if kind == "chat" else 16
-    max_tokens = _number(body, max_key, default_max, int)
-    if len(ids) + max(max_tokens, 1) > max_model_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the completion).",
-            "max_tokens" if len(ids) < max_model_len else "prompt", "context_length_exceeded")
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0), top_k=_number(body, "top_k", 0, int),
-        seed=_number(body, "seed", None, int) if body.get("seed") is not None else None,
-        stop=_as_list(body.get("stop"), "stop", str),
-        stop_token_ids=_as_list(body.get("stop_token_ids"), "stop_token_ids", int),
-        ignore_eos=bool(body.get("ignore_eos", False))).validate()
-    opts = body.get("stream_options") or {}
-    return ParsedRequest(kind, str(body.get("model", "")), ids, params, bool(body.get("stream", False)),
-                         bool(isinstance(opts, dict) and opts.get("include_usage")),
-                         bool(body.get("return_token_ids", False)), _kv_transfer(body), _cache_salt(body))
 
 
 def new_id(kind: str) -> str:

@@ -1,0 +1,110 @@
+"""OpenAI chat messages -> the model's chat template -> prompt text, as vLLM renders them for
+templates that take string content.
+
+The template never sees a client's message as sent: each is rebuilt from checked fields. Content
+becomes one string (text parts joined with newlines, `None` as ""), so an assistant message that
+carries only `tool_calls`, or content given as a list of parts, renders like plain text; a role
+is one the OpenAI API names; tool calls keep their id and function name, with the JSON
+arguments parsed into an object (the form templates index). A template that still refuses the
+conversation (say, roles that must alternate) is the client's error, a 400, never the server's.
+"""
+from jinja2 import TemplateError
+
+from workers.sampling_params import InvalidRequest
+from workers.strict_json import loads
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def render_chat(messages: object, tokenizer) -> str:
+    """The prompt text of `messages` under the tokenizer's chat template (InvalidRequest if none)."""
+    conversation = chat_messages(messages)
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise InvalidRequest(f"the chat template cannot render these messages: {str(e)[:300]}",
+                             "messages") from None
+
+
+def chat_messages(messages: object) -> list[dict]:
+    """Checked, template-ready copies of the messages."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list of messages", "messages")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _message(m: object, where: str) -> dict:
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"'{where}' must be an object with a role", "messages")
+    role = m.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidRequest(f"'{where}.role' must be one of {', '.join(ROLES)}", "messages")
+    out = {"role": role, "content": _content(m.get("content"), where)}
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            out[key] = _text(m[key], f"{where}.{key}")
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise InvalidRequest(f"'{where}.tool_calls': only assistant messages carry tool calls", "messages")
+        out["tool_calls"] = _tool_calls(m["tool_calls"], where)
+    return out
+
+
+def _content(content: object, where: str) -> str:
+    """A message's content as one string; a list of text parts is joined with newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}.content' must be a string or a list of content parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is None:
+            shown = f"type {kind[:40]!r}" if isinstance(kind, str) else "no type"
+            raise InvalidRequest(f"'{where}.content[{j}]': a content part of {shown} is not supported "
+                                 f"(this model takes text parts: {', '.join(TEXT_PARTS)})", "messages")
+        if part.get(key) is not None:
+            texts.append(_text(part[key], f"{where}.content[{j}].{key}"))
+    return "\n".join(texts)
+
+
+def _tool_calls(calls: object, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"'{where}.tool_calls' must be a list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise InvalidRequest(f"'{at}' must be an object with a 'function'", "messages")
+        arguments = _arguments(_text(fn.get("arguments", "{}"), f"{at}.function.arguments"), at)
+        entry = {"type": "function", "function": {"name": _text(fn.get("name"), f"{at}.function.name"),
+                                                  "arguments": arguments}}
+        if call.get("id") is not None:
+            entry["id"] = _text(call["id"], f"{at}.id")
+        out.append(entry)
+    return out
+
+
+def _arguments(raw: str, at: str) -> dict:
+    """A tool call's arguments: a string that must hold a JSON object."""
+    try:
+        arguments = loads(raw.encode())
+    except InvalidRequest:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"'{at}.function.arguments' must be a JSON object encoded as a string", "messages")
+    return arguments
+
+
+def _text(v: object, where: str) -> str:
+    if not isinstance(v, str):
+        raise InvalidRequest(f"'{where}' must be a string", "messages")
+    return v

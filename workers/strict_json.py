@@ -1,0 +1,68 @@
+"""JSON from a hostile client: parsed strictly, or refused as the client's error.
+
+Python's `json` accepts what JSON does not (`NaN`, `Infinity`), nests until the interpreter's
+recursion limit, raises a bare ValueError for integers past 4,300 digits and happily returns
+strings holding lone surrogates, which no tokenizer or UTF-8 encoder takes. Any of these
+reaching later code was a 500; here each is an `InvalidRequest` (a 400) before anything reads
+the body. The tree walk that checks depth and strings runs only when the raw bytes hint at
+either (many brackets, a surrogate escape), so an ordinary body costs one `json.loads`.
+"""
+import json
+import re
+
+from workers.sampling_params import InvalidRequest
+
+MAX_DEPTH = 32  # OpenAI bodies nest < 10 deep (a JSON-schema response_format perhaps 20)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escape or CESU-8 bytes
+
+
+def loads(raw: bytes) -> object:
+    """`raw` as JSON: standard JSON only, at most MAX_DEPTH containers deep, valid Unicode."""
+    try:
+        obj = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidRequest(f"the request body is not valid JSON: {_reason(e)}") from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH or _SURROGATE.search(raw):
+        check_tree(obj)
+    return obj
+
+
+def check_tree(obj: object) -> None:
+    """Raise InvalidRequest if containers nest deeper than MAX_DEPTH or a string (or key) is not
+    valid Unicode. Iterative, so no depth can overflow the stack."""
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _valid_text(node)
+            continue
+        if isinstance(node, dict):
+            children = [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            raise InvalidRequest(f"the request body nests deeper than {MAX_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _valid_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("the request body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return "not UTF-8"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at character {e.pos}"
+    return str(e).split(":")[0][:200]
