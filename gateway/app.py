@@ -4,6 +4,12 @@ A request is parsed and tokenized exactly as a worker would (so bad input fails 
 worker's own OpenAI error), hashed into blocks, matched against the residency index, and
 handed with the fleet's in-memory view to the policy; the chosen worker gets the client's
 original bytes. A worker that cannot be reached is retried once on another one.
+
+Every request gets the gateway's own id (`x-kvgate-request-id`, and the `x-request-id` the
+worker sees), so no client can name, or collide with, another request's engine state; a
+client's own `x-request-id` is only echoed back and logged. Bodies past `max_body_bytes` are
+refused before they are read, internal fields (`kv_transfer`) are refused, and every 5xx
+closes its connection (`CloseOn5xx`).
 """
 import contextlib
 import dataclasses
@@ -29,8 +35,10 @@ from gateway.tracing import RequestTrace, Tracing
 from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
-from workers.protocol import error_body, new_id
+from workers.http_guard import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, CloseOn5xx, read_body
+from workers.protocol import check_request, error_body, new_id
 from workers.sampling_params import InvalidRequest
+from workers.strict_json import loads
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -51,9 +59,10 @@ class Gateway:
     def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
                  redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                  pd_wait_ms: float = 5000.0, tracing: Tracing | None = None, access: Access | None = None,
-                 internal_token: str | None = None):
+                 internal_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.fleet = fleet
         self.internal_token = internal_token
+        self.max_body_bytes = max_body_bytes
         self.tracing = tracing or Tracing()
         self.pd_wait_ms = pd_wait_ms
         self.index: ResidencyIndex = fleet.index
@@ -71,8 +80,8 @@ class Gateway:
             Route("/v1/models", self.models),
             Route("/health", self.health),
             Route("/metrics", self.prometheus),
-        ], lifespan=self._lifespan, exception_handlers={Exception: self._internal_error},
-            middleware=[Middleware(Guard, access=self.access)])
+        ], lifespan=self._lifespan,
+            middleware=[Middleware(CloseOn5xx), Middleware(Guard, access=self.access)])
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -90,12 +99,6 @@ class Gateway:
             await self.proxy.close()
             await self.access.limiter.close()
             self.tracing.shutdown()
-
-    async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        """A bug (say in a plugin policy) still answers in OpenAI's shape, and is logged."""
-        log.exception("internal error on %s", request.url.path, exc_info=exc)
-        return self.error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
-                                      "internal_error"))
 
     def headers(self, worker: str = "", predicted: int = 0) -> dict[str, str]:
         return {"x-kvgate-worker": worker, "x-kvgate-policy": self.policy.name,
@@ -115,45 +118,62 @@ class Gateway:
         return await self.handle(request, "chat")
 
     async def handle(self, request: Request, kind: str) -> Response:
+        rid = new_id(kind)
+        client_rid = request.headers.get("x-request-id")
+        if client_rid:
+            log.info("request %s is the client's x-request-id %r", rid, client_rid[:200])
         trace = self.tracing.start(f"POST {PATHS[kind]}", request.headers)
+        trace.set(request_id=rid, client_request_id=client_rid)
         try:
-            raw = await request.body()
+            raw = await read_body(request, self.max_body_bytes)
             with trace.phase("tokenize"):
-                model, prep, view, raw = await self.prepare(request, raw, kind)
-            trace.set(model=model, request_id=view.request_id, prompt_tokens=view.num_tokens)
+                model, prep, view, raw = await self.prepare(request, raw, kind, rid)
+            trace.set(model=model, prompt_tokens=view.num_tokens)
             await self.admit_tokens(request, view)
             resp = await self.dispatch(request, kind, raw, model, prep, view, trace)
+        except BodyTooLarge as e:
+            resp = self.error(ApiError(413, str(e), code="request_too_large"))
         except ApiError as e:
             resp = self.error(e)
+        except Exception as e:  # a bug (say in a plugin policy) still answers in OpenAI's shape
+            log.exception("internal error on %s (request %s)", request.url.path, rid)
+            resp = self.error(ApiError(500, f"internal error: {type(e).__name__}", "server_error", "internal_error"))
         except BaseException:
             trace.end(500)
             raise
+        resp.headers["x-request-id"] = client_rid or rid
+        resp.headers["x-kvgate-request-id"] = rid
         if not isinstance(resp, PassThrough):
             trace.end(resp.status_code)
         return resp
 
-    async def prepare(self, request: Request, raw: bytes,
-                      kind: str) -> tuple[str, Prepared | None, RequestView, bytes]:
+    async def prepare(self, request: Request, raw: bytes, kind: str,
+                      rid: str) -> tuple[str, Prepared | None, RequestView, bytes]:
         """Body -> (model, tokenized request, the policy's request view, the body to forward:
         with the tenant's cache_salt); raises ApiError."""
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON")
+            body = loads(raw)
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), code=e.code, param=e.param)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        if "kv_transfer" in body:
+            raise ApiError(400, "'kv_transfer' is internal to the fleet: clients may not set it",
+                           param="kv_transfer", code="internal_field")
         if self.access.apply_cache_salt(api_key(request.scope), body):
             raw = json.dumps(body).encode()
         models = self.fleet.models()
         model = self.resolve_model(body.get("model"), models)
         tok = await self.tokenizers.get(model)
         prep = None
-        if tok is not None:
-            try:
+        try:
+            if tok is None:
+                check_request(body, kind)
+            else:
                 prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model])
-            except InvalidRequest as e:
-                raise ApiError(400, str(e), code=e.code, param=e.param)
-        return model, prep, self.request_view(request, body, kind, model, prep, len(raw)), raw
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), code=e.code, param=e.param)
+        return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rid), raw
 
     async def admit_tokens(self, request: Request, view: RequestView) -> None:
         """Charge the request's key for its prompt and max_tokens; a 429 when the key's
@@ -181,11 +201,11 @@ class Gateway:
         return model
 
     def request_view(self, request: Request, body: dict, kind: str, model: str,
-                     prep: Prepared | None, size: int) -> RequestView:
+                     prep: Prepared | None, size: int, rid: str) -> RequestView:
         h = request.headers
         session = h.get("x-session-id") or body.get("user")
         return RequestView(
-            request_id=h.get("x-request-id") or new_id(kind),
+            request_id=rid,
             num_tokens=len(prep.parsed.prompt_ids) if prep else size // 4,
             block_hashes=tuple(prep.hashes) if prep else (),
             max_tokens=prep.parsed.params.max_tokens if prep else 16,
@@ -268,7 +288,6 @@ class Gateway:
                       kind: str, resp, started: float, trace: RequestTrace) -> Response:
         """The worker's answer with the routing headers: streamed through, or read whole."""
         out = self.headers(w.worker_id, route.predicted_cached_tokens)
-        out["x-request-id"] = view.request_id
         if route.prefill is not None:
             out["x-kvgate-prefill-worker"] = route.prefill
         self.metrics.predicted_cached.labels(w.worker_id).inc(route.predicted_cached_tokens)

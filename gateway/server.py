@@ -16,6 +16,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.tokenize import Tokenizers
 from gateway.tracing import EXPORTERS, Tracing, make_exporter
 from policies.registry import load_policy
+from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.kv.redis_schema import redact_url
 
 GC_THRESHOLDS = (10_000, 10, 10)
@@ -73,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hide-cache-headers", action="store_true",
                    help="do not send the x-kvgate-* routing headers (worker, policy, predicted cached tokens) "
                         "to clients: they reveal what other clients' prompts put in the cache")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="largest request body taken, checked before it is read (larger: 413)")
     p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -104,7 +107,8 @@ def build(args: argparse.Namespace) -> Gateway:
         raise SystemExit(f"kvgate gateway: {e}")
     return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, redis=redis,
                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, pd_wait_ms=args.pd_wait_ms,
-                   tracing=tracing, access=access(args), internal_token=args.internal_token)
+                   tracing=tracing, access=access(args), internal_token=args.internal_token,
+                   max_body_bytes=args.max_body_bytes)
 
 
 def access(args: argparse.Namespace) -> Access:

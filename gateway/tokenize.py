@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 from workers.model_store import load_tokenizer, served_name
-from workers.protocol import ParsedRequest, parse_request
+from workers.protocol import ParsedRequest, parse_request, token_chars
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -32,6 +32,7 @@ class ModelTokenizer:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.seed = seed_hash(name, block_size)
+        token_chars(tokenizer)  # the prompt-length bound's vocabulary scan, done at load, not on a request
 
     def prepare(self, body: object, kind: str, max_model_len: int) -> Prepared:
         """Validate and tokenize like the worker, then hash the full blocks (raises InvalidRequest)."""

@@ -14,16 +14,19 @@ import time
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
+from workers.http_guard import CloseOn5xx
 from workers.outputs import RequestOutput, call_sinks
 from workers.metrics import WorkerMetrics
 from workers.protocol import (ParsedRequest, chunk, error_body, full_response, new_id,
                               parse_request, usage)
 from workers.sampling_params import InvalidRequest
+from workers.strict_json import loads
 from workers.transfer_http import TransferService
 
 log = logging.getLogger("kvgate.worker")
@@ -85,7 +88,7 @@ class WorkerServer:
             Route("/kv/snapshot", self.kv_snapshot),
             Route("/kv/import", self.transfer.import_endpoint, methods=["POST"]),
             Route("/kv/reset", self.kv_reset, methods=["POST"]),
-        ], lifespan=self._lifespan)
+        ], lifespan=self._lifespan, middleware=[Middleware(CloseOn5xx)])
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -137,9 +140,9 @@ class WorkerServer:
 
     async def _parse(self, request: Request, kind: str) -> ParsedRequest | Response:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error(400, "the request body is not valid JSON")
+            body = loads(await request.body())
+        except InvalidRequest as e:
+            return error(400, str(e), code=e.code, param=e.param)
         if isinstance(body, dict) and body.get("kv_transfer") is not None and not self.transfer.authorised(request):
             return error(403, "'kv_transfer' is internal: it needs the fleet's internal token",
                          "permission_error", "forbidden", "kv_transfer")
