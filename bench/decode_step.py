@@ -117,20 +117,23 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     batches = sorted({r["batch"] for rows in result["paths"].values() for r in rows})
-    width = 0.8 / (len(result["paths"]) + 1)
-    for k, (name, rows) in enumerate(result["paths"].items()):
-        by = {r["batch"]: r["step_ms_median"] for r in rows}
-        ax.bar([i + k * width for i in range(len(batches))], [by.get(x, 0) for x in batches], width, label=name)
-    bounds = {r["batch"]: r["bound_ms"] for rows in result["paths"].values() for r in rows}
-    ax.bar([i + len(result["paths"]) * width for i in range(len(batches))], [bounds[x] for x in batches], width,
-           label="roofline", color="grey")
-    ax.set_xticks([i + width for i in range(len(batches))], [str(x) for x in batches])
+    series = []
+    for name, rows in result["paths"].items():
+        series.append((name, {r["batch"]: r["step_ms_median"] for r in rows}))
+        if any("overlapped_step_ms_median" in r for r in rows):
+            series.append((f"{name}, overlapped", {r["batch"]: r["overlapped_step_ms_median"] for r in rows}))
+    series.append(("roofline", {r["batch"]: r["bound_ms"] for rows in result["paths"].values() for r in rows}))
+    width = 0.8 / len(series)
+    for k, (name, by) in enumerate(series):
+        ax.bar([i + k * width for i in range(len(batches))], [by.get(x, 0) for x in batches], width, label=name,
+               color="grey" if name == "roofline" else None)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))], [str(x) for x in batches])
     ax.set_xlabel(f"decode batch (sequences at {result['config']['context']} tokens of context)")
     ax.set_ylabel("ms per decode step (median)")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.set_title(f"decode step: {Path(result['config']['model']).name} on {result['device_name']}")
     fig.tight_layout()
     fig.savefig(path)

@@ -431,14 +431,15 @@ def case_runner(name: str, path: str) -> float:
 
     from tests.test_model_fidelity import NUM_BLOCKS, run_greedy
     from workers.executors.torch_runner import TorchRunner
-    runners = [TorchRunner(path, NUM_BLOCKS, 4, "cpu", torch.float32, kernels=kernels) for kernels in (False, True)]
+    runners = [TorchRunner(path, NUM_BLOCKS, 4, DEVICE, torch.float32, kernels=kernels, enforce_eager=True)
+               for kernels in (False, True)]
     rng = random.Random(9)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (19, 7, 30)]
     blocks = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
     tables = [blocks[:12], blocks[12:24], blocks[24:40]]
     eager, fast = (run_greedy(r, prompts, tables, n=4, chunk=8) for r in runners)
     assert fast == eager, f"{name}: kernel path {fast} != eager {eager}"
-    return (runners[0].kv_cache - runners[1].kv_cache).abs().max().item()
+    return (runners[0].kv_cache - runners[1].kv_cache).abs().max().cpu().item()
 
 
 @pytest.mark.parametrize("name", ["qwen3-qknorm-headdim32-tied", "mistral-window5"])

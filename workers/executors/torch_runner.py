@@ -36,9 +36,11 @@ SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET = 8, 8, 64
 
 @dataclass
 class Launched:
-    """A step queued on the device: its sampled tokens (still on the device), the chunk each
-    came from, and its timing (CUDA events, or the host time where the step ran in `launch`)."""
+    """A step queued on the device: its sampled tokens (on the device, and on CUDA a copy on its
+    way to pinned host memory), the chunk each came from, and its timing (CUDA events, or the
+    host time where the step ran in `launch`)."""
     tokens: Tensor | None
+    host_tokens: Tensor | None
     rows: list[int]
     num_chunks: int
     events: tuple | None
@@ -103,6 +105,7 @@ class TorchRunner:
         sampled = [i for i, c in enumerate(chunks) if c.sample]
         cuda = self.device.type == "cuda"
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        host = None
         with torch.inference_mode():
             if events:
                 events[0].record()
@@ -110,27 +113,33 @@ class TorchRunner:
             tokens = None if logits is None else sample_tensor(
                 logits, [chunks[i].params for i in sampled], [chunks[i].output_index for i in sampled])
             if events:
+                # Copied out now, in stream order: read later, after the next step was queued, the
+                # copy would wait for that step too.
+                if tokens is not None:
+                    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                    host.copy_(tokens, non_blocking=True)
                 events[1].record()
         self._last_sampled = tokens
-        return Launched(tokens, sampled, len(chunks), events, (time.perf_counter() - t0) * 1000)
+        return Launched(tokens, host, sampled, len(chunks), events, (time.perf_counter() - t0) * 1000)
 
     def collect(self, step: Launched) -> tuple[list[int | None], float]:
         """A launched step's tokens (one entry per chunk, None where it did not sample) and its
         device time in ms; waits for the device to finish that step."""
         results: list[int | None] = [None] * step.num_chunks
+        if step.events is not None:
+            step.events[1].synchronize()
         if step.tokens is not None:
-            for i, token in zip(step.rows, step.tokens.tolist()):
+            values = (step.tokens if step.host_tokens is None else step.host_tokens).tolist()
+            for i, token in zip(step.rows, values):
                 results[i] = token
         if step.events is None:
             return results, step.host_ms
-        step.events[1].synchronize()
         return results, step.events[0].elapsed_time(step.events[1])
 
     def warmup(self) -> None:
         """Run one step of each kind the kernels specialise on (long and short prefill chunks,
         a mixed step, split and unsplit decodes) over scratch blocks, so Triton compiles them now
-        and not inside a client's first requests (seconds each). Nothing is cached yet, so the
-        K/V written here is overwritten before any step reads it."""
+        and not inside a client's first requests (seconds each). The scratch K/V is zeroed after."""
         b, greedy = self.block_size, SamplingParams(temperature=0.0)
         long = min(512, (self.num_blocks - 1) * b, self.max_model_len - 1)
         table = list(range(-(-(long + 1) // b)))
@@ -142,6 +151,7 @@ class TorchRunner:
         ]
         for chunks in steps:
             self.execute(chunks)
+        self.kv_cache.zero_()
         torch.cuda.synchronize(self.device)
 
     def _logits(self, chunks: list[SeqChunk], sampled: list[int]) -> Tensor | None:

@@ -27,7 +27,11 @@ MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the merge than
 MAX_SPLITS = 64
 
 
-@triton.jit
+# Host ints that change from step to step (table width, split count and the partials' strides
+# that follow from it) are not specialised on: each new divisibility would compile a variant
+# (~0.5 s) inside a step.
+@triton.jit(do_not_specialize=["num_splits", "max_context", "stride_ts", "stride_ps", "stride_ph", "stride_pk",
+                               "stride_ls", "stride_lh"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     scale_log2, window, num_splits, max_context,
@@ -91,7 +95,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + seq64 * stride_ls + heads * stride_lh + split, lse, mask=offs_g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ph", "stride_pk", "stride_ls", "stride_lh"])
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_splits,
     stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_os, stride_oh,

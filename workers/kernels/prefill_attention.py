@@ -24,7 +24,8 @@ from workers.kernels.launch import TileConfig, dot_precision, pow2
 from workers.kernels.paged_layout import check_paged
 
 
-@triton.jit
+# The table's width changes from step to step: not specialised on (see decode_attention.py).
+@triton.jit(do_not_specialize=["max_context", "stride_ts"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, cu_q_ptr, lens_ptr, out_ptr,
     scale_log2, window, max_context,

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call for issue 14 on an H200: kernel/graph correctness, then the offline tables for
+# the Llama-3.2-1B and Llama-3-8B shapes. Usage (device tool, repo root, carry .devcarry .whl):
+#   bash experiments/h200_fast_path.sh [tests] [1b] [hf] [8b] [attn]
+# JSON and logs land in $OUT (PNGs are removed there: the device returns 8 files at most; each
+# benchmark's plot is redrawn from its JSON).
+set -u
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}
+ARGS=" $* "
+want() { [[ "$ARGS" == *" $1 "* ]]; }
+log() { tee -a "$OUT/run.log"; }
+[ -d /tmp/m1b ] || python3 -m bench.random_model --tokenizer-dir .devcarry --init-device cuda /tmp/m1b >/dev/null 2>&1
+if want tests; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rP tests/test_kernels.py tests/test_fast_path.py tests/test_overlap.py > $OUT/tests.log 2>&1
+fi
+if want quicktests; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rP tests/test_kernels.py tests/test_fast_path.py tests/test_overlap.py -k "not fills_placeholders and (test_fast_path or test_overlap or runner or graph or bf16)" > $OUT/tests.log 2>&1
+fi
+if want tests || want quicktests; then
+  grep -E "passed|failed|error|FAILED" $OUT/tests.log | tail -8; grep -E "^[0-9.e-]+$" $OUT/tests.log | sort -g | tail -2
+fi
+if want 1b; then
+  timeout 150 python3 -m bench.engine_throughput --model /tmp/m1b --device cuda --num-blocks 40000 --out $OUT/et-1b.json 2>&1 | log | grep -E "roofline|Error" | tail -3
+  timeout 150 python3 -m bench.decode_step --model /tmp/m1b --paths graphs,eager --profile 256 --out $OUT/decode-1b.json 2>&1 | log | grep -E "batch .*:|ms x|Error" | head -24
+fi
+if want hf; then
+  timeout 200 python3 -m bench.engine_throughput --model /tmp/m1b --device cuda --num-blocks 40000 --num-seqs 256 --min-input-len 512 --max-input-len 512 --min-output-len 128 --max-output-len 128 --hf-generate --out $OUT/et-1b-static.json 2>&1 | log | grep -E "roofline|output_tok_s|Error" | tail -4
+fi
+if want 8b; then
+  [ -d /tmp/m8b ] || python3 -m bench.random_model --tokenizer-dir .devcarry --init-device cuda --layers 32 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 /tmp/m8b >/dev/null 2>&1
+  timeout 200 python3 -m bench.engine_throughput --model /tmp/m8b --device cuda --num-blocks 40000 --out $OUT/et-8b.json 2>&1 | log | grep -E "roofline|Error" | tail -3
+  timeout 200 python3 -m bench.decode_step --model /tmp/m8b --paths graphs --out $OUT/decode-8b.json 2>&1 | log | grep -E "batch .*:|Error"
+fi
+if want attn; then
+  timeout 150 python3 -m bench.attention_kernels --out $OUT/attention-kernels.json 2>&1 | log | tail -2
+fi
+rm -f $OUT/*.png
