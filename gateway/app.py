@@ -3,7 +3,10 @@
 A request is parsed and tokenized exactly as a worker would (so bad input fails here with the
 worker's own OpenAI error), hashed into blocks, matched against the residency index, and
 handed with the fleet's in-memory view to the policy; the chosen worker gets the client's
-original bytes. A worker that cannot be reached is retried once on another one.
+original bytes. Admission control refuses what the fleet cannot take in time (503/429 with
+`Retry-After`). A worker that fails a request before its answer is committed to the client
+(a non-streaming answer, or a stream before its first token) costs a retry on another
+worker; each worker's circuit breaker counts its failures.
 
 Every request gets the gateway's own id (`x-kvgate-request-id`, and the `x-request-id` the
 worker sees), so no client can name, or collide with, another request's engine state; a
@@ -11,6 +14,7 @@ client's own `x-request-id` is only echoed back and logged. Bodies past `max_bod
 refused before they are read, internal fields (`kv_transfer`) are refused, and every 5xx
 closes its connection (`CloseOn5xx`).
 """
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -24,12 +28,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import pd
+from gateway.admission import Admission, Refusal
 from gateway.auth import Access, Guard, api_key, retry_after, too_many_tokens
 from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamFailed,
-                           cached_tokens, relay)
+from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamError,
+                           UpstreamFailed, UpstreamTimeout, cached_tokens, close_upstream, relay)
+from gateway.retry import RetryPolicy
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import RequestTrace, Tracing
 from policies.api import FleetView, Policy, RequestView
@@ -55,12 +61,29 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
 
+def refused(r: Refusal) -> ApiError:
+    return ApiError(r.status, r.message, "server_error", r.code, retry_after=r.retry_after_s)
+
+
+class WorkerBusy(UpstreamError):
+    """The worker answered 503 (its queue is full, or it drains): load, not failure; the
+    request goes elsewhere, and if nowhere is left the worker's answer is the client's."""
+    stage = "busy"
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
+        super().__init__(f"answered {status}")
+        self.status, self.body, self.headers = status, body, headers
+
+
 class Gateway:
     def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
                  redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                  pd_wait_ms: float = 5000.0, tracing: Tracing | None = None, access: Access | None = None,
-                 internal_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 internal_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 admission: Admission | None = None, retry: RetryPolicy | None = None):
         self.fleet = fleet
+        self.admission = admission or Admission()
+        self.retry = retry or RetryPolicy()
         self.internal_token = internal_token
         self.max_body_bytes = max_body_bytes
         self.tracing = tracing or Tracing()
@@ -118,6 +141,23 @@ class Gateway:
         return await self.handle(request, "chat")
 
     async def handle(self, request: Request, kind: str) -> Response:
+        """Admit the request (or refuse it at once) and count it until its answer ends."""
+        refusal = self.admission.refuse()
+        if refusal is not None:
+            self.metrics.refused.labels(refusal.code).inc()
+            return self.error(refused(refusal))
+        self.admission.enter()
+        resp = None
+        try:
+            resp = await self.serve(request, kind)
+        finally:
+            if isinstance(resp, PassThrough):
+                resp.on_close.append(self.admission.leave)
+            else:
+                self.admission.leave()
+        return resp
+
+    async def serve(self, request: Request, kind: str) -> Response:
         rid = new_id(kind)
         client_rid = request.headers.get("x-request-id")
         if client_rid:
@@ -217,15 +257,21 @@ class Gateway:
         """Match the prompt against the index and ask the policy; all in memory."""
         t0 = time.perf_counter()
         workers = [w for w in self.fleet.candidates(model) if w.worker_id not in exclude]
+        retry_after = self.admission.config.retry_after_s
         if not workers:
-            raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
+            raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers", retry_after=retry_after)
         matches = self.index.match(view.block_hashes)
-        route = self.policy.route(view, FleetView(self.fleet.views(workers, matches), time.time()))
+        views = self.admission.open_workers(self.fleet.views(workers, matches))
+        if not views:
+            self.metrics.refused.labels("worker_queues_full").inc()
+            raise refused(self.admission.full(len(workers)))
+        route = self.policy.route(view, FleetView(views, time.time()))
         self.metrics.decision.observe(time.perf_counter() - t0)
         if route.reject:
             if route.reject == NO_WORKERS:
-                raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
-            raise ApiError(429, route.reject, "rate_limit_error", "policy_rejected")
+                raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers", retry_after=retry_after)
+            self.metrics.refused.labels("policy").inc()
+            raise ApiError(429, route.reject, "rate_limit_error", "policy_rejected", retry_after=retry_after)
         if route.prefill is not None and not self.internal_token:
             route = dataclasses.replace(route, prefill=None)  # P/D legs need the fleet's token
         by_id = {w.worker_id: w for w in workers}
@@ -237,36 +283,80 @@ class Gateway:
 
     async def dispatch(self, request: Request, kind: str, raw: bytes, model: str, prep: Prepared | None,
                        view: RequestView, trace: RequestTrace) -> Response:
-        """Decide and forward; a worker that cannot be reached costs one retry elsewhere."""
+        """Decide and forward; a worker that fails before the answer is committed costs a
+        retry elsewhere (after a backoff), up to `retry.max_retries` of them."""
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
         trace.inject(headers)
         exclude: set[str] = set()
-        for _ in range(2):
-            with trace.phase("route"):
-                w, route, p = self.decide(view, model, exclude)
+        failure: UpstreamError | None = None
+        for attempt in range(self.retry.max_retries + 1):
+            if attempt:
+                self.metrics.retries.labels(failure.stage).inc()
+                await asyncio.sleep(self.retry.delay(attempt))
+            try:
+                with trace.phase("route"):
+                    w, route, p = self.decide(view, model, exclude)
+            except ApiError:
+                if failure is None:
+                    raise
+                break
             trace.set(policy=self.policy.name, worker=w.worker_id, prefill_worker=route.prefill,
                       predicted_cached_tokens=route.predicted_cached_tokens)
             self.fleet.begin(w)
-            started = time.monotonic()
+            w.breaker.attempt()
             leg = headers if p is None else pd.leg_headers(headers, self.internal_token)
-            payload = raw if p is None else self.start_prefill(p, w, kind, raw, leg, trace)
             try:
+                payload = raw if p is None else self.start_prefill(p, w, kind, raw, leg, trace)
                 with trace.phase("upstream", worker=w.worker_id):
-                    resp = await self.proxy.open(w.url, PATHS[kind], payload, leg, request)
+                    return await self.attempt(request, w, route, view, prep, kind, payload, leg, trace)
             except ClientGone:
                 self.fleet.end(w)
+                w.breaker.released()
                 self.metrics.requests.labels(w.worker_id, self.policy.name, "499").inc()
                 return Response(b"", 499, self.headers(w.worker_id, route.predicted_cached_tokens))
-            except ConnectFailed as e:
+            except UpstreamError as e:
                 self.fleet.end(w)
-                self.worker_failed(w, "connect", str(e))
+                self.worker_failed(w, e)
                 exclude.add(w.worker_id)
-                continue
+                failure = e
             except BaseException:
                 self.fleet.end(w)
+                w.breaker.released()
                 raise
-            return await self.respond(w, route, view, prep, kind, resp, started, trace)
-        raise ApiError(502, "no worker could be reached", "server_error", "worker_unreachable")
+        if isinstance(failure, WorkerBusy):
+            self.metrics.requests.labels("", self.policy.name, str(failure.status)).inc()
+            return Response(failure.body, failure.status, {**self.headers(), **failure.headers})
+        raise ApiError(502, f"no worker could serve the request after {len(exclude)} tries; last: {failure}",
+                       "server_error", "worker_failed", retry_after=self.admission.config.retry_after_s)
+
+    async def attempt(self, request: Request, w: Worker, route: Decision, view: RequestView,
+                      prep: Prepared | None, kind: str, payload: bytes, headers: dict,
+                      trace: RequestTrace) -> Response:
+        """One try on `w`: the response head, then a non-streaming body whole or a stream up to
+        its first token. Raises `UpstreamError` while nothing is committed to the client."""
+        lost = self.fleet.lost(w)
+        started = time.monotonic()
+        resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request, lost)
+        out = self.headers(w.worker_id, route.predicted_cached_tokens)
+        if route.prefill is not None:
+            out["x-kvgate-prefill-worker"] = route.prefill
+        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        if not ((prep.parsed.stream if prep else is_sse) and resp.status == 200):
+            return await self.collect(w, route, view, resp, out, started, trace, lost)
+        tap = StreamTap(kind, started)
+        try:
+            head = await self.proxy.first_token(resp, tap, request, lost, started)
+        except BaseException:
+            close_upstream(resp)
+            raise
+        self.committed(w, view, route)
+        return self.stream(w, resp, tap, head, out, trace)
+
+    def committed(self, w: Worker, view: RequestView, route: Decision) -> None:
+        """The worker's answer goes to the client from here on: count it as the worker's success."""
+        w.breaker.succeeded()
+        self.metrics.predicted_cached.labels(w.worker_id).inc(route.predicted_cached_tokens)
+        self.metrics.prompt_tokens.labels(w.worker_id).inc(view.num_tokens)
 
     def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict,
                       trace: RequestTrace) -> bytes:
@@ -284,33 +374,33 @@ class Gateway:
         pd.start_prefill(self.proxy, p.url, PATHS[kind], pd.prefill_leg(body, d.url), headers, done)
         return pd.decode_leg(body, self.pd_wait_ms)
 
-    async def respond(self, w: Worker, route: Decision, view: RequestView, prep: Prepared | None,
-                      kind: str, resp, started: float, trace: RequestTrace) -> Response:
-        """The worker's answer with the routing headers: streamed through, or read whole."""
-        out = self.headers(w.worker_id, route.predicted_cached_tokens)
-        if route.prefill is not None:
-            out["x-kvgate-prefill-worker"] = route.prefill
-        self.metrics.predicted_cached.labels(w.worker_id).inc(route.predicted_cached_tokens)
-        self.metrics.prompt_tokens.labels(w.worker_id).inc(view.num_tokens)
-        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        if (prep.parsed.stream if prep else is_sse) and resp.status == 200:
-            return self.stream(w, kind, resp, out, started, trace)
-        return await self.collect(w, resp, out, started, trace)
+    def worker_failed(self, w: Worker, e: UpstreamError) -> str:
+        """Count a worker's failure: metrics, its breaker, and (when it could not be reached or
+        broke a response off) exclusion until its next good health poll."""
+        self.metrics.upstream_failures.labels(w.worker_id, e.stage).inc()
+        if isinstance(e, WorkerBusy):
+            w.breaker.released()
+        elif w.breaker.failed():
+            log.warning("worker %s: circuit breaker open after %d failures (last: %s)",
+                        w.worker_id, w.breaker.consecutive, e)
+        if type(e) in (ConnectFailed, UpstreamFailed):
+            self.fleet.mark_suspect(w, str(e))
+        return f"worker {w.worker_id} failed: {e}"
 
-    def worker_failed(self, w: Worker, stage: str, why: str) -> str:
-        self.metrics.upstream_failures.labels(w.worker_id, stage).inc()
-        self.fleet.mark_suspect(w, why)
-        return f"worker {w.worker_id} failed: {why}"
-
-    async def collect(self, w: Worker, resp, headers: dict, started: float, trace: RequestTrace) -> Response:
+    async def collect(self, w: Worker, route: Decision, view: RequestView, resp, headers: dict, started: float,
+                      trace: RequestTrace, lost: asyncio.Future) -> Response:
+        """A non-streaming answer, read whole before anything reaches the client (so a failure
+        while reading it is still retried); a 503 is the worker's load, retried elsewhere."""
         status = resp.status
-        try:
-            body = await self.proxy.read(resp)
-        except UpstreamFailed as e:
-            return self.error(ApiError(502, self.worker_failed(w, "response", str(e)), "server_error",
-                                          "worker_failed"), w.worker_id)
-        finally:
-            self.fleet.end(w)
+        body = await self.proxy.read(resp, lost)
+        if status == 503:
+            raise WorkerBusy(status, body, {k: v for k, v in resp.headers.items()
+                                            if k.lower() in ("retry-after", "content-type")})
+        self.fleet.end(w)
+        if status >= 500:
+            w.breaker.failed()
+        else:
+            self.committed(w, view, route)
         if status == 200:
             self.metrics.ttft.labels(w.worker_id).observe(time.monotonic() - started)
             self.metrics.actual_cached.labels(w.worker_id).inc(cached_tokens(body) or 0)
@@ -318,14 +408,17 @@ class Gateway:
         self.metrics.requests.labels(w.worker_id, self.policy.name, str(status)).inc()
         return Response(body, status, headers, resp.headers.get("content-type", "application/json"))
 
-    def stream(self, w: Worker, kind: str, resp, headers: dict, started: float,
+    def stream(self, w: Worker, resp, tap: StreamTap, head: bytes, headers: dict,
                trace: RequestTrace) -> Response:
-        tap = StreamTap(kind, started)
         status = ["200"]
 
         def failed(e: Exception) -> str:
             status[0] = "502"
-            return self.worker_failed(w, "stream", str(e))
+            self.metrics.upstream_failures.labels(w.worker_id, "stream").inc()
+            w.breaker.failed()
+            if isinstance(e, UpstreamFailed) and not isinstance(e, UpstreamTimeout):
+                self.fleet.mark_suspect(w, str(e))
+            return f"worker {w.worker_id} failed: {e}"
 
         def closed() -> None:
             self.fleet.end(w)
@@ -338,7 +431,7 @@ class Gateway:
             trace.end(int(status[0]))
 
         headers["cache-control"] = "no-cache"
-        return PassThrough(relay(resp, tap, failed), resp, closed, headers)
+        return PassThrough(relay(resp, tap, head, self.proxy.idle_timeout, failed), resp, closed, headers)
 
     async def models(self, request: Request) -> Response:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate", "max_model_len": n}
@@ -347,9 +440,10 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         up = sum(w.available for w in self.fleet.workers.values())
-        body = {"status": "ok" if up else NO_WORKERS, "workers": len(self.fleet.workers), "healthy": up,
-                "redis": self.redis.status() if self.redis is not None else "off"}
-        return JSONResponse(body, status_code=200 if up else 503)
+        status = "draining" if self.admission.draining else "ok" if up else NO_WORKERS
+        body = {"status": status, "workers": len(self.fleet.workers), "healthy": up,
+                "pending": self.admission.pending, "redis": self.redis.status() if self.redis is not None else "off"}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()

@@ -3,7 +3,11 @@
 Each worker gets two background tasks. The poller GETs `/state` every `interval` seconds and
 is the health check: one failed poll (refused, or no answer within `timeout`) takes the
 worker out of the candidate set and drops its residency, so a dead worker is gone within
-`interval + timeout` (< 2 s by default); the next good poll brings it back. The tailer
+`interval + timeout` (< 2 s by default); the next good poll brings it back. A worker that
+answers is still out of service while its state says its engine thread is not running, it
+is draining, or its engine has made no progress on its work for more than `stall_s` seconds
+(a frozen engine behind a live HTTP server). Losing a worker resolves its `lost` future, so
+requests waiting on it give up at once and are retried elsewhere. The tailer
 long-polls `/kv/events` into the residency index, resyncing from `/kv/snapshot` whenever the
 index asks; while Redis carries a worker's events (see redis_state) its tailer idles.
 Routing reads only in-memory fields, never the network. The HTTP client is aiohttp, as for
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
 from policies.api import MIXED, WorkerView
 from workers.kv.cost_model import CostModel
@@ -34,6 +39,7 @@ class Worker:
     worker_id: str | None = None
     state: dict = field(default_factory=dict)
     healthy: bool = False
+    out: str | None = None  # why a worker that answers /state takes no requests
     suspect: bool = False
     epoch: int = 0
     in_flight: int = 0
@@ -41,10 +47,13 @@ class Worker:
     redis_residency: bool = False
     base: WorkerView | None = None
     tasks: list = field(default_factory=list)
+    breaker: Breaker = field(default_factory=Breaker)
+    lost: asyncio.Future | None = None
 
     @property
     def available(self) -> bool:
-        return self.healthy and not self.suspect and self.base is not None
+        return (self.healthy and self.out is None and not self.suspect and self.base is not None
+                and self.breaker.allows())
 
     @property
     def model(self) -> str | None:
@@ -73,6 +82,22 @@ def _view(state: dict, url: str) -> WorkerView:
         kv_bytes_per_token=state.get("kv_bytes_per_token", 0), transfer_gbps=_transfer_gbps(state))
 
 
+DRAINING = "it is draining"
+
+
+def out_of_service(state: dict, stall_s: float) -> str | None:
+    """Why a worker whose /state answers must get no requests, or None when it may. Fields a
+    worker does not report (older workers, other engines) count as fine."""
+    if state.get("engine_alive") is False:
+        return "its engine is not running"
+    if state.get("draining"):
+        return DRAINING
+    stall = state.get("engine_stall_s") or 0.0
+    if stall > stall_s:
+        return f"its engine has made no progress for {stall:.1f} s"
+    return None
+
+
 def _transfer_gbps(state: dict) -> float:
     """The worker's measured export rate, else what its transport typically reaches."""
     kv = state.get("kv_transfer") or {}
@@ -88,10 +113,13 @@ def with_fields(base: WorkerView, **changes) -> WorkerView:
 
 
 class Fleet:
-    def __init__(self, index: ResidencyIndex, interval: float = 0.5, timeout: float = 1.0):
+    def __init__(self, index: ResidencyIndex, interval: float = 0.5, timeout: float = 1.0,
+                 stall_s: float = 1.5, breaker: BreakerConfig | None = None):
         self.index = index
         self.interval = interval
         self.timeout = timeout
+        self.stall_s = stall_s
+        self.breaker = breaker or BreakerConfig()
         self.workers: dict[str, Worker] = {}
         self.session: aiohttp.ClientSession | None = None
         self._started = False
@@ -100,7 +128,7 @@ class Fleet:
         url = url.rstrip("/")
         w = self.workers.get(url)
         if w is None:
-            w = self.workers[url] = Worker(url, static)
+            w = self.workers[url] = Worker(url, static, breaker=Breaker(self.breaker))
             if self._started:
                 self._spawn(w)
         return w
@@ -153,7 +181,15 @@ class Fleet:
             self.index.drop(w.worker_id)
         if not w.healthy:
             log.info("worker %s at %s is up", wid, w.url)
-        w.worker_id, w.state, w.healthy, w.suspect = wid, state, True, False
+        out = out_of_service(state, self.stall_s)
+        if out != w.out:
+            if out is None:
+                log.info("worker %s at %s is back in service", wid, w.url)
+            else:
+                log.warning("worker %s at %s is out of service: %s", wid, w.url, out)
+                if out != DRAINING:
+                    self._lose(w, out)
+        w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.base = _view(state, w.url)
 
     def _down(self, w: Worker, why: str) -> None:
@@ -161,8 +197,21 @@ class Fleet:
             log.warning("worker %s at %s is down: %s", w.worker_id, w.url, why)
         w.healthy = False
         w.epoch += 1
+        self._lose(w, why)
         if w.worker_id:
             self.index.drop(w.worker_id)
+
+    def lost(self, w: Worker) -> asyncio.Future:
+        """A future resolved (with the reason) when `w` is next taken out of service."""
+        if w.lost is None:
+            w.lost = asyncio.get_running_loop().create_future()
+        return w.lost
+
+    def _lose(self, w: Worker, why: str) -> None:
+        if w.lost is not None:
+            if not w.lost.done():
+                w.lost.set_result(why)
+            w.lost = None
 
     def mark_suspect(self, w: Worker, why: str) -> None:
         """Exclude a worker that just failed a request until its next good health poll."""

@@ -54,6 +54,10 @@ class GatewayMetrics:
         self.upstream_failures = Counter("kvgate_gateway_upstream_failures",
                                          "Worker failures: before the response (retried) or mid-response",
                                          ["worker", "stage"], registry=r)
+        self.retries = Counter("kvgate_gateway_retries", "Requests sent to another worker after a failure, by stage",
+                               ["stage"], registry=r)
+        self.refused = Counter("kvgate_gateway_refused", "Requests refused by admission control, by reason",
+                               ["reason"], registry=r)
         self.prefill_legs = Counter("kvgate_gateway_prefill_legs", "P/D prefill legs, by prefill worker and outcome",
                                     ["worker", "outcome"], registry=r)
         r.register(_FleetCollector(fleet))

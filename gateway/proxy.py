@@ -6,14 +6,20 @@ Upstream responses are returned once their head has arrived, so a stream's event
 client as the worker writes them. Closing an upstream response early closes its connection,
 which is how a client's disconnect reaches the worker (the worker aborts a request whose
 client went away).
-A failure before the response starts is the caller's to retry elsewhere (`ConnectFailed`); a
-failure mid-stream ends that stream with an SSE error event and `[DONE]`.
+
+Every wait on a worker is bounded: connecting (`connect_timeout`), the answer's first byte
+(`first_byte_timeout`: a non-streaming answer comes whole, so this bounds the whole request;
+a stream's first token event), and silence inside a stream after that (`idle_timeout`).
+A wait is also cut short when the worker is lost (the fleet's liveness check resolves a
+future) or the client disconnects. Any failure before the answer is committed to the client
+is an `UpstreamError` for the caller to retry elsewhere; a failure in a committed stream ends
+it with an SSE error event and `[DONE]`.
 """
 import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from starlette.requests import Request
@@ -21,23 +27,49 @@ from starlette.responses import StreamingResponse
 
 DONE = b"data: [DONE]\n\n"
 _CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
+# error events a worker sends when its engine (not the request) failed: another may serve it
+ENGINE_GONE = (b'"engine_stopped"', b'"engine_stalled"')
 
 
-class ConnectFailed(Exception):
+class UpstreamError(Exception):
+    """A worker failed a request: `stage` says where (connect, timeout, lost, response, stream)."""
+    stage = "response"
+
+
+class ConnectFailed(UpstreamError):
     """The worker could not be reached, or dropped the connection before answering."""
+    stage = "connect"
+
+
+class UpstreamTimeout(ConnectFailed):
+    """The worker did not start its answer within the first-byte timeout."""
+    stage = "timeout"
+
+
+class WorkerLost(ConnectFailed):
+    """The fleet took the worker out (engine dead or stalled, /state failing) while we waited."""
+    stage = "lost"
+
+
+class UpstreamFailed(UpstreamError):
+    """The worker broke off a response it had started, or fell silent past the idle timeout."""
+
+
+class StreamFailed(UpstreamFailed):
+    """The worker's stream said, before its first token, that its engine is gone."""
+    stage = "error_event"
 
 
 class ClientGone(Exception):
     """The client disconnected before the worker answered."""
 
 
-class UpstreamFailed(Exception):
-    """The worker broke off a response it had started."""
-
-
 class Proxy:
-    def __init__(self, connect_timeout: float = 2.0):
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout)
+    def __init__(self, connect_timeout: float = 2.0, first_byte_timeout: float = 120.0,
+                 idle_timeout: float = 30.0):
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -54,37 +86,56 @@ class Proxy:
             await self._session.close()
 
     async def open(self, url: str, path: str, body: bytes, headers: dict[str, str],
-                   client: Request | None = None) -> aiohttp.ClientResponse:
+                   client: Request | None = None, lost: asyncio.Future | None = None) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head (the body stays unread).
 
         A non-streaming worker answers only when the whole completion is done, so with
         `client` given the wait is abandoned (`ClientGone`, upstream connection closed, the
-        worker aborts) as soon as that client disconnects.
+        worker aborts) as soon as that client disconnects; likewise when `lost` resolves.
         """
-        send = asyncio.ensure_future(self.session.post(url + path, data=body, headers=headers))
-        gone = asyncio.ensure_future(_wait_disconnect(client)) if client is not None else None
+        deadline = time.monotonic() + self.first_byte_timeout
         try:
-            if gone is not None:
-                await asyncio.wait({send, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not send.done():
-                    raise ClientGone()
-            return await send
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return await _race(self.session.post(url + path, data=body, headers=headers), deadline, client, lost)
+        except (aiohttp.ClientError, OSError) as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from e
-        finally:
-            send.cancel()
-            if gone is not None:
-                gone.cancel()
 
-    async def read(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def read(self, resp: aiohttp.ClientResponse, lost: asyncio.Future | None = None) -> bytes:
         """The whole body of a response whose head has arrived; its connection goes back to the
         pool, or is closed if the body could not be read."""
         try:
-            return await resp.read()
-        except aiohttp.ClientError as e:
+            return await _race(resp.read(), time.monotonic() + self.idle_timeout, None, lost)
+        except WorkerLost:
+            raise
+        except (aiohttp.ClientError, OSError, UpstreamTimeout) as e:
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
         finally:
-            _close(resp)
+            close_upstream(resp)
+
+    async def first_token(self, resp: aiohttp.ClientResponse, tap: "StreamTap", client: Request | None,
+                          lost: asyncio.Future | None, started: float) -> bytes:
+        """Read a stream up to and including its first token event (or its end): the whole
+        events read so far, which nobody has seen yet. Raises `UpstreamError` (the stream is
+        still the caller's to retry elsewhere) or `ClientGone`."""
+        deadline = started + self.first_byte_timeout
+        head, fed = b"", 0
+        while tap.ttft is None:
+            try:
+                chunk = await _race(resp.content.readany(), deadline, client, lost)
+            except (aiohttp.ClientError, OSError) as e:
+                raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
+            if not chunk:
+                if not head.endswith(b"\n\n"):
+                    raise UpstreamFailed("the stream ended before its first token")
+                return head
+            head += chunk
+            whole = head.rfind(b"\n\n") + 2
+            if whole > fed:
+                events = head[fed:whole]
+                if b'"error"' in events and any(code in events for code in ENGINE_GONE):
+                    raise StreamFailed(events.decode(errors="replace").strip()[:300])
+                tap.feed(events)
+                fed = whole
+        return head
 
 
 class StreamTap:
@@ -112,22 +163,30 @@ def cached_tokens(body: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
-async def relay(resp: aiohttp.ClientResponse, tap: StreamTap,
+async def relay(resp: aiohttp.ClientResponse, tap: StreamTap, head: bytes, idle_timeout: float,
                 on_error: Callable[[Exception], str]) -> AsyncIterator[bytes]:
-    """Pass an SSE stream through as it arrives.
+    """Pass an SSE stream through as it arrives, starting with `head` (what `first_token` read,
+    already fed to `tap`).
 
     Only a trailing partial event is held back until its end arrives, so that if the worker
-    dies the client gets whole events followed by a clean error event and `[DONE]`.
-    `on_error` is told about the failure and returns the message to send.
+    dies, or says nothing for `idle_timeout` seconds, the client gets whole events followed by
+    a clean error event and `[DONE]`. `on_error` is told about the failure and returns the
+    message to send.
     """
-    partial = b""
+    cut = head.rfind(b"\n\n") + 2
+    if cut:
+        yield head[:cut]
+    partial = head[cut:]
     try:
-        async for chunk in resp.content.iter_any():
+        while True:
+            async with asyncio.timeout(idle_timeout):
+                chunk = await resp.content.readany()
+            if not chunk:
+                break
             if partial:
                 chunk, partial = partial + chunk, b""
             if not chunk.endswith(b"\n\n"):
-                end = chunk.rfind(b"\n\n")
-                cut = end + 2 if end >= 0 else 0
+                cut = chunk.rfind(b"\n\n") + 2
                 chunk, partial = chunk[:cut], chunk[cut:]
                 if not chunk:
                     continue
@@ -135,12 +194,13 @@ async def relay(resp: aiohttp.ClientResponse, tap: StreamTap,
             yield chunk
         if partial:
             yield partial
-    except aiohttp.ClientError as e:
-        message = on_error(UpstreamFailed(f"{type(e).__name__}: {e}"))
+    except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        why = f"no event for {idle_timeout:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+        message = on_error(UpstreamFailed(why))
         yield sse_error(message)
         yield DONE
     finally:
-        _close(resp)
+        close_upstream(resp)
 
 
 class PassThrough(StreamingResponse):
@@ -151,14 +211,16 @@ class PassThrough(StreamingResponse):
     def __init__(self, content: AsyncIterator[bytes], upstream: aiohttp.ClientResponse, on_close: Callable[[], None],
                  headers: dict[str, str]):
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.upstream, self.on_close = upstream, on_close
+        self.upstream = upstream
+        self.on_close: list[Callable[[], None]] = [on_close]
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            _close(self.upstream)
-            self.on_close()
+            close_upstream(self.upstream)
+            for callback in self.on_close:
+                callback()
 
 
 def sse_error(message: str, type_: str = "server_error", code: str = "worker_failed") -> bytes:
@@ -166,13 +228,36 @@ def sse_error(message: str, type_: str = "server_error", code: str = "worker_fai
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def _close(resp: aiohttp.ClientResponse) -> None:
+def close_upstream(resp: aiohttp.ClientResponse) -> None:
     """Give a wholly read response's connection back to the pool; close any other (the worker
     sees the disconnect and aborts the request). Synchronous, so a cancelled task still does it."""
     if resp.content.at_eof():
         resp.release()
     else:
         resp.close()
+
+
+async def _race(aw: Awaitable, deadline: float, client: Request | None, lost: asyncio.Future | None):
+    """`await aw` until `deadline` (monotonic), unless the client disconnects first
+    (`ClientGone`) or `lost` resolves (`WorkerLost`); past the deadline, `UpstreamTimeout`.
+    Whatever is abandoned is cancelled, which closes its upstream connection."""
+    task = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_wait_disconnect(client)) if client is not None else None
+    waiters = {task} | ({gone} if gone else set()) | ({lost} if lost is not None else set())
+    try:
+        done, _ = await asyncio.wait(waiters, timeout=max(0.0, deadline - time.monotonic()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        if gone is not None and gone in done:
+            raise ClientGone()
+        if lost is not None and lost in done:
+            raise WorkerLost(f"the worker was taken out: {lost.result()}")
+        raise UpstreamTimeout("the worker did not answer in time")
+    finally:
+        task.cancel()
+        if gone is not None:
+            gone.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:

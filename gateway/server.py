@@ -8,14 +8,20 @@ import os
 import uvicorn
 from starlette.applications import Starlette
 
+from gateway.admission import Admission, AdmissionConfig
 from gateway.app import Gateway
 from gateway.auth import Access, ApiKeys
+from gateway.breaker import BreakerConfig
 from gateway.fleet import Fleet
+from gateway.http_server import ClientLimits, fit_connections, protocol_class
 from gateway.index import ResidencyIndex
+from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
+from gateway.retry import RetryPolicy
 from gateway.tokenize import Tokenizers
 from gateway.tracing import EXPORTERS, Tracing, make_exporter
 from policies.registry import load_policy
+from workers.drain import DrainingServer
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.kv.redis_schema import redact_url
 
@@ -78,7 +84,48 @@ def parser() -> argparse.ArgumentParser:
                    help="largest request body taken, checked before it is read (larger: 413)")
     p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
     p.add_argument("--log-level", default="warning")
+    add_reliability_args(p)
     return p
+
+
+def add_reliability_args(p: argparse.ArgumentParser) -> None:
+    """Liveness, upstream timeouts, retries, admission control and client limits."""
+    g = p.add_argument_group("liveness and upstream")
+    g.add_argument("--engine-stall-s", type=float, default=1.5,
+                   help="a worker whose engine made no progress on its work for this long is out of service")
+    g.add_argument("--upstream-connect-timeout", type=float, default=2.0, metavar="S",
+                   help="seconds to connect to a worker")
+    g.add_argument("--upstream-first-byte-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds until a worker's answer starts: a stream's first token, a whole non-streaming answer")
+    g.add_argument("--upstream-idle-timeout", type=float, default=30.0, metavar="S",
+                   help="longest silence of a worker inside an answer (between stream events)")
+    g.add_argument("--max-retries", type=int, default=2,
+                   help="other workers a request may go to when one fails before its answer is committed")
+    g.add_argument("--retry-backoff-ms", type=float, default=50.0,
+                   help="wait before the first retry; doubles with each, with jitter, up to 1 s")
+    g.add_argument("--breaker-failures", type=int, default=3,
+                   help="consecutive failed requests that open a worker's circuit breaker")
+    g.add_argument("--breaker-cooldown-s", type=float, default=2.0,
+                   help="how long an open breaker keeps a worker out before one trial (doubles per reopening)")
+    g = p.add_argument_group("admission control")
+    g.add_argument("--max-pending", type=int, default=1024,
+                   help="requests the gateway holds at once; beyond, 503 overloaded")
+    g.add_argument("--max-queue-per-worker", type=int, default=32,
+                   help="requests a worker may have waiting beyond its running batch; a full worker gets no "
+                        "more, and when all are full the request is refused (503 overloaded)")
+    g.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 503/429 refusals")
+    g = p.add_argument_group("client connections")
+    g.add_argument("--max-connections", type=int, default=4096,
+                   help="open client connections; beyond, a new one is answered 503 and closed "
+                        "(lowered to fit the file limit)")
+    g.add_argument("--client-header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for a request head to arrive whole (else 408 and close)")
+    g.add_argument("--client-body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds for a request body to arrive whole after its head (else 408 and close)")
+    g.add_argument("--client-idle-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight may take to finish before the gateway exits")
 
 
 def build(args: argparse.Namespace) -> Gateway:
@@ -86,7 +133,8 @@ def build(args: argparse.Namespace) -> Gateway:
     if not args.worker and not args.redis:
         raise SystemExit("kvgate gateway: give at least one --worker URL or --redis URL")
     fleet = Fleet(ResidencyIndex(), interval=args.health_interval,
-                  timeout=max(0.25, min(1.0, 1.9 - args.health_interval)))
+                  timeout=max(0.25, min(1.0, 1.9 - args.health_interval)), stall_s=args.engine_stall_s,
+                  breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s))
     for url in args.worker:
         fleet.add(url)
     redis = None
@@ -105,10 +153,13 @@ def build(args: argparse.Namespace) -> Gateway:
         tracing = Tracing(make_exporter(args.trace, args.trace_endpoint), args.trace_sample_ratio)
     except ValueError as e:
         raise SystemExit(f"kvgate gateway: {e}")
-    return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, redis=redis,
+    proxy = Proxy(args.upstream_connect_timeout, args.upstream_first_byte_timeout, args.upstream_idle_timeout)
+    admission = Admission(AdmissionConfig(args.max_pending, args.max_queue_per_worker, args.retry_after_s))
+    retry = RetryPolicy(args.max_retries, args.retry_backoff_ms / 1000.0)
+    return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, proxy=proxy, redis=redis,
                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, pd_wait_ms=args.pd_wait_ms,
                    tracing=tracing, access=access(args), internal_token=args.internal_token,
-                   max_body_bytes=args.max_body_bytes)
+                   max_body_bytes=args.max_body_bytes, admission=admission, retry=retry)
 
 
 def access(args: argparse.Namespace) -> Access:
@@ -189,4 +240,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"kvgate gateway ({gateway.policy.name}) on http://{args.host}:{args.port} "
           f"for {len(args.worker)} static workers{' + redis ' + redact_url(args.redis) if args.redis else ''}",
           flush=True)
-    uvicorn.run(gateway.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    serve(gateway, args)
+
+
+def serve(gateway: Gateway, args: argparse.Namespace) -> None:
+    """Run the gateway under uvicorn with the client limits and the SIGTERM drain."""
+    limits = ClientLimits(fit_connections(args.max_connections), args.client_header_timeout,
+                          args.client_body_timeout, args.client_idle_timeout, args.retry_after_s)
+    config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, http=protocol_class(limits), timeout_keep_alive=args.client_idle_timeout,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, gateway.admission, args.drain_timeout_s).run()

@@ -1,24 +1,35 @@
-"""Graceful shutdown for a worker: drain first, then let uvicorn stop.
+"""Graceful shutdown for a worker or the gateway: drain first, then let uvicorn stop.
 
-The first SIGTERM (or SIGINT) marks the worker draining: /health and /state say so (the
-gateway stops routing to it), new requests get 503 + Retry-After, and the ones in flight, and
-their KV exports, run to the end. Once nothing is left, or `drain_timeout_s` has passed,
-uvicorn's own shutdown runs. A second signal exits at once.
+The first SIGTERM (or SIGINT) marks the server draining: /health (and a worker's /state) say
+so, so the gateway (or a load balancer) stops sending there; new requests get 503 +
+Retry-After, and the ones in flight (a worker's KV exports too) run to the end. Once nothing
+is left, or `drain_timeout_s` has passed, uvicorn's own shutdown runs. A second signal exits
+at once. Torch-free: the gateway uses it too.
 """
 import logging
 import signal
 import time
 from types import FrameType
+from typing import Protocol
 
 import uvicorn
 
-from workers.server import WorkerServer
+log = logging.getLogger("kvgate.drain")
 
-log = logging.getLogger("kvgate.worker")
+
+class Drainable(Protocol):
+    """What drains: a `draining` flag it honours, and what it still holds."""
+    draining: bool
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def idle(self) -> bool: ...
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, worker: WorkerServer, drain_timeout_s: float = 30.0):
+    def __init__(self, config: uvicorn.Config, worker: Drainable, drain_timeout_s: float = 30.0):
         super().__init__(config)
         self.worker = worker
         self.drain_timeout_s = drain_timeout_s

@@ -1,0 +1,132 @@
+"""The gateway's HTTP server (uvicorn + h11) hardened against clients: a connection cap and
+header/body/idle timeouts.
+
+uvicorn gives an idle keep-alive timeout (`timeout_keep_alive`) and a cap on a request head's
+size (h11's `max_incomplete_event_size`); it has no timeout for a request head or body that
+trickles in, starts no timer at all on a fresh connection that says nothing, and answers its
+own `limit_concurrency` with a plain-text 503. So each connection here is a `ClientConnection`:
+
+- a request head must arrive whole within `header_timeout_s` of its first byte (of the
+  connection, for a new one), and its body within `body_timeout_s` of the head; otherwise the
+  client gets a 408 and the connection is closed, so trickling clients cannot hold sockets;
+- beyond `max_connections` open connections, a new one is answered with an OpenAI-shaped 503
+  and `Retry-After` (then closed) instead of being served, well before file descriptors run out.
+
+(SIGTERM drains the gateway through `workers.drain.DrainingServer`, with `Admission` as what
+drains: new requests get 503 `draining` + `Retry-After` while the ones it holds finish.)
+"""
+import asyncio
+import json
+import resource
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from workers.protocol import error_body
+
+HEADER, BODY = "header", "body"
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    max_connections: int = 4096
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 5.0
+    retry_after_s: int = 1
+
+
+def fit_connections(wanted: int, reserve: int) -> int:
+    """`wanted`, or fewer if this process may not open that many files plus `reserve` (upstream
+    connections, health polls, Redis); the soft file limit is raised to the hard one first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return min(wanted, max(16, soft - reserve))
+
+
+def _raw_error(status: int, reason: str, message: str, type_: str, code: str,
+               retry_after: int | None = None) -> bytes:
+    """A whole HTTP/1.1 error response that closes the connection, for when no request cycle
+    is there to answer through."""
+    body = json.dumps(error_body(message, type_, code)).encode()
+    head = [f"HTTP/1.1 {status} {reason}", "content-type: application/json",
+            f"content-length: {len(body)}", "connection: close"]
+    if retry_after is not None:
+        head.append(f"retry-after: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def over_capacity(retry_after: int):
+    """An ASGI app answering every request with 503 `overloaded` and closing the connection."""
+    body = json.dumps(error_body("the gateway has too many open connections; retry later", "server_error",
+                                 "overloaded")).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", str(retry_after).encode()), (b"connection", b"close")]
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    return app
+
+
+class ClientConnection(H11Protocol):
+    """uvicorn's h11 protocol with head/body deadlines and the connection cap (`limits` is set
+    on the subclass `protocol_class` makes)."""
+    limits: ClientLimits = ClientLimits()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.phase: str | None = None
+        self.deadline: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.limits.max_connections:
+            self.app = over_capacity(self.limits.retry_after_s)
+        self._guard(HEADER, self.limits.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.phase is None and self.conn.their_state is h11.IDLE:
+            self._guard(HEADER, self.limits.header_timeout_s)
+        super().data_received(data)
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self.phase != BODY:
+                self._guard(BODY, self.limits.body_timeout_s)
+        elif state is not h11.IDLE:
+            self._unguard()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._unguard()
+        super().connection_lost(exc)
+
+    def _guard(self, phase: str, seconds: float) -> None:
+        self._unguard()
+        self.phase = phase
+        self.deadline = self.loop.call_later(seconds, self._expired)
+
+    def _unguard(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.phase, self.deadline = None, None
+
+    def _expired(self) -> None:
+        """The request head or body did not arrive in time: 408 (when nothing was answered yet
+        and something was asked) and close."""
+        phase = self.phase
+        self.phase, self.deadline = None, None
+        if self.transport.is_closing():
+            return
+        started = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        asked = phase == BODY or self.conn.trailing_data[0]
+        if asked and not started:
+            seconds = self.limits.header_timeout_s if phase == HEADER else self.limits.body_timeout_s
+            self.transport.write(_raw_error(408, "Request Timeout", f"the request {phase} did not arrive "
+                                            f"within {seconds:g} s", "invalid_request_error", "request_timeout"))
+        self.transport.close()
+
+
+def protocol_class(limits: ClientLimits) -> type[ClientConnection]:
+    return type("ClientConnection", (ClientConnection,), {"limits": limits})

@@ -1,0 +1,266 @@
+"""The gateway when workers fail: liveness, upstream timeouts, retries, circuit breakers and
+its own SIGTERM drain; real gateway and worker processes on loopback.
+
+Faults are real: workers are SIGKILLed or SIGSTOPped, and `tests.fault_worker` (a real
+worker whose executor misbehaves on marked prompts) stops or freezes its engine thread behind
+a live HTTP server.
+"""
+import concurrent.futures as cf
+import json
+import signal
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests import fault_worker as fw
+from tests.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
+
+MODEL = "smollm2-135m"
+
+
+def start_fault_worker(name: str, log_dir: str, extra: tuple[str, ...] = ()) -> Proc:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fault_worker", "--model", MODEL, "--executor", "sim",
+            "--port", str(port), "--worker-id", name, *extra]
+    return Proc(name, argv, port, log_dir)
+
+
+def slow_profile(tmp_path, base_ms: float = 20.0) -> str:
+    """A sim cost model whose every step takes at least `base_ms`, so requests last a while."""
+    path = tmp_path / f"slow-{base_ms:g}.json"
+    path.write_text(json.dumps({"base_ms": base_ms}))
+    return str(path)
+
+
+def complete(url: str, prompt, max_tokens: int = 4, timeout: float = 60, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=timeout, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra})
+
+
+def stream(url: str, prompt, max_tokens: int = 4, timeout: float = 60) -> tuple[int, dict, list[str]]:
+    """(status, headers, SSE data payloads) of a streamed completion."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+        return r.status_code, dict(r.headers), [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of a gateway metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def healthy(gateway: Proc) -> int:
+    return httpx.get(gateway.url + "/health").json()["healthy"]
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory):
+    """Started at once (startup is CPU-bound): fault workers f0, f1 behind a round-robin
+    gateway with default liveness; plain workers s0, s1 behind a gateway that polls health
+    only once a minute (so only timeouts and breakers can find a frozen worker)."""
+    tmp = tmp_path_factory.mktemp("faults")
+    logs = str(tmp)
+    slow = ("--sim-profile", slow_profile(tmp))
+    faulty = [start_fault_worker(f"f{i}", logs, slow) for i in range(2)]
+    plain = [Worker(worker_id=f"s{i}", log_dir=logs, extra=slow) for i in range(2)]
+    procs = faulty + plain
+    try:
+        for w in faulty + plain:
+            w.wait_ready(timeout=180)
+        gateways = {  # after the workers: a gateway polling once a minute must find them up at once
+            "live": start_gateway([w.url for w in faulty], "round_robin", name="gw-live", log_dir=logs),
+            "blind": start_gateway([w.url for w in plain], "round_robin", name="gw-blind", log_dir=logs, extra=[
+                "--health-interval", "60", "--upstream-first-byte-timeout", "1", "--upstream-idle-timeout", "1",
+                "--breaker-failures", "2", "--breaker-cooldown-s", "1"]),
+        }
+        procs += list(gateways.values())
+        for g in gateways.values():
+            g.wait_ready("/v1/models")
+            wait_for(lambda: healthy(g) == 2, what="2 healthy workers")
+        yield {"faulty": faulty, "plain": plain, **gateways, "logs": logs}
+    finally:
+        for w in plain:
+            w.signal(signal.SIGCONT)
+        stop_all(procs)
+
+
+def test_frozen_engine_is_taken_out_and_its_waiting_requests_retried(procs):
+    """f0's engine freezes for 3 s behind a live HTTP server: requests the gateway sent there
+    before it noticed are retried on f1, streaming or not, instead of waiting out the freeze."""
+    gw, (f0, f1) = procs["live"], procs["faulty"]
+    with cf.ThreadPoolExecutor(9) as pool:
+        freeze = pool.submit(complete, f0.url, [fw.FREEZE, 1, 2], 1)
+        wait_for(lambda: httpx.get(f0.url + "/state").json()["engine_stall_s"] > 0.1, what="the freeze to start")
+        plain = [pool.submit(complete, gw.url, [10 + i, 11, 12]) for i in range(4)]
+        streams = [pool.submit(stream, gw.url, [20 + i, 21, 22]) for i in range(4)]
+        answers = [f.result() for f in plain]
+        streamed = [f.result() for f in streams]
+        assert freeze.result().status_code == 200
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    assert {r.headers["x-kvgate-worker"] for r in answers} == {"f1"}
+    for status, headers, events in streamed:
+        assert status == 200 and headers["x-kvgate-worker"] == "f1"
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert metric(gw.url, "kvgate_gateway_retries_total", stage="lost") >= 1
+    wait_for(lambda: healthy(gw) == 2, timeout=10, what="f0 back in service")
+
+
+def test_dead_engine_is_taken_out(procs):
+    """A worker whose engine thread died still answers /state, but is no candidate: every
+    request through the gateway is served by the other worker."""
+    doomed = start_fault_worker("doomed", procs["logs"]).wait_ready(timeout=180)
+    gw = start_gateway([doomed.url, procs["faulty"][1].url], "round_robin", name="gw-dead-engine",
+                       log_dir=procs["logs"])
+    try:
+        gw.wait_ready("/v1/models")
+        wait_for(lambda: healthy(gw) == 2, what="2 healthy workers")
+        with cf.ThreadPoolExecutor(1) as pool:
+            pool.submit(complete, doomed.url, [fw.DIE, 1, 2], 1, timeout=5)
+            wait_for(lambda: httpx.get(doomed.url + "/state").json()["engine_alive"] is False,
+                     what="the engine to die")
+        wait_for(lambda: healthy(gw) == 1, timeout=10, what="the dead engine to leave the candidates")
+        answers = [complete(gw.url, [30 + i, 31]) for i in range(4)]
+        assert all(r.status_code == 200 and r.headers["x-kvgate-worker"] == "f1" for r in answers)
+    finally:
+        stop_all([gw, doomed])
+
+
+def busy_worker(gw: Proc, workers: list[Proc]) -> Proc:
+    """The one of `workers` the gateway has a request open on."""
+    def find():
+        return next((w for w in workers if metric(gw.url, "kvgate_gateway_in_flight", worker=w.name)), None)
+    return wait_for(find, what="a worker holding the request")
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_worker_killed_before_the_first_token_is_retried(tmp_path, streaming):
+    """The worker dies while prefilling a long prompt: the request goes to the other worker and
+    the client gets a whole answer, streamed or not."""
+    logs = str(tmp_path)
+    profile = tmp_path / "slow-prefill.json"
+    profile.write_text(json.dumps({"prefill_token_ms": 5.0}))  # 64-token chunks: 0.3 s steps
+    extra = ("--sim-profile", str(profile), "--max-batched-tokens", "64")
+    workers = [Worker(worker_id=f"k{i}", log_dir=logs, extra=extra) for i in range(2)]
+    gw = None
+    try:
+        for w in workers:
+            w.ready()
+        gw = start_gateway([w.url for w in workers], "round_robin", name="gw-kill", log_dir=logs)
+        gw.wait_ready("/v1/models")
+        wait_for(lambda: healthy(gw) == 2, what="2 healthy workers")
+        call = stream if streaming else complete
+        with cf.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(call, gw.url, list(range(100, 500)), 3)
+            victim = busy_worker(gw, workers)
+            victim.kill()
+            result = answer.result()
+        survivor = next(w for w in workers if w is not victim)
+        if streaming:
+            status, headers, events = result
+            assert status == 200 and headers["x-kvgate-worker"] == survivor.name
+            assert events[-1] == "[DONE]" and "error" not in events[-2], events
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        else:
+            assert result.status_code == 200, result.text
+            assert result.headers["x-kvgate-worker"] == survivor.name
+    finally:
+        stop_all([p for p in (gw, *workers) if p is not None])
+
+
+def test_frozen_worker_times_out_and_its_breaker_opens(procs):
+    """s0 is SIGSTOPped and the gateway polls health once a minute: requests sent to s0 time
+    out after the 1 s first-byte timeout and go to s1; after two such failures s0's breaker
+    opens and no request tries it; once s0 runs again a trial after the cooldown closes it."""
+    gw, (s0, s1) = procs["blind"], procs["plain"]
+    s0.signal(signal.SIGSTOP)
+    try:
+        answers = [complete(gw.url, [40 + i, 41]) if i % 2 else stream(gw.url, [40 + i, 41])
+                   for i in range(8)]
+    finally:
+        s0.signal(signal.SIGCONT)
+    for a in answers:
+        status, headers = (a.status_code, a.headers) if isinstance(a, httpx.Response) else a[:2]
+        assert status == 200 and headers["x-kvgate-worker"] == "s1"
+    assert metric(gw.url, "kvgate_gateway_retries_total", stage="timeout") == 2
+    assert metric(gw.url, "kvgate_gateway_upstream_failures_total", worker="s0") == 2
+    served = wait_for(lambda: complete(gw.url, [50, 51]).headers["x-kvgate-worker"] == "s0", timeout=20,
+                      interval=0.3, what="s0 to serve again after its breaker's cooldown")
+    assert served
+
+
+def test_stream_that_falls_silent_ends_with_an_error_event(procs):
+    """A committed stream whose worker freezes gets an SSE error event and [DONE] after the
+    1 s idle timeout, not a hang."""
+    gw, plain = procs["blind"], procs["plain"]
+    body = {"model": MODEL, "prompt": [60, 61], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(ln for ln in lines if ln.startswith("data: "))
+        victim = next(w for w in plain if w.name == r.headers["x-kvgate-worker"])
+        victim.signal(signal.SIGSTOP)
+        try:
+            tail = [ln[6:] for ln in lines if ln.startswith("data: ")]
+        finally:
+            victim.signal(signal.SIGCONT)
+    assert tail[-1] == "[DONE]" and json.loads(tail[-2])["error"]["code"] == "worker_failed"
+    assert "no event for 1 s" in json.loads(tail[-2])["error"]["message"]
+
+
+def test_a_request_goes_to_at_most_max_retries_more_workers(tmp_path):
+    """Four workers die after the gateway saw them (health polled once a minute): a request
+    is tried on 1 + --max-retries of them, then answered 502 `worker_failed`."""
+    logs = str(tmp_path)
+    workers = [Worker(worker_id=f"d{i}", log_dir=logs) for i in range(4)]
+    gw = None
+    try:
+        for w in workers:
+            w.ready()
+        gw = start_gateway([w.url for w in workers], "round_robin", name="gw-retries", log_dir=logs,
+                           extra=["--health-interval", "60", "--max-retries", "2", "--breaker-failures", "100"])
+        gw.wait_ready("/v1/models")
+        wait_for(lambda: healthy(gw) == 4, what="4 healthy workers")
+        for w in workers:
+            w.kill()
+        r = complete(gw.url, [1, 2, 3])
+        assert metric(gw.url, "kvgate_gateway_upstream_failures_total") == 3
+        assert metric(gw.url, "kvgate_gateway_retries_total") == 2
+        assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed", r.text
+        assert r.headers["retry-after"] == "1"
+    finally:
+        stop_all([g for g in (gw, *workers) if g is not None])
+
+
+def test_sigterm_drains_the_gateway(tmp_path):
+    """SIGTERM: a stream in flight finishes whole; meanwhile new requests get 503 `draining`
+    with Retry-After and /health says draining; then the gateway exits."""
+    logs = str(tmp_path)
+    worker = Worker(worker_id="w", log_dir=logs, extra=("--sim-profile", slow_profile(tmp_path)))
+    gw = start_gateway([worker.url], name="gw-drain", log_dir=logs)
+    try:
+        worker.ready()
+        gw.wait_ready("/v1/models")
+        wait_for(lambda: healthy(gw) == 1, what="1 healthy worker")
+        body = {"model": MODEL, "prompt": [7, 8], "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as s:
+            lines = s.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))
+            gw.signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(gw.url + "/health").json()["status"] == "draining", what="draining")
+            r = complete(gw.url, [1, 2])
+            assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+            assert int(r.headers["retry-after"]) >= 1
+            events = [first[6:]] + [ln[6:] for ln in lines if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1]) >= 50
+        gw.popen.wait(timeout=30)
+        assert not gw.alive
+    finally:
+        stop_all([gw, worker])
