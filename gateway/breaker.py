@@ -6,7 +6,8 @@ consecutive failed requests the breaker opens: the worker is no candidate for `c
 doubling with each reopening up to `max_cooldown_s`. Then it is half-open: one trial request
 may go; its success closes the breaker, its failure reopens it. Failures are the worker's own
 (no connection, timeouts, broken responses, 5xx other than 503); an overloaded or draining
-worker's 503 is load, not failure, and leaves the breaker alone.
+worker's 503 is load, not failure, and leaves the breaker alone. A worker whose health poll
+failed (dead, restarted) starts again with a closed breaker when it answers again.
 """
 import time
 from collections.abc import Callable
@@ -49,6 +50,10 @@ class Breaker:
 
     def succeeded(self) -> None:
         self.consecutive, self.opened, self.trial = 0, 0, False
+
+    def reset(self) -> None:
+        """The worker came back after its health poll had failed: a new start, a closed breaker."""
+        self.succeeded()
 
     def failed(self) -> bool:
         """Count a failure; True when it opens (or reopens) the breaker."""

@@ -181,6 +181,7 @@ class Fleet:
             self.index.drop(w.worker_id)
         if not w.healthy:
             log.info("worker %s at %s is up", wid, w.url)
+            w.breaker.reset()
         out = out_of_service(state, self.stall_s)
         if out != w.out:
             if out is None:

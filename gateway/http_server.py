@@ -37,16 +37,17 @@ class ClientLimits:
     retry_after_s: int = 1
 
 
-def fit_connections(wanted: int, reserve: int) -> int:
-    """`wanted`, or fewer if this process may not open that many files plus `reserve` (upstream
-    connections, health polls, Redis); the soft file limit is raised to the hard one first."""
+def fit_connections(wanted: int) -> int:
+    """`wanted`, or fewer if this process may not open that many files: each client
+    connection may need an upstream one, so clients get at most half of the file limit (less
+    256 for polls, Redis and logs). The soft file limit is raised to the hard one first."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         soft = hard
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return min(wanted, max(16, soft - reserve))
+    return min(wanted, max(16, (soft - 256) // 2))
 
 
 def _raw_error(status: int, reason: str, message: str, type_: str, code: str,

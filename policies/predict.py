@@ -76,10 +76,28 @@ def ttft_tpot_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
     ttft = (dscale * (math.ceil((queued + own) / chunk) * per_step)
             + pscale * (model.prefill_token_ms * (queued + own)) + pscale * (model.prefill_attn_ms * attn / 1000.0))
     out = max(1, req.max_tokens)
+    ttft += slot_wait_ms(w, running, waiting + unseen, out, model, dscale)
     shared = min(queued, chunk * out)
     interference = (model.prefill_token_ms * shared
                     + model.prefill_attn_ms * shared * shared / (2 * requests) / 1000.0)
     return ttft, dscale * model.decode_ms(running + 1, w.kv_tokens + n) + pscale * (interference / out)
+
+
+def slot_wait_ms(w: WorkerView, running: int, queued: int, out: int, model: CostModel, dscale: float) -> float:
+    """Time a request waits for room in `w`'s running batch behind `queued` requests.
+
+    Nothing while the batch has room. Full (`max_num_seqs` running), a place frees as a running
+    request finishes: the first after about half a request's life, then one every life / batch;
+    a life is `out` decode steps of the full batch (the others' lengths are guessed to be this
+    one's, as their prompts are). Without this a saturated worker looks free to the
+    prefill-queue terms, and an SLO-aware policy admits requests that will wait many times
+    their SLO.
+    """
+    slots = max(1, w.max_num_seqs)
+    ahead = running + queued - slots
+    if ahead < 0:
+        return 0.0
+    return (0.5 + ahead / slots) * out * dscale * model.decode_ms(slots, w.kv_tokens)
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:

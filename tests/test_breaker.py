@@ -72,3 +72,19 @@ def test_backoff_doubles_with_jitter_up_to_its_cap():
     for retry, base in ((1, 0.1), (2, 0.2), (3, 0.3), (4, 0.3)):
         delays = [policy.delay(retry, rng) for _ in range(200)]
         assert base * 0.5 <= min(delays) and max(delays) <= base
+
+
+def test_a_worker_back_after_a_failed_poll_starts_with_a_closed_breaker():
+    """A restarted worker is a new process: the failures of the one that died do not keep it out."""
+    from gateway.fleet import Fleet
+    from gateway.index import ResidencyIndex
+    fleet = Fleet(ResidencyIndex(), breaker=BreakerConfig(failures=1, cooldown_s=60))
+    w = fleet.add("http://w")
+    fleet._up(w, {"worker_id": "w", "model": "m"})
+    w.breaker.failed()
+    assert not w.available
+    fleet._up(w, {"worker_id": "w", "model": "m"})  # still answering its polls: the breaker stands
+    assert not w.available
+    fleet._down(w, "refused")
+    fleet._up(w, {"worker_id": "w", "model": "m"})
+    assert w.available

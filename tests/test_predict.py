@@ -150,3 +150,20 @@ def test_a_decode_factor_needs_decode_only_steps():
     """A prefill worker reports no decode-only steps: one factor, its overall one, scales all."""
     p = prefill_worker("p", speed=3.0)
     assert p.decode_step_ms is None and predict._model(p)[1:] == pytest.approx((3.0, 3.0))
+
+
+def test_a_request_behind_a_full_batch_waits_for_a_place_in_it():
+    """Four running on a worker that runs four at a time: a new request waits about half a
+    request's life for the first place, and a further life / 4 per request queued before it;
+    with room in the batch it waits for none. SLO-aware routing rejects rather than admit it
+    late (at 5x overload slo_goodput rejected nothing while TTFT ran 12x its SLO)."""
+    r = req(64, max_tokens=20, slo_ttft_ms=1000, slo_tpot_ms=200)
+    life = 20 * COST.decode_ms(4, 0)
+    room = worker("room", running=3, max_num_seqs=4)
+    full = worker("full", running=4, max_num_seqs=4)
+    queued = worker("queued", running=4, waiting=4, max_num_seqs=4)
+    assert predict.ttft_ms(r, full) - predict.ttft_ms(r, room) == pytest.approx(0.5 * life, rel=0.05)
+    assert predict.ttft_ms(r, queued) - predict.ttft_ms(r, full) == pytest.approx(life, rel=0.05)
+    behind = worker("behind", running=4, in_flight=4 + 40, max_num_seqs=4)  # sent, not yet reported
+    assert SloGoodput().route(r, fleet(behind)).reject
+    assert SloGoodput().route(r, fleet(behind, room)).worker == "room"

@@ -1,0 +1,381 @@
+"""`python -m bench.chaos`: the gateway and its workers under faults and overload, on this
+machine (real processes on loopback, sim workers), judged request by request.
+
+    python -m bench.chaos --scenarios soak,redis,overload --requests 10000 \\
+        --out bench/results/chaos.json
+
+Scenarios:
+- `soak`: a closed loop of `--requests` requests (half streamed) while a random worker is
+  SIGKILLed every `--kill-every` seconds and restarted on its port. Every request must end
+  `ok` or as a clean error (`bench.chaos_client` says what counts); afterwards no worker holds
+  a KV block, and the gateway's RSS stays flat.
+- `redis`: the same load on a Redis-discovered fleet while redis-server is SIGKILLed and
+  restarted on its port.
+- `overload`: the fleet's capacity is measured (closed loop, every slot busy), then Poisson
+  arrivals at `--overload-factor` times it hit a gateway with default admission control and one
+  without (unbounded queues): outcomes, and p50/p99 of the admitted requests' latency.
+
+Writes the JSON report and, next to it, a PNG timeline per scenario (outcomes per second,
+kills marked, gateway RSS).
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench import chaos_client as cc
+from tests.procs import Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+
+UNBOUNDED = ["--max-queue-per-worker", "1000000", "--max-pending", "1000000"]
+
+
+@dataclass
+class Fleet:
+    """Workers on fixed ports (a restart takes the same one) and their gateway."""
+    workers: list[Worker]
+    ports: list[int]
+    extra: list[str]
+    logs: str
+    redis: str | None = None
+    gateway: Proc | None = None
+    events: list[tuple[float, str, str]] = field(default_factory=list)
+
+    def restart(self, i: int) -> None:
+        self.workers[i] = Worker(worker_id=f"w{i}", port=self.ports[i], redis=self.redis, extra=self.extra,
+                                 log_dir=self.logs).ready(120)
+
+    def procs(self) -> list[Proc]:
+        return [p for p in [self.gateway, *self.workers] if p is not None]
+
+
+def start_fleet(args: argparse.Namespace, logs: str, extra: list[str], redis: str | None = None,
+                gateway_extra: list[str] = ()) -> Fleet:
+    ports = [free_port() for _ in range(args.workers)]
+    workers = [Worker(worker_id=f"w{i}", port=p, redis=redis, extra=extra, log_dir=logs) for i, p in enumerate(ports)]
+    fleet = Fleet(workers, ports, extra, logs, redis)
+    try:
+        for w in workers:
+            w.ready(120)
+        fleet.gateway = start_gateway([] if redis else [w.url for w in workers], args.policy, redis=redis,
+                                      log_dir=logs, extra=[*args.gateway_arg, *gateway_extra])
+        fleet.gateway.wait_ready("/v1/models", timeout=120)
+        wait_for(lambda: healthy(fleet.gateway) == len(workers), timeout=30, what="every worker healthy")
+    except BaseException:
+        stop_all(fleet.procs())
+        raise
+    return fleet
+
+
+def healthy(gateway: Proc) -> int:
+    try:
+        return httpx.get(gateway.url + "/health", timeout=5).json()["healthy"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return -1
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+class Sampler(threading.Thread):
+    """Calls `probe()` every `interval` seconds into (t, value) samples until stopped."""
+
+    def __init__(self, probe, t0: float, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.probe, self.t0, self.interval = probe, t0, interval
+        self.samples: list[tuple[float, float]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval):
+            try:
+                self.samples.append((time.monotonic() - self.t0, self.probe()))
+            except (OSError, httpx.HTTPError, ValueError, KeyError):
+                pass
+
+    def stop(self) -> list[tuple[float, float]]:
+        self.done.set()
+        self.join()
+        return self.samples
+
+
+def leaks(fleet: Fleet) -> dict:
+    """Blocks held and requests left on each worker, and requests the gateway still holds,
+    once the fleet has settled."""
+    def settled():
+        states = [httpx.get(w.url + "/state", timeout=5).json() for w in fleet.workers]
+        idle = all(s["running"] == s["waiting"] == 0 and s["free_blocks"] == s["total_blocks"] for s in states)
+        return states if idle else None
+    try:
+        states = wait_for(settled, timeout=20, interval=0.2, what="the workers to settle")
+    except TimeoutError:
+        states = [httpx.get(w.url + "/state", timeout=5).json() for w in fleet.workers]
+    pending = httpx.get(fleet.gateway.url + "/health", timeout=5).json()["pending"]
+    return {"leaked_blocks": sum(s["total_blocks"] - s["free_blocks"] for s in states),
+            "requests_left_on_workers": sum(s["running"] + s["waiting"] for s in states),
+            "requests_left_at_gateway": pending}
+
+
+def summary(outcomes: list[cc.Outcome], span_s: float) -> dict:
+    ok = [o for o in outcomes if o.result == cc.OK]
+    lat = np.array([o.latency_ms for o in ok]) if ok else np.zeros(0)
+    ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None])
+    pct = (lambda a, p: float(np.percentile(a, p)) if a.size else None)
+    dirt = sorted({o.detail for o in outcomes if o.result in (cc.DIRTY, cc.LOST)})[:10]
+    errors = Counter(o.detail.split(" retry-after")[0] for o in outcomes if o.result in (cc.REFUSED, cc.CLEAN))
+    return {"requests": len(outcomes), **cc.counts(outcomes), "span_s": span_s,
+            "ok_per_s": len(ok) / span_s if span_s else 0.0,
+            "admitted_latency_p50_ms": pct(lat, 50), "admitted_latency_p99_ms": pct(lat, 99),
+            "admitted_ttft_p50_ms": pct(ttft, 50), "admitted_ttft_p99_ms": pct(ttft, 99),
+            "dirty_examples": dirt, "error_codes": dict(errors), "per_second": cc.per_second(outcomes, span_s)}
+
+
+def rss_growth(samples: list[tuple[float, float]], span_s: float) -> dict:
+    """The gateway's RSS once warm (after a fifth of the run) against its last sample."""
+    warm = [mb for t, mb in samples if t >= span_s / 5]
+    if len(warm) < 2:
+        return {"rss_warm_mb": None, "rss_end_mb": None, "rss_growth_mb": None}
+    return {"rss_warm_mb": warm[0], "rss_end_mb": warm[-1], "rss_growth_mb": warm[-1] - warm[0]}
+
+
+def worker_extra(args: argparse.Namespace, profile: dict | None = None) -> list[str]:
+    extra = list(args.worker_arg)
+    if profile:
+        path = Path(args.log_dir) / f"profile-{abs(hash(json.dumps(profile, sort_keys=True)))}.json"
+        path.write_text(json.dumps(profile))
+        extra += ["--sim-profile", str(path)]
+    return extra
+
+
+def drive(fleet: Fleet, args: argparse.Namespace, chaos) -> dict:
+    """The closed-loop load against `fleet` while `chaos(t0, stop)` runs in a thread; the
+    run's summary, what is left behind on the fleet, and the gateway's RSS."""
+    stop = threading.Event()
+    t0 = time.monotonic()
+    rss = Sampler(lambda: rss_mb(fleet.gateway.popen.pid), t0)
+    thread = threading.Thread(target=chaos, args=(t0, stop), daemon=True)
+    rss.start()
+    thread.start()
+    try:
+        outcomes = asyncio.run(cc.closed_loop(fleet.gateway.url, args.requests, args.concurrency, cc.Shape(),
+                                              args.seed, t0, args.timeout))
+        span = time.monotonic() - t0
+    finally:
+        stop.set()
+        thread.join()
+        samples = rss.stop()
+    wait_for(lambda: healthy(fleet.gateway) == len(fleet.workers), timeout=30, what="every worker back")
+    result = summary(outcomes, span)
+    result.update(leaks(fleet))
+    result.update(rss_growth(samples, span), rss_mb=samples, events=fleet.events)
+    return result
+
+
+def run_soak(args: argparse.Namespace) -> dict:
+    """Random worker SIGKILLs and restarts under a closed loop of requests."""
+    fleet = start_fleet(args, args.log_dir, worker_extra(args))
+
+    def chaos(t0: float, stop: threading.Event) -> None:
+        rng = random.Random(args.seed)
+        while not stop.wait(rng.uniform(*args.kill_every)):
+            i = rng.randrange(len(fleet.workers))
+            fleet.workers[i].kill()
+            fleet.events.append((time.monotonic() - t0, "kill", f"w{i}"))
+            stop.wait(args.restart_after)
+            fleet.restart(i)
+            fleet.events.append((time.monotonic() - t0, "restart", f"w{i}"))
+    try:
+        return drive(fleet, args, chaos)
+    finally:
+        stop_all(fleet.procs())
+
+
+def run_redis(args: argparse.Namespace) -> dict:
+    """redis-server SIGKILLed `--redis-kill-at` s into a run on a Redis-discovered fleet and
+    restarted on its port `--redis-down-s` later."""
+    servers = [wait_redis(start_redis(log_dir=args.log_dir))]
+    port = servers[0].port
+    try:
+        fleet = start_fleet(args, args.log_dir, worker_extra(args), f"redis://127.0.0.1:{port}")
+    except BaseException:
+        stop_all(servers)
+        raise
+
+    def chaos(t0: float, stop: threading.Event) -> None:
+        if stop.wait(args.redis_kill_at):
+            return
+        servers[-1].kill()
+        fleet.events.append((time.monotonic() - t0, "kill", "redis"))
+        stop.wait(args.redis_down_s)
+        servers.append(wait_redis(start_redis(port, log_dir=args.log_dir)))
+        fleet.events.append((time.monotonic() - t0, "restart", "redis"))
+    try:
+        return drive(fleet, args, chaos)
+    finally:
+        stop_all(fleet.procs() + servers)
+
+
+def run_overload(args: argparse.Namespace) -> dict:
+    """Capacity, then `--overload-factor` times it against admission control and without."""
+    profile = {"base_ms": args.overload_step_ms}
+    extra = worker_extra(args, profile) + ["--max-num-seqs", str(args.overload_seqs)]
+    shape = cc.Shape(output=(args.overload_tokens, args.overload_tokens))
+    out: dict = {"workers": args.workers, "max_num_seqs": args.overload_seqs, "step_ms": args.overload_step_ms,
+                 "output_tokens": args.overload_tokens, "factor": args.overload_factor}
+    fleet = start_fleet(args, args.log_dir, extra)
+    try:
+        t0 = time.monotonic()
+        slots = args.workers * args.overload_seqs
+        cal = asyncio.run(cc.closed_loop(fleet.gateway.url, slots * args.calibrate_rounds, slots, shape,
+                                         args.seed, t0, args.timeout))
+        capacity = cc.counts(cal)[cc.OK] / (time.monotonic() - t0)
+        out["capacity_rps"] = capacity
+        stop_all([fleet.gateway])
+        for label, gateway_extra in (("admission", []), ("unbounded", UNBOUNDED)):
+            if label not in args.overload_variants:
+                continue
+            fleet.gateway = start_gateway([w.url for w in fleet.workers], args.policy, log_dir=args.log_dir,
+                                          name=f"gateway-{label}", extra=[*args.gateway_arg, *gateway_extra])
+            fleet.gateway.wait_ready("/v1/models", timeout=120)
+            wait_for(lambda: healthy(fleet.gateway) == args.workers, timeout=30, what="every worker healthy")
+            out[label] = overload_once(fleet, args, capacity * args.overload_factor, shape)
+            stop_all([fleet.gateway])
+            fleet.gateway = None
+        return out
+    finally:
+        stop_all(fleet.procs())
+
+
+def overload_once(fleet: Fleet, args: argparse.Namespace, rate: float, shape: cc.Shape) -> dict:
+    t0 = time.monotonic()
+    waiting = Sampler(lambda: max(httpx.get(w.url + "/state", timeout=2).json()["waiting"]
+                                  for w in fleet.workers), t0, 0.2)
+    waiting.start()
+    try:
+        outcomes = asyncio.run(cc.open_loop(fleet.gateway.url, rate, args.overload_s, shape, args.seed, t0,
+                                            args.timeout))
+    finally:
+        samples = waiting.stop()
+    result = summary(outcomes, time.monotonic() - t0)
+    result.update(rate_rps=rate, max_worker_waiting=max((v for _, v in samples), default=0),
+                  worker_waiting=samples)
+    return result
+
+
+SCENARIOS = {"soak": run_soak, "redis": run_redis, "overload": run_overload}
+
+
+def plot(report: dict, path: str) -> None:
+    """One timeline panel per run: outcomes per second, kills and restarts marked; gateway RSS
+    (soak, redis) or the deepest worker queue (overload) on the right axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(name, run) for name, run in report["scenarios"].items() if "per_second" in run]
+    for variant in ("admission", "unbounded"):
+        if variant in report["scenarios"].get("overload", {}):
+            panels.append((f"overload x{report['scenarios']['overload']['factor']:g}, {variant}",
+                           report["scenarios"]["overload"][variant]))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    colors = {cc.OK: "tab:green", cc.REFUSED: "tab:orange", cc.CLEAN: "tab:blue", cc.DIRTY: "tab:red",
+              cc.LOST: "black"}
+    for ax, (name, run) in zip(axes[:, 0], panels):
+        for k, series in run["per_second"].items():
+            if any(series):
+                ax.plot(range(len(series)), series, label=f"{k} ({sum(series)})", color=colors[k])
+        for t, kind, target in run.get("events", ()):
+            ax.axvline(t, color="red" if kind == "kill" else "green", linestyle="-" if kind == "kill" else ":",
+                       linewidth=1)
+        ax.set_ylabel("requests / s")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+        right = run.get("rss_mb") or run.get("worker_waiting")
+        if right:
+            twin = ax.twinx()
+            twin.plot([t for t, _ in right], [v for _, v in right], color="gray", linewidth=1)
+            twin.set_ylabel("gateway RSS (MB)" if run.get("rss_mb") else "max worker queue")
+            twin.set_ylim(bottom=0)
+    axes[-1, 0].set_xlabel("seconds (red: SIGKILL, green dotted: restarted)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default="soak,redis,overload", help="comma-separated: soak, redis, overload")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--policy", default="prefix_affinity")
+    p.add_argument("--requests", type=int, default=2000, help="soak and redis: requests sent")
+    p.add_argument("--concurrency", type=int, default=16, help="soak and redis: requests in flight")
+    p.add_argument("--kill-every", type=float, nargs=2, default=(2.0, 4.0), metavar=("MIN", "MAX"),
+                   help="soak: seconds between worker SIGKILLs, uniform in [MIN, MAX]")
+    p.add_argument("--restart-after", type=float, default=0.5, help="soak: seconds a killed worker stays down")
+    p.add_argument("--redis-kill-at", type=float, default=3.0)
+    p.add_argument("--redis-down-s", type=float, default=2.0)
+    p.add_argument("--overload-factor", type=float, default=5.0)
+    p.add_argument("--overload-s", type=float, default=20.0, help="overload: seconds of arrivals")
+    p.add_argument("--overload-seqs", type=int, default=4, help="overload: each worker's --max-num-seqs")
+    p.add_argument("--overload-step-ms", type=float, default=20.0, help="overload: sim step time floor")
+    p.add_argument("--overload-tokens", type=int, default=20, help="overload: output tokens per request")
+    p.add_argument("--overload-variants", default="admission,unbounded")
+    p.add_argument("--calibrate-rounds", type=int, default=6, help="overload: capacity run, requests per slot")
+    p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request (then: lost)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeatable)")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag (repeatable)")
+    p.add_argument("--log-dir", help="process logs (default: a temp dir)")
+    p.add_argument("--out", required=True, help="report JSON; the timeline PNG is written next to it")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.log_dir is None:
+        import tempfile
+        args.log_dir = tempfile.mkdtemp(prefix="kvgate-chaos-")
+    os.makedirs(args.log_dir, exist_ok=True)
+    names = [s for s in args.scenarios.split(",") if s]
+    if unknown := set(names) - set(SCENARIOS):
+        raise SystemExit(f"bench.chaos: unknown scenarios {sorted(unknown)}")
+    report = {"kind": "chaos", "command": "python -m bench.chaos " + " ".join(argv), "scenarios": {}}
+    for name in names:
+        print(f"chaos: {name} ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        report["scenarios"][name] = run = SCENARIOS[name](args)
+        report["scenarios"][name]["wall_s"] = time.monotonic() - t0
+        print(f"chaos: {name}: {headline(run)}", file=sys.stderr, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    plot(report, str(Path(args.out).with_suffix(".png")))
+    return report
+
+
+def headline(run: dict) -> str:
+    keys = ("requests", *cc.OUTCOMES, "leaked_blocks", "rss_growth_mb", "admitted_latency_p50_ms",
+            "admitted_latency_p99_ms", "capacity_rps")
+    parts = [f"{k}={run[k]:.4g}" if isinstance(run.get(k), float) else f"{k}={run[k]}" for k in keys if k in run]
+    for variant in ("admission", "unbounded"):
+        if variant in run:
+            parts.append(f"[{variant}: {headline(run[variant])}]")
+    return ", ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
