@@ -14,6 +14,9 @@ Scenarios:
 - `overload`: the fleet's capacity is measured (closed loop, every slot busy), then Poisson
   arrivals at `--overload-factor` times it hit a gateway with default admission control and one
   without (unbounded queues): outcomes, and p50/p99 of the admitted requests' latency.
+- `liveness`: seconds from a fault to the gateway taking the worker out of its candidates:
+  engine thread frozen or dead behind a live server (`tests.fault_worker`), process
+  SIGSTOPped or SIGKILLed.
 
 Writes the JSON report and, next to it, a PNG timeline per scenario (outcomes per second,
 kills marked, gateway RSS).
@@ -23,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -275,7 +279,52 @@ def overload_once(fleet: Fleet, args: argparse.Namespace, rate: float, shape: cc
     return result
 
 
-SCENARIOS = {"soak": run_soak, "redis": run_redis, "overload": run_overload}
+def fault_worker(name: str, logs: str) -> Proc:
+    """A real worker whose engine freezes or dies on a marked prompt (`tests.fault_worker`)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fault_worker", "--model", cc.MODEL, "--executor", "sim",
+            "--port", str(port), "--worker-id", name]
+    return Proc(name, argv, port, logs).wait_ready(timeout=120)
+
+
+def run_liveness(args: argparse.Namespace) -> dict:
+    """Seconds from a fault to the gateway taking the worker out of its candidates, per fault:
+    the engine thread frozen or dead behind a live HTTP server, the process stopped or killed."""
+    from tests import fault_worker as fw
+    logs = args.log_dir
+    out: dict = {}
+    for fault in ("engine_frozen", "engine_dead", "sigstop", "sigkill"):
+        times = []
+        for trial in range(args.liveness_trials):
+            w = fault_worker(f"{fault}-{trial}", logs)
+            gw = start_gateway([w.url], args.policy, name=f"gateway-{fault}-{trial}", log_dir=logs,
+                               extra=list(args.gateway_arg))
+            try:
+                gw.wait_ready("/v1/models", timeout=120)
+                wait_for(lambda: healthy(gw) == 1, timeout=30, what="the worker healthy")
+                marker = {"engine_frozen": fw.FREEZE, "engine_dead": fw.DIE}.get(fault)
+                t0 = time.monotonic()
+                if marker is not None:
+                    threading.Thread(target=lambda: _quietly(w.url, marker), daemon=True).start()
+                else:
+                    w.signal(signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
+                wait_for(lambda: healthy(gw) == 0, timeout=30, interval=0.01, what=f"{fault} detected")
+                times.append(time.monotonic() - t0)
+            finally:
+                w.signal(signal.SIGCONT)
+                stop_all([gw, w])
+        out[fault] = {"seconds": times, "max_s": max(times), "mean_s": sum(times) / len(times)}
+    return out
+
+
+def _quietly(url: str, marker: int) -> None:
+    try:
+        httpx.post(url + "/v1/completions", timeout=30, json={"model": cc.MODEL, "prompt": [marker, 1], "max_tokens": 1})
+    except httpx.HTTPError:
+        pass
+
+
+SCENARIOS = {"soak": run_soak, "redis": run_redis, "overload": run_overload, "liveness": run_liveness}
 
 
 def plot(report: dict, path: str) -> None:
@@ -289,7 +338,21 @@ def plot(report: dict, path: str) -> None:
         if variant in report["scenarios"].get("overload", {}):
             panels.append((f"overload x{report['scenarios']['overload']['factor']:g}, {variant}",
                            report["scenarios"]["overload"][variant]))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    liveness = report["scenarios"].get("liveness")
+    rows = len(panels) + (liveness is not None)
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 3.2 * rows), squeeze=False)
+    if liveness is not None:
+        ax = axes[-1, 0]
+        for i, (fault, r) in enumerate(liveness.items()):
+            if isinstance(r, dict):
+                ax.scatter([i] * len(r["seconds"]), r["seconds"], color="tab:blue")
+        names = [k for k, v in liveness.items() if isinstance(v, dict)]
+        ax.set_xticks(range(len(names)), names)
+        ax.axhline(2.0, color="k", linestyle="--", linewidth=1)
+        ax.set_ylabel("seconds to out of service")
+        ax.set_title("liveness: fault to the gateway taking the worker out (dashed: 2 s)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
     colors = {cc.OK: "tab:green", cc.REFUSED: "tab:orange", cc.CLEAN: "tab:blue", cc.DIRTY: "tab:red",
               cc.LOST: "black"}
     for ax, (name, run) in zip(axes[:, 0], panels):
@@ -309,7 +372,8 @@ def plot(report: dict, path: str) -> None:
             twin.plot([t for t, _ in right], [v for _, v in right], color="gray", linewidth=1)
             twin.set_ylabel("gateway RSS (MB)" if run.get("rss_mb") else "max worker queue")
             twin.set_ylim(bottom=0)
-    axes[-1, 0].set_xlabel("seconds (red: SIGKILL, green dotted: restarted)")
+    if panels:
+        axes[len(panels) - 1, 0].set_xlabel("seconds (red: SIGKILL, green dotted: restarted)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -318,7 +382,8 @@ def plot(report: dict, path: str) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default="soak,redis,overload", help="comma-separated: soak, redis, overload")
+    p.add_argument("--scenarios", default="soak,redis,overload,liveness",
+                   help="comma-separated: soak, redis, overload, liveness")
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--policy", default="prefix_affinity")
     p.add_argument("--requests", type=int, default=2000, help="soak and redis: requests sent")
@@ -335,6 +400,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overload-tokens", type=int, default=20, help="overload: output tokens per request")
     p.add_argument("--overload-variants", default="admission,unbounded")
     p.add_argument("--calibrate-rounds", type=int, default=6, help="overload: capacity run, requests per slot")
+    p.add_argument("--liveness-trials", type=int, default=3, help="liveness: trials per fault")
     p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request (then: lost)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeatable)")
@@ -369,11 +435,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def headline(run: dict) -> str:
     keys = ("requests", *cc.OUTCOMES, "leaked_blocks", "rss_growth_mb", "admitted_latency_p50_ms",
-            "admitted_latency_p99_ms", "capacity_rps")
+            "admitted_latency_p99_ms", "capacity_rps", "max_s")
     parts = [f"{k}={run[k]:.4g}" if isinstance(run.get(k), float) else f"{k}={run[k]}" for k in keys if k in run]
-    for variant in ("admission", "unbounded"):
-        if variant in run:
-            parts.append(f"[{variant}: {headline(run[variant])}]")
+    for name, sub in run.items():
+        if isinstance(sub, dict) and name != "per_second" and name != "error_codes":
+            parts.append(f"[{name}: {headline(sub)}]")
     return ", ".join(parts)
 
 

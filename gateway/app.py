@@ -23,12 +23,12 @@ import time
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import pd
-from gateway.admission import Admission, Refusal
+from gateway.admission import DRAINING, Admission, Refusal
 from gateway.auth import Access, Guard, api_key, retry_after, too_many_tokens
 from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
@@ -145,11 +145,17 @@ class Gateway:
         refusal = self.admission.refuse()
         if refusal is not None:
             self.metrics.refused.labels(refusal.code).inc()
-            return self.error(refused(refusal))
+            resp = self.error(refused(refusal))
+            if refusal.code == DRAINING:
+                resp.headers["connection"] = "close"  # keep-alive clients reconnect elsewhere
+            return resp
         self.admission.enter()
         resp = None
         try:
             resp = await self.serve(request, kind)
+        except ClientDisconnect:  # gone while sending its body (or timed out doing so)
+            self.metrics.requests.labels("", self.policy.name, "499").inc()
+            resp = Response(b"", 499)
         finally:
             if isinstance(resp, PassThrough):
                 resp.on_close.append(self.admission.leave)

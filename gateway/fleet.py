@@ -6,7 +6,9 @@ worker out of the candidate set and drops its residency, so a dead worker is gon
 `interval + timeout` (< 2 s by default); the next good poll brings it back. A worker that
 answers is still out of service while its state says its engine thread is not running, it
 is draining, or its engine has made no progress on its work for more than `stall_s` seconds
-(a frozen engine behind a live HTTP server). Losing a worker resolves its `lost` future, so
+(a frozen engine behind a live HTTP server); a worker reporting a stall is polled again as
+its stall would pass `stall_s`, so a frozen engine is out at about `stall_s` plus one poll's
+round trip (< 2 s by default). Losing a worker resolves its `lost` future, so
 requests waiting on it give up at once and are retried elsewhere. The tailer
 long-polls `/kv/events` into the residency index, resyncing from `/kv/snapshot` whenever the
 index asks; while Redis carries a worker's events (see redis_state) its tailer idles.
@@ -30,6 +32,7 @@ from workers.kv.events import EventBatch
 log = logging.getLogger("kvgate.gateway")
 
 LONG_POLL_S = 2.0
+STALL_POLL_MARGIN_S = 0.05
 
 
 @dataclass(eq=False)
@@ -166,7 +169,17 @@ class Fleet:
                 self._up(w, await self.get(w.url + "/state", self.timeout))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 self._down(w, f"/state failed: {e!r}")
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+            await asyncio.sleep(self.next_poll_s(w, time.monotonic() - started))
+
+    def next_poll_s(self, w: Worker, spent: float) -> float:
+        """Seconds until `w`'s next poll: the rest of the interval, or less when its engine's
+        stall would pass `stall_s` before then, so a frozen engine is out at `stall_s` plus a
+        poll, not plus a whole interval."""
+        wait = self.interval - spent
+        stall = (w.state.get("engine_stall_s") or 0.0) if w.healthy and w.out is None else 0.0
+        if stall > 0.0:
+            wait = min(wait, self.stall_s - stall + STALL_POLL_MARGIN_S)
+        return max(0.0, wait)
 
     async def get(self, url: str, timeout: float, params: dict | None = None) -> dict:
         """GET a JSON body; raises aiohttp.ClientError for refusals and error statuses,

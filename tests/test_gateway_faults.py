@@ -63,33 +63,39 @@ def healthy(gateway: Proc) -> int:
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory):
-    """Started at once (startup is CPU-bound): fault workers f0, f1 behind a round-robin
-    gateway with default liveness; plain workers s0, s1 behind a gateway that polls health
-    only once a minute (so only timeouts and breakers can find a frozen worker)."""
+    """Fault workers f0, f1 behind two round-robin gateways: "live" with default liveness, and
+    "blind", which polls health once a minute and ignores stalls, so that only its upstream
+    timeouts and circuit breakers can find a frozen engine."""
     tmp = tmp_path_factory.mktemp("faults")
     logs = str(tmp)
-    slow = ("--sim-profile", slow_profile(tmp))
-    faulty = [start_fault_worker(f"f{i}", logs, slow) for i in range(2)]
-    plain = [Worker(worker_id=f"s{i}", log_dir=logs, extra=slow) for i in range(2)]
-    procs = faulty + plain
+    faulty = [start_fault_worker(f"f{i}", logs, ("--sim-profile", slow_profile(tmp))) for i in range(2)]
+    procs = list(faulty)
     try:
-        for w in faulty + plain:
+        for w in faulty:
             w.wait_ready(timeout=180)
+        urls = [w.url for w in faulty]
         gateways = {  # after the workers: a gateway polling once a minute must find them up at once
-            "live": start_gateway([w.url for w in faulty], "round_robin", name="gw-live", log_dir=logs),
-            "blind": start_gateway([w.url for w in plain], "round_robin", name="gw-blind", log_dir=logs, extra=[
-                "--health-interval", "60", "--upstream-first-byte-timeout", "1", "--upstream-idle-timeout", "1",
-                "--breaker-failures", "2", "--breaker-cooldown-s", "1"]),
+            "live": start_gateway(urls, "round_robin", name="gw-live", log_dir=logs),
+            "blind": start_gateway(urls, "round_robin", name="gw-blind", log_dir=logs, extra=[
+                "--health-interval", "60", "--engine-stall-s", "1000",
+                "--upstream-first-byte-timeout", "0.5", "--upstream-idle-timeout", "0.5",
+                "--breaker-failures", "2", "--breaker-cooldown-s", "3"]),
         }
         procs += list(gateways.values())
         for g in gateways.values():
             g.wait_ready("/v1/models")
             wait_for(lambda: healthy(g) == 2, what="2 healthy workers")
-        yield {"faulty": faulty, "plain": plain, **gateways, "logs": logs}
+        yield {"faulty": faulty, **gateways, "logs": logs}
     finally:
-        for w in plain:
-            w.signal(signal.SIGCONT)
         stop_all(procs)
+
+
+def freeze(pool: cf.ThreadPoolExecutor, worker: Proc) -> cf.Future:
+    """Freeze `worker`'s engine for `fw.FREEZE_S` seconds (its HTTP server keeps answering);
+    returns once the freeze has begun."""
+    frozen = pool.submit(complete, worker.url, [fw.FREEZE, 1, 2], 1)
+    wait_for(lambda: httpx.get(worker.url + "/state").json()["engine_stall_s"] > 0.1, what="the freeze to start")
+    return frozen
 
 
 def test_frozen_engine_is_taken_out_and_its_waiting_requests_retried(procs):
@@ -97,13 +103,12 @@ def test_frozen_engine_is_taken_out_and_its_waiting_requests_retried(procs):
     before it noticed are retried on f1, streaming or not, instead of waiting out the freeze."""
     gw, (f0, f1) = procs["live"], procs["faulty"]
     with cf.ThreadPoolExecutor(9) as pool:
-        freeze = pool.submit(complete, f0.url, [fw.FREEZE, 1, 2], 1)
-        wait_for(lambda: httpx.get(f0.url + "/state").json()["engine_stall_s"] > 0.1, what="the freeze to start")
+        frozen = freeze(pool, f0)
         plain = [pool.submit(complete, gw.url, [10 + i, 11, 12]) for i in range(4)]
         streams = [pool.submit(stream, gw.url, [20 + i, 21, 22]) for i in range(4)]
         answers = [f.result() for f in plain]
         streamed = [f.result() for f in streams]
-        assert freeze.result().status_code == 200
+        assert frozen.result().status_code == 200
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert {r.headers["x-kvgate-worker"] for r in answers} == {"f1"}
     for status, headers, events in streamed:
@@ -176,42 +181,38 @@ def test_worker_killed_before_the_first_token_is_retried(tmp_path, streaming):
 
 
 def test_frozen_worker_times_out_and_its_breaker_opens(procs):
-    """s0 is SIGSTOPped and the gateway polls health once a minute: requests sent to s0 time
-    out after the 1 s first-byte timeout and go to s1; after two such failures s0's breaker
-    opens and no request tries it; once s0 runs again a trial after the cooldown closes it."""
-    gw, (s0, s1) = procs["blind"], procs["plain"]
-    s0.signal(signal.SIGSTOP)
-    try:
-        answers = [complete(gw.url, [40 + i, 41]) if i % 2 else stream(gw.url, [40 + i, 41])
-                   for i in range(8)]
-    finally:
-        s0.signal(signal.SIGCONT)
+    """f0's engine freezes for 3 s and the gateway does not look at liveness: requests sent to
+    f0 time out after the 0.5 s first-byte timeout and go to f1; after two such failures f0's
+    breaker opens and no request tries it; after the freeze and the cooldown a trial closes it."""
+    gw, (f0, f1) = procs["blind"], procs["faulty"]
+    with cf.ThreadPoolExecutor(1) as pool:
+        frozen = freeze(pool, f0)
+        answers = [complete(gw.url, [40 + i, 41]) if i % 2 else stream(gw.url, [40 + i, 41]) for i in range(6)]
+        frozen.result()
     for a in answers:
         status, headers = (a.status_code, a.headers) if isinstance(a, httpx.Response) else a[:2]
-        assert status == 200 and headers["x-kvgate-worker"] == "s1"
+        assert status == 200 and headers["x-kvgate-worker"] == "f1"
     assert metric(gw.url, "kvgate_gateway_retries_total", stage="timeout") == 2
-    assert metric(gw.url, "kvgate_gateway_upstream_failures_total", worker="s0") == 2
-    served = wait_for(lambda: complete(gw.url, [50, 51]).headers["x-kvgate-worker"] == "s0", timeout=20,
-                      interval=0.3, what="s0 to serve again after its breaker's cooldown")
+    assert metric(gw.url, "kvgate_gateway_upstream_failures_total", worker="f0") == 2
+    served = wait_for(lambda: complete(gw.url, [50, 51]).headers["x-kvgate-worker"] == "f0", timeout=20,
+                      interval=0.3, what="f0 to serve again after its breaker's cooldown")
     assert served
 
 
 def test_stream_that_falls_silent_ends_with_an_error_event(procs):
-    """A committed stream whose worker freezes gets an SSE error event and [DONE] after the
-    1 s idle timeout, not a hang."""
-    gw, plain = procs["blind"], procs["plain"]
+    """A committed stream whose worker's engine freezes gets an SSE error event and [DONE]
+    after the 0.5 s idle timeout, not a hang."""
+    gw, faulty = procs["blind"], procs["faulty"]
     body = {"model": MODEL, "prompt": [60, 61], "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as r:
+    with cf.ThreadPoolExecutor(1) as pool, httpx.stream("POST", gw.url + "/v1/completions", json=body,
+                                                        timeout=30) as r:
         lines = r.iter_lines()
         next(ln for ln in lines if ln.startswith("data: "))
-        victim = next(w for w in plain if w.name == r.headers["x-kvgate-worker"])
-        victim.signal(signal.SIGSTOP)
-        try:
-            tail = [ln[6:] for ln in lines if ln.startswith("data: ")]
-        finally:
-            victim.signal(signal.SIGCONT)
+        frozen = freeze(pool, next(w for w in faulty if w.name == r.headers["x-kvgate-worker"]))
+        tail = [ln[6:] for ln in lines if ln.startswith("data: ")]
+        frozen.result()
     assert tail[-1] == "[DONE]" and json.loads(tail[-2])["error"]["code"] == "worker_failed"
-    assert "no event for 1 s" in json.loads(tail[-2])["error"]["message"]
+    assert "no event for 0.5 s" in json.loads(tail[-2])["error"]["message"]
 
 
 def test_a_request_goes_to_at_most_max_retries_more_workers(tmp_path):

@@ -124,7 +124,11 @@ def test_a_trickling_body_gets_408_and_is_closed(procs):
                   b"content-length: 100\r\n\r\n{\"model\":")
         answer = read_all(s)
     assert answer.startswith(b"HTTP/1.1 408")
-    assert complete(procs["slow"].url).status_code == 200
+    url = procs["slow"].url
+    assert complete(url).status_code == 200
+    # the request the gateway had started on is a client gone (499), not an internal error
+    assert metric(url, "kvgate_gateway_requests_total", status="499") == 1
+    assert metric(url, "kvgate_gateway_requests_total", status="500") == 0
 
 
 def test_connections_beyond_the_cap_get_503_not_a_reset(procs):
