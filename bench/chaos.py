@@ -139,8 +139,10 @@ def summary(outcomes: list[cc.Outcome], span_s: float) -> dict:
     ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None])
     pct = (lambda a, p: float(np.percentile(a, p)) if a.size else None)
     dirt = sorted({o.detail for o in outcomes if o.result in (cc.DIRTY, cc.LOST)})[:10]
-    errors = Counter(o.detail.split(" retry-after")[0] for o in outcomes if o.result in (cc.REFUSED, cc.CLEAN))
+    errors = Counter(o.detail.split(" retry-after")[0].split(" after ")[0] for o in outcomes
+                     if o.result in (cc.REFUSED, cc.CLEAN))
     return {"requests": len(outcomes), **cc.counts(outcomes), "span_s": span_s,
+            "uncommitted_errors": sum(cc.uncommitted(o) for o in outcomes),
             "ok_per_s": len(ok) / span_s if span_s else 0.0,
             "admitted_latency_p50_ms": pct(lat, 50), "admitted_latency_p99_ms": pct(lat, 99),
             "admitted_ttft_p50_ms": pct(ttft, 50), "admitted_ttft_p99_ms": pct(ttft, 99),
@@ -371,7 +373,7 @@ def plot(report: dict, path: str) -> None:
             twin = ax.twinx()
             twin.plot([t for t, _ in right], [v for _, v in right], color="gray", linewidth=1)
             twin.set_ylabel("gateway RSS (MB)" if run.get("rss_mb") else "max worker queue")
-            twin.set_ylim(bottom=0)
+            twin.set_ylim(0, 1.15 * max(v for _, v in right) + 1)
     if panels:
         axes[len(panels) - 1, 0].set_xlabel("seconds (red: SIGKILL, green dotted: restarted)")
     fig.tight_layout()

@@ -5,7 +5,9 @@ Each request ends as exactly one outcome:
 - `ok`: a whole answer (a finish reason; a stream ends with `[DONE]`);
 - `refused`: 429 or 503 with an OpenAI error object and a `Retry-After` header (load shedding);
 - `clean_error`: any other status with an OpenAI error object, or a stream that ends with an
-  SSE error event and `[DONE]` (a worker died after the stream was committed);
+  SSE error event and `[DONE]` (a worker died after the stream was committed); one that came
+  before any answer reached the client (`uncommitted`) is a failure the gateway could have
+  retried;
 - `dirty`: anything a client cannot handle cleanly: a reset or dropped connection, a body
   that is not an OpenAI error, a stream cut off without `[DONE]`;
 - `lost`: no answer within the client's timeout.
@@ -16,7 +18,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-import httpx
+import aiohttp
 
 OK, REFUSED, CLEAN, DIRTY, LOST = "ok", "refused", "clean_error", "dirty", "lost"
 OUTCOMES = (OK, REFUSED, CLEAN, DIRTY, LOST)
@@ -58,7 +60,7 @@ def body(rng: random.Random, shape: Shape) -> dict:
             "stream": rng.random() < shape.stream_share, "temperature": 0.0}
 
 
-def judge_error(status: int, headers: httpx.Headers, raw: bytes) -> tuple[str, str]:
+def judge_error(status: int, headers, raw: bytes) -> tuple[str, str]:
     """(outcome, detail) of a non-200 answer."""
     try:
         err = json.loads(raw)["error"]
@@ -79,45 +81,52 @@ def judge_stream(lines: list[str]) -> tuple[str, str]:
         return DIRTY, "the stream ended without [DONE]"
     events = [json.loads(ln) for ln in lines[:-1]]
     if events and "error" in events[-1]:
-        return CLEAN, f"stream error {events[-1]['error'].get('code')}"
+        tokens = sum(bool(c.get("text") or c.get("delta", {}).get("content"))
+                     for e in events[:-1] for c in e.get("choices") or ())
+        return CLEAN, f"stream error {events[-1]['error'].get('code')} after {tokens} tokens"
     finishes = [c.get("finish_reason") for e in events for c in e.get("choices") or ()]
     return (OK, "") if any(finishes) else (DIRTY, "the stream ended without a finish reason")
 
 
-async def send(client: httpx.AsyncClient, url: str, req: dict, t0: float, timeout: float) -> Outcome:
-    """One request, judged."""
-    start = time.monotonic()
+async def send(session: aiohttp.ClientSession, url: str, req: dict, t0: float, timeout: float,
+               start: float | None = None) -> Outcome:
+    """One request, judged. Latency counts from `start` (its intended send time, so a client
+    that falls behind shows it) or from now."""
+    start = time.monotonic() if start is None else start
     out = Outcome(start - t0, 0.0, req["stream"], DIRTY)
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", url + "/v1/completions", json=req) as r:
-                out.status = r.status_code
-                if r.status_code != 200:
-                    out.result, out.detail = judge_error(r.status_code, r.headers, await r.aread())
+            async with session.post(url + "/v1/completions", json=req) as r:
+                out.status = r.status
+                if r.status != 200:
+                    out.result, out.detail = judge_error(r.status, r.headers, await r.read())
                 elif req["stream"]:
                     lines = []
-                    async for line in r.aiter_lines():
+                    async for raw in r.content:
+                        line = raw.decode().strip()
                         if line.startswith("data: "):
                             if out.ttft_ms is None:
                                 out.ttft_ms = (time.monotonic() - start) * 1000.0
                             lines.append(line[6:])
                     out.result, out.detail = judge_stream(lines)
                 else:
-                    choices = json.loads(await r.aread()).get("choices") or [{}]
+                    choices = json.loads(await r.read()).get("choices") or [{}]
                     ok = choices[0].get("finish_reason") in ("length", "stop")
                     out.result, out.detail = (OK, "") if ok else (DIRTY, "no finish reason")
                     out.ttft_ms = (time.monotonic() - start) * 1000.0
     except TimeoutError:
         out.result, out.detail = LOST, f"no answer within {timeout:g} s"
-    except (httpx.HTTPError, ValueError) as e:
+    except (aiohttp.ClientError, OSError, ValueError) as e:
         out.result, out.detail = DIRTY, f"{type(e).__name__}: {e}"
     out.end_s = time.monotonic() - t0
     return out
 
 
-def client(concurrency: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+def session() -> aiohttp.ClientSession:
+    """aiohttp, not httpx: with thousands of connections open under overload httpx's pool
+    becomes the bottleneck (connect timeouts that are the client's, not the server's)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
 
 
 async def closed_loop(url: str, n: int, concurrency: int, shape: Shape, seed: int, t0: float,
@@ -126,10 +135,10 @@ async def closed_loop(url: str, n: int, concurrency: int, shape: Shape, seed: in
     rng = random.Random(seed)
     reqs = [body(rng, shape) for _ in range(n)]
     outcomes: list[Outcome] = []
-    async with client(concurrency) as c:
+    async with session() as s:
         async def lane() -> None:
             while reqs:
-                outcomes.append(await send(c, url, reqs.pop(), t0, timeout))
+                outcomes.append(await send(s, url, reqs.pop(), t0, timeout))
         await asyncio.gather(*(lane() for _ in range(concurrency)))
     return outcomes
 
@@ -140,15 +149,20 @@ async def open_loop(url: str, rate: float, duration_s: float, shape: Shape, seed
     ones are doing (a slow server faces a growing queue, as under real overload)."""
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
-    start, at, tasks = loop.time(), 0.0, []
-    async with client(100_000) as c:
+    begin, at, tasks = time.monotonic(), 0.0, []
+    async with session() as s:
         while at < duration_s:
-            delay = start + at - loop.time()
+            delay = begin + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(c, url, body(rng, shape), t0, timeout)))
+            tasks.append(loop.create_task(send(s, url, body(rng, shape), t0, timeout, begin + at)))
             at += rng.expovariate(rate)
         return list(await asyncio.gather(*tasks))
+
+
+def uncommitted(o: Outcome) -> bool:
+    """A clean error the client got before any token: not a stream cut after it had started."""
+    return o.result == CLEAN and not (o.stream and " after " in o.detail and " after 0 tokens" not in o.detail)
 
 
 def counts(outcomes: list[Outcome]) -> dict[str, int]:

@@ -14,8 +14,7 @@ load at the door instead, cheaply and explicitly: an OpenAI-shaped 503 (or 429) 
 While the gateway drains (SIGTERM) every new request is refused (`draining`).
 """
 from dataclasses import dataclass
-
-from policies.api import WorkerView
+from typing import Protocol, TypeVar
 
 OVERLOADED, DRAINING = "overloaded", "draining"
 
@@ -36,13 +35,13 @@ class Refusal:
     retry_after_s: int
 
 
-def queued(w: WorkerView) -> int:
-    """Requests waiting at `w` beyond its running batch: its reported queue, plus the requests
-    sent since its last report that its batch has no room for (all of them once it queues)."""
-    unseen = max(0, w.in_flight - w.waiting - w.running)
-    if w.waiting:
-        return w.waiting + unseen
-    return max(0, unseen - max(0, w.max_num_seqs - w.running))
+class Queued(Protocol):
+    def queued(self) -> int:
+        """Requests waiting at the worker beyond its running batch (`gateway.fleet.Worker`)."""
+        ...
+
+
+W = TypeVar("W", bound=Queued)
 
 
 class Admission:
@@ -79,10 +78,10 @@ class Admission:
     def leave(self) -> None:
         self.pending -= 1
 
-    def open_workers(self, views: tuple[WorkerView, ...]) -> tuple[WorkerView, ...]:
+    def open_workers(self, workers: list[W]) -> list[W]:
         """The candidates whose queue has room."""
         bound = self.config.max_queue_per_worker
-        return tuple(v for v in views if queued(v) < bound)
+        return [w for w in workers if w.queued() < bound]
 
     def full(self, n: int) -> Refusal:
         return Refusal(503, OVERLOADED, f"all {n} candidate workers have {self.config.max_queue_per_worker} "

@@ -266,12 +266,12 @@ class Gateway:
         retry_after = self.admission.config.retry_after_s
         if not workers:
             raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers", retry_after=retry_after)
-        matches = self.index.match(view.block_hashes)
-        views = self.admission.open_workers(self.fleet.views(workers, matches))
-        if not views:
+        room = self.admission.open_workers(workers)
+        if not room:
             self.metrics.refused.labels("worker_queues_full").inc()
             raise refused(self.admission.full(len(workers)))
-        route = self.policy.route(view, FleetView(views, time.time()))
+        matches = self.index.match(view.block_hashes)
+        route = self.policy.route(view, FleetView(self.fleet.views(room, matches), time.time()))
         self.metrics.decision.observe(time.perf_counter() - t0)
         if route.reject:
             if route.reject == NO_WORKERS:
@@ -348,7 +348,7 @@ class Gateway:
             out["x-kvgate-prefill-worker"] = route.prefill
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if not ((prep.parsed.stream if prep else is_sse) and resp.status == 200):
-            return await self.collect(w, route, view, resp, out, started, trace, lost)
+            return await self.collect(w, route, view, resp, out, started, trace)
         tap = StreamTap(kind, started)
         try:
             head = await self.proxy.first_token(resp, tap, request, lost, started)
@@ -394,11 +394,11 @@ class Gateway:
         return f"worker {w.worker_id} failed: {e}"
 
     async def collect(self, w: Worker, route: Decision, view: RequestView, resp, headers: dict, started: float,
-                      trace: RequestTrace, lost: asyncio.Future) -> Response:
+                      trace: RequestTrace) -> Response:
         """A non-streaming answer, read whole before anything reaches the client (so a failure
         while reading it is still retried); a 503 is the worker's load, retried elsewhere."""
         status = resp.status
-        body = await self.proxy.read(resp, lost)
+        body = await self.proxy.read(resp)
         if status == 503:
             raise WorkerBusy(status, body, {k: v for k, v in resp.headers.items()
                                             if k.lower() in ("retry-after", "content-type")})

@@ -47,6 +47,8 @@ class Worker:
     epoch: int = 0
     in_flight: int = 0
     shared_in_flight: int = 0
+    sent_since_poll: int = 0  # requests this gateway sent and finished since the last good poll
+    done_since_poll: int = 0
     redis_residency: bool = False
     base: WorkerView | None = None
     tasks: list = field(default_factory=list)
@@ -61,6 +63,15 @@ class Worker:
     @property
     def model(self) -> str | None:
         return self.state.get("model")
+
+    def queued(self) -> int:
+        """Requests waiting at the worker now beyond its running batch (`max_num_seqs`): what
+        it last reported holding, plus what this gateway sent it since, less what finished
+        since; at least what the gateways have open on it. Exact between polls for a gateway's
+        own traffic, where the report alone would lag by up to a poll interval both ways."""
+        s = self.state
+        held = s.get("waiting", 0) + s.get("running", 0) + self.sent_since_poll - self.done_since_poll
+        return max(0, max(held, self.in_flight + self.shared_in_flight) - s.get("max_num_seqs", 256))
 
 
 TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0}
@@ -204,6 +215,7 @@ class Fleet:
                 if out != DRAINING:
                     self._lose(w, out)
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
+        w.sent_since_poll = w.done_since_poll = 0
         w.base = _view(state, w.url)
 
     def _down(self, w: Worker, why: str) -> None:
@@ -297,6 +309,8 @@ class Fleet:
 
     def begin(self, w: Worker) -> None:
         w.in_flight += 1
+        w.sent_since_poll += 1
 
     def end(self, w: Worker) -> None:
         w.in_flight -= 1
+        w.done_since_poll += 1

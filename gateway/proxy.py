@@ -99,14 +99,13 @@ class Proxy:
         except (aiohttp.ClientError, OSError) as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from e
 
-    async def read(self, resp: aiohttp.ClientResponse, lost: asyncio.Future | None = None) -> bytes:
+    async def read(self, resp: aiohttp.ClientResponse) -> bytes:
         """The whole body of a response whose head has arrived; its connection goes back to the
         pool, or is closed if the body could not be read."""
         try:
-            return await _race(resp.read(), time.monotonic() + self.idle_timeout, None, lost)
-        except WorkerLost:
-            raise
-        except (aiohttp.ClientError, OSError, UpstreamTimeout) as e:
+            async with asyncio.timeout(self.idle_timeout):  # the answer has started: no need to watch `lost`
+                return await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
         finally:
             close_upstream(resp)

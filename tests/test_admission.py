@@ -1,23 +1,38 @@
-"""Admission control's bounds and refusals: pure."""
-from gateway.admission import DRAINING, OVERLOADED, Admission, AdmissionConfig, queued
-from policies.api import WorkerView
+"""Admission control's bounds and refusals, and a worker's queue as the gateway counts it: pure."""
+from gateway.admission import DRAINING, OVERLOADED, Admission, AdmissionConfig
+from gateway.fleet import Fleet
+from gateway.index import ResidencyIndex
 
 
-def view(**kw) -> WorkerView:
-    return WorkerView(worker_id="w", **kw)
+def worker(fleet: Fleet, url: str, **state):
+    w = fleet.add(url)
+    fleet._up(w, {"worker_id": url, "model": "m", "max_num_seqs": 4, **state})
+    return w
 
 
-def test_queued_counts_what_the_running_batch_has_no_room_for():
-    assert queued(view(max_num_seqs=4, running=2, in_flight=5)) == 1  # 3 unseen, room for 2
-    assert queued(view(max_num_seqs=4, running=2, in_flight=3)) == 0
-    assert queued(view(max_num_seqs=4, running=4, waiting=3, in_flight=9)) == 5  # it queues: all unseen wait
-    assert queued(view(max_num_seqs=4, running=4, waiting=3, in_flight=2)) == 3  # another gateway's load
+def test_a_workers_queue_is_its_report_corrected_by_what_was_sent_and_finished_since():
+    fleet = Fleet(ResidencyIndex())
+    w = worker(fleet, "a", running=4, waiting=3)
+    assert w.queued() == 3
+    for _ in range(2):
+        fleet.begin(w)  # sent since the report
+    assert w.queued() == 5
+    for _ in range(5):
+        fleet.end(w)  # the two, and three it had before the report, finished
+    assert w.queued() == 0  # a stale report does not refuse requests for a poll interval
+    idle = worker(fleet, "b")
+    for _ in range(6):
+        fleet.begin(idle)  # a burst between polls: the batch takes four of them
+    assert idle.queued() == 2
+    fleet._up(idle, {"worker_id": "b", "model": "m", "max_num_seqs": 4})  # a report taken before they arrived
+    assert idle.queued() == 2  # what the gateway has open on it still counts
 
 
 def test_full_workers_are_no_candidates():
+    fleet = Fleet(ResidencyIndex())
     a = Admission(AdmissionConfig(max_queue_per_worker=2))
-    views = (view(max_num_seqs=1, running=1, waiting=1), view(max_num_seqs=1, running=1, waiting=2))
-    assert a.open_workers(views) == views[:1]
+    ws = [worker(fleet, "a", running=4, waiting=1), worker(fleet, "b", running=4, waiting=2)]
+    assert a.open_workers(ws) == ws[:1]
     r = a.full(2)
     assert (r.status, r.code, r.retry_after_s) == (503, OVERLOADED, 1)
 
@@ -28,6 +43,6 @@ def test_fleet_bound_and_drain_refuse_new_requests():
     r = a.refuse()
     assert (r.status, r.code, r.retry_after_s) == (503, OVERLOADED, 3)
     a.leave()
-    assert a.refuse() is None
+    assert a.refuse() is None and not a.idle
     a.draining = True
     assert a.refuse().code == DRAINING

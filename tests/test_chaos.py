@@ -12,14 +12,15 @@ def args(tmp_path, *argv: str):
 
 @pytest.mark.slow
 def test_soak_with_workers_killed_loses_nothing_and_leaks_nothing(tmp_path):
-    """2,000 requests, half streamed, while a random one of 3 workers is SIGKILLed every 2-4 s
-    and restarted: every request is answered whole or (a stream cut after its first token) with
-    a clean error event; none is reset or lost; no worker holds a block after; the gateway's
-    memory stays flat."""
-    run = chaos.run_soak(args(tmp_path, "--requests", "2000", "--workers", "3", "--kill-every", "2", "4"))
+    """2,000 requests, half streamed, while a random one of 3 workers is SIGKILLed every 1-3 s
+    and restarted: every request is answered whole, or (a stream cut after its first token)
+    ends with a clean error event; none is reset, lost, or failed before its answer started;
+    no worker holds a block after; the gateway's memory stays flat."""
+    run = chaos.run_soak(args(tmp_path, "--requests", "2000", "--workers", "3", "--kill-every", "1", "3"))
     assert sum(kind == "kill" for _, kind, _ in run["events"]) >= 2, run["events"]
     assert run["lost"] == 0 and run["dirty"] == 0, run["dirty_examples"]
-    assert run["ok"] + run["clean_error"] == 2000 and run["ok"] >= 1900, run["error_codes"]
+    assert run["ok"] + run["clean_error"] == 2000, run["error_codes"]
+    assert run["uncommitted_errors"] == 0, run["error_codes"]  # all retried, but streams already under way
     assert run["leaked_blocks"] == 0 and run["requests_left_on_workers"] == 0
     assert run["requests_left_at_gateway"] == 0
     assert run["rss_growth_mb"] < 20, run["rss_mb"]
