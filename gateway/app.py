@@ -146,6 +146,7 @@ class Gateway:
         if refusal is not None:
             self.metrics.refused.labels(refusal.code).inc()
             resp = self.error(refused(refusal))
+            resp.headers["x-request-id"] = request.headers.get("x-request-id") or new_id(kind)
             if refusal.code == DRAINING:
                 resp.headers["connection"] = "close"  # keep-alive clients reconnect elsewhere
             return resp
@@ -153,9 +154,6 @@ class Gateway:
         resp = None
         try:
             resp = await self.serve(request, kind)
-        except ClientDisconnect:  # gone while sending its body (or timed out doing so)
-            self.metrics.requests.labels("", self.policy.name, "499").inc()
-            resp = Response(b"", 499)
         finally:
             if isinstance(resp, PassThrough):
                 resp.on_close.append(self.admission.leave)
@@ -179,6 +177,9 @@ class Gateway:
             resp = await self.dispatch(request, kind, raw, model, prep, view, trace)
         except BodyTooLarge as e:
             resp = self.error(ApiError(413, str(e), code="request_too_large"))
+        except ClientDisconnect:  # gone while sending its body (or too slow: the body timeout)
+            self.metrics.requests.labels("", self.policy.name, "499").inc()
+            resp = Response(b"", 499)
         except ApiError as e:
             resp = self.error(e)
         except Exception as e:  # a bug (say in a plugin policy) still answers in OpenAI's shape
