@@ -112,9 +112,9 @@ class Proxy:
 
     async def first_token(self, resp: aiohttp.ClientResponse, tap: "StreamTap", client: Request | None,
                           lost: asyncio.Future | None, started: float) -> bytes:
-        """Read a stream up to and including its first token event (or its end): the whole
-        events read so far, which nobody has seen yet. Raises `UpstreamError` (the stream is
-        still the caller's to retry elsewhere) or `ClientGone`."""
+        """Read a stream up to and including its first token event (or an error event, or
+        `[DONE]`): what was read so far, which nobody has seen yet. Raises `UpstreamError` (the
+        stream is still the caller's to retry elsewhere) or `ClientGone`."""
         deadline = started + self.first_byte_timeout
         head, fed = b"", 0
         while tap.ttft is None:
@@ -122,10 +122,8 @@ class Proxy:
                 chunk = await _race(resp.content.readany(), deadline, client, lost)
             except (aiohttp.ClientError, OSError) as e:
                 raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
-            if not chunk:
-                if not head.endswith(b"\n\n"):
-                    raise UpstreamFailed("the stream ended before its first token")
-                return head
+            if not chunk:  # a whole stream ends with an event ([DONE]) that would have committed it
+                raise UpstreamFailed("the stream ended before its first token")
             head += chunk
             whole = head.rfind(b"\n\n") + 2
             if whole > fed:
