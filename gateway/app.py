@@ -423,7 +423,7 @@ class Gateway:
             status[0] = "502"
             self.metrics.upstream_failures.labels(w.worker_id, "stream").inc()
             w.breaker.failed()
-            if isinstance(e, UpstreamFailed) and not isinstance(e, UpstreamTimeout):
+            if not isinstance(e, UpstreamTimeout):  # broken off: likely dead until its next good poll
                 self.fleet.mark_suspect(w, str(e))
             return f"worker {w.worker_id} failed: {e}"
 

@@ -192,8 +192,9 @@ async def relay(resp: aiohttp.ClientResponse, tap: StreamTap, head: bytes, idle_
         if partial:
             yield partial
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        why = f"no event for {idle_timeout:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
-        message = on_error(UpstreamFailed(why))
+        silent = isinstance(e, TimeoutError)
+        message = on_error(UpstreamTimeout(f"no event for {idle_timeout:g} s") if silent
+                           else UpstreamFailed(f"{type(e).__name__}: {e}"))
         yield sse_error(message)
         yield DONE
     finally:
