@@ -34,7 +34,7 @@ from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamError,
-                           UpstreamFailed, UpstreamTimeout, cached_tokens, close_upstream, relay)
+                           UpstreamFailed, UpstreamTimeout, WorkerBusy, cached_tokens, close_upstream, relay)
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import RequestTrace, Tracing
@@ -63,16 +63,6 @@ class ApiError(Exception):
 
 def refused(r: Refusal) -> ApiError:
     return ApiError(r.status, r.message, "server_error", r.code, retry_after=r.retry_after_s)
-
-
-class WorkerBusy(UpstreamError):
-    """The worker answered 503 (its queue is full, or it drains): load, not failure; the
-    request goes elsewhere, and if nowhere is left the worker's answer is the client's."""
-    stage = "busy"
-
-    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
-        super().__init__(f"answered {status}")
-        self.status, self.body, self.headers = status, body, headers
 
 
 class Gateway:

@@ -60,6 +60,16 @@ class StreamFailed(UpstreamFailed):
     stage = "error_event"
 
 
+class WorkerBusy(UpstreamError):
+    """The worker answered 503 (its queue is full, or it drains): load, not failure; the
+    request goes elsewhere, and if nowhere is left the worker's answer is the client's."""
+    stage = "busy"
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
+        super().__init__(f"answered {status}")
+        self.status, self.body, self.headers = status, body, headers
+
+
 class ClientGone(Exception):
     """The client disconnected before the worker answered."""
 
