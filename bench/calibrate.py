@@ -47,6 +47,7 @@ import numpy as np
 
 from bench.loadgen import send
 from bench.workloads import BenchRequest, TOKEN_LOW
+from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 
 VOCAB = 32000
@@ -61,7 +62,8 @@ class Probe:
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
         unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx.AsyncClient(timeout=600, limits=unlimited)  # httpx's default 100 would cap the batch
+        # httpx's default 100 connections would cap the batch; $KVGATE_INTERNAL_TOKEN reaches /state and /steps
+        self.client = httpx.AsyncClient(timeout=600, limits=unlimited, headers=internal_headers())
         self.index = 0
 
     def prompt(self, n: int) -> list[int]:
@@ -315,7 +317,7 @@ def rescale(profile: dict, steps: list[list[float]]) -> dict:
 
 def step_log(url: str, after: int = 0) -> tuple[int, list[list[float]]]:
     """A worker's last step number and the steps after `after` it still holds (GET /steps)."""
-    got = httpx.get(f"{url}/steps", params={"after": after}, timeout=30).json()
+    got = httpx.get(f"{url}/steps", params={"after": after}, timeout=30, headers=internal_headers()).json()
     return got["last"], got["steps"]
 
 
@@ -372,7 +374,7 @@ def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_to
               seed: int = 0, rounds: int = 3) -> dict:
     """Measure the workers at `urls` (at the same time, so a fleet sharing one machine is
     measured under its own contention) and return one profile fitted to all their samples."""
-    state = httpx.get(urls[0] + "/state", timeout=10).json()
+    state = httpx.get(urls[0] + "/state", timeout=10, headers=internal_headers()).json()
     model = state.get("model")
     lengths = [n for n in lengths if n <= state.get("max_batched_tokens", 2048)]
 

@@ -38,7 +38,8 @@ import httpx
 import numpy as np
 
 from bench import chaos_client as cc
-from tests.procs import Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from tests.procs import TEST_TOKEN, Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from workers.internal_auth import internal_headers
 
 UNBOUNDED = ["--max-queue-per-worker", "1000000", "--max-pending", "1000000"]
 
@@ -120,13 +121,13 @@ def leaks(fleet: Fleet) -> dict:
     """Blocks held and requests left on each worker, and requests the gateway still holds,
     once the fleet has settled."""
     def settled():
-        states = [httpx.get(w.url + "/state", timeout=5).json() for w in fleet.workers]
+        states = [httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers]
         idle = all(s["running"] == s["waiting"] == 0 and s["free_blocks"] == s["total_blocks"] for s in states)
         return states if idle else None
     try:
         states = wait_for(settled, timeout=20, interval=0.2, what="the workers to settle")
     except TimeoutError:
-        states = [httpx.get(w.url + "/state", timeout=5).json() for w in fleet.workers]
+        states = [httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers]
     pending = httpx.get(fleet.gateway.url + "/health", timeout=5).json()["pending"]
     return {"leaked_blocks": sum(s["total_blocks"] - s["free_blocks"] for s in states),
             "requests_left_on_workers": sum(s["running"] + s["waiting"] for s in states),
@@ -267,7 +268,7 @@ def run_overload(args: argparse.Namespace) -> dict:
 
 def overload_once(fleet: Fleet, args: argparse.Namespace, rate: float, shape: cc.Shape) -> dict:
     t0 = time.monotonic()
-    waiting = Sampler(lambda: max(httpx.get(w.url + "/state", timeout=2).json()["waiting"]
+    waiting = Sampler(lambda: max(httpx.get(w.url + "/state", timeout=2, headers=internal_headers(TEST_TOKEN)).json()["waiting"]
                                   for w in fleet.workers), t0, 0.2)
     waiting.start()
     try:

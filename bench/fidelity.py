@@ -32,6 +32,7 @@ from bench.report import summarize
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate
 from policies.registry import load_policy
+from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 
 LOOSE_SLO = (5000.0, 1000.0)  # the comparison is of latencies, not of attainment
@@ -47,7 +48,7 @@ def run(urls: list[str], wl: WorkloadConfig, model: str | None) -> tuple[list[di
 
 def sim_config(url: str) -> SimConfig:
     """A simulated worker with the real one's pool, batching and length limits."""
-    s = httpx.get(url + "/state", timeout=10).json()
+    s = httpx.get(url + "/state", timeout=10, headers=internal_headers()).json()
     return SimConfig(model_id=s["model"], block_size=s["block_size"], num_blocks=s["total_blocks"],
                      max_batched_tokens=s["max_batched_tokens"], max_num_seqs=s["max_num_seqs"],
                      max_model_len=s["max_model_len"])

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.random_model import add_args, make_model
+from workers.internal_auth import internal_headers
 from tests.procs import Worker
 
 TOKEN = "bench-token"
@@ -26,7 +27,7 @@ TOKEN = "bench-token"
 def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
     """Send one leg; returns seconds to its first streamed token."""
     t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", timeout=600, headers={"x-kvgate-token": TOKEN}, json={
+    with httpx.stream("POST", url + "/v1/completions", timeout=600, headers=internal_headers(TOKEN), json={
             "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0, "kv_transfer": kv}) as r:
         r.raise_for_status()
@@ -38,14 +39,14 @@ def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
 
 def measure(p: Worker, d: Worker, n: int, rng: random.Random, vocab: int) -> dict:
     ids = [rng.randrange(100, vocab) for _ in range(n)]
-    p0, d0 = httpx.get(p.url + "/state").json(), httpx.get(d.url + "/state").json()
+    p0, d0 = (httpx.get(w.url + "/state", headers=internal_headers(TOKEN)).json() for w in (p, d))
     before, recv0 = p0["kv_transfer"], d0["kv_transfer"]["received_seconds"]
     with cf.ThreadPoolExecutor(2) as pool:
         dec = pool.submit(leg, d.url, ids, 4, {"wait_ms": 60000})
         pool.submit(leg, p.url, ids, 1, {"export_to": d.url}).result()
         ttft = dec.result()
     time.sleep(0.2)  # the exporter releases its blocks on the engine thread after sending
-    p1, d1 = httpx.get(p.url + "/state").json(), httpx.get(d.url + "/state").json()
+    p1, d1 = (httpx.get(w.url + "/state", headers=internal_headers(TOKEN)).json() for w in (p, d))
     after, recv1 = p1["kv_transfer"], d1["kv_transfer"]["received_seconds"]
     nbytes = after["sent_bytes"] - before["sent_bytes"]
     secs = after["sent_seconds"] - before["sent_seconds"]

@@ -27,6 +27,7 @@ from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
 from policies.api import MIXED, WorkerView
 from workers.kv.cost_model import CostModel
+from workers.internal_auth import internal_headers
 from workers.kv.events import EventBatch
 
 log = logging.getLogger("kvgate.gateway")
@@ -43,6 +44,7 @@ class Worker:
     state: dict = field(default_factory=dict)
     healthy: bool = False
     out: str | None = None  # why a worker that answers /state takes no requests
+    refused: bool = False  # it answered 403 to /state (said once in the log)
     suspect: bool = False
     epoch: int = 0
     in_flight: int = 0
@@ -126,10 +128,18 @@ def with_fields(base: WorkerView, **changes) -> WorkerView:
     return v
 
 
+class Refused(aiohttp.ClientError):
+    """A worker refused a control-plane call: the gateway lacks the fleet's internal token."""
+
+
 class Fleet:
+    """`token`: the fleet's internal token, sent on every control-plane call (workers refuse
+    /state, /kv/events and /kv/snapshot without it when they have one)."""
+
     def __init__(self, index: ResidencyIndex, interval: float = 0.5, timeout: float = 1.0,
-                 stall_s: float = 1.5, breaker: BreakerConfig | None = None):
+                 stall_s: float = 1.5, breaker: BreakerConfig | None = None, token: str | None = None):
         self.index = index
+        self.token = token
         self.interval = interval
         self.timeout = timeout
         self.stall_s = stall_s
@@ -155,7 +165,8 @@ class Fleet:
             self._down(w, "removed from the registry")
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             headers=internal_headers(self.token))
         self._started = True
         for w in self.workers.values():
             self._spawn(w)
@@ -178,6 +189,11 @@ class Fleet:
             started = time.monotonic()
             try:
                 self._up(w, await self.get(w.url + "/state", self.timeout))
+            except Refused as e:
+                if not w.refused:
+                    log.error("%s", e)
+                w.refused = True
+                self._down(w, str(e))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 self._down(w, f"/state failed: {e!r}")
             await asyncio.sleep(self.next_poll_s(w, time.monotonic() - started))
@@ -196,6 +212,9 @@ class Fleet:
         """GET a JSON body; raises aiohttp.ClientError for refusals and error statuses,
         asyncio.TimeoutError past `timeout` seconds, ValueError for a body that is not JSON."""
         async with self.session.get(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status == 403:
+                raise Refused(f"{url} refuses the gateway (403): the worker has an internal token; "
+                              "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)")
             r.raise_for_status()
             return await r.json(content_type=None)
 

@@ -15,13 +15,14 @@ import json
 import logging
 
 from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed
+from workers.internal_auth import internal_headers
 
 log = logging.getLogger("kvgate.pd")
 
 
 def leg_headers(headers: dict[str, str], token: str) -> dict[str, str]:
     """A P/D leg's headers: the request's own plus the fleet's internal token."""
-    return {**headers, "x-kvgate-token": token}
+    return {**headers, **internal_headers(token)}
 
 
 def decode_leg(body: dict, wait_ms: float) -> bytes:

@@ -134,7 +134,7 @@ def build(args: argparse.Namespace) -> Gateway:
         raise SystemExit("kvgate gateway: give at least one --worker URL or --redis URL")
     fleet = Fleet(ResidencyIndex(), interval=args.health_interval,
                   timeout=max(0.25, min(1.0, 1.9 - args.health_interval)), stall_s=args.engine_stall_s,
-                  breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s))
+                  breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s), token=args.internal_token)
     for url in args.worker:
         fleet.add(url)
     redis = None

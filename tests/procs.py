@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from workers.internal_auth import TOKEN_ENV, TOKEN_HEADER
+
 ROOT = Path(__file__).resolve().parents[1]
 KVGATE = [sys.executable, "-m", "gateway.cli"]
 TEST_TOKEN = "kvgate-test-internal-token"  # the fleet secret of test-started workers and gateways
@@ -36,6 +38,13 @@ def free_port() -> int:
             return port
 
 
+def _token(argv: list[str], env: dict[str, str]) -> str | None:
+    """The internal token a child was given: `--internal-token X`, else by environment."""
+    if "--internal-token" in argv:
+        return argv[argv.index("--internal-token") + 1]
+    return env.get(TOKEN_ENV)
+
+
 def ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -52,9 +61,17 @@ class Proc:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvgate-")) / f"{name}.log"
         self._log = open(self.log_path, "wb")
+        self.token = _token(argv, env or {})
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
         self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                       start_new_session=True)
+
+    def internal(self, path: str, **kw) -> httpx.Response:
+        """GET one of a worker's internal endpoints, with its internal token if it has one."""
+        return httpx.get(self.url + path, headers={TOKEN_HEADER: self.token} if self.token else None, **kw)
+
+    def state(self) -> dict:
+        return self.internal("/state").json()
 
     @property
     def alive(self) -> bool:
@@ -137,7 +154,7 @@ def start_gateway(workers: list[str] = (), policy: str = "prefix_affinity", port
 def redis_env(redis: str | None) -> dict[str, str]:
     """Processes that meet through Redis share the fleet's internal token (registrations are
     signed with it); given by environment so that only those processes get it."""
-    return {"KVGATE_INTERNAL_TOKEN": TEST_TOKEN} if redis else {}
+    return {TOKEN_ENV: TEST_TOKEN} if redis else {}
 
 
 def start_redis(port: int | None = None, log_dir: str | None = None, extra: list[str] = ()) -> Proc:

@@ -145,7 +145,7 @@ def test_rescale_from_a_workers_step_log(tmp_path):
         assert httpx.get(w.url + "/steps", params={"after": "x"}).status_code == 400
         wl = WorkloadConfig(name="shared-prefix", rate=20.0, duration_s=2, seed=1, groups=2,
                             prefix_len=64, question_len=32, output_len=12)
-        model = httpx.get(w.url + "/state").json()["model"]
+        model = w.state()["model"]
         assert all(r["error"] is None for r in asyncio.run(run_rate([w.url], wl, model, (5000, 1000))))
         last, steps = calibrate.step_log(w.url)
         assert [s[0] for s in steps] == list(range(last - len(steps) + 1, last + 1))

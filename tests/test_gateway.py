@@ -141,7 +141,7 @@ def test_gateway_tokens_and_hashes_are_the_workers(fleet, tokenizer):
         first = complete(fleet["pa"].url, body, path=path)
         assert first.json()["usage"]["prompt_tokens"] == len(prep.parsed.prompt_ids)
         worker = next(w for w in fleet["workers"] if w.worker_id == first.headers["x-kvgate-worker"])
-        resident = set(httpx.get(worker.url + "/kv/snapshot").json()["hashes"])
+        resident = set(worker.internal("/kv/snapshot").json()["hashes"])
         assert len(prep.hashes) >= 8 and set(prep.hashes) <= resident
 
         def repeat():
@@ -185,14 +185,14 @@ def test_client_disconnect_aborts_the_upstream_request(fleet):
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-        assert httpx.get(worker.url + "/state").json()["running"] == 1
-    wait_for(lambda: httpx.get(worker.url + "/state").json()["running"] == 0, timeout=2,
+        assert worker.state()["running"] == 1
+    wait_for(lambda: worker.state()["running"] == 0, timeout=2,
              what="the worker to abort the request")
     # non-streaming: 5000 tokens would take the sim ~20 s; the client gives up after 0.5 s
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "never ending", "max_tokens": 5000},
                    timeout=httpx.Timeout(10, read=0.5))
-    wait_for(lambda: all(httpx.get(w.url + "/state").json()["running"] == 0 for w in fleet["workers"]),
+    wait_for(lambda: all(w.state()["running"] == 0 for w in fleet["workers"]),
              timeout=2, what="the workers to abort the request")
 
 

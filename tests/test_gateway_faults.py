@@ -94,7 +94,7 @@ def freeze(pool: cf.ThreadPoolExecutor, worker: Proc) -> cf.Future:
     """Freeze `worker`'s engine for `fw.FREEZE_S` seconds (its HTTP server keeps answering);
     returns once the freeze has begun."""
     frozen = pool.submit(complete, worker.url, [fw.FREEZE, 1, 2], 1)
-    wait_for(lambda: httpx.get(worker.url + "/state").json()["engine_stall_s"] > 0.1, what="the freeze to start")
+    wait_for(lambda: worker.state()["engine_stall_s"] > 0.1, what="the freeze to start")
     return frozen
 
 
@@ -129,7 +129,7 @@ def test_dead_engine_is_taken_out(procs):
         wait_for(lambda: healthy(gw) == 2, what="2 healthy workers")
         with cf.ThreadPoolExecutor(1) as pool:
             pool.submit(complete, doomed.url, [fw.DIE, 1, 2], 1, timeout=5)
-            wait_for(lambda: httpx.get(doomed.url + "/state").json()["engine_alive"] is False,
+            wait_for(lambda: doomed.state()["engine_alive"] is False,
                      what="the engine to die")
         wait_for(lambda: healthy(gw) == 1, timeout=10, what="the dead engine to leave the candidates")
         answers = [complete(gw.url, [30 + i, 31]) for i in range(4)]

@@ -82,7 +82,7 @@ def test_no_blocks_leak_on_either_side(pd_fleet):
     f = pd_fleet
     for w in (f["p"], f["d"]):
         wait_for(lambda: (lambda s: s["running"] == s["waiting"] == s["pending_kv"] == 0
-                          and s["free_blocks"] == s["total_blocks"])(httpx.get(w.url + "/state").json()),
+                          and s["free_blocks"] == s["total_blocks"])(w.state()),
                  what=f"{w.name} drained")
     metrics = httpx.get(f["gw"].url + "/metrics").text
     assert 'kvgate_gateway_prefill_legs_total{outcome="ok",worker="pd-p"}' in metrics

@@ -40,7 +40,7 @@ def pd(p, d, ids, max_tokens=10):
 def drained(w):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        s = httpx.get(w.url + "/state").json()
+        s = w.state()
         if s["running"] == s["waiting"] == s["pending_kv"] == 0 and s["free_blocks"] == s["total_blocks"]:
             return True
         time.sleep(0.05)

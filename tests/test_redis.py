@@ -58,7 +58,7 @@ def test_worker_publishes_its_set_events_and_heartbeat(cluster):
     r = redis.Redis(port=cluster["redis"].port)
     w = cluster["workers"][0]
     httpx.post(w.url + "/v1/completions", json={"prompt": text(random.Random(5), 120), "max_tokens": 2})
-    snap = httpx.get(w.url + "/kv/snapshot").json()
+    snap = w.internal("/kv/snapshot").json()
 
     def published():
         seq = r.get(rs.seq_key(MODEL, w.worker_id))

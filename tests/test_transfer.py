@@ -108,6 +108,6 @@ def test_a_failed_kv_write_is_a_500_and_leaks_nothing():
     with TestClient(server.app) as client:
         r = client.post("/kv/import", content=body, headers={"x-kvgate-token": "t"})
         assert r.status_code == 500 and r.json()["error"]["code"] == "kv_import_failed"
-        state = client.get("/state").json()
+        state = client.get("/state", headers={"x-kvgate-token": "t"}).json()
     assert eng.pool.num_free == 16 and not eng.events.after(0).events
     assert state["engine_calls_s"] >= 0

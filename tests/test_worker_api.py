@@ -11,6 +11,7 @@ from workers.kv.hashing import block_hashes, seed_hash
 from workers.model_store import load_tokenizer
 
 MODEL = "smollm2-135m"
+INTERNAL = {"x-kvgate-token": "api-token"}  # the fixture worker's internal token
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +89,26 @@ def test_models_health_metrics_state(worker):
     assert httpx.get(worker.url + "/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.get(worker.url + "/health").status_code == 200
     assert "kvgate_worker_generation_tokens_total" in httpx.get(worker.url + "/metrics").text
-    state = httpx.get(worker.url + "/state").json()
+    state = worker.state()
     assert state["worker_id"] == "api" and state["total_blocks"] == 64 and state["block_size"] == 16
 
 
+@pytest.mark.parametrize("path", ["/state", "/steps", "/kv/events", "/kv/snapshot"])
+def test_internal_reads_need_the_token(worker, path):
+    """Residency and load are a prompt side channel: a worker with a token serves them only to
+    the fleet (the gateway and tools send it); /health, /metrics and /v1/models stay open."""
+    for headers in (None, {"x-kvgate-token": "wrong"}):
+        r = httpx.get(worker.url + path, headers=headers)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert worker.internal(path).status_code == 200
+
+
 def test_kv_events_long_poll_and_snapshot_agree_with_hashes(worker):
-    seq = httpx.get(worker.url + "/kv/snapshot").json()["seq"]
+    seq = worker.internal("/kv/snapshot").json()["seq"]
     ids = list(range(1000, 1040))
     got = {}
     t = threading.Thread(target=lambda: got.update(
-        httpx.get(worker.url + f"/kv/events?after={seq}&timeout=10", timeout=15).json()))
+        worker.internal(f"/kv/events?after={seq}&timeout=10", timeout=15).json()))
     t.start()
     time.sleep(0.3)
     post(worker, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})
@@ -105,7 +116,7 @@ def test_kv_events_long_poll_and_snapshot_agree_with_hashes(worker):
     stored = [h for e in got["events"] if e["kind"] == "stored" for h in e["hashes"]]
     expected = block_hashes(ids, 16, seed_hash(MODEL, 16))
     assert stored[:2] == expected and got["events"][0]["seq"] == seq + 1
-    snap = httpx.get(worker.url + "/kv/snapshot").json()
+    snap = worker.internal("/kv/snapshot").json()
     assert set(expected) <= set(snap["hashes"]) and snap["seq"] >= got["last_seq"]
 
 
@@ -116,7 +127,7 @@ def test_client_disconnect_aborts_and_frees_blocks(worker):
         next(r.iter_lines())
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        s = httpx.get(worker.url + "/state").json()
+        s = worker.state()
         if s["running"] == 0 and s["free_blocks"] == s["total_blocks"]:
             break
         time.sleep(0.05)
@@ -126,11 +137,11 @@ def test_client_disconnect_aborts_and_frees_blocks(worker):
 def test_prefix_cache_reset_needs_token_and_evicts_everything(worker):
     post(worker, "/v1/completions", {"model": MODEL, "prompt": list(range(3000, 3040)), "max_tokens": 1})
     assert httpx.post(worker.url + "/kv/reset").status_code == 403
-    r = httpx.post(worker.url + "/kv/reset", headers={"x-kvgate-token": "api-token"})
+    r = httpx.post(worker.url + "/kv/reset", headers=INTERNAL)
     assert r.status_code == 200 and r.json()["evicted"] > 0
-    snap = httpx.get(worker.url + "/kv/snapshot").json()
+    snap = worker.internal("/kv/snapshot").json()
     assert snap["hashes"] == []
-    last = httpx.get(worker.url + f"/kv/events?after={snap['seq'] - 1}").json()["events"][-1]
+    last = worker.internal(f"/kv/events?after={snap['seq'] - 1}").json()["events"][-1]
     assert last["kind"] == "cleared"
 
 

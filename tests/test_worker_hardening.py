@@ -89,7 +89,7 @@ def test_same_request_id_at_once_keeps_requests_apart(worker):
     assert token_ids(ra) == want_a and token_ids(rb) == want_b
     assert ra.headers["x-request-id"] == rb.headers["x-request-id"] == "same-id"
     assert token_ids(complete(worker.url, a, 5)) == want_a[:5]
-    s = httpx.get(worker.url + "/state").json()
+    s = worker.state()
     assert s["running"] == s["waiting"] == 0
 
 
@@ -131,7 +131,7 @@ def test_advertised_context_is_what_the_pool_holds():
     try:
         models = httpx.get(w.url + "/v1/models").json()["data"]
         assert models[0]["max_model_len"] == 1024
-        assert httpx.get(w.url + "/state").json()["max_model_len"] == 1024
+        assert w.state()["max_model_len"] == 1024
         prompt = [100 + i % 900 for i in range(1000)]
         assert_error(complete(w.url, prompt, 100), 400, "context_length_exceeded")
         r = complete(w.url, prompt, 24)
@@ -170,7 +170,7 @@ def test_step_that_raises_fails_its_requests_and_the_engine_goes_on(faulty):
     for _ in range(3):
         assert len(token_ids(complete(faulty.url, [31, 32, 33], 4))) == 4
     assert httpx.get(faulty.url + "/health").status_code == 200
-    s = httpx.get(faulty.url + "/state").json()
+    s = faulty.state()
     assert s["engine_alive"] is True and s["running"] == s["waiting"] == 0
     assert s["free_blocks"] == s["total_blocks"]
     assert "kvgate_worker_requests_failed_total" in httpx.get(faulty.url + "/metrics").text
@@ -179,14 +179,14 @@ def test_step_that_raises_fails_its_requests_and_the_engine_goes_on(faulty):
 def test_frozen_engine_shows_a_stall(faulty):
     with cf.ThreadPoolExecutor(1) as pool:
         frozen = pool.submit(complete, faulty.url, [fw.FREEZE, 41, 42], 2)
-        wait_for(lambda: httpx.get(faulty.url + "/state").json()["engine_stall_s"] > 1.0, timeout=fw.FREEZE_S * 3,
+        wait_for(lambda: faulty.state()["engine_stall_s"] > 1.0, timeout=fw.FREEZE_S * 3,
                  what="engine_stall_s to pass 1 s")
         h = wait_for(lambda: (lambda r: r if r.status_code == 503 else None)(httpx.get(faulty.url + "/health")),
                      timeout=fw.FREEZE_S * 3, what="/health to answer 503")
         assert_error(h, 503, "engine_stalled")
         assert len(token_ids(frozen.result())) == 2
     wait_for(lambda: httpx.get(faulty.url + "/health").status_code == 200, what="/health back to 200")
-    assert httpx.get(faulty.url + "/state").json()["engine_stall_s"] == 0.0
+    assert faulty.state()["engine_stall_s"] == 0.0
 
 
 def test_dead_engine_answers_and_shows():
@@ -194,12 +194,12 @@ def test_dead_engine_answers_and_shows():
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             running = pool.submit(complete, w.url, [50, 51, 52], 2000)
-            wait_for(lambda: httpx.get(w.url + "/state").json()["running"] == 1, what="a running request")
+            wait_for(lambda: w.state()["running"] == 1, what="a running request")
             r = complete(w.url, [fw.DIE, 1, 2], 2)
             assert r.status_code >= 500 and r.json()["error"]["type"] == "server_error"
             assert running.result().status_code >= 500
         assert_error(httpx.get(w.url + "/health"), 503, "engine_stopped")
-        assert httpx.get(w.url + "/state").json()["engine_alive"] is False
+        assert w.state()["engine_alive"] is False
         assert_error(complete(w.url, [5, 6], 2), 503, "engine_stopped")
     finally:
         w.kill()
@@ -215,7 +215,7 @@ def test_sigterm_drains(tmp_path):
             lines = stream.iter_lines()
             first = next(ln for ln in lines if ln.startswith("data: "))
             w.signal(signal.SIGTERM)
-            wait_for(lambda: httpx.get(w.url + "/state").json()["draining"], what="draining")
+            wait_for(lambda: w.state()["draining"], what="draining")
             r = complete(w.url, [1, 2, 3], 2)
             assert_error(r, 503, "draining")
             assert int(r.headers["retry-after"]) >= 1
@@ -238,7 +238,7 @@ def test_waiting_queue_is_bounded(tmp_path):
                 lines = running.iter_lines()  # kept: a dropped iterator closes the stream
                 next(ln for ln in lines if ln.startswith("data: "))
                 queued = pool.submit(complete, w.url, [4, 5, 6], 3)
-                wait_for(lambda: httpx.get(w.url + "/state").json()["waiting"] == 1, what="a waiting request")
+                wait_for(lambda: w.state()["waiting"] == 1, what="a waiting request")
                 r = complete(w.url, [1, 2, 3], 2)
                 assert_error(r, 503, "overloaded")
                 assert int(r.headers["retry-after"]) >= 1
@@ -270,20 +270,20 @@ def test_gateway_pd_legs_carry_the_internal_token():
         stop_all([gw, p, d])
 
 
-def test_gateway_without_token_does_not_disaggregate():
-    """A gateway not given the fleet's token cannot run P/D legs (the workers would refuse
-    them), so it serves such requests on the decode worker alone instead of failing them."""
+def test_gateway_without_the_fleets_token_is_refused_and_says_why():
+    """Workers with a token refuse a gateway without it (their state and residency are internal),
+    so it never routes to them, answers 503, and its log names the missing flag."""
     secret = ("--internal-token", TOKEN)
     p = Worker(worker_id="np", extra=("--role", "prefill", *secret))
     d = Worker(worker_id="nd", extra=("--role", "decode", *secret))
-    gw = start_gateway([p.url, d.url], "slo_goodput", extra=[
-        "--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"])
+    gw = start_gateway([p.url, d.url], "slo_goodput")
     try:
         p.ready(), d.ready()
         gw.wait_ready("/v1/models")
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
-        r = complete(gw.url, [(i * 31) % 3000 + 100 for i in range(300)], 4, timeout=60)
-        assert len(token_ids(r)) == 4 and not r.headers.get("x-kvgate-prefill-worker")
+        wait_for(lambda: "--internal-token" in gw.log_tail(), what="the gateway to say why")
+        health = httpx.get(gw.url + "/health")
+        assert health.status_code == 503 and health.json()["healthy"] == 0
+        assert_error(complete(gw.url, [5, 6, 7], 2), 503)
     finally:
         stop_all([gw, p, d])
 

@@ -278,9 +278,19 @@ class WorkerServer:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
 
+    def _refused(self, request: Request) -> Response | None:
+        """403 for an internal read without the token, when this worker has one (the gateway
+        and tools send it; workers/internal_auth.py says why)."""
+        if self.transfer.token and not self.transfer.authorised(request):
+            return error(403, f"{request.url.path} is internal: it needs the fleet's internal token",
+                         "permission_error", "forbidden")
+        return None
+
     async def state(self, request: Request) -> Response:
         """Load as of the last step, plus liveness now: whether the engine thread runs, how long
         it has gone without completing a step while it has work, and whether the worker drains."""
+        if refused := self._refused(request):
+            return refused
         return JSONResponse({**self.engine.state(), "kv_transfer": self.transfer.stats(),
                              "engine_alive": self.engine.alive, "engine_stall_s": self.engine.stall_s(),
                              "draining": self.draining, "in_flight": self.in_flight})
@@ -288,6 +298,8 @@ class WorkerServer:
     async def steps(self, request: Request) -> Response:
         """The engine's step log after step `after`: [step, executor ms, prefill tokens, decode
         seqs, decode KV tokens, prefill ctx products, wall ms] each (`StepStats`)."""
+        if refused := self._refused(request):
+            return refused
         try:
             after = int(request.query_params.get("after", "0"))
         except ValueError:
@@ -297,6 +309,8 @@ class WorkerServer:
         return JSONResponse({"last": got[0], "steps": got[1]})
 
     async def kv_events(self, request: Request) -> Response:
+        if refused := self._refused(request):
+            return refused
         try:
             after = int(request.query_params.get("after", "0"))
             timeout = min(float(request.query_params.get("timeout", "0")), 30.0)
@@ -324,6 +338,8 @@ class WorkerServer:
         return JSONResponse({"evicted": evicted})
 
     async def kv_snapshot(self, request: Request) -> Response:
+        if refused := self._refused(request):
+            return refused
         eng = self.engine
         snap = await asyncio.wrap_future(eng.call(lambda: {
             "worker_id": eng.config.worker_id, "seq": eng.events.last_seq,

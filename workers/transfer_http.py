@@ -4,7 +4,6 @@ Internal calls carry the fleet's shared token (`x-kvgate-token`); a worker start
 one refuses imports, so a public port never accepts foreign K/V.
 """
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -13,6 +12,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
 from workers.transfer import KVPayload, decode, encode_header, executor_spec, publish, reserve
@@ -89,7 +89,7 @@ class TransferService:
         t0 = time.perf_counter()
         try:
             r = await self.client.post(url.rstrip("/") + "/kv/import", content=body(),
-                                       headers={"x-kvgate-token": self.token or "", "content-type": ctype})
+                                       headers={TOKEN_HEADER: self.token or "", "content-type": ctype})
             r.raise_for_status()
         except httpx.HTTPError as e:
             self.failures += 1
@@ -101,8 +101,7 @@ class TransferService:
         return True
 
     def authorised(self, request: Request) -> bool:
-        given = request.headers.get("x-kvgate-token", "")
-        return bool(self.token) and hmac.compare_digest(given, self.token)
+        return token_matches(request.headers.get(TOKEN_HEADER), self.token)
 
     async def import_endpoint(self, request: Request) -> Response:
         """POST /kv/import: verify, then write the blocks into the prefix cache.
