@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 14 on an H200: kernel/graph correctness, then the offline tables for
 # the Llama-3.2-1B and Llama-3-8B shapes. Usage (device tool, repo root, carry .devcarry .whl):
-#   bash experiments/h200_fast_path.sh [tests] [1b] [hf] [8b] [attn]
+#   bash experiments/h200_fast_path.sh [tests|quicktests] [1b] [hf] [8b] [attn] [serve]
 # JSON and logs land in $OUT (PNGs are removed there: the device returns 8 files at most; each
 # benchmark's plot is redrawn from its JSON).
 set -u
@@ -36,5 +36,20 @@ if want 8b; then
 fi
 if want attn; then
   timeout 150 python3 -m bench.attention_kernels --out $OUT/attention-kernels.json 2>&1 | log | tail -2
+fi
+if want serve; then
+  # One fast 8B worker: a rate sweep as in bench/results' earlier H200 fidelity runs, then a fresh
+  # cost profile for the simulator (bench/profiles/h200-llama8b-kvgate.json).
+  [ -d /tmp/m8b ] || python3 -m bench.random_model --tokenizer-dir .devcarry --init-device cuda --layers 32 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 /tmp/m8b >/dev/null 2>&1
+  python3 -m gateway.cli worker --model /tmp/m8b --device cuda:0 --num-blocks 40000 --port 8109 > $OUT/worker.log 2>&1 &
+  python3 -c "import time, urllib.request as u
+for _ in range(240):
+    try:
+        u.urlopen('http://127.0.0.1:8109/health', timeout=1); break
+    except Exception:
+        time.sleep(1)"
+  timeout 200 python3 -m gateway.cli bench serve --url http://127.0.0.1:8109 --workload shared-prefix --seed 11 --groups 4 --prefix-len 1024 --question-len 128 --output-len 64 --sweep 10,25,50 --duration 20 --slo-ttft-ms 1000 --slo-tpot-ms 50 --out $OUT/serve-8b.json 2>&1 | log | tail -5
+  timeout 240 python3 -m gateway.cli calibrate --url http://127.0.0.1:8109 --lengths 64,128,256,512,1024,2048 --batches 1,2,4,8,16,32,64,128,256 --decode-tokens 24 --rounds 2 --out $OUT/h200-llama8b-kvgate.json 2>&1 | log | tail -3
+  kill %1
 fi
 rm -f $OUT/*.png
