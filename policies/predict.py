@@ -16,13 +16,15 @@ DEFAULT_COST = CostModel()
 
 
 def cached_tokens(req: RequestView, w: WorkerView) -> int:
-    """Prompt tokens `w` already holds as prefix-cached blocks."""
-    return min(w.matched_blocks * w.block_size, req.num_tokens)
+    """Prompt tokens `w` will take from its prefix cache: the matched blocks, but never the
+    block holding the prompt's last token, which is always computed (kvgate's workers and vLLM
+    both stop the hit at `num_tokens - 1`, so a fully cached prompt recomputes a whole block)."""
+    return min(w.matched_blocks, max(0, req.num_tokens - 1) // w.block_size) * w.block_size
 
 
 def uncached_tokens(req: RequestView, w: WorkerView) -> int:
     """Prompt tokens `w` must prefill; at least one, since the last token is always computed."""
-    return max(1, req.num_tokens - w.matched_blocks * w.block_size)
+    return max(1, req.num_tokens - cached_tokens(req, w))
 
 
 def unseen_requests(w: WorkerView) -> int:
@@ -63,7 +65,7 @@ def ttft_tpot_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
     the token budget left after one token per running decode, and each step also pays for the
     running decodes. The queue's chunks share `req`'s first decode steps."""
     model, pscale, dscale = _model(w)
-    n, hit, waiting, running = req.num_tokens, w.matched_blocks * w.block_size, w.waiting, w.running
+    n, hit, waiting, running = req.num_tokens, cached_tokens(req, w), w.waiting, w.running
     lacking = max(1, n - hit)
     own = lacking if uncached is None else uncached
     ctx = min(hit, n) if cached is None else cached

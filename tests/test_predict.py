@@ -25,10 +25,12 @@ def test_idle_ttft_is_the_cost_models_prefill_time():
     assert predict.ttft_ms(r, w) == pytest.approx(COST.prefill_ms(4840, 160, chunk=2048))
 
 
-def test_fully_cached_prompt_still_prefills_one_token():
-    r = req(64)
+def test_a_fully_cached_prompt_recomputes_the_block_of_its_last_token():
+    """Workers (ours and vLLM) stop a hit at num_tokens - 1: a block-aligned prompt that is all
+    cached recomputes its last block, one token longer takes every block and prefills one token."""
     w = worker("a", matched_blocks=4)
-    assert predict.cached_tokens(r, w) == 64 and predict.uncached_tokens(r, w) == 1
+    assert (predict.cached_tokens(req(64), w), predict.uncached_tokens(req(64), w)) == (48, 16)
+    assert (predict.cached_tokens(req(65), w), predict.uncached_tokens(req(65), w)) == (64, 1)
 
 
 def test_ttft_grows_with_queue_and_shrinks_with_cache():
