@@ -52,6 +52,8 @@ class Worker:
     sent_since_poll: int = 0  # requests this gateway sent and finished since the last good poll
     done_since_poll: int = 0
     redis_residency: bool = False
+    kind: str = "kvgate"
+    hash_ratio: int = 1  # index blocks per block of the worker's own size
     base: WorkerView | None = None
     tasks: list = field(default_factory=list)
     breaker: Breaker = field(default_factory=Breaker)
@@ -134,12 +136,15 @@ class Refused(aiohttp.ClientError):
 
 class Fleet:
     """`token`: the fleet's internal token, sent on every control-plane call (workers refuse
-    /state, /kv/events and /kv/snapshot without it when they have one)."""
+    /state, /kv/events and /kv/snapshot without it when they have one). `kinds`: worker kinds
+    other than kvgate's own, by name (gateway/vllm_worker.py)."""
 
     def __init__(self, index: ResidencyIndex, interval: float = 0.5, timeout: float = 1.0,
-                 stall_s: float = 1.5, breaker: BreakerConfig | None = None, token: str | None = None):
+                 stall_s: float = 1.5, breaker: BreakerConfig | None = None, token: str | None = None,
+                 kinds: dict | None = None):
         self.index = index
         self.token = token
+        self.kinds = kinds or {}
         self.interval = interval
         self.timeout = timeout
         self.stall_s = stall_s
@@ -148,11 +153,12 @@ class Fleet:
         self.session: aiohttp.ClientSession | None = None
         self._started = False
 
-    def add(self, url: str, static: bool = True) -> Worker:
+    def add(self, url: str, static: bool = True, kind: str = "kvgate") -> Worker:
         url = url.rstrip("/")
         w = self.workers.get(url)
         if w is None:
-            w = self.workers[url] = Worker(url, static, breaker=Breaker(self.breaker))
+            w = self.workers[url] = Worker(url, static, breaker=Breaker(self.breaker),
+                                           kind=kind if kind in self.kinds else "kvgate")
             if self._started:
                 self._spawn(w)
         return w
@@ -180,6 +186,9 @@ class Fleet:
             await self.session.close()
 
     def _spawn(self, w: Worker) -> None:
+        if w.kind in self.kinds:
+            w.tasks = self.kinds[w.kind].spawn(self, w)
+            return
         w.tasks = [asyncio.create_task(self._poll(w)), asyncio.create_task(self._tail(w))]
 
     # health and load
@@ -313,7 +322,7 @@ class Fleet:
         out = []
         for w in workers:
             flight = w.in_flight + w.shared_in_flight
-            m = matches.get(w.worker_id, 0)
+            m = matches.get(w.worker_id, 0) // w.hash_ratio
             out.append(with_fields(w.base, matched_blocks=m, in_flight=flight) if m or flight else w.base)
         return tuple(out)
 

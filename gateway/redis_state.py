@@ -142,7 +142,7 @@ class RedisState:
                     self.fleet.remove(reg.url)
                 self.index.drop(wid)
         for reg in live.values():
-            self.fleet.add(reg.url, static=False)
+            self.fleet.add(reg.url, static=False, kind=str(reg.state.get("kind", "kvgate")))
         self.registered = live
 
     async def _registrations(self, r: aioredis.Redis) -> dict[str, rs.Registration]:

@@ -2,12 +2,14 @@
 import argparse
 import contextlib
 import gc
+import json
 import logging
 import os
 
 import uvicorn
 from starlette.applications import Starlette
 
+from gateway import vllm_worker
 from gateway.admission import Admission, AdmissionConfig
 from gateway.app import Gateway
 from gateway.auth import Access, ApiKeys
@@ -23,6 +25,7 @@ from gateway.tracing import EXPORTERS, Tracing, make_exporter
 from policies.registry import load_policy
 from workers.drain import DrainingServer
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
+from workers.kv.cost_model import CostModel
 from workers.kv.redis_schema import redact_url
 
 GC_THRESHOLDS = (10_000, 10, 10)
@@ -33,7 +36,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="a worker's base URL (repeatable); with --redis, more are discovered")
+                   help="a worker's base URL (repeatable); `vllm:URL` (or `sglang:URL`) for a vLLM server "
+                        "publishing KV events (README: In front of vLLM); with --redis, more are discovered")
+    p.add_argument("--vllm-profile", metavar="PATH",
+                   help="cost model of the vLLM workers (`kvgate calibrate --url VLLM_URL --out PATH`), for "
+                        "slo_goodput; without it their TTFT/TPOT are predicted by the default model")
     p.add_argument("--policy", default="prefix_affinity",
                    help="built-in name (round_robin, least_load, prefix_affinity, kv_cost, slo_goodput), "
                         "module:Class, path/to/file.py:Class, or a kvgate.policies entry point")
@@ -134,9 +141,10 @@ def build(args: argparse.Namespace) -> Gateway:
         raise SystemExit("kvgate gateway: give at least one --worker URL or --redis URL")
     fleet = Fleet(ResidencyIndex(), interval=args.health_interval,
                   timeout=max(0.25, min(1.0, 1.9 - args.health_interval)), stall_s=args.engine_stall_s,
-                  breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s), token=args.internal_token)
-    for url in args.worker:
-        fleet.add(url)
+                  breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s), token=args.internal_token,
+                  kinds={vllm_worker.KIND: vllm_kind(args)})
+    for spec in args.worker:
+        add_worker(fleet, spec)
     redis = None
     if args.redis:
         from gateway.redis_state import RedisState
@@ -160,6 +168,31 @@ def build(args: argparse.Namespace) -> Gateway:
                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, pd_wait_ms=args.pd_wait_ms,
                    tracing=tracing, access=access(args), internal_token=args.internal_token,
                    max_body_bytes=args.max_body_bytes, admission=admission, retry=retry)
+
+
+def vllm_kind(args: argparse.Namespace) -> vllm_worker.VllmKind:
+    """The vLLM worker kind: hashes at the gateway's block size, the --vllm-profile cost model."""
+    profile = None
+    if args.vllm_profile:
+        try:
+            with open(args.vllm_profile) as f:
+                profile = json.load(f)
+            CostModel.from_json(profile)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise SystemExit(f"kvgate gateway: bad --vllm-profile {args.vllm_profile}: {e}")
+    return vllm_worker.VllmKind(args.block_size, profile, needs_cost=args.policy == "slo_goodput")
+
+
+def add_worker(fleet: Fleet, spec: str) -> None:
+    """A `--worker` value: a kvgate worker's URL, or `vllm:URL[?options]`."""
+    try:
+        vllm = vllm_worker.parse_spec(spec)
+    except ValueError as e:
+        raise SystemExit(f"kvgate gateway: {e}")
+    if vllm is None:
+        fleet.add(spec)
+    else:
+        fleet.add(fleet.kinds[vllm_worker.KIND].add(vllm), kind=vllm_worker.KIND)
 
 
 def access(args: argparse.Namespace) -> Access:

@@ -1,0 +1,183 @@
+"""One engine's ZMQ event stream kept in step with a residency sink.
+
+A SUB socket receives the live batches; a DEALER asks the publisher's replay ROUTER for the
+batches it still holds (vLLM keeps the last 10,000). Sync: the sink is reset, whatever waited
+in the SUB queue is dropped, and everything from seq 0 is replayed; then live batches apply in
+seq order. A batch past the next expected seq is a gap: the missing ones are replayed, and if
+the publisher no longer holds them the whole sync runs again. A batch below it is a duplicate
+(the replay already applied it) unless it is newer than the last applied one, which means the
+publisher restarted (its numbering went back to 0): sync again. There is no snapshot: blocks
+cached before the oldest batch the publisher still holds stay unknown until they are stored
+again, which under-states residency (a missed hit), never over-states it.
+
+Everything runs in one asyncio task on the caller's loop; routing reads only the sink.
+"""
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from gateway.vllm_events import BadBatch, EngineBatch, decode_frames, decode_replay
+from gateway.vllm_translate import Change, Translator
+
+log = logging.getLogger("kvgate.gateway")
+
+REPLAY_TIMEOUT_S = 5.0
+RCVHWM = 1_000_000
+
+
+class Sink(Protocol):
+    def reset(self) -> None:
+        """The engine's residency is unknown: start again from nothing."""
+
+    def apply(self, changes: list[Change]) -> bool:
+        """Residency transitions, in order; False when the sink lost its state (sync again)."""
+
+
+class Resync(Exception):
+    """Start the sync again."""
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    duplicates: int = 0
+    bad_batches: int = 0
+    gaps: int = 0
+    syncs: int = 0
+    restarts: int = 0
+    replayed: int = 0
+    history_from: int | None = None  # the first seq the last sync replayed (0: complete)
+    lag_s: list[float] = field(default_factory=list)  # receive time - publish time, recent batches
+
+
+class Subscriber:
+    def __init__(self, address: str, bind: bool, replay: str | None, topic: str, translator: Translator,
+                 sink: Sink, name: str, ctx: zmq.asyncio.Context | None = None):
+        self.address, self.bind, self.replay_address, self.topic = address, bind, replay, topic
+        self.translator, self.sink, self.name = translator, sink, name
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.stats = SubscriberStats()
+        self.expected: int | None = None
+        self.last_ts = 0.0
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        """Follow the stream until cancelled."""
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        try:
+            sub.bind(self.address) if self.bind else sub.connect(self.address)
+            backoff = 0.1
+            while True:
+                try:
+                    await self.sync(sub)
+                    backoff = 0.1
+                    await self.follow(sub)
+                except Resync as e:
+                    log.info("kv events of %s: resync (%s)", self.name, e)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
+        finally:
+            sub.close(linger=0)
+
+    async def sync(self, sub: zmq.asyncio.Socket) -> None:
+        self.stats.syncs += 1
+        self.synced.clear()
+        self.translator.reset()
+        self.sink.reset()
+        while await sub.poll(0):
+            await sub.recv_multipart()
+        self.expected, self.last_ts = None, 0.0
+        if self.replay_address is not None:
+            first = await self.replay(0)
+            self.stats.history_from = first
+            if first:
+                log.warning("kv events of %s: the publisher holds batches from seq %d on; blocks cached "
+                            "before them are unknown until stored again", self.name, first)
+        self.synced.set()
+
+    async def follow(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                batch = decode_frames(await sub.recv_multipart())
+            except BadBatch as e:
+                self.stats.bad_batches += 1
+                log.warning("kv events of %s: dropped a bad batch: %s", self.name, e)
+                continue
+            try:
+                self.receive(batch)
+            except Gap:
+                if self.replay_address is None:
+                    raise Resync(f"gap before seq {batch.seq} and no replay endpoint") from None
+                await self.replay(self.expected)
+                self.receive(batch)
+
+    def receive(self, batch: EngineBatch) -> None:
+        """Apply a live batch, or raise Resync; a gap is filled by a replay first."""
+        if self.expected is None or batch.seq == self.expected:
+            self.apply(batch)
+        elif batch.seq < self.expected:
+            if batch.ts > self.last_ts:
+                self.stats.restarts += 1
+                raise Resync(f"seq went back from {self.expected - 1} to {batch.seq}: the engine restarted")
+            self.stats.duplicates += 1
+        else:
+            self.stats.gaps += 1
+            raise Gap(batch)
+
+    async def replay(self, start: int) -> int | None:
+        """Apply the publisher's batches from `start` on; returns the first seq it held (None:
+        it held none). Raises Resync when it cannot answer or no longer holds `start`."""
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        first = None
+        try:
+            dealer.connect(self.replay_address)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                    raise Resync(f"no replay from {self.replay_address} within {REPLAY_TIMEOUT_S:.0f} s")
+                try:
+                    batch = decode_replay(await dealer.recv_multipart())
+                except BadBatch as e:
+                    raise Resync(f"bad replay batch: {e}") from None
+                if batch is None:
+                    return first
+                if first is None:
+                    first = batch.seq
+                    if start and batch.seq != start:
+                        raise Resync(f"replay asked from seq {start} starts at {batch.seq}: batches lost")
+                if self.expected is None or batch.seq >= self.expected:
+                    self.stats.replayed += 1
+                    self.apply(batch)
+                    await asyncio.sleep(0)
+        finally:
+            dealer.close(linger=0)
+
+    def apply(self, batch: EngineBatch) -> None:
+        if self.expected is not None and batch.seq != self.expected:
+            raise Resync(f"batch {batch.seq} out of order (expected {self.expected})")
+        changes = self.translator.apply(batch.events)
+        if changes and not self.sink.apply(changes):
+            raise Resync("the sink lost its state")
+        self.expected, self.last_ts = batch.seq + 1, batch.ts
+        self.stats.batches += 1
+        lag = self.stats.lag_s
+        lag.append(time.time() - batch.ts)
+        if len(lag) > 1024:
+            del lag[:512]
+
+
+class Gap(Resync):
+    """Live batch `batch` came after a gap."""
+
+    def __init__(self, batch: EngineBatch):
+        super().__init__(f"gap before seq {batch.seq}")
+        self.batch = batch

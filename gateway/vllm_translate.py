@@ -1,0 +1,147 @@
+"""An engine's KV events re-hashed into kvgate's own block chain, with reference counts.
+
+Events carry the token ids of every stored block, so the gateway derives each block's kvgate
+hash itself (`workers.kv.hashing`) and keeps one hash function for the whole fleet whatever
+the engine and its hash seed. An engine block of B tokens becomes B / b kvgate blocks of the
+gateway's size b (B must be a multiple of b). A block's chain continues from its parent's last
+kvgate hash, so a block whose parent the translator never saw cannot be placed and is left
+out, as are blocks whose engine hash covers more than tokens and a cache salt (LoRA adapters,
+multimodal inputs, prompt embeddings, non-full-attention groups): no kvgate hash names them.
+
+The same engine block may be stored more than once (two physical copies of one prefix), so
+engine blocks are counted; a kvgate hash is resident while any engine block that yields it is.
+`apply` returns only the transitions: hashes that became resident or stopped being so.
+"""
+from dataclasses import dataclass, field
+
+from gateway.vllm_events import Cleared, EngineHash, Event, Removed, Stored
+from workers.kv.events import CLEARED, REMOVED, STORED
+from workers.kv.hashing import block_hashes, salted_seed, seed_hash
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change to the residency of kvgate hashes (kind: stored, removed or cleared)."""
+    kind: str
+    hashes: tuple[int, ...] = ()
+
+
+@dataclass
+class TranslateStats:
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    skipped_blocks: int = 0
+    orphan_blocks: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Translator:
+    def __init__(self, model: str, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        self.seed = seed_hash(model, block_size)
+        self.stats = TranslateStats()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: the engine's cache is unknown from here on."""
+        self._ours: dict[tuple[int, EngineHash], tuple[int, ...]] = {}
+        self._refs: dict[tuple[int, EngineHash], int] = {}
+        self._count: dict[int, int] = {}
+
+    @property
+    def resident(self) -> set[int]:
+        """Every kvgate hash resident now."""
+        return set(self._count)
+
+    def apply(self, events: tuple[Event, ...] | list[Event]) -> list[Change]:
+        out: list[Change] = []
+        for ev in events:
+            if isinstance(ev, Stored):
+                added = self._stored(ev)
+                if added:
+                    out.append(Change(STORED, tuple(added)))
+            elif isinstance(ev, Removed):
+                gone = self._removed(ev)
+                if gone:
+                    out.append(Change(REMOVED, tuple(gone)))
+            elif isinstance(ev, Cleared):
+                self.reset()
+                out.append(Change(CLEARED))
+        return out
+
+    def _skip(self, ev: Stored) -> str | None:
+        """Why `ev`'s blocks have no kvgate hash, or None."""
+        if ev.lora:
+            return "lora"
+        if not ev.full_attention:
+            return "not full attention"
+        if ev.unknown:
+            return "unknown fields " + ",".join(ev.unknown)
+        if ev.block_size % self.block_size:
+            return f"engine block size {ev.block_size} is not a multiple of {self.block_size}"
+        for i, keys in enumerate(ev.extra):
+            if keys is not None and not (i == 0 and ev.parent is None and len(keys) == 1 and isinstance(keys[0], str)):
+                return "extra hash keys (multimodal, prompt embeddings)"
+        return None
+
+    def _stored(self, ev: Stored) -> list[int]:
+        why = self._skip(ev)
+        if why is not None:
+            return self._skipped(why, len(ev.hashes))
+        if ev.parent is None:
+            salt = ev.extra[0][0] if ev.extra and ev.extra[0] else ev.salt
+            prev = salted_seed(self.seed, salt)
+        else:
+            parent = self._ours.get((ev.group, ev.parent))
+            if parent is None:
+                self.stats.orphan_blocks += len(ev.hashes)
+                return self._skipped("parent not seen", len(ev.hashes))
+            prev = parent[-1]
+        ours = block_hashes(list(ev.token_ids), self.block_size, self.seed, parent=prev)
+        per = ev.block_size // self.block_size
+        added: list[int] = []
+        for i, h in enumerate(ev.hashes):
+            key = (ev.group, h)
+            n = self._refs.get(key, 0)
+            self._refs[key] = n + 1
+            if n == 0:
+                mine = self._ours[key] = tuple(ours[i * per:(i + 1) * per])
+                added += self._hold(mine)
+        self.stats.stored_blocks += len(ev.hashes)
+        return added
+
+    def _removed(self, ev: Removed) -> list[int]:
+        gone: list[int] = []
+        for h in ev.hashes:
+            key = (ev.group, h)
+            n = self._refs.get(key)
+            if n is None:
+                continue
+            self.stats.removed_blocks += 1
+            if n > 1:
+                self._refs[key] = n - 1
+                continue
+            del self._refs[key]
+            for ours in self._ours.pop(key):
+                c = self._count[ours] - 1
+                if c:
+                    self._count[ours] = c
+                else:
+                    del self._count[ours]
+                    gone.append(ours)
+        return gone
+
+    def _hold(self, hashes: tuple[int, ...]) -> list[int]:
+        fresh = []
+        for h in hashes:
+            c = self._count.get(h, 0)
+            self._count[h] = c + 1
+            if c == 0:
+                fresh.append(h)
+        return fresh
+
+    def _skipped(self, why: str, n: int) -> list[int]:
+        self.stats.skipped_blocks += n
+        self.stats.reasons[why] = self.stats.reasons.get(why, 0) + n
+        return []

@@ -1,0 +1,158 @@
+"""vLLM / SGLang KV events: decoding recorded real bytes and re-hashing them into kvgate's chain."""
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.vllm_events import (BadBatch, Cleared, Removed, Stored, decode_frames, decode_payload,
+                                 decode_replay)
+from gateway.vllm_translate import Translator
+from tests import vllm_data as vd
+from workers.kv.events import CLEARED, REMOVED, STORED
+
+
+def decoded_replay():
+    frames = vd.replay_frames()
+    batches = [decode_replay(f) for f in frames]
+    assert batches[-1] is None
+    return batches[:-1]
+
+
+def test_recorded_live_and_replayed_batches_decode_alike():
+    live = [decode_frames(f) for f in vd.recorded()["live"]]
+    replayed = decoded_replay()
+    assert [b.seq for b in replayed] == list(range(12)) == [b.seq for b in live]
+    assert live == replayed
+    kinds = [type(e).__name__ for b in replayed for e in b.events]
+    assert kinds.count("Stored") == 12 and kinds.count("Removed") == 40 and kinds.count("Cleared") == 1
+    first = replayed[0].events[0]
+    assert isinstance(first, Stored) and first.block_size == 32 and len(first.hashes) == 7
+    assert first.parent is None and len(first.token_ids) == 7 * 32 and first.unknown == ()
+    assert replayed[2].events[0].extra[0] == ("tenant-a",)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_recorded_blocks_get_the_hashes_the_gateway_computes_for_the_same_prompts(block_size):
+    t = Translator(vd.MODEL, block_size)
+    batches = decoded_replay()
+    a, chat = vd.prompt_ids("A"), vd.prompt_ids("chat")
+    for b in batches[:4]:
+        t.apply(b.events)
+    assert set(vd.ours(a, block_size)) <= t.resident  # A, unsalted
+    assert set(vd.ours(a, block_size, salt="tenant-a")) <= t.resident  # A with cache_salt: another chain
+    assert set(vd.ours(chat, block_size)) <= t.resident  # chat content parts, as the gateway renders them
+    assert not set(vd.ours(a, block_size)) & set(vd.ours(a, block_size, salt="tenant-a"))
+    for b in batches[4:]:
+        t.apply(b.events)
+    assert t.resident == set(vd.ours(vd.prompt_ids("C"), block_size))  # cleared, then C alone
+
+
+def test_evictions_are_mirrored_block_for_block():
+    t = Translator(vd.MODEL, 16)
+    cached: set = set()
+    for b in decoded_replay():
+        changes = t.apply(b.events)
+        for e in b.events:
+            if isinstance(e, Stored):
+                cached |= set(e.hashes)
+            elif isinstance(e, Removed):
+                cached -= set(e.hashes)
+            else:
+                cached.clear()
+        assert len(t.resident) == 2 * len(cached), f"after seq {b.seq}"
+        if any(isinstance(e, Removed) for e in b.events):
+            assert any(c.kind == REMOVED for c in changes)
+    assert [c.kind for c in t.apply([Cleared()])] == [CLEARED] and t.resident == set()
+
+
+def test_a_block_stored_twice_stays_resident_until_removed_twice():
+    t = Translator(vd.MODEL, 16)
+    tokens = list(range(100, 164))
+    ev = Stored((11, 12), None, tuple(tokens), 32)
+    first = t.apply([ev])
+    assert [c.kind for c in first] == [STORED] and len(first[0].hashes) == 4
+    assert t.apply([ev]) == []  # a second copy: nothing new
+    assert t.apply([Removed((12,))]) == [] and len(t.resident) == 4
+    gone = t.apply([Removed((12,)), Removed((12,))])  # the second copy, then one too many
+    assert [c.kind for c in gone] == [REMOVED] and gone[0].hashes == first[0].hashes[2:]
+    assert t.apply([Removed((99,))]) == []  # never stored
+
+
+def test_children_chain_from_their_parents_kvgate_hash():
+    t = Translator(vd.MODEL, 16)
+    tokens = list(range(200, 296))
+    t.apply([Stored((1,), None, tuple(tokens[:32]), 32)])
+    t.apply([Stored((2, 3), 1, tuple(tokens[32:]), 32)])
+    assert t.resident == set(vd.ours(tokens))
+
+
+def test_lora_multimodal_and_other_groups_are_left_out_and_so_are_their_children():
+    t = Translator(vd.MODEL, 16)
+    tok = tuple(range(32))
+    t.apply([Stored((1,), None, tok, 32, lora=True)])
+    t.apply([Stored((2,), 1, tok, 32)])  # child of a LoRA block: its chain is unknown
+    t.apply([Stored((3,), None, tok, 32, extra=((("img-hash", 0),),))])  # multimodal
+    t.apply([Stored((4,), None, tok, 32, extra=((b"embeds-digest",),))])  # prompt embeddings
+    t.apply([Stored((5,), None, tok, 32, full_attention=False)])  # a sliding-window group
+    t.apply([Stored((6,), None, tok, 32, unknown=("field 9",))])
+    t.apply([Stored((7,), None, tok, 24)])  # engine blocks the gateway's cannot tile
+    assert t.resident == set() and t.stats.skipped_blocks == 7 and t.stats.orphan_blocks == 1
+    assert t.stats.reasons["parent not seen"] == 1 and t.stats.reasons["lora"] == 1
+
+
+def test_a_gateway_block_size_that_does_not_divide_the_engines_indexes_nothing():
+    t = Translator(vd.MODEL, 64)
+    for b in decoded_replay():
+        t.apply(b.events)
+    assert t.resident == set() and t.stats.skipped_blocks > 0
+
+
+def test_sglang_shaped_batches_decode_and_translate():
+    tokens = list(range(300, 364))
+    salted = msgpack.packb([2.0, [{"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None,
+                                   "token_ids": tokens[:32], "block_size": 32, "lora_id": None,
+                                   "cache_salt": "t1", "session_id": "s"}]], use_bin_type=True)
+    live = [b"kv", (0).to_bytes(8, "big"), vd.payload([vd.sglang_stored([1, 2], tokens)])]
+    replay = [b"", (1).to_bytes(8, "big"), vd.payload([vd.sglang_removed([2]), vd.sglang_stored([5], tokens[:32],
+                                                                                             lora_id=3)])]
+    b0, b1, b2 = decode_frames(live), decode_replay(replay), decode_payload(2, salted)
+    assert decode_replay([b"", vd.END, b""]) is None
+    assert b0.seq == 0 and b0.rank == 0 and b1.seq == 1 and b2.events[0].salt == "t1"
+    t = Translator(vd.MODEL, 16)
+    t.apply(b0.events)
+    assert t.resident == set(vd.ours(tokens))
+    t.apply(b1.events)
+    assert t.resident == set(vd.ours(tokens[:32]))  # the removed block went; the LoRA one never came
+    t.apply(b2.events)
+    assert set(vd.ours(tokens[:32], salt="t1")) <= t.resident
+
+
+@pytest.mark.parametrize("frames", [
+    [b"kv", b"\x00" * 7, b""], [b"kv"], [b"kv", b"\x00" * 8, b"\xc1"],
+    [b"kv", b"\x00" * 8, msgpack.packb({"ts": 1})],
+    [b"kv", b"\x00" * 8, vd.payload([{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                      "token_ids": [1, 2], "block_size": 32}])],
+    [b"kv", b"\x00" * 8, vd.payload([{"type": "Nope"}])],
+    [b"kv", b"\x00" * 8, vd.payload([["BlockStored", ["x"], None, [], 32, None]])],
+])
+def test_malformed_frames_are_bad_batches(frames):
+    with pytest.raises(BadBatch):
+        decode_frames(frames)
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+                       | st.binary(max_size=8) | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
+                       lambda c: st.lists(c, max_size=6) | st.dictionaries(
+                           st.sampled_from(["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                            "lora_id", "extra_keys", "group_idx", "cache_salt", "zz"]), c, max_size=6),
+                       max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=JSONISH)
+def test_any_payload_decodes_or_is_a_bad_batch_and_translates_without_error(body):
+    try:
+        batch = decode_payload(0, msgpack.packb(body, use_bin_type=True))
+    except BadBatch:
+        return
+    Translator(vd.MODEL, 16).apply(batch.events)
