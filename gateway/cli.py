@@ -9,6 +9,7 @@ import sys
 COMMANDS = {
     "worker": ("workers.cli", "serve one model from a paged KV cache (OpenAI API)"),
     "gateway": ("gateway.server", "KV-aware gateway in front of a worker fleet"),
+    "bridge": ("gateway.bridge", "publish a vLLM server's KV residency and load into Redis"),
     "bench": ("bench.loadgen", "load generator: `kvgate bench serve ...`"),
     "simulate": ("bench.simulate", "fleet simulator in virtual time"),
     "calibrate": ("bench.calibrate", "measure a worker and write a sim cost profile"),

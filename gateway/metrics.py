@@ -61,6 +61,8 @@ class GatewayMetrics:
         self.prefill_legs = Counter("kvgate_gateway_prefill_legs", "P/D prefill legs, by prefill worker and outcome",
                                     ["worker", "outcome"], registry=r)
         r.register(_FleetCollector(fleet))
+        for kind in getattr(fleet, "kinds", {}).values():  # other engines' collectors (gateway/vllm_worker.py)
+            r.register(kind)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -52,16 +52,17 @@ class SubscriberStats:
     restarts: int = 0
     replayed: int = 0
     history_from: int | None = None  # the first seq the last sync replayed (0: complete)
-    lag_s: list[float] = field(default_factory=list)  # receive time - publish time, recent batches
+    lag_s: list[float] = field(default_factory=list)  # receive time - publish time, recent live batches
 
 
 class Subscriber:
     def __init__(self, address: str, bind: bool, replay: str | None, topic: str, translator: Translator,
-                 sink: Sink, name: str, ctx: zmq.asyncio.Context | None = None):
+                 sink: Sink, name: str, ctx: zmq.asyncio.Context | None = None,
+                 stats: SubscriberStats | None = None):
         self.address, self.bind, self.replay_address, self.topic = address, bind, replay, topic
         self.translator, self.sink, self.name = translator, sink, name
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.stats = SubscriberStats()
+        self.stats = stats or SubscriberStats()
         self.expected: int | None = None
         self.last_ts = 0.0
         self.synced = asyncio.Event()
@@ -123,6 +124,10 @@ class Subscriber:
         """Apply a live batch, or raise Resync; a gap is filled by a replay first."""
         if self.expected is None or batch.seq == self.expected:
             self.apply(batch)
+            lag = self.stats.lag_s
+            lag.append(time.time() - batch.ts)
+            if len(lag) > 1024:
+                del lag[:512]
         elif batch.seq < self.expected:
             if batch.ts > self.last_ts:
                 self.stats.restarts += 1
@@ -169,10 +174,6 @@ class Subscriber:
             raise Resync("the sink lost its state")
         self.expected, self.last_ts = batch.seq + 1, batch.ts
         self.stats.batches += 1
-        lag = self.stats.lag_s
-        lag.append(time.time() - batch.ts)
-        if len(lag) > 1024:
-            del lag[:512]
 
 
 class Gap(Resync):

@@ -36,11 +36,11 @@ class TranslateStats:
 
 
 class Translator:
-    def __init__(self, model: str, block_size: int):
+    def __init__(self, model: str, block_size: int, stats: TranslateStats | None = None):
         self.model = model
         self.block_size = block_size
         self.seed = seed_hash(model, block_size)
-        self.stats = TranslateStats()
+        self.stats = stats or TranslateStats()
         self.reset()
 
     def reset(self) -> None:
