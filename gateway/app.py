@@ -27,12 +27,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import pd
+from gateway import pd, vllm_worker
 from gateway.admission import DRAINING, Admission, Refusal
 from gateway.auth import Access, Guard, api_key, retry_after, too_many_tokens
 from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
 from gateway.metrics import GatewayMetrics
+from gateway.passthrough import internal_field
 from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamError,
                            UpstreamFailed, UpstreamTimeout, WorkerBusy, cached_tokens, close_upstream, relay)
 from gateway.retry import RetryPolicy
@@ -197,17 +198,22 @@ class Gateway:
         if "kv_transfer" in body:
             raise ApiError(400, "'kv_transfer' is internal to the fleet: clients may not set it",
                            param="kv_transfer", code="internal_field")
+        if (field := internal_field(body)) is not None:
+            raise ApiError(400, f"'{field}' steers the workers' KV cache: clients may not set it", param=field,
+                           code="internal_field")
         if self.access.apply_cache_salt(api_key(request.scope), body):
             raw = json.dumps(body).encode()
         models = self.fleet.models()
         model = self.resolve_model(body.get("model"), models)
         tok = await self.tokenizers.get(model)
         prep = None
+        whole = {w.kind for w in self.fleet.candidates(model)} == {vllm_worker.KIND}  # gateway/passthrough.py
         try:
             if tok is None:
-                check_request(body, kind)
+                if not whole:
+                    check_request(body, kind)
             else:
-                prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model])
+                prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole)
         except InvalidRequest as e:
             raise ApiError(400, str(e), code=e.code, param=e.param)
         return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rid), raw
@@ -243,9 +249,9 @@ class Gateway:
         session = h.get("x-session-id") or body.get("user")
         return RequestView(
             request_id=rid,
-            num_tokens=len(prep.parsed.prompt_ids) if prep else size // 4,
+            num_tokens=prep.num_tokens if prep else size // 4,
             block_hashes=tuple(prep.hashes) if prep else (),
-            max_tokens=prep.parsed.params.max_tokens if prep else 16,
+            max_tokens=prep.max_tokens if prep else 16,
             slo_ttft_ms=_slo(h, "x-slo-ttft-ms", self.slo_ttft_ms),
             slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
             session_id=str(session) if session is not None else None, model=model)

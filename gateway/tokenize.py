@@ -9,6 +9,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from gateway.passthrough import parse_whole
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 from workers.model_store import load_tokenizer, served_name
 from workers.protocol import ParsedRequest, parse_request, token_chars
@@ -20,8 +21,21 @@ INLINE_BYTES = 2048
 
 @dataclass
 class Prepared:
+    """A parsed request and its first prompt's block hashes. A request forwarded whole to vLLM
+    workers may hold several prompts and ask for several completions of each."""
     parsed: ParsedRequest
     hashes: list[int]
+    prompt_tokens: int = 0  # every prompt's tokens, when more than the parsed one's
+    completions: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens or len(self.parsed.prompt_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens the request may ask for, over all its completions."""
+        return self.parsed.params.max_tokens * self.completions
 
 
 class ModelTokenizer:
@@ -34,11 +48,15 @@ class ModelTokenizer:
         self.seed = seed_hash(name, block_size)
         token_chars(tokenizer)  # the prompt-length bound's vocabulary scan, done at load, not on a request
 
-    def prepare(self, body: object, kind: str, max_model_len: int) -> Prepared:
-        """Validate and tokenize like the worker, then hash the full blocks (raises InvalidRequest)."""
-        parsed = parse_request(body, kind, self.tokenizer, max_model_len)
+    def prepare(self, body: object, kind: str, max_model_len: int, whole: bool = False) -> Prepared:
+        """Validate and tokenize like the worker, then hash the full blocks (raises InvalidRequest).
+        `whole`: the request goes unchanged to vLLM workers, which take more (gateway/passthrough.py)."""
+        if whole:
+            parsed, tokens, completions = parse_whole(body, kind, self.tokenizer, max_model_len)
+        else:
+            parsed, tokens, completions = parse_request(body, kind, self.tokenizer, max_model_len), 0, 1
         seed = salted_seed(self.seed, parsed.cache_salt)
-        return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, seed))
+        return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, seed), tokens, completions)
 
 
 class Tokenizers:
@@ -72,8 +90,8 @@ class Tokenizers:
             return None
 
     async def prepare(self, tok: ModelTokenizer, body: dict, kind: str, size: int,
-                      max_model_len: int) -> Prepared:
+                      max_model_len: int, whole: bool = False) -> Prepared:
         """`tok.prepare`, in a thread when the body (of `size` bytes) is long."""
         if size <= INLINE_BYTES:
-            return tok.prepare(body, kind, max_model_len)
-        return await asyncio.to_thread(tok.prepare, body, kind, max_model_len)
+            return tok.prepare(body, kind, max_model_len, whole)
+        return await asyncio.to_thread(tok.prepare, body, kind, max_model_len, whole)

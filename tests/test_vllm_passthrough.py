@@ -1,0 +1,54 @@
+"""Requests forwarded whole to a vLLM fleet: what the gateway still checks and how it counts them."""
+import pytest
+
+from gateway.passthrough import internal_field, parse_whole
+from gateway.tokenize import ModelTokenizer
+from workers.model_store import load_tokenizer
+from workers.protocol import parse_request
+from workers.sampling_params import InvalidRequest
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("smollm2-135m")
+
+
+def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(tok):
+    body = {"prompt": ["one two three", "four five six seven"], "n": 3, "max_tokens": 5, "logprobs": 2,
+            "presence_penalty": 0.5}
+    first, tokens, completions = parse_whole(body, "completion", tok, 1024)
+    assert first.prompt_ids == tok.encode("one two three")
+    assert tokens == len(tok.encode("one two three")) + len(tok.encode("four five six seven"))
+    assert completions == 6
+    m = ModelTokenizer("smollm2-135m", tok, 16)
+    prep = m.prepare(body, "completion", 1024, whole=True)
+    assert (prep.num_tokens, prep.max_tokens) == (tokens, 5 * 6)
+    with pytest.raises(InvalidRequest):
+        m.prepare(body, "completion", 1024)  # kvgate's own workers take none of it
+
+
+def test_a_single_request_parses_as_kvgate_parses_it(tok):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_tokens": 3}
+    first, tokens, completions = parse_whole(body, "chat", tok, 1024)
+    assert first == parse_request(body, "chat", tok, 1024) and (tokens, completions) == (len(first.prompt_ids), 1)
+    ids = [[1, 2, 3], [4, 5]]
+    assert parse_whole({"prompt": ids}, "completion", tok, 1024)[1:] == (5, 2)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": 1.5}, "n"), ({"prompt": "x", "n": 10_000}, "n"),
+    ({"prompt": ["x", ""]}, "prompt"), ({"prompt": ["x"] * 2000}, "prompt"),
+    ({"prompt": ["x", "y " * 5000]}, "prompt"),  # every prompt meets the context limit
+    ({"prompt": "x", "temperature": -1}, "temperature"),  # fields kvgate knows are still checked
+])
+def test_what_the_gateway_still_refuses(tok, body, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse_whole(body, "completion", tok, 1024)
+    assert e.value.param == param
+
+
+def test_fields_that_steer_vllms_cache_are_internal():
+    assert internal_field({"kv_transfer_params": {}}) == "kv_transfer_params"
+    assert internal_field({"vllm_xargs": {"kv_cache_report_mode": "full"}}) == "vllm_xargs"
+    assert internal_field({"vllm_xargs": {"my_logits_processor": 1}, "n": 2}) is None
