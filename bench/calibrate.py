@@ -3,6 +3,7 @@
     kvgate calibrate --url http://127.0.0.1:8100 --out bench/profiles/cpu-smollm2-135m.json
     kvgate calibrate --model smollm2-135m --executor torch --out PROFILE.json   # starts a worker
     kvgate calibrate --url http://127.0.0.1:8100 --rescale PROFILE.json --out NOW.json
+    kvgate calibrate --url http://VLLM:8000 --out vllm.json   # no /steps: requests only (calibrate_requests)
 
 Three probes, one request shape each, so every engine step has a known composition:
   prefill: prompts of growing length, never seen before, max_tokens=1 (one prefill step each);
@@ -425,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--after", type=int, default=0, help="with --rescale: only the steps numbered above this")
     p.add_argument("--out", required=True, help="profile JSON (a -fit.png plot is written next to it)")
     args = p.parse_args(argv)
+    from bench import calibrate_requests
     if args.rescale:
         rescale_main(args, p)
         return
@@ -436,8 +438,12 @@ def main(argv: list[str] | None = None) -> None:
         proc, url = start_worker(args.model, args.executor, args.worker_arg)
         urls = [url]
     try:
-        profile = calibrate([u.rstrip("/") for u in urls], lengths, batches, args.decode_tokens, args.seed,
-                            args.rounds)
+        urls = [u.rstrip("/") for u in urls]
+        probe = calibrate
+        if not calibrate_requests.has_step_log(urls[0]):  # vLLM: no /steps, requests alone
+            print(f"  {urls[0]} has no step log (GET /steps): probing with requests only", file=sys.stderr)
+            probe = calibrate_requests.calibrate
+        profile = probe(urls, lengths, batches, args.decode_tokens, args.seed, args.rounds)
     finally:
         if proc is not None:
             stop_worker(proc)
