@@ -1,0 +1,126 @@
+"""A stand-in vLLM server for fast gateway tests: vLLM's HTTP surface (/health, /metrics,
+/v1/models, /kv_event_sources, /v1/completions echoing the body it got) and its ZMQ KV event
+publisher (PUB + replay ROUTER, vLLM's framing), steered by the test through /_control.
+
+    python -m tests.fake_vllm --port P --events-port E --replay-port R
+
+/_control takes {"health": 200|503, "replay": "ok"|"stuck", "restart": true, "publish": [events]}:
+events are vLLM BlockStored/BlockRemoved maps; `restart` is a new process (numbering from 0, an
+empty replay buffer, a new process_start_time_seconds).
+"""
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+from collections import deque
+
+import msgpack
+import uvicorn
+import zmq
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+MODEL = "smollm2-135m"
+END = b"\xff" * 8
+
+
+class Fake:
+    def __init__(self, events_port: int, replay_port: int):
+        self.events_port, self.replay_port = events_port, replay_port
+        self.health, self.replay_mode = 200, "ok"
+        self.started = time.time()
+        self.seq = 0
+        self.buffer: deque = deque(maxlen=10_000)
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.router = self.ctx.socket(zmq.ROUTER)
+
+    async def serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            if self.replay_mode == "stuck":
+                continue  # never answers: the gateway must not wait on it
+            for seq, payload in list(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", b"", END, b""])
+
+    async def publish(self, events: list) -> None:
+        payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
+        self.buffer.append((self.seq, payload))
+        await self.pub.send_multipart([b"kv", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+    def metrics(self) -> str:
+        return "\n".join([
+            f"process_start_time_seconds {self.started}",
+            f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 1.0',
+            f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 2.0',
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.25',
+            f'vllm:cache_config_info{{block_size="32",engine="0",num_gpu_blocks="400"}} 1.0', ""])
+
+
+def app(fake: Fake) -> Starlette:
+    async def health(request: Request) -> Response:
+        return Response(b"", fake.health)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(fake.metrics())
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "parent": None, "max_model_len": 2048}]})
+
+    async def sources(request: Request) -> Response:
+        return JSONResponse({"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                   "endpoint": f"tcp://*:{fake.events_port}",
+                                   "replay_endpoint": f"tcp://*:{fake.replay_port}", "topic": "kv"}})
+
+    async def completions(request: Request) -> Response:
+        raw = await request.body()
+        return JSONResponse({"object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
+                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                                       "prompt_tokens_details": {"cached_tokens": 0}},
+                             "received": raw.decode()})
+
+    async def control(request: Request) -> Response:
+        body = json.loads(await request.body())
+        fake.health = body.get("health", fake.health)
+        fake.replay_mode = body.get("replay", fake.replay_mode)
+        if body.get("restart"):
+            fake.seq, fake.started = 0, time.time()
+            fake.buffer.clear()
+        for events in body.get("publish", []):
+            await fake.publish(events)
+        return JSONResponse({"seq": fake.seq})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        fake.pub.bind(f"tcp://127.0.0.1:{fake.events_port}")
+        fake.router.bind(f"tcp://127.0.0.1:{fake.replay_port}")
+        task = asyncio.create_task(fake.serve_replay())
+        yield
+        task.cancel()
+
+    return Starlette(routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+                             Route("/kv_event_sources", sources),
+                             Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", completions, methods=["POST"]),
+                             Route("/_control", control, methods=["POST"])], lifespan=lifespan)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--events-port", type=int, required=True)
+    p.add_argument("--replay-port", type=int, required=True)
+    args = p.parse_args()
+    uvicorn.run(app(Fake(args.events_port, args.replay_port)), host="127.0.0.1", port=args.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

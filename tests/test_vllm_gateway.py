@@ -1,0 +1,125 @@
+"""A real gateway in front of a fake vLLM server (tests/fake_vllm.py): residency from its ZMQ
+events, load and restarts from its /metrics, health from /health, whole requests forwarded
+byte for byte, and no routing decision ever waiting on ZMQ or HTTP."""
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests import vllm_data as vd
+from tests.procs import Proc, free_port, start_gateway, wait_for
+from workers.model_store import load_tokenizer
+
+PROMPT = " ".join(f"word{i}" for i in range(60))
+PROFILE = Path(__file__).parent.parent / "bench" / "profiles" / "vllm-cpu-smollm2-135m.json"
+
+
+@pytest.fixture
+def fake(tmp_path):
+    port = free_port()
+    proc = Proc("fake-vllm", [sys.executable, "-m", "tests.fake_vllm", "--port", str(port), "--events-port",
+                              str(free_port()), "--replay-port", str(free_port())], port, str(tmp_path))
+    try:
+        yield proc.wait_ready("/health", 60)
+    finally:
+        proc.stop()
+
+
+def control(fake: Proc, **body) -> dict:
+    return httpx.post(fake.url + "/_control", json=body, timeout=10).json()
+
+
+def gateway(fake: Proc, tmp_path, policy: str = "prefix_affinity", extra: tuple = ()) -> Proc:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    gw = start_gateway([f"vllm:{fake.url}"], policy, extra=list(extra), log_dir=str(tmp_path))
+    gw.wait_ready(timeout=60)
+    wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 1, 30, what="the fake vLLM up")
+    return gw
+
+
+def blocks(n: int) -> list[dict]:
+    """BlockStored events for PROMPT's first n engine blocks (32 tokens each), one per batch."""
+    ids = load_tokenizer(vd.MODEL).encode(PROMPT)
+    assert len(ids) > 32 * n
+    return [[vd.stored([100 + i], ids[32 * i:32 * (i + 1)], parent=100 + i - 1 if i else None)] for i in range(n)]
+
+
+def predicted(gw: Proc, body: dict | None = None) -> int:
+    r = httpx.post(gw.url + "/v1/completions", json=body or {"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+    return int(r.headers["x-kvgate-predicted-cached-tokens"])
+
+
+def metric(gw: Proc, name: str) -> float:
+    lines = [x for x in httpx.get(gw.url + "/metrics").text.splitlines() if x.startswith(name + "{")]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+
+def test_residency_follows_the_events_and_a_restart_drops_it_until_resynced(fake, tmp_path):
+    gw = gateway(fake, tmp_path)
+    try:
+        control(fake, publish=blocks(2))
+        wait_for(lambda: predicted(gw) == 64, 30, what="the stored blocks in the index")
+        assert metric(gw, "kvgate_gateway_resident_blocks") == 4  # 2 vLLM blocks = 4 of the gateway's
+        control(fake, restart=True)  # process_start_time_seconds changes, numbering starts again
+        wait_for(lambda: predicted(gw) == 0, 30, what="the restarted server's residency dropped")
+        control(fake, publish=blocks(1))
+        wait_for(lambda: predicted(gw) == 32, 30, what="the new process's events followed")
+        assert metric(gw, "kvgate_gateway_vllm_event_resyncs_total") >= 2
+    finally:
+        gw.stop()
+
+
+def test_an_unhealthy_server_is_out_with_its_residency_and_comes_back_resynced(fake, tmp_path):
+    gw = gateway(fake, tmp_path)
+    try:
+        control(fake, publish=blocks(2))
+        wait_for(lambda: predicted(gw) == 64, 30, what="the stored blocks in the index")
+        control(fake, health=503)
+        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 0, 30, what="the server out")
+        assert metric(gw, "kvgate_gateway_resident_blocks") == 0
+        control(fake, health=200)
+        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 1, 30, what="the server back")
+        wait_for(lambda: predicted(gw) == 64, 30, what="its residency replayed")
+    finally:
+        gw.stop()
+
+
+def test_no_decision_waits_on_a_replay_that_never_answers(fake, tmp_path):
+    control(fake, replay="stuck", publish=blocks(2))
+    gw = gateway(fake, tmp_path)
+    try:
+        for _ in range(5):  # routed cache-blind at once while the subscriber waits for its replay
+            assert predicted(gw) == 0
+        assert metric(gw, "kvgate_gateway_vllm_event_batches_total") == 0
+        control(fake, replay="ok")
+        wait_for(lambda: predicted(gw) == 64, 60, what="the replay once it answers")
+    finally:
+        gw.stop()
+
+
+def test_whole_requests_reach_vllm_byte_for_byte(fake, tmp_path):
+    gw = gateway(fake, tmp_path)
+    try:
+        raw = json.dumps({"prompt": ["a b c", "d e"], "n": 2, "logprobs": 3, "max_tokens": 4,
+                          "presence_penalty": 0.1, "vllm_xargs": {"custom": 1}}).encode()
+        r = httpx.post(gw.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["received"].encode() == raw
+    finally:
+        gw.stop()
+
+
+def test_slo_goodput_says_when_a_vllm_worker_has_no_cost_model(fake, tmp_path):
+    gw = gateway(fake, tmp_path / "none", "slo_goodput")
+    try:
+        assert predicted(gw) == 0
+        wait_for(lambda: "has no cost model" in gw.log_tail(20_000), 10, what="the warning")
+    finally:
+        gw.stop()
+    gw = gateway(fake, tmp_path / "calibrated", "slo_goodput", ("--vllm-profile", str(PROFILE)))
+    try:
+        assert predicted(gw) == 0 and "has no cost model" not in gw.log_tail(20_000)
+    finally:
+        gw.stop()
