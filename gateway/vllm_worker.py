@@ -137,14 +137,22 @@ class FleetLink(VllmLink):
     def up(self, state: dict) -> None:
         self.fleet._up(self.w, state)
         self.w.hash_ratio = max(1, state["block_size"] // self.block_size)
-        if self.kind.needs_cost and self.profile is None and not self.warned:
+        if not self.warned:
+            self.warn(state["block_size"])
+        self.warned = True
+        if not self.w.static and not self.w.redis_residency:
+            self.fleet.index.drop(self.wid)  # found through Redis, which is down: cache-blind until it is back
+
+    def warn(self, block_size: int) -> None:
+        """Say once what keeps this worker's routing from being as good as a kvgate worker's."""
+        if block_size % self.block_size:
+            log.warning("vLLM worker %s caches blocks of %d tokens, which the gateway's --block-size %d does "
+                        "not divide: its residency cannot be indexed, it is routed cache-blind",
+                        self.wid, block_size, self.block_size)
+        if self.kind.needs_cost and self.profile is None:
             log.warning("vLLM worker %s has no cost model: slo_goodput predicts its TTFT and TPOT with the "
                         "default model; measure one with `kvgate calibrate --url %s --out P.json` and pass "
                         "--vllm-profile P.json", self.wid, self.url)
-        self.warned = True
-
-        if not self.w.static and not self.w.redis_residency:
-            self.fleet.index.drop(self.wid)  # found through Redis, which is down: cache-blind until it is back
 
     def down(self, why: str) -> None:
         self.fleet._down(self.w, why)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests import vllm_data as vd
-from tests.procs import Proc, free_port, start_gateway, wait_for
+from tests.procs import KVGATE, TEST_TOKEN, Proc, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.model_store import load_tokenizer
 
 PROMPT = " ".join(f"word{i}" for i in range(60))
@@ -123,3 +123,37 @@ def test_slo_goodput_says_when_a_vllm_worker_has_no_cost_model(fake, tmp_path):
         assert predicted(gw) == 0 and "has no cost model" not in gw.log_tail(20_000)
     finally:
         gw.stop()
+
+
+def test_a_gateway_block_size_that_does_not_divide_vllms_routes_cache_blind_and_says_so(fake, tmp_path):
+    gw = gateway(fake, tmp_path, extra=("--block-size", "64"))
+    try:
+        control(fake, publish=blocks(2))
+        wait_for(lambda: metric(gw, "kvgate_gateway_vllm_event_batches_total") == 2, 30, what="the batches")
+        assert predicted(gw) == 0 and metric(gw, "kvgate_gateway_resident_blocks") == 0
+        assert "which the gateway's --block-size 64 does not divide" in gw.log_tail(20_000)
+    finally:
+        gw.stop()
+
+
+def test_through_a_bridge_a_restart_empties_the_residency_in_redis_until_resynced(fake, tmp_path):
+    redis = start_redis(log_dir=str(tmp_path))
+    procs = [redis]
+    try:
+        wait_redis(redis)
+        url = f"redis://127.0.0.1:{redis.port}"
+        procs.append(Proc("bridge", KVGATE + ["bridge", "--vllm", fake.url, "--redis", url], free_port(),
+                          str(tmp_path), {"KVGATE_INTERNAL_TOKEN": TEST_TOKEN}))
+        gw = start_gateway([], "prefix_affinity", redis=url, log_dir=str(tmp_path))
+        procs.append(gw)
+        gw.wait_ready(timeout=60)
+        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 1, 30, what="the server via redis")
+        control(fake, publish=blocks(2))
+        wait_for(lambda: predicted(gw) == 64, 30, what="the residency through redis")
+        control(fake, restart=True)
+        wait_for(lambda: predicted(gw) == 0, 30, what="the restarted server's set emptied")
+        control(fake, publish=blocks(1))
+        wait_for(lambda: predicted(gw) == 32, 30, what="the new process's events through redis")
+        assert metric(gw, "kvgate_gateway_vllm_event_batches_total") == 0  # none over ZMQ
+    finally:
+        stop_all(procs)
