@@ -26,6 +26,14 @@ def vllm_python() -> str | None:
     return path if Path(path).exists() else None
 
 
+def need_vllm_python() -> str:
+    """The vLLM interpreter, or a SystemExit saying how to get one (for benchmarks)."""
+    python = vllm_python()
+    if python is None:
+        raise SystemExit("no vLLM interpreter: run `make vllm-setup` or set KVGATE_VLLM_PYTHON")
+    return python
+
+
 def need_vllm() -> str:
     """The vLLM interpreter; without one the test is skipped, except under CI, where `make test`
     builds it: there a missing vLLM is a failure, not a silent skip."""
@@ -52,8 +60,10 @@ def serve_argv(python: str, port: int, events_port: int, replay_port: int, num_b
     return argv + list(extra)
 
 
-def serve_env(core: int) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
+def serve_env(core: int, dev_mode: bool = False) -> dict[str, str]:
+    """vLLM's environment on CPU; `dev_mode` opens /reset_prefix_cache (benchmarks empty caches)."""
+    dev = {"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {}
+    return {**dev, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(cache_dir() / "vllm"),
             "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1)), "VLLM_LOGGING_LEVEL": "WARNING",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -62,11 +72,12 @@ class VllmServer(Proc):
     """One vLLM server; `restart()` starts the same command on the same ports (after a kill)."""
 
     def __init__(self, name: str, python: str, core: int = 0, num_blocks: int | None = None,
-                 max_model_len: int = 2048, log_dir: str | None = None, extra: list[str] = ()):
+                 max_model_len: int = 2048, log_dir: str | None = None, extra: list[str] = (),
+                 dev_mode: bool = False):
         self.events_port, self.replay_port = free_port(), free_port()
         port = free_port()
         self.argv = serve_argv(python, port, self.events_port, self.replay_port, num_blocks, max_model_len, extra)
-        self.env, self.log_dir = serve_env(core), log_dir
+        self.env, self.log_dir = serve_env(core, dev_mode), log_dir
         super().__init__(name, self.argv, port, log_dir, self.env)
 
     def ready(self, timeout: float = STARTUP_S) -> "VllmServer":
