@@ -99,7 +99,9 @@ class Subscriber:
         if self.replay_address is not None:
             first = await self.replay(0)
             self.stats.history_from = first
-            if first:
+            if first is None:
+                self.expected = 0  # nothing published yet: the first batch to come is seq 0
+            elif first:
                 log.warning("kv events of %s: the publisher holds batches from seq %d on; blocks cached "
                             "before them are unknown until stored again", self.name, first)
         self.synced.set()

@@ -125,6 +125,16 @@ def test_a_gap_is_filled_from_the_replay_buffer():
     asyncio.run(scenario(body))
 
 
+def test_a_first_batch_lost_to_a_joining_subscriber_is_replayed():
+    async def body(fake, sub, index, start):
+        await start()  # nothing published yet: the replay is empty
+        await fake.publish([block(0)[0]], send=False)  # seq 0 lost (ZMQ drops to a joining SUB)
+        await fake.publish([block(1)[0]])
+        await until(lambda: resident(index) == 2 * 2)
+        assert index.match(vd.ours(block(0)[1])) == {WID: 2}
+    asyncio.run(scenario(body))
+
+
 def test_a_gap_the_publisher_no_longer_holds_resyncs_from_what_it_has():
     async def body(fake, sub, index, start):
         await start()
