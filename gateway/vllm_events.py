@@ -114,11 +114,8 @@ def decode_payload(seq: int, payload: bytes) -> EngineBatch:
 def decode_event(e: object) -> Event:
     if isinstance(e, list) and e and isinstance(e[0], str):
         fields = STORED_FIELDS if e[0] == STORED_TAG else REMOVED_FIELDS
-        if len(e) - 1 > len(fields):
-            unknown = [f"field {i}" for i in range(len(fields) + 1, len(e)) if e[i] is not None]
-            e = {"type": e[0], **dict(zip(fields, e[1:])), **{k: True for k in unknown}}
-        else:
-            e = {"type": e[0], **dict(zip(fields, e[1:]))}
+        e = {"type": e[0], **dict(zip(fields, e[1:])),  # fields past the known ones: unknown meaning
+             **{f"field {i}": True for i in range(len(fields) + 1, len(e)) if e[i] is not None}}
     if not isinstance(e, dict):
         raise BadBatch("an event is a map with a 'type' or an array starting with its tag")
     tag = e.get("type")

@@ -156,3 +156,16 @@ def test_any_payload_decodes_or_is_a_bad_batch_and_translates_without_error(body
     except BadBatch:
         return
     Translator(vd.MODEL, 16).apply(batch.events)
+
+
+def test_array_events_with_fields_past_the_known_ones_are_left_out():
+    """A newer array-shaped BlockStored may carry fields (a cache salt, say) that change the
+    block's hash: without knowing them the block cannot be named, so it is skipped."""
+    tokens = list(range(32))
+    known = ["BlockStored", [1], None, tokens, 32, None, "GPU", None, None]
+    newer = known + ["salt?"]
+    t = Translator(vd.MODEL, 16)
+    t.apply([decode_payload(0, vd.payload([newer])).events[0]])
+    assert t.resident == set() and t.stats.reasons == {"unknown fields field 9": 1}
+    t.apply(decode_payload(1, vd.payload([known + [None]])).events)
+    assert t.resident == set(vd.ours(tokens))
