@@ -22,6 +22,7 @@ and a -latency.png.
 """
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -83,6 +84,8 @@ def sweep(label: str, target: list[str], servers: list[VllmServer], args: argpar
         reset(servers, gateway)
         records = asyncio.run(run_rate(target, from_args(args, rate), MODEL, slo, timeout=args.timeout))
         run = rep.summarize(records, *slo)
+        for r in records:
+            r.pop("itl_ms", None)  # every token's gap: megabytes, summarized above
         run.update(rate_rps=rate, records=records)
         if gateway is not None:
             run["gateway_metrics"] = gateway_metrics(gateway)
@@ -117,6 +120,29 @@ def event_path(runs: dict[str, list[dict]]) -> dict:
     return {**translate_throughput(), "live_lag_s_at_sweep_end": lags}
 
 
+def latency_only(args: argparse.Namespace, argv: list[str]) -> None:
+    """Measure the added latency and the event path again into the report at --out (say on a
+    quieter machine: both are sensitive to other jobs taking the cores)."""
+    with open(args.out) as f:
+        report = json.load(f)
+    servers = start_servers(args)
+    procs = list(servers)
+    try:
+        gw = start_gateway([f"vllm:{s.url}" for s in servers], "round_robin", name="gateway-latency",
+                           log_dir=args.log_dir)
+        procs.append(gw)
+        gw.wait_ready(timeout=120)
+        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, 60, what="2 vLLM workers")
+        report["added_latency"] = added_latency(servers[0].url, gw.url, args.latency_requests)
+    finally:
+        stop_all(procs)
+    lag = report.get("event_path", {}).get("live_lag_s_at_sweep_end", {})
+    report["event_path"] = {**event_path({}), "live_lag_s_at_sweep_end": lag}
+    report["latency_command"] = "python -m bench.vllm_fleet " + " ".join(argv)
+    plot_latency(report["added_latency"], args.out[:-5] + "-latency.png")
+    rep.write_json(args.out, report)
+
+
 def plot_latency(lat: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -138,11 +164,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.vllm_fleet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="prefix_affinity,round_robin")
-    p.add_argument("--sweep", required=True, help="R1,R2,...: request rates")
+    p.add_argument("--sweep", default="", help="R1,R2,...: request rates")
     p.add_argument("--no-direct", action="store_true", help="skip the series without a gateway")
     p.add_argument("--num-blocks", type=int, default=160, help="KV blocks (of 32 tokens) per vLLM server")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--latency-requests", type=int, default=200)
+    p.add_argument("--latency-only", action="store_true",
+                   help="only the added latency and the event path, measured again into the report at --out")
     add_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=300.0)
@@ -156,6 +184,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    if args.latency_only:
+        latency_only(args, argv)
+        return
+    if not args.sweep:
+        raise SystemExit("bench.vllm_fleet: give --sweep R1,R2,... (or --latency-only)")
     rates = [float(r) for r in args.sweep.split(",")]
     t0 = time.perf_counter()
     servers = start_servers(args)
