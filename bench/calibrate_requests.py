@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 
 from bench.calibrate import DECODE_SUFFIX, VOCAB, Probe, decode_table, decode_terms, nnls
+from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 
 GAP_SKIP = 2  # a stream's first gaps may hold the other streams' prefills
@@ -87,10 +88,12 @@ def fit(samples: list[dict]) -> dict:
 
 
 def has_step_log(url: str) -> bool:
-    try:
-        return httpx.get(url + "/steps", params={"after": 2 ** 62}, timeout=10).status_code == 200
-    except httpx.HTTPError:
-        return False
+    """Whether the server logs its steps (a kvgate worker's GET /steps; vLLM answers 404)."""
+    status = httpx.get(url + "/steps", params={"after": 2 ** 62}, timeout=10, headers=internal_headers()).status_code
+    if status in (401, 403):
+        raise SystemExit(f"kvgate calibrate: {url} refuses /steps: give the fleet's internal token "
+                         "($KVGATE_INTERNAL_TOKEN)")
+    return status == 200
 
 
 def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_tokens: int = 24,

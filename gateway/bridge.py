@@ -21,8 +21,6 @@ import os
 import signal
 from dataclasses import dataclass
 
-import aiohttp
-
 from gateway.vllm_link import VllmLink
 from gateway.vllm_metrics import worker_id
 from gateway.vllm_worker import parse_spec
@@ -80,13 +78,7 @@ class BridgeLink(VllmLink):
         super().__init__(url, block_size, interval, timeout, events)
         self.engine = engine
         self.healthy = False
-        self.http: aiohttp.ClientSession | None = None
         self.ready = asyncio.Event()
-
-    def session(self) -> aiohttp.ClientSession:
-        if self.http is None:
-            self.http = aiohttp.ClientSession()
-        return self.http
 
     def up(self, state: dict) -> None:
         self.engine.load = state
@@ -150,8 +142,6 @@ async def serve(args: argparse.Namespace) -> None:
         await asyncio.gather(task, return_exceptions=True)
         if publisher is not None:
             await publisher.stop()
-        if link.http is not None:
-            await link.http.close()
 
 
 async def _first(*aws) -> None:

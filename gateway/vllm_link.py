@@ -38,12 +38,10 @@ class VllmLink:
         self.translator = None
         self.subscriber = None
         self.task: asyncio.Task | None = None
+        self.http: aiohttp.ClientSession | None = None
         self.stats = None  # (SubscriberStats, TranslateStats) over every subscriber this link ran
 
     # what subclasses decide
-
-    def session(self) -> aiohttp.ClientSession:
-        raise NotImplementedError
 
     def up(self, state: dict) -> None:
         """The server answered: its state (kvgate's /state fields)."""
@@ -65,6 +63,9 @@ class VllmLink:
     # the loop
 
     async def run(self) -> None:
+        """Poll and follow until cancelled. The HTTP session is the link's own: the fleet's sends
+        kvgate's internal token, which a vLLM server has no use for."""
+        self.http = aiohttp.ClientSession()
         try:
             while True:
                 t0 = time.monotonic()
@@ -73,6 +74,7 @@ class VllmLink:
                 await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - t0)))
         finally:
             self.stop_subscriber()
+            await self.http.close()
 
     async def poll(self) -> None:
         try:
@@ -160,12 +162,12 @@ class VllmLink:
 
     async def text(self, path: str) -> str:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with self.session().get(self.url + path, timeout=timeout) as r:
+        async with self.http.get(self.url + path, timeout=timeout) as r:
             r.raise_for_status()
             return await r.text()
 
     async def json(self, path: str) -> object:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with self.session().get(self.url + path, timeout=timeout) as r:
+        async with self.http.get(self.url + path, timeout=timeout) as r:
             r.raise_for_status()
             return await r.json(content_type=None)

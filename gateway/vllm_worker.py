@@ -14,7 +14,6 @@ import logging
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.index import RESYNC, ResidencyIndex
@@ -130,9 +129,6 @@ class FleetLink(VllmLink):
         super().__init__(w.url, kind.block_size, fleet.interval, fleet.timeout, spec.source(), kind.profile)
         self.kind, self.fleet, self.w = kind, fleet, w
         self.warned = False
-
-    def session(self) -> aiohttp.ClientSession:
-        return self.fleet.session
 
     def up(self, state: dict) -> None:
         self.fleet._up(self.w, state)

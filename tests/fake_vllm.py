@@ -4,7 +4,8 @@ publisher (PUB + replay ROUTER, vLLM's framing), steered by the test through /_c
 
     python -m tests.fake_vllm --port P --events-port E --replay-port R
 
-/_control takes {"health": 200|503, "replay": "ok"|"stuck", "restart": true, "publish": [events]}:
+/_control takes {"health": 200|503, "replay": "ok"|"stuck", "restart": true, "publish": [events]}
+and answers whether a control-plane request ever carried kvgate's internal token (`saw_token`);
 events are vLLM BlockStored/BlockRemoved maps; `restart` is a new process (numbering from 0, an
 empty replay buffer, a new process_start_time_seconds).
 """
@@ -32,6 +33,7 @@ class Fake:
     def __init__(self, events_port: int, replay_port: int):
         self.events_port, self.replay_port = events_port, replay_port
         self.health, self.replay_mode = 200, "ok"
+        self.saw_token = False  # whether any request carried kvgate's internal token
         self.started = time.time()
         self.seq = 0
         self.buffer: deque = deque(maxlen=10_000)
@@ -66,15 +68,19 @@ class Fake:
 
 def app(fake: Fake) -> Starlette:
     async def health(request: Request) -> Response:
+        fake.saw_token |= "x-kvgate-token" in request.headers
         return Response(b"", fake.health)
 
     async def metrics(request: Request) -> Response:
+        fake.saw_token |= "x-kvgate-token" in request.headers
         return PlainTextResponse(fake.metrics())
 
     async def models(request: Request) -> Response:
+        fake.saw_token |= "x-kvgate-token" in request.headers
         return JSONResponse({"object": "list", "data": [{"id": MODEL, "parent": None, "max_model_len": 2048}]})
 
     async def sources(request: Request) -> Response:
+        fake.saw_token |= "x-kvgate-token" in request.headers
         return JSONResponse({"0": {"enable_kv_cache_events": True, "publisher": "zmq",
                                    "endpoint": f"tcp://*:{fake.events_port}",
                                    "replay_endpoint": f"tcp://*:{fake.replay_port}", "topic": "kv"}})
@@ -95,7 +101,7 @@ def app(fake: Fake) -> Starlette:
             fake.buffer.clear()
         for events in body.get("publish", []):
             await fake.publish(events)
-        return JSONResponse({"seq": fake.seq})
+        return JSONResponse({"seq": fake.seq, "saw_token": fake.saw_token})
 
     @contextlib.asynccontextmanager
     async def lifespan(_):

@@ -58,7 +58,7 @@ def metric(gw: Proc, name: str) -> float:
 
 
 def test_residency_follows_the_events_and_a_restart_drops_it_until_resynced(fake, tmp_path):
-    gw = gateway(fake, tmp_path)
+    gw = gateway(fake, tmp_path, extra=("--internal-token", "fleet-secret"))
     try:
         control(fake, publish=blocks(2))
         wait_for(lambda: predicted(gw) == 64, 30, what="the stored blocks in the index")
@@ -68,6 +68,7 @@ def test_residency_follows_the_events_and_a_restart_drops_it_until_resynced(fake
         control(fake, publish=blocks(1))
         wait_for(lambda: predicted(gw) == 32, 30, what="the new process's events followed")
         assert metric(gw, "kvgate_gateway_vllm_event_resyncs_total") >= 2
+        assert control(fake)["saw_token"] is False  # the fleet's secret is for kvgate's workers only
     finally:
         gw.stop()
 
