@@ -195,11 +195,8 @@ class Gateway:
             raise ApiError(400, str(e), code=e.code, param=e.param)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        if "kv_transfer" in body:
-            raise ApiError(400, "'kv_transfer' is internal to the fleet: clients may not set it",
-                           param="kv_transfer", code="internal_field")
         if (field := internal_field(body)) is not None:
-            raise ApiError(400, f"'{field}' steers the workers' KV cache: clients may not set it", param=field,
+            raise ApiError(400, f"'{field}' is internal to the fleet: clients may not set it", param=field,
                            code="internal_field")
         if self.access.apply_cache_salt(api_key(request.scope), body):
             raw = json.dumps(body).encode()
@@ -209,11 +206,10 @@ class Gateway:
         prep = None
         whole = {w.kind for w in self.fleet.candidates(model)} == {vllm_worker.KIND}  # gateway/passthrough.py
         try:
-            if tok is None:
-                if not whole:
-                    check_request(body, kind)
-            else:
+            if tok is not None:
                 prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole)
+            elif not whole:
+                check_request(body, kind)
         except InvalidRequest as e:
             raise ApiError(400, str(e), code=e.code, param=e.param)
         return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rid), raw

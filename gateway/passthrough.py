@@ -7,10 +7,10 @@ parses, checks and tokenizes every prompt exactly as for its own workers (so the
 and every field it knows are checked here), routes by the first prompt's blocks, and counts
 all prompts and completions against the client's token budget.
 
-Fields that steer vLLM's internals are refused from clients whatever the fleet:
-`kv_transfer_params` (vLLM's disaggregation: which host a worker pulls KV from or pushes it
-to) and `vllm_xargs.kv_cache_report_mode` (re-announces cached blocks as stored, which would
-inflate the gateway's reference counts).
+Fields that steer the workers' internals are refused from clients whatever the fleet:
+kvgate's `kv_transfer` (P/D legs), vLLM's `kv_transfer_params` (its disaggregation: which host
+a worker pulls KV from or pushes it to) and `vllm_xargs.kv_cache_report_mode` (re-announces
+cached blocks as stored, which would inflate the gateway's reference counts).
 """
 from workers.protocol import NOOP_VALUES, ParsedRequest, parse_request
 from workers.sampling_params import InvalidRequest
@@ -20,9 +20,10 @@ MAX_PROMPTS = 1024
 
 
 def internal_field(body: dict) -> str | None:
-    """The vLLM-internal field a client's body sets, if any."""
-    if "kv_transfer_params" in body:
-        return "kv_transfer_params"
+    """The internal field a client's body sets, if any."""
+    for name in ("kv_transfer", "kv_transfer_params"):
+        if name in body:
+            return name
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
         return "vllm_xargs"
