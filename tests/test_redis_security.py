@@ -80,7 +80,7 @@ def registered(url: str, info: dict):
 
 def requests_served(worker: Worker) -> float:
     text = httpx.get(worker.url + "/metrics").text
-    m = re.search(r"^kvgate_worker_e2e_seconds_count\S* (\S+)$", text, re.M)
+    m = re.search(r"^kvgate_worker_e2e_request_latency_seconds_count\S* (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 

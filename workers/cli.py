@@ -11,8 +11,11 @@ import uvicorn
 from workers.drain import DrainingServer
 from workers.engine import Engine, EngineConfig
 from workers.kv.cost_model import CostModel
+from workers.logs import add_log_args, setup_logging
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.server import WorkerServer
+from workers.telemetry import add_trace_args, provider_from_args
+from workers.tracing import WorkerTracing
 
 log = logging.getLogger("kvgate.worker")
 
@@ -57,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
                         "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
                         "needs --internal-token")
     p.add_argument("--advertise-url", help="URL the gateway should use (default: http://HOST:PORT)")
-    p.add_argument("--log-level", default="warning")
+    add_trace_args(p)
+    add_log_args(p)
     return p
 
 
@@ -117,16 +121,20 @@ def build_server(args) -> WorkerServer:
         worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}", role=args.role,
         enable_prefix_caching=not args.no_prefix_caching,
         cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None))
+    try:
+        tracing = WorkerTracing(provider_from_args(args, "kvgate-worker"), config.worker_id, name)
+    except ValueError as e:
+        raise SystemExit(f"kvgate worker: {e}")
     engine = Engine(executor, tokenizer, config)
     engine.start()
     return WorkerServer(engine, name, getattr(executor, "vocab_size", len(tokenizer)), args.internal_token,
-                        args.kv_transport, args.max_queued_requests, args.stall_timeout_s)
+                        args.kv_transport, args.max_queued_requests, args.stall_timeout_s, tracing)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     check_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_level, args.log_format)
     serve(args, build_server(args))
 
 

@@ -25,7 +25,7 @@ from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
 from workers.kv.kv_manager import KVCacheManager
-from workers.outputs import RequestOutput, call_sinks, unstarted_failure
+from workers.outputs import RequestOutput, RequestTimes, call_sinks, unstarted_failure
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, StepPlan
@@ -99,7 +99,8 @@ class Engine:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[RequestOutput], None], detokenize: bool = True,
-               kv_wait_s: float = 0.0, export: Callable | None = None, cache_salt: str | None = None) -> None:
+               kv_wait_s: float = 0.0, export: Callable | None = None, cache_salt: str | None = None,
+               trace: bool = False) -> None:
         """Queue a request; `sink` is called from the engine thread with each output delta.
 
         `kv_wait_s` holds the request back until its prompt's blocks arrive by KV import (P/D
@@ -107,14 +108,14 @@ class Engine:
         `export(hashes, tokens, block_ids)` is called on the engine thread when it finishes, while
         its full prompt blocks are still held, so the exporter can read them (P/D prefill leg).
         `cache_salt` seeds the request's block hashes: it shares cached blocks only with requests
-        of the same salt. Raises EngineStopped once the engine thread has ended: nothing would
-        ever answer.
+        of the same salt. `trace` keeps the times of its prefill chunks (for its spans). Raises
+        EngineStopped once the engine thread has ended: nothing would ever answer.
         """
         with self._submit_lock:
             if self._dead:
                 raise EngineStopped("the engine has stopped")
             self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export,
-                             cache_salt))
+                             cache_salt, trace))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -146,7 +147,8 @@ class Engine:
                     req = entry[0]
                     self._drop(req)
                     self._outbox.append((entry[2], RequestOutput(
-                        req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "abort")))
+                        req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "abort",
+                        times=RequestTimes.of(req))))
             else:
                 _, fn, fut = cmd
                 t0 = time.perf_counter()
@@ -157,9 +159,9 @@ class Engine:
                 self.stats.calls_s += time.perf_counter() - t0
 
     def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Callable,
-             detok: bool, kv_wait_s: float, export: Callable | None, salt: str | None) -> None:
+             detok: bool, kv_wait_s: float, export: Callable | None, salt: str | None, trace: bool) -> None:
         try:
-            req = Request(rid, prompt_ids, params, export=export, cache_salt=salt)
+            req = Request(rid, prompt_ids, params, export=export, cache_salt=salt, chunks=[] if trace else None)
             d = Detokenizer(self.tokenizer, prompt_ids, params.stop) if detok else None
         except Exception:
             log.exception("request %s could not be set up", rid)
@@ -213,6 +215,8 @@ class Engine:
                 self._outbox.append((entry[2], out))
             if out.finish_reason is not None:
                 self._requests.pop(out.request_id, None)
+                if entry:
+                    out.times = RequestTimes.of(entry[0])
         if self._outbox:
             batch, self._outbox = self._outbox, []
             self.deliver(batch)
@@ -240,10 +244,13 @@ class Engine:
         except Exception:
             log.exception("a step of %d requests failed on the device; failing them", len(step.plan.scheduled))
             return [self._fail(req, ENGINE_ERROR) for req, _ in step.plan.scheduled if req.status != FINISHED]
-        outputs = []
-        for (req, _), tok in zip(step.plan.scheduled, sampled):
+        outputs, now = [], time.monotonic()
+        launched = now - (time.perf_counter() - step.launched)
+        for (req, n), tok in zip(step.plan.scheduled, sampled):
             if req.status == FINISHED:
                 continue
+            if req.chunks is not None and req.first_token_at is None:
+                req.chunks.append((launched, now, n))
             if tok is not None:
                 resolve(req, tok)
             self.kv.commit(req)
@@ -298,6 +305,7 @@ class Engine:
             except Exception:
                 log.exception("request %s could not be released", rid)
                 out = RequestOutput(rid, [], "", req.num_prompt, 0, req.num_output, "error", why)
+            out.times = RequestTimes.of(req)
             self._outbox.append((sink, out))
         self._requests.clear()
         self._pending.clear()

@@ -1,6 +1,23 @@
 """What the engine hands back per request and step: output deltas, and how they are delivered."""
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+@dataclass
+class RequestTimes:
+    """When (time.monotonic()) the engine took a request in, first scheduled it, resolved its
+    first token and ended it; `chunks` are its prefill chunks (launched, resolved, tokens) when
+    it was traced. Read by the worker's latency metrics and spans."""
+    queued: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float
+    chunks: list | None = None
+
+    @classmethod
+    def of(cls, req) -> "RequestTimes":
+        return cls(req.arrival, req.scheduled_at, req.first_token_at, time.monotonic(), req.chunks)
 
 
 @dataclass
@@ -15,6 +32,7 @@ class RequestOutput:
     num_output: int
     finish_reason: str | None = None
     error: str | None = None
+    times: RequestTimes | None = None  # on the last output of a request the engine took in
 
 
 def unstarted_failure(rid: str, prompt_ids: list[int], why: str) -> RequestOutput:

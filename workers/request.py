@@ -26,7 +26,9 @@ class Request:
     status: str = WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    scheduled_at: float | None = None  # first admitted to the running batch
     first_token_at: float | None = None
+    chunks: list | None = None  # (launched, resolved, tokens) of its prefill chunks, kept when traced
     kv_deadline: float | None = None
     export: Callable | None = None
     cache_salt: str | None = None  # folded into the block-hash seed: salts never share blocks

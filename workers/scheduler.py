@@ -5,6 +5,7 @@ in FCFS order, each taking at most what is left of `max_batched_tokens`. When th
 out of blocks a running request is preempted by recompute, newest first, so KV exhaustion
 never crashes and never deadlocks.
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -126,6 +127,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RUNNING
+            if req.scheduled_at is None:
+                req.scheduled_at = time.monotonic()
             self.running.append(req)
             plan.scheduled.append((req, n))
             budget -= n

@@ -22,16 +22,18 @@ from starlette.routing import Route
 from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
 from workers.http_guard import CloseOn5xx
 from workers.outputs import RequestOutput, call_sinks
-from workers.metrics import WorkerMetrics
+from workers.metrics import RequestClock, WorkerMetrics
 from workers.protocol import (ParsedRequest, chunk, error_body, full_response, new_id,
                               parse_request, usage)
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
+from workers.tracing import WorkerTracing
 from workers.transfer_http import TransferService
 
 log = logging.getLogger("kvgate.worker")
 RETRY_AFTER_S = 1
 SHOWN_ID = re.compile(r"[!-~]{1,128}")  # a client's x-request-id we echo: printable ASCII, no spaces
+TTFT_HEADER = "x-kvgate-ttft-ms"  # on a non-streaming answer: arrival to first token, for the gateway's TTFT
 FAILURES = {  # RequestOutput.error -> (HTTP status, message)
     ENGINE_ERROR: (500, "the engine failed while running this request"),
     ENGINE_STOPPED: (503, "the engine has stopped"),
@@ -51,12 +53,14 @@ def failure(out: RequestOutput) -> tuple[int, dict]:
 
 @dataclass
 class Job:
-    """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries."""
+    """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries;
+    `clock` times it for the metrics, `span` traces it (None while tracing is off)."""
     key: str
     shown: str
     parsed: ParsedRequest
     outputs: asyncio.Queue
-    started: float
+    clock: RequestClock
+    span: object = None
 
 
 class WorkerServer:
@@ -64,7 +68,8 @@ class WorkerServer:
 
     def __init__(self, engine: Engine, served_model: str, vocab_size: int,
                  internal_token: str | None = None, kv_transport: str = "http",
-                 max_queued_requests: int = 1024, stall_timeout_s: float = 5.0):
+                 max_queued_requests: int = 1024, stall_timeout_s: float = 5.0,
+                 tracing: WorkerTracing | None = None):
         self.engine = engine
         self.max_in_flight = engine.config.max_num_seqs + max_queued_requests
         self.stall_timeout_s = stall_timeout_s
@@ -73,7 +78,9 @@ class WorkerServer:
         self.transfer = TransferService(engine, served_model, internal_token, kv_transport)
         self.model = served_model
         self.vocab_size = vocab_size
-        self.metrics = WorkerMetrics(engine)
+        self.metrics = WorkerMetrics(engine, served_model)
+        self.tracing = tracing or WorkerTracing()
+        self.transfer.tracing = self.tracing
         self.publisher = None  # a workers.redis_publisher.RedisPublisher when --redis is given
         self._loop: asyncio.AbstractEventLoop | None = None
         self.app = Starlette(routes=[
@@ -102,6 +109,7 @@ class WorkerServer:
             await self.publisher.stop()
         self.engine.stop()
         await self.transfer.close()
+        self.tracing.shutdown()
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
@@ -135,7 +143,7 @@ class WorkerServer:
             why = "overloaded", f"this worker already holds {self.in_flight} requests"
         if why is None:
             return None
-        self.metrics.rejected.labels(why[0]).inc()
+        self.metrics.rejected[why[0]].inc()
         return error(503, why[1], "server_error", why[0], headers={"retry-after": str(RETRY_AFTER_S)})
 
     async def _parse(self, request: Request, kind: str) -> ParsedRequest | Response:
@@ -157,6 +165,7 @@ class WorkerServer:
         return parsed
 
     async def _generate(self, request: Request, kind: str) -> Response:
+        arrived = time.monotonic()
         refused = self._refusal()
         if refused is not None:
             return refused
@@ -168,9 +177,11 @@ class WorkerServer:
         if given:
             log.info("request %s has x-request-id %r", key, given[:128])
         job = Job(key, given if given and SHOWN_ID.fullmatch(given) else key, parsed, asyncio.Queue(),
-                  time.monotonic())
+                  RequestClock(arrived))
+        job.span = self.tracing.start(f"POST {request.url.path}", request.headers, parsed, key)
         refused = self._refusal() or self._submit(job)
         if refused is not None:
+            self.tracing.end(job.span, refused.status_code)
             return refused
         if parsed.stream:
             return StreamingResponse(self._stream(job), media_type="text/event-stream",
@@ -182,7 +193,7 @@ class WorkerServer:
         loop = asyncio.get_running_loop()
         self._bind(loop)
         p, kv = job.parsed, job.parsed.kv_transfer
-        export = self.transfer.exporter(kv["export_to"], loop, p.cache_salt) if "export_to" in kv else None
+        export = self.transfer.exporter(kv["export_to"], loop, p.cache_salt, job.span) if "export_to" in kv else None
 
         def sink(out: RequestOutput) -> None:
             job.outputs.put_nowait(out)
@@ -192,7 +203,7 @@ class WorkerServer:
         self.in_flight += 1
         try:
             self.engine.submit(job.key, p.prompt_ids, p.params, sink, kv_wait_s=kv.get("wait_ms", 0) / 1000.0,
-                               export=export, cache_salt=p.cache_salt)
+                               export=export, cache_salt=p.cache_salt, trace=job.span is not None)
         except EngineStopped:
             self.in_flight -= 1
             return self._refusal()
@@ -218,15 +229,19 @@ class WorkerServer:
                 if get not in done:
                     get.cancel()
                     self.engine.abort(job.key)
+                    self.tracing.end(job.span, 499)
                     return error(499, "client disconnected", code="client_closed")
                 out = get.result()
                 texts.append(out.text)
                 ids.extend(out.token_ids)
-                self.metrics.observe(out, job.started)
+                self.metrics.observe(out, job.clock)
                 if out.finish_reason is not None:
                     break
         finally:
             disconnect.cancel()
+        self.tracing.finish(job.span, out)
+        if job.clock.first is not None:
+            headers[TTFT_HEADER] = f"{(job.clock.first - job.clock.arrived) * 1000:.3f}"
         if out.error is not None:
             status, body = failure(out)
             return JSONResponse(body, status, headers)
@@ -244,8 +259,10 @@ class WorkerServer:
                 yield _sse(chunk(p.kind, rid, self.model, "", None, first=True))
             while not finished:
                 out = await job.outputs.get()
-                self.metrics.observe(out, job.started)
+                self.metrics.observe(out, job.clock)
                 finished = out.finish_reason is not None
+                if finished:
+                    self.tracing.finish(job.span, out)
                 if out.error is not None:
                     yield _sse(failure(out)[1])
                 elif out.text or finished or p.return_token_ids:
@@ -260,6 +277,7 @@ class WorkerServer:
         finally:
             if not finished:
                 self.engine.abort(job.key)
+                self.tracing.end(job.span, 499)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{

@@ -1,5 +1,6 @@
 """What an engine's steps did and how long they took: counters, the step log, and the means
 the gateway and `kvgate calibrate` read from it."""
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
@@ -7,6 +8,8 @@ from itertools import islice
 from workers.scheduler import StepPlan
 
 STEP_LOG = 4096  # steps a worker keeps for /steps: minutes of traffic at CPU speed
+# upper bounds (s) of the step-time histogram; the last bucket (+Inf) is implied
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
 
 
 @dataclass
@@ -32,10 +35,16 @@ class StepStats:
     kv_imported_blocks: int = 0
     kv_exported_blocks: int = 0
     calls_s: float = 0.0  # engine-thread time in `call` functions and exporters: no step ran
+    step_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    step_seconds: float = 0.0  # executor (device) time of all steps
 
     def record(self, ms: float, prefill_tokens: int, decode_seqs: int, kv_tokens: int,
                prefill_ctx_products: float, wall_ms: float) -> None:
+        """Log a step; its executor time also goes into the step-time histogram (plain counts,
+        read at scrape time, so the engine thread never takes a metrics lock)."""
         self.steps += 1
+        self.step_counts[bisect_left(STEP_BUCKETS, ms / 1000.0)] += 1
+        self.step_seconds += ms / 1000.0
         self.recent.append((ms, prefill_tokens, decode_seqs, kv_tokens, prefill_ctx_products, wall_ms))
 
     def after(self, seq: int) -> list[list[float]]:

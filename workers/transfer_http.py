@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
+from workers.tracing import WorkerTracing
 from workers.transfer import KVPayload, decode, encode_header, executor_spec, publish, reserve
 
 log = logging.getLogger("kvgate.transfer")
@@ -33,23 +34,30 @@ class TransferService:
         self.failures = 0
         self.sending = 0  # exports between a finished prefill and the end of their POST
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
+        self.tracing = WorkerTracing()  # the server's, once it sets it
 
-    def exporter(self, url: str, loop: asyncio.AbstractEventLoop, cache_salt: str | None = None) -> Callable:
+    def exporter(self, url: str, loop: asyncio.AbstractEventLoop, cache_salt: str | None = None,
+                 span=None) -> Callable:
         """An engine-thread callback that ships a finished prefill's blocks to `url`. It only
         takes a reference on the blocks: copying tens of MB there would stall every stream
-        decoding on this worker, so `send` reads them on another thread and lets them go."""
+        decoding on this worker, so `send` reads them on another thread and lets them go.
+        `span` is the request's, which the export's span is a child of."""
         def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int]) -> None:
             self.engine.stats.kv_exported_blocks += len(hashes)
             held = self.engine.pool.hold(block_ids)
-            loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt)
+            loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt, span)
         return export
 
     def _start_send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
-                    cache_salt: str | None) -> None:
+                    cache_salt: str | None, span=None) -> None:
         """Counted from here, on the loop, so a draining worker waits for the export too."""
         self.sending += 1
-        task = asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt))
+        headers: dict[str, str] = {}
+        export_span = self.tracing.export_span(span, url, len(hashes), sum(map(len, tokens)), headers)
+        task = asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt, headers))
         task.add_done_callback(self._sent)
+        if export_span is not None:
+            task.add_done_callback(lambda t: export_span.end())
 
     def _sent(self, task: asyncio.Task) -> None:
         self.sending -= 1
@@ -58,7 +66,7 @@ class TransferService:
             log.warning("KV export failed: %r", task.exception())
 
     async def send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
-                   cache_salt: str | None = None) -> bool:
+                   cache_salt: str | None = None, headers: dict[str, str] | None = None) -> bool:
         """Read the held blocks and release them, then ship them: an IPC handle (falling back to
         bytes if refused) or streamed bytes.
 
@@ -72,15 +80,16 @@ class TransferService:
         header = encode_header(self.spec, hashes, tokens, None, cache_salt)
         if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
-            if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes):
+            if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes, headers):
                 return True
         if not isinstance(kv, bytes):
             kv = await asyncio.to_thread(ex.to_bytes, kv)
         view = memoryview(kv)
         pieces = [header] + [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)]
-        return await self._post(url, pieces, "application/octet-stream", len(kv))
+        return await self._post(url, pieces, "application/octet-stream", len(kv), headers)
 
-    async def _post(self, url: str, pieces: list, ctype: str, nbytes: int) -> bool:
+    async def _post(self, url: str, pieces: list, ctype: str, nbytes: int,
+                    headers: dict[str, str] | None = None) -> bool:
         async def body():
             for piece in pieces:
                 yield bytes(piece)
@@ -89,7 +98,8 @@ class TransferService:
         t0 = time.perf_counter()
         try:
             r = await self.client.post(url.rstrip("/") + "/kv/import", content=body(),
-                                       headers={TOKEN_HEADER: self.token or "", "content-type": ctype})
+                                       headers={**(headers or {}), TOKEN_HEADER: self.token or "",
+                                                "content-type": ctype})
             r.raise_for_status()
         except httpx.HTTPError as e:
             self.failures += 1
@@ -111,6 +121,15 @@ class TransferService:
         if not self.authorised(request):
             return JSONResponse(error_body("KV import needs the fleet's internal token", "permission_error",
                                            "forbidden"), status_code=403)
+        span = self.tracing.import_span(request.headers)
+        try:
+            resp = await self._import_request(request, span)
+        finally:
+            if span is not None:
+                span.end()
+        return resp
+
+    async def _import_request(self, request: Request, span) -> Response:
         t0 = time.perf_counter()
         body = bytearray()  # writable, so the K/V payload becomes a tensor without a copy
         async for piece in request.stream():
@@ -132,6 +151,10 @@ class TransferService:
             return JSONResponse(error_body(f"KV import failed: {e}", "server_error", "kv_import_failed"),
                                 status_code=500)
         self.engine.stats.kv_imported_blocks += imported
+        if span is not None:
+            span.set_attributes({"kvgate.blocks": len(payload.hashes), "kvgate.imported_blocks": imported,
+                                 "kvgate.present_blocks": present,
+                                 "kvgate.tokens": len(payload.hashes) * self.spec.block_size})
         for key, dt in (("body", t1 - t0), ("decode", t2 - t1), ("import", time.perf_counter() - t2)):
             self.received_seconds[key] += dt
         return JSONResponse({"imported": imported, "present": present,
