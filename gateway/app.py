@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import pd, vllm_worker
+from gateway.accounting import Accounting
 from gateway.admission import DRAINING, Admission, Refusal
 from gateway.auth import Access, Guard, api_key, retry_after, too_many_tokens
 from gateway.fleet import Fleet, Worker
@@ -35,10 +36,12 @@ from gateway.index import ResidencyIndex
 from gateway.metrics import GatewayMetrics
 from gateway.passthrough import internal_field
 from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamError,
-                           UpstreamFailed, UpstreamTimeout, WorkerBusy, cached_tokens, close_upstream, relay)
+                           UpstreamFailed, UpstreamTimeout, WorkerBusy, ask_usage, close_upstream, relay,
+                           whole_answer)
+from gateway.record import PREFILL, RequestRecord
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Prepared, Tokenizers
-from gateway.tracing import RequestTrace, Tracing
+from gateway.tracing import Tracing
 from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
@@ -71,7 +74,8 @@ class Gateway:
                  redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
                  pd_wait_ms: float = 5000.0, tracing: Tracing | None = None, access: Access | None = None,
                  internal_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 admission: Admission | None = None, retry: RetryPolicy | None = None):
+                 admission: Admission | None = None, retry: RetryPolicy | None = None,
+                 access_log: bool = True, fleet_summary_s: float = 0.0):
         self.fleet = fleet
         self.admission = admission or Admission()
         self.retry = retry or RetryPolicy()
@@ -85,7 +89,8 @@ class Gateway:
         self.proxy = proxy or Proxy()
         self.redis = redis
         self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
-        self.metrics = GatewayMetrics(fleet)
+        self.metrics = GatewayMetrics(fleet, policy.name)
+        self.account = Accounting(self.metrics, fleet, policy.name, access_log, fleet_summary_s)
         self.access = access or Access()
         self.access.register(self.metrics.registry)
         self.app = Starlette(routes=[
@@ -104,9 +109,11 @@ class Gateway:
             await self.redis.start()
         for name in self.tokenizers.sources:
             await self.tokenizers.get(name)
+        self.account.start()
         try:
             yield
         finally:
+            await self.account.stop()
             if self.redis is not None:
                 await self.redis.stop()
             await self.fleet.stop()
@@ -119,7 +126,6 @@ class Gateway:
                 "x-kvgate-predicted-cached-tokens": str(predicted)}
 
     def error(self, e: ApiError, worker: str = "") -> JSONResponse:
-        self.metrics.requests.labels(worker, self.policy.name, str(e.status)).inc()
         headers = self.headers(worker)
         if e.retry_after is not None:
             headers["retry-after"] = str(e.retry_after)
@@ -133,18 +139,21 @@ class Gateway:
 
     async def handle(self, request: Request, kind: str) -> Response:
         """Admit the request (or refuse it at once) and count it until its answer ends."""
+        rec = RequestRecord(new_id(kind), kind, time.monotonic(), client_request_id=request.headers.get("x-request-id"))
         refusal = self.admission.refuse()
         if refusal is not None:
             self.metrics.refused.labels(refusal.code).inc()
             resp = self.error(refused(refusal))
-            resp.headers["x-request-id"] = request.headers.get("x-request-id") or new_id(kind)
+            resp.headers["x-request-id"] = rec.client_request_id or rec.request_id
             if refusal.code == DRAINING:
                 resp.headers["connection"] = "close"  # keep-alive clients reconnect elsewhere
+            rec.status, rec.code = resp.status_code, refusal.code
+            self.account.finish(rec)
             return resp
         self.admission.enter()
         resp = None
         try:
-            resp = await self.serve(request, kind)
+            resp = await self.serve(request, kind, rec)
         finally:
             if isinstance(resp, PassThrough):
                 resp.on_close.append(self.admission.leave)
@@ -152,26 +161,27 @@ class Gateway:
                 self.admission.leave()
         return resp
 
-    async def serve(self, request: Request, kind: str) -> Response:
-        rid = new_id(kind)
-        client_rid = request.headers.get("x-request-id")
+    async def serve(self, request: Request, kind: str, rec: RequestRecord) -> Response:
+        rid, client_rid = rec.request_id, rec.client_request_id
         if client_rid:
             log.info("request %s is the client's x-request-id %r", rid, client_rid[:200])
-        trace = self.tracing.start(f"POST {PATHS[kind]}", request.headers)
+        trace = rec.trace = self.tracing.start(f"POST {PATHS[kind]}", request.headers)
         trace.set(request_id=rid, client_request_id=client_rid)
         try:
             raw = await read_body(request, self.max_body_bytes)
             with trace.phase("tokenize"):
-                model, prep, view, raw = await self.prepare(request, raw, kind, rid)
+                model, prep, view, raw = await self.prepare(request, raw, kind, rec)
             trace.set(model=model, prompt_tokens=view.num_tokens)
+            rec.model, rec.prompt_tokens = model, view.num_tokens
+            rec.slo_ttft_ms, rec.slo_tpot_ms = view.slo_ttft_ms, view.slo_tpot_ms
             await self.admit_tokens(request, view)
-            resp = await self.dispatch(request, kind, raw, model, prep, view, trace)
+            resp = await self.dispatch(request, kind, raw, model, prep, view, rec)
         except BodyTooLarge as e:
             resp = self.error(ApiError(413, str(e), code="request_too_large"))
         except ClientDisconnect:  # gone while sending its body (or too slow: the body timeout)
-            self.metrics.requests.labels("", self.policy.name, "499").inc()
             resp = Response(b"", 499)
         except ApiError as e:
+            rec.code = e.code
             resp = self.error(e)
         except Exception as e:  # a bug (say in a plugin policy) still answers in OpenAI's shape
             log.exception("internal error on %s (request %s)", request.url.path, rid)
@@ -182,13 +192,14 @@ class Gateway:
         resp.headers["x-request-id"] = client_rid or rid
         resp.headers["x-kvgate-request-id"] = rid
         if not isinstance(resp, PassThrough):
-            trace.end(resp.status_code)
+            rec.status = resp.status_code
+            self.account.finish(rec)
         return resp
 
     async def prepare(self, request: Request, raw: bytes, kind: str,
-                      rid: str) -> tuple[str, Prepared | None, RequestView, bytes]:
+                      rec: RequestRecord) -> tuple[str, Prepared | None, RequestView, bytes]:
         """Body -> (model, tokenized request, the policy's request view, the body to forward:
-        with the tenant's cache_salt); raises ApiError."""
+        with the tenant's cache_salt, and a stream's usage asked for); raises ApiError."""
         try:
             body = loads(raw)
         except InvalidRequest as e:
@@ -212,7 +223,10 @@ class Gateway:
                 check_request(body, kind)
         except InvalidRequest as e:
             raise ApiError(400, str(e), code=e.code, param=e.param)
-        return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rid), raw
+        rec.stream = body.get("stream") is True
+        if ask_usage(body):  # the stream's usage event is the gateway's count of its tokens
+            rec.hide_usage, raw = True, json.dumps(body).encode()
+        return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rec.request_id), raw
 
     async def admit_tokens(self, request: Request, view: RequestView) -> None:
         """Charge the request's key for its prompt and max_tokens; a 429 when the key's
@@ -281,16 +295,17 @@ class Gateway:
         return chosen, route, prefill
 
     async def dispatch(self, request: Request, kind: str, raw: bytes, model: str, prep: Prepared | None,
-                       view: RequestView, trace: RequestTrace) -> Response:
+                       view: RequestView, rec: RequestRecord) -> Response:
         """Decide and forward; a worker that fails before the answer is committed costs a
         retry elsewhere (after a backoff), up to `retry.max_retries` of them."""
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
-        trace.inject(headers)
+        trace = rec.trace
         exclude: set[str] = set()
         failure: UpstreamError | None = None
         for attempt in range(self.retry.max_retries + 1):
             if attempt:
                 self.metrics.retries.labels(failure.stage).inc()
+                rec.retries = attempt
                 await asyncio.sleep(self.retry.delay(attempt))
             try:
                 with trace.phase("route"):
@@ -299,19 +314,20 @@ class Gateway:
                 if failure is None:
                     raise
                 break
-            trace.set(policy=self.policy.name, worker=w.worker_id, prefill_worker=route.prefill,
-                      predicted_cached_tokens=route.predicted_cached_tokens)
+            trace.set(policy=self.policy.name, worker=w.worker_id, prefill_worker=route.prefill)
+            rec.worker, rec.prefill_worker = w.worker_id, route.prefill
+            rec.predicted_cached = (route.predicted_cached_tokens if p is None else
+                                    pd.expected_cached(view.num_tokens, w.state.get("block_size", 16)))
             self.fleet.begin(w)
             w.breaker.attempt()
             leg = headers if p is None else pd.leg_headers(headers, self.internal_token)
             try:
-                payload = raw if p is None else self.start_prefill(p, w, kind, raw, leg, trace)
-                with trace.phase("upstream", worker=w.worker_id):
-                    return await self.attempt(request, w, route, view, prep, kind, payload, leg, trace)
+                payload, prefill = (raw, None) if p is None else self.start_prefill(p, w, kind, raw, leg, rec, route)
+                with trace.client("upstream", leg, prefill, worker=w.worker_id) as sent:
+                    return await self.attempt(request, w, route, view, prep, kind, payload, sent, rec)
             except ClientGone:
                 self.fleet.end(w)
                 w.breaker.released()
-                self.metrics.requests.labels(w.worker_id, self.policy.name, "499").inc()
                 return Response(b"", 499, self.headers(w.worker_id, route.predicted_cached_tokens))
             except UpstreamError as e:
                 self.fleet.end(w)
@@ -322,15 +338,15 @@ class Gateway:
                 self.fleet.end(w)
                 w.breaker.released()
                 raise
+        rec.worker = ""  # the fleet's answer, not one worker's
         if isinstance(failure, WorkerBusy):
-            self.metrics.requests.labels("", self.policy.name, str(failure.status)).inc()
             return Response(failure.body, failure.status, {**self.headers(), **failure.headers})
         raise ApiError(502, f"no worker could serve the request after {len(exclude)} tries; last: {failure}",
                        "server_error", "worker_failed", retry_after=self.admission.config.retry_after_s)
 
     async def attempt(self, request: Request, w: Worker, route: Decision, view: RequestView,
                       prep: Prepared | None, kind: str, payload: bytes, headers: dict,
-                      trace: RequestTrace) -> Response:
+                      rec: RequestRecord) -> Response:
         """One try on `w`: the response head, then a non-streaming body whole or a stream up to
         its first token. Raises `UpstreamError` while nothing is committed to the client."""
         lost = self.fleet.lost(w)
@@ -341,37 +357,36 @@ class Gateway:
             out["x-kvgate-prefill-worker"] = route.prefill
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if not ((prep.parsed.stream if prep else is_sse) and resp.status == 200):
-            return await self.collect(w, route, view, resp, out, started, trace)
-        tap = StreamTap(kind, started)
+            return await self.collect(w, route, view, resp, out, started, rec)
+        tap = StreamTap(kind, rec.arrived, rec.hide_usage)
         try:
             head = await self.proxy.first_token(resp, tap, request, lost, started)
         except BaseException:
             close_upstream(resp)
             raise
-        self.committed(w, view, route)
-        return self.stream(w, resp, tap, head, out, trace)
+        w.breaker.succeeded()  # the answer is committed to the client: the worker's success
+        return self.stream(w, resp, tap, head, out, rec)
 
-    def committed(self, w: Worker, view: RequestView, route: Decision) -> None:
-        """The worker's answer goes to the client from here on: count it as the worker's success."""
-        w.breaker.succeeded()
-        self.metrics.predicted_cached.labels(w.worker_id).inc(route.predicted_cached_tokens)
-        self.metrics.prompt_tokens.labels(w.worker_id).inc(view.num_tokens)
-
-    def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict,
-                      trace: RequestTrace) -> bytes:
-        """Start the prefill leg on `p` in the background; returns the decode leg's body for `d`."""
+    def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord,
+                      route: Decision) -> tuple[bytes, object]:
+        """Start the prefill leg on `p` in the background; returns the decode leg's body for `d`
+        and the leg's span. The leg's cache hit is counted against what the policy predicted."""
         body = json.loads(raw)
         self.fleet.begin(p)
-        span = trace.child("prefill_leg", worker=p.worker_id)
+        headers = dict(headers)
+        span = rec.trace.child("prefill_leg", headers, worker=p.worker_id)
+        model, prompt, predicted = rec.model, rec.prompt_tokens or 0, route.predicted_cached_tokens
 
-        def done(ok: bool) -> None:
-            span.set_attribute("kvgate.ok", ok)
+        def done(cached: int | None) -> None:
+            span.set_attribute("kvgate.ok", cached is not None)
             span.end()
             self.fleet.end(p)
-            self.metrics.prefill_legs.labels(p.worker_id, "ok" if ok else "failed").inc()
+            self.metrics.prefill_legs.labels(model, p.worker_id, "ok" if cached is not None else "failed").inc()
+            if cached is not None:
+                self.metrics.hit(model, p.worker_id, PREFILL, prompt, predicted, cached)
 
         pd.start_prefill(self.proxy, p.url, PATHS[kind], pd.prefill_leg(body, d.url), headers, done)
-        return pd.decode_leg(body, self.pd_wait_ms)
+        return pd.decode_leg(body, self.pd_wait_ms), span
 
     def worker_failed(self, w: Worker, e: UpstreamError) -> str:
         """Count a worker's failure: metrics, its breaker, and (when it could not be reached or
@@ -387,7 +402,7 @@ class Gateway:
         return f"worker {w.worker_id} failed: {e}"
 
     async def collect(self, w: Worker, route: Decision, view: RequestView, resp, headers: dict, started: float,
-                      trace: RequestTrace) -> Response:
+                      rec: RequestRecord) -> Response:
         """A non-streaming answer, read whole before anything reaches the client (so a failure
         while reading it is still retried); a 503 is the worker's load, retried elsewhere."""
         status = resp.status
@@ -399,20 +414,17 @@ class Gateway:
         if status >= 500:
             w.breaker.failed()
         else:
-            self.committed(w, view, route)
+            w.breaker.succeeded()
         if status == 200:
-            self.metrics.ttft.labels(w.worker_id).observe(time.monotonic() - started)
-            self.metrics.actual_cached.labels(w.worker_id).inc(cached_tokens(body) or 0)
-            trace.set(cached_tokens=cached_tokens(body))
-        self.metrics.requests.labels(w.worker_id, self.policy.name, str(status)).inc()
+            whole_answer(rec, body, resp.headers, started)
         return Response(body, status, headers, resp.headers.get("content-type", "application/json"))
 
     def stream(self, w: Worker, resp, tap: StreamTap, head: bytes, headers: dict,
-               trace: RequestTrace) -> Response:
-        status = ["200"]
+               rec: RequestRecord) -> Response:
+        rec.status = 200
 
         def failed(e: Exception) -> str:
-            status[0] = "502"
+            rec.status = 502
             self.metrics.upstream_failures.labels(w.worker_id, "stream").inc()
             w.breaker.failed()
             if not isinstance(e, UpstreamTimeout):  # broken off: likely dead until its next good poll
@@ -421,13 +433,9 @@ class Gateway:
 
         def closed() -> None:
             self.fleet.end(w)
-            self.metrics.requests.labels(w.worker_id, self.policy.name, status[0]).inc()
-            if tap.ttft is not None:
-                self.metrics.ttft.labels(w.worker_id).observe(tap.ttft)
-            if tap.cached is not None:
-                self.metrics.actual_cached.labels(w.worker_id).inc(tap.cached)
-            trace.set(cached_tokens=tap.cached, ttft_ms=tap.ttft * 1000.0 if tap.ttft is not None else None)
-            trace.end(int(status[0]))
+            rec.first_token_at, rec.last_token_at = tap.first_at, tap.last_at
+            rec.cached_tokens, rec.output_tokens, rec.finish_reason = tap.cached, tap.output_tokens, tap.finish_reason
+            self.account.finish(rec)
 
         headers["cache-control"] = "no-cache"
         return PassThrough(relay(resp, tap, head, self.proxy.idle_timeout, failed), resp, closed, headers)

@@ -1,14 +1,26 @@
-"""Prometheus metrics of the gateway: traffic, decision cost, prediction quality, fleet state.
+"""Prometheus metrics of the gateway: traffic and SLO outcomes, latencies as clients see them,
+decision cost, routing quality, fleet state. Every request series carries `model` (and
+`worker` where one served it).
 
 Each gateway has its own registry (several gateways may live in one test process); fleet
-gauges are read from the registry objects at scrape time rather than kept in sync.
+gauges are read from the registry objects at scrape time rather than kept in sync. Labelled
+counters start at 0 for every known label value (each worker and model the fleet knows, each
+status, stage and outcome) before the first scrape that could see them move, so `rate()` sees
+the first failure of an incident, not only the second.
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.record import PREFILL, SLO_OUTCOMES, WHOLE, DECODE, RequestRecord, slo_outcome
+from workers.metrics import FINISH_REASONS, LATENCY_BUCKETS, TOKEN_BUCKETS
+from workers.process_metrics import register_process_metrics
+
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+STATUSES = ("200", "400", "404", "413", "429", "499", "500", "502", "503")
+STAGES = ("connect", "timeout", "lost", "response", "error_event", "busy", "stream")
+REFUSALS = ("overloaded", "draining", "worker_queues_full", "policy")
+LEGS = (WHOLE, PREFILL, DECODE)
 
 
 class _FleetCollector:
@@ -17,52 +29,151 @@ class _FleetCollector:
 
     def collect(self):
         healthy = GaugeMetricFamily("kvgate_gateway_worker_healthy", "1 when the worker is a candidate",
-                                    labels=["worker", "url"])
+                                    labels=["model", "worker", "url"])
         flight = GaugeMetricFamily("kvgate_gateway_in_flight", "Requests this gateway has open on a worker",
-                                   labels=["worker"])
+                                   labels=["model", "worker"])
         shared = GaugeMetricFamily("kvgate_gateway_shared_in_flight",
                                    "Requests other gateway replicas have open on a worker (via Redis)",
-                                   labels=["worker"])
+                                   labels=["model", "worker"])
         blocks = GaugeMetricFamily("kvgate_gateway_resident_blocks",
-                                   "Blocks the residency index holds per worker", labels=["worker"])
+                                   "Blocks the residency index holds per worker", labels=["model", "worker"])
+        lag = GaugeMetricFamily("kvgate_gateway_index_lag_events",
+                                "KV events the worker reported at its last poll that the index has not applied",
+                                labels=["model", "worker"])
+        index = self.fleet.index
         for w in list(self.fleet.workers.values()):
-            wid = w.worker_id or ""
-            healthy.add_metric([wid, w.url], 1.0 if w.available else 0.0)
-            flight.add_metric([wid], w.in_flight)
-            shared.add_metric([wid], w.shared_in_flight)
-            blocks.add_metric([wid], self.fleet.index.num_blocks(wid) if wid else 0)
-        yield from (healthy, flight, shared, blocks)
+            wid, model = w.worker_id or "", w.model or ""
+            healthy.add_metric([model, wid, w.url], 1.0 if w.available else 0.0)
+            flight.add_metric([model, wid], w.in_flight)
+            shared.add_metric([model, wid], w.shared_in_flight)
+            blocks.add_metric([model, wid], index.num_blocks(wid) if wid else 0)
+            if wid and "kv_seq" in w.state:
+                lag.add_metric([model, wid], max(0, w.state["kv_seq"] - (index.seq(wid) or 0)))
+        yield from (healthy, flight, shared, blocks, lag)
 
 
 class GatewayMetrics:
-    def __init__(self, fleet):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvgate_gateway_requests", "Requests answered, by worker, policy and status",
-                                ["worker", "policy", "status"], registry=r)
+    def __init__(self, fleet, policy: str = ""):
+        self.fleet, self.policy = fleet, policy
+        self.registry = r = CollectorRegistry()
+        wm = ["model", "worker"]
+        self.requests = Counter("kvgate_gateway_requests", "Requests answered, by model, worker, policy and status",
+                                ["model", "worker", "policy", "status"], registry=r)
+        self.slo = Counter("kvgate_gateway_slo_requests",
+                           "Requests by outcome against their TTFT/TPOT SLOs (met, ttft_miss, tpot_miss; "
+                           "rejected: shed with 429/503; failed: a server error)", ["model", "outcome"], registry=r)
         self.decision = Histogram("kvgate_gateway_decision_seconds", "Routing decision time (match + policy)",
-                                  buckets=DECISION_BUCKETS, registry=r)
+                                  ["policy"], buckets=DECISION_BUCKETS, registry=r).labels(policy)
+        quality = ["model", "worker", "policy", "leg"]
         self.predicted_cached = Counter("kvgate_gateway_predicted_cached_tokens",
-                                        "Prompt tokens the policy expected the worker to have cached",
-                                        ["worker"], registry=r)
+                                        "Prompt tokens the gateway expected the worker to have cached, by leg "
+                                        "(whole request, P/D prefill, P/D decode)", quality, registry=r)
         self.actual_cached = Counter("kvgate_gateway_actual_cached_tokens",
-                                     "Prompt tokens the worker reported as cached", ["worker"], registry=r)
-        self.prompt_tokens = Counter("kvgate_gateway_prompt_tokens", "Prompt tokens routed", ["worker"],
-                                     registry=r)
-        self.ttft = Histogram("kvgate_gateway_ttft_seconds", "Time to first token seen at the gateway",
-                              ["worker"], buckets=TTFT_BUCKETS, registry=r)
+                                     "Prompt tokens the worker reported as cached, by leg", quality, registry=r)
+        self.prompt_tokens = Counter("kvgate_gateway_prompt_tokens", "Prompt tokens of answered requests, by leg",
+                                     quality, registry=r)
+        self.generation_tokens = Counter("kvgate_gateway_generation_tokens", "Output tokens of answered requests",
+                                         wm, registry=r)
+        self.ttft = Histogram("kvgate_gateway_time_to_first_token_seconds",
+                              "Arrival at the gateway to the first token (streaming or not)", wm,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvgate_gateway_time_per_output_token_seconds",
+                              "A request's mean time per output token after the first", wm,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvgate_gateway_e2e_request_latency_seconds",
+                             "Arrival at the gateway to the answer's last byte, answered requests", wm,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.request_prompt = Histogram("kvgate_gateway_request_prompt_tokens", "Prompt tokens per request",
+                                        ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.request_output = Histogram("kvgate_gateway_request_generation_tokens", "Output tokens per request",
+                                        ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.request_cached = Histogram("kvgate_gateway_request_cached_tokens", "Cached prompt tokens per request",
+                                        ["model"], buckets=(0, *TOKEN_BUCKETS), registry=r)
+        self.finished = Counter("kvgate_gateway_requests_finished", "Answered requests by finish reason",
+                                ["model", "finished_reason"], registry=r)
         self.upstream_failures = Counter("kvgate_gateway_upstream_failures",
                                          "Worker failures: before the response (retried) or mid-response",
-                                         ["worker", "stage"], registry=r)
+                                         ["model", "worker", "stage"], registry=r)
         self.retries = Counter("kvgate_gateway_retries", "Requests sent to another worker after a failure, by stage",
                                ["stage"], registry=r)
         self.refused = Counter("kvgate_gateway_refused", "Requests refused by admission control, by reason",
                                ["reason"], registry=r)
         self.prefill_legs = Counter("kvgate_gateway_prefill_legs", "P/D prefill legs, by prefill worker and outcome",
-                                    ["worker", "outcome"], registry=r)
+                                    ["model", "worker", "outcome"], registry=r)
         r.register(_FleetCollector(fleet))
         for kind in getattr(fleet, "kinds", {}).values():  # other engines' collectors (gateway/vllm_worker.py)
             r.register(kind)
+        register_process_metrics(r, "gateway")
+        for stage in STAGES:
+            self.retries.labels(stage)
+        for reason in REFUSALS:
+            self.refused.labels(reason)
+        self._known: set[tuple[str, str]] = set()
+        self.know("", "")
+
+    def know(self, model: str, worker: str) -> None:
+        """Start every labelled counter of (model, worker) at 0."""
+        if (model, worker) in self._known:
+            return
+        self._known.add((model, worker))
+        for status in STATUSES:
+            self.requests.labels(model, worker, self.policy, status)
+        if not worker:
+            return
+        for stage in STAGES:
+            self.upstream_failures.labels(model, worker, stage)
+        for outcome in ("ok", "failed"):
+            self.prefill_legs.labels(model, worker, outcome)
+        for leg in LEGS:
+            for c in (self.predicted_cached, self.actual_cached, self.prompt_tokens):
+                c.labels(model, worker, self.policy, leg)
+        self.generation_tokens.labels(model, worker)
+        if (model, "") not in self._known:
+            self.know(model, "")
+            for outcome in SLO_OUTCOMES:
+                self.slo.labels(model, outcome)
+            for reason in FINISH_REASONS:
+                self.finished.labels(model, reason)
+
+    def sync(self) -> None:
+        """`know` every worker the fleet has identified."""
+        for w in list(self.fleet.workers.values()):
+            if w.worker_id and w.model:
+                self.know(w.model, w.worker_id)
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Account an ended request: its status and SLO outcome, and for an answer its latencies,
+        tokens and cache hit."""
+        model, worker = rec.model, rec.worker
+        self.requests.labels(model, worker, self.policy, str(rec.status)).inc()
+        outcome = slo_outcome(rec)
+        if outcome is not None:
+            self.slo.labels(model, outcome).inc()
+        if rec.status != 200 or not worker:
+            return
+        if rec.ttft_s is not None:
+            self.ttft.labels(model, worker).observe(rec.ttft_s)
+        if rec.tpot_s is not None:
+            self.tpot.labels(model, worker).observe(rec.tpot_s)
+        self.e2e.labels(model, worker).observe(rec.e2e_s)
+        if rec.finish_reason is not None:
+            self.finished.labels(model, rec.finish_reason).inc()
+        if rec.output_tokens is not None:
+            self.request_output.labels(model).observe(rec.output_tokens)
+            self.generation_tokens.labels(model, worker).inc(rec.output_tokens)
+        if rec.prompt_tokens is not None:
+            self.request_prompt.labels(model).observe(rec.prompt_tokens)
+        if rec.cached_tokens is not None:
+            self.request_cached.labels(model).observe(rec.cached_tokens)
+            self.hit(model, worker, rec.leg, rec.prompt_tokens or 0, rec.predicted_cached or 0, rec.cached_tokens)
+
+    def hit(self, model: str, worker: str, leg: str, prompt: int, predicted: int, actual: int) -> None:
+        """Routing quality: what one leg was expected to find cached, and found."""
+        labels = (model, worker, self.policy, leg)
+        self.prompt_tokens.labels(*labels).inc(prompt)
+        self.predicted_cached.labels(*labels).inc(predicted)
+        self.actual_cached.labels(*labels).inc(actual)
 
     def render(self) -> tuple[bytes, str]:
+        self.sync()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 
-from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed
+from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed, cached_tokens
 from workers.internal_auth import internal_headers
 
 log = logging.getLogger("kvgate.pd")
@@ -37,26 +37,35 @@ def prefill_leg(body: dict, decode_url: str) -> bytes:
     return json.dumps(leg).encode()
 
 
-async def run_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str]) -> bool:
-    """Send the prefill leg and wait for it; True when the prefill worker finished it."""
+def expected_cached(num_tokens: int, block_size: int) -> int:
+    """What a decode leg finds cached once its prefill leg's blocks arrived: every full block
+    but the one holding the last token, which a worker always computes."""
+    return (num_tokens - 1) // block_size * block_size if num_tokens > 0 else 0
+
+
+async def run_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str]) -> int | None:
+    """Send the prefill leg and wait for it; the prompt tokens it found cached when the prefill
+    worker finished it, None when it did not."""
     try:
         resp = await proxy.open(url, path, payload, headers)
     except ConnectFailed as e:
         log.warning("prefill leg to %s failed to connect: %s", url, e)
-        return False
+        return None
     try:
         body = await proxy.read(resp)
     except UpstreamFailed as e:
         log.warning("prefill leg to %s broke off: %s", url, e)
-        return False
+        return None
     if resp.status != 200:
         log.warning("prefill leg to %s answered %s: %s", url, resp.status, body[:200])
-    return resp.status == 200
+        return None
+    return cached_tokens(body) or 0
 
 
 def start_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str],
                   done) -> asyncio.Task:
-    """Run the prefill leg in the background; `done(ok)` is called when it ends."""
+    """Run the prefill leg in the background; `done(cached)` is called when it ends (cached
+    tokens, or None when it failed)."""
     task = asyncio.ensure_future(run_prefill(proxy, url, path, payload, headers))
-    task.add_done_callback(lambda t: done(not t.cancelled() and t.result()))
+    task.add_done_callback(lambda t: done(None if t.cancelled() else t.result()))
     return task

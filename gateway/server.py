@@ -3,7 +3,6 @@ import argparse
 import contextlib
 import gc
 import json
-import logging
 import os
 
 import uvicorn
@@ -21,11 +20,13 @@ from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Tokenizers
-from gateway.tracing import EXPORTERS, Tracing, make_exporter
+from gateway.tracing import Tracing, make_exporter
 from policies.registry import load_policy
 from workers.drain import DrainingServer
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.kv.cost_model import CostModel
+from workers.logs import add_log_args, setup_logging
+from workers.telemetry import add_trace_args
 from workers.kv.redis_schema import redact_url
 
 GC_THRESHOLDS = (10_000, 10, 10)
@@ -67,12 +68,7 @@ def parser() -> argparse.ArgumentParser:
                    help="how long a decode leg waits for its KV blocks before computing them itself")
     p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="constructor argument for the policy (repeatable; numbers are parsed)")
-    p.add_argument("--trace", choices=EXPORTERS, default="none",
-                   help="OpenTelemetry traces of requests: to stdout (console) or an OTLP/HTTP collector (otlp)")
-    p.add_argument("--trace-endpoint", metavar="URL",
-                   help="OTLP/HTTP collector base URL (default: the OTEL_EXPORTER_OTLP_* variables)")
-    p.add_argument("--trace-sample-ratio", type=float, default=1.0,
-                   help="share of new traces recorded; a client's sampled traceparent is always followed")
+    add_trace_args(p)
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="a client API key (repeatable; each its own tenant); clients send `Authorization: "
                         "Bearer KEY`, others get a 401. /health and /metrics stay open")
@@ -90,7 +86,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body taken, checked before it is read (larger: 413)")
     p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
-    p.add_argument("--log-level", default="warning")
+    add_log_args(p)
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no access-log line per request (logger kvgate.access, at INFO whatever --log-level)")
+    p.add_argument("--fleet-summary-s", type=float, default=60.0, metavar="S",
+                   help="a fleet summary line (kvgate.fleet) every S seconds: workers, requests, SLO attainment, "
+                        "hit ratio, TTFT; 0 turns it off")
     add_reliability_args(p)
     return p
 
@@ -167,7 +168,8 @@ def build(args: argparse.Namespace) -> Gateway:
     return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, proxy=proxy, redis=redis,
                    slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, pd_wait_ms=args.pd_wait_ms,
                    tracing=tracing, access=access(args), internal_token=args.internal_token,
-                   max_body_bytes=args.max_body_bytes, admission=admission, retry=retry)
+                   max_body_bytes=args.max_body_bytes, admission=admission, retry=retry,
+                   access_log=args.access_log, fleet_summary_s=args.fleet_summary_s)
 
 
 def vllm_kind(args: argparse.Namespace) -> vllm_worker.VllmKind:
@@ -266,7 +268,7 @@ def settle_gc_after_startup(app: Starlette) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_level, args.log_format)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     gateway = build(args)
     settle_gc_after_startup(gateway.app)

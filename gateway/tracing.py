@@ -1,10 +1,12 @@
 """OpenTelemetry traces of the gateway's requests.
 
 One server span per request, carrying the routing decision's facts (model, policy, worker,
-prefill worker, predicted and actual cached tokens, TTFT) as attributes, with child spans for
-the phases that take time: `tokenize`, `route`, `upstream` (until the worker's response head)
-and, for P/D, `prefill_leg`. A client's W3C `traceparent` is continued and the gateway's own
-is passed to the worker, so one trace crosses both hops.
+prefill worker, predicted and actual cached tokens, TTFT) and the GenAI conventions' `gen_ai.*`
+attributes, with child spans for the phases that take time: `tokenize`, `route`, and the
+CLIENT spans `upstream` (until the answer is committed: a stream's first token, a whole
+answer) and, for P/D, `prefill_leg`. A client's W3C `traceparent` is continued, and each
+CLIENT span's context is what the worker receives, so the worker's spans are its children and
+both P/D legs land in one trace (the decode leg's `upstream` links to its `prefill_leg`).
 
 Off by default. Off, `Tracing.start` hands out one shared no-op trace, so a request allocates
 no span and pays a method call per phase.
@@ -13,32 +15,12 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-EXPORTERS = ("none", "console", "otlp")
-PROPAGATOR = TraceContextTextMapPropagator()
+from workers.telemetry import EXPORTERS, PROPAGATOR, make_exporter, make_provider
 
-
-def make_exporter(name: str, endpoint: str | None = None) -> SpanExporter | None:
-    """The span exporter a `--trace` choice names. `otlp` speaks OTLP over HTTP (protobuf) to
-    `endpoint` (a collector's base URL, e.g. http://127.0.0.1:4318) or, without one, to where
-    the standard OTEL_EXPORTER_OTLP_* variables say."""
-    if name == "none":
-        return None
-    if name == "console":
-        return ConsoleSpanExporter()
-    if name != "otlp":
-        raise ValueError(f"unknown trace exporter {name!r}; choose one of {', '.join(EXPORTERS)}")
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError as e:
-        raise ValueError("--trace otlp needs the OTLP exporter: pip install 'kvgate[otlp]'") from e
-    return OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces" if endpoint else None)
+__all__ = ["EXPORTERS", "NO_TRACE", "RequestTrace", "Tracing", "make_exporter"]
 
 
 class RequestTrace:
@@ -52,6 +34,10 @@ class RequestTrace:
         """Attributes of the request span, named `kvgate.<key>`; None values are left out."""
         self.span.set_attributes({f"kvgate.{k}": v for k, v in attributes.items() if v is not None})
 
+    def set_raw(self, attributes: Mapping[str, object]) -> None:
+        """Attributes under their own names (`gen_ai.*`); None values are left out."""
+        self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
     @contextlib.contextmanager
     def phase(self, name: str, **attributes: str | int | float) -> Iterator[None]:
         """A child span around a phase; an exception escaping it marks the phase failed."""
@@ -59,13 +45,24 @@ class RequestTrace:
                                                end_on_exit=True):
             yield
 
-    def child(self, name: str, **attributes: str | int | float) -> trace.Span:
-        """A child span its caller ends, for work that outlives the call (a prefill leg)."""
-        return self.tracer.start_span(name, context=self.context, attributes=attributes)
+    def child(self, name: str, headers: dict[str, str], **attributes: str | int | float) -> trace.Span:
+        """A CLIENT span its caller ends, for a call that outlives this one (a prefill leg); its
+        `traceparent` goes into `headers`, so the worker's spans are its children."""
+        span = self.tracer.start_span(name, context=self.context, kind=SpanKind.CLIENT, attributes=attributes)
+        PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
+        return span
 
-    def inject(self, headers: dict[str, str]) -> None:
-        """Add `traceparent` so the worker's work joins this trace."""
-        PROPAGATOR.inject(headers, context=self.context)
+    @contextlib.contextmanager
+    def client(self, name: str, headers: dict[str, str], link: trace.Span | None = None,
+               **attributes: str | int | float) -> Iterator[dict[str, str]]:
+        """A CLIENT span around a call to a worker; yields `headers` plus its `traceparent`.
+        `link` (a prefill leg's span) is linked, so the legs of one request find each other."""
+        links = [Link(link.get_span_context())] if link is not None and link.get_span_context().is_valid else None
+        with self.tracer.start_as_current_span(name, context=self.context, kind=SpanKind.CLIENT, links=links,
+                                               attributes=attributes, end_on_exit=True) as span:
+            sent = dict(headers)
+            PROPAGATOR.inject(sent, context=trace.set_span_in_context(span))
+            yield sent
 
     def end(self, status: int) -> None:
         self.span.set_attribute("http.response.status_code", status)
@@ -87,11 +84,16 @@ class NoTrace(RequestTrace):
     def phase(self, name: str, **attributes: str | int | float) -> Iterator[None]:
         yield
 
-    def child(self, name: str, **attributes: str | int | float) -> trace.Span:
+    def set_raw(self, attributes: Mapping[str, object]) -> None:
+        pass
+
+    def child(self, name: str, headers: dict[str, str], **attributes: str | int | float) -> trace.Span:
         return trace.INVALID_SPAN
 
-    def inject(self, headers: dict[str, str]) -> None:
-        pass
+    @contextlib.contextmanager
+    def client(self, name: str, headers: dict[str, str], link: trace.Span | None = None,
+               **attributes: str | int | float) -> Iterator[dict[str, str]]:
+        yield headers
 
     def end(self, status: int) -> None:
         pass
@@ -102,17 +104,13 @@ NO_TRACE = NoTrace()
 
 class Tracing:
     """The gateway's tracer: spans go to `exporter` in batches, from a background thread, for
-    the `sample_ratio` of traces not already decided by the client's sampled flag."""
+    the `sample_ratio` of traces not already decided by the client's sampled flag (None: as
+    OTEL_TRACES_SAMPLER says, by default all); the service is OTEL_SERVICE_NAME or `service`."""
 
-    def __init__(self, exporter: SpanExporter | None = None, sample_ratio: float = 1.0,
+    def __init__(self, exporter: SpanExporter | None = None, sample_ratio: float | None = None,
                  service: str = "kvgate-gateway"):
-        self.provider: TracerProvider | None = None
-        self.tracer: trace.Tracer | None = None
-        if exporter is not None:
-            self.provider = TracerProvider(resource=Resource.create({"service.name": service}),
-                                           sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
-            self.provider.add_span_processor(BatchSpanProcessor(exporter))
-            self.tracer = self.provider.get_tracer("kvgate.gateway")
+        self.provider = make_provider(exporter, service, sample_ratio)
+        self.tracer = self.provider.get_tracer("kvgate.gateway") if self.provider is not None else None
 
     def start(self, name: str, headers: Mapping[str, str]) -> RequestTrace:
         """The server span of a request, continuing the client's trace if it sent one."""

@@ -141,14 +141,14 @@ def start_worker(worker_id: str, port: int | None = None, executor: str = "sim",
 
 def start_gateway(workers: list[str] = (), policy: str = "prefix_affinity", port: int | None = None,
                   redis: str | None = None, extra: list[str] = (), name: str = "gateway",
-                  log_dir: str | None = None) -> Proc:
+                  log_dir: str | None = None, env: dict[str, str] | None = None) -> Proc:
     port = port or free_port()
     argv = KVGATE + ["gateway", "--port", str(port), "--policy", policy, "--model", "smollm2-135m", *extra]
     for url in workers:
         argv += ["--worker", url]
     if redis:
         argv += ["--redis", redis]
-    return Proc(name, argv, port, log_dir, redis_env(redis))
+    return Proc(name, argv, port, log_dir, {**redis_env(redis), **(env or {})})
 
 
 def redis_env(redis: str | None) -> dict[str, str]:

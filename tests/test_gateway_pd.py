@@ -85,4 +85,22 @@ def test_no_blocks_leak_on_either_side(pd_fleet):
                           and s["free_blocks"] == s["total_blocks"])(w.state()),
                  what=f"{w.name} drained")
     metrics = httpx.get(f["gw"].url + "/metrics").text
-    assert 'kvgate_gateway_prefill_legs_total{outcome="ok",worker="pd-p"}' in metrics
+    assert f'kvgate_gateway_prefill_legs_total{{model="{f["model"]}",outcome="ok",worker="pd-p"}}' in metrics
+
+
+def test_routing_quality_counts_each_leg_of_a_pd_request(pd_fleet):
+    """A P/D request's decode leg is expected to find every full block but the last cached (its
+    prefill leg ships them) and does; the prefill leg is judged on its own worker."""
+    f = pd_fleet
+    ask(f["gw"].url, f["model"], prompt(300, 11))
+    text = httpx.get(f["gw"].url + "/metrics").text
+
+    def counted(name: str, worker: str, leg: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"kvgate_gateway_{name}_total{{") and f'worker="{worker}"' in line
+                   and f'leg="{leg}"' in line)
+
+    prompt_tokens, predicted, actual = (counted(n, "pd-d", "decode") for n in
+                                        ("prompt_tokens", "predicted_cached_tokens", "actual_cached_tokens"))
+    assert prompt_tokens >= 300 and predicted == actual > 0.9 * prompt_tokens
+    assert counted("prompt_tokens", "pd-p", "prefill") >= 300

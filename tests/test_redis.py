@@ -100,7 +100,7 @@ def test_in_flight_counts_are_shared_between_replicas(cluster):
     with httpx.stream("POST", a + "/v1/completions", timeout=60,
                       json={"model": MODEL, "prompt": "long", "max_tokens": 600, "stream": True}) as r:
         wid = r.headers["x-kvgate-worker"]
-        line = f'kvgate_gateway_shared_in_flight{{worker="{wid}"}} 1.0'
+        line = f'kvgate_gateway_shared_in_flight{{model="{MODEL}",worker="{wid}"}} 1.0'
         wait_for(lambda: line in httpx.get(b + "/metrics").text, timeout=2, what="b to see a's request")
     wait_for(lambda: line.replace("1.0", "0.0") in httpx.get(b + "/metrics").text, timeout=2,
              what="b to see it finish")

@@ -22,6 +22,9 @@ NOOP_VALUES = {
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
 }
+# On a whole (non-streaming) answer: ms from the worker's receipt of the request to its first
+# token, which the gateway adds to its own time before sending to get the client's TTFT.
+TTFT_HEADER = "x-kvgate-ttft-ms"
 # A prompt longer than this many characters per allowed token is first counted on a prefix.
 PREFIX_CHARS_PER_TOKEN = 8
 CUT_MARGIN = 16  # tokens a prefix cut at a word boundary may over-count (special tokens, prefix spaces)

@@ -23,7 +23,7 @@ from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
 from workers.http_guard import CloseOn5xx
 from workers.outputs import RequestOutput, call_sinks
 from workers.metrics import RequestClock, WorkerMetrics
-from workers.protocol import (ParsedRequest, chunk, error_body, full_response, new_id,
+from workers.protocol import (TTFT_HEADER, ParsedRequest, chunk, error_body, full_response, new_id,
                               parse_request, usage)
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
@@ -33,7 +33,6 @@ from workers.transfer_http import TransferService
 log = logging.getLogger("kvgate.worker")
 RETRY_AFTER_S = 1
 SHOWN_ID = re.compile(r"[!-~]{1,128}")  # a client's x-request-id we echo: printable ASCII, no spaces
-TTFT_HEADER = "x-kvgate-ttft-ms"  # on a non-streaming answer: arrival to first token, for the gateway's TTFT
 FAILURES = {  # RequestOutput.error -> (HTTP status, message)
     ENGINE_ERROR: (500, "the engine failed while running this request"),
     ENGINE_STOPPED: (503, "the engine has stopped"),
