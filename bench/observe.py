@@ -264,7 +264,7 @@ def plot(report: dict, path: str) -> None:
                     label = label.replace("{{" + k + "}}", v)
                 xs = [float(t) - w["start"] for t, _ in s["values"]]
                 ys = [float(v) for _, v in s["values"]]
-                ax.plot(xs, ys, label=label, linewidth=1)
+                ax.plot(xs, ys, label=label if any(ys) else None, linewidth=1)  # all-zero series: no legend
         ax.axvline(w["killed"] - w["start"], color="red", linestyle=":", linewidth=1)
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=7)
