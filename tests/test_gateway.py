@@ -124,7 +124,7 @@ def test_models_health_and_metrics(fleet):
     metrics = httpx.get(url + "/metrics").text
     for name in ("kvgate_gateway_requests_total", "kvgate_gateway_decision_seconds_bucket",
                  "kvgate_gateway_predicted_cached_tokens_total", "kvgate_gateway_actual_cached_tokens_total",
-                 "kvgate_gateway_ttft_seconds_bucket", "kvgate_gateway_worker_healthy"):
+                 "kvgate_gateway_time_to_first_token_seconds_bucket", "kvgate_gateway_worker_healthy"):
         assert name in metrics
     assert 'status="200"' in metrics and 'status="404"' in metrics
 
