@@ -17,7 +17,8 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.index import RESYNC, ResidencyIndex
-from gateway.vllm_link import KIND, VllmLink
+from gateway.vllm_link import KIND as KIND  # the kind's name, read as vllm_worker.KIND
+from gateway.vllm_link import VllmLink
 from gateway.vllm_metrics import EventSource
 from workers.kv.events import EventBatch, KVEvent
 
