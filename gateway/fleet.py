@@ -45,6 +45,7 @@ class Worker:
     healthy: bool = False
     out: str | None = None  # why a worker that answers /state takes no requests
     refused: bool = False  # it answered 403 to /state (said once in the log)
+    probe_failures: int = 0  # /state polls that failed: the worker unreachable, for the error panel
     suspect: bool = False
     epoch: int = 0
     in_flight: int = 0
@@ -204,6 +205,7 @@ class Fleet:
                 w.refused = True
                 self._down(w, str(e))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
+                w.probe_failures += 1
                 self._down(w, f"/state failed: {e!r}")
             await asyncio.sleep(self.next_poll_s(w, time.monotonic() - started))
 

@@ -9,7 +9,7 @@ status, stage and outcome) before the first scrape that could see them move, so 
 the first failure of an incident, not only the second.
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.record import PREFILL, SLO_OUTCOMES, WHOLE, DECODE, RequestRecord, slo_outcome
@@ -40,6 +40,9 @@ class _FleetCollector:
         lag = GaugeMetricFamily("kvgate_gateway_index_lag_events",
                                 "KV events the worker reported at its last poll that the index has not applied",
                                 labels=["model", "worker"])
+        probes = CounterMetricFamily("kvgate_gateway_worker_probe_failures",
+                                     "Failed /state polls: the worker unreachable or not answering",
+                                     labels=["model", "worker", "url"])
         index = self.fleet.index
         for w in list(self.fleet.workers.values()):
             wid, model = w.worker_id or "", w.model or ""
@@ -47,9 +50,10 @@ class _FleetCollector:
             flight.add_metric([model, wid], w.in_flight)
             shared.add_metric([model, wid], w.shared_in_flight)
             blocks.add_metric([model, wid], index.num_blocks(wid) if wid else 0)
+            probes.add_metric([model, wid, w.url], w.probe_failures)
             if wid and w.healthy and "kv_seq" in w.state:  # a worker that is down has no index to lag
                 lag.add_metric([model, wid], max(0, w.state["kv_seq"] - (index.seq(wid) or 0)))
-        yield from (healthy, flight, shared, blocks, lag)
+        yield from (healthy, flight, shared, blocks, lag, probes)
 
 
 class GatewayMetrics:

@@ -182,6 +182,7 @@ def test_a_killed_and_restarted_worker_is_resynced(fleet):
     pa, (_, b) = fleet["pa"], fleet["servers"]
     prefix = text(6, 300)
     post(b.url, {"prompt": f"{prefix} seed"})
+    wait_for(lambda: resident(pa).get(wid(b), 0) > 0, 60, what="the worker's blocks in the index")
     worker, predicted, actual = routed(pa, {"prompt": f"{prefix} before"})
     assert worker == wid(b) and predicted == actual > 0
     b.signal(signal.SIGKILL)
@@ -193,5 +194,6 @@ def test_a_killed_and_restarted_worker_is_resynced(fleet):
     worker, predicted, actual = routed(pa, {"prompt": f"{prefix} after restart"})
     assert predicted == actual == 0  # its cache died with it, and so did what the gateway knew
     post(b.url, {"prompt": f"{prefix} seed again"})
+    wait_for(lambda: resident(pa).get(wid(b), 0) > 0, 60, what="the restarted worker's new blocks in the index")
     worker, predicted, actual = routed(pa, {"prompt": f"{prefix} resynced"})
     assert worker == wid(b) and predicted == actual > 0
