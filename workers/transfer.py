@@ -50,11 +50,9 @@ def encode_header(spec: KVSpec, hashes: list[int], tokens: list[list[int]], pare
     return MAGIC + struct.pack("<I", len(header)) + header
 
 
-def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
-    """Parse and validate a transfer; any mismatch is the sender's error (InvalidRequest).
-
-    With `ipc` the payload is a CUDA IPC handle (workers/transfer_ipc.py), not the bytes.
-    """
+def decode_header(body: bytes, own: KVSpec, seed: int) -> tuple[KVPayload, int]:
+    """Parse and validate a transfer's header and re-derive its hashes from its tokens; the
+    payload (empty here) starts at the returned offset. Any mismatch is the sender's error."""
     if len(body) < 8 or body[:4] != MAGIC:
         raise InvalidRequest("not a kvgate KV transfer (bad magic)", code="bad_kv_transfer")
     (n,) = struct.unpack("<I", body[4:8])
@@ -72,16 +70,27 @@ def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
     if spec != own:
         raise InvalidRequest(f"KV transfer does not match this worker: got {spec}, expected {own}",
                              code="kv_spec_mismatch")
-    data = memoryview(body)[8 + n:]
-    if ipc:
-        from workers.transfer_ipc import open_shared
-        data = open_shared(bytes(data), (own.num_layers, 2, len(hashes)))
-    if len(hashes) != len(tokens) or (not ipc and len(data) != len(hashes) * spec.block_bytes()):
-        raise InvalidRequest(f"KV transfer of {len(hashes)} blocks has {len(tokens)} token lists and "
-                             f"{len(data)} payload bytes ({spec.block_bytes()} per block expected)",
+    if len(hashes) != len(tokens):
+        raise InvalidRequest(f"KV transfer of {len(hashes)} blocks has {len(tokens)} token lists",
                              code="bad_kv_transfer")
     verify_chain(hashes, tokens, parent, salted_seed(seed, salt), spec.block_size)
-    return KVPayload(spec, hashes, tokens, parent, data)
+    return KVPayload(spec, hashes, tokens, parent, b""), 8 + n
+
+
+def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
+    """`decode_header`, then the payload: the blocks' bytes, or with `ipc` a CUDA IPC handle
+    (workers/transfer_ipc.py)."""
+    payload, start = decode_header(body, own, seed)
+    data = memoryview(body)[start:]
+    n = len(payload.hashes)
+    if ipc:
+        from workers.transfer_ipc import open_shared
+        data = open_shared(bytes(data), (own.num_layers, 2, n))
+    elif len(data) != n * own.block_bytes():
+        raise InvalidRequest(f"KV transfer of {n} blocks has {len(data)} payload bytes "
+                             f"({own.block_bytes()} per block expected)", code="bad_kv_transfer")
+    payload.data = data
+    return payload
 
 
 def verify_chain(hashes: list[int], tokens: list[list[int]], parent: int | None, seed: int,

@@ -1,4 +1,6 @@
-"""P/D over HTTP: the prefill leg streams its blocks to the decode worker's `/kv/import`.
+"""P/D over HTTP: the prefill leg streams its blocks to the decode worker's `/kv/import`
+(or hands them over by CUDA IPC, or with `--kv-transport nixl` writes them by NIXL, falling back
+to the stream: workers/transfer_ipc.py, workers/transfer_nixl.py).
 
 Internal calls carry the fleet's shared token (`x-kvgate-token`); a worker started without
 one refuses imports, so a public port never accepts foreign K/V.
@@ -11,6 +13,7 @@ from collections.abc import Callable
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.protocol import error_body
@@ -35,6 +38,27 @@ class TransferService:
         self.sending = 0  # exports between a finished prefill and the end of their POST
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
         self.tracing = WorkerTracing()  # the server's, once it sets it
+        self.nixl = self._start_nixl(engine.config.worker_id) if transport == "nixl" else None
+
+    def _start_nixl(self, worker_id: str):
+        """The NIXL side of this worker (workers/transfer_nixl.py), or None, with HTTP in its
+        place, where NIXL cannot run (not installed, no KV tensor: the sim executor)."""
+        from workers.transfer_nixl import NixlError, NixlTransfer
+        try:
+            return NixlTransfer.start(self, worker_id)
+        except NixlError as e:
+            log.warning("--kv-transport nixl unavailable, using http: %s", e)
+            self.transport = "http"
+            return None
+
+    def routes(self) -> list[Route]:
+        """The internal KV endpoints: `/kv/import`, and with NIXL `/kv/nixl{,/reserve,/commit}`."""
+        routes = [Route("/kv/import", self.import_endpoint, methods=["POST"])]
+        if self.nixl is not None:
+            routes += [Route("/kv/nixl", self.nixl.info_endpoint),
+                       Route("/kv/nixl/reserve", self.nixl.reserve_endpoint, methods=["POST"]),
+                       Route("/kv/nixl/commit", self.nixl.commit_endpoint, methods=["POST"])]
+        return routes
 
     def exporter(self, url: str, loop: asyncio.AbstractEventLoop, cache_salt: str | None = None,
                  span=None) -> Callable:
@@ -42,19 +66,19 @@ class TransferService:
         takes a reference on the blocks: copying tens of MB there would stall every stream
         decoding on this worker, so `send` reads them on another thread and lets them go.
         `span` is the request's, which the export's span is a child of."""
-        def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int]) -> None:
+        def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int], parent: int | None) -> None:
             self.engine.stats.kv_exported_blocks += len(hashes)
             held = self.engine.pool.hold(block_ids)
-            loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt, span)
+            loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt, span, parent)
         return export
 
     def _start_send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
-                    cache_salt: str | None, span=None) -> None:
+                    cache_salt: str | None, span=None, parent: int | None = None) -> None:
         """Counted from here, on the loop, so a draining worker waits for the export too."""
         self.sending += 1
         headers: dict[str, str] = {}
         export_span = self.tracing.export_span(span, url, len(hashes), sum(map(len, tokens)), headers)
-        task = asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt, headers))
+        task = asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt, headers, parent))
         task.add_done_callback(self._sent)
         if export_span is not None:
             task.add_done_callback(lambda t: export_span.end())
@@ -66,18 +90,24 @@ class TransferService:
             log.warning("KV export failed: %r", task.exception())
 
     async def send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
-                   cache_salt: str | None = None, headers: dict[str, str] | None = None) -> bool:
-        """Read the held blocks and release them, then ship them: an IPC handle (falling back to
-        bytes if refused) or streamed bytes.
+                   cache_salt: str | None = None, headers: dict[str, str] | None = None,
+                   parent: int | None = None) -> bool:
+        """Ship the held blocks (a chain continuing `parent`), then release them: written by NIXL
+        straight from the cache, else read and sent as an IPC handle (falling back to bytes if
+        refused) or as streamed bytes.
 
         Failures only cost the decode side a recompute, so they are counted and logged.
         """
         eng, ex = self.engine, self.engine.executor
+        header = encode_header(self.spec, hashes, tokens, parent, cache_salt)
+        ids = [b.block_id for b in held]
         try:
-            kv = await asyncio.to_thread(ex.read_blocks, [b.block_id for b in held])
+            if self.nixl is not None:
+                if await self.nixl.send(self._client(), url, header, ids, headers or {}):
+                    return True
+            kv = await asyncio.to_thread(ex.read_blocks, ids)
         finally:
             eng.call(lambda: eng.pool.free(held))
-        header = encode_header(self.spec, hashes, tokens, None, cache_salt)
         if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
             if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes, headers):
@@ -94,10 +124,9 @@ class TransferService:
             for piece in pieces:
                 yield bytes(piece)
 
-        self.client = self.client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0))
         t0 = time.perf_counter()
         try:
-            r = await self.client.post(url.rstrip("/") + "/kv/import", content=body(),
+            r = await self._client().post(url.rstrip("/") + "/kv/import", content=body(),
                                        headers={**(headers or {}), TOKEN_HEADER: self.token or "",
                                                 "content-type": ctype})
             r.raise_for_status()
@@ -109,6 +138,10 @@ class TransferService:
         self.sent_seconds += time.perf_counter() - t0
         self.sent_bytes += nbytes
         return True
+
+    def _client(self) -> httpx.AsyncClient:
+        self.client = self.client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0))
+        return self.client
 
     def authorised(self, request: Request) -> bool:
         return token_matches(request.headers.get(TOKEN_HEADER), self.token)
@@ -177,7 +210,8 @@ class TransferService:
     def stats(self) -> dict:
         return {"transport": self.transport, "sent_bytes": self.sent_bytes, "sent_seconds": self.sent_seconds,
                 "gbps": self.sent_bytes / self.sent_seconds / 1e9 if self.sent_seconds else None,
-                "failures": self.failures, "received_seconds": self.received_seconds}
+                "failures": self.failures, "received_seconds": self.received_seconds,
+                **({"nixl": self.nixl.stats()} if self.nixl is not None else {})}
 
     async def close(self) -> None:
         if self.client:

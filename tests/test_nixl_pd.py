@@ -1,0 +1,97 @@
+"""P/D over NIXL between real worker processes on loopback (UCX over TCP and shared memory).
+
+Through the gateway with `--kv-transport nixl` on both workers: greedy output equals a mixed
+worker's, the blocks arrive by NIXL (the decode worker's HTTP import stays unused), a prompt
+longer than one prefill step is shipped in batches, no blocks leak on either side, and a
+prefill worker killed mid-transfer leaves the decode worker recomputing (the fallback), with
+its reservation let go, not hanging.
+"""
+import sys
+
+import httpx
+import pytest
+
+from tests.procs import KVGATE, Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from tests.test_gateway_pd import ask, prompt
+from workers.transfer_nixl import nixl_module
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(nixl_module() is None, reason="NIXL is not installed: pip install 'kvgate[nixl]'")]
+SECRET = ("--internal-token", "nixl-pd-token")
+NIXL = ("--kv-transport", "nixl")
+PD = ("--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000")
+
+
+def drained(w) -> bool:
+    s = w.state()
+    return s["running"] == s["waiting"] == s["pending_kv"] == 0 and s["free_blocks"] == s["total_blocks"]
+
+
+@pytest.fixture(scope="module")
+def nixl_fleet(tiny_llama, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("nixl"))
+    model = str(tiny_llama)
+    p = Worker("torch", "nx-p", extra=("--role", "prefill", "--max-batched-tokens", "64", *SECRET, *NIXL),
+               model=model, log_dir=logs)
+    d = Worker("torch", "nx-d", extra=("--role", "decode", *SECRET, *NIXL), model=model, log_dir=logs)
+    m = Worker("torch", "nx-m", extra=SECRET, model=model, log_dir=logs)
+    gw = start_gateway([p.url, d.url], "slo_goodput", log_dir=logs, extra=[*SECRET, "--model", model, *PD])
+    try:
+        for w in (p, d, m):
+            w.ready()
+        gw.wait_ready("/v1/models")
+        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
+        yield {"p": p, "d": d, "m": m, "gw": gw, "model": tiny_llama.name}
+    finally:
+        stop_all([gw, p, d, m])
+
+
+def test_workers_publish_their_nixl_agent(nixl_fleet):
+    d = nixl_fleet["d"]
+    assert httpx.get(d.url + "/kv/nixl").status_code == 403, "agent metadata is internal"
+    info = d.internal("/kv/nixl").json()
+    state = d.state()["kv_transfer"]
+    assert state["transport"] == "nixl" and state["nixl"]["layout"] == info
+    assert info["mem"] == "DRAM" and info["num_slices"] == 2 * 2 and info["metadata"]
+
+
+def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):
+    f = nixl_fleet
+    before = f["d"].state()
+    for n, stream in ((200, False), (333, True)):
+        ids = prompt(n, n + 5)
+        _, want, _ = ask(f["m"].url, f["model"], ids)
+        headers, got, cached = ask(f["gw"].url, f["model"], ids, stream=stream)
+        assert headers["x-kvgate-prefill-worker"] == "nx-p" and headers["x-kvgate-worker"] == "nx-d"
+        assert got == want
+        assert cached == (n - 1) // 16 * 16, "every full block but the last arrived"
+    for w in (f["p"], f["d"]):
+        wait_for(lambda: drained(w), what=f"{w.name} drained")
+    p, d = f["p"].state()["kv_transfer"], f["d"].state()["kv_transfer"]
+    assert p["sent_bytes"] > 0 and p["failures"] == 0 and p["nixl"]["fallbacks"] == 0
+    assert d["received_seconds"] == before["kv_transfer"]["received_seconds"], "nothing came by HTTP"
+    assert d["nixl"]["reservations"] == 0 and d["nixl"]["expired"] == 0
+
+
+def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, tiny_llama, tmp_path):
+    f = nixl_fleet
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.nixl_fault_worker", "--model", str(tiny_llama), "--executor", "torch",
+            "--port", str(port), "--worker-id", "nx-dying", "--role", "prefill", *SECRET, *NIXL]
+    dying = Proc("nx-dying", argv, port, str(tmp_path))
+    gw = start_gateway([dying.url, f["d"].url], "slo_goodput", log_dir=str(tmp_path), name="gw-dying",
+                       extra=[*SECRET, "--model", str(tiny_llama), "--pd-wait-ms", "1500", *PD])
+    try:
+        dying.wait_ready(timeout=180)
+        gw.wait_ready("/v1/models")
+        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
+        ids = prompt(250, 99)
+        _, want, _ = ask(f["m"].url, f["model"], ids)
+        headers, got, cached = ask(gw.url, f["model"], ids)
+        assert headers["x-kvgate-worker"] == "nx-d" and got == want and cached == 0
+        assert not dying.alive, "the prefill worker died in its transfer"
+        d = f["d"]
+        wait_for(lambda: d.state()["kv_transfer"]["nixl"]["expired"] == 1, timeout=30, what="reservation expired")
+        wait_for(lambda: drained(d), what="decode worker drained")
+    finally:
+        stop_all([gw, dying])

@@ -1,0 +1,357 @@
+"""P/D over NIXL: the prefill worker WRITEs its blocks straight into blocks the decode worker reserved.
+
+Each worker registers its whole KV cache tensor (CPU or GPU memory) with a NIXL agent (UCX
+backend) at start, and serves the agent's metadata and the cache's layout on `GET /kv/nixl`
+(internal token; also in `/state` and the Redis registration). A transfer takes the same three
+steps as over HTTP (workers/transfer.py), with only the bytes moving out of band:
+
+  1. reserve (decode side, `POST /kv/nixl/reserve`): the checked KVG1 header, no payload; every
+     hash is re-derived from its tokens, then the blocks are held and the fresh ones' ids answered;
+  2. write (prefill side): one NIXL WRITE from its own cache into those blocks, by descriptor
+     (one per layer, K or V, and run of consecutive block ids on both sides);
+  3. publish (decode side, `POST /kv/nixl/commit`): the blocks enter the prefix cache, or are
+     let go when the write failed.
+
+A reservation whose commit does not come in time is let go, so a prefill worker that dies
+mid-transfer costs the decode side only a recompute; a sender whose write fails falls back to
+HTTP. Whoever holds the fleet token and the metadata can write into the registered cache, as
+with any RDMA peer: the metadata is served to token holders only.
+"""
+import asyncio
+import base64
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import httpx
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from workers.internal_auth import TOKEN_HEADER
+from workers.protocol import error_body
+from workers.sampling_params import InvalidRequest
+from workers.transfer import KVPayload, Reservation, decode_header, publish, reserve
+
+log = logging.getLogger("kvgate.transfer")
+
+RESERVE_BASE_S = 5.0  # a reservation lives this long plus its bytes at RESERVE_MIN_GBPS
+RESERVE_MIN_GBPS = 0.2
+MAX_HEADER_BYTES = 64 << 20
+
+
+def nixl_module():
+    """The NIXL Python package of the installed wheel (`nixl-cu12` or `nixl-cu13`), or None."""
+    for name in ("nixl_cu12", "nixl_cu13", "nixl"):
+        try:
+            return __import__(name)
+        except ImportError:
+            continue
+    return None
+
+
+class NixlError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where a worker's KV cache lives, for a peer to address its blocks: the cache tensor is
+    [layers, 2, num_blocks, ...] contiguous, so block b of slice s (layer*2 + K/V) starts at
+    base + (s * num_blocks + b) * slice_bytes."""
+    agent: str
+    metadata: str  # the agent's NIXL metadata, base64
+    mem: str  # DRAM or VRAM
+    device: int
+    base: int
+    num_blocks: int
+    num_slices: int
+    slice_bytes: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CacheLayout":
+        """Raises ValueError for anything but a layout."""
+        try:
+            layout = cls(str(d["agent"]), str(d["metadata"]), str(d["mem"]),
+                         *(int(d[k]) for k in ("device", "base", "num_blocks", "num_slices", "slice_bytes")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a NIXL cache layout: {e!r}") from None
+        if layout.mem not in ("DRAM", "VRAM") or min(layout.num_blocks, layout.num_slices, layout.slice_bytes) <= 0:
+            raise ValueError("a NIXL cache layout names DRAM or VRAM and has positive sizes")
+        return layout
+
+    def descs(self, runs: list[tuple[int, int]], run_lengths: np.ndarray) -> np.ndarray:
+        """Nx3 (address, length, device) for runs of blocks starting at `runs[i]`, in every slice."""
+        starts = np.asarray(runs, dtype=np.uint64)
+        slices = np.arange(self.num_slices, dtype=np.uint64)[:, None]
+        addr = self.base + (slices * self.num_blocks + starts[None, :]) * self.slice_bytes
+        out = np.empty((addr.size, 3), dtype=np.uint64)
+        out[:, 0] = addr.ravel()
+        out[:, 1] = np.tile(run_lengths.astype(np.uint64) * self.slice_bytes, self.num_slices)
+        out[:, 2] = self.device
+        return out
+
+
+def block_runs(local: list[int], remote: list[int]) -> tuple[list[int], list[int], np.ndarray]:
+    """Split a block-to-block mapping into runs consecutive on both sides: (local starts, remote
+    starts, lengths). Freshly allocated blocks mostly come in order, so a transfer is a few
+    large descriptors per slice rather than one per block."""
+    ls, rs, lens = [], [], []
+    for i, (a, b) in enumerate(zip(local, remote)):
+        if i and a == local[i - 1] + 1 and b == remote[i - 1] + 1:
+            lens[-1] += 1
+        else:
+            ls.append(a)
+            rs.append(b)
+            lens.append(1)
+    return ls, rs, np.asarray(lens, dtype=np.uint64)
+
+
+class NixlAgent:
+    """A NIXL agent (UCX) with one worker's KV cache registered."""
+
+    def __init__(self, name: str, kv_cache):
+        nixl = nixl_module()
+        if nixl is None:
+            raise NixlError("NIXL is not installed (pip install 'kvgate[nixl]')")
+        if not kv_cache.is_contiguous() or kv_cache.dim() < 3:
+            raise NixlError("the KV cache must be one contiguous [layers, 2, blocks, ...] tensor")
+        conf = nixl.nixl_agent_config(backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = nixl.nixl_agent(name, conf)
+        self.name = name
+        self.kv_cache = kv_cache
+        self.registered = self.agent.register_memory(kv_cache)
+        layers, two, num_blocks = kv_cache.shape[:3]
+        cuda = kv_cache.device.type == "cuda"
+        self.layout = CacheLayout(
+            name, base64.b64encode(self.agent.get_agent_metadata()).decode(), "VRAM" if cuda else "DRAM",
+            kv_cache.get_device() if cuda else 0, kv_cache.data_ptr(), num_blocks, layers * two,
+            kv_cache[0, 0, 0].numel() * kv_cache.element_size())
+        self._peers: set[str] = set()
+
+    def connect(self, peer: CacheLayout) -> None:
+        """Load a peer's metadata once (a restarted peer has a new agent name)."""
+        if peer.agent not in self._peers:
+            self.agent.add_remote_agent(base64.b64decode(peer.metadata))
+            self._peers.add(peer.agent)
+
+    def forget(self, agent: str) -> None:
+        if agent in self._peers:
+            self._peers.discard(agent)
+            try:
+                self.agent.remove_remote_agent(agent)
+            except Exception as e:  # a peer that is gone may not disconnect cleanly
+                log.debug("forgetting NIXL peer %s: %r", agent, e)
+
+    def write(self, peer: CacheLayout, local: list[int], remote: list[int], timeout_s: float) -> int:
+        """WRITE our blocks `local` into the peer's blocks `remote`; returns the bytes moved.
+        Blocking (run it on a thread); raises NixlError on a failed or timed-out transfer."""
+        mine = self.layout
+        if (peer.num_slices, peer.slice_bytes) != (mine.num_slices, mine.slice_bytes):
+            raise NixlError(f"peer cache layout {peer.num_slices}x{peer.slice_bytes} B does not match "
+                            f"ours {mine.num_slices}x{mine.slice_bytes} B")
+        if not local:
+            return 0
+        self.connect(peer)
+        ls, rs, lens = block_runs(local, remote)
+        src = self.agent.get_xfer_descs(mine.descs(ls, lens), mine.mem)
+        dst = self.agent.get_xfer_descs(peer.descs(rs, lens), peer.mem)
+        handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.0002)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise NixlError(f"NIXL WRITE to {peer.agent} ended {state if state != 'PROC' else 'timed out'}")
+        finally:
+            handle.release()  # cancels a transfer still in progress
+        return len(local) * mine.num_slices * mine.slice_bytes
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The decode side's answer to a reservation: which of its blocks take payload blocks
+    `positions`, and for how long it waits for the commit."""
+    id: str
+    agent: str
+    blocks: list[int]
+    positions: list[int]
+    ttl_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Grant":
+        try:
+            return cls(str(d["id"]), str(d["agent"]), [int(b) for b in d["blocks"]],
+                       [int(p) for p in d["positions"]], float(d["ttl_s"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a NIXL reservation: {e!r}") from None
+
+
+    def sources(self, local_ids: list[int], peer: CacheLayout) -> list[int]:
+        """Our block for each granted one; raises NixlError for a grant that does not fit the
+        payload or the peer's cache (a decode worker is trusted with the token, not with bounds)."""
+        fits = (self.agent == peer.agent and len(self.blocks) == len(self.positions)
+                and all(0 <= p < len(local_ids) for p in self.positions)
+                and all(0 <= b < peer.num_blocks for b in self.blocks))
+        if not fits:
+            raise NixlError(f"grant {self.id} does not fit the payload or {peer.agent}'s cache")
+        return [local_ids[p] for p in self.positions]
+
+
+@dataclass
+class Held:
+    """A reservation waiting for its commit; `timer` lets it go when none comes."""
+    payload: KVPayload
+    res: Reservation
+    timer: asyncio.TimerHandle
+
+
+class NixlTransfer:
+    """Both sides of NIXL P/D for one worker, beside its HTTP TransferService (`service`)."""
+
+    def __init__(self, service, agent: NixlAgent):
+        self.service = service
+        self.agent = agent
+        self.reservations: dict[str, Held] = {}
+        self._peers: dict[str, CacheLayout] = {}  # decode worker URL -> its layout
+        self.expired = 0  # reservations let go without a commit
+        self.fallbacks = 0  # sends that failed here and went to HTTP
+
+    @classmethod
+    def start(cls, service, worker_id: str) -> "NixlTransfer":
+        """Register the executor's KV cache with a fresh agent; raises NixlError when it cannot."""
+        kv_cache = getattr(service.engine.executor, "kv_cache", None)
+        if kv_cache is None:
+            raise NixlError("this executor has no KV cache tensor to register")
+        return cls(service, NixlAgent(f"kvgate-{worker_id}-{uuid.uuid4().hex[:8]}", kv_cache))
+
+    # -- decode side ------------------------------------------------------------------------
+
+    async def info_endpoint(self, request: Request) -> Response:
+        """GET /kv/nixl: this worker's agent metadata and cache layout (internal)."""
+        if not self.service.authorised(request):
+            return _forbidden()
+        return JSONResponse(self.agent.layout.to_json())
+
+    async def reserve_endpoint(self, request: Request) -> Response:
+        """POST /kv/nixl/reserve: verify a header-only transfer, hold its blocks, answer a Grant."""
+        if not self.service.authorised(request):
+            return _forbidden()
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_HEADER_BYTES:
+                return JSONResponse(error_body("KV reservation header too large", code="bad_kv_transfer"), 413)
+        svc, eng = self.service, self.service.engine
+        try:
+            payload, _ = await asyncio.to_thread(decode_header, bytes(body), svc.spec, eng.kv.seed)
+        except InvalidRequest as e:
+            return JSONResponse(error_body(str(e), code=e.code), status_code=400)
+        res = await asyncio.wrap_future(eng.call(lambda: reserve(eng.pool, payload)))
+        rid = uuid.uuid4().hex
+        ttl = RESERVE_BASE_S + len(res.fresh) * svc.spec.block_bytes() / (RESERVE_MIN_GBPS * 1e9)
+        timer = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
+        self.reservations[rid] = Held(payload, res, timer)
+        return JSONResponse(Grant(rid, self.agent.name, res.fresh_ids, res.positions, ttl).to_json())
+
+    def _expire(self, rid: str) -> None:
+        held = self.reservations.pop(rid, None)
+        if held is not None:
+            self.expired += 1
+            log.warning("KV reservation %s expired without a commit: %d blocks let go", rid, len(held.res.blocks))
+            eng = self.service.engine
+            eng.call(lambda: eng.pool.free(held.res.blocks))
+
+    async def commit_endpoint(self, request: Request) -> Response:
+        """POST /kv/nixl/commit {id, ok}: publish the written blocks, or let them go."""
+        if not self.service.authorised(request):
+            return _forbidden()
+        try:
+            body = await request.json()
+            rid, ok = body["id"], body["ok"]
+            if not isinstance(rid, str) or not isinstance(ok, bool):
+                raise TypeError("'id' is a string and 'ok' a boolean")
+        except (ValueError, KeyError, TypeError) as e:
+            return JSONResponse(error_body(f"bad KV commit: {e!r}", code="bad_kv_transfer"), status_code=400)
+        held = self.reservations.pop(rid, None)
+        if held is None:
+            return JSONResponse(error_body("no such KV reservation (expired or committed)", code="kv_reservation_gone"),
+                                status_code=409)
+        held.timer.cancel()
+        eng = self.service.engine
+        if not ok:
+            eng.call(lambda: eng.pool.free(held.res.blocks))
+            return JSONResponse({"released": len(held.res.blocks)})
+        imported, present = await asyncio.wrap_future(eng.call(lambda: publish(eng.pool, held.payload, held.res)))
+        eng.stats.kv_imported_blocks += imported
+        return JSONResponse({"imported": imported, "present": present,
+                             "dropped": len(held.payload.hashes) - imported - present})
+
+    # -- prefill side -----------------------------------------------------------------------
+
+    async def _peer(self, client: httpx.AsyncClient, url: str, headers: dict, refresh: bool = False) -> CacheLayout:
+        if refresh or url not in self._peers:
+            r = await client.get(url.rstrip("/") + "/kv/nixl", headers=headers)
+            r.raise_for_status()
+            old = self._peers.get(url)
+            self._peers[url] = CacheLayout.from_json(r.json())
+            if old is not None and old.agent != self._peers[url].agent:
+                self.agent.forget(old.agent)
+        return self._peers[url]
+
+    async def send(self, client: httpx.AsyncClient, url: str, header: bytes, local_ids: list[int],
+                   headers: dict[str, str]) -> bool:
+        """Reserve at `url`, WRITE `local_ids` (the payload's blocks in order) into the granted
+        blocks, commit. False when any step failed (the caller falls back); nothing stays held."""
+        headers = {**headers, TOKEN_HEADER: self.service.token or ""}
+        base = url.rstrip("/")
+        try:
+            peer = await self._peer(client, url, headers)
+            r = await client.post(base + "/kv/nixl/reserve", content=header,
+                                  headers={**headers, "content-type": "application/x-kvgate-header"})
+            r.raise_for_status()
+            grant = Grant.from_json(r.json())
+            if grant.agent != peer.agent:
+                peer = await self._peer(client, url, headers, refresh=True)
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning("NIXL reservation at %s failed: %r", url, e)
+            self.fallbacks += 1
+            return False
+        ok = False
+        try:
+            src = grant.sources(local_ids, peer)
+            t0 = time.perf_counter()
+            nbytes = await asyncio.to_thread(self.agent.write, peer, src, grant.blocks, grant.ttl_s / 2)
+            self.service.sent_seconds += time.perf_counter() - t0
+            self.service.sent_bytes += nbytes
+            ok = True
+        except NixlError as e:
+            log.warning("NIXL write to %s failed: %s", url, e)
+            self.agent.forget(peer.agent)
+            self._peers.pop(url, None)
+        try:
+            r = await client.post(base + "/kv/nixl/commit", json={"id": grant.id, "ok": ok}, headers=headers)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log.warning("NIXL commit at %s failed: %r", url, e)
+            ok = False
+        self.fallbacks += not ok
+        return ok
+
+    def stats(self) -> dict:
+        return {"agent": self.agent.name, "layout": self.agent.layout.to_json(),
+                "reservations": len(self.reservations), "expired": self.expired, "fallbacks": self.fallbacks}
+
+
+def _forbidden() -> JSONResponse:
+    return JSONResponse(error_body("KV transfer needs the fleet's internal token", "permission_error", "forbidden"),
+                        status_code=403)
