@@ -13,6 +13,7 @@ import pytest
 
 from tests.procs import KVGATE, Proc, Worker, free_port, start_gateway, stop_all, wait_for
 from tests.test_gateway_pd import ask, prompt
+from workers.transfer import KVSpec, encode_header
 from workers.transfer_nixl import nixl_module
 
 pytestmark = [pytest.mark.slow,
@@ -53,6 +54,22 @@ def test_workers_publish_their_nixl_agent(nixl_fleet):
     state = d.state()["kv_transfer"]
     assert state["transport"] == "nixl" and state["nixl"]["layout"] == info
     assert info["mem"] == "DRAM" and info["num_slices"] == 2 * 2 and info["metadata"]
+
+
+def test_reservations_refuse_strangers_and_bad_transfers(nixl_fleet):
+    d = nixl_fleet["d"]
+    token = {"x-kvgate-token": SECRET[1]}
+    assert httpx.post(d.url + "/kv/nixl/reserve", content=b"KVG1").status_code == 403
+    assert httpx.post(d.url + "/kv/nixl/commit", json={"id": "x", "ok": True}).status_code == 403
+    r = httpx.post(d.url + "/kv/nixl/reserve", content=b"nope", headers=token)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_kv_transfer"
+    spec = KVSpec(nixl_fleet["model"], 16, "float32", 2, 2, 16)
+    forged = encode_header(spec, [1, 2], [list(range(16)), list(range(16, 32))], None)
+    r = httpx.post(d.url + "/kv/nixl/reserve", content=forged, headers=token)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_hash_mismatch", r.text
+    assert httpx.post(d.url + "/kv/nixl/commit", json={"id": "unknown", "ok": True}, headers=token).status_code == 409
+    assert httpx.post(d.url + "/kv/nixl/commit", json={"id": 3, "ok": "yes"}, headers=token).status_code == 400
+    assert d.state()["kv_transfer"]["nixl"]["reservations"] == 0
 
 
 def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):

@@ -156,21 +156,29 @@ class NixlAgent:
                             f"ours {mine.num_slices}x{mine.slice_bytes} B")
         if not local:
             return 0
-        self.connect(peer)
         ls, rs, lens = block_runs(local, remote)
-        src = self.agent.get_xfer_descs(mine.descs(ls, lens), mine.mem)
-        dst = self.agent.get_xfer_descs(peer.descs(rs, lens), peer.mem)
-        handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
+        try:
+            self.connect(peer)
+            src = self.agent.get_xfer_descs(mine.descs(ls, lens), mine.mem)
+            dst = self.agent.get_xfer_descs(peer.descs(rs, lens), peer.mem)
+            handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
+        except Exception as e:  # the bindings raise their own errors (an unreachable peer: NIXL_ERR_BACKEND)
+            raise NixlError(f"cannot start a NIXL WRITE to {peer.agent}: {e!r}") from e
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             while state == "PROC" and time.monotonic() < deadline:
                 time.sleep(0.0002)
                 state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise NixlError(f"NIXL WRITE to {peer.agent} ended {state if state != 'PROC' else 'timed out'}")
+        except Exception as e:
+            raise NixlError(f"NIXL WRITE to {peer.agent} failed: {e!r}") from e
         finally:
-            handle.release()  # cancels a transfer still in progress
+            try:
+                handle.release()  # cancels a transfer still in progress
+            except Exception as e:
+                log.warning("NIXL could not release a WRITE to %s: %r", peer.agent, e)
+        if state != "DONE":
+            raise NixlError(f"NIXL WRITE to {peer.agent} ended {state if state != 'PROC' else 'timed out'}")
         return len(local) * mine.num_slices * mine.slice_bytes
 
 
