@@ -16,8 +16,9 @@ P/D: with `roles` giving workers the "prefill" and "decode" roles, a policy may 
 request to a pair. As the gateway does, the decode request goes to D at once and D holds it
 (as `Engine._admit_pending` does) until its prompt's full blocks are resident or `pd_wait_s`
 has passed (then D computes them itself: a fallback); a prefill leg (max_tokens=1, not a
-client record) goes to P, and when P finishes it the blocks travel for
-blocks x block_size x kv_bytes_per_token / (transfer_gbps * 1e9) s and are written into D's
+client record) goes to P, and when P finishes it the blocks travel for transfer_latency_s +
+blocks x block_size x kv_bytes_per_token / (transfer_gbps * 1e9) s (a transport's measured link,
+bench/transfer_model.py) and are written into D's
 pool by the real `import_payload`, published as stored events like any cached block.
 """
 import gc
@@ -59,6 +60,7 @@ class FleetConfig:
     roles: tuple[str, ...] | None = None  # per worker; None: all mixed
     kv_bytes_per_token: int = 131072  # Llama-3-8B in bf16
     transfer_gbps: float = 20.0  # GB/s (1e9 bytes)
+    transfer_latency_s: float = 0.0  # fixed cost per transfer (reserve, commit, handshakes)
     pd_wait_s: float = 5.0  # the gateway's default KV wait on the decode worker
 
 
@@ -215,7 +217,7 @@ class FleetSim:
         B = self.cfg.sim.block_size
         hashes = leg.block_hashes[:leg.num_prompt // B]
         size = len(hashes) * B * self.cfg.kv_bytes_per_token
-        self._push(now + size / (self.cfg.transfer_gbps * 1e9), TRANSFER, d)
+        self._push(now + self.cfg.transfer_latency_s + size / (self.cfg.transfer_gbps * 1e9), TRANSFER, d)
         self.transfers[self.seq] = (req, d, hashes)
 
     def _import(self, req: Request, d: int, hashes: list[int], now: float) -> None:

@@ -22,6 +22,8 @@ from dataclasses import asdict
 
 from bench import report as rep
 from bench.fleet_sim import FleetConfig, FleetSim, stderr_progress
+from bench.transfer_model import DEFAULT_PROFILE, TransferLink
+from bench.transfer_model import load as load_link
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate, resolve_rates
 from gateway.server import parse_policy_args
@@ -149,7 +151,12 @@ def parser() -> argparse.ArgumentParser:
                    "prefill:2,decode:2 (roles: mixed, prefill, decode); default: all mixed")
     p.add_argument("--kv-bytes-per-token", type=int, default=131072,
                    help="KV bytes per token for P/D transfers (default: Llama-3-8B in bf16)")
-    p.add_argument("--transfer-gbps", type=float, default=20.0, help="P/D link speed in GB/s")
+    p.add_argument("--transfer-gbps", type=float, help="P/D link speed in GB/s (default: --kv-transport's "
+                   "measured link, else 20)")
+    p.add_argument("--kv-transport", choices=["http", "ipc", "nixl"],
+                   help="model P/D transfers as this transport's measured link (latency + bandwidth fitted "
+                        "by bench/transfer_payload.py, read from --transfer-profile)")
+    p.add_argument("--transfer-profile", default=DEFAULT_PROFILE, help="a bench/transfer_payload.py result")
     p.add_argument("--views-with-cost", action="store_true",
                    help="give policies the cost model (the gateway does not: it sends step_ms only)")
     p.add_argument("--no-fast-forward", action="store_true", help="step every decode one at a time (slow; for checking)")
@@ -167,8 +174,10 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
     profile = load_profile(args.profile) if args.profile else {}
     cost = CostModel.from_json(profile) if profile else CostModel()
     overhead = args.request_overhead_ms if args.request_overhead_ms is not None else profile.get("request_overhead_ms", 0.0)
+    link = load_link(args.kv_transport, args.transfer_profile) if args.kv_transport else TransferLink("given", 0.0, 20.0)
     return FleetConfig(roles=parse_roles(args.roles, args.workers), kv_bytes_per_token=args.kv_bytes_per_token,
-                       transfer_gbps=args.transfer_gbps, workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
+                       transfer_gbps=args.transfer_gbps or link.gbps, transfer_latency_s=link.latency_s,
+                       workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
                        slo_tpot_ms=args.slo_tpot_ms, poll_s=args.poll_ms / 1000.0, drain_s=args.drain_s,
                        views_with_cost=args.views_with_cost, request_overhead_ms=overhead)
 
@@ -231,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             "fleet": {"sim": asdict(fleet.sim), "cost": fleet.cost.to_json(), "profile": args.profile,
                       "poll_s": fleet.poll_s, "views_with_cost": fleet.views_with_cost,
                       "request_overhead_ms": fleet.request_overhead_ms, "roles": args.roles,
-                      "kv_bytes_per_token": fleet.kv_bytes_per_token, "transfer_gbps": fleet.transfer_gbps},
+                      "kv_bytes_per_token": fleet.kv_bytes_per_token, "transfer_gbps": fleet.transfer_gbps,
+                      "transfer_latency_s": fleet.transfer_latency_s, "kv_transport": args.kv_transport},
             "wall_s": time.perf_counter() - t0}
     rep.publish(series, meta, args.out)

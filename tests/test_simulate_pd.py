@@ -118,3 +118,32 @@ def test_the_transfer_carries_every_full_prompt_block():
     [rec] = sim.run([BenchRequest(0, 0.0, list(range(100, 2148)), 4)], 1.0)
     assert rec["error"] is None and rec["prefill_worker"] == "w000"
     assert seen == [(128, 127)]
+
+
+def test_a_transports_fixed_cost_is_paid_once_per_transfer():
+    _, base = one_pair_ttft(0.0)
+    assert one_pair_ttft(0.0, transfer_latency_s=0.05)[1] == pytest.approx(base + 50.0)
+
+
+def test_the_transfer_model_fits_latency_and_bandwidth():
+    from bench.transfer_model import fit
+    runs = [{"transport": "nixl", "bytes": b, "seconds": 0.002 + b / 4e9} for b in (2**25, 2**27, 2**29, 2**30)]
+    link = fit("nixl", runs + [{"transport": "http", "bytes": 1, "seconds": 1.0}])
+    assert link.latency_s == pytest.approx(0.002) and link.gbps == pytest.approx(4.0)
+    assert link.seconds(2**30) == pytest.approx(0.002 + 2**30 / 4e9)
+    with pytest.raises(ValueError):
+        fit("ipc", runs)
+
+
+def test_simulate_takes_a_transports_measured_link(tmp_path):
+    import json
+    profile = tmp_path / "transfer_payload.json"
+    profile.write_text(json.dumps({"links": {"nixl": {"transport": "nixl", "latency_s": 0.003, "gbps": 2.5}}}))
+    argv = ["--workers", "2", "--roles", "prefill:1,decode:1", "--rate", "1", "--out", "x.json",
+            "--transfer-profile", str(profile)]
+    fleet = simulate.fleet_config(simulate.parser().parse_args(argv + ["--kv-transport", "nixl"]))
+    assert (fleet.transfer_gbps, fleet.transfer_latency_s) == (2.5, 0.003)
+    with pytest.raises(ValueError, match="no measured link for 'ipc'"):
+        simulate.fleet_config(simulate.parser().parse_args(argv + ["--kv-transport", "ipc"]))
+    fleet = simulate.fleet_config(simulate.parser().parse_args(argv))
+    assert (fleet.transfer_gbps, fleet.transfer_latency_s) == (20.0, 0.0)
