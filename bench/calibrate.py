@@ -35,10 +35,6 @@ prefill, alone or beside decodes.
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -48,6 +44,7 @@ import numpy as np
 
 from bench.loadgen import send
 from bench.workloads import BenchRequest, TOKEN_LOW
+from gateway.procs import Worker
 from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 
@@ -342,35 +339,6 @@ def plot_fit(profile: dict, path: str) -> None:
     plt.close(fig)
 
 
-def start_worker(model: str, executor: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """A `kvgate worker` on a free port in its own process group; returns (process, url)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "gateway.cli", "worker", "--model", model, "--executor", executor,
-            "--port", str(port), "--worker-id", "calibrate", *extra]
-    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    stop_worker(proc)
-    raise RuntimeError(f"worker for {model} did not come up")
-
-
-def stop_worker(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_tokens: int = 24,
               seed: int = 0, rounds: int = 3) -> dict:
     """Measure the workers at `urls` (at the same time, so a fleet sharing one machine is
@@ -435,8 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     proc = None
     urls = args.url
     if args.model:
-        proc, url = start_worker(args.model, args.executor, args.worker_arg)
-        urls = [url]
+        proc = Worker(args.executor, "calibrate", model=args.model, extra=args.worker_arg).ready(300)
+        urls = [proc.url]
     try:
         urls = [u.rstrip("/") for u in urls]
         probe = calibrate
@@ -446,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         profile = probe(urls, lengths, batches, args.decode_tokens, args.seed, args.rounds)
     finally:
         if proc is not None:
-            stop_worker(proc)
+            proc.stop()
     with open(args.out, "w") as f:
         json.dump(profile, f, indent=1)
         f.write("\n")

@@ -15,7 +15,7 @@ Scenarios:
   arrivals at `--overload-factor` times it hit a gateway with default admission control and one
   without (unbounded queues): outcomes, and p50/p99 of the admitted requests' latency.
 - `liveness`: seconds from a fault to the gateway taking the worker out of its candidates:
-  engine thread frozen or dead behind a live server (`tests.fault_worker`), process
+  engine thread frozen or dead behind a live server (`bench.fault_worker`), process
   SIGSTOPped or SIGKILLed.
 
 Writes the JSON report and, next to it, a PNG timeline per scenario (outcomes per second,
@@ -38,7 +38,7 @@ import httpx
 import numpy as np
 
 from bench import chaos_client as cc
-from tests.procs import TEST_TOKEN, Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import TEST_TOKEN, Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.internal_auth import internal_headers
 
 UNBOUNDED = ["--max-queue-per-worker", "1000000", "--max-pending", "1000000"]
@@ -283,9 +283,9 @@ def overload_once(fleet: Fleet, args: argparse.Namespace, rate: float, shape: cc
 
 
 def fault_worker(name: str, logs: str) -> Proc:
-    """A real worker whose engine freezes or dies on a marked prompt (`tests.fault_worker`)."""
+    """A real worker whose engine freezes or dies on a marked prompt (`bench.fault_worker`)."""
     port = free_port()
-    argv = [sys.executable, "-m", "tests.fault_worker", "--model", cc.MODEL, "--executor", "sim",
+    argv = [sys.executable, "-m", "bench.fault_worker", "--model", cc.MODEL, "--executor", "sim",
             "--port", str(port), "--worker-id", name]
     return Proc(name, argv, port, logs).wait_ready(timeout=120)
 
@@ -293,7 +293,7 @@ def fault_worker(name: str, logs: str) -> Proc:
 def run_liveness(args: argparse.Namespace) -> dict:
     """Seconds from a fault to the gateway taking the worker out of its candidates, per fault:
     the engine thread frozen or dead behind a live HTTP server, the process stopped or killed."""
-    from tests import fault_worker as fw
+    from bench import fault_worker as fw
     logs = args.log_dir
     out: dict = {}
     for fault in ("engine_frozen", "engine_dead", "sigstop", "sigkill"):

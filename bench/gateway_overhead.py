@@ -199,7 +199,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 async def measure_http(args) -> dict:
-    from tests.procs import Worker, start_gateway, stop_all
+    from gateway.procs import Worker, start_gateway, stop_all
     profile = Path(tempfile.mkdtemp()) / "zero.json"
     profile.write_text(json.dumps({k: 0.0 for k in CostModel().to_json()}))
     workers = [Worker(worker_id=f"z{i}", extra=["--sim-profile", str(profile)]) for i in range(2)]

@@ -27,7 +27,7 @@ import yaml
 
 from bench.prom import RATIO_UNITS, RULES, Prom, panel_queries, quick_rules, start_prometheus, values_of
 from gateway.metrics import LATENCY_BUCKETS
-from tests.procs import Worker, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, start_gateway, stop_all, wait_for
 
 MODEL = "smollm2-135m"
 SECRET = ("--internal-token", "observe-fleet-token")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.procs import Proc, free_port, wait_for
+from gateway.procs import Proc, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "grafana/dashboards/kvgate.json"

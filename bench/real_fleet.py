@@ -26,7 +26,7 @@ import httpx
 from bench import report as rep
 from bench.loadgen import run_rate
 from bench.workloads import add_args, from_args
-from tests.procs import Worker, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, start_gateway, stop_all, wait_for
 
 
 def parse_fleet(spec: str) -> tuple[str, str, list[str]]:

@@ -19,7 +19,7 @@ import httpx
 
 from bench.random_model import add_args, make_model
 from workers.internal_auth import internal_headers
-from tests.procs import Worker
+from gateway.procs import Worker
 
 TOKEN = "bench-token"
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import msgpack
 
@@ -17,6 +18,8 @@ from gateway.index import ResidencyIndex
 from gateway.vllm_events import decode_frames, decode_replay
 from gateway.vllm_translate import Translator
 from gateway.vllm_worker import IndexSink
+
+RECORDED = Path(__file__).resolve().parents[1] / "tests" / "data" / "vllm-0.32-events.msgpack"
 
 MODEL = "smollm2-135m"
 
@@ -65,8 +68,7 @@ def run(messages: list[list[bytes]], block_size: int, replay: bool = False) -> d
 
 
 def translate_throughput(repeats: int = 200) -> dict:
-    from tests.vllm_data import replay_frames
-    recorded = replay_frames()
+    recorded = msgpack.unpackb(RECORDED.read_bytes(), raw=False)["replay"]  # tests/data/README.md
     out = {"recorded_vllm_0.32": {bs: run(recorded * 1, bs, replay=True) for bs in (16, 32)}}
     best = [run(recorded, 16, replay=True) for _ in range(repeats)]
     out["recorded_vllm_0.32"]["16_repeated"] = {

@@ -32,8 +32,8 @@ import httpx
 from bench import report as rep
 from bench.loadgen import run_rate
 from bench.workloads import add_args, from_args
-from tests.procs import start_gateway, stop_all, wait_for
-from tests.vllm_procs import MODEL, VllmServer, need_vllm_python
+from gateway.procs import start_gateway, stop_all, wait_for
+from bench.vllm_procs import MODEL, VllmServer, need_vllm_python
 
 LATENCY_PROMPT = list(range(1000, 1016))
 

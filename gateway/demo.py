@@ -7,16 +7,14 @@ chosen worker, predicted vs actual cached tokens and the time to first token.
 """
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from gateway.procs import Proc, Worker, start_gateway
 
 CONVERSATIONS = [
     ["You are helping me plan a trip to Paris. Which three museums should I visit?",
@@ -27,45 +25,6 @@ CONVERSATIONS = [
      "Why does reusing it for a shared prompt prefix save time?",
      "Give a one-line analogy for a child."],
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Child:
-    """A `kvgate` subprocess in its own process group, logging to a file."""
-
-    def __init__(self, name: str, args: list[str], port: int, log_dir: Path):
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
-        self.log = log_dir / f"{name}.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 def chat_turn(gateway: str, messages: list[dict], max_tokens: int) -> dict:
@@ -122,16 +81,10 @@ def run_chat(gateway: str, max_tokens: int) -> None:
           f"({cached / max(prompt, 1):.0%}), predicted {predicted}")
 
 
-def start_fleet(executor: str, policy: str, log_dir: Path) -> list[Child]:
+def start_fleet(executor: str, policy: str, log_dir: Path) -> list[Proc]:
     """Two workers and a gateway in front of them; the gateway last."""
-    ports = [free_port() for _ in range(3)]
-    children = [Child(f"worker-{i}", ["worker", "--model", "smollm2-135m", "--executor", executor,
-                                      "--port", str(ports[i]), "--worker-id", f"cpu{i}"], ports[i], log_dir)
-                for i in range(2)]
-    gateway = ["gateway", "--port", str(ports[2]), "--policy", policy, "--model", "smollm2-135m"]
-    for c in children:
-        gateway += ["--worker", c.url]
-    return children + [Child("gateway", gateway, ports[2], log_dir)]
+    workers = [Worker(executor, f"cpu{i}", log_dir=str(log_dir)) for i in range(2)]
+    return [*workers, start_gateway([w.url for w in workers], policy, name="gateway", log_dir=str(log_dir))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,12 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-logs", action="store_true", help="print where the processes logged")
     args = p.parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
-    children: list[Child] = []
+    children: list[Proc] = []
     try:
         print(f"starting 2 {args.executor} workers and a {args.policy} gateway ...", flush=True)
         children = start_fleet(args.executor, args.policy, log_dir)
         for c in children:
-            c.wait_healthy(300)
+            c.wait_ready("/health", 300)
         print(f"gateway on {children[-1].url}; workers {children[0].url}, {children[1].url}\n", flush=True)
         run_chat(children[-1].url, args.max_tokens)
     except KeyboardInterrupt:

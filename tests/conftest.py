@@ -1,5 +1,23 @@
-"""Shared fixtures: tiny random checkpoints built at test time (no model hub)."""
+"""Shared fixtures (tiny random checkpoints built at test time, no model hub) and the tiers.
+
+Tiers: a test that starts processes (it uses `gateway.procs`, or `subprocess` itself) is marked
+`integration` here, so that `make test-fast` (`-m "not integration and not slow and not vllm"`)
+runs the pure tests alone, in under a minute.
+"""
+import subprocess
+
 import pytest
+
+from gateway import procs
+
+PROCESS_STARTERS = {id(v) for v in vars(procs).values() if callable(v)} | {id(subprocess), id(subprocess.Popen)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and any(id(v) in PROCESS_STARTERS for v in vars(module).values()):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gateway.auth import SHARED, ApiKey, ApiKeys, digest
 from gateway.ratelimit import Limit, RateLimiter, take
-from tests.procs import Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
 
 MODEL = "smollm2-135m"
 WORDS = "cache block token worker gateway prefix decode prefill route fleet queue page hash".split()

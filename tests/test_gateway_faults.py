@@ -1,7 +1,7 @@
 """The gateway when workers fail: liveness, upstream timeouts, retries, circuit breakers and
 its own SIGTERM drain; real gateway and worker processes on loopback.
 
-Faults are real: workers are SIGKILLed or SIGSTOPped, and `tests.fault_worker` (a real
+Faults are real: workers are SIGKILLed or SIGSTOPped, and `bench.fault_worker` (a real
 worker whose executor misbehaves on marked prompts) stops or freezes its engine thread behind
 a live HTTP server.
 """
@@ -14,15 +14,15 @@ import time
 import httpx
 import pytest
 
-from tests import fault_worker as fw
-from tests.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from bench import fault_worker as fw
+from gateway.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
 
 MODEL = "smollm2-135m"
 
 
 def start_fault_worker(name: str, log_dir: str, extra: tuple[str, ...] = ()) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "tests.fault_worker", "--model", MODEL, "--executor", "sim",
+    argv = [sys.executable, "-m", "bench.fault_worker", "--model", MODEL, "--executor", "sim",
             "--port", str(port), "--worker-id", name, *extra]
     return Proc(name, argv, port, log_dir)
 

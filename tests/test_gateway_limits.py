@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import Worker, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, start_gateway, stop_all, wait_for
 from tests.test_gateway_faults import healthy, metric, slow_profile
 
 MODEL = "smollm2-135m"

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.procs import Worker, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, start_gateway, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 SECRET = ("--internal-token", "gw-pd-token")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.fuzz_bodies import bodies
-from tests.procs import Worker, free_port, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, free_port, start_gateway, stop_all, wait_for
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 
 MODEL = "smollm2-135m"

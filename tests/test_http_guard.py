@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tests.procs import free_port, wait_for
+from gateway.procs import free_port, wait_for
 from workers.http_guard import BodyTooLarge, CloseOn5xx, read_body
 
 

@@ -1,6 +1,5 @@
 """The gateway's residency index: event application, gaps, snapshot resync, prefix matching."""
 import random
-import time
 
 from hypothesis import given, settings, strategies as st
 
@@ -122,16 +121,11 @@ def test_mirrors_a_real_block_pool_through_its_event_log():
     assert {h for h in pool.resident_hashes()} == {h for h in range(20_000) if idx.holds("w", h)}
 
 
-def test_match_64_workers_512_blocks_well_under_a_millisecond():
+def test_match_64_workers_512_blocks():
+    """Each worker's longest held prefix (how fast: `python -m bench.gateway_overhead --only decision`)."""
     seed = seed_hash("m", 16)
     hashes = block_hashes(list(range(8192)), 16, seed)
     idx = ResidencyIndex()
     for i in range(64):
         idx.reset(f"w{i}", hashes[:8 * i + 8] + [hash((i, j)) for j in range(2000)], 0)
-    assert idx.match(hashes)["w63"] == 512 and idx.match(hashes)["w0"] == 8
-    best = float("inf")
-    for _ in range(200):
-        t0 = time.perf_counter()
-        idx.match(hashes)
-        best = min(best, time.perf_counter() - t0)
-    assert best < 0.5e-3, f"match took {best * 1e6:.0f} us"
+    assert idx.match(hashes) == {f"w{i}": 8 * i + 8 for i in range(64)}

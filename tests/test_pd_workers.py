@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import Worker
+from gateway.procs import Worker
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,5 @@
 """The built-in routing policies and the policy registry (predictions: test_predict.py)."""
 import random
-import time
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -311,11 +310,11 @@ def test_more_cache_never_raises_predicted_ttft(case):
             assert predict.ttft_ms(r, more) <= predict.ttft_ms(r, w) + 1e-9
 
 
-# speed
+# a large fleet (how fast: `python -m bench.gateway_overhead --only decision`)
 
 @pytest.mark.parametrize("roles", ((MIXED,) * 64, (PREFILL,) * 32 + (DECODE,) * 32,
                                    (PREFILL,) * 16 + (DECODE,) * 16 + (MIXED,) * 32))
-def test_a_64_worker_decision_is_well_under_a_millisecond(roles):
+def test_a_64_worker_decision_names_workers_of_the_fleet(roles):
     rnd = random.Random(0)
     f = FleetView(workers=tuple(
         WorkerView(worker_id=f"w{i}", role=role, matched_blocks=rnd.randrange(200),
@@ -323,12 +322,10 @@ def test_a_64_worker_decision_is_well_under_a_millisecond(roles):
                    queued_prefill_tokens=rnd.randrange(10_000), kv_tokens=rnd.randrange(200_000),
                    cost=COST, kv_bytes_per_token=36_864) for i, role in enumerate(roles)))
     r = req(4096)
+    ids = {w.worker_id for w in f.workers}
     for policy in (RoundRobin(), *(cls() for cls in STATELESS)):
-        n = 200
-        start = time.perf_counter()
-        for _ in range(n):
-            policy.route(r, f)
-        assert (time.perf_counter() - start) / n < 1e-3, policy.name
+        route = policy.route(r, f)
+        assert route.worker in ids and route.prefill in ids | {None}, (policy.name, route.reject)
 
 
 # registry

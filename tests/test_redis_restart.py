@@ -17,7 +17,7 @@ import redis
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.redis_state import RedisState
-from tests.procs import TEST_TOKEN, Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import TEST_TOKEN, Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.kv import redis_schema as rs
 
 MODEL = "smollm2-135m"

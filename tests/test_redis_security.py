@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from tests.procs import TEST_TOKEN, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import TEST_TOKEN, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.kv import redis_schema as rs
 
 MODEL = "smollm2-135m"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests import vllm_data as vd
-from tests.procs import KVGATE, TEST_TOKEN, Proc, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import KVGATE, TEST_TOKEN, Proc, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.model_store import load_tokenizer
 
 PROMPT = " ".join(f"word{i}" for i in range(60))

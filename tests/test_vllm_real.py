@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 
-from tests.procs import TEST_TOKEN, Proc, KVGATE, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
-from tests.vllm_procs import VllmServer, need_vllm
+from gateway.procs import TEST_TOKEN, Proc, KVGATE, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from bench.vllm_procs import VllmServer
+from tests.vllm_env import need_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -13,7 +13,7 @@ from gateway.vllm_subscriber import Subscriber
 from gateway.vllm_translate import Translator
 from gateway.vllm_worker import IndexSink
 from tests import vllm_data as vd
-from tests.procs import free_port
+from gateway.procs import free_port
 
 WID = "vllm@test"
 

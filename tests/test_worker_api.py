@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import Worker
+from gateway.procs import Worker
 from workers.kv.hashing import block_hashes, seed_hash
 from workers.model_store import load_tokenizer
 

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from tests import fault_worker as fw
-from tests.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from bench import fault_worker as fw
+from gateway.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
 
 MODEL = "smollm2-135m"
 TOKEN = "hardening-token"
@@ -24,7 +24,7 @@ TOKEN = "hardening-token"
 
 def start_fault_worker(name: str, extra: tuple[str, ...] = ()) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "tests.fault_worker", "--model", MODEL, "--executor", "sim",
+    argv = [sys.executable, "-m", "bench.fault_worker", "--model", MODEL, "--executor", "sim",
             "--port", str(port), "--worker-id", name, *extra]
     return Proc(name, argv, port).wait_ready(timeout=180)
 

@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 
-from tests.procs import Worker
+from gateway.procs import Worker
 from workers.model_store import load_tokenizer, resolve
 
 pytestmark = pytest.mark.slow

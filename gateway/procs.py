@@ -1,4 +1,5 @@
-"""Real processes on loopback for tests and benchmarks: workers, gateways, redis-server.
+"""Child processes on loopback: workers, gateways, redis-server, for `kvgate demo`, the
+benchmarks and the tests (one implementation of free port, start, wait for health, stop).
 
 Every process runs in its own process group and is stopped by group (SIGTERM, then SIGKILL),
 so nothing outlives a test even when it fails; output goes to a log file whose tail is shown
@@ -20,7 +21,7 @@ from workers.internal_auth import TOKEN_ENV, TOKEN_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 KVGATE = [sys.executable, "-m", "gateway.cli"]
-TEST_TOKEN = "kvgate-test-internal-token"  # the fleet secret of test-started workers and gateways
+TEST_TOKEN = "kvgate-test-internal-token"  # the fleet secret of workers and gateways started here with Redis
 
 
 def free_port() -> int:

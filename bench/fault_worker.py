@@ -1,6 +1,6 @@
 """A test-only `kvgate worker` whose executor misbehaves on marked prompts.
 
-`python -m tests.fault_worker <worker flags>` serves exactly as `kvgate worker` does, but a
+`python -m bench.fault_worker <worker flags>` serves exactly as `kvgate worker` does, but a
 step that prefills a prompt starting with one of the marker token ids below fails the way a
 real executor can: it raises (a CUDA error, a bad sampling value), kills the engine thread, or
 hangs for a while. Only a prompt's first chunk is looked at, so generated tokens never trip it.
