@@ -1,10 +1,12 @@
 """Shared fixtures (tiny random checkpoints built at test time, no model hub) and the tiers.
 
-Tiers: a test that starts processes (it uses `gateway.procs`, or `subprocess` itself) is marked
-`integration` here, so that `make test-fast` (`-m "not integration and not slow and not vllm"`)
-runs the pure tests alone, in under a minute.
+Tiers, marked here so no test file has to remember: a test that starts processes (its module
+uses `gateway.procs`, or `subprocess` itself) is `integration`; one that runs a torch model (its
+module imports torch, or it uses `tiny_llama`) is `model`. `make test-fast` deselects both (and
+`slow`, `vllm`): the pure tests alone, in under a minute.
 """
 import subprocess
+import sys
 
 import pytest
 
@@ -14,10 +16,16 @@ PROCESS_STARTERS = {id(v) for v in vars(procs).values() if callable(v)} | {id(su
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    torch = sys.modules.get("torch")
     for item in items:
         module = getattr(item, "module", None)
-        if module is not None and any(id(v) in PROCESS_STARTERS for v in vars(module).values()):
+        if module is None:
+            continue
+        held = vars(module).values()
+        if any(id(v) in PROCESS_STARTERS for v in held):
             item.add_marker(pytest.mark.integration)
+        if (torch is not None and any(v is torch for v in held)) or "tiny_llama" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")

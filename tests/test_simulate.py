@@ -130,6 +130,7 @@ def test_request_overhead_delays_first_token():
     assert late["tpot_p50_ms"] == pytest.approx(base["tpot_p50_ms"])
 
 
+@pytest.mark.slow
 def test_128_workers_at_high_rate():
     """128 H200-like workers at 1500 req/s: 4500 requests of 2k-token prompts, all served, on
     every worker (how fast: `kvgate simulate --workers 128`, `wall_s` in its JSON)."""
