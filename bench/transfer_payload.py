@@ -30,7 +30,7 @@ import torch
 from bench.random_model import add_args, make_model
 from bench.transfer_model import fit
 from bench.transfer_throughput import plot
-from tests.procs import Worker
+from gateway.procs import Worker
 from workers.executors.torch_runner import TorchRunner
 from workers.internal_auth import internal_headers
 from workers.kv.hashing import block_hashes, seed_hash
