@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             w.stop()
     summary = {t: {str(m): max((r["gbps"] or 0) for r in rows if r["transport"] == t and r["blocks"] == n)
                    for m, n in zip(args.mib, blocks)} for t in transports}
-    links = {t: fit(t, rows).to_json() for t in transports}
+    links = {t: fit(t, rows).to_json() for t in transports
+             if sum(r["ok"] for r in rows if r["transport"] == t) >= 2}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python -m bench.transfer_payload " + " ".join(argv or sys.argv[1:]),
