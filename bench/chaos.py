@@ -138,7 +138,8 @@ def summary(outcomes: list[cc.Outcome], span_s: float) -> dict:
     ok = [o for o in outcomes if o.result == cc.OK]
     lat = np.array([o.latency_ms for o in ok]) if ok else np.zeros(0)
     ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None])
-    pct = (lambda a, p: float(np.percentile(a, p)) if a.size else None)
+    def pct(a: np.ndarray, p: float) -> float | None:
+        return float(np.percentile(a, p)) if a.size else None
     dirt = sorted({o.detail for o in outcomes if o.result in (cc.DIRTY, cc.LOST)})[:10]
     errors = Counter(o.detail.split(" retry-after")[0].split(" after ")[0] for o in outcomes
                      if o.result in (cc.REFUSED, cc.CLEAN))
@@ -346,7 +347,7 @@ def plot(report: dict, path: str) -> None:
     fig, axes = plt.subplots(rows, 1, figsize=(11, 3.2 * rows), squeeze=False)
     if liveness is not None:
         ax = axes[-1, 0]
-        for i, (fault, r) in enumerate(liveness.items()):
+        for i, r in enumerate(liveness.values()):
             if isinstance(r, dict):
                 ax.scatter([i] * len(r["seconds"]), r["seconds"], color="tab:blue")
         names = [k for k, v in liveness.items() if isinstance(v, dict)]
@@ -362,7 +363,7 @@ def plot(report: dict, path: str) -> None:
         for k, series in run["per_second"].items():
             if any(series):
                 ax.plot(range(len(series)), series, label=f"{k} ({sum(series)})", color=colors[k])
-        for t, kind, target in run.get("events", ()):
+        for t, kind, _ in run.get("events", ()):
             ax.axvline(t, color="red" if kind == "kill" else "green", linestyle="-" if kind == "kill" else ":",
                        linewidth=1)
         ax.set_ylabel("requests / s")

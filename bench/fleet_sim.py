@@ -331,7 +331,7 @@ class FleetSim:
                 last_report = time.monotonic()
                 progress(t, len(self.records))
         self._index_events()
-        for req, i in list(self.live.values()):
+        for req, _ in list(self.live.values()):
             if req.request_id.endswith(PREFILL_SUFFIX):
                 continue
             self._failed(req.arrival, req.num_prompt, "unfinished: still running when the simulation stopped")

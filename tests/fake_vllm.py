@@ -63,7 +63,7 @@ class Fake:
             f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 1.0',
             f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 2.0',
             f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.25',
-            f'vllm:cache_config_info{{block_size="32",engine="0",num_gpu_blocks="400"}} 1.0', ""])
+            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="400"} 1.0', ""])
 
 
 def app(fake: Fake) -> Starlette:

@@ -193,7 +193,7 @@ def test_requests_without_a_valid_key_get_an_openai_401(fleet):
     a = fleet["a"]
     for key in (None, "sk-wrong"):
         r = post(a, key)
-        assert_openai_error(r, 401, "invalid_request_error")["code"] == "invalid_api_key"
+        assert assert_openai_error(r, 401, "invalid_request_error")["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"].startswith("Bearer")
     r = httpx.post(a + "/v1/chat/completions", headers={"authorization": "Basic c2stYWxpY2U="},
                    json={"messages": [{"role": "user", "content": "hi"}]})
@@ -215,7 +215,7 @@ def test_a_keys_request_rate_is_shared_by_replicas(fleet):
     assert [post(u, "sk-limited").status_code for u in urls] == [200, 200, 200]
     for u in (fleet["b"], fleet["a"]):
         r = post(u, "sk-limited")
-        assert_openai_error(r, 429, "rate_limit_error")["code"] == "rate_limit_exceeded"
+        assert assert_openai_error(r, 429, "rate_limit_error")["code"] == "rate_limit_exceeded"
         assert int(r.headers["retry-after"]) >= 1
     assert post(fleet["b"], "sk-alice").status_code == 200, "other keys are not limited"
 

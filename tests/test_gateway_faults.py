@@ -9,7 +9,6 @@ import concurrent.futures as cf
 import json
 import signal
 import sys
-import time
 
 import httpx
 import pytest
@@ -101,7 +100,7 @@ def freeze(pool: cf.ThreadPoolExecutor, worker: Proc) -> cf.Future:
 def test_frozen_engine_is_taken_out_and_its_waiting_requests_retried(procs):
     """f0's engine freezes for 3 s behind a live HTTP server: requests the gateway sent there
     before it noticed are retried on f1, streaming or not, instead of waiting out the freeze."""
-    gw, (f0, f1) = procs["live"], procs["faulty"]
+    gw, (f0, _) = procs["live"], procs["faulty"]
     with cf.ThreadPoolExecutor(9) as pool:
         frozen = freeze(pool, f0)
         plain = [pool.submit(complete, gw.url, [10 + i, 11, 12]) for i in range(4)]
@@ -184,7 +183,7 @@ def test_frozen_worker_times_out_and_its_breaker_opens(procs):
     """f0's engine freezes for 3 s and the gateway does not look at liveness: requests sent to
     f0 time out after the 0.5 s first-byte timeout and go to f1; after two such failures f0's
     breaker opens and no request tries it; after the freeze and the cooldown a trial closes it."""
-    gw, (f0, f1) = procs["blind"], procs["faulty"]
+    gw, (f0, _) = procs["blind"], procs["faulty"]
     with cf.ThreadPoolExecutor(1) as pool:
         frozen = freeze(pool, f0)
         answers = [complete(gw.url, [40 + i, 41]) if i % 2 else stream(gw.url, [40 + i, 41]) for i in range(6)]

@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from gateway.procs import KVGATE, Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from gateway.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
 from tests.test_gateway_pd import ask, prompt
 from workers.transfer import KVSpec, encode_header
 from workers.transfer_nixl import nixl_module

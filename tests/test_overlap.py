@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.sim_engine import drain, sim_engine
+from tests.sim_engine import sim_engine
 from workers.engine import Engine, EngineConfig
 from workers.executors.batch import SeqChunk
 from workers.executors.torch_runner import TorchRunner

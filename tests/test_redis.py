@@ -9,11 +9,8 @@ import httpx
 import pytest
 import redis
 
-from gateway.fleet import Fleet
-from gateway.index import ResidencyIndex
 from bench.redis_bootstrap import bootstrap_s, populate
-from gateway.redis_state import RedisState
-from gateway.procs import TEST_TOKEN, Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from workers.kv import redis_schema as rs
 
 MODEL = "smollm2-135m"

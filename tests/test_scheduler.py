@@ -164,7 +164,7 @@ def test_any_mix_drains_with_all_blocks_free(reqs, num_blocks, budget, max_seqs)
     assert eng.pool.num_free == eng.pool.num_blocks
     assert not eng.scheduler.running and not eng.scheduler.waiting
     capacity = num_blocks * 4
-    for i, (plen, mt, abort, delay) in enumerate(reqs):
+    for i, (plen, mt, abort, _) in enumerate(reqs):
         last = outs[f"r{i}"][-1]
         assert last.finish_reason in (("abort", "length") if abort else ("length",))
         if not abort:

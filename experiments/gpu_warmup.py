@@ -1,7 +1,7 @@
 """Is a fresh worker slow at a new load? Back-to-back runs of one workload against one worker,
 with every step's wall time and the CUDA caching allocator's counters.
 
-    python -m bench.gpu_warmup --tokenizer-dir DIR --out bench/results/h200-warmup-mechanism.json
+    python experiments/gpu_warmup.py --tokenizer-dir DIR --out bench/results/h200-warmup-mechanism.json
 
 It builds a random-weight Llama-3-8B-shaped checkpoint (bench.random_model), serves it from a
 `kvgate worker` in this process (so the allocator is readable) and drives it with `kvgate
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         runs = saved["runs"] if isinstance(saved, dict) else saved
     else:
         runs = measure(args)
-        Path(args.out).write_text(json.dumps({"command": "python -m bench.gpu_warmup " + " ".join(argv or sys.argv[1:]),
+        Path(args.out).write_text(json.dumps({"command": "python experiments/gpu_warmup.py " + " ".join(argv or sys.argv[1:]),
                                               "runs": runs}))
     plot(runs, args.title, os.path.splitext(args.out)[0] + ".png")
     os._exit(0)  # the worker's threads do not stop on their own

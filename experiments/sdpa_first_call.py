@@ -2,7 +2,7 @@
 scaled_dot_product_attention at decode shapes (masked, GQA; cuDNN on and off) and a matmul
 at new row counts. Why the torch runner pads attention shapes to buckets (workers/attention.py).
 
-    python -m bench.sdpa_first_call --out bench/results/h200-sdpa-first-call.json
+    python experiments/sdpa_first_call.py --out bench/results/h200-sdpa-first-call.json
 """
 import argparse
 import json
