@@ -6,12 +6,15 @@ longer than one prefill step is shipped in batches, no blocks leak on either sid
 prefill worker killed mid-transfer leaves the decode worker recomputing (the fallback), with
 its reservation let go, not hanging.
 """
+import json
 import sys
 
 import httpx
 import pytest
+import redis
 
-from gateway.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from gateway.procs import Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from workers.kv import redis_schema as rs
 from tests.test_gateway_pd import ask, prompt
 from workers.transfer import KVSpec, encode_header
 from workers.transfer_nixl import nixl_module
@@ -32,9 +35,11 @@ def drained(w) -> bool:
 def nixl_fleet(tiny_llama, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("nixl"))
     model = str(tiny_llama)
+    server = wait_redis(start_redis(log_dir=logs))
     p = Worker("torch", "nx-p", extra=("--role", "prefill", "--max-batched-tokens", "64", *SECRET, *NIXL),
                model=model, log_dir=logs)
-    d = Worker("torch", "nx-d", extra=("--role", "decode", *SECRET, *NIXL), model=model, log_dir=logs)
+    d = Worker("torch", "nx-d", extra=("--role", "decode", *SECRET, *NIXL), model=model, log_dir=logs,
+               redis=f"redis://127.0.0.1:{server.port}/0")
     m = Worker("torch", "nx-m", extra=SECRET, model=model, log_dir=logs)
     gw = start_gateway([p.url, d.url], "slo_goodput", log_dir=logs, extra=[*SECRET, "--model", model, *PD])
     try:
@@ -42,9 +47,9 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
             w.ready()
         gw.wait_ready("/v1/models")
         wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
-        yield {"p": p, "d": d, "m": m, "gw": gw, "model": tiny_llama.name}
+        yield {"p": p, "d": d, "m": m, "gw": gw, "model": tiny_llama.name, "redis": server}
     finally:
-        stop_all([gw, p, d, m])
+        stop_all([gw, p, d, m, server])
 
 
 def test_workers_publish_their_nixl_agent(nixl_fleet):
@@ -54,6 +59,10 @@ def test_workers_publish_their_nixl_agent(nixl_fleet):
     state = d.state()["kv_transfer"]
     assert state["transport"] == "nixl" and state["nixl"]["layout"] == info
     assert info["mem"] == "DRAM" and info["num_slices"] == 2 * 2 and info["metadata"]
+    r = redis.Redis(port=nixl_fleet["redis"].port)
+    beat = wait_for(lambda: r.get(rs.heartbeat_key(nixl_fleet["model"], "nx-d")), what="a heartbeat in redis")
+    reg = rs.Registration.from_json(json.loads(beat))
+    assert reg.why_invalid(SECRET[1]) is None and reg.state["kv_transfer"]["nixl"]["layout"] == info
 
 
 def test_reservations_refuse_strangers_and_bad_transfers(nixl_fleet):
@@ -88,6 +97,8 @@ def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):
     assert p["sent_bytes"] > 0 and p["failures"] == 0 and p["nixl"]["fallbacks"] == 0
     assert d["received_seconds"] == before["kv_transfer"]["received_seconds"], "nothing came by HTTP"
     assert d["nixl"]["reservations"] == 0 and d["nixl"]["expired"] == 0
+    committed = d["nixl"]["committed"] - before["kv_transfer"]["nixl"]["committed"]
+    assert committed >= 199 // 64 + 332 // 64, "blocks went in batches as 64-token prefill steps computed them"
 
 
 def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, tiny_llama, tmp_path):

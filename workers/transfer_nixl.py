@@ -231,6 +231,7 @@ class NixlTransfer:
         self.agent = agent
         self.reservations: dict[str, Held] = {}
         self._peers: dict[str, CacheLayout] = {}  # decode worker URL -> its layout
+        self.committed = 0  # reservations published
         self.expired = 0  # reservations let go without a commit
         self.fallbacks = 0  # sends that failed here and went to HTTP
 
@@ -301,6 +302,7 @@ class NixlTransfer:
             return JSONResponse({"released": len(held.res.blocks)})
         imported, present = await asyncio.wrap_future(eng.call(lambda: publish(eng.pool, held.payload, held.res)))
         eng.stats.kv_imported_blocks += imported
+        self.committed += 1
         return JSONResponse({"imported": imported, "present": present,
                              "dropped": len(held.payload.hashes) - imported - present})
 
@@ -357,7 +359,8 @@ class NixlTransfer:
 
     def stats(self) -> dict:
         return {"agent": self.agent.name, "layout": self.agent.layout.to_json(),
-                "reservations": len(self.reservations), "expired": self.expired, "fallbacks": self.fallbacks}
+                "reservations": len(self.reservations), "committed": self.committed,
+                "expired": self.expired, "fallbacks": self.fallbacks}
 
 
 def _forbidden() -> JSONResponse:
