@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.transfer_nixl import CacheLayout, NixlAgent, NixlError, block_runs, nixl_module
+from workers.transfer_nixl import CacheLayout, Grant, NixlAgent, NixlError, block_runs, nixl_module
 
 needs_nixl = pytest.mark.skipif(nixl_module() is None, reason="NIXL is not installed: pip install 'kvgate[nixl]'")
 SHAPE = (3, 2, 20, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim
@@ -91,3 +91,15 @@ def test_a_mismatched_layout_is_refused_before_any_write():
     other = CacheLayout(**{**agent.layout.to_json(), "agent": "x", "slice_bytes": 4})
     with pytest.raises(NixlError, match="does not match"):
         agent.write(other, [0], [0], timeout_s=1)
+
+
+def test_a_grant_is_checked_against_the_payload_and_the_peers_cache():
+    peer = CacheLayout("d", "", "DRAM", 0, base=0, num_blocks=10, num_slices=2, slice_bytes=8)
+    ok = Grant.from_json({"id": "g", "agent": "d", "blocks": [3, 9], "positions": [1, 2], "ttl_s": 5})
+    assert ok.sources([7, 8, 9], peer) == [8, 9]
+    for bad in ({"blocks": [3, 10]}, {"positions": [1, 3]}, {"agent": "e"}, {"blocks": [3]}):
+        with pytest.raises(NixlError):
+            Grant(**{**ok.to_json(), **bad}).sources([7, 8, 9], peer)
+    for bad in ({"ttl_s": 0}, {"ttl_s": "inf"}, {"blocks": ["x"]}):
+        with pytest.raises(ValueError):
+            Grant.from_json({**ok.to_json(), **bad})

@@ -20,6 +20,7 @@ with any RDMA peer: the metadata is served to token holders only.
 import asyncio
 import base64
 import logging
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -132,16 +133,20 @@ class NixlAgent:
             kv_cache.get_device() if cuda else 0, kv_cache.data_ptr(), num_blocks, layers * two,
             kv_cache[0, 0, 0].numel() * kv_cache.element_size())
         self._peers: set[str] = set()
+        self._peers_lock = threading.Lock()  # batches of one prompt write from several threads
 
     def connect(self, peer: CacheLayout) -> None:
         """Load a peer's metadata once (a restarted peer has a new agent name)."""
-        if peer.agent not in self._peers:
-            self.agent.add_remote_agent(base64.b64decode(peer.metadata))
-            self._peers.add(peer.agent)
+        with self._peers_lock:
+            if peer.agent not in self._peers:
+                self.agent.add_remote_agent(base64.b64decode(peer.metadata))
+                self._peers.add(peer.agent)
 
     def forget(self, agent: str) -> None:
-        if agent in self._peers:
+        with self._peers_lock:
+            known = agent in self._peers
             self._peers.discard(agent)
+        if known:
             try:
                 self.agent.remove_remote_agent(agent)
             except Exception as e:  # a peer that is gone may not disconnect cleanly
@@ -198,10 +203,13 @@ class Grant:
     @classmethod
     def from_json(cls, d: dict) -> "Grant":
         try:
-            return cls(str(d["id"]), str(d["agent"]), [int(b) for b in d["blocks"]],
-                       [int(p) for p in d["positions"]], float(d["ttl_s"]))
+            grant = cls(str(d["id"]), str(d["agent"]), [int(b) for b in d["blocks"]],
+                        [int(p) for p in d["positions"]], float(d["ttl_s"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a NIXL reservation: {e!r}") from None
+        if not 0 < grant.ttl_s <= 3600:
+            raise ValueError(f"a NIXL reservation lives (0, 3600] s, not {grant.ttl_s}")
+        return grant
 
 
     def sources(self, local_ids: list[int], peer: CacheLayout) -> list[int]:
