@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-doc-qa", "random", "mixed", "trace")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc-qa", "skewed", "random", "mixed", "trace")
 TRACE_BLOCK = 512
 TOKEN_LOW = 100
 
@@ -29,6 +29,7 @@ TOKEN_LOW = 100
 DEFAULTS = {
     "shared-prefix": dict(groups=16, prefix_len=2048, question_len=128, output_len=128),
     "long-doc-qa": dict(groups=4, prefix_len=8192, question_len=64, output_len=64),
+    "skewed": dict(groups=48, prefix_len=2048, question_len=128, output_len=128, hot="0.4,0.2"),
     "multi-turn": dict(prefix_len=512, question_len=128, output_len=128, turns=8, think_s=5.0),
     "random": dict(input_len=1024, output_len=128),
     "mixed": dict(long_fraction=0.2, input_len=4096, long_output_len=64, prefix_len=512,
@@ -66,6 +67,7 @@ class WorkloadConfig:
     long_fraction: float | None = None
     long_output_len: int | None = None
     trace: str | None = None
+    hot: str | None = None
 
     def get(self, knob: str):
         v = getattr(self, knob)
@@ -88,6 +90,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + knob.replace("_", "-"), type=int, default=None)
     p.add_argument("--think-s", type=float, default=None, help="multi-turn: mean gap between turns")
     p.add_argument("--long-fraction", type=float, default=None, help="mixed: share of long-document requests")
+    p.add_argument("--hot", default=None,
+                   help="skewed: the shares of requests for the first prefixes, e.g. 0.4,0.2 (the rest spread evenly)")
     p.add_argument("--trace", help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids)")
 
 
@@ -145,20 +149,34 @@ def generate(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
         raise ValueError(f"unknown workload {cfg.name!r}; choose from {', '.join(WORKLOADS)}")
     if cfg.name == "trace":
         return trace(cfg)
-    return {"shared-prefix": shared_prefix, "long-doc-qa": shared_prefix,
+    return {"shared-prefix": shared_prefix, "long-doc-qa": shared_prefix, "skewed": shared_prefix,
             "multi-turn": multi_turn, "random": random_prompts, "mixed": mixed}[cfg.name](cfg)
 
 
 def shared_prefix(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
     """G groups, each with an L-token system prompt (or document), plus a fresh Q-token
-    question per request; `long-doc-qa` is the same shape with few, long prefixes."""
+    question per request; `long-doc-qa` is the same shape with few, long prefixes, `skewed`
+    with a few hot prefixes (`hot`: their shares of requests) among many cold ones."""
     rng = np.random.default_rng(cfg.seed)
     groups, out = cfg.get("groups"), cfg.get("output_len")
     prefixes = [tokens(rng, cfg.get("prefix_len"), cfg.vocab_size) for _ in range(groups)]
+    weights = group_weights(groups, cfg.get("hot"))
     for i, t in enumerate(arrivals(cfg, rng)):
-        g = int(rng.integers(groups))
+        g = int(rng.integers(groups)) if weights is None else int(rng.choice(groups, p=weights))
         prompt = prefixes[g] + tokens(rng, cfg.get("question_len"), cfg.vocab_size)
         yield BenchRequest(i, t, prompt, out, f"group-{g}")
+
+
+def group_weights(groups: int, hot: str | None) -> np.ndarray | None:
+    """Per-group request shares: the `hot` ones first ("0.4,0.2"), the rest shared evenly by
+    the other groups; None (uniform) without `hot`."""
+    if not hot:
+        return None
+    shares = [float(x) for x in hot.split(",")]
+    if len(shares) >= groups or any(x < 0 for x in shares) or sum(shares) > 1:
+        raise ValueError(f"hot shares {hot!r} need fewer than {groups} groups, each >= 0, summing to <= 1")
+    rest = (1.0 - sum(shares)) / (groups - len(shares))
+    return np.array(shares + [rest] * (groups - len(shares)))
 
 
 def random_prompts(cfg: WorkloadConfig) -> Iterator[BenchRequest]:

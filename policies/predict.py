@@ -102,6 +102,36 @@ def slot_wait_ms(w: WorkerView, running: int, queued: int, out: int, model: Cost
     return (0.5 + ahead / slots) * out * dscale * model.decode_ms(slots, w.kv_tokens)
 
 
+def prefill_work_ms(req: RequestView, w: WorkerView) -> float:
+    """Compute time `w` spends on `req`'s uncached prompt tokens (not the steps' fixed cost,
+    which the batch shares): what a cache hit saves the worker."""
+    model, pscale, _ = _model(w)
+    own, ctx = uncached_tokens(req, w), cached_tokens(req, w)
+    return pscale * (model.prefill_token_ms * own + model.prefill_attn_ms * own * (ctx + own / 2) / 1000.0)
+
+
+def pool_slack(req: RequestView, w: WorkerView) -> float:
+    """The share of `w`'s KV pool left once `req` and the requests ahead of it hold their
+    blocks to the end; below 0 the pool overflows and the worker preempts. Unknown pool size
+    (0 blocks): unbounded."""
+    if w.total_blocks <= 0:
+        return math.inf
+    pool = w.total_blocks * w.block_size
+    return (pool - kv_demand_tokens(req, w, uncached_tokens(req, w), unseen_requests(w))) / pool
+
+
+def kv_demand_tokens(req: RequestView, w: WorkerView, lacking: int, unseen: int) -> float:
+    """KV tokens `w` must hold once `req` (lacking `lacking` tokens) is admitted: the blocks in
+    use now (shared prefix blocks once, however many requests read them; cached-but-free ones
+    are evictable), the uncached prompts queued ahead (unseen ones guessed like `req`), and
+    `req`'s own. Outputs still to grow are left out: in a steady state the running requests
+    that finish free about as much as the others' outputs take (counted, they made a worker
+    at its measured capacity look overfull and slo_goodput shed a third of what it could
+    serve)."""
+    queued = max(w.queued_prefill_tokens, w.waiting) + unseen * lacking
+    return (w.total_blocks - w.free_blocks) * w.block_size + queued + lacking
+
+
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
     """Time to move the full blocks `d` lacks from `p` to `d`. `transfer_gbps` is in gigabytes
     (1e9 bytes) per second over the slower end of the link; unknown KV size means free."""

@@ -1,29 +1,31 @@
 """SLO goodput: route where the request is predicted to meet its TTFT and TPOT targets at the
 least cost to the fleet, to one worker or to a (prefill, decode) pair; reject when nowhere can.
 
-Goodput is a fleet-wide quantity. Sending every request where it has the most room to spare
-spreads each prefix over every worker: each one then recomputes and caches every prefix, and
-the fleet runs out of compute and cache long before it needs to. So among the candidates that
-meet the SLOs the one that computes the fewest prompt tokens wins (a cache hit is capacity
-saved for later requests); only when the cache holders are predicted to miss does the request
-go elsewhere, to the candidate with the most room. A request that will miss its SLO anyway only steals capacity from ones
-that would not, so rejecting it early (with the reason) is what maximises goodput.
+Goodput is a fleet-wide quantity. A cache hit is compute saved, but only as much as the
+prefill it skips: on a fast GPU a 512-token shared system prompt is a few milliseconds, less
+than the headroom a busier worker lacks, so a new chat session goes where there is room and
+every worker warms up; a 2048-token document is worth more than a few requests of imbalance,
+so it stays where it is cached until that worker's predicted TTFT or TPOT would miss. A KV
+pool that cannot hold what is queued ahead plus the request preempts running requests, which
+recompute their whole context: past that point admissions feed a thrash that drags every
+request on the worker past its SLO. A request predicted to miss only steals capacity from
+ones that would not, so rejecting it early (with the reason) is what keeps goodput at overload.
 """
 from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
-from policies.predict import (cached_tokens, import_ttft_tpot_ms, transfer_ms, ttft_ms, ttft_tpot_ms,
-                              uncached_tokens)
+from policies.predict import (cached_tokens, import_ttft_tpot_ms, pool_slack, prefill_work_ms, transfer_ms,
+                              ttft_ms, ttft_tpot_ms, uncached_tokens)
 
 
 class SloGoodput:
     """Predicts TTFT and TPOT per candidate and its headroom, the smaller of
-    `slack_ttft / slo_ttft` and `slack_tpot / slo_tpot` (>= 0: it meets its SLOs). Among the
-    candidates with headroom >= `margin`, takes the one that prefills the fewest tokens, then
-    the most headroom; with none that safe, the most headroom; with none >= 0, rejects.
-    A positive `margin` demands that much spare headroom before cache affinity counts, trading
-    cache hits for a buffer against prediction error; in simulation (8 workers, shared-prefix)
-    0 did best: 0.1 spread prefixes and fell from 0.88 to 0.80 attainment at 250 req/s. SLOs come
-    from the request, else from `ttft_ms` / `tpot_ms`.
+    `slack_ttft / slo_ttft` and `slack_tpot / slo_tpot` (>= 0: it meets its SLOs). A candidate
+    is admissible when its headroom is >= 0 and its KV pool holds the request after what is
+    queued ahead (`predict.pool_slack` >= 0). Among admissible candidates with headroom >=
+    `margin` (else among all admissible ones) it takes the lowest `prefill work / slo_ttft -
+    headroom`: cache hits and spare room traded in one unit. With none admissible it rejects.
+    A positive `margin` demands that much spare headroom first, a buffer against prediction
+    error. SLOs come from the request, else from `ttft_ms` / `tpot_ms`.
 
     P/D: with prefill and decode workers in the fleet, each decode worker is paired with its
     best prefill worker (TTFT = prefill queue + prefill of what P lacks + transfer of what D
@@ -49,15 +51,13 @@ class SloGoodput:
             return Route(reject=NO_WORKERS)
         split = bool(prefill and decode) and self.disaggregate(req, mixed + decode)
         servers = mixed if split else mixed + decode
-        choice = None if split else self.safe_hit(req, servers, slo_ttft, slo_tpot)
-        if choice is None:
-            candidates = [(*ttft_tpot_ms(req, w), None, w) for w in servers]
-            if split:
-                candidates += self.pairs(req, prefill, decode)
-            choice = self.best(req, candidates, slo_ttft, slo_tpot)
-        headroom, ttft, tpot, p, d = choice
-        if headroom < 0:
-            return Route(reject=f"no {'P/D pair or ' if split else ''}worker meets the SLOs "
+        candidates = [(*ttft_tpot_ms(req, w), None, w) for w in servers]
+        if split:
+            candidates += self.pairs(req, prefill, decode)
+        tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)
+        if tier == 2:
+            why = "the SLOs" if headroom < 0 else "the SLOs with the KV pool it would overflow"
+            return Route(reject=f"no {'P/D pair or ' if split else ''}worker meets {why} "
                                 f"(ttft {slo_ttft:.0f} ms, tpot {slo_tpot:.0f} ms): best is "
                                 f"{_name(p, d)} at ttft {ttft:.0f} ms, tpot {tpot:.1f} ms",
                          info={"headroom": headroom})
@@ -66,29 +66,21 @@ class SloGoodput:
                      predicted_ttft_ms=ttft, predicted_tpot_ms=tpot, info={"headroom": headroom})
 
     def best(self, req: RequestView, candidates: list[tuple], slo_ttft: float,
-             slo_tpot: float) -> tuple[float, float, float, WorkerView | None, WorkerView]:
-        """(headroom, ttft, tpot, P, D) of the best of `candidates`, given as (ttft, tpot, P, D)."""
-        scored = [(_headroom(t, o, slo_ttft, slo_tpot), t, o, p, d) for t, o, p, d in candidates]
-        return cheapest(request_key(req), scored, self.scores(req, scored), name=lambda c: _name(c[3], c[4]))
+             slo_tpot: float) -> tuple[int, float, float, float, WorkerView | None, WorkerView]:
+        """(tier, headroom, ttft, tpot, P, D) of the best of `candidates`, given as
+        (ttft, tpot, P, D)."""
+        scored = [(self.tier(req, h, d), h, t, o, p, d) for t, o, p, d in candidates
+                  for h in (_headroom(t, o, slo_ttft, slo_tpot),)]
+        scores = [(k, prefill_work_ms(req, p or d) / slo_ttft - h) if k < 2 else (2, -h)
+                  for k, h, _, _, p, d in scored]
+        return cheapest(request_key(req), scored, scores, name=lambda c: _name(c[4], c[5]))
 
-    def safe_hit(self, req: RequestView, servers: tuple[WorkerView, ...], slo_ttft: float,
-                 slo_tpot: float) -> tuple | None:
-        """The decision, when a worker holding part of the prompt is predicted safe: it prefills
-        fewer tokens than any worker holding none, so those cannot win and need no prediction.
-        With prefix sharing that is most requests, and a few predictions replace one per worker
-        (128 of them, for every request, in a large simulated fleet)."""
-        n = req.num_tokens
-        hits = [w for w in servers if w.matched_blocks and uncached_tokens(req, w) < n]
-        if not hits:
-            return None
-        choice = self.best(req, [(*ttft_tpot_ms(req, w), None, w) for w in hits], slo_ttft, slo_tpot)
-        return choice if choice[0] >= max(self.margin, 0.0) else None
-
-    def scores(self, req: RequestView, scored: list[tuple]) -> list[tuple]:
-        """Lower is better: safe candidates first, then those only predicted to meet the SLOs,
-        then the rest; within the first two by prefill work, then headroom."""
-        return [(0 if h >= self.margin else 1, uncached_tokens(req, p or d), -h) if h >= 0 else (2, 0, -h)
-                for h, _, _, p, d in scored]
+    def tier(self, req: RequestView, headroom: float, d: WorkerView) -> int:
+        """0: admissible with headroom >= `margin`; 1: admissible; 2: predicted to miss, or to
+        overflow `d`'s KV pool (a preemption thrash would make it miss)."""
+        if headroom < 0 or pool_slack(req, d) < 0:
+            return 2
+        return 0 if headroom >= self.margin else 1
 
     def disaggregate(self, req: RequestView, servers: tuple[WorkerView, ...]) -> bool:
         """Whether even the best-cached worker that could serve alone has enough to prefill."""
