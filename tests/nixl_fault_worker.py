@@ -1,15 +1,20 @@
 """A test-only `kvgate worker` that dies in the middle of a NIXL transfer.
 
-`python -m tests.nixl_fault_worker <worker flags>` serves as `kvgate worker` does, except that
-as a prefill worker it is SIGKILLed right after the decode worker granted its reservation,
-before its WRITE completes: the decode side holds blocks for a transfer that never commits.
+`python -m tests.nixl_fault_worker <worker flags>` serves as `kvgate worker` does, except that it
+is SIGKILLed at one step of a NIXL transfer, named by $KVGATE_TEST_NIXL_DIE:
+  write   as the prefill side, once the decode worker granted its reservation, before its WRITE:
+          the decode side holds blocks for a transfer that never commits;
+  commit  as the decode side, when the commit comes: the prefill side wrote into a cache that is
+          gone and gets no answer.
 """
 import os
 import signal
 import sys
 
 from workers import cli
-from workers.transfer_nixl import NixlAgent
+from workers.transfer_nixl import NixlAgent, NixlTransfer
+
+DIE_ENV = "KVGATE_TEST_NIXL_DIE"
 
 
 def _die(*args, **kwargs):
@@ -17,7 +22,13 @@ def _die(*args, **kwargs):
 
 
 def main(argv: list[str]) -> None:
-    NixlAgent.write = _die
+    step = os.environ.get(DIE_ENV)
+    if step == "write":
+        NixlAgent.write = _die
+    elif step == "commit":
+        NixlTransfer.commit_endpoint = _die
+    else:
+        raise SystemExit(f"${DIE_ENV} must be write or commit, not {step!r}")
     args = cli.parser().parse_args(argv)
     cli.check_args(args)
     cli.serve(args, cli.build_server(args))

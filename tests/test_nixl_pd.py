@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from gateway.procs import Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from tests.nixl_fault_worker import DIE_ENV
 from workers.kv import redis_schema as rs
 from tests.test_gateway_pd import ask, prompt
 from workers.transfer import KVSpec, encode_header
@@ -101,12 +102,17 @@ def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):
     assert committed >= 199 // 64 + 332 // 64, "blocks went in batches as 64-token prefill steps computed them"
 
 
+def dying_worker(model, role: str, step: str, log_dir: str) -> Proc:
+    """A worker SIGKILLed at `step` of its first NIXL transfer (tests/nixl_fault_worker.py)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.nixl_fault_worker", "--model", str(model), "--executor", "torch",
+            "--port", str(port), "--worker-id", "nx-dying", "--role", role, *SECRET, *NIXL]
+    return Proc("nx-dying", argv, port, log_dir, env={DIE_ENV: step})
+
+
 def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, tiny_llama, tmp_path):
     f = nixl_fleet
-    port = free_port()
-    argv = [sys.executable, "-m", "tests.nixl_fault_worker", "--model", str(tiny_llama), "--executor", "torch",
-            "--port", str(port), "--worker-id", "nx-dying", "--role", "prefill", *SECRET, *NIXL]
-    dying = Proc("nx-dying", argv, port, str(tmp_path))
+    dying = dying_worker(tiny_llama, "prefill", "write", str(tmp_path))
     gw = start_gateway([dying.url, f["d"].url], "slo_goodput", log_dir=str(tmp_path), name="gw-dying",
                        extra=[*SECRET, "--model", str(tiny_llama), "--pd-wait-ms", "1500", *PD])
     try:
@@ -123,3 +129,25 @@ def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, t
         wait_for(lambda: drained(d), what="decode worker drained")
     finally:
         stop_all([gw, dying])
+
+
+def test_decode_worker_dying_mid_transfer_leaves_the_prefill_worker_whole(nixl_fleet, tiny_llama, tmp_path):
+    """The decode side dies when the commit comes: the prefill worker's export fails (NIXL, then
+    the HTTP fallback), its blocks go back, and it serves on."""
+    p = nixl_fleet["p"]
+    dying = dying_worker(tiny_llama, "decode", "commit", str(tmp_path))
+    try:
+        dying.wait_ready(timeout=180)
+        before = p.state()["kv_transfer"]
+        leg = httpx.post(p.url + "/v1/completions", timeout=120, headers={"x-kvgate-token": SECRET[1]}, json={
+            "prompt": prompt(100, 3), "max_tokens": 1, "kv_transfer": {"export_to": dying.url}})
+        assert leg.status_code == 200, leg.text
+        wait_for(lambda: not dying.alive, timeout=30, what="the decode worker died at the commit")
+        wait_for(lambda: p.state()["kv_transfer"]["failures"] > before["failures"], timeout=60,
+                 what="the export counted as failed")
+        after = p.state()["kv_transfer"]
+        assert after["nixl"]["fallbacks"] > before["nixl"]["fallbacks"]
+        wait_for(lambda: drained(p), what="prefill worker drained")
+        assert len(ask(p.url, nixl_fleet["model"], prompt(40, 1), max_tokens=3)[1]) == 3, "it serves on"
+    finally:
+        dying.stop()
