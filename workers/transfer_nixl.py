@@ -273,12 +273,19 @@ class NixlTransfer:
             payload, _ = await asyncio.to_thread(decode_header, bytes(body), svc.spec, eng.kv.seed)
         except InvalidRequest as e:
             return JSONResponse(error_body(str(e), code=e.code), status_code=400)
+        grant = await asyncio.shield(asyncio.ensure_future(self._reserve(payload)))
+        return JSONResponse(grant.to_json())
+
+    async def _reserve(self, payload: KVPayload) -> Grant:
+        """Hold the blocks and start the clock on them. Its own task: a caller that goes away
+        half-way must not leave blocks held with no timer to let them go."""
+        eng = self.service.engine
         res = await asyncio.wrap_future(eng.call(lambda: reserve(eng.pool, payload)))
         rid = uuid.uuid4().hex
-        ttl = RESERVE_BASE_S + len(res.fresh) * svc.spec.block_bytes() / (RESERVE_MIN_GBPS * 1e9)
+        ttl = RESERVE_BASE_S + len(res.fresh) * self.service.spec.block_bytes() / (RESERVE_MIN_GBPS * 1e9)
         timer = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
         self.reservations[rid] = Held(payload, res, timer)
-        return JSONResponse(Grant(rid, self.agent.name, res.fresh_ids, res.positions, ttl).to_json())
+        return Grant(rid, self.agent.name, res.fresh_ids, res.positions, ttl)
 
     def _expire(self, rid: str) -> None:
         held = self.reservations.pop(rid, None)
