@@ -1,6 +1,7 @@
 """Prefix affinity: follow the longest cached prefix, unless that worker is overloaded."""
 from policies.api import FleetView, RequestView, Route
 from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
+from policies.pd import PdDecider
 from policies.predict import cached_tokens
 
 
@@ -11,14 +12,20 @@ class PrefixAffinity:
     The bound is per candidate, not one fleet-wide imbalance switch: one hot worker loses its
     affinity traffic while the others keep theirs. When nothing matches, the least-loaded
     worker wins (it is always eligible, and ties among matches go to the lower load).
+    With prefill and decode workers, a request `policies.pd` judges worth splitting (no
+    worker holds enough of it) goes to the pair predicted to answer first.
     """
     name = "prefix_affinity"
 
-    def __init__(self, slack_abs: int = 4, slack_rel: float = 0.5) -> None:
+    def __init__(self, slack_abs: int = 4, slack_rel: float = 0.5, pd_min_uncached_tokens: int = 512) -> None:
         self.slack_abs = slack_abs
         self.slack_rel = slack_rel
+        self.pd = PdDecider(pd_min_uncached_tokens)
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
+        pair = self.pd.best_pair(req, fleet)
+        if pair is not None:
+            return pair.route(req)
         workers = serving_workers(fleet)
         if not workers:
             return Route(reject=NO_WORKERS)

@@ -11,10 +11,10 @@ recompute their whole context: past that point admissions feed a thrash that dra
 request on the worker past its SLO. A request predicted to miss only steals capacity from
 ones that would not, so rejecting it early (with the reason) is what keeps goodput at overload.
 """
-from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
+from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
-from policies.predict import (cached_tokens, import_ttft_tpot_ms, pool_slack, prefill_work_ms, transfer_ms,
-                              ttft_ms, ttft_tpot_ms, uncached_tokens)
+from policies.pd import PdDecider
+from policies.predict import cached_tokens, pool_slack, prefill_work_ms, ttft_tpot_ms
 
 
 class SloGoodput:
@@ -27,12 +27,9 @@ class SloGoodput:
     A positive `margin` demands that much spare headroom first, a buffer against prediction
     error. SLOs come from the request, else from `ttft_ms` / `tpot_ms`.
 
-    P/D: with prefill and decode workers in the fleet, each decode worker is paired with its
-    best prefill worker (TTFT = prefill queue + prefill of what P lacks + transfer of what D
-    lacks + D's last partial block; TPOT from D's decode load); mixed workers stay single
-    candidates. Disaggregation is conditional: when the best decode or mixed worker lacks fewer
-    than `pd_min_uncached_tokens` tokens, moving KV is not worth it and decode workers prefill
-    for themselves as single candidates.
+    P/D (`policies.pd`): when the request is worth splitting, each decode worker paired with its
+    fastest prefill worker is a candidate beside the mixed workers, scored alike; otherwise
+    decode workers prefill for themselves as single candidates.
     """
     name = "slo_goodput"
 
@@ -41,19 +38,19 @@ class SloGoodput:
         self.ttft_ms = ttft_ms
         self.tpot_ms = tpot_ms
         self.margin = margin
-        self.pd_min_uncached_tokens = pd_min_uncached_tokens
+        self.pd = PdDecider(pd_min_uncached_tokens)
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         slo_ttft = req.slo_ttft_ms or self.ttft_ms
         slo_tpot = req.slo_tpot_ms or self.tpot_ms
-        mixed, prefill, decode = fleet.by_role(MIXED), fleet.by_role(PREFILL), fleet.by_role(DECODE)
+        mixed, decode = fleet.by_role(MIXED), fleet.by_role(DECODE)
         if not mixed and not decode:
             return Route(reject=NO_WORKERS)
-        split = bool(prefill and decode) and self.disaggregate(req, mixed + decode)
+        split = self.pd.split(req, fleet)
         servers = mixed if split else mixed + decode
         candidates = [(*ttft_tpot_ms(req, w), None, w) for w in servers]
         if split:
-            candidates += self.pairs(req, prefill, decode)
+            candidates += [(c.ttft_ms, c.tpot_ms, c.prefill, c.decode) for c in self.pd.pairs(req, fleet)]
         tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)
         if tier == 2:
             why = "the SLOs" if headroom < 0 else "the SLOs with the KV pool it would overflow"
@@ -81,32 +78,6 @@ class SloGoodput:
         if headroom < 0 or pool_slack(req, d) < 0:
             return 2
         return 0 if headroom >= self.margin else 1
-
-    def disaggregate(self, req: RequestView, servers: tuple[WorkerView, ...]) -> bool:
-        """Whether even the best-cached worker that could serve alone has enough to prefill."""
-        return min(uncached_tokens(req, w) for w in servers) >= self.pd_min_uncached_tokens
-
-    def pairs(self, req: RequestView, prefill: tuple[WorkerView, ...],
-              decode: tuple[WorkerView, ...]) -> list[tuple[float, float, WorkerView, WorkerView]]:
-        """(ttft, tpot, P, D) for each decode worker D with its fastest prefill worker P.
-
-        The transfer time depends on P only through its link speed and KV size, so per such
-        class only the P with the smallest TTFT can be best: pairs cost O(classes x decode),
-        not O(prefill x decode).
-        """
-        fastest: dict[tuple[float, int], tuple[float, str, WorkerView]] = {}
-        for p in prefill:
-            entry = (ttft_ms(req, p), p.worker_id, p)
-            link = (p.transfer_gbps, p.kv_bytes_per_token)
-            if link not in fastest or entry[:2] < fastest[link][:2]:
-                fastest[link] = entry
-        out = []
-        for d in decode:
-            tail, tpot = import_ttft_tpot_ms(req, d)
-            ttft, p = min(((t + transfer_ms(req, p, d) + tail, p) for t, _, p in fastest.values()),
-                          key=lambda c: (c[0], c[1].worker_id))
-            out.append((ttft, tpot, p, d))
-        return out
 
 
 def _headroom(ttft: float, tpot: float, slo_ttft: float, slo_tpot: float) -> float:

@@ -11,6 +11,7 @@ from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView,
 from policies.candidates import stable_hash
 from policies.kv_cost import KvCost
 from policies.least_load import LeastLoad
+from policies.pd import PdDecider
 from policies.prefix_affinity import PrefixAffinity
 from policies.registry import BUILTIN_POLICIES, load_policy
 from policies.round_robin import RoundRobin
@@ -18,6 +19,7 @@ from policies.slo_goodput import SloGoodput
 from tests.views import COST, fleet, req, worker
 
 STATELESS = (LeastLoad, PrefixAffinity, KvCost, SloGoodput)
+PD_AWARE = (PrefixAffinity, KvCost, SloGoodput)
 
 
 # P/D-unaware policies
@@ -206,6 +208,22 @@ def test_slo_goodput_rejects_when_no_pair_meets_the_slo():
     assert route.worker is None and "P/D pair" in route.reject
 
 
+@pytest.mark.parametrize("cls", (PrefixAffinity, KvCost))
+def test_cache_policies_disaggregate_through_the_shared_decider(cls):
+    """prefix_affinity and kv_cost split a long uncached prompt over the pair predicted to
+    answer first, and keep a short one (or one a decode worker holds) on one worker."""
+    f = fleet(worker("p0", role=PREFILL), worker("p1", role=PREFILL, running=50, kv_tokens=50_000),
+              worker("d0", role=DECODE), worker("d1", role=DECODE, running=80, kv_tokens=80_000))
+    route = cls(pd_min_uncached_tokens=1024).route(req(4096), f)
+    assert (route.prefill, route.worker) == ("p0", "d0")
+    pair = PdDecider(1024).best_pair(req(4096), f)
+    assert route == pair.route(req(4096)) and route.predicted_ttft_ms == pair.ttft_ms
+    assert cls(pd_min_uncached_tokens=1024).route(req(512), f).prefill is None
+    warm = fleet(*f.workers[:2], with_fields(f.workers[2], matched_blocks=250), f.workers[3])
+    assert cls(pd_min_uncached_tokens=1024).route(req(4096), warm).prefill is None
+    assert PdDecider(1024).best_pair(req(4096), fleet(worker("m"), worker("d", role=DECODE))) is None
+
+
 def test_unreachable_decode_workers_are_never_paired():
     f = fleet(worker("p", role=PREFILL, kv_bytes_per_token=1000, transfer_gbps=0.0),
               worker("d", role=DECODE, kv_bytes_per_token=1000))
@@ -267,11 +285,13 @@ def check_route(route: Route, f: FleetView) -> None:
 @given(fleets())
 def test_every_route_is_a_serving_worker_a_pd_pair_or_a_reason(case):
     r, f = case
-    policies = (RoundRobin(), *(cls() for cls in STATELESS), SloGoodput(pd_min_uncached_tokens=1))
+    policies = (RoundRobin(), *(cls() for cls in STATELESS), *(cls(pd_min_uncached_tokens=1) for cls in PD_AWARE))
     for policy in policies:
         route = policy.route(r, f)
         check_route(route, f)
-        if not isinstance(policy, SloGoodput) and f.by_role(MIXED, DECODE):
+        if route.prefill is not None:
+            assert isinstance(policy, PD_AWARE) and policy.pd.split(r, f)
+        elif not isinstance(policy, SloGoodput) and f.by_role(MIXED, DECODE):
             assert route.worker in {w.worker_id for w in f.by_role(MIXED) or f.by_role(DECODE)}
 
 
@@ -283,6 +303,8 @@ def test_prefix_affinity_takes_the_longest_eligible_match_then_the_least_load(ca
     if not workers:
         return
     route = PrefixAffinity().route(r, f)
+    if route.prefill is not None:
+        return
     bound = route.info["load_bound"]
     eligible = [w for w in workers if w.load <= bound]
     chosen = next(w for w in workers if w.worker_id == route.worker)

@@ -9,17 +9,19 @@ from bench.workloads import WorkloadConfig, generate
 from policies.registry import load_policy
 
 
-def run(roles=("prefill", "decode"), seed=1, **kw):
+def run(roles=("prefill", "decode"), seed=1, policy="slo_goodput", **kw):
     wl = WorkloadConfig(name="long-doc-qa", rate=2, duration_s=10, seed=seed)
     fleet = FleetConfig(workers=len(roles), roles=roles, sim=SimConfig(), slo_ttft_ms=5000,
                         slo_tpot_ms=200, **kw)
-    sim = FleetSim(load_policy("slo_goodput", pd_min_uncached_tokens=64), fleet)
+    sim = FleetSim(load_policy(policy, pd_min_uncached_tokens=64), fleet)
     records = sim.run(generate(wl), wl.duration_s)
     return sim, sorted(records, key=lambda r: r["arrival_s"])
 
 
-def test_long_prompts_are_disaggregated():
-    sim, records = run()
+@pytest.mark.parametrize("policy", ["slo_goodput", "prefix_affinity", "kv_cost"])
+def test_long_prompts_are_disaggregated(policy):
+    """Every policy that uses the shared P/D decider splits the long documents."""
+    sim, records = run(policy=policy)
     pd = [r for r in records if r["prefill_worker"] is not None]
     assert len(pd) >= 5 and sim.pd_routed >= len(pd)
     assert sim.pd_fallbacks == 0 and sim.pd_arrived == sim.pd_routed

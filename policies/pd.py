@@ -1,0 +1,75 @@
+"""Prefill/decode disaggregation as a decision any policy can make: whether a request is worth
+splitting over a prefill worker and a decode worker, and which pairs can serve it.
+
+Moving KV costs a transfer and a second request; it pays only when there is much to prefill.
+So a request is split only when the fleet has both roles and even the best-cached worker that
+could serve it alone (mixed or decode) lacks at least `min_uncached_tokens` prompt tokens.
+"""
+from dataclasses import dataclass
+
+from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
+from policies.predict import cached_tokens, import_ttft_tpot_ms, transfer_ms, ttft_ms, uncached_tokens
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A prefill worker and a decode worker for one request, with the predicted TTFT (P's
+    queue and prefill, the transfer of what D lacks, D's last partial block) and TPOT on D."""
+    prefill: WorkerView
+    decode: WorkerView
+    ttft_ms: float
+    tpot_ms: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefill.worker_id}>{self.decode.worker_id}"
+
+    def route(self, req: RequestView, **info) -> Route:
+        """The route to this pair, carrying the prefill worker's expected cache hit."""
+        return Route(worker=self.decode.worker_id, prefill=self.prefill.worker_id,
+                     predicted_cached_tokens=cached_tokens(req, self.prefill),
+                     predicted_ttft_ms=self.ttft_ms, predicted_tpot_ms=self.tpot_ms, info=info)
+
+
+class PdDecider:
+    """`split` says whether to disaggregate; `pairs` gives every decode worker with its fastest
+    prefill worker; `best_pair`, for a request worth splitting, the pair with the lowest
+    predicted TTFT (then TPOT, then name), for policies that do not weigh SLOs themselves."""
+
+    def __init__(self, min_uncached_tokens: int = 512) -> None:
+        self.min_uncached_tokens = min_uncached_tokens
+
+    def split(self, req: RequestView, fleet: FleetView) -> bool:
+        """Whether the fleet has prefill and decode workers and even the best-cached worker that
+        could serve `req` alone has at least `min_uncached_tokens` to prefill."""
+        prefill, servers = fleet.by_role(PREFILL), fleet.by_role(MIXED, DECODE)
+        if not prefill or not fleet.by_role(DECODE):
+            return False
+        return min(uncached_tokens(req, w) for w in servers) >= self.min_uncached_tokens
+
+    def pairs(self, req: RequestView, fleet: FleetView) -> list[Pair]:
+        """Each decode worker D with its fastest prefill worker P.
+
+        The transfer time depends on P only through its link speed and KV size, so per such
+        class only the P with the smallest TTFT can be best: pairs cost O(classes x decode),
+        not O(prefill x decode).
+        """
+        fastest: dict[tuple[float, int], tuple[float, str, WorkerView]] = {}
+        for p in fleet.by_role(PREFILL):
+            entry = (ttft_ms(req, p), p.worker_id, p)
+            link = (p.transfer_gbps, p.kv_bytes_per_token)
+            if link not in fastest or entry[:2] < fastest[link][:2]:
+                fastest[link] = entry
+        out = []
+        for d in fleet.by_role(DECODE):
+            tail, tpot = import_ttft_tpot_ms(req, d)
+            ttft, p = min(((t + transfer_ms(req, p, d) + tail, p) for t, _, p in fastest.values()),
+                          key=lambda c: (c[0], c[1].worker_id))
+            out.append(Pair(p, d, ttft, tpot))
+        return out
+
+    def best_pair(self, req: RequestView, fleet: FleetView) -> Pair | None:
+        """The pair predicted to answer first when `req` is worth splitting, else None."""
+        if not self.split(req, fleet):
+            return None
+        return min(self.pairs(req, fleet), key=lambda c: (c.ttft_ms, c.tpot_ms, c.name), default=None)
