@@ -1,4 +1,4 @@
-"""P/D KV transfer throughput between two real workers: HTTP bytes vs CUDA IPC.
+"""P/D KV transfer throughput between two real workers: HTTP bytes vs CUDA IPC vs NIXL.
 
 Starts a prefill worker and a decode worker (random weights from a Llama config: transfer cost
 depends on the KV shape, not on the weights), runs P/D requests of growing prompt length with
@@ -57,10 +57,11 @@ def measure(p: Worker, d: Worker, n: int, rng: random.Random, vocab: int) -> dic
                                 "decode": d1["engine_calls_s"] - d0["engine_calls_s"]}}
 
 
-def run_transport(args, model: Path, transport: str) -> list[dict]:
+def run_transport(args, model: Path, transport: str, batch_blocks: int = 16) -> list[dict]:
     extra = ["--num-blocks", str(args.num_blocks), "--internal-token", TOKEN, "--kv-transport", transport,
              "--max-batched-tokens", str(args.max_batched_tokens)]
-    p = Worker("torch", f"p-{transport}", extra=extra + ["--role", "prefill", "--device", args.devices[0]],
+    p = Worker("torch", f"p-{transport}", extra=extra + ["--role", "prefill", "--device", args.devices[0],
+                                                         "--kv-export-batch-blocks", str(batch_blocks)],
                model=str(model))
     d = Worker("torch", f"d-{transport}", extra=extra + ["--role", "decode", "--device", args.devices[1]],
                model=str(model))
@@ -71,7 +72,8 @@ def run_transport(args, model: Path, transport: str) -> list[dict]:
         measure(p, d, 256, rng, args.vocab_size)
         for n in args.lengths:
             for _ in range(args.repeats):
-                rows.append({"transport": transport, **measure(p, d, n, rng, args.vocab_size)})
+                rows.append({"transport": transport, "export_batch_blocks": batch_blocks,
+                             **measure(p, d, n, rng, args.vocab_size)})
                 print(f"{transport} {n} tokens: {rows[-1]['gbps']} GB/s, receiver {rows[-1]['receiver_seconds']}",
                       file=sys.stderr, flush=True)
     finally:
@@ -79,21 +81,30 @@ def run_transport(args, model: Path, transport: str) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, metric: str = "gbps") -> None:
+    """`metric` per payload size, one series per transport (and export batch size, when the rows
+    have several): every repeat as a dot, the best (highest GB/s, lowest TTFT) as a line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    batches = {r.get("export_batch_blocks") for r in rows}
+
+    def series(r: dict) -> str:
+        k = r.get("export_batch_blocks")
+        return r["transport"] if len(batches) < 2 else f"{r['transport']}, " + (
+            f"batches of >= {k} blocks" if k else "all at prefill end")
+    pick = max if metric == "gbps" else min
     fig, ax = plt.subplots(figsize=(7, 4))
-    for t in sorted({r["transport"] for r in rows}):
-        pts = [(r["bytes"] / 2**20, r["gbps"]) for r in rows if r["transport"] == t and r["gbps"]]
-        best = {x: max(y for x2, y in pts if x2 == x) for x, _ in pts}
-        line, = ax.plot(*zip(*sorted(best.items())), "-", label=f"{t} (best of repeats)")
+    for name in sorted({series(r) for r in rows}):
+        pts = [(r["bytes"] / 2**20, r[metric]) for r in rows if series(r) == name and r[metric]]
+        best = {x: pick(y for x2, y in pts if x2 == x) for x, _ in pts}
+        line, = ax.plot(*zip(*sorted(best.items())), "-", label=f"{name} (best of repeats)")
         ax.plot(*zip(*pts), "o", color=line.get_color(), alpha=0.5)
     ax.set_xscale("log")
     ax.set_xlabel("KV payload (MiB)")
-    ax.set_ylabel("GB/s")
+    ax.set_ylabel({"gbps": "GB/s", "pd_ttft_s": "P/D time to first token (s)"}[metric])
     ax.legend()
-    ax.set_title("P/D KV transfer throughput")
+    ax.set_title("P/D KV transfer throughput" if metric == "gbps" else "P/D TTFT")
     fig.tight_layout()
     fig.savefig(path)
 
@@ -107,16 +118,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--export-batch-blocks", default="16", type=lambda s: [int(x) for x in s.split(",")],
+                   help="the prefill worker's --kv-export-batch-blocks, one run each (0: ship at prefill end); "
+                        "with several, the plot shows P/D TTFT, the figure pipelining changes")
     p.add_argument("--out", default="bench/results/transfer_throughput.json")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(args, Path(tmp))
-        rows = [r for t in args.transports for r in run_transport(args, model, t)]
+        rows = [r for t in args.transports for k in args.export_batch_blocks
+                for r in run_transport(args, model, t, k)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python -m bench.transfer_throughput " + " ".join(argv or sys.argv[1:]),
                                "config": {k: v for k, v in vars(args).items()}, "runs": rows}, indent=1))
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), "pd_ttft_s" if len(args.export_batch_blocks) > 1 else "gbps")
     print(json.dumps(rows, indent=1))
 
 

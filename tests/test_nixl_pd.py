@@ -37,8 +37,8 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("nixl"))
     model = str(tiny_llama)
     server = wait_redis(start_redis(log_dir=logs))
-    p = Worker("torch", "nx-p", extra=("--role", "prefill", "--max-batched-tokens", "64", *SECRET, *NIXL),
-               model=model, log_dir=logs)
+    batches = ("--max-batched-tokens", "64", "--kv-export-batch-blocks", "4")  # a batch of 4 blocks a step
+    p = Worker("torch", "nx-p", extra=("--role", "prefill", *batches, *SECRET, *NIXL), model=model, log_dir=logs)
     d = Worker("torch", "nx-d", extra=("--role", "decode", *SECRET, *NIXL), model=model, log_dir=logs,
                redis=f"redis://127.0.0.1:{server.port}/0")
     m = Worker("torch", "nx-m", extra=SECRET, model=model, log_dir=logs)

@@ -57,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
                    help="P/D export: bytes over HTTP, CUDA IPC handles between GPUs of one host, or NIXL "
                         "(UCX) writes into the decode worker's cache, any host (pip install 'kvgate[nixl]'); "
                         "both fall back to HTTP")
+    p.add_argument("--kv-export-batch-blocks", type=int, default=16,
+                   help="P/D prefill side: ship a prompt's blocks while it still prefills, in batches of at "
+                        "least this many new blocks, so their transfer overlaps the rest of the prefill; "
+                        "0 ships them all when the prefill ends")
     p.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
                    help="publish KV events, residency and signed heartbeats to this Redis URL "
                         "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
@@ -107,6 +111,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.redis and not args.internal_token:
         raise SystemExit("kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
                          "registrations in Redis are signed with it")
+    if args.kv_export_batch_blocks < 0:
+        raise SystemExit("kvgate worker: --kv-export-batch-blocks must be >= 0")
     if args.max_queued_requests < 0 or args.stall_timeout_s <= 0 or args.drain_timeout_s < 0:
         raise SystemExit("kvgate worker: --max-queued-requests and --drain-timeout-s must be >= 0, "
                          "--stall-timeout-s > 0")
@@ -121,7 +127,7 @@ def build_server(args) -> WorkerServer:
         model_id=name, block_size=args.block_size, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
         worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}", role=args.role,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, export_batch_blocks=args.kv_export_batch_blocks,
         cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None))
     try:
         tracing = WorkerTracing(provider_from_args(args, "kvgate-worker"), config.worker_id, name)

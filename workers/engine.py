@@ -52,6 +52,7 @@ class EngineConfig:
     role: str = "mixed"
     enable_prefix_caching: bool = True
     cost_model: CostModel | None = None
+    export_batch_blocks: int = 16  # P/D: ship prompt blocks mid-prefill once this many are new; 0: at the end
 
 
 class Engine:
@@ -256,7 +257,7 @@ class Engine:
                 resolve(req, tok)
             self.kv.commit(req)
             if req.export is not None:
-                self._export(req)
+                self._export(req, final=False)
             if tok is not None:
                 outputs.append(self._append(req, tok))
         self.stats.record(ms, *step.work, (time.perf_counter() - step.start) * 1000)
@@ -335,13 +336,16 @@ class Engine:
         self.scheduler.finish(req, reason)
         self.stats.finished += 1
 
-    def _export(self, req: Request) -> None:
+    def _export(self, req: Request, final: bool = True) -> None:
         """Hand the request's full prompt blocks not handed yet to its exporter, as a chain
-        continuing the last block it got: block-batch pipelining of P/D."""
+        continuing the last block it got. Mid-prefill (not `final`) only a batch of at least
+        `export_batch_blocks`: block-batch pipelining, whose transfer overlaps the prefill of
+        later blocks, pays where a batch's bytes outweigh a transfer's fixed cost."""
         B = self.config.block_size
         n = min(req.num_prompt // B, req.num_registered // B, len(req.block_hashes))
         start = req.num_exported
-        if n <= start:
+        batch = self.config.export_batch_blocks
+        if n <= start or (not final and (batch <= 0 or n - start < batch)):
             return
         t0 = time.perf_counter()
         ids = [b.block_id for b in req.blocks[start:n]]
