@@ -68,6 +68,26 @@ class PdDecider:
             out.append(Pair(p, d, ttft, tpot))
         return out
 
+    def warm_pairs(self, req: RequestView, servers: tuple[WorkerView, ...]) -> list[Pair]:
+        """Pairs that warm another worker with a prefix one worker holds: the holder (the
+        worker holding the most of the prompt) prefills what it lacks and ships every full
+        block to each worker that holds at least `min_uncached_tokens` less. For when the
+        holder cannot serve the request itself within its SLOs: the prefix then moves at the
+        link's speed instead of being computed again, and the second worker holds it for the
+        requests after."""
+        if len(servers) < 2:
+            return []
+        holder = min(servers, key=lambda w: (-cached_tokens(req, w), w.worker_id))
+        held = cached_tokens(req, holder)
+        if held < self.min_uncached_tokens:
+            return []
+        head, out = ttft_ms(req, holder), []
+        for d in servers:
+            if d is not holder and held - cached_tokens(req, d) >= self.min_uncached_tokens:
+                tail, tpot = import_ttft_tpot_ms(req, d)
+                out.append(Pair(holder, d, head + transfer_ms(req, holder, d) + tail, tpot))
+        return out
+
     def best_pair(self, req: RequestView, fleet: FleetView) -> Pair | None:
         """The pair predicted to answer first when `req` is worth splitting, else None."""
         if not self.split(req, fleet):

@@ -29,16 +29,20 @@ class SloGoodput:
 
     P/D (`policies.pd`): when the request is worth splitting, each decode worker paired with its
     fastest prefill worker is a candidate beside the mixed workers, scored alike; otherwise
-    decode workers prefill for themselves as single candidates.
+    decode workers prefill for themselves as single candidates. When the worker holding the
+    most of a prompt cannot take it, pairs that ship that prefix from it to another mixed
+    worker (`PdDecider.warm_pairs`) compete too: a hot prefix spreads by KV import, not by
+    recomputing it cold (`warm_prefixes=False` turns that off).
     """
     name = "slo_goodput"
 
     def __init__(self, ttft_ms: float = 2000.0, tpot_ms: float = 200.0,
-                 pd_min_uncached_tokens: int = 512, margin: float = 0.0) -> None:
+                 pd_min_uncached_tokens: int = 512, margin: float = 0.0, warm_prefixes: bool = True) -> None:
         self.ttft_ms = ttft_ms
         self.tpot_ms = tpot_ms
         self.margin = margin
         self.pd = PdDecider(pd_min_uncached_tokens)
+        self.warm_prefixes = warm_prefixes
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         slo_ttft = req.slo_ttft_ms or self.ttft_ms
@@ -52,6 +56,10 @@ class SloGoodput:
         if split:
             candidates += [(c.ttft_ms, c.tpot_ms, c.prefill, c.decode) for c in self.pd.pairs(req, fleet)]
         tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)
+        if self.warm_prefixes and not split and self.holder_full(req, candidates, slo_ttft, slo_tpot):
+            warm = [(c.ttft_ms, c.tpot_ms, c.prefill, c.decode) for c in self.pd.warm_pairs(req, mixed)]
+            if warm:
+                tier, headroom, ttft, tpot, p, d = self.best(req, candidates + warm, slo_ttft, slo_tpot)
         if tier == 2:
             why = "the SLOs" if headroom < 0 else "the SLOs with the KV pool it would overflow"
             return Route(reject=f"no {'P/D pair or ' if split else ''}worker meets {why} "
@@ -71,6 +79,12 @@ class SloGoodput:
         scores = [(k, prefill_work_ms(req, p or d) / slo_ttft - h) if k < 2 else (2, -h)
                   for k, h, _, _, p, d in scored]
         return cheapest(request_key(req), scored, scores, name=lambda c: _name(c[4], c[5]))
+
+    def holder_full(self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float) -> bool:
+        """Whether the worker holding the most of the prompt cannot take it (predicted to miss
+        its SLOs, or to overflow its pool): then another worker may be warmed from it."""
+        t, o, _, holder = min(candidates, key=lambda c: (-cached_tokens(req, c[3]), c[3].worker_id))
+        return bool(holder.matched_blocks) and self.tier(req, _headroom(t, o, slo_ttft, slo_tpot), holder) == 2
 
     def tier(self, req: RequestView, headroom: float, d: WorkerView) -> int:
         """0: admissible with headroom >= `margin`; 1: admissible; 2: predicted to miss, or to

@@ -224,6 +224,24 @@ def test_cache_policies_disaggregate_through_the_shared_decider(cls):
     assert PdDecider(1024).best_pair(req(4096), fleet(worker("m"), worker("d", role=DECODE))) is None
 
 
+def test_a_full_holder_warms_another_mixed_worker_by_kv_import():
+    """The holder of a long prefix whose pool cannot take the request ships the prefix to the
+    worker with room (a pair of two mixed workers) instead of that worker recomputing it; a
+    holder that can take the request keeps it, and `warm_prefixes=False` recomputes."""
+    r = req(4096, slo_ttft_ms=1000, slo_tpot_ms=50)
+    full = worker("holder", matched_blocks=250, total_blocks=1024, free_blocks=0, waiting=2,
+                  queued_prefill_tokens=1024, kv_bytes_per_token=36_864, transfer_gbps=25.0)
+    roomy = worker("roomy", total_blocks=1024, free_blocks=1024, kv_bytes_per_token=36_864, transfer_gbps=25.0)
+    route = SloGoodput().route(r, fleet(full, roomy))
+    assert (route.prefill, route.worker) == ("holder", "roomy")
+    assert route.predicted_cached_tokens == 250 * 16
+    assert SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)) == Route(
+        worker="roomy", predicted_cached_tokens=0, predicted_ttft_ms=predict.ttft_ms(r, roomy),
+        predicted_tpot_ms=predict.tpot_ms(r, roomy), info=SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)).info)
+    ok = with_fields(full, free_blocks=1024, waiting=0, queued_prefill_tokens=0)
+    assert SloGoodput().route(r, fleet(ok, roomy)).worker == "holder"
+
+
 def test_unreachable_decode_workers_are_never_paired():
     f = fleet(worker("p", role=PREFILL, kv_bytes_per_token=1000, transfer_gbps=0.0),
               worker("d", role=DECODE, kv_bytes_per_token=1000))

@@ -78,3 +78,23 @@ def test_goodput_holds_at_two_and_five_times_capacity(workload, capacity):
         assert rejected and all(r["error"].startswith("rejected: no worker meets the SLOs") for r in rejected)
         admitted = [r for r in records if r["worker"] is not None]
         assert summarize(admitted, *SLO)["slo_attainment"] >= 0.85, factor
+
+
+def test_a_hot_prefix_beyond_its_holder_warms_a_second_worker_by_kv_import():
+    """When the holder cannot take a request (its pool or SLOs), slo_goodput ships the prefix
+    from it to another worker (a P/D pair of two mixed workers) instead of recomputing it
+    cold; attainment is no worse than without warming."""
+    def run(warm: bool):
+        fleet = FleetConfig(workers=WORKERS, sim=SimConfig(num_blocks=1024), cost=COST, views_with_cost=True,
+                            slo_ttft_ms=SLO[0], slo_tpot_ms=SLO[1])
+        wl = WorkloadConfig(name="shared-prefix", rate=30.0, duration_s=20.0, seed=5)
+        sim = FleetSim(load_policy("slo_goodput", warm_prefixes=warm), fleet)
+        return sim, sim.run(generate(wl), wl.duration_s)
+    cold_sim, cold = run(False)
+    warm_sim, warm = run(True)
+    assert cold_sim.pd_routed == 0 and warm_sim.pd_routed > 0
+    warmed = [r for r in warm if r["prefill_worker"] is not None]
+    assert all(r["prefill_worker"] != r["worker"] for r in warmed)
+    imported = [r for r in warmed if r["cached_tokens"] >= 2048]
+    assert warm_sim.pd_arrived > 0 and len(imported) >= len(warmed) // 2
+    assert summarize(warm, *SLO)["slo_attainment"] >= summarize(cold, *SLO)["slo_attainment"]
