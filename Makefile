@@ -41,9 +41,11 @@ prometheus:
 demo: setup
 	$(BIN)/kvgate demo
 
-# Lint (config in pyproject.toml): ruff's rules over the repository. `make test` runs it first.
+# Lint and types (config in pyproject.toml): ruff over the repository, mypy over workers/kv,
+# policies and gateway. `make test` runs it first.
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The whole suite: processes, models, vLLM. No test asserts on wall-clock thresholds (timing is
 # the benchmarks' job), so it passes on a machine busy with other jobs.

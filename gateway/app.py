@@ -21,6 +21,7 @@ import json
 import logging
 import time
 
+from opentelemetry.trace import Span
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -143,15 +144,15 @@ class Gateway:
         refusal = self.admission.refuse()
         if refusal is not None:
             self.metrics.refused.labels(refusal.code).inc()
-            resp = self.error(refused(refusal))
-            resp.headers["x-request-id"] = rec.client_request_id or rec.request_id
+            refusing = self.error(refused(refusal))
+            refusing.headers["x-request-id"] = rec.client_request_id or rec.request_id
             if refusal.code == DRAINING:
-                resp.headers["connection"] = "close"  # keep-alive clients reconnect elsewhere
-            rec.status, rec.code = resp.status_code, refusal.code
+                refusing.headers["connection"] = "close"  # keep-alive clients reconnect elsewhere
+            rec.status, rec.code = refusing.status_code, refusal.code
             self.account.finish(rec)
-            return resp
+            return refusing
         self.admission.enter()
-        resp = None
+        resp: Response | None = None
         try:
             resp = await self.serve(request, kind, rec)
         finally:
@@ -234,7 +235,7 @@ class Gateway:
         key = api_key(request.scope)
         tokens = view.num_tokens + view.max_tokens
         wait = await self.access.admit_tokens(key, tokens)
-        if wait:
+        if wait and key is not None:
             raise ApiError(429, too_many_tokens(key, tokens, wait), "rate_limit_error", "rate_limit_exceeded",
                            retry_after=retry_after(wait))
 
@@ -288,7 +289,8 @@ class Gateway:
         if route.prefill is not None and not self.internal_token:
             route = dataclasses.replace(route, prefill=None)  # P/D legs need the fleet's token
         by_id = {w.worker_id: w for w in workers}
-        chosen, prefill = by_id.get(route.worker), by_id.get(route.prefill)
+        chosen = by_id.get(route.worker) if route.worker else None
+        prefill = by_id.get(route.prefill) if route.prefill else None
         if chosen is None or (route.prefill is not None and prefill is None):
             raise ApiError(500, f"policy {self.policy.name} chose {route.worker!r}/{route.prefill!r}, "
                            "not candidates", "server_error", "bad_route")
@@ -303,7 +305,7 @@ class Gateway:
         exclude: set[str] = set()
         failure: UpstreamError | None = None
         for attempt in range(self.retry.max_retries + 1):
-            if attempt:
+            if failure is not None:  # each later attempt follows a failure
                 self.metrics.retries.labels(failure.stage).inc()
                 rec.retries = attempt
                 await asyncio.sleep(self.retry.delay(attempt))
@@ -320,7 +322,7 @@ class Gateway:
                                     pd.expected_cached(view.num_tokens, w.state.get("block_size", 16)))
             self.fleet.begin(w)
             w.breaker.attempt()
-            leg = headers if p is None else pd.leg_headers(headers, self.internal_token)
+            leg = headers if p is None or not self.internal_token else pd.leg_headers(headers, self.internal_token)
             try:
                 payload, prefill = (raw, None) if p is None else self.start_prefill(p, w, kind, raw, leg, rec, route)
                 with trace.client("upstream", leg, prefill, worker=w.worker_id) as sent:
@@ -368,7 +370,7 @@ class Gateway:
         return self.stream(w, resp, tap, head, out, rec)
 
     def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord,
-                      route: Decision) -> tuple[bytes, object]:
+                      route: Decision) -> tuple[bytes, Span]:
         """Start the prefill leg on `p` in the background; returns the decode leg's body for `d`
         and the leg's span. The leg's cache hit is counted against what the policy predicted."""
         body = json.loads(raw)

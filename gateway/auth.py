@@ -13,7 +13,9 @@ unless their config gives them the same salt, or none (the fleet's shared cache)
 import hashlib
 import json
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
@@ -156,7 +158,7 @@ class ApiKeys:
         return self.by_digest.get(digest(key.strip()))
 
 
-def api_key(scope: dict) -> ApiKey | None:
+def api_key(scope: MutableMapping[str, Any]) -> ApiKey | None:
     """The key a request was authenticated with (None when the gateway has no keys)."""
     return scope.get(SCOPE_KEY)
 
@@ -196,7 +198,9 @@ class Access:
         """Take a request's tokens (prompt + max_tokens, as reserved) from its key's per-minute
         budget: 0.0, or the seconds to wait (`inf`: more than the whole budget)."""
         tpm = key.limits()[1] if key else None
-        wait = await self.limiter.acquire(key.name, tpm, tokens) if tpm else 0.0
+        if key is None or not tpm:
+            return 0.0
+        wait = await self.limiter.acquire(key.name, tpm, tokens)
         if wait:
             self.count(key.name, "tpm")
         return wait

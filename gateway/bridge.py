@@ -120,6 +120,7 @@ def parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> None:
     from workers.redis_publisher import RedisPublisher
     spec = parse_spec(args.vllm if args.vllm.startswith(("vllm:", "sglang:")) else "vllm:" + args.vllm)
+    assert spec is not None, "a vllm: or sglang: spec always parses"
     advertise = (args.advertise_url or spec.url).rstrip("/")
     engine = ServerEngine(worker_id(advertise))
     link = engine.link = BridgeLink(engine, spec.url, args.block_size, args.interval, 1.0, spec.source())
@@ -132,6 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await _first(link.ready.wait(), stop.wait())
         if not stop.is_set():
+            assert link.model is not None, "the link is ready once it knows the model"
             publisher = RedisPublisher(engine, args.redis, advertise, link.model, args.internal_token)
             await publisher.start()
             print(f"kvgate bridge: {spec.url} ({link.model}) as {engine.config.worker_id} -> "

@@ -31,7 +31,8 @@ def chat_turn(gateway: str, messages: list[dict], max_tokens: int) -> dict:
     """Stream one turn through the gateway; returns reply, routing headers, usage and TTFT."""
     body = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0, ttft, parts, usage = time.monotonic(), None, [], {}
+    t0, ttft, parts = time.monotonic(), None, []
+    usage: dict = {}
     with httpx.stream("POST", gateway + "/v1/chat/completions", json=body, timeout=300) as r:
         if r.status_code != 200:
             r.read()
@@ -59,7 +60,7 @@ ROW = "{:>7} {:>4} {:>8} {:>6} {:>9} {:>6} {:>8}  {}"
 
 
 def run_chat(gateway: str, max_tokens: int) -> None:
-    history = [[] for _ in CONVERSATIONS]
+    history: list[list[dict]] = [[] for _ in CONVERSATIONS]
     served: dict[str, int] = {}
     predicted = cached = prompt = 0
     print(ROW.format("session", "turn", "worker", "prompt", "predicted", "cached", "TTFT ms", "reply"))

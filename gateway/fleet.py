@@ -40,7 +40,7 @@ STALL_POLL_MARGIN_S = 0.05
 class Worker:
     url: str
     static: bool = True
-    worker_id: str | None = None
+    worker_id: str = ""  # set by its first /state poll
     state: dict = field(default_factory=dict)
     healthy: bool = False
     out: str | None = None  # why a worker that answers /state takes no requests
@@ -122,7 +122,7 @@ def out_of_service(state: dict, stall_s: float) -> str | None:
 def _transfer_gbps(state: dict) -> float:
     """The worker's measured export rate, else what its transport typically reaches."""
     kv = state.get("kv_transfer") or {}
-    return kv.get("gbps") or TRANSPORT_GBPS.get(kv.get("transport"), TRANSPORT_GBPS["http"])
+    return kv.get("gbps") or TRANSPORT_GBPS.get(kv.get("transport", "http"), TRANSPORT_GBPS["http"])
 
 
 def with_fields(base: WorkerView, **changes) -> WorkerView:
@@ -224,6 +224,7 @@ class Fleet:
     async def get(self, url: str, timeout: float, params: dict | None = None) -> dict:
         """GET a JSON body; raises aiohttp.ClientError for refusals and error statuses,
         asyncio.TimeoutError past `timeout` seconds, ValueError for a body that is not JSON."""
+        assert self.session is not None, "Fleet.start opens the session before any poll"
         async with self.session.get(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status == 403:
                 raise Refused(f"{url} refuses the gateway (403): the worker has an internal token; "
@@ -233,7 +234,7 @@ class Fleet:
 
     def _up(self, w: Worker, state: dict) -> None:
         wid = state["worker_id"]
-        if w.worker_id not in (None, wid):
+        if w.worker_id not in ("", wid):
             self.index.drop(w.worker_id)
         if not w.healthy:
             log.info("worker %s at %s is up", wid, w.url)
@@ -281,7 +282,7 @@ class Fleet:
 
     async def _tail(self, w: Worker) -> None:
         while True:
-            if not w.healthy or w.redis_residency or w.worker_id is None:
+            if not w.healthy or w.redis_residency or not w.worker_id:
                 await asyncio.sleep(self.interval / 5)
                 continue
             epoch, wid = w.epoch, w.worker_id
@@ -327,7 +328,9 @@ class Fleet:
         for w in workers:
             flight = w.in_flight + w.shared_in_flight
             m = matches.get(w.worker_id, 0) // w.hash_ratio
-            out.append(with_fields(w.base, matched_blocks=m, in_flight=flight) if m or flight else w.base)
+            base = w.base
+            assert base is not None, "only available workers (polled, so with a view) are candidates"
+            out.append(with_fields(base, matched_blocks=m, in_flight=flight) if m or flight else base)
         return tuple(out)
 
     def models(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ class ResidencyIndex:
         self._held: dict[str, set[int]] = {}
         self._seq: dict[str, int] = {}
         self._bit: dict[str, int] = {}
-        self._ids: list[str | None] = []
+        self._ids: list[str] = []  # worker id by bit; "" for a free bit
 
     def seq(self, worker_id: str) -> int | None:
         """The last event applied for `worker_id`; None when it has never been synced."""
@@ -53,10 +53,10 @@ class ResidencyIndex:
         bit = self._bit.pop(worker_id, None)
         if bit is not None:
             self._remove(bit, held or ())
-            self._ids[bit] = None
+            self._ids[bit] = ""
 
     def _claim_bit(self, worker_id: str) -> int:
-        bit = next((i for i, w in enumerate(self._ids) if w is None), len(self._ids))
+        bit = next((i for i, w in enumerate(self._ids) if not w), len(self._ids))
         if bit == len(self._ids):
             self._ids.append(worker_id)
         else:

@@ -159,7 +159,8 @@ class GatewayMetrics:
             self.ttft.labels(model, worker).observe(rec.ttft_s)
         if rec.tpot_s is not None:
             self.tpot.labels(model, worker).observe(rec.tpot_s)
-        self.e2e.labels(model, worker).observe(rec.e2e_s)
+        if rec.e2e_s is not None:
+            self.e2e.labels(model, worker).observe(rec.e2e_s)
         if rec.finish_reason is not None:
             self.finished.labels(model, rec.finish_reason).inc()
         if rec.output_tokens is not None:

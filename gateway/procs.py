@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -121,7 +122,7 @@ class Worker(Proc):
     """A `kvgate worker` for smollm2-135m on a free port (sim executor unless told otherwise)."""
 
     def __init__(self, executor: str = "sim", worker_id: str = "w0", port: int | None = None,
-                 redis: str | None = None, extra: tuple[str, ...] | list[str] = (),
+                 redis: str | None = None, extra: Sequence[str] = (),
                  model: str = "smollm2-135m", log_dir: str | None = None):
         port = port or free_port()
         argv = KVGATE + ["worker", "--model", model, "--executor", executor, "--port", str(port),
@@ -132,16 +133,17 @@ class Worker(Proc):
         self.worker_id = worker_id
 
     def ready(self, timeout: float = 180.0) -> "Worker":
-        return self.wait_ready("/health", timeout)
+        self.wait_ready("/health", timeout)
+        return self
 
 
 def start_worker(worker_id: str, port: int | None = None, executor: str = "sim", redis: str | None = None,
-                 extra: list[str] = (), log_dir: str | None = None) -> Worker:
+                 extra: Sequence[str] = (), log_dir: str | None = None) -> Worker:
     return Worker(executor, worker_id, port, redis, extra, log_dir=log_dir)
 
 
-def start_gateway(workers: list[str] = (), policy: str = "prefix_affinity", port: int | None = None,
-                  redis: str | None = None, extra: list[str] = (), name: str = "gateway",
+def start_gateway(workers: Sequence[str] = (), policy: str = "prefix_affinity", port: int | None = None,
+                  redis: str | None = None, extra: Sequence[str] = (), name: str = "gateway",
                   log_dir: str | None = None, env: dict[str, str] | None = None) -> Proc:
     port = port or free_port()
     argv = KVGATE + ["gateway", "--port", str(port), "--policy", policy, "--model", "smollm2-135m", *extra]
@@ -158,7 +160,7 @@ def redis_env(redis: str | None) -> dict[str, str]:
     return {TOKEN_ENV: TEST_TOKEN} if redis else {}
 
 
-def start_redis(port: int | None = None, log_dir: str | None = None, extra: list[str] = ()) -> Proc:
+def start_redis(port: int | None = None, log_dir: str | None = None, extra: Sequence[str] = ()) -> Proc:
     """A private, memory-only redis-server (never the shared one on 6379); `extra` adds options
     (a password, TLS)."""
     port = port or free_port()

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from workers.kv import redis_schema as rs
@@ -67,7 +68,7 @@ class RateLimiter:
         self.redis_url = redis_url
         self._local: dict[str, tuple[float, float]] = {}
         self._redis: aioredis.Redis | None = None
-        self._script = None
+        self._script: AsyncScript | None = None
         self._redis_down_until = 0.0
         self._redis_failing = False
 
@@ -95,7 +96,8 @@ class RateLimiter:
         return wait
 
     async def _acquire_redis(self, bucket: str, limit: Limit, cost: float) -> float:
-        if self._redis is None:
+        assert self.redis_url is not None, "acquire reaches Redis only when it has a URL"
+        if self._redis is None or self._script is None:
             self._redis = aioredis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
                                             socket_connect_timeout=REDIS_TIMEOUT_S)
             self._script = self._redis.register_script(TAKE)

@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -24,6 +25,11 @@ from gateway.fleet import Fleet
 from gateway.index import RESYNC, ResidencyIndex
 from workers.kv import redis_schema as rs
 from workers.kv.events import EventBatch
+
+# Replies as this client gets them (bytes: it does not decode responses); redis-py types them
+# as unions of every client's, so they are cast at the call.
+Replies = set[bytes]
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -147,9 +153,11 @@ class RedisState:
 
     async def _registrations(self, r: aioredis.Redis) -> dict[str, rs.Registration]:
         """Every heartbeat in the registry that the fleet's token signed, by worker id."""
-        pools = sorted(p.decode() for p in await r.smembers(rs.POOLS))
-        members = [(pool, w.decode()) for pool in pools for w in await r.smembers(rs.workers_key(pool))]
-        beats = await r.mget([rs.heartbeat_key(pool, wid) for pool, wid in members]) if members else []
+        pools = sorted(p.decode() for p in cast(Replies, await r.smembers(rs.POOLS)))
+        members = [(pool, w.decode()) for pool in pools
+                   for w in cast(Replies, await r.smembers(rs.workers_key(pool)))]
+        keys = [rs.heartbeat_key(pool, wid) for pool, wid in members]
+        beats = cast(list[bytes | None], await r.mget(keys)) if members else []
         live = {}
         for (pool, wid), beat in zip(members, beats):
             if beat is not None:
@@ -205,7 +213,7 @@ class RedisState:
         """Tail pools that appeared since the bootstrap from their current end; their workers'
         sets are read by the resync above, so nothing before the end is needed."""
         for pool in {reg.pool for reg in self.registered.values()} - set(self.cursors):
-            tail = await r.xrevrange(rs.stream_key(pool), count=1)
+            tail = cast(list[StreamEntry], await r.xrevrange(rs.stream_key(pool), count=1))
             self.cursors[pool] = tail[0][0] if tail else b"0-0"
             for wid, reg in self.registered.items():
                 if reg.pool == pool:
@@ -216,8 +224,9 @@ class RedisState:
             if not self.cursors:
                 await asyncio.sleep(self.interval)
                 continue
-            streams = {rs.stream_key(pool): cur for pool, cur in self.cursors.items()}
-            for key, entries in await r.xread(streams, count=1000, block=int(self.interval * 1000)):
+            streams: dict[Any, Any] = {rs.stream_key(pool): cur for pool, cur in self.cursors.items()}
+            read = await r.xread(streams, count=1000, block=int(self.interval * 1000))
+            for key, entries in cast(list[tuple[bytes, list[StreamEntry]]], read):
                 pool = key.decode().split(":")[1]
                 for entry_id, fields in entries:
                     self._apply(fields)
@@ -237,8 +246,8 @@ class RedisState:
         mine = rs.inflight_key(self.replica)
         ttl_ms = int(max(2.0, 10 * self.inflight_interval) * 1000)
         while True:
-            local = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
-                     if w.worker_id and w.in_flight}
+            local: dict[Any, Any] = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
+                                     if w.worker_id and w.in_flight}
             async with r.pipeline(transaction=True) as p:
                 p.delete(mine)
                 if local:

@@ -7,6 +7,7 @@ short ones inline, where a thread hop would cost more than the work.
 """
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.passthrough import parse_whole
@@ -66,7 +67,7 @@ class Tokenizers:
     maps to None: its requests are routed cache-blind and validated by the worker.
     """
 
-    def __init__(self, block_size: int, models: list[str] = ()):
+    def __init__(self, block_size: int, models: Sequence[str] = ()):
         self.block_size = block_size
         self.sources = {served_name(m): m for m in models}
         self._loading: dict[str, asyncio.Future] = {}

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from workers.telemetry import EXPORTERS, PROPAGATOR, make_exporter, make_provider
 
@@ -34,7 +35,7 @@ class RequestTrace:
         """Attributes of the request span, named `kvgate.<key>`; None values are left out."""
         self.span.set_attributes({f"kvgate.{k}": v for k, v in attributes.items() if v is not None})
 
-    def set_raw(self, attributes: Mapping[str, object]) -> None:
+    def set_raw(self, attributes: Mapping[str, AttributeValue | None]) -> None:
         """Attributes under their own names (`gen_ai.*`); None values are left out."""
         self.span.set_attributes({k: v for k, v in attributes.items() if v is not None})
 

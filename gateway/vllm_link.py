@@ -10,12 +10,17 @@ Health and load: `/health` and `/metrics` every `interval` seconds, `/v1/models`
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from gateway.vllm_metrics import (BadAnswer, EventSource, VllmLoad, parse_metrics, parse_models, parse_sources,
                                   replay_address, subscribe_address, worker_id)
+
+if TYPE_CHECKING:  # pyzmq and msgpack are imported only when a link follows events
+    from gateway.vllm_subscriber import Subscriber, SubscriberStats
+    from gateway.vllm_translate import Translator, TranslateStats
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -30,16 +35,16 @@ class VllmLink:
         self.url, self.block_size, self.interval, self.timeout = url, block_size, interval, timeout
         self.events, self.profile = events, profile
         self.wid = worker_id(url)
-        self.host = urlsplit(url).hostname
+        self.host = urlsplit(url).hostname or "127.0.0.1"
         self.model: str | None = None
         self.max_model_len: int | None = None
         self.sources: list[EventSource] = []
         self.started: float | None = None
-        self.translator = None
-        self.subscriber = None
+        self.translator: Translator | None = None
+        self.subscriber: Subscriber | None = None
         self.task: asyncio.Task | None = None
         self.http: aiohttp.ClientSession | None = None
-        self.stats = None  # (SubscriberStats, TranslateStats) over every subscriber this link ran
+        self.stats: tuple[SubscriberStats, TranslateStats] | None = None  # over every subscriber this link ran
 
     # what subclasses decide
 
@@ -138,15 +143,16 @@ class VllmLink:
     def start_subscriber(self) -> None:
         from gateway.vllm_subscriber import Subscriber, SubscriberStats  # pyzmq, msgpack: only if used
         from gateway.vllm_translate import Translator, TranslateStats
+        assert self.model is not None, "steer follows events only once the model is known"
         if self.stats is None:
             self.stats = (SubscriberStats(), TranslateStats())
         src = self.sources[0]
         address, bind = subscribe_address(src.endpoint, self.host)
         replay = replay_address(src.replay, self.host) if src.replay else None
-        self.translator = Translator(self.model, self.block_size, self.stats[1])
-        self.subscriber = Subscriber(address, bind, replay, src.topic, self.translator, self.sink(), self.wid,
-                                     stats=self.stats[0])
-        self.task = asyncio.create_task(self._follow(self.subscriber))
+        translator = self.translator = Translator(self.model, self.block_size, self.stats[1])
+        subscriber = self.subscriber = Subscriber(address, bind, replay, src.topic, translator, self.sink(), self.wid,
+                                                  stats=self.stats[0])
+        self.task = asyncio.create_task(self._follow(subscriber))
 
     async def _follow(self, sub) -> None:
         try:
@@ -160,14 +166,18 @@ class VllmLink:
             self.task.cancel()
             self.task = None
 
+    def _http(self) -> aiohttp.ClientSession:
+        assert self.http is not None, "run() opens the session before any request"
+        return self.http
+
     async def text(self, path: str) -> str:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with self.http.get(self.url + path, timeout=timeout) as r:
+        async with self._http().get(self.url + path, timeout=timeout) as r:
             r.raise_for_status()
             return await r.text()
 
     async def json(self, path: str) -> object:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with self.http.get(self.url + path, timeout=timeout) as r:
+        async with self._http().get(self.url + path, timeout=timeout) as r:
             r.raise_for_status()
             return await r.json(content_type=None)

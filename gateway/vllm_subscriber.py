@@ -117,7 +117,7 @@ class Subscriber:
             try:
                 self.receive(batch)
             except Gap:
-                if self.replay_address is None:
+                if self.replay_address is None or self.expected is None:
                     raise Resync(f"gap before seq {batch.seq} and no replay endpoint") from None
                 await self.replay(self.expected)
                 self.receive(batch)
@@ -142,6 +142,8 @@ class Subscriber:
     async def replay(self, start: int) -> int | None:
         """Apply the publisher's batches from `start` on; returns the first seq it held (None:
         it held none). Raises Resync when it cannot answer or no longer holds `start`."""
+        if self.replay_address is None:
+            raise Resync("no replay endpoint")
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         first = None

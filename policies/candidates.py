@@ -31,7 +31,7 @@ def stable_hash(key: int | str, worker_id: str) -> int:
 
 
 def cheapest(key: int, items: Sequence[T], scores: Sequence,
-             name: Callable[[T], str] = lambda w: w.worker_id) -> T:
+             name: Callable[[T], str] = lambda w: w.worker_id) -> T:  # type: ignore[attr-defined]
     """The item with the lowest score; ties go by `stable_hash(key, name)`, then by name. Only
     tied items are hashed: hashing every worker was most of a cheap policy's decision time."""
     low = min(scores)

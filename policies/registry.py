@@ -53,6 +53,8 @@ def _import_file(path: Path):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"policy plugin file {str(path)!r} is not a Python module")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:

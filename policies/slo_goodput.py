@@ -52,7 +52,8 @@ class SloGoodput:
             return Route(reject=NO_WORKERS)
         split = self.pd.split(req, fleet)
         servers = mixed if split else mixed + decode
-        candidates = [(*ttft_tpot_ms(req, w), None, w) for w in servers]
+        candidates: list[tuple[float, float, WorkerView | None, WorkerView]] = [
+            (*ttft_tpot_ms(req, w), None, w) for w in servers]
         if split:
             candidates += [(c.ttft_ms, c.tpot_ms, c.prefill, c.decode) for c in self.pd.pairs(req, fleet)]
         tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)

@@ -119,6 +119,7 @@ class BlockPool:
 
     def _evict(self, block: Block) -> int:
         h = block.hash
+        assert h is not None, "only cached (hashed) blocks are evicted"
         del self._by_hash[h]
         block.hash, block.token_ids = None, ()
         return h

@@ -32,20 +32,27 @@ class CostModel:
     decode_batch_ms: tuple[float, ...] = ()
     decode_batch_slope_ms: float = 0.0
 
-    def step_ms(self, prefill_tokens: int = 0, prefill_ctx_products: float = 0.0,
-                decode_seqs: int = 0, decode_kv_tokens: int = 0) -> float:
+    def step_ms(self, prefill_tokens: float = 0, prefill_ctx_products: float = 0.0,
+                decode_seqs: float = 0, decode_kv_tokens: float = 0) -> float:
+        """One step's time. Arguments may be means over steps (fractional), as /state gives them."""
         if prefill_tokens == 0:
             if decode_seqs == 0:
                 return 0.0
             if self.decode_batch_ms:
-                n = len(self.decode_batch_ms)
-                return (self.decode_batch_ms[min(decode_seqs, n) - 1]
-                        + self.decode_batch_slope_ms * max(0, decode_seqs - n)
-                        + self.decode_kv_token_ms * decode_kv_tokens)
+                return self._decode_table_ms(decode_seqs) + self.decode_kv_token_ms * decode_kv_tokens
         return (self.base_ms + self.prefill_token_ms * prefill_tokens
                 + self.prefill_attn_ms * prefill_ctx_products / 1000.0
                 + self.decode_seq_ms * decode_seqs + self.decode_kv_token_ms * decode_kv_tokens
                 + (self.mixed_ms if prefill_tokens and decode_seqs else 0.0))
+
+    def _decode_table_ms(self, seqs: float) -> float:
+        """A decode-only step of `seqs` sequences from the measured table: linear between its
+        batch sizes (a mean batch is fractional), its slope past its end."""
+        table, n = self.decode_batch_ms, len(self.decode_batch_ms)
+        if seqs >= n:
+            return table[-1] + self.decode_batch_slope_ms * (seqs - n)
+        lo = max(1, int(seqs))
+        return table[lo - 1] + (seqs - lo) * (table[lo] - table[lo - 1])
 
     def prefill_ms(self, uncached_tokens: int, cached_tokens: int = 0, chunk: int = 0) -> float:
         """Time to prefill `uncached_tokens` after `cached_tokens`, in steps of at most `chunk`."""
