@@ -47,6 +47,7 @@ from bench.workloads import BenchRequest, TOKEN_LOW
 from gateway.procs import Worker
 from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
+from workers.step_stats import StepRecord
 
 VOCAB = 32000
 COLUMNS = ("base_ms", "prefill_token_ms", "prefill_attn_ms", "decode_seq_ms", "decode_kv_token_ms", "mixed_ms")
@@ -74,10 +75,10 @@ class Probe:
         """The worker's last step number: probes read the steps after it."""
         return (await self.client.get(self.url + "/steps", params={"after": 2 ** 62})).json()["last"]
 
-    async def steps(self, after: int) -> list[list[float]]:
-        """[ms, prefill tokens, decode seqs, decode KV tokens] of each step after `after`."""
+    async def steps(self, after: int) -> list[StepRecord]:
+        """The worker's steps after step `after`."""
         log = (await self.client.get(self.url + "/steps", params={"after": after})).json()["steps"]
-        return [s[1:5] for s in log]
+        return [StepRecord.from_json(s) for s in log]
 
     async def one(self, prompt: list[int], max_tokens: int) -> dict:
         self.index += 1
@@ -91,10 +92,10 @@ class Probe:
         """One prefill step: its executor ms, uncached and cached tokens, and the client TTFT."""
         mark = await self.mark()
         rec = await self.one(prompt, 1)
-        ms, tokens, seqs, *_ = (await self.steps(mark))[-1]
-        cached = rec["cached_tokens"]
-        assert seqs == 0 and tokens == len(prompt) - cached, "unexpected step: is the worker idle?"
-        return {"kind": "prefill", "key": ("prefill", tokens, cached), "ms": ms, "tokens": tokens,
+        step = (await self.steps(mark))[-1]
+        tokens, cached = int(step.work.prefill_tokens), rec["cached_tokens"]
+        assert step.work.decode_seqs == 0 and tokens == len(prompt) - cached, "unexpected step: is the worker idle?"
+        return {"kind": "prefill", "key": ("prefill", tokens, cached), "ms": step.ms, "tokens": tokens,
                 "ctx": tokens * (cached + tokens / 2), "ttft_ms": rec["ttft_ms"]}
 
     async def until_decoding(self, batch: int, streams: list[asyncio.Task]) -> None:
@@ -116,21 +117,24 @@ class Probe:
         joined = await self.one(prefix + self.prompt(max(DECODE_SUFFIX, len(prefix) // 4)), 1)
         recs = await asyncio.gather(*streams)
         steps = await self.steps(mark)
-        dec = [s for s in steps if s[1] == 0 and s[2] == batch]
+        dec = [s for s in steps if s.work.prefill_tokens == 0 and s.work.decode_seqs == batch]
         gaps = [g for r in recs for g in sorted(r["itl_ms"][2:])[:-1]]  # less the step the joining request was in
         if not dec or not gaps:
             print(f"  {self.url}: no step decoded all {batch} streams at once; batch {batch} not measured "
                   f"(more --decode-tokens give large batches time to settle)", file=sys.stderr, flush=True)
             return []
         out = [{"kind": "decode", "key": ("decode", batch, len(prefix)), "batch": batch,
-                "kv": float(np.median([s[3] for s in dec])), "ms": float(np.median([s[0] for s in dec])),
+                "kv": float(np.median([s.work.decode_kv_tokens for s in dec])),
+                "ms": float(np.median([s.ms for s in dec])),
                 "gap_ms": float(np.median(gaps))}]
         cached = joined["cached_tokens"]
-        mixed = [s for s in steps if s[1] == joined["prompt_tokens"] - cached and s[2] == batch]
+        mixed = [s for s in steps if s.work.prefill_tokens == joined["prompt_tokens"] - cached
+                 and s.work.decode_seqs == batch]
         if mixed:
-            ms, n, _, kv = mixed[-1]
+            m = mixed[-1]
+            n = int(m.work.prefill_tokens)
             out.append({"kind": "mixed", "key": ("mixed", batch, len(prefix)), "batch": batch, "tokens": n,
-                        "ctx": n * (cached + n / 2), "kv": kv, "ms": ms})
+                        "ctx": n * (cached + n / 2), "kv": m.work.decode_kv_tokens, "ms": m.ms})
         return out
 
     async def cached_prefill(self, n: int) -> dict:
@@ -258,28 +262,22 @@ def decode_table(dec: list[dict], kv_token_ms: float) -> tuple[float, ...]:
     return tuple(float(v) for v in np.interp(np.arange(1, sizes[-1] + 1), sizes, values))
 
 
-def logged_ms(cost: CostModel, step: list[float]) -> float:
-    """`cost`'s time for a logged step (a GET /steps entry)."""
-    return cost.step_ms(int(step[2]), step[5], int(step[3]), int(step[4]))
-
-
-def speed_factors(cost: CostModel, steps: list[list[float]]) -> tuple[float, float]:
+def speed_factors(cost: CostModel, steps: list[StepRecord]) -> tuple[float, float]:
     """(prefill, decode) factors for `cost.scaled` under which the steps that prefill and those
     that do not each take, in all, as long as they did; each step's time is split as `scaled`
     splits it (decoding rows against the rest). Totals, not a fit per step: latency is made of
     sums of steps, and on a busy machine step times are skewed (a step that lost its core
-    takes twice as long), which biases a per-step fit low. Each step is [step number, executor
-    ms, prefill tokens, decode seqs, decode KV tokens, prefill ctx products, wall ms] (GET
-    /steps). A profile's step is the executor's time plus the engine's own per step, so it is
+    takes twice as long), which biases a per-step fit low. A profile's step is the executor's
+    time plus the engine's own per step, so it is
     compared with the step's wall time, which also holds any wait for a core. A part no step
     exercised keeps factor 1; when the steps cannot tell the parts apart (one kind of step,
     exercising both), one factor serves both."""
     parts = (cost.scaled(1.0, 0.0), cost.scaled(0.0, 1.0))
     rows, totals = [], []
-    for group in ([s for s in steps if s[2] == 0], [s for s in steps if s[2] > 0]):
+    for group in ([s for s in steps if s.work.prefill_tokens == 0], [s for s in steps if s.work.prefill_tokens > 0]):
         if group:
-            rows.append([sum(logged_ms(m, s) for s in group) for m in parts])
-            totals.append(sum(s[6] for s in group))
+            rows.append([sum(m.work_ms(s.work) for s in group) for m in parts])
+            totals.append(sum(s.wall_ms for s in group))
     used = [j for j in range(2) if any(r[j] for r in rows)]
     if not used:
         return 1.0, 1.0
@@ -294,7 +292,7 @@ def speed_factors(cost: CostModel, steps: list[list[float]]) -> tuple[float, flo
     return factors[0], factors[1]
 
 
-def rescale(profile: dict, steps: list[list[float]]) -> dict:
+def rescale(profile: dict, steps: list[StepRecord]) -> dict:
     """`profile` rescaled to the machine that ran `steps`: its shape (what each kind of work
     costs relative to the others) as the probes measured it, its speed as those steps ran.
     On a machine shared with other jobs a profile measured minutes earlier can be 20% off
@@ -303,8 +301,8 @@ def rescale(profile: dict, steps: list[list[float]]) -> dict:
     cost = CostModel.from_json(profile)
     prefill, decode = speed_factors(cost, steps)
     new = cost.scaled(prefill, decode)
-    measured = sum(s[6] for s in steps)
-    before = sum(logged_ms(cost, s) for s in steps)
+    measured = sum(s.wall_ms for s in steps)
+    before = sum(cost.work_ms(s.work) for s in steps)
     overall = measured / before if before > 0 else 1.0
     return {**profile, **new.to_json(),
             "step_overhead_ms": profile.get("step_overhead_ms", 0.0) * overall,
@@ -313,10 +311,10 @@ def rescale(profile: dict, steps: list[list[float]]) -> dict:
                          "at": time.strftime("%Y-%m-%d %H:%M")}}
 
 
-def step_log(url: str, after: int = 0) -> tuple[int, list[list[float]]]:
+def step_log(url: str, after: int = 0) -> tuple[int, list[StepRecord]]:
     """A worker's last step number and the steps after `after` it still holds (GET /steps)."""
     got = httpx.get(f"{url}/steps", params={"after": after}, timeout=30, headers=internal_headers()).json()
-    return got["last"], got["steps"]
+    return got["last"], [StepRecord.from_json(s) for s in got["steps"]]
 
 
 def plot_fit(profile: dict, path: str) -> None:

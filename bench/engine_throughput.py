@@ -17,6 +17,7 @@ from pathlib import Path
 from workers.engine import Engine, EngineConfig
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.sampling_params import SamplingParams
+from workers.step_stats import StepRecord
 
 
 def parser() -> argparse.ArgumentParser:
@@ -83,18 +84,19 @@ def run(engine: Engine, seqs) -> dict:
     return {"seconds": elapsed, "output_tokens": out_tokens, "input_tokens": in_tokens,
             "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
             "steps": engine.stats.steps, "preemptions": engine.stats.preemptions, "timeline": timeline,
-            "step_log": [list(step) for step in engine.stats.recent]}
+            "step_log": list(engine.stats.recent)}
 
 
-def step_split(log: list[list[float]]) -> dict:
+def step_split(log: list[StepRecord]) -> dict:
     """Where a step's time goes, decode-only and other steps apart: the executor's share (inputs,
     forward, sampling) and the engine's around it (scheduling, commits, outputs)."""
     out = {}
-    for kind, steps in (("decode", [s for s in log if s[1] == 0]), ("prefill_or_mixed", [s for s in log if s[1]])):
+    for kind, steps in (("decode", [s for s in log if s.work.prefill_tokens == 0]),
+                        ("prefill_or_mixed", [s for s in log if s.work.prefill_tokens])):
         if steps:
-            out[kind] = {"steps": len(steps), "executor_ms_mean": sum(s[0] for s in steps) / len(steps),
-                         "wall_ms_mean": sum(s[5] for s in steps) / len(steps),
-                         "seconds": sum(s[5] for s in steps) / 1000}
+            out[kind] = {"steps": len(steps), "executor_ms_mean": sum(s.ms for s in steps) / len(steps),
+                         "wall_ms_mean": sum(s.wall_ms for s in steps) / len(steps),
+                         "seconds": sum(s.wall_ms for s in steps) / 1000}
     return out
 
 
@@ -106,7 +108,8 @@ def roofline(engine: Engine, result: dict) -> dict:
     runner = engine.executor
     ceilings = measure(runner.device, runner.dtype)
     cost = model_cost(runner)
-    bound = sum(cost.step_bound_s(*step[1:5], ceilings) for step in result["step_log"])
+    bound = sum(cost.step_bound_s(s.work.prefill_tokens, s.work.decode_seqs, s.work.decode_kv_tokens,
+                                  s.work.prefill_ctx_products, ceilings) for s in result["step_log"])
     if len(result["step_log"]) < result["steps"]:
         raise RuntimeError("the step log dropped steps; raise workers.engine.STEP_LOG")
     torch.cuda.empty_cache()

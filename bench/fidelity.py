@@ -34,12 +34,13 @@ from bench.workloads import WorkloadConfig, add_args, from_args, generate
 from policies.registry import load_policy
 from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
+from workers.step_stats import StepRecord
 
 LOOSE_SLO = (5000.0, 1000.0)  # the comparison is of latencies, not of attainment
 METRICS = ("ttft_p50_ms", "tpot_p50_ms")
 
 
-def run(urls: list[str], wl: WorkloadConfig, model: str | None) -> tuple[list[dict], list[list[float]]]:
+def run(urls: list[str], wl: WorkloadConfig, model: str | None) -> tuple[list[dict], list[StepRecord]]:
     """The workload's records from the real workers, and the steps they made meanwhile."""
     before = [calibrate.step_log(u)[0] for u in urls]
     records = asyncio.run(run_rate(urls, wl, model, LOOSE_SLO))
@@ -61,7 +62,7 @@ def simulate(profile: dict, wl: WorkloadConfig, workers: int, sim: SimConfig) ->
     return summarize(FleetSim(load_policy("round_robin"), fleet).run(generate(wl), wl.duration_s), *LOOSE_SLO)
 
 
-def compare(profile: dict, wl: WorkloadConfig, records: list[dict], steps: list[list[float]],
+def compare(profile: dict, wl: WorkloadConfig, records: list[dict], steps: list[StepRecord],
             workers: int, sim: SimConfig) -> dict:
     """Real against simulated medians, with the probed profile and with it rescaled to `steps`."""
     real = summarize(records, *LOOSE_SLO)

@@ -1,9 +1,11 @@
 """One worker in virtual time: the real scheduler, KV cache manager, block pool and event log,
 with each step taking what the `sim` executor's cost model says.
 
-It is the engine's step loop (drain the inbox, schedule, execute, commit, emit) cut at the
-execute: a step starts at one event and its results land at the next, when the virtual clock
-reaches its end. What changes in between is exactly what changes in `Engine.step`.
+It is the engine's step (drain the inbox, schedule, launch, then `Scheduler.update_from_output`)
+cut at the execute: a step starts at one event and its results land at the next, when the
+virtual clock reaches its end. Everything but the clock and the fast-forward below is the
+engine's own code: the chunks, the step's work and cost, the placeholders of a launched step,
+the post-step bookkeeping and the stop check.
 
 Decode segments. When a step can only be "every running request decodes one token" (nothing
 waiting, nothing prefilling, the pool has the blocks) the next steps are the same step again
@@ -21,16 +23,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.executors.batch import SeqChunk
-from workers.step_stats import step_means, step_work
+from workers.executors.batch import SeqChunk, step_work
 from workers.executors.sim import SimExecutor
+from workers.inflight import advance, chunks_of
 from workers.kv.block_pool import BlockPool
-from workers.kv.cost_model import CostModel
+from workers.kv.cost_model import CostModel, StepWork
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
 from workers.kv.kv_manager import KVCacheManager
 from workers.request import Request
 from workers.scheduler import Scheduler, StepPlan
+from workers.step_stats import MEANS_OVER, StepRecord, step_means
 
 OUTPUT_TOKEN_LOW, OUTPUT_TOKEN_SPAN = 1000, 30000
 
@@ -46,8 +49,15 @@ class SimConfig:
     fast_forward: bool = True
 
 
-def output_token(req: Request) -> int:
-    return OUTPUT_TOKEN_LOW + (req.params.seed or 0) % OUTPUT_TOKEN_SPAN
+def output_token(chunk: SeqChunk) -> int:
+    """The simulated worker's sampled token: a constant per request (from its seed)."""
+    return OUTPUT_TOKEN_LOW + (chunk.params.seed or 0) % OUTPUT_TOKEN_SPAN
+
+
+def sim_executor(cost: CostModel, max_model_len: int) -> SimExecutor:
+    """The executor a simulated worker prices its steps with (it never waits: time is virtual)."""
+    return SimExecutor(cost, vocab_size=OUTPUT_TOKEN_LOW + OUTPUT_TOKEN_SPAN, max_model_len=max_model_len,
+                       wait=lambda s: None, token=output_token)
 
 
 class SimWorker:
@@ -63,22 +73,21 @@ class SimWorker:
         self.events = EventLog(worker_id)
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events)
         self.kv = KVCacheManager(self.pool, seed_hash(cfg.model_id, cfg.block_size))
-        self.scheduler = Scheduler(self.kv, cfg.max_batched_tokens, cfg.max_num_seqs)
-        self.executor = SimExecutor(cost, vocab_size=OUTPUT_TOKEN_LOW + OUTPUT_TOKEN_SPAN,
-                                    max_model_len=cfg.max_model_len, wait=lambda s: None)
+        self.scheduler = Scheduler(self.kv, cfg.max_batched_tokens, cfg.max_num_seqs, cfg.max_model_len)
+        self.executor = sim_executor(cost, cfg.max_model_len)
         self.on_finish = on_finish
         self.on_start = on_start
         self.inbox: list[Request] = []
         self.busy = False
         self.plan: StepPlan | None = None
-        self.samples: list[bool] = []
+        self.sampled: list[int | None] = []
         self.seg_ends: list[float] = []
-        self.seg_steps: list[tuple] = []
+        self.seg_steps: list[StepRecord] = []
         self.seg_len = 0
         self.seg_done = 0
         self.seg_finishing: list[Request] = []
-        self.recent: deque[tuple] = deque(maxlen=32)  # (ms, *step_work) per ended step, as /state reads
-        self.plan_log: tuple = ()  # the step in progress, logged when it ends
+        self.recent: deque[StepRecord] = deque(maxlen=MEANS_OVER)  # ended steps, as /state reads them
+        self.plan_log: StepRecord | None = None  # the step in progress, logged when it ends
         self.before: dict = {}  # the load as the step in progress began
 
     # arrivals and events
@@ -133,41 +142,25 @@ class SimWorker:
         return None
 
     def _launch(self, plan: StepPlan, now: float) -> float:
-        chunks = []
-        for req, n in plan.scheduled:
-            start = req.num_computed
-            chunks.append(SeqChunk(req.token_ids[start:start + n], start, [],
-                                   start + n == len(req.token_ids), req.params))
-        ms = self.executor.step_ms(chunks)
-        self.plan, self.samples = plan, [c.sample for c in chunks]
-        self.plan_log = (ms, *step_work(plan))
+        """Launch as the engine does: the step's chunks, priced by the executor, their tokens
+        counted as computed and placeholders appended for what they sample; the executor's
+        tokens are drawn now and written over the placeholders when the step lands."""
+        chunks = chunks_of(plan)
+        work = step_work(chunks)
+        ms = self.executor.cost.work_ms(work)
+        self.sampled = [self.executor.token(c) if c.sample else None for c in chunks]
+        advance(plan, self.cfg.max_model_len)
+        self.plan, self.plan_log = plan, StepRecord(ms, work, ms)
         return now + ms / 1000.0
 
     def _land_step(self, now: float) -> None:
-        """The step's tokens are computed: commit the blocks they filled (`commit` is a no-op
-        unless a block was filled), sample, finish."""
+        """The step has ended: the engine's post-step bookkeeping, then its finished requests."""
         plan, self.plan = self.plan, None
+        assert plan is not None and self.plan_log is not None
         self.recent.append(self.plan_log)
-        kv, B = self.kv, self.cfg.block_size
-        for (req, n), sample in zip(plan.scheduled, self.samples):
-            req.num_computed += n
-            if req.num_computed // B > req.num_registered // B:
-                kv.commit(req)
-            if sample:
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                req.token_ids.append(output_token(req))
-                if self._done(req):
-                    self._finish(req, now)
-
-    def _done(self, req: Request) -> bool:
-        n = len(req.token_ids)
-        return n - len(req.prompt_ids) >= req.params.max_tokens or n >= self.cfg.max_model_len
-
-    def _finish(self, req: Request, now: float) -> None:
-        self.scheduler.running.remove(req)
-        self.scheduler.finish(req, "length")
-        self.on_finish(req, now)
+        for s in self.scheduler.update_from_output(plan, self.sampled, now):
+            if s.finish_reason is not None:
+                self.on_finish(s.req, now)
 
     # decode segments
 
@@ -204,12 +197,12 @@ class SimWorker:
             return False
         running = self.scheduler.running
         seqs, kv = len(running), sum(len(r.token_ids) for r in running)
-        step_ms = self.executor.cost.step_ms
-        self.seg_steps = [(step_ms(0, 0.0, seqs, kv + seqs * i), 0, seqs, kv + seqs * i, 0.0)
-                          for i in range(k)]
+        work_ms = self.executor.cost.work_ms
+        works = [StepWork(decode_seqs=seqs, decode_kv_tokens=kv + seqs * i) for i in range(k)]
+        self.seg_steps = [StepRecord(ms, w, ms) for w in works for ms in (work_ms(w),)]
         self.seg_ends, t = [], now
         for step in self.seg_steps:
-            t += step[0] / 1000.0
+            t += step.ms / 1000.0
             self.seg_ends.append(t)
         self.seg_len, self.seg_done = k, 0
         return True
@@ -238,8 +231,10 @@ class SimWorker:
             self._apply_decodes(upto - self.seg_done)
         now = self.seg_ends[upto - 1]
         for r in self.seg_finishing:
-            if self._done(r):
-                self._finish(r, now)
+            reason = self.scheduler.check_stop(r, r.token_ids[-1])
+            if reason is not None:
+                self.scheduler.finish(r, reason)
+                self.on_finish(r, now)
 
     # what the gateway's state poll would read
 
@@ -257,4 +252,4 @@ class SimWorker:
                 "total_blocks": self.pool.num_blocks,
                 **(self.before if self.plan is not None else self._load()),
                 "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
-                **step_means(list(self.recent))}
+                **step_means(self.recent)}

@@ -5,6 +5,7 @@ profile it measures reproduces a real fleet's medians. Wall-clock checks compare
 one run with wide ratios, so a busy machine does not fail them; how close they come on an idle
 one is `python -m bench.fidelity`'s JSON."""
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -15,7 +16,8 @@ from bench import calibrate, fidelity
 from bench.loadgen import run_rate
 from bench.workloads import WorkloadConfig
 from gateway.procs import start_worker
-from workers.kv.cost_model import CostModel
+from workers.kv.cost_model import CostModel, StepWork
+from workers.step_stats import StepRecord
 
 KNOWN = {"base_ms": 10.0, "prefill_token_ms": 0.3, "prefill_attn_ms": 0.5, "decode_seq_ms": 1.5,
          "decode_kv_token_ms": 0.002}
@@ -101,16 +103,17 @@ def test_calibration_tells_a_worker_twice_as_slow(tmp_path):
         assert 1.3 < slow_fit.step_ms(*work) / fast.step_ms(*work) < 3.0, work
 
 
-def logged_steps(true: CostModel, overhead: float, n: int = 300) -> list[list[float]]:
+def logged_steps(true: CostModel, overhead: float, n: int = 300) -> list[StepRecord]:
     """A worker's step log (GET /steps) for steps that took `true` in all, `overhead` of it
     outside the executor: decode-only, prefill-only and mixed steps of varied sizes."""
     rng, steps = np.random.default_rng(3), []
-    for i in range(n):
+    for _ in range(n):
         p = int(rng.choice([0, 0, 16, 96, 300]))
         seqs = int(rng.integers(0 if p else 1, 7))
         kv, ctx = seqs * int(rng.integers(100, 900)), p * (int(rng.integers(0, 500)) + p / 2)
-        wall = true.step_ms(p, ctx, seqs, kv)
-        steps.append([i + 1, wall - overhead, p, seqs, kv, ctx, wall])
+        work = StepWork(p, ctx, seqs, kv)
+        wall = true.work_ms(work)
+        steps.append(StepRecord(wall - overhead, work, wall))
     return steps
 
 
@@ -129,13 +132,13 @@ def test_speed_factors_recover_how_much_slower_each_kind_ran():
         steps = logged_steps(cost.scaled(prefill, decode), overhead=0.5)
         assert calibrate.speed_factors(cost, steps) == pytest.approx((prefill, decode))
     skewed = logged_steps(cost.scaled(1.3, 0.8), overhead=0.5)
-    for s in skewed[::10]:
-        s[6] *= 3  # it lost its core for a while: the totals still match
+    for i in range(0, len(skewed), 10):  # it lost its core for a while: the totals still match
+        skewed[i] = dataclasses.replace(skewed[i], wall_ms=skewed[i].wall_ms * 3)
     now = cost.scaled(*calibrate.speed_factors(cost, skewed))
-    for group in ([s for s in skewed if s[2] == 0], [s for s in skewed if s[2] > 0]):
-        total = sum(calibrate.logged_ms(now, s) for s in group)
-        assert total == pytest.approx(sum(s[6] for s in group))
-    only_decodes = [s for s in logged_steps(cost.scaled(1.0, 1.2), 0.0) if s[2] == 0]
+    for group in ([s for s in skewed if s.work.prefill_tokens == 0], [s for s in skewed if s.work.prefill_tokens > 0]):
+        total = sum(now.work_ms(s.work) for s in group)
+        assert total == pytest.approx(sum(s.wall_ms for s in group))
+    only_decodes = [s for s in logged_steps(cost.scaled(1.0, 1.2), 0.0) if s.work.prefill_tokens == 0]
     assert calibrate.speed_factors(cost, only_decodes) == pytest.approx((1.0, 1.2))
 
 
@@ -154,7 +157,8 @@ def test_rescale_from_a_workers_step_log(tmp_path):
         model = w.state()["model"]
         assert all(r["error"] is None for r in asyncio.run(run_rate([w.url], wl, model, (5000, 1000))))
         last, steps = calibrate.step_log(w.url)
-        assert [s[0] for s in steps] == list(range(last - len(steps) + 1, last + 1))
+        numbered = httpx.get(w.url + "/steps").json()["steps"]
+        assert [s["step"] for s in numbered] == list(range(last - len(steps) + 1, last + 1))
         assert calibrate.step_log(w.url, last - 3)[1] == steps[-3:]
         calibrate.main(["--url", w.url, "--rescale", str(tmp_path / "known.json"), "--out", str(tmp_path / "now.json")])
     finally:

@@ -12,9 +12,9 @@ from policies.api import DECODE, PREFILL, WorkerView
 from policies.slo_goodput import SloGoodput
 from tests.views import COST, fleet, req, worker
 from workers.engine import Engine, EngineConfig
-from workers.step_stats import step_means
+from workers.step_stats import StepRecord, step_means
 from workers.executors.sim import SimExecutor
-from workers.kv.cost_model import CostModel
+from workers.kv.cost_model import CostModel, StepWork
 from workers.sampling_params import SamplingParams
 
 CPU_PROFILE = Path(__file__).parent.parent / "bench" / "profiles" / "cpu-smollm2-135m.json"
@@ -138,7 +138,8 @@ def test_prefill_and_decode_speeds_are_measured_apart(prefill_share):
         seqs = rng.randint(2, 6)
         kv = seqs * rng.randint(200, 600)
         p, ctx = (256, 256 * (rng.randint(0, 512) + 128)) if rng.random() < prefill_share else (0, 0.0)
-        recent.append((true.step_ms(p, ctx, seqs, kv), p, seqs, kv, ctx))
+        work = StepWork(p, ctx, seqs, kv)
+        recent.append(StepRecord(true.work_ms(work), work, true.work_ms(work)))
     load = dict(running=4, waiting=1, in_flight=5, queued_prefill_tokens=300, kv_tokens=2000,
                 max_batched_tokens=256)
     measured = WorkerView(worker_id="m", **load, **step_means(recent))

@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from workers.detokenizer import Detokenizer
-from workers.executors.batch import Executor
-from workers.inflight import InFlight, SyncLaunch, advance, chunks_of, drop_unresolved, resolve
+from workers.executors.batch import Executor, step_work
+from workers.inflight import InFlight, SyncLaunch, advance, chunks_of
 from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
@@ -28,8 +28,8 @@ from workers.kv.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, call_sinks, unstarted_failure
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, StepPlan
-from workers.step_stats import StepStats, step_means, step_work
+from workers.scheduler import Sampled, Scheduler, StepPlan
+from workers.step_stats import StepRecord, StepStats, step_means
 
 ENGINE_ERROR = "engine_error"  # the step running the request raised
 ENGINE_STOPPED = "engine_stopped"  # the engine thread has ended
@@ -71,7 +71,9 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size, self.events)
         self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size),
                                  config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, self.max_model_len,
+                                   executor.eos_token_ids)
+        self.scheduler.exporter = self._export
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -227,10 +229,11 @@ class Engine:
     def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
         """Hand the plan to the executor and count its tokens as launched; if the executor raises,
         the plan's requests fail (into `outputs`) and nothing of the step is kept."""
-        work = step_work(plan)
+        chunks = chunks_of(plan)
+        work = step_work(chunks)
         t0 = time.perf_counter()
         try:
-            handle = self._launcher.launch(chunks_of(plan))
+            handle = self._launcher.launch(chunks)
         except Exception:
             log.exception("a step of %d requests raised; failing them", len(plan.scheduled))
             outputs += [self._fail(req, ENGINE_ERROR) for req, _ in plan.scheduled]
@@ -246,45 +249,32 @@ class Engine:
         except Exception:
             log.exception("a step of %d requests failed on the device; failing them", len(step.plan.scheduled))
             return [self._fail(req, ENGINE_ERROR) for req, _ in step.plan.scheduled if req.status != FINISHED]
-        outputs, now = [], time.monotonic()
+        now = time.monotonic()
         launched = now - (time.perf_counter() - step.launched)
-        for (req, n), tok in zip(step.plan.scheduled, sampled):
-            if req.status == FINISHED:
-                continue
-            if req.chunks is not None and req.first_token_at is None:
+        for req, n in step.plan.scheduled:
+            if req.chunks is not None and req.first_token_at is None and req.status != FINISHED:
                 req.chunks.append((launched, now, n))
-            if tok is not None:
-                resolve(req, tok)
-            self.kv.commit(req)
-            if req.export is not None:
-                self._export(req, final=False)
-            if tok is not None:
-                outputs.append(self._append(req, tok))
-        self.stats.record(ms, *step.work, (time.perf_counter() - step.start) * 1000)
-        return outputs
+        done = self.scheduler.update_from_output(step.plan, sampled, now, self._hit_stop_string)
+        self.stats.record(StepRecord(ms, step.work, (time.perf_counter() - step.start) * 1000))
+        return [self._output(s) for s in done]
 
-    def _append(self, req: Request, tok: int) -> RequestOutput:
-        """The delta for a resolved token, after the stop checks (which end the request)."""
-        if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
+    def _hit_stop_string(self, req: Request, tok: int) -> bool:
+        detok = self._requests[req.request_id][1]
+        return detok.add(tok) if detok else False
+
+    def _output(self, s: Sampled) -> RequestOutput:
+        """The delta for a resolved token (its text flushed whole when the request ended)."""
+        req = s.req
+        if s.first:
             self.stats.prompt_tokens += req.num_prompt
             self.stats.cached_tokens += max(req.num_cached, 0)
         self.stats.generated_tokens += 1
-        p = req.params
-        _, detok, _ = self._requests[req.request_id]
-        eos = self.executor.eos_token_ids
-        hit_stop = detok.add(tok) if detok and tok not in eos else False
-        reason = None
-        if tok in p.stop_token_ids or hit_stop or (not p.ignore_eos and tok in eos):
-            reason = "stop"
-        elif req.num_output >= p.max_tokens or len(req.token_ids) - req.unresolved >= self.max_model_len:
-            reason = "length"
-        if reason:
-            drop_unresolved(req)
-            self._remove(req, reason)
-        text = detok.flush(reason is not None) if detok else ""
-        return RequestOutput(req.request_id, [tok], text, req.num_prompt, max(req.num_cached, 0),
-                             req.num_output, reason)
+        if s.finish_reason is not None:
+            self.stats.finished += 1
+        detok = self._requests[req.request_id][1]
+        text = detok.flush(s.finish_reason is not None) if detok else ""
+        return RequestOutput(req.request_id, [s.token], text, req.num_prompt, max(req.num_cached, 0),
+                             req.num_output, s.finish_reason)
 
     def _drop(self, req: Request) -> None:
         """Take a request out of the pending list or the scheduler and free its blocks."""
@@ -324,19 +314,7 @@ class Engine:
             except Exception:
                 log.exception("could not deliver %d outputs", len(batch))
 
-    def _remove(self, req: Request, reason: str) -> None:
-        """End a request that stopped: export its prompt blocks if asked, then free them. It may
-        be waiting (preempted while its last token was in flight) as well as running."""
-        if req.export is not None:
-            self._export(req)
-        if req in self.scheduler.running:
-            self.scheduler.running.remove(req)
-        elif req in self.scheduler.waiting:
-            self.scheduler.waiting.remove(req)
-        self.scheduler.finish(req, reason)
-        self.stats.finished += 1
-
-    def _export(self, req: Request, final: bool = True) -> None:
+    def _export(self, req: Request, final: bool) -> None:
         """Hand the request's full prompt blocks not handed yet to its exporter, as a chain
         continuing the last block it got. Mid-prefill (not `final`) only a batch of at least
         `export_batch_blocks`: block-batch pipelining, whose transfer overlaps the prefill of
@@ -418,8 +396,6 @@ class Engine:
 
     def _make_state(self) -> dict:
         s, c = self.scheduler, self.config
-        log = self.stats.recent
-        recent = [log[i] for i in range(-min(32, len(log)), 0)]
         return {
             "worker_id": c.worker_id, "role": c.role, "model": c.model_id,
             "block_size": c.block_size, "total_blocks": self.pool.num_blocks,
@@ -427,7 +403,7 @@ class Engine:
             "queued_prefill_tokens": s.queued_prefill_tokens,
             "kv_tokens": sum(r.num_computed for r in s.running),
             "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
-            **step_means(recent),
+            **step_means(self.stats.last()),
             "cost_model": c.cost_model.to_json() if c.cost_model else None,
             "kv_bytes_per_token": getattr(self.executor, "kv_bytes_per_token", 0),
             "kv_seq": self.events.last_seq,

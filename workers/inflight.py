@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 
 from workers.executors.batch import SeqChunk
-from workers.request import FINISHING, Request
+from workers.kv.cost_model import StepWork
+from workers.request import FINISHING
 from workers.scheduler import StepPlan
 
 PLACEHOLDER = -1  # a token sampled by a step not resolved yet
@@ -29,7 +30,7 @@ class InFlight:
     the engine iteration that launched it began."""
     plan: StepPlan
     handle: object
-    work: tuple
+    work: StepWork
     start: float
     launched: float
 
@@ -84,14 +85,3 @@ def advance(plan: StepPlan, max_model_len: int) -> None:
                 req.status = FINISHING
 
 
-def resolve(req: Request, token: int) -> None:
-    """Write a sampled token over the request's oldest placeholder."""
-    req.token_ids[len(req.token_ids) - req.unresolved] = token
-    req.unresolved -= 1
-
-
-def drop_unresolved(req: Request) -> None:
-    """Forget placeholders after the request stopped: those steps' tokens are not its output."""
-    if req.unresolved:
-        del req.token_ids[len(req.token_ids) - req.unresolved:]
-        req.unresolved = 0

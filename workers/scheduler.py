@@ -1,12 +1,15 @@
-"""Continuous batching with chunked prefill under one token budget per step.
+"""Continuous batching with chunked prefill under one token budget per step, and what follows
+a step: the one lifecycle the engine and the fleet simulator share.
 
 Each step: running requests first (decodes, then unfinished prefills), then waiting requests
 in FCFS order, each taking at most what is left of `max_batched_tokens`. When the pool runs
 out of blocks a running request is preempted by recompute, newest first, so KV exhaustion
-never crashes and never deadlocks.
+never crashes and never deadlocks. After a step, `update_from_output` commits the blocks it
+filled, appends its tokens, checks each for a stop and finishes those that stopped.
 """
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from workers.kv.kv_manager import KVCacheManager
@@ -25,14 +28,42 @@ class StepPlan:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass(slots=True)
+class Sampled:
+    """A token a step sampled for a request, and whether it was its first and its last."""
+    req: Request
+    token: int
+    first: bool
+    finish_reason: str | None
+
+
+def resolve(req: Request, token: int) -> None:
+    """Write a sampled token over the request's oldest placeholder (workers/inflight.py)."""
+    req.token_ids[len(req.token_ids) - req.unresolved] = token
+    req.unresolved -= 1
+
+
+def drop_unresolved(req: Request) -> None:
+    """Forget placeholders after the request stopped: those steps' tokens are not its output."""
+    if req.unresolved:
+        del req.token_ids[len(req.token_ids) - req.unresolved:]
+        req.unresolved = 0
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256):
+                 max_num_seqs: int = 256, max_model_len: int = 1 << 30,
+                 eos_token_ids: Sequence[int] = ()):
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # the P/D exporter, for a request that has one: `exporter(req, final)` after each commit
+        # (final=False) and as it stops, before its blocks are freed (final=True)
+        self.exporter: Callable[[Request, bool], None] | None = None
 
     def add(self, req: Request) -> None:
         req.queued_tokens = self.kv.uncached_estimate(req)
@@ -52,17 +83,59 @@ class Scheduler:
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is and free its blocks at once."""
+        self.finish(req, "abort")
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request wherever it is (running, or waiting: preempted while its last token was
+        in flight) and free its blocks."""
+        if req.status == FINISHED:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.finish(req, "abort")
-
-    def finish(self, req: Request, reason: str) -> None:
-        if req.status == FINISHED:
-            return
         req.status, req.finish_reason = FINISHED, reason
         self.kv.free(req)
+
+    def check_stop(self, req: Request, token: int, stop_string: bool = False) -> str | None:
+        """Why `req` stops after appending `token`: "stop" (a stop token or string, or EOS unless
+        ignored), "length" (max_tokens, or the context is full), or None."""
+        p = req.params
+        if token in p.stop_token_ids or stop_string or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if req.num_output >= p.max_tokens or len(req.token_ids) - req.unresolved >= self.max_model_len:
+            return "length"
+        return None
+
+    def update_from_output(self, plan: StepPlan, sampled: Sequence[int | None], now: float,
+                           stop_string: Callable[[Request, int], bool] | None = None) -> list[Sampled]:
+        """A launched step's results: per request still live, write its token over the
+        placeholder, commit the blocks the step filled, check for a stop and finish it if so.
+        `stop_string(req, token)` says whether the text now ends in a stop string (asked of
+        non-EOS tokens only). Requests that ended meanwhile (aborted, failed) are skipped."""
+        out = []
+        for (req, _), token in zip(plan.scheduled, sampled):
+            if req.status == FINISHED:
+                continue
+            if token is not None:
+                resolve(req, token)
+            self.kv.commit(req)
+            if req.export is not None and self.exporter is not None:
+                self.exporter(req, False)
+            if token is None:
+                continue
+            first = req.first_token_at is None
+            if first:
+                req.first_token_at = now
+            hit = stop_string is not None and token not in self.eos_token_ids and stop_string(req, token)
+            reason = self.check_stop(req, token, hit)
+            if reason is not None:
+                drop_unresolved(req)
+                if req.export is not None and self.exporter is not None:
+                    self.exporter(req, True)
+                self.finish(req, reason)
+            out.append(Sampled(req, token, first, reason))
+        return out
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
@@ -100,7 +173,6 @@ class Scheduler:
                        all(r is not s for s, _ in plan.scheduled)]
             if not victims:
                 if len(self.running) == 1 and not plan.scheduled:
-                    self.running.remove(req)
                     self.finish(req, "length")
                     plan.evicted.append(req)
                 else:
@@ -119,7 +191,6 @@ class Scheduler:
             n = min(req.num_remaining, budget)
             if not self.kv.allocate_slots(req, n):
                 if not self.running and not plan.scheduled:
-                    self.waiting.popleft()
                     self.finish(req, "length")
                     plan.evicted.append(req)
                     continue

@@ -313,8 +313,8 @@ class WorkerServer:
                              "draining": self.draining, "in_flight": self.in_flight})
 
     async def steps(self, request: Request) -> Response:
-        """The engine's step log after step `after`: [step, executor ms, prefill tokens, decode
-        seqs, decode KV tokens, prefill ctx products, wall ms] each (`StepStats`)."""
+        """The engine's step log after step `after`: each step's number, times and work
+        (`StepRecord.to_json`)."""
         if refused := self._refused(request):
             return refused
         try:

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from typing import Protocol
 
+from workers.kv.cost_model import StepWork
 from workers.sampling_params import SamplingParams
 
 
@@ -21,6 +22,27 @@ class SeqChunk:
     params: SamplingParams
     output_index: int = 0
     prev_sample: int = -1  # >= 0: token_ids[0] is a placeholder for row prev_sample of the last step's samples
+
+
+def is_decode(chunk: SeqChunk) -> bool:
+    """Decode work is one token that samples after at least one output token; every other chunk
+    computes prompt (or recomputed) tokens and costs a prefill row, even a one-token one (a
+    prompt cached but for its last token). The one rule for the step log and the sim's cost."""
+    return len(chunk.token_ids) == 1 and chunk.sample and chunk.output_index > 0
+
+
+def step_work(chunks: list[SeqChunk]) -> StepWork:
+    """What a step computes, in the cost model's terms."""
+    prefill_tokens, ctx, seqs, kv = 0, 0.0, 0, 0
+    for c in chunks:
+        n = len(c.token_ids)
+        if is_decode(c):
+            seqs += 1
+            kv += c.start_pos + 1
+        else:
+            prefill_tokens += n
+            ctx += n * (c.start_pos + n / 2)
+    return StepWork(prefill_tokens, ctx, seqs, kv)
 
 
 class Executor(Protocol):

@@ -6,7 +6,7 @@ CPU, and the fleet simulator drives it in virtual time by passing its own `wait`
 import time
 from collections.abc import Callable
 
-from workers.executors.batch import SeqChunk
+from workers.executors.batch import SeqChunk, step_work
 from workers.kv.cost_model import CostModel
 
 
@@ -15,7 +15,10 @@ class SimExecutor:
 
     def __init__(self, cost: CostModel, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
                  max_model_len: int = 8192, wait: Callable[[float], None] = time.sleep,
-                 first_token_id: int = 256, kv_bytes_per_token: int = 36864):
+                 first_token_id: int = 256, kv_bytes_per_token: int = 36864,
+                 token: Callable[[SeqChunk], int] | None = None):
+        """`token` replaces the default rule for the sampled token (the fleet simulator's, when
+        a test compares the engine with it)."""
         self.cost = cost
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -24,16 +27,10 @@ class SimExecutor:
         self.first_token_id = min(first_token_id, vocab_size // 2)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.last_step_ms = 0.0
+        self.token = token or self._token
 
     def step_ms(self, chunks: list[SeqChunk]) -> float:
-        prefill = [c for c in chunks if len(c.token_ids) > 1 or not c.sample]
-        decode = [c for c in chunks if len(c.token_ids) == 1 and c.sample]
-        return self.cost.step_ms(
-            prefill_tokens=sum(len(c.token_ids) for c in prefill),
-            prefill_ctx_products=sum(len(c.token_ids) * (c.start_pos + len(c.token_ids) / 2)
-                                     for c in prefill),
-            decode_seqs=len(decode),
-            decode_kv_tokens=sum(c.start_pos + 1 for c in decode))
+        return self.cost.work_ms(step_work(chunks))
 
     def _token(self, chunk: SeqChunk) -> int:
         pos = chunk.start_pos + len(chunk.token_ids)
@@ -47,7 +44,7 @@ class SimExecutor:
     def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
         self.last_step_ms = self.step_ms(chunks)
         self.wait(self.last_step_ms / 1000.0)
-        return [self._token(c) if c.sample else None for c in chunks]
+        return [self.token(c) if c.sample else None for c in chunks]
 
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """Sim blocks carry no K/V data; P/D between sim workers moves hashes and tokens only."""

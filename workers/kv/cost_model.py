@@ -5,7 +5,24 @@ time and the gateway that predicts time use one formula. `kvgate calibrate` fits
 coefficients to a real worker and writes them as JSON (a "profile").
 """
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The work of one step in the cost model's terms (fields in `CostModel.step_ms`'s order).
+    Fractional when it is a mean over steps, as /state reports it."""
+    prefill_tokens: float = 0
+    prefill_ctx_products: float = 0.0  # sum over prefill chunks of tokens x (start + tokens / 2)
+    decode_seqs: float = 0
+    decode_kv_tokens: float = 0  # KV tokens the decodes read, their own included
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "StepWork":
+        return StepWork(**{k: d.get(k, 0) for k in StepWork.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,9 @@ class CostModel:
                 + self.prefill_attn_ms * prefill_ctx_products / 1000.0
                 + self.decode_seq_ms * decode_seqs + self.decode_kv_token_ms * decode_kv_tokens
                 + (self.mixed_ms if prefill_tokens and decode_seqs else 0.0))
+
+    def work_ms(self, work: StepWork) -> float:
+        return self.step_ms(*astuple(work))
 
     def _decode_table_ms(self, seqs: float) -> float:
         """A decode-only step of `seqs` sequences from the measured table: linear between its
