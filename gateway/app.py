@@ -46,7 +46,7 @@ from gateway.tracing import Tracing
 from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
-from workers.http_guard import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, CloseOn5xx, read_body
+from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
 from workers.protocol import check_request, error_body, new_id
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
@@ -98,9 +98,10 @@ class Gateway:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models),
+            Route("/v1/models/{model:path}", self.retrieve_model),
             Route("/health", self.health),
             Route("/metrics", self.prometheus),
-        ], lifespan=self._lifespan,
+        ], lifespan=self._lifespan, exception_handlers=JSON_HTTP_ERRORS,
             middleware=[Middleware(CloseOn5xx), Middleware(Guard, access=self.access)])
 
     @contextlib.asynccontextmanager
@@ -240,14 +241,11 @@ class Gateway:
                            retry_after=retry_after(wait))
 
     def resolve_model(self, model: object, models: dict[str, int]) -> str:
-        """The served model a request names; without a name, the `--model` default or the
-        fleet's only model."""
+        """The served model a request names (required, as in OpenAI's schema)."""
+        if model is None:
+            raise ApiError(400, "'model' is required (GET /v1/models lists the served ones)", param="model")
         if not models:
             raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
-        if model is None:
-            model = self.tokenizers.default_model or (next(iter(models)) if len(models) == 1 else None)
-            if model is None:
-                raise ApiError(400, "'model' is required: this fleet serves several", param="model")
         if not isinstance(model, str):
             raise ApiError(400, "'model' must be a string", param="model")
         if model not in models:
@@ -443,9 +441,16 @@ class Gateway:
         return PassThrough(relay(resp, tap, head, self.proxy.idle_timeout, failed), resp, closed, headers)
 
     async def models(self, request: Request) -> Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate", "max_model_len": n}
-                for m, n in sorted(self.fleet.models().items())]
+        data = [_model_card(m, n) for m, n in sorted(self.fleet.models().items())]
         return JSONResponse({"object": "list", "data": data}, headers=self.headers())
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: a model the fleet serves, or a 404."""
+        name, models = request.path_params["model"], self.fleet.models()
+        if name not in models:
+            return self.error(ApiError(404, f"The model `{name[:200]}` does not exist.", code="model_not_found",
+                                       param="model"))
+        return JSONResponse(_model_card(name, models[name]), headers=self.headers())
 
     async def health(self, request: Request) -> Response:
         up = sum(w.available for w in self.fleet.workers.values())
@@ -457,6 +462,10 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
+
+
+def _model_card(model: str, max_model_len: int) -> dict:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "max_model_len": max_model_len}
 
 
 def _slo(headers, name: str, default: float | None) -> float | None:

@@ -22,21 +22,20 @@ INLINE_BYTES = 2048
 
 @dataclass
 class Prepared:
-    """A parsed request and its first prompt's block hashes. A request forwarded whole to vLLM
-    workers may hold several prompts and ask for several completions of each."""
+    """A parsed request and its first prompt's block hashes (a request may hold several prompts
+    and ask for several completions of each; it is routed by its first)."""
     parsed: ParsedRequest
     hashes: list[int]
-    prompt_tokens: int = 0  # every prompt's tokens, when more than the parsed one's
-    completions: int = 1
 
     @property
     def num_tokens(self) -> int:
-        return self.prompt_tokens or len(self.parsed.prompt_ids)
+        """Prompt tokens over all its prompts."""
+        return self.parsed.prompt_tokens
 
     @property
     def max_tokens(self) -> int:
         """Output tokens the request may ask for, over all its completions."""
-        return self.parsed.params.max_tokens * self.completions
+        return self.parsed.params.max_tokens * self.parsed.num_choices
 
 
 class ModelTokenizer:
@@ -52,12 +51,10 @@ class ModelTokenizer:
     def prepare(self, body: object, kind: str, max_model_len: int, whole: bool = False) -> Prepared:
         """Validate and tokenize like the worker, then hash the full blocks (raises InvalidRequest).
         `whole`: the request goes unchanged to vLLM workers, which take more (gateway/passthrough.py)."""
-        if whole:
-            parsed, tokens, completions = parse_whole(body, kind, self.tokenizer, max_model_len)
-        else:
-            parsed, tokens, completions = parse_request(body, kind, self.tokenizer, max_model_len), 0, 1
+        parse = parse_whole if whole else parse_request
+        parsed = parse(body, kind, self.tokenizer, max_model_len)
         seed = salted_seed(self.seed, parsed.cache_salt)
-        return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, seed), tokens, completions)
+        return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, seed))
 
 
 class Tokenizers:
@@ -71,10 +68,6 @@ class Tokenizers:
         self.block_size = block_size
         self.sources = {served_name(m): m for m in models}
         self._loading: dict[str, asyncio.Future] = {}
-
-    @property
-    def default_model(self) -> str | None:
-        return next(iter(self.sources), None)
 
     async def get(self, name: str) -> ModelTokenizer | None:
         fut = self._loading.get(name)

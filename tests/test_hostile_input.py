@@ -19,6 +19,7 @@ import pytest
 from tests.fuzz_bodies import bodies
 from gateway.procs import Worker, free_port, start_gateway, stop_all, wait_for
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
+from workers.model_store import served_name
 
 MODEL = "smollm2-135m"
 CTX = 1024
@@ -71,15 +72,15 @@ def raw_json(obj: dict) -> bytes:
 
 # bodies that were 500s or dropped connections before, each with the status it must get now
 HOSTILE = [
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1e999}', 400),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": NaN}', 400),
-    ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
-    ("/v1/completions", b'{"prompt": "hi\\ud800", "max_tokens": 2}', 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 1e999}', 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": NaN}', 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi\\ud800", "max_tokens": 2}', 400),
     ("/v1/completions", b'{"model": "x\\ud800", "prompt": "hi"}', 400),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "top_k": 1' + b"0" * 309 + b"}", 400),
-    ("/v1/completions", b'{"prompt": [1000000000000000000000000000000], "max_tokens": 2}', 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "top_k": 1' + b"0" * 309 + b"}", 400),
+    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": [1000000000000000000000000000000], "max_tokens": 2}', 400),
     ("/v1/chat/completions", raw_json({"messages": [{"role": 5, "content": "x"}]}), 400),
     ("/v1/chat/completions", raw_json({"messages": [{"role": "user", "content": 5}]}), 400),
     ("/v1/completions", raw_json({"prompt": "hi", "stream_options": 5, "max_tokens": 2}), 400),
@@ -279,15 +280,16 @@ def test_a_torch_worker_refuses_out_of_range_sampling_and_serves_extreme_valid_v
     valid extremes (near-zero temperature, tiny top_p, int64 seeds, huge top_k) sample fine."""
     w = Worker(executor="torch", worker_id="t0", model=str(tiny_llama), log_dir=str(tmp_path),
                extra=("--num-blocks", "64", "--max-model-len", "256"))
+    name = served_name(str(tiny_llama))
     try:
         w.ready()
         c = Connection(w.url)
         for field, value in (("top_k", 10**309), ("top_k", 2**31), ("seed", 2**63), ("temperature", 10**400)):
-            status, _, body = c.post("/v1/completions", json.dumps({"prompt": "hi", field: value}).encode())
+            status, _, body = c.post("/v1/completions", json.dumps({"model": name, "prompt": "hi", field: value}).encode())
             assert status == 400 and json.loads(body)["error"]["param"] == field, body
         for extra in ({"temperature": 1e-300}, {"top_p": 5e-324}, {"seed": -2**63}, {"top_k": 2**31 - 1},
                       {"temperature": 1.7e308, "seed": 2**63 - 1}):
-            raw = json.dumps({"prompt": "hi", "max_tokens": 3, "ignore_eos": True, **extra}).encode()
+            raw = json.dumps({"model": name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True, **extra}).encode()
             status, _, body = c.post("/v1/completions", raw)
             assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3, (extra, body)
         assert c.connects == 1 and httpx.get(w.url + "/health").status_code == 200

@@ -111,9 +111,9 @@ def test_a_template_that_raises_is_the_clients_error():
     ("stop", ["x"] * 33), ("stop", ["x" * 1025]), ("stop", [1]), ("stop_token_ids", [2**31]),
     ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", list(range(1025))),
     ("ignore_eos", "yes"), ("stream", 1), ("stream_options", []), ("stream_options", {"include_usage": "y"}),
-    ("return_token_ids", "no"), ("n", 2), ("n", "1"), ("user", 5), ("model", ["m"]),
-    ("presence_penalty", 0.5), ("frequency_penalty", math.inf), ("logprobs", 2), ("logprobs", True),
-    ("echo", True), ("best_of", 3), ("logit_bias", {"1": 5}), ("tools", [{"type": "function"}]),
+    ("return_token_ids", "no"), ("n", 0), ("n", 129), ("n", "1"), ("user", 5), ("model", ["m"]),
+    ("presence_penalty", 0.5), ("frequency_penalty", math.inf), ("logprobs", 21), ("logprobs", True),
+    ("logprobs", -1), ("echo", "yes"), ("best_of", 3), ("logit_bias", {"1": 5}), ("tools", [{"type": "function"}]),
     ("response_format", {"type": "json_object"}), ("min_tokens", 4), ("repetition_penalty", 1.2),
     ("kv_transfer", {"export_to": "ftp://x"}), ("kv_transfer", {"wait_ms": 10**9}), ("kv_transfer", "x"),
 ])

@@ -16,24 +16,27 @@ def tok():
 def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(tok):
     body = {"prompt": ["one two three", "four five six seven"], "n": 3, "max_tokens": 5, "logprobs": 2,
             "presence_penalty": 0.5}
-    first, tokens, completions = parse_whole(body, "completion", tok, 1024)
+    first = parse_whole(body, "completion", tok, 1024)
     assert first.prompt_ids == tok.encode("one two three")
-    assert tokens == len(tok.encode("one two three")) + len(tok.encode("four five six seven"))
-    assert completions == 6
+    tokens = len(tok.encode("one two three")) + len(tok.encode("four five six seven"))
+    assert (first.prompt_tokens, first.num_choices) == (tokens, 6)
     m = ModelTokenizer("smollm2-135m", tok, 16)
     prep = m.prepare(body, "completion", 1024, whole=True)
     assert (prep.num_tokens, prep.max_tokens) == (tokens, 5 * 6)
-    with pytest.raises(InvalidRequest):
-        m.prepare(body, "completion", 1024)  # kvgate's own workers take none of it
+    with pytest.raises(InvalidRequest) as e:
+        m.prepare(body, "completion", 1024)  # kvgate's own workers take n, lists, logprobs, not penalties
+    assert e.value.param == "presence_penalty"
+    del body["presence_penalty"]
+    assert m.prepare(body, "completion", 1024).max_tokens == 5 * 6
 
 
 def test_a_single_request_parses_as_kvgate_parses_it(tok):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
             "max_tokens": 3}
-    first, tokens, completions = parse_whole(body, "chat", tok, 1024)
-    assert first == parse_request(body, "chat", tok, 1024) and (tokens, completions) == (len(first.prompt_ids), 1)
-    ids = [[1, 2, 3], [4, 5]]
-    assert parse_whole({"prompt": ids}, "completion", tok, 1024)[1:] == (5, 2)
+    first = parse_whole(body, "chat", tok, 1024)
+    assert first == parse_request(body, "chat", tok, 1024) and first.num_choices == 1
+    ids = parse_whole({"prompt": [[1, 2, 3], [4, 5]]}, "completion", tok, 1024)
+    assert (ids.prompt_tokens, ids.num_choices) == (5, 2)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -69,7 +69,9 @@ def test_streaming_ends_with_done_and_usage(worker):
     ({"model": MODEL, "prompt": list(range(500)), "max_tokens": 100}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),  # the sim executor has no distribution
     ({"model": MODEL, "messages": "nope"}, 400, "messages"),
 ])
 def test_bad_input_gets_openai_errors(worker, body, status, param):
@@ -159,7 +161,7 @@ def test_streams_complete_without_the_app_lifespan():
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://w") as c:
             async def one(i):
-                body = {"prompt": [3 + i, 4, 5, 6], "max_tokens": 8, "stream": True, "ignore_eos": True}
+                body = {"model": "m", "prompt": [3 + i, 4, 5, 6], "max_tokens": 8, "stream": True, "ignore_eos": True}
                 async with c.stream("POST", "/v1/completions", json=body) as r:
                     return [line async for line in r.aiter_lines() if line.startswith("data:")]
             return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(4)]), 10)

@@ -17,11 +17,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
-def render_chat(messages: object, tokenizer) -> str:
-    """The prompt text of `messages` under the tokenizer's chat template (InvalidRequest if none)."""
-    conversation = chat_messages(messages)
+def render_chat(conversation: list[dict], tokenizer, add_generation_prompt: bool = True) -> str:
+    """The prompt text of messages `chat_messages` has checked, under the tokenizer's chat
+    template (InvalidRequest if it has none or refuses them)."""
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
         raise InvalidRequest(f"the chat template cannot render these messages: {str(e)[:300]}",
                              "messages") from None

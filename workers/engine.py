@@ -25,7 +25,7 @@ from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
 from workers.kv.kv_manager import KVCacheManager
-from workers.outputs import RequestOutput, RequestTimes, call_sinks, unstarted_failure
+from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Sampled, Scheduler, StepPlan
@@ -256,14 +256,17 @@ class Engine:
                 req.chunks.append((launched, now, n))
         done = self.scheduler.update_from_output(step.plan, sampled, now, self._hit_stop_string)
         self.stats.record(StepRecord(ms, step.work, (time.perf_counter() - step.start) * 1000))
-        return [self._output(s) for s in done]
+        logprobs = getattr(step.handle, "logprobs", None) or ()
+        by_request = {id(req): lp for (req, _), lp in zip(step.plan.scheduled, logprobs) if lp is not None}
+        return [self._output(s, by_request.get(id(s.req))) for s in done]
 
     def _hit_stop_string(self, req: Request, tok: int) -> bool:
         detok = self._requests[req.request_id][1]
         return detok.add(tok) if detok else False
 
-    def _output(self, s: Sampled) -> RequestOutput:
-        """The delta for a resolved token (its text flushed whole when the request ended)."""
+    def _output(self, s: Sampled, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """The delta for a resolved token (its text flushed whole when the request ended), with
+        its logprobs when the executor computed them."""
         req = s.req
         if s.first:
             self.stats.prompt_tokens += req.num_prompt
@@ -274,7 +277,7 @@ class Engine:
         detok = self._requests[req.request_id][1]
         text = detok.flush(s.finish_reason is not None) if detok else ""
         return RequestOutput(req.request_id, [s.token], text, req.num_prompt, max(req.num_cached, 0),
-                             req.num_output, s.finish_reason)
+                             req.num_output, s.finish_reason, logprobs=None if logprobs is None else [logprobs])
 
     def _drop(self, req: Request) -> None:
         """Take a request out of the pending list or the scheduler and free its blocks."""

@@ -9,7 +9,9 @@ such a response without saying so, and the client's next request on it fails.
 import json
 import logging
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from workers.protocol import error_body
 
@@ -80,3 +82,18 @@ async def _send_500(send, e: Exception) -> None:
     await send({"type": "http.response.start", "status": 500,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def json_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own 404 (no such path) and 405 (wrong method) as OpenAI error objects."""
+    path = request.url.path[:200]
+    message = {404: f"no such endpoint: {path}",
+               405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(message, "invalid_request_error", ERROR_CODES.get(exc.status_code)),
+                        status_code=exc.status_code, headers=exc.headers)
+
+
+JSON_HTTP_ERRORS = {HTTPException: json_http_error}

@@ -21,6 +21,16 @@ class RequestTimes:
 
 
 @dataclass
+class TokenLogprobs:
+    """One sampled token's log-probability and the `top` (token id, log-probability) pairs, best
+    first, under the model's raw distribution (log-softmax of its logits, before temperature,
+    top-k or top-p: vLLM's default `raw_logprobs`)."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class RequestOutput:
     """A delta for one request after a step; `finish_reason` is set on the last one. A failed
     request ends with finish_reason "error" and `error` saying why (ENGINE_ERROR/ENGINE_STOPPED)."""
@@ -33,6 +43,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     times: RequestTimes | None = None  # on the last output of a request the engine took in
+    logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, when asked for
 
 
 def unstarted_failure(rid: str, prompt_ids: list[int], why: str) -> RequestOutput:

@@ -10,9 +10,10 @@ import re
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from workers.chat_template import chat_messages, render_chat
+from workers.outputs import TokenLogprobs
 from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
 
 # OpenAI and vLLM request fields this server does not implement, with the values that ask for nothing.
@@ -22,6 +23,13 @@ NOOP_VALUES = {
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
 }
+# The NOOP_VALUES fields that each kind does implement (with OpenAI's types, checked below).
+IMPLEMENTED = {"completion": {"echo", "logprobs"}, "chat": {"logprobs", "top_logprobs"}}
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
+MAX_N = 128  # completions per prompt
+MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_CHOICES = 1024  # prompts x n
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no -Infinity; vLLM's value)
 # On a whole (non-streaming) answer: ms from the worker's receipt of the request to its first
 # token, which the gateway adds to its own time before sending to get the client's TTFT.
 TTFT_HEADER = "x-kvgate-ttft-ms"
@@ -34,6 +42,9 @@ _token_chars: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 @dataclass
 class ParsedRequest:
+    """A checked request. `prompts` are all its prompts (a completions request may send a list),
+    `prompt_ids` the first; each prompt gets `n` completions, choice `i * n + j` being prompt i's
+    j-th. `echo_texts` (completions' `echo`) are the prompts' texts that start their choices."""
     kind: str
     model: str
     prompt_ids: list[int]
@@ -43,6 +54,21 @@ class ParsedRequest:
     return_token_ids: bool
     kv_transfer: dict
     cache_salt: str | None = None
+    prompts: list[list[int]] = field(default_factory=list)
+    n: int = 1
+    echo_texts: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            self.prompts = [self.prompt_ids]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -57,48 +83,84 @@ def parse_request(body: object, kind: str, tokenizer, max_model_len: int,
 
     Fields are checked before the prompt is tokenized, and a prompt that must be too long for
     `max_model_len` is refused before it is tokenized whole (`surely_too_long`)."""
-    body = _object(body)
+    body = _object(body, kind)
     stream, include_usage, return_token_ids = _options(body)
     asked = _max_tokens(body, kind)
-    params = sampling_params(body, asked or 1, vocab_size)
+    n, echo = _choices(body, kind)
+    params = sampling_params(body, asked or 1, vocab_size, kind)
     kv, salt = _kv_transfer(body), _cache_salt(body)
-    ids = prompt_ids(body, kind, tokenizer, max_model_len, vocab_size)
+    prompts, texts = [], []
+    for prompt in _prompts(body, kind, vocab_size):
+        ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len)
+        prompts.append(ids)
+        texts.append(text)
     if asked is None:
-        asked = max_model_len - len(ids) if kind == "chat" else 16
-    _check_context(len(ids), asked, max_model_len)
-    return ParsedRequest(kind, body.get("model") or "", ids, replace(params, max_tokens=asked), stream,
-                         include_usage, return_token_ids, kv, salt)
+        asked = max_model_len - max(map(len, prompts)) if kind == "chat" else 16
+    for ids in prompts:
+        _check_context(len(ids), asked, max_model_len)
+    if kv and len(prompts) * n > 1:
+        raise InvalidRequest("'kv_transfer' takes one prompt and n=1", "kv_transfer")
+    echo_texts = [tokenizer.decode(ids) if t is None else t for ids, t in zip(prompts, texts)] if echo else None
+    return ParsedRequest(kind, body.get("model") or "", prompts[0], replace(params, max_tokens=asked), stream,
+                         include_usage, return_token_ids, kv, salt, prompts, n, echo_texts)
 
 
 def check_request(body: object, kind: str) -> None:
     """Everything `parse_request` checks that needs no tokenizer (for a gateway without one)."""
-    body = _object(body)
+    body = _object(body, kind)
     _options(body)
-    sampling_params(body, _max_tokens(body, kind) or 1)
+    _choices(body, kind)
+    sampling_params(body, _max_tokens(body, kind) or 1, None, kind)
     _kv_transfer(body)
     _cache_salt(body)
-    if kind == "chat":
-        chat_messages(body.get("messages"))
-    else:
-        _prompt(body, None)
+    _prompts(body, kind, None)
 
 
-def _object(body: object) -> dict:
+def _object(body: object, kind: str) -> dict:
     """The body as a dict whose top-level fields outside the sampling parameters are sound."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    if _number(body, "n", 1, int) != 1:
-        raise InvalidRequest("only n=1 is supported", "n")
     for name, noop in NOOP_VALUES.items():
         v = body.get(name)
-        if v is not None and v not in noop:
-            raise InvalidRequest(f"'{name}' is not supported by this server (leave it out)", name,
+        if v is not None and name not in IMPLEMENTED[kind] and v not in noop:
+            raise InvalidRequest(f"'{name}' is not supported by kvgate's workers (leave it out, or serve this "
+                                 "model with vLLM workers, which the gateway forwards it to)", name,
                                  "unsupported_parameter")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise InvalidRequest("'model' must be a string", "model")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidRequest("'user' must be a string", "user")
     return body
+
+
+def _choices(body: dict, kind: str) -> tuple[int, bool]:
+    """(n, echo): completions per prompt, and whether each completion starts with its prompt."""
+    n = _number(body, "n", 1, int)
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be an integer in [1, {MAX_N}]", "n")
+    echo = _flag(body, "echo") if kind == "completion" else False
+    if echo and body.get("logprobs") is not None:
+        raise InvalidRequest("'echo' with 'logprobs' needs the prompt's log-probabilities, which kvgate's "
+                             "workers do not compute", "echo", "unsupported_parameter")
+    return n, echo
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many top alternatives to report per output token (None: no logprobs). Completions
+    take `logprobs: N`; chat takes `logprobs: true` and `top_logprobs: N`."""
+    if kind == "completion":
+        k = _number(body, "logprobs", None, int)
+    else:
+        k = _number(body, "top_logprobs", None, int)
+        if not _flag(body, "logprobs"):
+            if k:
+                raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        k = k or 0
+    name = "logprobs" if kind == "completion" else "top_logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidRequest(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}]", name)
+    return k
 
 
 def _options(body: dict) -> tuple[bool, bool, bool]:
@@ -119,7 +181,8 @@ def _max_tokens(body: dict, kind: str) -> int | None:
     return n
 
 
-def sampling_params(body: dict, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+def sampling_params(body: dict, max_tokens: int, vocab_size: int | None = None,
+                    kind: str = "completion") -> SamplingParams:
     """The body's sampling fields, each type- and range-checked."""
     top_k = _number(body, "top_k", 0, int)
     params = SamplingParams(
@@ -128,7 +191,7 @@ def sampling_params(body: dict, max_tokens: int, vocab_size: int | None = None) 
         seed=_number(body, "seed", None, int),
         stop=_as_list(body.get("stop"), "stop", str),
         stop_token_ids=_as_list(body.get("stop_token_ids"), "stop_token_ids", int),
-        ignore_eos=_flag(body, "ignore_eos")).validate()
+        ignore_eos=_flag(body, "ignore_eos"), logprobs=_logprobs(body, kind)).validate()
     if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     return params
@@ -168,16 +231,16 @@ def _check_context(n_prompt: int, n_out: int, max_model_len: int) -> None:
             "max_tokens" if n_prompt < max_model_len else "prompt", "context_length_exceeded")
 
 
-def prompt_ids(body: dict, kind: str, tokenizer, max_model_len: int,
-               vocab_size: int | None = None) -> list[int]:
-    """Token ids of the prompt: the chat template for chat, else text or ids as given."""
+def prompt_ids(prompt: str | list[int] | list[dict], kind: str, tokenizer,
+               max_model_len: int) -> tuple[list[int], str | None]:
+    """(token ids, text) of one checked prompt: chat messages (checked by `chat_messages`) through the chat template, text
+    with the tokenizer's special tokens, token ids as given (their text is None)."""
     if kind == "chat":
-        text, special, param = render_chat(body.get("messages"), tokenizer), False, "messages"
+        text, special, param = render_chat(prompt, tokenizer), False, "messages"
+    elif isinstance(prompt, list):
+        _check_context(len(prompt), 1, max_model_len)
+        return prompt, None
     else:
-        prompt = _prompt(body, vocab_size)
-        if isinstance(prompt, list):
-            _check_context(len(prompt), 1, max_model_len)
-            return prompt
         text, special, param = prompt, True, "prompt"
     if surely_too_long(text, tokenizer, max_model_len):
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens; this prompt "
@@ -185,14 +248,27 @@ def prompt_ids(body: dict, kind: str, tokenizer, max_model_len: int,
     ids = tokenizer.encode(text, add_special_tokens=special)
     if not ids:
         raise InvalidRequest("the prompt is empty", param)
-    return ids
+    return ids, text
 
 
-def _prompt(body: dict, vocab_size: int | None) -> str | list[int]:
-    """A completion's prompt: a non-empty string or list of token ids (or a batch of one)."""
+def _prompts(body: dict, kind: str, vocab_size: int | None) -> list:
+    """The request's prompts, each checked: chat's messages (one prompt), or a completion's
+    prompt: a string, a list of token ids, or a list of either (a batch)."""
+    if kind == "chat":
+        return [chat_messages(body.get("messages"))]
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    if not batch:
+        return [_prompt(prompt, vocab_size)]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
+    if len(prompt) * _number(body, "n", 1, int) > MAX_CHOICES:
+        raise InvalidRequest(f"at most {MAX_CHOICES} completions (prompts x n) in one request", "n")
+    return [_prompt(p, vocab_size) for p in prompt]
+
+
+def _prompt(prompt: object, vocab_size: int | None) -> str | list[int]:
+    """One completion prompt: a non-empty string or list of token ids."""
     if isinstance(prompt, str) and prompt:
         return prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -202,7 +278,31 @@ def _prompt(body: dict, vocab_size: int | None) -> str | list[int]:
         return prompt
     if prompt == "" or prompt == []:
         raise InvalidRequest("the prompt is empty", "prompt")
-    raise InvalidRequest("'prompt' must be a string or a list of token ids (batches are not supported)", "prompt")
+    raise InvalidRequest("'prompt' must be a string, a list of token ids, or a list of either", "prompt")
+
+
+def tokenize_body(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], bool]:
+    """(token ids, whether their strings are asked for) of a vLLM /tokenize body: `messages`
+    through the chat template (`add_generation_prompt`, default true), else `prompt` text
+    (`add_special_tokens`, default true; false for chat, whose template adds them)."""
+    chat = body.get("messages") is not None
+    strs = _flag(body, "return_token_strs")
+    special = body.get("add_special_tokens", not chat)
+    if not isinstance(special, bool):
+        raise InvalidRequest("'add_special_tokens' must be a boolean", "add_special_tokens")
+    if chat:
+        generation = body.get("add_generation_prompt", True)
+        if not isinstance(generation, bool):
+            raise InvalidRequest("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+        text = render_chat(chat_messages(body["messages"]), tokenizer, generation)
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise InvalidRequest("'prompt' must be a string (or send 'messages')", "prompt")
+    if surely_too_long(text, tokenizer, 8 * max_model_len):
+        raise InvalidRequest(f"this prompt is far longer than the model's {max_model_len} tokens", "prompt",
+                             "context_length_exceeded")
+    return tokenizer.encode(text, add_special_tokens=special), strs
 
 
 def surely_too_long(text: str, tokenizer, limit: int) -> bool:
@@ -291,30 +391,61 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
 
 
 def chunk(kind: str, rid: str, model: str, text: str, finish: str | None, first: bool = False,
-          token_ids: list[int] | None = None) -> dict:
-    """One streaming chunk (`text_completion` or `chat.completion.chunk`)."""
+          token_ids: list[int] | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+    """One streaming chunk (`text_completion` or `chat.completion.chunk`) of choice `index`."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def full_response(kind: str, rid: str, model: str, text: str, finish: str | None,
-                  use: dict, token_ids: list[int] | None = None) -> dict:
+def choice(kind: str, index: int, text: str, finish: str | None, logprobs: dict | None = None,
+           token_ids: list[int] | None = None) -> dict:
+    """One choice of a whole answer."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish}
-        obj = "chat.completion"
+        out = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+               "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if token_ids is not None:
-        choice["token_ids"] = token_ids
+        out["token_ids"] = token_ids
+    return out
+
+
+def full_response(kind: str, rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    obj = "chat.completion" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+            "choices": choices, "usage": use}
+
+
+def _logprob(x: float) -> float:
+    return max(x, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries: list[TokenLogprobs], decode) -> dict:
+    """OpenAI's chat `logprobs` object for these output tokens; `decode(id)` is a token's text."""
+    def item(token_id: int, lp: float) -> dict:
+        text = decode(token_id)
+        return {"token": text, "logprob": _logprob(lp), "bytes": list(text.encode())}
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprobs], decode, offset: int) -> dict:
+    """OpenAI's completions `logprobs` object for these output tokens, whose text starts at
+    character `offset` of the choice's text. Each `top_logprobs` entry also holds the sampled
+    token, as vLLM's do."""
+    tokens = [decode(e.token_id) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    top = [{decode(t): _logprob(lp) for t, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries]
+    return {"text_offset": offsets, "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "tokens": tokens, "top_logprobs": top}

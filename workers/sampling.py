@@ -31,6 +31,25 @@ def sample_tensor(logits: Tensor, params: list[SamplingParams], output_indices: 
     return tokens
 
 
+def token_logprobs(logits: Tensor, tokens: Tensor, params: list[SamplingParams]) -> tuple | None:
+    """For the rows that asked for logprobs: (rows, how many top tokens each asked for, the sampled
+    tokens' log-probabilities, the top ids, their log-probabilities), the tensors queued on the
+    device; None when no row asked.
+
+    Taken from the raw logits (log-softmax before temperature, top-k and top-p), as vLLM does by
+    default (`logprobs_mode="raw_logprobs"`): a log-probability reports what the model thinks of
+    a token, not how this request's sampling settings reshaped the draw."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    k = max(params[i].logprobs for i in rows)
+    index = to_device(rows, torch.long, logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[index][:, None])[:, 0]
+    top = logprobs.topk(k, dim=-1) if k else None
+    return rows, [params[i].logprobs for i in rows], chosen, top.indices if top else None, top.values if top else None
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small host list as a tensor on `device`: through pinned memory and an asynchronous copy
     on CUDA, where a plain copy from pageable memory would wait for the device to go idle."""

@@ -27,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report the sampled token's log-probability and this many top ones
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

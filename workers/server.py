@@ -11,7 +11,8 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -20,11 +21,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
-from workers.http_guard import CloseOn5xx
-from workers.outputs import RequestOutput, call_sinks
+from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx
+from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
-from workers.protocol import (TTFT_HEADER, ParsedRequest, chunk, error_body, full_response, new_id,
-                              parse_request, usage)
+from workers.protocol import (TTFT_HEADER, ParsedRequest, chat_logprobs, choice, chunk, completion_logprobs,
+                              error_body, full_response, new_id, parse_request, tokenize_body, usage)
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
 from workers.tracing import WorkerTracing
@@ -52,14 +53,61 @@ def failure(out: RequestOutput) -> tuple[int, dict]:
 
 @dataclass
 class Job:
-    """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries;
-    `clock` times it for the metrics, `span` traces it (None while tracing is off)."""
+    """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries.
+    Each of its choices is an engine request of its own (`engine_key`), timed by its own clock
+    for the metrics; `outputs` receives (choice index, output). `span` traces choice 0 (None
+    while tracing is off)."""
     key: str
     shown: str
     parsed: ParsedRequest
     outputs: asyncio.Queue
-    clock: RequestClock
+    clocks: list[RequestClock]
     span: object = None
+
+    def engine_key(self, choice: int) -> str:
+        return self.key if self.parsed.num_choices == 1 else f"{self.key}-{choice}"
+
+
+@dataclass
+class Choices:
+    """What a request's choices have produced so far, and how each must be reported."""
+    parsed: ParsedRequest
+    decode: Callable[[int], str]
+    last: dict[int, RequestOutput] = field(default_factory=dict)
+    offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs' text offset per choice
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.parsed.num_choices
+
+    @property
+    def finished(self) -> list[int]:
+        return [i for i, out in self.last.items() if out.finish_reason is not None]
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        self.last[i] = out
+
+    def echo(self, i: int) -> str:
+        texts = self.parsed.echo_texts
+        return texts[i // self.parsed.n] if texts else ""
+
+    def logprobs(self, i: int, entries: list | None) -> dict | None:
+        """The choice's `logprobs` object for these tokens (None when not asked for)."""
+        if self.parsed.params.logprobs is None or entries is None:
+            return None
+        if self.parsed.kind == "chat":
+            return chat_logprobs(entries, self.decode)
+        offset = self.offsets.get(i, len(self.echo(i)))
+        body = completion_logprobs(entries, self.decode, offset)
+        self.offsets[i] = offset + sum(map(len, body["tokens"]))
+        return body
+
+    def usage(self) -> dict:
+        """Every prompt's tokens once (counted and cached by its first completion), every
+        completion's tokens."""
+        firsts = [self.last[i] for i in range(0, self.parsed.num_choices, self.parsed.n)]
+        return usage(sum(o.num_prompt for o in firsts), sum(o.num_output for o in self.last.values()),
+                     sum(o.num_cached for o in firsts))
 
 
 class WorkerServer:
@@ -86,6 +134,9 @@ class WorkerServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models),
+            Route("/v1/models/{model:path}", self.retrieve_model),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health),
             Route("/metrics", self.prometheus),
             Route("/state", self.state),
@@ -94,7 +145,7 @@ class WorkerServer:
             Route("/kv/snapshot", self.kv_snapshot),
             *self.transfer.routes(),
             Route("/kv/reset", self.kv_reset, methods=["POST"]),
-        ], lifespan=self._lifespan, middleware=[Middleware(CloseOn5xx)])
+        ], lifespan=self._lifespan, middleware=[Middleware(CloseOn5xx)], exception_handlers=JSON_HTTP_ERRORS)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -146,22 +197,61 @@ class WorkerServer:
         return error(503, why[1], "server_error", why[0], headers={"retry-after": str(RETRY_AFTER_S)})
 
     async def _parse(self, request: Request, kind: str) -> ParsedRequest | Response:
-        try:
-            body = loads(await request.body())
-        except InvalidRequest as e:
-            return error(400, str(e), code=e.code, param=e.param)
-        if isinstance(body, dict) and body.get("kv_transfer") is not None and not self.transfer.authorised(request):
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        if body.get("kv_transfer") is not None and not self.transfer.authorised(request):
             return error(403, "'kv_transfer' is internal: it needs the fleet's internal token",
                          "permission_error", "forbidden", "kv_transfer")
-        if isinstance(body, dict) and body.get("model") not in (None, self.model):
-            return error(404, f"The model `{body.get('model')}` does not exist.", "invalid_request_error",
-                         "model_not_found", "model")
         try:
             parsed = await asyncio.to_thread(parse_request, body, kind, self.engine.tokenizer,
                                              self.engine.max_model_len, self.vocab_size)
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
+        if parsed.params.logprobs is not None and not getattr(self.engine.executor, "computes_logprobs", False):
+            return error(400, "this worker's executor has no token distribution to report logprobs from",
+                         code="unsupported_parameter", param="logprobs")
         return parsed
+
+    async def _body(self, request: Request) -> dict | Response:
+        """A JSON object body naming this worker's model, or the error answering it."""
+        try:
+            body = loads(await request.body())
+        except InvalidRequest as e:
+            return error(400, str(e), code=e.code, param=e.param)
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object")
+        if body.get("model") is None:
+            return error(400, "'model' is required", param="model")
+        if body["model"] != self.model:
+            return error(404, f"The model `{body['model']}` does not exist.", code="model_not_found", param="model")
+        return body
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's POST /tokenize: a completion `prompt` (`add_special_tokens`, default true) or chat
+        `messages` (through the chat template; `add_generation_prompt`, default true) -> token ids,
+        with their strings when `return_token_strs`."""
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            ids, strs = await asyncio.to_thread(tokenize_body, body, self.engine.tokenizer,
+                                                self.engine.max_model_len)
+        except InvalidRequest as e:
+            return error(400, str(e), code=e.code, param=e.param)
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                             "token_strs": self.engine.tokenizer.convert_ids_to_tokens(ids) if strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's POST /detokenize: `tokens` -> {"prompt": their text}."""
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        tokens = body.get("tokens")
+        if not (isinstance(tokens, list) and all(type(t) is int and 0 <= t < self.vocab_size for t in tokens)):
+            return error(400, f"'tokens' must be a list of token ids in [0, {self.vocab_size})", param="tokens")
+        text = await asyncio.to_thread(self.engine.tokenizer.decode, tokens)
+        return JSONResponse({"prompt": text})
 
     async def _generate(self, request: Request, kind: str) -> Response:
         arrived = time.monotonic()
@@ -176,7 +266,7 @@ class WorkerServer:
         if given:
             log.info("request %s has x-request-id %r", key, given[:128])
         job = Job(key, given if given and SHOWN_ID.fullmatch(given) else key, parsed, asyncio.Queue(),
-                  RequestClock(arrived))
+                  [RequestClock(arrived) for _ in range(parsed.num_choices)])
         job.span = self.tracing.start(f"POST {request.url.path}", request.headers, parsed, key)
         refused = self._refusal() or self._submit(job)
         if refused is not None:
@@ -188,25 +278,56 @@ class WorkerServer:
         return await self._collect(request, job)
 
     def _submit(self, job: Job) -> Response | None:
-        """Hand the job to the engine; counted in flight until its last output arrives."""
-        loop = asyncio.get_running_loop()
-        self._bind(loop)
+        """Hand each prompt's first choice to the engine; a 503 if it has stopped. The other
+        choices of a prompt follow when its first one has a token: its prompt blocks are then
+        cached, so they share them instead of computing the prompt again."""
+        self._bind(asyncio.get_running_loop())
+        try:
+            self._submit_choice(job, 0)
+        except EngineStopped:
+            return self._refusal()
+        for i in range(job.parsed.n, job.parsed.num_choices, job.parsed.n):
+            self._submit_or_fail(job, i)
+        return None
+
+    def _submit_or_fail(self, job: Job, i: int) -> None:
+        try:
+            self._submit_choice(job, i)
+        except EngineStopped:
+            job.outputs.put_nowait((i, unstarted_failure(job.engine_key(i), [], ENGINE_STOPPED)))
+
+    def _submit_choice(self, job: Job, i: int) -> None:
+        """Hand choice `i` to the engine; counted in flight until its last output arrives. A
+        prompt's j-th choice samples with seed + j (vLLM's rule), so seeded choices differ."""
         p, kv = job.parsed, job.parsed.kv_transfer
+        j = i % p.n
+        params = p.params
+        if j and params.seed is not None:
+            params = replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
+        loop = asyncio.get_running_loop()
         export = self.transfer.exporter(kv["export_to"], loop, p.cache_salt, job.span) if "export_to" in kv else None
+        siblings = list(range(i + 1, i + p.n)) if j == 0 else []
 
         def sink(out: RequestOutput) -> None:
-            job.outputs.put_nowait(out)
+            job.outputs.put_nowait((i, out))
+            while siblings:
+                self._submit_or_fail(job, siblings.pop(0))
             if out.finish_reason is not None:
                 self.in_flight -= 1
 
         self.in_flight += 1
         try:
-            self.engine.submit(job.key, p.prompt_ids, p.params, sink, kv_wait_s=kv.get("wait_ms", 0) / 1000.0,
-                               export=export, cache_salt=p.cache_salt, trace=job.span is not None)
+            self.engine.submit(job.engine_key(i), p.prompts[i // p.n], params, sink,
+                               kv_wait_s=kv.get("wait_ms", 0) / 1000.0, export=export, cache_salt=p.cache_salt,
+                               trace=job.span is not None and i == 0)
         except EngineStopped:
             self.in_flight -= 1
-            return self._refusal()
-        return None
+            raise
+
+    def _abort(self, job: Job, done: list[int]) -> None:
+        for i in range(job.parsed.num_choices):
+            if i not in done:
+                self.engine.abort(job.engine_key(i))
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Have the engine post each step's outputs to this loop, where the sinks (queue puts)
@@ -216,72 +337,97 @@ class WorkerServer:
             self._loop = loop
             self.engine.deliver = lambda batch: loop.call_soon_threadsafe(call_sinks, batch)
 
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
     async def _collect(self, request: Request, job: Job) -> Response:
-        """Wait for the whole output, aborting the request if the client goes away."""
-        texts, ids = [], []
+        """Wait for every choice's whole output, aborting them if the client goes away."""
         p, headers = job.parsed, {"x-request-id": job.shown}
+        state = Choices(p, self._decode_token)
+        texts = {i: [state.echo(i)] for i in range(p.num_choices)}
+        ids: dict[int, list[int]] = {i: [] for i in range(p.num_choices)}
+        entries: dict[int, list] = {i: [] for i in range(p.num_choices)}
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            while True:
+            while not state.done:
                 get = asyncio.ensure_future(job.outputs.get())
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
-                    self.engine.abort(job.key)
+                    self._abort(job, state.finished)
                     self.tracing.end(job.span, 499)
                     return error(499, "client disconnected", code="client_closed")
-                out = get.result()
-                texts.append(out.text)
-                ids.extend(out.token_ids)
-                self.metrics.observe(out, job.clock)
-                if out.finish_reason is not None:
-                    break
+                i, out = get.result()
+                state.add(i, out)
+                texts[i].append(out.text)
+                ids[i].extend(out.token_ids)
+                entries[i].extend(out.logprobs or ())
+                self.metrics.observe(out, job.clocks[i])
         finally:
             disconnect.cancel()
-        self.tracing.finish(job.span, out)
-        if job.clock.first is not None:
-            headers[TTFT_HEADER] = f"{(job.clock.first - job.clock.arrived) * 1000:.3f}"
-        if out.error is not None:
-            status, body = failure(out)
+        self.tracing.finish(job.span, state.last[0])
+        firsts = [c.first for c in job.clocks if c.first is not None]
+        if firsts:
+            headers[TTFT_HEADER] = f"{(min(firsts) - job.clocks[0].arrived) * 1000:.3f}"
+        failed = [out for out in state.last.values() if out.error is not None]
+        if failed:
+            status, body = failure(failed[0])
             return JSONResponse(body, status, headers)
-        use = usage(out.num_prompt, out.num_output, out.num_cached)
-        return JSONResponse(full_response(p.kind, job.shown, self.model, "".join(texts), out.finish_reason,
-                                          use, ids if p.return_token_ids else None), headers=headers)
+        choices = [choice(p.kind, i, "".join(texts[i]), state.last[i].finish_reason,
+                          state.logprobs(i, entries[i]), ids[i] if p.return_token_ids else None)
+                   for i in range(p.num_choices)]
+        return JSONResponse(full_response(p.kind, job.shown, self.model, choices, state.usage()), headers=headers)
 
     async def _stream(self, job: Job):
-        """SSE chunks as the engine produces them; a cancelled stream aborts the request. A
-        request that fails ends with an OpenAI error event, then [DONE]."""
-        finished = False
+        """SSE chunks as the engine produces them, each naming its choice; a cancelled stream
+        aborts the request. A request that fails ends with an OpenAI error event, then [DONE]."""
         p, rid = job.parsed, job.shown
+        state = Choices(p, self._decode_token)
+        failed = False
         try:
             if p.kind == "chat":
-                yield _sse(chunk(p.kind, rid, self.model, "", None, first=True))
-            while not finished:
-                out = await job.outputs.get()
-                self.metrics.observe(out, job.clock)
-                finished = out.finish_reason is not None
-                if finished:
+                for i in range(p.num_choices):
+                    yield _sse(chunk(p.kind, rid, self.model, "", None, first=True, index=i))
+            while not state.done:
+                i, out = await job.outputs.get()
+                text = out.text if i in state.last else state.echo(i) + out.text
+                state.add(i, out)
+                self.metrics.observe(out, job.clocks[i])
+                if i == 0 and out.finish_reason is not None:
                     self.tracing.finish(job.span, out)
                 if out.error is not None:
+                    failed = True
                     yield _sse(failure(out)[1])
-                elif out.text or finished or p.return_token_ids:
-                    yield _sse(chunk(p.kind, rid, self.model, out.text, out.finish_reason,
-                                     token_ids=out.token_ids if p.return_token_ids else None))
-            if p.include_usage and out.error is None:
+                    break
+                if text or out.finish_reason or p.return_token_ids or out.logprobs:
+                    yield _sse(chunk(p.kind, rid, self.model, text, out.finish_reason, index=i,
+                                     token_ids=out.token_ids if p.return_token_ids else None,
+                                     logprobs=state.logprobs(i, out.logprobs)))
+            if p.include_usage and not failed:
                 body = chunk(p.kind, rid, self.model, "", None)
                 body["choices"] = []
-                body["usage"] = usage(out.num_prompt, out.num_output, out.num_cached)
+                body["usage"] = state.usage()
                 yield _sse(body)
             yield b"data: [DONE]\n\n"
         finally:
-            if not finished:
-                self.engine.abort(job.key)
-                self.tracing.end(job.span, 499)
+            if not state.done:
+                self._abort(job, state.finished)
+                if not failed:
+                    self.tracing.end(job.span, 499)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": 0, "owned_by": "kvgate",
-            "max_model_len": self.engine.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model's card, or a 404."""
+        name = request.path_params["model"]
+        if name != self.model:
+            return error(404, f"The model `{name}` does not exist.", code="model_not_found", param="model")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "kvgate",
+                "max_model_len": self.engine.max_model_len}
 
     async def health(self, request: Request) -> Response:
         """200 while the engine runs and steps; 503 (OpenAI-shaped) when it has stopped, is

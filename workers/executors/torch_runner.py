@@ -24,7 +24,8 @@ from workers.executors.cuda_graphs import DecodeGraphs
 from workers.executors.kernel_inputs import Staging, decode_inputs, is_decode, kernel_inputs
 from workers.models.llama import ModelConfig
 from workers.models.loader import default_dtype, load_config, load_model
-from workers.sampling import sample_tensor, to_device
+from workers.outputs import TokenLogprobs
+from workers.sampling import sample_tensor, to_device, token_logprobs
 from workers.sampling_params import SamplingParams
 
 # Shape buckets for the gather path on CUDA (see workers/attention.py): decode batches pad to a
@@ -38,18 +39,22 @@ SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET = 8, 8, 64
 class Launched:
     """A step queued on the device: its sampled tokens (on the device, and on CUDA a copy on its
     way to pinned host memory), the chunk each came from, and its timing (CUDA events, or the
-    host time where the step ran in `launch`)."""
+    host time where the step ran in `launch`). `logprobs` is `token_logprobs`' result until
+    `collect` turns it into one TokenLogprobs (or None) per chunk."""
     tokens: Tensor | None
     host_tokens: Tensor | None
     rows: list[int]
     num_chunks: int
     events: tuple | None
     host_ms: float
+    logprobs: tuple | list | None = None
 
 
 class TorchRunner:
     """`kernels`: the Triton path (default: on where workers.kernels can run, i.e. CUDA);
     `enforce_eager`: no CUDA graphs; `max_num_seqs`: the largest decode batch a graph covers."""
+
+    computes_logprobs = True  # `collect` fills Launched.logprobs for rows whose params ask
 
     def __init__(self, model_dir: str, num_blocks: int, block_size: int, device: str = "cpu",
                  dtype: torch.dtype | None = None, kernels: bool | None = None, enforce_eager: bool = False,
@@ -110,8 +115,10 @@ class TorchRunner:
             if events:
                 events[0].record()
             logits = self._logits(chunks, sampled)
+            params = [chunks[i].params for i in sampled]
             tokens = None if logits is None else sample_tensor(
-                logits, [chunks[i].params for i in sampled], [chunks[i].output_index for i in sampled])
+                logits, params, [chunks[i].output_index for i in sampled])
+            logprobs = None if logits is None else token_logprobs(logits, tokens, params)
             if events:
                 # Copied out now, in stream order: read later, after the next step was queued, the
                 # copy would wait for that step too.
@@ -120,7 +127,7 @@ class TorchRunner:
                     host.copy_(tokens, non_blocking=True)
                 events[1].record()
         self._last_sampled = tokens
-        return Launched(tokens, host, sampled, len(chunks), events, (time.perf_counter() - t0) * 1000)
+        return Launched(tokens, host, sampled, len(chunks), events, (time.perf_counter() - t0) * 1000, logprobs)
 
     def collect(self, step: Launched) -> tuple[list[int | None], float]:
         """A launched step's tokens (one entry per chunk, None where it did not sample) and its
@@ -132,6 +139,7 @@ class TorchRunner:
             values = (step.tokens if step.host_tokens is None else step.host_tokens).tolist()
             for i, token in zip(step.rows, values):
                 results[i] = token
+        step.logprobs = _host_logprobs(step, results)
         if step.events is None:
             return results, step.host_ms
         return results, step.events[0].elapsed_time(step.events[1])
@@ -264,6 +272,20 @@ class TorchRunner:
         if not flat:
             return torch.zeros((len(tables), width), dtype=torch.long, device=self.device)
         return torch.frombuffer(flat, dtype=torch.long).view(len(tables), width).to(self.device)
+
+
+def _host_logprobs(step: Launched, tokens: list[int | None]) -> list[TokenLogprobs | None] | None:
+    """`token_logprobs`' tensors as one TokenLogprobs per chunk (None where not asked for)."""
+    if step.logprobs is None:
+        return None
+    rows, ks, chosen, top_ids, top_values = step.logprobs
+    out: list[TokenLogprobs | None] = [None] * step.num_chunks
+    ids = top_ids.tolist() if top_ids is not None else [[] for _ in rows]
+    values = top_values.tolist() if top_values is not None else ids
+    for row, k, lp, t, v in zip(rows, ks, chosen.tolist(), ids, values):
+        chunk = step.rows[row]
+        out[chunk] = TokenLogprobs(tokens[chunk], lp, list(zip(t[:k], v[:k])))
+    return out
 
 
 def kernels_available(device: torch.device) -> bool:
