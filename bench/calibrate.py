@@ -45,6 +45,7 @@ import numpy as np
 from bench.loadgen import send
 from bench.workloads import BenchRequest, TOKEN_LOW
 from gateway.procs import Worker
+from workers.cli_help import HelpFormatter
 from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 from workers.step_stats import StepRecord
@@ -372,9 +373,8 @@ def rescale_main(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     print(json.dumps(out["rescaled"]), file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvgate calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate calibrate", description=__doc__, formatter_class=HelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", action="append",
                         help="a running worker; repeat to measure several at once (pooled into one profile)")
@@ -384,13 +384,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", default="16,32,64,128,256,512", help="prefill lengths (tokens)")
     p.add_argument("--batches", default="1,2,3,4,5,6,7,8",
                    help="decode batch sizes (the profile's decode_batch_ms covers 1 to the largest)")
-    p.add_argument("--decode-tokens", type=int, default=24)
+    p.add_argument("--decode-tokens", type=int, default=24, help="tokens each decode probe generates")
     p.add_argument("--rounds", type=int, default=3, help="repeats of every probe (each probe's median is fitted)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the probes' random prompts")
     p.add_argument("--rescale", metavar="PROFILE",
                    help="with --url: no probes; rescale PROFILE's speed to the workers' logged steps of real traffic")
     p.add_argument("--after", type=int, default=0, help="with --rescale: only the steps numbered above this")
     p.add_argument("--out", required=True, help="profile JSON (a -fit.png plot is written next to it)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     from bench import calibrate_requests
     if args.rescale:

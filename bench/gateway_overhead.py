@@ -61,7 +61,7 @@ def percentiles(xs: list[float]) -> dict:
 
 async def latency(direct: list[str], gateway: str, n: int) -> dict:
     """Sequential requests, alternating direct and through the gateway so drift cancels."""
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+    body = json.dumps({"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 1}).encode()
     conns = {u: RawConnection(u) for u in direct + [gateway]}
     times: dict[str, list[float]] = {"direct": [], "gateway": []}
     for i in range(n + 50):
@@ -84,7 +84,7 @@ async def latency(direct: list[str], gateway: str, n: int) -> dict:
 
 async def throughput(urls: list[str], concurrency: int, duration: float) -> float:
     """Completed requests per second with `concurrency` callers for `duration` seconds."""
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+    body = json.dumps({"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 1}).encode()
     done, stop = 0, time.perf_counter() + duration
 
     async def caller(i: int) -> None:
@@ -158,7 +158,7 @@ def tokenize_time(prompt_tokens: int = 8192) -> float:
     tok = ModelTokenizer("smollm2-135m", load_tokenizer("smollm2-135m"), 16)
     words = "cache block token worker gateway prefix decode prefill route fleet".split()
     text = " ".join(random.Random(1).choice(words) for _ in range(prompt_tokens))
-    body = {"prompt": text, "max_tokens": 1}
+    body = {"model": "smollm2-135m", "prompt": text, "max_tokens": 1}
     tok.prepare(body, "completion", 1 << 20)
     t0 = time.perf_counter()
     for _ in range(5):

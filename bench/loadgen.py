@@ -21,6 +21,7 @@ import httpx
 
 from bench import report as rep
 from bench.workloads import BenchRequest, WorkloadConfig, add_args, from_args, generate, resolve_rates
+from workers.cli_help import HelpFormatter
 
 
 class Progress:
@@ -162,16 +163,16 @@ def served_model(url: str) -> str | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvgate bench serve", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--url", action="append", required=True,
                    help="endpoint base URL (repeat to spread requests round-robin from the client)")
     rate = p.add_mutually_exclusive_group(required=True)
     rate.add_argument("--rate", type=float, help="requests per second (0: a trace at its own timestamps)")
-    rate.add_argument("--sweep", help="R1,R2,...: one run per rate; goodput from the sweep")
+    rate.add_argument("--sweep", help="R1,R2,...: one run per rate; goodput (the highest rate meeting the SLOs) "
+                                      "from the sweep")
     add_args(p)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="a request meets its SLO within this TTFT ...")
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="... and this time per output token")
     p.add_argument("--model", help="model name (default: the first one /v1/models lists)")
     p.add_argument("--label", help="name of this target in the report (default: the URL)")
     p.add_argument("--no-token-ids", action="store_true",
@@ -185,7 +186,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "serve":
-        sys.exit("usage: kvgate bench serve --url URL ... (see kvgate bench serve --help)")
+        asked = argv[:1] in (["-h"], ["--help"])
+        print("usage: kvgate bench serve --url URL (--rate R | --sweep R1,R2,...) --out REPORT.json ... "
+              "(kvgate bench serve --help lists every flag)", file=sys.stdout if asked else sys.stderr)
+        sys.exit(0 if asked else 2)
     args = parser().parse_args(argv[1:])
     urls = [u.rstrip("/") for u in args.url]
     rates = resolve_rates(args, [args.rate] if args.rate is not None else sorted(float(r) for r in args.sweep.split(",")))

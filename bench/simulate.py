@@ -26,8 +26,9 @@ from bench.transfer_model import DEFAULT_PROFILE, TransferLink
 from bench.transfer_model import load as load_link
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate, resolve_rates
-from gateway.server import parse_policy_args
+from gateway.server import build_policy, parse_policy_args
 from policies.registry import BUILTIN_POLICIES, load_policy
+from workers.cli_help import HelpFormatter
 from workers.kv.cost_model import CostModel
 
 MAX_DOUBLINGS = 14
@@ -122,9 +123,8 @@ def sweep(policies: dict[str, dict], rates: list[float] | None, wl: WorkloadConf
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate simulate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=8)
+    p = argparse.ArgumentParser(prog="kvgate simulate", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--workers", type=int, default=8, help="simulated workers (sim executors in virtual time)")
     p.add_argument("--policies", default=",".join(BUILTIN_POLICIES),
                    help="comma-separated policy names or module:Class specs")
     p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -135,14 +135,14 @@ def parser() -> argparse.ArgumentParser:
     rate.add_argument("--sweep", nargs="?", const="auto",
                       help="R1,R2,... rates to run, or nothing to search each policy's goodput")
     add_args(p)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="a request meets its SLO within this TTFT ...")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="... and this time per output token")
     p.add_argument("--profile", help="cost-model JSON (kvgate calibrate writes one); default CostModel()")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker")
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=65536)
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens one engine step computes at most")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests in a worker's running batch at most")
+    p.add_argument("--max-model-len", type=int, default=65536, help="context length of the simulated model")
     p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
     p.add_argument("--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival")
     p.add_argument("--request-overhead-ms", type=float,
@@ -150,7 +150,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--roles", help="worker roles as ROLE:COUNT,... summing to --workers, e.g. "
                    "prefill:2,decode:2 (roles: mixed, prefill, decode); default: all mixed")
     p.add_argument("--kv-bytes-per-token", type=int, default=131072,
-                   help="KV bytes per token for P/D transfers (default: Llama-3-8B in bf16)")
+                   help="KV bytes per token for P/D transfers (default 131072: Llama-3-8B in bf16)")
     p.add_argument("--transfer-gbps", type=float, help="P/D link speed in GB/s (default: --kv-transport's "
                    "measured link, else 20)")
     p.add_argument("--kv-transport", choices=["http", "ipc", "nixl"],
@@ -209,10 +209,10 @@ def policy_kwargs(specs: list[str], items: list[str]) -> dict[str, dict]:
     given = parse_policy_args(items, "kvgate simulate")
     out = {}
     for spec in specs:
-        params = inspect.signature(type(load_policy(spec))).parameters
+        params = inspect.signature(type(build_policy(spec, {}, "kvgate simulate"))).parameters
         takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
         out[spec] = {k: v for k, v in given.items() if takes_any or k in params}
-        load_policy(spec, **out[spec])
+        build_policy(spec, out[spec], "kvgate simulate")
     unused = set(given) - {k for kw in out.values() for k in kw}
     if unused:
         sys.exit(f"kvgate simulate: no policy of {', '.join(specs)} takes --policy-arg {', '.join(sorted(unused))}")

@@ -26,9 +26,10 @@ TOKEN = "bench-token"
 
 def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
     """Send one leg; returns seconds to its first streamed token."""
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     t0 = time.perf_counter()
     with httpx.stream("POST", url + "/v1/completions", timeout=600, headers=internal_headers(TOKEN), json={
-            "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "model": model, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0, "kv_transfer": kv}) as r:
         r.raise_for_status()
         for line in r.iter_lines():

@@ -79,20 +79,36 @@ class WorkloadConfig:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The workload flags shared by `kvgate bench serve` and `kvgate simulate`."""
-    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix",
+                   help="the request stream (bench/workloads.py describes each)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
-    p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson", help="inter-arrival distribution")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="coefficient of variation of gamma inter-arrival times (>1 is bursty)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts")
     p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
-    for knob in ("groups", "prefix_len", "question_len", "output_len", "input_len", "turns", "long_output_len"):
-        p.add_argument("--" + knob.replace("_", "-"), type=int, default=None)
-    p.add_argument("--think-s", type=float, default=None, help="multi-turn: mean gap between turns")
-    p.add_argument("--long-fraction", type=float, default=None, help="mixed: share of long-document requests")
+    for knob, doc in KNOBS.items():
+        kind = float if knob in ("think_s", "long_fraction") else int
+        p.add_argument("--" + knob.replace("_", "-"), type=kind, default=None, help=f"{doc} ({knob_defaults(knob)})")
     p.add_argument("--hot", default=None,
-                   help="skewed: the shares of requests for the first prefixes, e.g. 0.4,0.2 (the rest spread evenly)")
+                   help="skewed: the shares of requests for the first prefixes, e.g. 0.4,0.2: the rest spread evenly "
+                        f"({knob_defaults('hot')})")
     p.add_argument("--trace", help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids)")
+
+
+KNOBS = {
+    "groups": "prompt groups sharing a prefix", "prefix_len": "tokens of the shared prefix (system prompt, document)",
+    "question_len": "tokens of a request's own question", "output_len": "tokens to generate",
+    "input_len": "tokens of a random or long-document prompt", "turns": "multi-turn: turns per conversation",
+    "long_output_len": "mixed: tokens to generate for a long document",
+    "think_s": "multi-turn: mean gap between turns, seconds", "long_fraction": "mixed: share of long-document requests",
+}
+
+
+def knob_defaults(knob: str) -> str:
+    """'default: 2048 for shared-prefix, 8192 for long-doc-qa', from DEFAULTS."""
+    found = [f"{d[knob]} for {name}" for name, d in DEFAULTS.items() if knob in d]
+    return "default: " + ", ".join(found) if found else "no default"
 
 
 def from_args(args: argparse.Namespace, rate: float) -> WorkloadConfig:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from gateway.vllm_link import VllmLink
 from gateway.vllm_metrics import worker_id
 from gateway.vllm_worker import parse_spec
+from workers.cli_help import HelpFormatter
 from workers.kv.events import CLEARED, EventLog
 from workers.kv.redis_schema import redact_url
 
@@ -103,7 +104,7 @@ class BridgeLink(VllmLink):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate bridge", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--vllm", required=True, metavar="URL",
                    help="the vLLM server (vllm:URL?kv_events=..&kv_replay=.. forms are taken too)")
     p.add_argument("--redis", default=os.environ.get("KVGATE_REDIS_URL"), metavar="URL",
@@ -113,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise-url", help="the server's URL as gateways reach it (default: --vllm)")
     p.add_argument("--block-size", type=int, default=16, help="the gateways' --block-size (their hashes)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between /health + /metrics polls")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="the lowest level logged (stderr)")
     return p
 
 

@@ -5,6 +5,7 @@ torch (the worker's executor) and `kvgate worker` never loads the gateway.
 """
 import importlib
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 COMMANDS = {
     "worker": ("workers.cli", "serve one model from a paged KV cache (OpenAI API)"),
@@ -17,17 +18,45 @@ COMMANDS = {
 }
 
 
+# The argparse parser of each command, by the words that run it (`kvgate bench serve`).
+PARSERS = {"worker": "workers.cli", "gateway": "gateway.server", "bridge": "gateway.bridge",
+           "bench serve": "bench.loadgen", "simulate": "bench.simulate", "calibrate": "bench.calibrate",
+           "demo": "gateway.demo"}
+
+
+def parser_of(command: str):
+    """`kvgate COMMAND`'s argparse parser (for --help references and their tests)."""
+    return importlib.import_module(PARSERS[command]).parser()
+
+
+def kvgate_version() -> str:
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def usage() -> str:
-    lines = ["usage: kvgate COMMAND [ARGS]", "", "commands:"]
+    lines = ["usage: kvgate COMMAND [ARGS]   (kvgate COMMAND --help for its flags; kvgate --version)",
+             "", "commands:"]
     lines += [f"  {name:<10} {doc}" for name, (_, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a subcommand. No command or --help: the list, exit 0; --version: the version;
+    an unknown command: one line naming the known ones, exit 2 (a usage error)."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(usage(), file=sys.stderr if argv else sys.stdout)
-        sys.exit(2 if argv and argv[0] not in ("-h", "--help") else 0)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        sys.exit(0)
+    if argv[0] in ("-V", "--version"):
+        print(f"kvgate {kvgate_version()}")
+        sys.exit(0)
+    if argv[0] not in COMMANDS:
+        print(f"kvgate: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}; see kvgate --help)",
+              file=sys.stderr)
+        sys.exit(2)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from gateway.procs import Proc, Worker, start_gateway
+from workers.cli_help import HelpFormatter
 
 CONVERSATIONS = [
     ["You are helping me plan a trip to Paris. Which three museums should I visit?",
@@ -88,13 +89,18 @@ def start_fleet(executor: str, policy: str, log_dir: Path) -> list[Proc]:
     return [*workers, start_gateway([w.url for w in workers], policy, name="gateway", log_dir=str(log_dir))]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvgate demo", description=__doc__.split("\n")[0])
-    p.add_argument("--executor", choices=["torch", "sim"], default="torch")
-    p.add_argument("--policy", default="prefix_affinity")
-    p.add_argument("--max-tokens", type=int, default=40)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate demo", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--executor", choices=["torch", "sim"], default="torch",
+                   help="the workers' executor (sim: no model, instant)")
+    p.add_argument("--policy", default="prefix_affinity", help="the gateway's routing policy")
+    p.add_argument("--max-tokens", type=int, default=40, help="tokens per answer")
     p.add_argument("--keep-logs", action="store_true", help="print where the processes logged")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
     children: list[Proc] = []
     try:

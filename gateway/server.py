@@ -4,6 +4,8 @@ import contextlib
 import gc
 import json
 import os
+import socket
+import sys
 
 import uvicorn
 from starlette.applications import Starlette
@@ -21,10 +23,13 @@ from gateway.ratelimit import RateLimiter
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Tokenizers
 from gateway.tracing import Tracing, make_exporter
+from policies.api import Policy
 from policies.registry import load_policy
+from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.kv.cost_model import CostModel
+from workers.listen import listen
 from workers.logs import add_log_args, setup_logging
 from workers.telemetry import add_trace_args
 from workers.kv.redis_schema import redact_url
@@ -33,9 +38,9 @@ GC_THRESHOLDS = (10_000, 10, 10)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate gateway", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = argparse.ArgumentParser(prog="kvgate gateway", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeatable); `vllm:URL` (or `sglang:URL`) for a vLLM server "
                         "publishing KV events (README: In front of vLLM); with --redis, more are discovered")
@@ -153,11 +158,7 @@ def build(args: argparse.Namespace) -> Gateway:
             raise SystemExit("kvgate gateway: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
                              "workers' registrations in Redis are verified with it")
         redis = RedisState(args.redis, fleet, args.internal_token, args.replica_id, interval=args.health_interval)
-    kwargs = policy_kwargs(args)
-    try:
-        policy = load_policy(args.policy, **kwargs)
-    except TypeError as e:
-        raise SystemExit(f"kvgate gateway: policy {args.policy!r} does not take {sorted(kwargs)}: {e}")
+    policy = build_policy(args.policy, policy_kwargs(args), "kvgate gateway")
     try:
         tracing = Tracing(make_exporter(args.trace, args.trace_endpoint), args.trace_sample_ratio)
     except ValueError as e:
@@ -219,6 +220,21 @@ def policy_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def build_policy(spec: str, kwargs: dict, prog: str) -> Policy:
+    """The policy `spec` names, built with `kwargs`; else one line saying why (an unknown name,
+    a plugin that does not load, arguments it does not take) and exit status 2, a usage error."""
+    try:
+        return load_policy(spec, **kwargs)
+    except TypeError as e:
+        why = f"policy {spec!r} does not take {sorted(kwargs)}: {e}" if kwargs else f"policy {spec!r}: {e}"
+    except ValueError as e:
+        why = str(e)
+    except (ImportError, AttributeError, OSError) as e:
+        why = f"cannot load policy {spec!r}: {e}"
+    print(f"{prog}: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
 def parse_policy_args(items: list[str], prog: str) -> dict:
     """KEY=VALUE strings -> policy constructor kwargs; values that read as numbers become
     numbers (`kvgate simulate --policy-arg` parses the same way)."""
@@ -270,19 +286,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sock = listen(args.host, args.port, "kvgate gateway")
     gateway = build(args)
     settle_gc_after_startup(gateway.app)
     print(f"kvgate gateway ({gateway.policy.name}) on http://{args.host}:{args.port} "
           f"for {len(args.worker)} static workers{' + redis ' + redact_url(args.redis) if args.redis else ''}",
           flush=True)
-    serve(gateway, args)
+    serve(gateway, args, sock)
 
 
-def serve(gateway: Gateway, args: argparse.Namespace) -> None:
-    """Run the gateway under uvicorn with the client limits and the SIGTERM drain."""
+def serve(gateway: Gateway, args: argparse.Namespace, sock: socket.socket) -> None:
+    """Run the gateway under uvicorn on `sock` with the client limits and the SIGTERM drain."""
     limits = ClientLimits(fit_connections(args.max_connections), args.client_header_timeout,
                           args.client_body_timeout, args.client_idle_timeout, args.retry_after_s)
     config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, http=protocol_class(limits), timeout_keep_alive=args.client_idle_timeout,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, gateway.admission, args.drain_timeout_s).run()
+    DrainingServer(config, gateway.admission, args.drain_timeout_s).run(sockets=[sock])

@@ -114,7 +114,7 @@ def test_exposition_passes_promtool_and_carries_model_worker_process_and_build_i
     worker, gw = fleet
     for stream in (False, True):
         r = httpx.post(gw.url + "/v1/completions", timeout=60,
-                       json={"prompt": "promtool " * 20, "max_tokens": 6, "stream": stream})
+                       json={"model": MODEL, "prompt": "promtool " * 20, "max_tokens": 6, "stream": stream})
         assert r.status_code == 200
     for url, component in ((gw.url, "gateway"), (worker.url, "worker")):
         text = httpx.get(url + "/metrics").text
@@ -145,7 +145,7 @@ def test_gateway_ttft_is_the_first_token_streaming_or_not(fleet):
                                "time_per_output_token_seconds"))
 
     before = sums()
-    r = httpx.post(gw.url + "/v1/completions", timeout=60, json={"prompt": "ttft " * 30, "max_tokens": 48,
+    r = httpx.post(gw.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "ttft " * 30, "max_tokens": 48,
                                                                   "ignore_eos": True})
     assert r.status_code == 200 and "x-kvgate-ttft-ms" not in r.headers
     ttft, e2e, tpot = (a - b for a, b in zip(sums(), before))
@@ -171,7 +171,7 @@ def test_idle_workers_add_no_step_time(fleet):
 def test_access_log_and_fleet_summary_as_json(fleet):
     worker, gw = fleet
     r = httpx.post(gw.url + "/v1/completions", timeout=60, headers={"x-request-id": "client-42"},
-                   json={"prompt": "logged " * 10, "max_tokens": 3})
+                   json={"model": MODEL, "prompt": "logged " * 10, "max_tokens": 3})
     rid = r.headers["x-kvgate-request-id"]
 
     def lines() -> list[dict]:

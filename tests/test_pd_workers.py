@@ -20,8 +20,9 @@ TOKEN = "test-token"
 
 def complete(url, ids, max_tokens=10, **extra):
     headers = {"x-kvgate-token": TOKEN} if "kv_transfer" in extra else None
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     r = httpx.post(url + "/v1/completions", timeout=300, headers=headers, json={
-        "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True, **extra})
     assert r.status_code == 200, r.text
     b = r.json()

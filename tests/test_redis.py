@@ -55,7 +55,7 @@ def complete(url: str, prompt: str, max_tokens: int = 2, stream: bool = False) -
 def test_worker_publishes_its_set_events_and_heartbeat(cluster):
     r = redis.Redis(port=cluster["redis"].port)
     w = cluster["workers"][0]
-    httpx.post(w.url + "/v1/completions", json={"prompt": text(random.Random(5), 120), "max_tokens": 2})
+    httpx.post(w.url + "/v1/completions", json={"model": MODEL, "prompt": text(random.Random(5), 120), "max_tokens": 2})
     snap = w.internal("/kv/snapshot").json()
 
     def published():

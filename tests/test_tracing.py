@@ -132,9 +132,9 @@ def test_one_trace_crosses_the_gateway_both_pd_legs_and_the_kv_transfer(traced_f
     gateway, collector = traced_fleet
     prompt = [(i * 37) % 3000 + 100 for i in range(200)]
     r = httpx.post(gateway.url + "/v1/completions", timeout=60, headers={"traceparent": CLIENT_PARENT},
-                   json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True})
+                   json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True})
     assert r.status_code == 200 and r.headers["x-kvgate-prefill-worker"] == "tp"
-    assert httpx.post(gateway.url + "/v1/completions", json={"prompt": 3}, timeout=30).status_code == 400
+    assert httpx.post(gateway.url + "/v1/completions", json={"model": "smollm2-135m", "prompt": 3}, timeout=30).status_code == 400
     wanted = {"POST /v1/completions", "upstream", "prefill_leg", "queue", "prefill", "prefill_chunk", "decode",
               "kv_export", "kv_import"}
     wait_for(lambda: wanted <= {s.name for s in collector.spans if s.trace_id.hex() == CLIENT_TRACE}

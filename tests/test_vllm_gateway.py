@@ -47,7 +47,7 @@ def blocks(n: int) -> list[dict]:
 
 
 def predicted(gw: Proc, body: dict | None = None) -> int:
-    r = httpx.post(gw.url + "/v1/completions", json=body or {"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+    r = httpx.post(gw.url + "/v1/completions", json=body or {"model": vd.MODEL, "prompt": PROMPT, "max_tokens": 1}, timeout=30)
     assert r.status_code == 200, r.text
     return int(r.headers["x-kvgate-predicted-cached-tokens"])
 
@@ -104,7 +104,7 @@ def test_no_decision_waits_on_a_replay_that_never_answers(fake, tmp_path):
 def test_whole_requests_reach_vllm_byte_for_byte(fake, tmp_path):
     gw = gateway(fake, tmp_path)
     try:
-        raw = json.dumps({"prompt": ["a b c", "d e"], "n": 2, "logprobs": 3, "max_tokens": 4,
+        raw = json.dumps({"model": vd.MODEL, "prompt": ["a b c", "d e"], "n": 2, "logprobs": 3, "max_tokens": 4,
                           "presence_penalty": 0.1, "vllm_xargs": {"custom": 1}}).encode()
         r = httpx.post(gw.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 200 and r.json()["received"].encode() == raw

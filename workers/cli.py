@@ -3,14 +3,17 @@ import argparse
 import json
 import logging
 import os
+import socket
 import uuid
 from pathlib import Path
 
 import uvicorn
 
+from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer
 from workers.engine import Engine, EngineConfig
 from workers.kv.cost_model import CostModel
+from workers.listen import listen
 from workers.logs import add_log_args, setup_logging
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.server import WorkerServer
@@ -21,26 +24,31 @@ log = logging.getLogger("kvgate.worker")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvgate worker", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="HF model folder or alias (smollm2-135m)")
     p.add_argument("--served-model-name", help="name clients use (default: alias or folder name)")
-    p.add_argument("--executor", choices=["torch", "sim"], default="torch")
+    p.add_argument("--executor", choices=["torch", "sim"], default="torch",
+                   help="torch runs the model; sim runs no model and takes the cost model's step times "
+                        "(fleets on a laptop, the simulator)")
     p.add_argument("--sim-profile", help="cost-model JSON: the sim executor's step times, and for any executor "
                    "the model the gateway predicts this worker by (kvgate calibrate writes one)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8100, help="port to listen on")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the gateway's --block-size)")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool")
     p.add_argument("--kv-cache-gb", type=float,
                    help="size the KV pool by memory instead of --num-blocks (torch executor)")
-    p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="tokens one engine step computes at most (prefill is chunked to fit)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch at most")
     p.add_argument("--max-model-len", type=int, help="cap the context length below the model's")
-    p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
+    p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed",
+                   help="P/D disaggregation: prefill workers export KV to decode workers; mixed does both")
     p.add_argument("--worker-id", help="stable id in KV events and the registry (default: random)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device of the torch executor (cpu, cuda, cuda:1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="never reuse cached prompt blocks (every prompt is computed whole)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (torch executor on CUDA; default: graphs on)")
     p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
@@ -143,11 +151,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     check_args(args)
     setup_logging(args.log_level, args.log_format)
-    serve(args, build_server(args))
+    sock = listen(args.host, args.port, "kvgate worker")
+    serve(args, build_server(args), sock)
 
 
-def serve(args: argparse.Namespace, server: WorkerServer) -> None:
-    """Publish to Redis if asked, then serve until SIGTERM has drained the worker."""
+def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | None = None) -> None:
+    """Publish to Redis if asked, then serve on `sock` (else a socket taken now) until SIGTERM
+    has drained the worker."""
+    sock = sock or listen(args.host, args.port, "kvgate worker")
     if args.redis:
         from workers.redis_publisher import RedisPublisher
         server.publisher = RedisPublisher(server.engine, args.redis,
@@ -159,4 +170,4 @@ def serve(args: argparse.Namespace, server: WorkerServer) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, server, args.drain_timeout_s).run()
+    DrainingServer(config, server, args.drain_timeout_s).run(sockets=[sock])

@@ -47,7 +47,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def add_log_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
+                   help="the lowest level logged (stderr)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="text lines, or one JSON object a line (structured fields as keys)")
 
