@@ -7,7 +7,8 @@ e2e_ms, optionally itl_ms (list), worker, error (None when it succeeded).
 Goodput follows DistServe: the highest request rate at which at least 90% of requests meet
 both SLOs. A sweep measures attainment at discrete rates; `goodput` interpolates linearly
 between the highest passing rate and the next (failing) one, since attainment falls
-continuously between them.
+continuously between them. A run at a single rate measures no goodput: its report says
+"attainment at R" and leaves goodput null.
 """
 import json
 import math
@@ -20,7 +21,7 @@ TARGET = 0.9
 CDF_POINTS = 101
 HEADLINE = ("slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
             "tpot_p90_ms", "tpot_p99_ms", "e2e_p50_ms", "cached_token_ratio", "throughput_rps",
-            "throughput_tok_s", "errors")
+            "throughput_tok_s", "errors", "error_kinds")
 
 
 def meets_slo(r: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
@@ -120,9 +121,18 @@ def reference_rate(series: dict[str, list[dict]], target: float = TARGET) -> flo
     return max(candidates) if candidates else rates[0]
 
 
+def single_rate(report: dict) -> bool:
+    """Every entry ran at one rate: there is attainment at that rate and no goodput."""
+    return all(len({r["rate_rps"] for r in e["runs"]}) == 1 for e in report["policies"].values())
+
+
 def entry(runs: list[dict], at_rate: float) -> dict:
-    """One policy's (or target's) block: goodput from its sweep plus headline metrics at `at_rate`."""
-    g, method = goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs])
+    """One policy's (or target's) block: goodput from its sweep (None from a single rate) plus
+    headline metrics at `at_rate`."""
+    if len({r["rate_rps"] for r in runs}) == 1:
+        g, method = None, "single_rate"
+    else:
+        g, method = goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs])
     ref = min(runs, key=lambda r: abs(r["rate_rps"] - at_rate))
     head = {k: ref.get(k) for k in HEADLINE}
     return {"goodput_rps": g, "goodput_method": method, "at_rate_rps": ref["rate_rps"], **head,
@@ -154,23 +164,35 @@ def write_json(path: str, report: dict) -> None:
 
 
 def print_table(report: dict, out) -> None:
-    """A one-line-per-policy summary for the terminal."""
-    cols = ("goodput_rps", "slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
-            "tpot_p90_ms", "cached_token_ratio", "throughput_tok_s")
-    print(f"at {report['reference_rate_rps']:.4g} req/s (goodput from the sweep):", file=out)
-    print(f"{'policy':<18}" + "".join(f"{c:>19}" for c in cols), file=out)
+    """A one-line-per-entry summary for the terminal; its first column is named for what it
+    holds (a policy, or the target a benchmark ran against)."""
+    rate = report["reference_rate_rps"]
+    cols = ("slo_attainment", "errors", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
+            "cached_token_ratio", "throughput_tok_s")
+    if single_rate(report):
+        print(f"attainment at {rate:.4g} req/s (one rate: no goodput; --sweep R1,R2,... measures it):", file=out)
+    else:
+        cols = ("goodput_rps", *cols)
+        print(f"goodput from the sweep; the other columns at {rate:.4g} req/s:", file=out)
+    key = "target" if report.get("kind") == "bench-serve" else "policy"
+    width = max([len(key), *map(len, report["policies"])]) + 2
+    print(f"{key:<{width}}" + "".join(f"{c:>19}" for c in cols), file=out)
     for label, e in report["policies"].items():
         cells = "".join(f"{e.get(c):>19.4g}" if isinstance(e.get(c), (int, float)) else f"{'-':>19}" for c in cols)
-        print(f"{label:<18}" + cells, file=out)
+        print(f"{label:<{width}}" + cells, file=out)
+    for label, e in report["policies"].items():
+        if e.get("errors"):
+            print(f"{label}: {e['errors']} requests failed at {rate:.4g} req/s: {e.get('error_kinds')}", file=out)
 
 
 def publish(series: dict[str, list[dict]], meta: dict, out: str) -> dict:
     """Build the report, draw its plots next to `out`, write it and print its table: the last
     step of every command that writes one."""
-    from bench.plots import plot_report
+    from bench.plots import plot_paths, plot_report
     report = build(series, meta)
-    report["plots"] = plot_report(report, out)
-    write_json(out, report)
+    report["plots"] = plot_paths(out)
+    write_json(out, report)  # first: a plot that fails still leaves the numbers
+    plot_report(report, out)
     print_table(report, sys.stderr)
     print(f"wrote {out} and {', '.join(report['plots'])} ({meta['wall_s']:.0f} s)", file=sys.stderr)
     return report

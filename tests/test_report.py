@@ -1,6 +1,7 @@
 """The report: SLO attainment with failures as misses, DistServe goodput, JSON and plots."""
 import json
 import math
+import sys
 
 import pytest
 
@@ -106,3 +107,36 @@ def test_loadgen_counts_a_length_finish_short_of_max_tokens_as_an_error():
     assert cut["error"] == "cut short: 3 of 5 tokens (finish_reason length)"
     assert eos["error"] is None and full["error"] is None
     assert cut["output_tokens"] == eos["output_tokens"] == 3 and full["output_tokens"] == 5
+
+
+def test_bench_serve_against_a_url_where_every_request_fails_still_reports(tmp_path, capsys):
+    """Nothing listens at the URL: the JSON is written with every request counted as an error,
+    both plots are drawn (the CDF one saying nothing succeeded), and a single-rate run reports
+    attainment at its rate, not a goodput; the table's first column names the target."""
+    from bench import loadgen
+    from tests.procs import free_port
+    out = tmp_path / "dead.json"
+    loadgen.main(["serve", "--url", f"http://127.0.0.1:{free_port()}", "--rate", "20", "--duration", "0.5",
+                  "--workload", "random", "--input-len", "8", "--output-len", "2", "--model", "m",
+                  "--timeout", "5", "--out", str(out)])
+    report = json.loads(out.read_text())
+    (entry,) = report["policies"].values()
+    assert entry["errors"] == entry["runs"][0]["requests"] > 0 and entry["slo_attainment"] == 0
+    assert entry["goodput_rps"] is None and entry["goodput_method"] == "single_rate"
+    for p in report["plots"]:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    err = capsys.readouterr().err
+    assert "attainment at 20 req/s (one rate: no goodput" in err and "goodput from the sweep" not in err
+    lines = err.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("attainment at"))
+    assert lines[head + 1].startswith("target ") and "requests failed at 20 req/s" in err
+
+
+def test_a_sweep_reports_goodput_and_names_the_policy_column(capsys):
+    runs = {name: [{"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
+                   for r in (1, 2, 4)] for name in ("a", "b")}
+    rep.print_table(rep.build(runs, {"kind": "simulate"}), sys.stderr)
+    err = capsys.readouterr().err
+    assert err.startswith("goodput from the sweep; the other columns at 1 req/s")
+    assert err.splitlines()[1].split()[:3] == ["policy", "goodput_rps", "slo_attainment"]
