@@ -31,7 +31,7 @@ def access_fields(rec: RequestRecord, outcome: str | None) -> dict:
             "tpot_ms": _ms(rec.tpot_s), "e2e_ms": _ms(rec.e2e_s), "prompt_tokens": rec.prompt_tokens,
             "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
             "predicted_cached_tokens": rec.predicted_cached, "finish_reason": rec.finish_reason,
-            "slo": outcome, "retries": rec.retries or None}
+            "slo": outcome, "retries": rec.retries or None, "route_reason": rec.route_reason or None}
 
 
 @dataclass

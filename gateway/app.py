@@ -46,6 +46,7 @@ from gateway.tracing import Tracing
 from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
+from policies.predict import cached_tokens
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
 from workers.protocol import check_request, error_body, new_id
 from workers.sampling_params import InvalidRequest
@@ -265,8 +266,10 @@ class Gateway:
             slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
             session_id=str(session) if session is not None else None, model=model)
 
-    def decide(self, view: RequestView, model: str, exclude: set[str]) -> tuple[Worker, Decision, Worker | None]:
-        """Match the prompt against the index and ask the policy; all in memory."""
+    def decide(self, view: RequestView, model: str,
+               exclude: set[str]) -> tuple[Worker, Decision, Worker | None, FleetView]:
+        """Match the prompt against the index and ask the policy; all in memory. Returns the
+        chosen worker, the route, the prefill worker of a P/D route, and what the policy saw."""
         t0 = time.perf_counter()
         workers = [w for w in self.fleet.candidates(model) if w.worker_id not in exclude]
         retry_after = self.admission.config.retry_after_s
@@ -277,7 +280,8 @@ class Gateway:
             self.metrics.refused.labels("worker_queues_full").inc()
             raise refused(self.admission.full(len(workers)))
         matches = self.index.match(view.block_hashes)
-        route = self.policy.route(view, FleetView(self.fleet.views(room, matches), time.time()))
+        fleet = FleetView(self.fleet.views(room, matches), time.time())
+        route = self.policy.route(view, fleet)
         self.metrics.decision.observe(time.perf_counter() - t0)
         if route.reject:
             if route.reject == NO_WORKERS:
@@ -292,7 +296,7 @@ class Gateway:
         if chosen is None or (route.prefill is not None and prefill is None):
             raise ApiError(500, f"policy {self.policy.name} chose {route.worker!r}/{route.prefill!r}, "
                            "not candidates", "server_error", "bad_route")
-        return chosen, route, prefill
+        return chosen, route, prefill, fleet
 
     async def dispatch(self, request: Request, kind: str, raw: bytes, model: str, prep: Prepared | None,
                        view: RequestView, rec: RequestRecord) -> Response:
@@ -309,13 +313,14 @@ class Gateway:
                 await asyncio.sleep(self.retry.delay(attempt))
             try:
                 with trace.phase("route"):
-                    w, route, p = self.decide(view, model, exclude)
+                    w, route, p, seen = self.decide(view, model, exclude)
             except ApiError:
                 if failure is None:
                     raise
                 break
             trace.set(policy=self.policy.name, worker=w.worker_id, prefill_worker=route.prefill)
             rec.worker, rec.prefill_worker = w.worker_id, route.prefill
+            rec.route_reason, rec.candidates = route.reason, candidates_summary(view, seen)
             rec.predicted_cached = (route.predicted_cached_tokens if p is None else
                                     pd.expected_cached(view.num_tokens, w.state.get("block_size", 16)))
             self.fleet.begin(w)
@@ -353,6 +358,8 @@ class Gateway:
         started = time.monotonic()
         resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request, lost)
         out = self.headers(w.worker_id, route.predicted_cached_tokens)
+        out["x-kvgate-route-reason"] = header_text(rec.route_reason)
+        out["x-kvgate-candidates"] = rec.candidates
         if route.prefill is not None:
             out["x-kvgate-prefill-worker"] = route.prefill
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
@@ -462,6 +469,21 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
+
+
+MAX_CANDIDATES_SHOWN = 8
+
+
+def candidates_summary(view: RequestView, fleet: FleetView) -> str:
+    """'w0 cached=128 load=1, w1 cached=0 load=0': each candidate's cached prefix for this
+    request (tokens) and its load (requests), the most cached first, at most 8 of them."""
+    rows = sorted(((cached_tokens(view, w), w.load, w.worker_id) for w in fleet.workers), key=lambda r: (-r[0], r[1]))
+    return ", ".join(f"{wid} cached={c} load={load}" for c, load, wid in rows[:MAX_CANDIDATES_SHOWN])
+
+
+def header_text(text: str, limit: int = 300) -> str:
+    """`text` as a header value: printable ASCII only (a plugin's reason may hold anything)."""
+    return "".join(ch if " " <= ch <= "~" else "?" for ch in text[:limit])
 
 
 def _model_card(model: str, max_model_len: int) -> dict:

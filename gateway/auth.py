@@ -29,7 +29,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 SCOPE_KEY = "kvgate.api_key"
 CACHE_HEADERS = (b"x-kvgate-worker", b"x-kvgate-prefill-worker", b"x-kvgate-policy",
-                 b"x-kvgate-predicted-cached-tokens")
+                 b"x-kvgate-predicted-cached-tokens", b"x-kvgate-route-reason", b"x-kvgate-candidates")
 SHARED = None  # a tenant cache salt of None: the fleet's shared cache
 MAX_TENANT_SALT = 128
 

@@ -39,6 +39,8 @@ class RequestRecord:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     retries: int = 0
+    route_reason: str = ""  # the policy's reason for the worker it chose
+    candidates: str = ""  # each candidate's cached prefix and load when it chose (app.candidates_summary)
 
     @property
     def leg(self) -> str:

@@ -77,7 +77,9 @@ class FleetView:
 
 @dataclass(frozen=True)
 class Route:
-    """A decision: one worker, a (prefill, decode) pair, or a rejection with a reason."""
+    """A decision: one worker, a (prefill, decode) pair, or a rejection with a reason.
+    `reason` says in a few words why this worker: the gateway sends it to clients as
+    x-kvgate-route-reason, so an operator can read a routing decision without a debugger."""
     worker: str | None = None
     prefill: str | None = None
     reject: str | None = None
@@ -85,6 +87,7 @@ class Route:
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
     info: dict = field(default_factory=dict)
+    reason: str = ""
 
 
 @runtime_checkable

@@ -41,6 +41,6 @@ def cheapest(key: int, items: Sequence[T], scores: Sequence,
     return min(tied, key=lambda item: (stable_hash(key, name(item)), name(item)))
 
 
-def route_to(req: RequestView, w: WorkerView, **info) -> Route:
-    """A single-worker route carrying the prefix-cache hit it expects."""
-    return Route(worker=w.worker_id, predicted_cached_tokens=cached_tokens(req, w), info=info)
+def route_to(req: RequestView, w: WorkerView, reason: str = "", **info) -> Route:
+    """A single-worker route carrying the prefix-cache hit it expects and why it was chosen."""
+    return Route(worker=w.worker_id, predicted_cached_tokens=cached_tokens(req, w), info=info, reason=reason)

@@ -34,4 +34,6 @@ class KvCost:
         if not workers:
             return Route(reject=NO_WORKERS)
         w = cheapest(request_key(req), workers, [(self.cost(req, w), w.load) for w in workers])
-        return route_to(req, w, cost=self.cost(req, w))
+        cost = self.cost(req, w)
+        return route_to(req, w, reason=f"lowest cost: {cost:.0f} prefill-token equivalents ({uncached_tokens(req, w)} "
+                                       f"uncached, {queued_tokens(req, w)} queued, {w.running} running)", cost=cost)

@@ -13,4 +13,4 @@ class LeastLoad:
         if not workers:
             return Route(reject=NO_WORKERS)
         w = cheapest(request_key(req), workers, [(w.load, w.queued_prefill_tokens) for w in workers])
-        return route_to(req, w)
+        return route_to(req, w, reason=f"least loaded: {w.load} requests, {w.queued_prefill_tokens} queued prefill tokens")

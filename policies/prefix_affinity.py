@@ -37,6 +37,8 @@ class PrefixAffinity:
                 if load <= bound and w.matched_blocks and cached_tokens(req, w)]
         if hits:
             w = cheapest(key, [w for w, _ in hits], [(-cached_tokens(req, w), load) for w, load in hits])
+            reason = f"longest cached prefix ({cached_tokens(req, w)} tokens) among workers with load <= {bound:g}"
         else:
             w = cheapest(key, workers, loads)
-        return route_to(req, w, load_bound=bound)
+            reason = f"no cached prefix within load {bound:g}: least loaded ({w.load} requests)"
+        return route_to(req, w, reason=reason, load_bound=bound)

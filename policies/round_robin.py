@@ -17,4 +17,4 @@ class RoundRobin:
             return Route(reject=NO_WORKERS)
         w = workers[self.turn % len(workers)]
         self.turn += 1
-        return route_to(req, w)
+        return route_to(req, w, reason=f"next in turn ({self.turn % len(workers) or len(workers)} of {len(workers)})")

@@ -69,7 +69,9 @@ class SloGoodput:
                          info={"headroom": headroom})
         return Route(worker=d.worker_id, prefill=p.worker_id if p else None,
                      predicted_cached_tokens=cached_tokens(req, p or d),
-                     predicted_ttft_ms=ttft, predicted_tpot_ms=tpot, info={"headroom": headroom})
+                     predicted_ttft_ms=ttft, predicted_tpot_ms=tpot, info={"headroom": headroom},
+                     reason=f"meets the SLOs: predicted ttft {ttft:.0f} ms, tpot {tpot:.1f} ms, headroom {headroom:.2f}, "
+                            f"{cached_tokens(req, p or d)} tokens cached" + (f", prefill on {p.worker_id}" if p else ""))
 
     def best(self, req: RequestView, candidates: list[tuple], slo_ttft: float,
              slo_tpot: float) -> tuple[int, float, float, float, WorkerView | None, WorkerView]:
