@@ -209,10 +209,10 @@ def policy_kwargs(specs: list[str], items: list[str]) -> dict[str, dict]:
     given = parse_policy_args(items, "kvgate simulate")
     out = {}
     for spec in specs:
-        params = inspect.signature(type(build_policy(spec, {}, "kvgate simulate"))).parameters
+        params = inspect.signature(type(build_policy(spec, {}, "kvgate simulate", load_policy))).parameters
         takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
         out[spec] = {k: v for k, v in given.items() if takes_any or k in params}
-        build_policy(spec, out[spec], "kvgate simulate")
+        build_policy(spec, out[spec], "kvgate simulate", load_policy)
     unused = set(given) - {k for kw in out.values() for k in kw}
     if unused:
         sys.exit(f"kvgate simulate: no policy of {', '.join(specs)} takes --policy-arg {', '.join(sorted(unused))}")

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -220,11 +221,12 @@ def policy_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def build_policy(spec: str, kwargs: dict, prog: str) -> Policy:
-    """The policy `spec` names, built with `kwargs`; else one line saying why (an unknown name,
-    a plugin that does not load, arguments it does not take) and exit status 2, a usage error."""
+def build_policy(spec: str, kwargs: dict, prog: str, load: Callable[..., Policy] = load_policy) -> Policy:
+    """The policy `spec` names, built by `load` with `kwargs`; else one line saying why (an
+    unknown name, a plugin that does not load, arguments it does not take) and exit status 2,
+    a usage error."""
     try:
-        return load_policy(spec, **kwargs)
+        return load(spec, **kwargs)
     except TypeError as e:
         why = f"policy {spec!r} does not take {sorted(kwargs)}: {e}" if kwargs else f"policy {spec!r}: {e}"
     except ValueError as e:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.procs import Worker, start_gateway, stop_all
+from gateway.procs import Worker, start_gateway, stop_all
 from workers.model_store import load_tokenizer, resolve
 
 pytestmark = pytest.mark.slow

@@ -114,7 +114,7 @@ def test_bench_serve_against_a_url_where_every_request_fails_still_reports(tmp_p
     both plots are drawn (the CDF one saying nothing succeeded), and a single-rate run reports
     attainment at its rate, not a goodput; the table's first column names the target."""
     from bench import loadgen
-    from tests.procs import free_port
+    from gateway.procs import free_port
     out = tmp_path / "dead.json"
     loadgen.main(["serve", "--url", f"http://127.0.0.1:{free_port()}", "--rate", "20", "--duration", "0.5",
                   "--workload", "random", "--input-len", "8", "--output-len", "2", "--model", "m",
