@@ -24,7 +24,7 @@ def fleet():
     procs = [w]
     try:
         w.ready()
-        gw = start_gateway([w.url])
+        gw = start_gateway([w.url], extra=["--engine-stall-s", "60"])  # a CPU step on a busy machine is no stall
         procs.append(gw)
         gw.wait_ready("/health", 60)
         yield {"worker": w.url, "gateway": gw.url}
