@@ -87,7 +87,7 @@ class Route:
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
     info: dict = field(default_factory=dict)
-    reason: str = ""
+    reason: str = field(default="", compare=False)  # an explanation, not part of the decision
 
 
 @runtime_checkable

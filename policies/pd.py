@@ -28,7 +28,9 @@ class Pair:
         """The route to this pair, carrying the prefill worker's expected cache hit."""
         return Route(worker=self.decode.worker_id, prefill=self.prefill.worker_id,
                      predicted_cached_tokens=cached_tokens(req, self.prefill),
-                     predicted_ttft_ms=self.ttft_ms, predicted_tpot_ms=self.tpot_ms, info=info)
+                     predicted_ttft_ms=self.ttft_ms, predicted_tpot_ms=self.tpot_ms, info=info,
+                     reason=f"disaggregated: {self.name} has the lowest predicted ttft ({self.ttft_ms:.0f} ms; "
+                            f"{cached_tokens(req, self.prefill)} tokens cached on the prefill worker)")
 
 
 class PdDecider:
