@@ -87,8 +87,10 @@ async def _send_500(send, e: Exception) -> None:
 ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-async def json_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+async def json_http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own 404 (no such path) and 405 (wrong method) as OpenAI error objects."""
+    if not isinstance(exc, HTTPException):
+        raise exc
     path = request.url.path[:200]
     message = {404: f"no such endpoint: {path}",
                405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, str(exc.detail))
