@@ -1,6 +1,7 @@
 """NIXL agents in two processes on loopback: descriptors, a WRITE between KV-cache-shaped
 tensors with scattered block ids, and a WRITE to a peer that died, which must fail, not hang."""
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
@@ -35,7 +36,9 @@ def _target(q_layout, q_done, q_result) -> None:
     cache = torch.zeros(SHAPE, dtype=torch.float32)
     agent = NixlAgent("target", cache)
     q_layout.put(agent.layout.to_json())
-    q_done.get()  # the writer says it is done
+    while q_done.empty():  # a target progresses until the writer says it is done (UCX over TCP needs it)
+        agent.progress()
+        time.sleep(0.0005)
     q_result.put(cache.numpy().tobytes())
 
 

@@ -40,6 +40,7 @@ log = logging.getLogger("kvgate.transfer")
 RESERVE_BASE_S = 5.0  # a reservation lives this long plus its bytes at RESERVE_MIN_GBPS
 RESERVE_MIN_GBPS = 0.2
 MAX_HEADER_BYTES = 64 << 20
+PROGRESS_S = 0.0005  # a target's progress period while it holds reservations
 
 
 def nixl_module():
@@ -121,7 +122,10 @@ class NixlAgent:
             raise NixlError("NIXL is not installed (pip install 'kvgate[nixl]')")
         if not kv_cache.is_contiguous() or kv_cache.dim() < 3:
             raise NixlError("the KV cache must be one contiguous [layers, 2, blocks, ...] tensor")
-        conf = nixl.nixl_agent_config(backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # No progress thread: NIXL's spins a whole core even when idle. A writer progresses while it
+        # polls its transfer, a target while it holds reservations (NixlTransfer._progress_loop).
+        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                      sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = nixl.nixl_agent(name, conf)
         self.name = name
         self.kv_cache = kv_cache
@@ -141,6 +145,11 @@ class NixlAgent:
             if peer.agent not in self._peers:
                 self.agent.add_remote_agent(base64.b64decode(peer.metadata))
                 self._peers.add(peer.agent)
+
+    def progress(self) -> None:
+        """Drive the backend once: over emulated transports (UCX over TCP) a WRITE into this
+        agent's memory completes only while its side progresses."""
+        self.agent.get_new_notifs()
 
     def forget(self, agent: str) -> None:
         with self._peers_lock:
@@ -239,6 +248,8 @@ class NixlTransfer:
         self.agent = agent
         self.reservations: dict[str, Held] = {}
         self._peers: dict[str, CacheLayout] = {}  # decode worker URL -> its layout
+        self._progressing: threading.Thread | None = None
+        self._progress_lock = threading.Lock()
         self.committed = 0  # reservations published
         self.expired = 0  # reservations let go without a commit
         self.fallbacks = 0  # sends that failed here and went to HTTP
@@ -285,7 +296,24 @@ class NixlTransfer:
         ttl = RESERVE_BASE_S + len(res.fresh) * self.service.spec.block_bytes() / (RESERVE_MIN_GBPS * 1e9)
         timer = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
         self.reservations[rid] = Held(payload, res, timer)
+        with self._progress_lock:
+            if self._progressing is None:
+                self._progressing = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
+                self._progressing.start()
         return Grant(rid, self.agent.name, res.fresh_ids, res.positions, ttl)
+
+    def _progress_loop(self) -> None:
+        """Progress the agent while any reservation waits for its WRITE, then stop (no idle cost)."""
+        while True:
+            with self._progress_lock:
+                if not self.reservations:
+                    self._progressing = None
+                    return
+            try:
+                self.agent.progress()
+            except Exception as e:
+                log.warning("NIXL progress failed: %r", e)
+            time.sleep(PROGRESS_S)
 
     def _expire(self, rid: str) -> None:
         held = self.reservations.pop(rid, None)
