@@ -16,6 +16,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -47,8 +48,11 @@ class Progress:
         print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
 
 
-def request_body(br: BenchRequest, model: str | None, token_ids: bool) -> dict:
-    body = {"prompt": br.prompt, "max_tokens": br.max_tokens, "stream": True, "ignore_eos": True,
+def request_body(br: BenchRequest, model: str | None, token_ids: bool,
+                 text: Callable[[list[int]], str] | None = None) -> dict:
+    """The completion request for `br`: its token ids as the prompt, or with `text` the
+    prompt decoded to text (for routers that take only text, like sglang-router)."""
+    body = {"prompt": text(br.prompt) if text else br.prompt, "max_tokens": br.max_tokens, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0}
     if model:
         body["model"] = model
@@ -60,7 +64,7 @@ def request_body(br: BenchRequest, model: str | None, token_ids: bool) -> dict:
 
 
 async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str | None,
-               headers: dict, token_ids: bool) -> dict:
+               headers: dict, token_ids: bool, text: Callable[[list[int]], str] | None = None) -> dict:
     """Stream one completion; the record holds client-side timings and the server's usage."""
     rec = {"index": br.index, "arrival_s": br.arrival_s, "prompt_tokens": len(br.prompt),
            "max_tokens": br.max_tokens, "output_tokens": 0, "cached_tokens": 0, "ttft_ms": None,
@@ -73,7 +77,7 @@ async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str
     usage: dict = {}
     finish = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=request_body(br, model, token_ids),
+        async with client.stream("POST", url + "/v1/completions", json=request_body(br, model, token_ids, text),
                                  headers=headers) as resp:
             rec["worker"] = resp.headers.get("x-kvgate-worker")
             rec["prefill_worker"] = resp.headers.get("x-kvgate-prefill-worker")
@@ -124,8 +128,10 @@ def finish_record(rec: dict, start: float, end: float, times: list[float], usage
 
 
 async def run_rate(urls: list[str], cfg: WorkloadConfig, model: str | None, slo: tuple[float, float],
-                   token_ids: bool = True, timeout: float = 600.0) -> list[dict]:
-    """Fire the workload's requests at their arrival times; wait for all; return records."""
+                   token_ids: bool = True, timeout: float = 600.0,
+                   text: Callable[[list[int]], str] | None = None) -> list[dict]:
+    """Fire the workload's requests at their arrival times; wait for all; return records.
+    With `text`, prompts go as the text it decodes them to."""
     requests = list(generate(cfg))
     headers = {"x-slo-ttft-ms": str(slo[0]), "x-slo-tpot-ms": str(slo[1])}
     progress = Progress(f"{cfg.rate:g} req/s", len(requests), cfg.duration_s)
@@ -133,7 +139,7 @@ async def run_rate(urls: list[str], cfg: WorkloadConfig, model: str | None, slo:
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
 
         async def one(i: int, br: BenchRequest) -> dict:
-            rec = await send(client, urls[i % len(urls)], br, model, headers, token_ids)
+            rec = await send(client, urls[i % len(urls)], br, model, headers, token_ids, text)
             progress.done += 1
             progress.errors += rec["error"] is not None
             return rec

@@ -1,0 +1,281 @@
+"""`python -m bench.vs_peers`: kvgate against the peers a user would pick instead, side by side
+in one run, in front of the same fleet of `sim` workers.
+
+    python -m bench.vs_peers --workloads multi-turn,shared-prefix,skewed --rates 8,12,16,20,24 \\
+        --duration 20 --out bench/results/vs-peers.json
+
+The fleet: `--workers` `kvgate worker --executor sim` processes with the `--profile` cost model
+and `--num-blocks` KV blocks each (too few for the working set, so routing decides what stays
+cached). The routers: kvgate with each of `--policies`, sglang-router and vllm-router with
+`cache_aware`. Prompts go as text (sglang-router takes no token ids): the seeded workloads'
+token ids decoded by the workers' tokenizer, so equal prefixes are equal text. The peers are installed from PyPI into venvs of their own beside the
+repository (`../.venv-sglang-router`, `../.venv-vllm-router`; created when missing, never
+part of the repository). Each router runs alone in front of the fleet; before each rate every
+worker's prefix cache is emptied (`POST /kv/reset`), so each rate starts cold with the same
+seeded requests. Per router and workload the rates run in ascending order and stop at the
+first one below 90% SLO attainment; when every rate passes, the rate grows by half until one
+fails (`--max-extra` times), so every goodput is found, not bounded.
+
+Then, at `--low-rate` with 256-token prompts and short answers: what each router adds to TTFT
+over sending straight to the workers (client-side round robin), and the router process's CPU
+time per request (user + system, from /proc).
+
+Output: one report per workload (`<out stem>-<workload>.json` with attainment-vs-rate and
+goodput plots, as `kvgate bench serve` writes), and `--out` with every router's goodput per
+workload, the ratio of kvgate's best to the best peer's, the overhead table, and a PNG of
+goodput bars next to it.
+"""
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import report as rep
+from bench.loadgen import run_rate
+from bench.workloads import WorkloadConfig
+from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from workers.internal_auth import TOKEN_HEADER
+from workers.model_store import load_tokenizer, served_name
+
+PEERS = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
+PEER_POLICY = "cache_aware"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def ensure_venv(package: str, venv_dir: Path) -> Path:
+    """A venv holding `package` from PyPI, made on first use; returns its directory."""
+    python = venv_dir / "bin" / "python"
+    if not python.exists():
+        print(f"installing {package} into {venv_dir}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv_dir)], check=True)
+    probe = subprocess.run([str(python), "-m", "pip", "show", "-q", package], capture_output=True)
+    if probe.returncode != 0:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", package], check=True)
+    return venv_dir
+
+
+def peer_argv(name: str, venv: Path, port: int, urls: list[str]) -> list[str]:
+    """The command line that starts peer `name` in front of `urls`."""
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", PEER_POLICY]
+    if name == "sglang-router":
+        return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
+    return [str(venv / "bin" / "vllm-router"), *common]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its waited-for children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / TICKS
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.token = secrets.token_hex(16)
+        self.slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+        self.workers: list[Worker] = []
+        tokenizer = load_tokenizer(args.model)
+        self.text = lambda ids: tokenizer.decode(ids)
+
+    def start_fleet(self) -> list[str]:
+        a = self.args
+        extra = ["--sim-profile", a.profile, "--num-blocks", str(a.num_blocks), "--internal-token", self.token]
+        self.workers = [Worker("sim", f"sim{i}", extra=extra, model=a.model, log_dir=a.log_dir)
+                        for i in range(a.workers)]
+        for w in self.workers:
+            w.ready(300)
+        return [w.url for w in self.workers]
+
+    def start_router(self, label: str, urls: list[str]) -> Proc:
+        a = self.args
+        if label.startswith("kvgate-"):
+            proc = start_gateway(urls, label.removeprefix("kvgate-"), name=label, log_dir=a.log_dir,
+                                 extra=["--internal-token", self.token, "--slo-ttft-ms", str(a.slo_ttft_ms),
+                                        "--slo-tpot-ms", str(a.slo_tpot_ms)])
+            proc.wait_ready(timeout=120)
+            wait_for(lambda: httpx.get(proc.url + "/health").json()["healthy"] == len(urls), timeout=30,
+                     what=f"{label} to see every worker")
+            return proc
+        venv = ensure_venv(PEERS[label], Path(a.venv_dir) / f".venv-{label}")
+        port = free_port()
+        proc = Proc(label, peer_argv(label, venv, port, urls), port, a.log_dir)
+        proc.wait_ready("/health", timeout=120)
+        return proc
+
+    def reset(self) -> None:
+        for w in self.workers:
+            httpx.post(w.url + "/kv/reset", headers={TOKEN_HEADER: self.token}, timeout=30).raise_for_status()
+
+    def measure(self, urls: list[str], wl: WorkloadConfig, pid: int | None) -> dict:
+        """One rate against `urls`: the summary, with the router's CPU seconds per request."""
+        self.reset()
+        before = cpu_s(pid) if pid else 0.0
+        records = asyncio.run(run_rate(urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout,
+                                       text=self.text))
+        run = rep.summarize(records, *self.slo)
+        run.update(rate_rps=wl.rate, records=records,
+                   rejected=sum(1 for r in records if (r["error"] or "").startswith("http 429")),
+                   router_cpu_s_per_request=(cpu_s(pid) - before) / max(1, len(records)) if pid else None)
+        return run
+
+    def sweep(self, label: str, router: Proc, wl: WorkloadConfig) -> list[dict]:
+        """Ascending rates until attainment drops below the target; past the list, +50% steps."""
+        a, runs = self.args, []
+        rates = [float(r) for r in a.rates.split(",")]
+        extra = 0
+        while rates:
+            rate = rates.pop(0)
+            run = self.measure([router.url], wl.with_rate(rate), router.popen.pid)
+            runs.append(run)
+            print(f"  {label} {wl.name} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, "
+                  f"ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, errors {run['errors']}", file=sys.stderr, flush=True)
+            if run["slo_attainment"] < rep.TARGET:
+                break
+            if not rates and extra < a.max_extra:
+                extra += 1
+                rates.append(round(rate * 1.5, 1))
+        return runs
+
+    def overhead(self, labels: list[str], urls: list[str]) -> dict:
+        """TTFT through each router minus straight to the workers, at a low rate."""
+        a = self.args
+        wl = WorkloadConfig(name="random", rate=a.low_rate, duration_s=a.low_duration, input_len=256,
+                            output_len=16, seed=7)
+        direct = self.measure(urls, wl, None)
+        out = {"direct": {"ttft_p50_ms": direct["ttft_p50_ms"], "ttft_p90_ms": direct["ttft_p90_ms"]}}
+        for label in labels:
+            router = self.start_router(label, urls)
+            try:
+                run = self.measure([router.url], wl, router.popen.pid)
+            finally:
+                stop_all([router])
+            out[label] = {"ttft_p50_ms": run["ttft_p50_ms"], "ttft_p90_ms": run["ttft_p90_ms"],
+                          "added_ttft_p50_ms": run["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                          "added_ttft_p90_ms": run["ttft_p90_ms"] - direct["ttft_p90_ms"],
+                          "cpu_ms_per_request": 1000.0 * run["router_cpu_s_per_request"]}
+        return out
+
+
+def labels_of(args: argparse.Namespace) -> list[str]:
+    return [f"kvgate-{p}" for p in args.policies.split(",") if p] + [p for p in args.peers.split(",") if p]
+
+
+def summarize_all(reports: dict[str, dict], labels: list[str]) -> dict:
+    """Per workload: goodput per router, kvgate's best, the best peer and their ratio."""
+    out = {}
+    for wl, report in reports.items():
+        good = {label: report["policies"][label]["goodput_rps"] for label in labels if label in report["policies"]}
+        methods = {label: report["policies"][label]["goodput_method"] for label in good}
+        ours = max((g, k) for k, g in good.items() if k.startswith("kvgate-"))
+        peers = [(g, k) for k, g in good.items() if not k.startswith("kvgate-")]
+        best_peer = max(peers) if peers else (0.0, None)
+        out[wl] = {"goodput_rps": good, "goodput_method": methods, "kvgate_best": ours[1],
+                   "best_peer": best_peer[1],
+                   "ratio": ours[0] / best_peer[0] if best_peer[0] else None}
+    return out
+
+
+def plot_summary(summary: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    workloads = list(summary)
+    labels = sorted({k for s in summary.values() for k in s["goodput_rps"]}, key=lambda k: (not k.startswith("kvgate"), k))
+    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(workloads)), 4.5))
+    width = 0.8 / max(1, len(labels))
+    for i, label in enumerate(labels):
+        xs = [j + i * width for j in range(len(workloads))]
+        ys = [summary[w]["goodput_rps"].get(label, 0.0) for w in workloads]
+        ax.bar(xs, ys, width, label=label)
+        for x, y in zip(xs, ys):
+            ax.text(x, y, f"{y:.3g}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(workloads))], workloads)
+    ax.set_ylabel("goodput (req/s at 90% SLO attainment)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("kvgate vs sglang-router and vllm-router (cache_aware), same sim fleet")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.vs_peers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="multi-turn,shared-prefix,skewed")
+    p.add_argument("--policies", default="slo_goodput,prefix_affinity,round_robin", help="kvgate policies")
+    p.add_argument("--peers", default="sglang-router,vllm-router")
+    p.add_argument("--rates", default="8,12,16,20,24", help="ascending request rates (req/s)")
+    p.add_argument("--max-extra", type=int, default=3, help="+50%% rates past the list while all pass")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--model", default="smollm2-135m", help="the sim workers' tokenizer; prompts go as its text")
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--profile", default="bench/profiles/h200-llama8b-kvgate.json")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--low-rate", type=float, default=2.0, help="rate of the overhead measurement (0: skip it)")
+    p.add_argument("--low-duration", type=float, default=20.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
+    p.add_argument("--venv-dir", default=str(ROOT.parent), help="where the peers' venvs live")
+    p.add_argument("--log-dir", help="process logs (default: a temp dir per process)")
+    p.add_argument("--out", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    labels = labels_of(args)
+    for label in labels:
+        if not label.startswith("kvgate-"):
+            ensure_venv(PEERS[label], Path(args.venv_dir) / f".venv-{label}")
+    t0 = time.perf_counter()
+    bench = Bench(args)
+    stem = args.out.removesuffix(".json")
+    Path(stem).parent.mkdir(parents=True, exist_ok=True)
+    reports, overhead = {}, {}
+    try:
+        urls = bench.start_fleet()
+        for name in [w for w in args.workloads.split(",") if w]:
+            wl = WorkloadConfig(name=name, duration_s=args.duration, seed=0)
+            series = {}
+            for label in labels:
+                router = bench.start_router(label, urls)
+                try:
+                    series[label] = bench.sweep(label, router, wl)
+                finally:
+                    stop_all([router])
+            meta = {"kind": "bench-vs-peers", "title": f"{name}: kvgate vs peers, {args.workers} sim workers",
+                    "command": "python -m bench.vs_peers " + " ".join(argv), "slo_ttft_ms": args.slo_ttft_ms,
+                    "slo_tpot_ms": args.slo_tpot_ms, "workload": name, "wall_s": time.perf_counter() - t0}
+            reports[name] = rep.publish(series, meta, f"{stem}-{name}.json")
+        if args.low_rate > 0:
+            overhead = bench.overhead(labels, urls)
+    finally:
+        stop_all(bench.workers)
+    summary = summarize_all(reports, labels)
+    out = {"kind": "bench-vs-peers-summary", "command": "python -m bench.vs_peers " + " ".join(argv),
+           "workers": args.workers, "num_blocks": args.num_blocks, "profile": args.profile,
+           "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "duration_s": args.duration,
+           "peer_policy": PEER_POLICY, "workloads": summary, "overhead_low_load": overhead,
+           "reports": {w: f"{Path(stem).name}-{w}.json" for w in reports}, "wall_s": time.perf_counter() - t0}
+    png = stem + ".png"
+    plot_summary(summary, png)
+    out["plot"] = Path(png).name
+    Path(args.out).write_text(json.dumps(rep._clean(out), indent=1))
+    print(json.dumps({w: {"ratio": s["ratio"], **s["goodput_rps"]} for w, s in summary.items()}, indent=1),
+          file=sys.stderr)
+    print(f"wrote {args.out} and {png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
