@@ -100,7 +100,8 @@ def chat_turn(gateway: str, messages: list[dict], max_tokens: int) -> dict:
     and time to first token."""
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    t0, ttft, parts, ids = time.monotonic(), None, [], []
+    t0, ttft, parts = time.monotonic(), None, []
+    ids: list[int] = []
     usage: dict = {}
     with httpx.stream("POST", gateway + "/v1/chat/completions", json=body, timeout=300) as r:
         if r.status_code != 200:
