@@ -38,6 +38,7 @@ from policies.api import FleetView, Policy, RequestView, WorkerView
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventBatch, KVEvent
 from workers.kv.hashing import block_hash, seed_hash
+from workers.pending import PendingKV
 from workers.request import Request
 from workers.sampling_params import SamplingParams
 from workers.transfer import KVPayload, executor_spec, import_payload
@@ -85,7 +86,8 @@ class FleetSim:
         self.delivering: dict[int, Request] = {}
         self.records: list[dict] = []
         self.events_processed = 0
-        self.held: list[dict[str, Request]] = [{} for _ in range(cfg.workers)]  # per D: decode requests waiting for their KV
+        # per D: decode requests waiting for their KV (their timeout is a KV_TIMEOUT event)
+        self.held = [PendingKV(w.kv) for w in self.workers]
         self.transfers: dict[int, tuple[Request, int, list[int]]] = {}  # event seq -> (decode request, D, hashes)
         self.timeouts: dict[int, str] = {}
         self.prefill_of: dict[str, int] = {}  # decode request id -> P
@@ -168,7 +170,7 @@ class FleetSim:
             self.in_flight[p] += 1
             self._refresh(p)
             self._deliver(leg, p, now)
-            self.held[i][req.request_id] = req
+            self.held[i].hold(req, None)
             self._push(now + cfg.request_overhead_ms / 1000.0 + cfg.pd_wait_s, KV_TIMEOUT, i)
             self.timeouts[self.seq] = req.request_id
             self._admit_if_resident(req, i, now)
@@ -187,25 +189,22 @@ class FleetSim:
     # P/D
 
     def _admit_if_resident(self, req: Request, i: int, now: float) -> None:
-        """`Engine._admit_pending` for one held request: admit once its blocks are in D's cache,
-        and not before the request itself has reached D."""
-        if req.request_id in self.held[i] and self.workers[i].kv.prefix_resident(req):
-            del self.held[i][req.request_id]
+        """The engine's pending admission for one held request, as its blocks land: admit once
+        they are in D's cache, and not before the request itself has reached D."""
+        for r, _ in self.held[i].ready(now, lambda r: r is req):
             self.pd_arrived += 1
-            self._deliver(req, i, now, max(now, req.arrival + self.cfg.request_overhead_ms / 1000.0))
+            self._deliver(r, i, now, max(now, r.arrival + self.cfg.request_overhead_ms / 1000.0))
 
     def _admit_held(self, d: int, now: float) -> None:
-        """`Engine._admit_pending` as D's step starts: admit the held requests (already at D)
-        whose blocks are resident now, whoever's import or prefill put them there."""
+        """The engine's pending admission as D's step starts: admit the held requests (already at
+        D) whose blocks are resident now, whoever's import or prefill put them there."""
         held = self.held[d]
-        if not held:
+        if not len(held):
             return
-        w, overhead = self.workers[d], self.cfg.request_overhead_ms / 1000.0
-        for rid, req in list(held.items()):
-            if now >= req.arrival + overhead and w.kv.prefix_resident(req):
-                del held[rid]
-                self.pd_arrived += 1
-                w.inbox.append(req)
+        overhead = self.cfg.request_overhead_ms / 1000.0
+        for req, _ in held.ready(now, lambda r: now >= r.arrival + overhead):
+            self.pd_arrived += 1
+            self.workers[d].inbox.append(req)
 
     def _prefilled(self, leg: Request, now: float) -> None:
         """P finished a prefill leg: send its full prompt blocks to D, as `Engine._export` does
@@ -230,7 +229,7 @@ class FleetSim:
         self._admit_if_resident(req, d, now)
 
     def _kv_timeout(self, rid: str, d: int, now: float) -> None:
-        req = self.held[d].pop(rid, None)
+        req = self.held[d].take(rid)
         if req is not None:
             self.pd_fallbacks += 1
             self._deliver(req, d, now, now)  # D has held it since it arrived, pd_wait_s ago

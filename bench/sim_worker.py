@@ -30,7 +30,7 @@ from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel, StepWork
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
-from workers.kv.kv_manager import KVCacheManager
+from workers.kv_manager import KVCacheManager
 from workers.request import Request
 from workers.scheduler import Scheduler, StepPlan
 from workers.step_stats import MEANS_OVER, StepRecord, step_means

@@ -13,8 +13,10 @@ worker a recompute, so it is logged and counted, never shown to the client.
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed, cached_tokens
+from workers.background import background
 from workers.internal_auth import internal_headers
 
 log = logging.getLogger("kvgate.pd")
@@ -63,9 +65,20 @@ async def run_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers
 
 
 def start_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str],
-                  done) -> asyncio.Task:
-    """Run the prefill leg in the background; `done(cached)` is called when it ends (cached
-    tokens, or None when it failed)."""
-    task = asyncio.ensure_future(run_prefill(proxy, url, path, payload, headers))
-    task.add_done_callback(lambda t: done(None if t.cancelled() else t.result()))
+                  done: Callable[[int | None], None]) -> "asyncio.Future[int | None]":
+    """Run the prefill leg in the background; `done(cached)` is called once when it ends
+    (cached tokens, or None when it failed, raised or was cancelled), so the caller's
+    accounting (the prefill worker's in-flight count) always closes."""
+    task = background(run_prefill(proxy, url, path, payload, headers))
+    task.add_done_callback(lambda t: done(leg_result(t, url)))
     return task
+
+
+def leg_result(task: "asyncio.Future[int | None]", url: str) -> int | None:
+    """A finished prefill leg's cached tokens; None when it was cancelled or raised (logged)."""
+    if task.cancelled():
+        return None
+    if (e := task.exception()) is not None:
+        log.warning("prefill leg to %s raised: %r", url, e)
+        return None
+    return task.result()

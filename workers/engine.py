@@ -24,8 +24,9 @@ from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
-from workers.kv.kv_manager import KVCacheManager
+from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
+from workers.pending import PendingKV
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Sampled, Scheduler, StepPlan
@@ -55,6 +56,36 @@ class EngineConfig:
     export_batch_blocks: int = 16  # P/D: ship prompt blocks mid-prefill once this many are new; 0: at the end
 
 
+@dataclass(slots=True)
+class Add:
+    """Inbox command: admit a request (`Engine.submit` says what the fields mean)."""
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[RequestOutput], None]
+    detokenize: bool = True
+    kv_wait_s: float = 0.0
+    export: Callable | None = None
+    cache_salt: str | None = None
+    trace: bool = False
+
+
+@dataclass(slots=True)
+class Abort:
+    """Inbox command: drop a request wherever it is and answer it with finish_reason "abort"."""
+    request_id: str
+
+
+@dataclass(slots=True)
+class Call:
+    """Inbox command: run `fn` on the engine thread between steps; its result goes to `future`."""
+    fn: Callable[[], object]
+    future: Future
+
+
+Command = Add | Abort | Call
+
+
 class Engine:
     """`deliver(batch)` receives each step's outputs on the engine thread; by default it calls
     each sink there. The server replaces it to hand the whole batch to its event loop in one
@@ -75,10 +106,10 @@ class Engine:
                                    executor.eos_token_ids)
         self.scheduler.exporter = self._export
         self.stats = StepStats()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._requests: dict[str, tuple[Request, Detokenizer | None, Callable]] = {}
-        self._pending: list[Request] = []
+        self._pending = PendingKV(self.kv)
         self._outbox: list[tuple[Callable, RequestOutput]] = []
         self.deliver: Callable[[list[tuple[Callable, RequestOutput]]], None] = call_sinks
         self._thread: threading.Thread | None = None
@@ -118,22 +149,22 @@ class Engine:
         with self._submit_lock:
             if self._dead:
                 raise EngineStopped("the engine has stopped")
-            self._inbox.put(("add", request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export,
-                             cache_salt, trace))
+            self._inbox.put(Add(request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export,
+                                cache_salt, trace))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
         self._wake.set()
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run fn on the engine thread between steps (snapshots, KV import, cache clears)."""
         fut: Future = Future()
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(Call(fn, fut))
         self._wake.set()
         return fut
 
-    def _take_inbox(self) -> Iterator[tuple]:
+    def _take_inbox(self) -> Iterator[Command]:
         """The queued commands, oldest first, until the inbox is empty."""
         while True:
             try:
@@ -143,39 +174,41 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         for cmd in self._take_inbox():
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            elif cmd[0] == "abort":
-                entry = self._requests.pop(cmd[1], None)
-                if entry:
-                    req = entry[0]
-                    self._drop(req)
-                    self._outbox.append((entry[2], RequestOutput(
-                        req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "abort",
-                        times=RequestTimes.of(req))))
+            if isinstance(cmd, Add):
+                self._add(cmd)
+            elif isinstance(cmd, Abort):
+                self._abort(cmd.request_id)
             else:
-                _, fn, fut = cmd
                 t0 = time.perf_counter()
                 try:
-                    fut.set_result(fn())
+                    cmd.future.set_result(cmd.fn())
                 except Exception as e:
-                    fut.set_exception(e)
+                    cmd.future.set_exception(e)
                 self.stats.calls_s += time.perf_counter() - t0
 
-    def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Callable,
-             detok: bool, kv_wait_s: float, export: Callable | None, salt: str | None, trace: bool) -> None:
+    def _abort(self, rid: str) -> None:
+        entry = self._requests.pop(rid, None)
+        if entry:
+            req = entry[0]
+            self._drop(req)
+            self._outbox.append((entry[2], RequestOutput(
+                req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "abort",
+                times=RequestTimes.of(req))))
+
+    def _add(self, cmd: Add) -> None:
+        rid = cmd.request_id
         try:
-            req = Request(rid, prompt_ids, params, export=export, cache_salt=salt, chunks=[] if trace else None)
-            d = Detokenizer(self.tokenizer, prompt_ids, params.stop) if detok else None
+            req = Request(rid, cmd.prompt_ids, cmd.params, export=cmd.export, cache_salt=cmd.cache_salt,
+                          chunks=[] if cmd.trace else None)
+            d = Detokenizer(self.tokenizer, cmd.prompt_ids, cmd.params.stop) if cmd.detokenize else None
         except Exception:
             log.exception("request %s could not be set up", rid)
             self.stats.failed += 1
-            self._outbox.append((sink, unstarted_failure(rid, prompt_ids, ENGINE_ERROR)))
+            self._outbox.append((cmd.sink, unstarted_failure(rid, cmd.prompt_ids, ENGINE_ERROR)))
             return
-        self._requests[rid] = (req, d, sink)
-        if kv_wait_s > 0:
-            req.kv_deadline = time.monotonic() + kv_wait_s
-            self._pending.append(req)
+        self._requests[rid] = (req, d, cmd.sink)
+        if cmd.kv_wait_s > 0:
+            self._pending.hold(req, time.monotonic() + cmd.kv_wait_s)
         else:
             self.scheduler.add(req)
 
@@ -185,17 +218,12 @@ class Engine:
 
     def _admit_pending(self) -> None:
         """Admit P/D decode requests whose blocks have arrived or whose wait has run out."""
-        now, still = time.monotonic(), []
-        for req in self._pending:
-            if self.kv.prefix_resident(req):
+        for req, arrived in self._pending.ready(time.monotonic()):
+            if arrived:
                 self.stats.kv_arrived += 1
-            elif now >= req.kv_deadline:
-                self.stats.kv_fallbacks += 1
             else:
-                still.append(req)
-                continue
+                self.stats.kv_fallbacks += 1
             self.scheduler.add(req)
-        self._pending = still
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step: plan and launch a step, then resolve the previous one (with an
@@ -281,8 +309,7 @@ class Engine:
 
     def _drop(self, req: Request) -> None:
         """Take a request out of the pending list or the scheduler and free its blocks."""
-        if req in self._pending:
-            self._pending.remove(req)
+        self._pending.take(req.request_id)
         self.scheduler.abort(req)
 
     def _fail(self, req: Request, why: str) -> RequestOutput:
@@ -387,10 +414,10 @@ class Engine:
             log.critical("the engine thread has stopped; every request now fails")
         self._fail_all(ENGINE_STOPPED)
         for cmd in self._take_inbox():
-            if cmd[0] == "add":
-                self._outbox.append((cmd[4], unstarted_failure(cmd[1], cmd[2], ENGINE_STOPPED)))
-            elif cmd[0] == "call":
-                cmd[2].set_exception(EngineStopped("the engine has stopped"))
+            if isinstance(cmd, Add):
+                self._outbox.append((cmd.sink, unstarted_failure(cmd.request_id, cmd.prompt_ids, ENGINE_STOPPED)))
+            elif isinstance(cmd, Call):
+                cmd.future.set_exception(EngineStopped("the engine has stopped"))
         self._flush()
 
     def state(self) -> dict:

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from workers.kv.kv_manager import KVCacheManager
+from workers.kv_manager import KVCacheManager
 from workers.request import FINISHED, RUNNING, WAITING, Request
 
 

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from workers.background import background
 from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
@@ -78,7 +79,7 @@ class TransferService:
         self.sending += 1
         headers: dict[str, str] = {}
         export_span = self.tracing.export_span(span, url, len(hashes), sum(map(len, tokens)), headers)
-        task = asyncio.ensure_future(self.send(url, hashes, tokens, held, cache_salt, headers, parent))
+        task = background(self.send(url, hashes, tokens, held, cache_salt, headers, parent))
         task.add_done_callback(self._sent)
         if export_span is not None:
             task.add_done_callback(lambda t: export_span.end())
@@ -178,7 +179,7 @@ class TransferService:
                                 status_code=422)
         t2 = time.perf_counter()
         try:
-            imported, present = await asyncio.shield(asyncio.ensure_future(self._import(payload)))
+            imported, present = await asyncio.shield(background(self._import(payload)))
         except Exception as e:
             log.exception("KV import failed")
             return JSONResponse(error_body(f"KV import failed: {e}", "server_error", "kv_import_failed"),

@@ -30,6 +30,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from workers.background import background
 from workers.internal_auth import TOKEN_HEADER
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
@@ -284,7 +285,7 @@ class NixlTransfer:
             payload, _ = await asyncio.to_thread(decode_header, bytes(body), svc.spec, eng.kv.seed)
         except InvalidRequest as e:
             return JSONResponse(error_body(str(e), code=e.code), status_code=400)
-        grant = await asyncio.shield(asyncio.ensure_future(self._reserve(payload)))
+        grant = await asyncio.shield(background(self._reserve(payload)))
         return JSONResponse(grant.to_json())
 
     async def _reserve(self, payload: KVPayload) -> Grant:
