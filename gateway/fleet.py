@@ -81,7 +81,7 @@ class Worker:
 
 # A worker's transfer rate until it has measured its own: HTTP and IPC as measured between two
 # H200s, NIXL as measured over UCX/TCP on a 2-core CPU host (bench/results/transfer_payload.json).
-TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0, "nixl": 1.5}
+TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0, "nixl": 3.5}
 
 
 def _view(state: dict, url: str) -> WorkerView:
