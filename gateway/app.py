@@ -365,7 +365,7 @@ class Gateway:
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         if not ((prep.parsed.stream if prep else is_sse) and resp.status == 200):
             return await self.collect(w, route, view, resp, out, started, rec)
-        tap = StreamTap(kind, rec.arrived, rec.hide_usage)
+        tap = StreamTap(kind, rec.arrived, rec.hide_usage, prep.parsed.num_choices if prep else 1)
         try:
             head = await self.proxy.first_token(resp, tap, request, lost, started)
         except BaseException:

@@ -156,9 +156,10 @@ class StreamTap:
     usage event the gateway asked for on the client's behalf (`hide_usage`) is read and
     dropped: the client did not ask for it."""
 
-    def __init__(self, kind: str, started: float, hide_usage: bool = False):
+    def __init__(self, kind: str, started: float, hide_usage: bool = False, choices: int = 1):
         self.started = started
-        self.events_before_token = 2 if kind == "chat" else 1  # chat opens with a role-only event
+        # a chat stream opens with a role-only event per choice
+        self.events_before_token = choices + 1 if kind == "chat" else 1
         self.hide_usage = hide_usage
         self.events = 0
         self.ttft: float | None = None

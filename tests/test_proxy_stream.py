@@ -66,3 +66,12 @@ def test_a_stream_that_ends_or_stalls_before_its_first_token_is_retried():
         first_token([ROLE, TOKEN[:10]])  # cut inside its first token event
     with pytest.raises(WorkerLost):
         first_token([ROLE], then_hang=True, lost=True)  # the fleet took the worker out meanwhile
+
+
+def test_a_chat_stream_of_n_choices_has_its_first_token_after_n_role_events():
+    tap = StreamTap("chat", 0.0, choices=2)
+    role = b'data: {"choices":[{"index":%d,"delta":{"role":"assistant","content":""}}]}\n\n'
+    tap.feed(role % 0 + role % 1)
+    assert tap.ttft is None
+    tap.feed(b'data: {"choices":[{"index":1,"delta":{"content":"x"}}]}\n\n')
+    assert tap.ttft is not None

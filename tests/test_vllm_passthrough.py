@@ -56,3 +56,16 @@ def test_fields_that_steer_vllms_cache_are_internal():
     assert internal_field({"kv_transfer": {}}) == "kv_transfer"
     assert internal_field({"vllm_xargs": {"kv_cache_report_mode": "full"}}) == "vllm_xargs"
     assert internal_field({"vllm_xargs": {"my_logits_processor": 1}, "n": 2}) is None
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5})])
+def test_fields_only_vllm_implements_pass_to_vllm_and_are_refused_for_kvgate_workers(tok, field, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, field: value}
+    m = ModelTokenizer("smollm2-135m", tok, 16)
+    assert m.prepare(body, "chat", 1024, whole=True).parsed.prompt_ids == parse_request(
+        {k: v for k, v in body.items() if k != field}, "chat", tok, 1024).prompt_ids
+    with pytest.raises(InvalidRequest) as e:
+        m.prepare(body, "chat", 1024)
+    assert e.value.param == field and e.value.code == "unsupported_parameter" and "vLLM" in str(e.value)
+
