@@ -19,6 +19,7 @@ per second.
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -155,6 +156,7 @@ class Fleet:
         self.workers: dict[str, Worker] = {}
         self.session: aiohttp.ClientSession | None = None
         self._started = False
+        self.on_change: Callable[[Worker, int], None] | None = None  # in-flight +1/-1, for sharing
 
     def add(self, url: str, static: bool = True, kind: str = "kvgate") -> Worker:
         url = url.rstrip("/")
@@ -343,9 +345,15 @@ class Fleet:
         return out
 
     def begin(self, w: Worker) -> None:
+        """Count a request sent to `w` at once, when it is decided: the next decision, here or
+        (through `on_change`) at another replica, must see it."""
         w.in_flight += 1
         w.sent_since_poll += 1
+        if self.on_change is not None:
+            self.on_change(w, 1)
 
     def end(self, w: Worker) -> None:
         w.in_flight -= 1
         w.done_since_poll += 1
+        if self.on_change is not None:
+            self.on_change(w, -1)

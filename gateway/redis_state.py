@@ -56,6 +56,10 @@ class RedisState:
         self.up = False
         self.last_bootstrap_s: float | None = None
         self._task: asyncio.Task | None = None
+        self.seq = 0  # in-flight deltas this replica has published
+        self.outbox: asyncio.Queue[str] | None = None
+        self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
+        self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
 
     def status(self) -> str:
         return "up" if self.up else "down"
@@ -81,7 +85,10 @@ class RedisState:
                 self.grace_until = time.monotonic() + self.grace_s
                 await self.bootstrap(r)
                 self.up, backoff = True, 0.2
-                await _first_failure(self._tail(r), self._registry_loop(r), self._inflight_loop(r))
+                self.outbox = asyncio.Queue()
+                self.fleet.on_change = self._publish
+                await _first_failure(self._tail(r), self._registry_loop(r), self._inflight_loop(r),
+                                     self._send_deltas(r), self._read_deltas(r))
             except ERRORS as e:
                 if self.up:
                     log.warning("redis at %s failed (%r): routing on the embedded path",
@@ -97,6 +104,9 @@ class RedisState:
     def _degrade(self) -> None:
         """Hand residency back to the workers' direct tailers; forget other replicas' load."""
         self.up = False
+        self.fleet.on_change, self.outbox = None, None
+        self.tables.clear()
+        self.pending.clear()
         for w in self.fleet.workers.values():
             w.redis_residency = False
             w.shared_in_flight = 0
@@ -241,17 +251,55 @@ class RedisState:
             self.index.drop(wid)  # the registry loop resyncs it from the set
 
     # shared in-flight load
+    #
+    # Each replica publishes every +1/-1 as it decides or finishes (pub/sub, numbered), and
+    # writes its whole table every `inflight_interval` with the number of the last delta it
+    # had published. Another replica's load on a worker is its last table plus the deltas
+    # numbered after it: a burst of decisions at two replicas within one interval is seen
+    # within a pub/sub round trip, and the table (with a TTL) corrects lost messages and
+    # replicas that died.
+
+    def _publish(self, w, delta: int) -> None:
+        if self.outbox is not None and w.worker_id:
+            self.seq += 1
+            self.outbox.put_nowait(f"{self.replica} {self.seq} {w.worker_id} {delta}")
+
+    async def _send_deltas(self, r: aioredis.Redis) -> None:
+        while True:
+            batch = [await self.outbox.get()]
+            while not self.outbox.empty():
+                batch.append(self.outbox.get_nowait())
+            async with r.pipeline(transaction=False) as p:
+                for msg in batch:
+                    p.publish(rs.INFLIGHT_CHANNEL, msg)
+                await p.execute()
+
+    async def _read_deltas(self, r: aioredis.Redis) -> None:
+        async with r.pubsub(ignore_subscribe_messages=True) as ps:
+            await ps.subscribe(rs.INFLIGHT_CHANNEL)
+            async for msg in ps.listen():
+                self._delta(msg["data"].decode())
+
+    def _delta(self, msg: str) -> None:
+        """Apply another replica's delta unless its table already counts it."""
+        replica, seq, wid, delta = msg.split()
+        if replica == self.replica or int(seq) <= self.tables.get(replica, (0, {}))[0]:
+            return
+        self.pending.setdefault(replica, {})[int(seq)] = (wid, int(delta))
+        w = self.fleet.by_id(wid)
+        if w is not None:
+            w.shared_in_flight = max(0, w.shared_in_flight + int(delta))
 
     async def _inflight_loop(self, r: aioredis.Redis) -> None:
         mine = rs.inflight_key(self.replica)
         ttl_ms = int(max(2.0, 10 * self.inflight_interval) * 1000)
         while True:
-            local: dict[Any, Any] = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
-                                     if w.worker_id and w.in_flight}
+            local = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
+                     if w.worker_id and w.in_flight}
+            local[rs.SEQ_FIELD] = self.seq
             async with r.pipeline(transaction=True) as p:
                 p.delete(mine)
-                if local:
-                    p.hset(mine, mapping=local)
+                p.hset(mine, mapping=local)
                 p.pexpire(mine, ttl_ms)
                 p.sadd(rs.REPLICAS, self.replica)
                 p.smembers(rs.REPLICAS)
@@ -265,14 +313,32 @@ class RedisState:
             for o in others:
                 p.hgetall(rs.inflight_key(o))
             tables = await p.execute() if others else []
-        shared: dict[str, int] = {}
         for o, table in zip(others, tables):
             if not table:
                 await r.srem(rs.REPLICAS, o)
-            for wid, n in table.items():
-                shared[wid.decode()] = shared.get(wid.decode(), 0) + int(n)
+                self.tables.pop(o, None)
+                self.pending.pop(o, None)
+                continue
+            counts = {k.decode(): int(v) for k, v in table.items()}
+            seq = counts.pop(rs.SEQ_FIELD, 0)
+            self.tables[o] = (seq, counts)
+            self.pending[o] = {s: d for s, d in self.pending.get(o, {}).items() if s > seq}
+        for gone in (set(self.tables) | set(self.pending)) - set(others):
+            self.tables.pop(gone, None)
+            self.pending.pop(gone, None)
+        self._share()
+
+    def _share(self) -> None:
+        """Every worker's load at the other replicas: tables plus the deltas after them."""
+        shared: dict[str, int] = {}
+        for o, (_, counts) in self.tables.items():
+            for wid, n in counts.items():
+                shared[wid] = shared.get(wid, 0) + n
+        for deltas in self.pending.values():
+            for wid, d in deltas.values():
+                shared[wid] = shared.get(wid, 0) + d
         for w in self.fleet.workers.values():
-            w.shared_in_flight = shared.get(w.worker_id, 0)
+            w.shared_in_flight = max(0, shared.get(w.worker_id, 0))
 
 
 async def _first_failure(*loops) -> None:

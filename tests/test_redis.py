@@ -1,6 +1,5 @@
 """Residency, registry and shared load through a test-started redis-server (never port 6379)."""
 import asyncio
-import concurrent.futures as cf
 import json
 import random
 import time
@@ -10,7 +9,10 @@ import pytest
 import redis
 
 from bench.redis_bootstrap import bootstrap_s, populate
+from gateway.fleet import Fleet
+from gateway.index import ResidencyIndex
 from gateway.procs import Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.redis_state import RedisState
 from workers.kv import redis_schema as rs
 
 MODEL = "smollm2-135m"
@@ -83,12 +85,14 @@ def test_two_replicas_choose_the_same_worker(cluster):
              timeout=5, what="replica b to see residency that replica a caused")
     probes = [d + f" question {i}" for i, d in enumerate(docs)] + [text(rng, 150) for _ in range(4)]
     chosen = []
-    with cf.ThreadPoolExecutor(2) as pool:
-        for p in probes:
+    for p in probes:
+        pair = []
+        for u in (a, b):  # one after the other: at once, b would see a's decision and spread
             time.sleep(0.6)  # both replicas' last /state polls show the fleet idle
-            ra, rb = pool.map(lambda u: complete(u, p), (a, b))
-            assert ra.status_code == rb.status_code == 200
-            chosen.append((ra.headers["x-kvgate-worker"], rb.headers["x-kvgate-worker"]))
+            r = complete(u, p)
+            assert r.status_code == 200
+            pair.append(r.headers["x-kvgate-worker"])
+        chosen.append(tuple(pair))
     assert all(x == y for x, y in chosen), chosen
     assert len({x for x, _ in chosen}) >= 2, "the probes spread over the fleet"
 
@@ -102,6 +106,56 @@ def test_in_flight_counts_are_shared_between_replicas(cluster):
         wait_for(lambda: line in httpx.get(b + "/metrics").text, timeout=2, what="b to see a's request")
     wait_for(lambda: line.replace("1.0", "0.0") in httpx.get(b + "/metrics").text, timeout=2,
              what="b to see it finish")
+
+
+def test_a_decision_reaches_the_other_replica_before_the_next_table(tmp_path):
+    """Two replicas' shared state over one redis-server, tables written only every 30 s: each
+    +1 and -1 still reaches the other replica within a pub/sub round trip, so a burst split
+    over replicas is seen as one (tables alone left each replica blind to the other's burst:
+    10/2/2/2 on four workers where one replica spread 6/6/2/2)."""
+    proc = wait_redis(start_redis(log_dir=str(tmp_path)))
+    url = f"redis://127.0.0.1:{proc.port}/0"
+
+    async def scenario() -> list[tuple[int, int]]:
+        replicas = []
+        for name in "ab":
+            fleet = Fleet(ResidencyIndex())
+            for i in range(4):
+                fleet.add(f"http://127.0.0.1:1/{i}").worker_id = f"w{i}"
+            replicas.append((fleet, RedisState(url, fleet, "secret", replica_id=name, inflight_interval=30.0)))
+        for _, state in replicas:
+            await state.start()
+        (fa, sa), (fb, sb) = replicas
+        try:
+            await wait_async(lambda: sa.up and sb.up and fa.on_change and fb.on_change)
+            await asyncio.sleep(0.3)  # both subscribed; the first tables are written
+            wa, wb = fa.by_id("w0"), fb.by_id("w0")
+            seen = []
+            for _ in range(3):
+                fa.begin(wa)
+            fb.begin(fb.by_id("w1"))
+            await wait_async(lambda: wb.shared_in_flight == 3 and fa.by_id("w1").shared_in_flight == 1)
+            seen.append((wb.shared_in_flight, fa.by_id("w1").shared_in_flight))
+            fa.end(wa)
+            await wait_async(lambda: wb.shared_in_flight == 2)
+            seen.append((wb.shared_in_flight, wa.shared_in_flight))
+            return seen
+        finally:
+            for _, state in replicas:
+                await state.stop()
+
+    try:
+        assert asyncio.run(scenario()) == [(3, 1), (2, 0)]
+    finally:
+        proc.stop()
+
+
+async def wait_async(predicate, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.005)
 
 
 def test_restarted_replica_rebuilds_100k_resident_blocks(tmp_path):

@@ -29,6 +29,8 @@ from workers.kv.events import KVEvent
 PREFIX = "kvgate"
 POOLS = f"{PREFIX}:pools"
 REPLICAS = f"{PREFIX}:replicas"
+INFLIGHT_CHANNEL = f"{PREFIX}:inflight"  # pub/sub: "replica seq worker delta", one per routing decision or end
+SEQ_FIELD = "__seq"  # in a replica's in-flight table: the last delta it had published when written
 SNAPSHOT = "snapshot"
 STREAM_MAXLEN = 200_000
 
