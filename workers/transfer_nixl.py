@@ -19,6 +19,7 @@ with any RDMA peer: the metadata is served to token holders only.
 """
 import asyncio
 import base64
+import json
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from workers.background import background
+from workers.http_guard import BodyTooLarge, read_body
 from workers.internal_auth import TOKEN_HEADER
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
@@ -275,14 +277,12 @@ class NixlTransfer:
         """POST /kv/nixl/reserve: verify a header-only transfer, hold its blocks, answer a Grant."""
         if not self.service.authorised(request):
             return _forbidden()
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > MAX_HEADER_BYTES:
-                return JSONResponse(error_body("KV reservation header too large", code="bad_kv_transfer"), 413)
         svc, eng = self.service, self.service.engine
         try:
-            payload, _ = await asyncio.to_thread(decode_header, bytes(body), svc.spec, eng.kv.seed)
+            body = await read_body(request, MAX_HEADER_BYTES)
+            payload, _ = await asyncio.to_thread(decode_header, body, svc.spec, eng.kv.seed)
+        except BodyTooLarge as e:
+            return JSONResponse(error_body(str(e), code="bad_kv_transfer"), status_code=413)
         except InvalidRequest as e:
             return JSONResponse(error_body(str(e), code=e.code), status_code=400)
         grant = await asyncio.shield(background(self._reserve(payload)))
@@ -329,11 +329,11 @@ class NixlTransfer:
         if not self.service.authorised(request):
             return _forbidden()
         try:
-            body = await request.json()
+            body = json.loads(await read_body(request, 4096))
             rid, ok = body["id"], body["ok"]
             if not isinstance(rid, str) or not isinstance(ok, bool):
                 raise TypeError("'id' is a string and 'ok' a boolean")
-        except (ValueError, KeyError, TypeError) as e:
+        except (BodyTooLarge, ValueError, KeyError, TypeError) as e:
             return JSONResponse(error_body(f"bad KV commit: {e!r}", code="bad_kv_transfer"), status_code=400)
         held = self.reservations.pop(rid, None)
         if held is None:
