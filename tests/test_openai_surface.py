@@ -150,6 +150,8 @@ def test_tokenize_and_detokenize_as_vllm(fleet, tok):
     chat = post(w, "/tokenize", {"model": MODEL, "messages": CHAT}).json()
     used = post(w, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1}).json()
     assert chat["count"] == used["usage"]["prompt_tokens"]
+    assert post(w, "/tokenize", {"prompt": "Hello world"}).json()["tokens"] == r["tokens"]  # model optional, as in vLLM
+    assert post(w, "/tokenize", {"model": "other", "prompt": "x"}).status_code == 404
     bad = post(w, "/detokenize", {"model": MODEL, "tokens": [-1]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 

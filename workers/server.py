@@ -213,8 +213,9 @@ class WorkerServer:
                          code="unsupported_parameter", param="logprobs")
         return parsed
 
-    async def _body(self, request: Request) -> dict | Response:
-        """A JSON object body naming this worker's model, or the error answering it."""
+    async def _body(self, request: Request, model_required: bool = True) -> dict | Response:
+        """A JSON object body naming this worker's model (or none, when not `model_required`),
+        or the error answering it."""
         try:
             body = loads(await request.body())
         except InvalidRequest as e:
@@ -222,6 +223,8 @@ class WorkerServer:
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object")
         if body.get("model") is None:
+            if not model_required:
+                return body
             return error(400, "'model' is required", param="model")
         if body["model"] != self.model:
             return error(404, f"The model `{body['model']}` does not exist.", code="model_not_found", param="model")
@@ -230,8 +233,8 @@ class WorkerServer:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's POST /tokenize: a completion `prompt` (`add_special_tokens`, default true) or chat
         `messages` (through the chat template; `add_generation_prompt`, default true) -> token ids,
-        with their strings when `return_token_strs`."""
-        body = await self._body(request)
+        with their strings when `return_token_strs`. `model` is optional here, as in vLLM."""
+        body = await self._body(request, model_required=False)
         if isinstance(body, Response):
             return body
         try:
@@ -243,8 +246,8 @@ class WorkerServer:
                              "token_strs": self.engine.tokenizer.convert_ids_to_tokens(ids) if strs else None})
 
     async def detokenize(self, request: Request) -> Response:
-        """vLLM's POST /detokenize: `tokens` -> {"prompt": their text}."""
-        body = await self._body(request)
+        """vLLM's POST /detokenize: `tokens` -> {"prompt": their text}; `model` is optional."""
+        body = await self._body(request, model_required=False)
         if isinstance(body, Response):
             return body
         tokens = body.get("tokens")
