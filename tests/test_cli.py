@@ -38,7 +38,7 @@ def test_every_flag_has_help_and_shows_its_default(command):
 
 def test_docs_cli_md_is_the_parsers_help():
     assert (ROOT / "docs/cli.md").read_text() == reference(), \
-        "docs/cli.md is stale: python -m gateway.cli_reference > docs/cli.md"
+        "docs/cli.md is stale: make docs"
 
 
 def readme_commands() -> list[tuple[str, str]]:
