@@ -140,7 +140,8 @@ def test_decode_worker_dying_mid_transfer_leaves_the_prefill_worker_whole(nixl_f
         dying.wait_ready(timeout=180)
         before = p.state()["kv_transfer"]
         leg = httpx.post(p.url + "/v1/completions", timeout=120, headers={"x-kvgate-token": SECRET[1]}, json={
-            "prompt": prompt(100, 3), "max_tokens": 1, "kv_transfer": {"export_to": dying.url}})
+            "model": nixl_fleet["model"], "prompt": prompt(100, 3), "max_tokens": 1,
+            "kv_transfer": {"export_to": dying.url}})
         assert leg.status_code == 200, leg.text
         wait_for(lambda: not dying.alive, timeout=30, what="the decode worker died at the commit")
         wait_for(lambda: p.state()["kv_transfer"]["failures"] > before["failures"], timeout=60,
