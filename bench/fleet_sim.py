@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from bench.report import tpot_ms
 from bench.sim_worker import SimConfig, SimWorker
 from bench.workloads import BenchRequest
-from gateway.fleet import with_fields
+from gateway.fleet import with_fields, worker_view
 from gateway.index import ResidencyIndex
 from policies.api import FleetView, Policy, RequestView, WorkerView
 from workers.kv.cost_model import CostModel
@@ -95,7 +95,7 @@ class FleetSim:
 
     def _worker(self, i: int) -> SimWorker:
         w = SimWorker(f"w{i:03d}", self.cfg.sim, self.cfg.cost, lambda req, now: self._finished(req, now, i),
-                      lambda now: self._admit_held(i, now))
+                      lambda now: self._admit_held(i, now), self._role(i), self.cfg.kv_bytes_per_token)
         self.index.reset(w.worker_id, [], 0)
         w.events.subscribe(lambda ev: self.unindexed.setdefault(w.worker_id, []).append(ev))
         return w
@@ -111,20 +111,9 @@ class FleetSim:
         return self.cfg.roles[i] if self.cfg.roles else "mixed"
 
     def _view(self, w: SimWorker) -> WorkerView:
-        s = w.state()
-        return WorkerView(
-            role=self._role(int(w.worker_id[1:])),
-            kv_bytes_per_token=self.cfg.kv_bytes_per_token, transfer_gbps=self.cfg.transfer_gbps,
-            worker_id=s["worker_id"], block_size=s["block_size"], waiting=s["waiting"],
-            running=s["running"], free_blocks=s["free_blocks"], total_blocks=s["total_blocks"],
-            queued_prefill_tokens=s["queued_prefill_tokens"], kv_tokens=s["kv_tokens"],
-            max_batched_tokens=s["max_batched_tokens"], max_num_seqs=s["max_num_seqs"],
-            step_ms=s["step_ms"], step_prefill_tokens=s.get("step_prefill_tokens", 0.0),
-            step_prefill_ctx_products=s.get("step_prefill_ctx_products", 0.0),
-            step_decode_seqs=s.get("step_decode_seqs", 0.0), step_decode_kv_tokens=s.get("step_decode_kv_tokens", 0.0),
-            decode_step_ms=s.get("decode_step_ms"), decode_step_seqs=s.get("decode_step_seqs", 0.0),
-            decode_step_kv_tokens=s.get("decode_step_kv_tokens", 0.0),
-            cost=self.cfg.cost if self.cfg.views_with_cost else None)
+        """What a poll of w's /state gives the router, built as the gateway builds it."""
+        return worker_view(w.state(), transfer_gbps=self.cfg.transfer_gbps,
+                           cost=self.cfg.cost if self.cfg.views_with_cost else None)
 
     def _push(self, t: float, kind: int, i: int) -> None:
         self.seq += 1

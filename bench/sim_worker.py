@@ -30,6 +30,7 @@ from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel, StepWork
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
+from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
 from workers.request import Request
 from workers.scheduler import Scheduler, StepPlan
@@ -65,10 +66,13 @@ class SimWorker:
 
     def __init__(self, worker_id: str, cfg: SimConfig, cost: CostModel,
                  on_finish: Callable[[Request, float], None],
-                 on_start: Callable[[float], None] | None = None):
+                 on_start: Callable[[float], None] | None = None, role: str = "mixed",
+                 kv_bytes_per_token: int = 0):
         """`on_start(now)` runs as each step starts, before the inbox is drained: where the
         engine admits held P/D requests whose blocks have arrived (`Engine._admit_pending`)."""
         self.worker_id = worker_id
+        self.role = role
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.cfg = cfg
         self.events = EventLog(worker_id)
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events)
@@ -244,12 +248,13 @@ class SimWorker:
                 "queued_prefill_tokens": s.queued_prefill_tokens,
                 "kv_tokens": sum(r.num_computed for r in s.running)}
 
-    def state(self) -> dict:
+    def state(self) -> WorkerState:
         """The engine's snapshot: as of the end of the last step that ended. Mid-step that is
         the state before the step was planned (its admissions and blocks not yet shown)."""
         s = self.scheduler
-        return {"worker_id": self.worker_id, "block_size": self.cfg.block_size,
-                "total_blocks": self.pool.num_blocks,
-                **(self.before if self.plan is not None else self._load()),
-                "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
-                **step_means(self.recent)}
+        return WorkerState(worker_id=self.worker_id, role=self.role, model=self.cfg.model_id,
+                           block_size=self.cfg.block_size, total_blocks=self.pool.num_blocks,
+                           **(self.before if self.plan is not None else self._load()),
+                           max_batched_tokens=s.max_batched_tokens, max_num_seqs=s.max_num_seqs,
+                           **step_means(self.recent), kv_bytes_per_token=self.kv_bytes_per_token,
+                           max_model_len=self.cfg.max_model_len)

@@ -26,10 +26,11 @@ import aiohttp
 
 from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
-from policies.api import MIXED, WorkerView
+from policies.api import WorkerView
 from workers.kv.cost_model import CostModel
 from workers.internal_auth import internal_headers
 from workers.kv.events import EventBatch
+from workers.kv.worker_state import WorkerState
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -85,23 +86,26 @@ class Worker:
 TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0, "nixl": 3.5}
 
 
-def _view(state: dict, url: str) -> WorkerView:
+def worker_view(state: WorkerState, url: str = "", transfer_gbps: float = TRANSPORT_GBPS["http"],
+                cost: CostModel | None = None) -> WorkerView:
+    """The policies' picture of a worker from its /state: the one builder, for the gateway's
+    polls and the fleet simulator's. `cost`, when given, stands for the worker's own profile."""
     return WorkerView(
-        worker_id=state["worker_id"], role=state.get("role", MIXED),
-        block_size=state.get("block_size", 16), waiting=state.get("waiting", 0),
-        running=state.get("running", 0), free_blocks=state.get("free_blocks", 0),
-        total_blocks=state.get("total_blocks", 0),
-        queued_prefill_tokens=state.get("queued_prefill_tokens", 0),
-        kv_tokens=state.get("kv_tokens", 0), max_batched_tokens=state.get("max_batched_tokens", 2048),
-        max_num_seqs=state.get("max_num_seqs", 256), step_ms=state.get("step_ms"), url=url,
-        step_prefill_tokens=state.get("step_prefill_tokens", 0.0),
-        step_prefill_ctx_products=state.get("step_prefill_ctx_products", 0.0),
-        step_decode_seqs=state.get("step_decode_seqs", 0.0),
-        decode_step_ms=state.get("decode_step_ms"), decode_step_seqs=state.get("decode_step_seqs", 0.0),
-        decode_step_kv_tokens=state.get("decode_step_kv_tokens", 0.0),
-        step_decode_kv_tokens=state.get("step_decode_kv_tokens", 0.0),
-        cost=CostModel.from_json(state["cost_model"]) if state.get("cost_model") else None,
-        kv_bytes_per_token=state.get("kv_bytes_per_token", 0), transfer_gbps=_transfer_gbps(state))
+        worker_id=state.worker_id, role=state.role, block_size=state.block_size, waiting=state.waiting,
+        running=state.running, free_blocks=state.free_blocks, total_blocks=state.total_blocks,
+        queued_prefill_tokens=state.queued_prefill_tokens, kv_tokens=state.kv_tokens,
+        max_batched_tokens=state.max_batched_tokens, max_num_seqs=state.max_num_seqs, step_ms=state.step_ms,
+        step_prefill_tokens=state.step_prefill_tokens, step_prefill_ctx_products=state.step_prefill_ctx_products,
+        step_decode_seqs=state.step_decode_seqs, step_decode_kv_tokens=state.step_decode_kv_tokens,
+        decode_step_ms=state.decode_step_ms, decode_step_seqs=state.decode_step_seqs,
+        decode_step_kv_tokens=state.decode_step_kv_tokens,
+        cost=cost or (CostModel.from_json(state.cost_model) if state.cost_model else None),
+        kv_bytes_per_token=state.kv_bytes_per_token, transfer_gbps=transfer_gbps, url=url)
+
+
+def _view(state: dict, url: str) -> WorkerView:
+    """The view from a polled /state body."""
+    return worker_view(WorkerState.from_json(state), url, _transfer_gbps(state))
 
 
 DRAINING = "it is draining"

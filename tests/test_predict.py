@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.fleet import _view
+from gateway.fleet import worker_view
 from policies import predict
 from policies.api import DECODE, PREFILL, WorkerView
 from policies.slo_goodput import SloGoodput
@@ -110,7 +110,7 @@ def test_a_workers_state_carries_the_work_its_step_time_measured(monkeypatch):
                    sink=lambda out: None, detokenize=False)
     while eng.has_work():
         eng.step()
-    view = _view(eng.state(), "")
+    view = worker_view(eng.state())
     assert view.role == PREFILL and view.queued_prefill_tokens == 0 and view.running == 0
     assert predict.ttft_ms(req(4096), view) == pytest.approx(3 * COST.prefill_ms(4096, chunk=2048))
 

@@ -64,11 +64,11 @@ def test_a_poll_mid_step_reads_the_state_before_the_step():
     end = w.advance(w.submit(Request("a", list(range(100, 180)), SamplingParams(max_tokens=4)), 0.0))
     assert end > 0.0 and w.plan is not None
     mid = w.state()
-    assert (mid["running"], mid["free_blocks"], mid["step_ms"]) == (0, 64, None) == \
-        (before["running"], before["free_blocks"], before["step_ms"])
+    assert (mid.running, mid.free_blocks, mid.step_ms) == (0, 64, None) == \
+        (before.running, before.free_blocks, before.step_ms)
     w.advance(end)
     after = w.state()
-    assert after["running"] == 1 and after["free_blocks"] < 64 and after["step_ms"] > 0
+    assert after.running == 1 and after.free_blocks < 64 and after.step_ms > 0
 
 
 def test_chain_hasher_gives_block_hashes():
@@ -196,6 +196,5 @@ def test_state_reports_step_work_like_the_engine():
     s.run(generate(wl), wl.duration_s)
     for w in s.workers:
         st = w.state()
-        work = [st[k] for k in ("step_prefill_tokens", "step_prefill_ctx_products", "step_decode_seqs",
-                                "step_decode_kv_tokens")]
-        assert st["step_ms"] == pytest.approx(cost.step_ms(*work))
+        work = (st.step_prefill_tokens, st.step_prefill_ctx_products, st.step_decode_seqs, st.step_decode_kv_tokens)
+        assert st.step_ms == pytest.approx(cost.step_ms(*work))

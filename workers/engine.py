@@ -24,6 +24,7 @@ from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
+from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
 from workers.pending import PendingKV
@@ -420,25 +421,19 @@ class Engine:
                 cmd.future.set_exception(EngineStopped("the engine has stopped"))
         self._flush()
 
-    def state(self) -> dict:
+    def state(self) -> WorkerState:
         """Load as the gateway's policies need it (GET /state), as of the last step."""
         return self._snapshot
 
-    def _make_state(self) -> dict:
+    def _make_state(self) -> WorkerState:
         s, c = self.scheduler, self.config
-        return {
-            "worker_id": c.worker_id, "role": c.role, "model": c.model_id,
-            "block_size": c.block_size, "total_blocks": self.pool.num_blocks,
-            "free_blocks": self.pool.num_free, "waiting": len(s.waiting), "running": len(s.running),
-            "queued_prefill_tokens": s.queued_prefill_tokens,
-            "kv_tokens": sum(r.num_computed for r in s.running),
-            "max_batched_tokens": s.max_batched_tokens, "max_num_seqs": s.max_num_seqs,
-            **step_means(self.stats.last()),
-            "cost_model": c.cost_model.to_json() if c.cost_model else None,
-            "kv_bytes_per_token": getattr(self.executor, "kv_bytes_per_token", 0),
-            "kv_seq": self.events.last_seq,
-            "preemptions": self.stats.preemptions,
-            "pending_kv": len(self._pending),
-            "engine_calls_s": self.stats.calls_s,
-            "max_model_len": self.max_model_len,
-        }
+        return WorkerState(
+            worker_id=c.worker_id, role=c.role, model=c.model_id, block_size=c.block_size,
+            total_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free, waiting=len(s.waiting),
+            running=len(s.running), queued_prefill_tokens=s.queued_prefill_tokens,
+            kv_tokens=sum(r.num_computed for r in s.running), max_batched_tokens=s.max_batched_tokens,
+            max_num_seqs=s.max_num_seqs, **step_means(self.stats.last()),
+            cost_model=c.cost_model.to_json() if c.cost_model else None,
+            kv_bytes_per_token=getattr(self.executor, "kv_bytes_per_token", 0), kv_seq=self.events.last_seq,
+            preemptions=self.stats.preemptions, pending_kv=len(self._pending), engine_calls_s=self.stats.calls_s,
+            max_model_len=self.max_model_len)

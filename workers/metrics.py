@@ -60,18 +60,18 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(self.labels, value)
             yield c
-        total = s["total_blocks"]
+        total = s.total_blocks
         gauges = {
-            "kvgate_worker_requests_running": ("Requests in the running batch", s["running"]),
-            "kvgate_worker_requests_waiting": ("Requests waiting for admission", s["waiting"]),
+            "kvgate_worker_requests_running": ("Requests in the running batch", s.running),
+            "kvgate_worker_requests_waiting": ("Requests waiting for admission", s.waiting),
             "kvgate_worker_requests_pending_kv": ("P/D decode requests waiting for their KV blocks",
-                                                  s["pending_kv"]),
+                                                  s.pending_kv),
             "kvgate_worker_kv_cache_usage_perc": ("KV cache usage, 0 to 1: blocks held by requests "
                                                   "(cached-but-free blocks count as free)",
-                                                  1.0 - s["free_blocks"] / total if total else 0.0),
-            "kvgate_worker_kv_cache_free_blocks": ("Free KV blocks (incl. cached-but-free)", s["free_blocks"]),
+                                                  1.0 - s.free_blocks / total if total else 0.0),
+            "kvgate_worker_kv_cache_free_blocks": ("Free KV blocks (incl. cached-but-free)", s.free_blocks),
             "kvgate_worker_kv_cache_blocks": ("KV blocks in the pool", total),
-            "kvgate_worker_queued_prefill_tokens": ("Prompt tokens not yet computed", s["queued_prefill_tokens"]),
+            "kvgate_worker_queued_prefill_tokens": ("Prompt tokens not yet computed", s.queued_prefill_tokens),
             "kvgate_worker_engine_alive": ("1 while the engine thread runs", float(eng.alive)),
             "kvgate_worker_engine_stall_seconds": ("Seconds without a completed step while there is work",
                                                    eng.stall_s()),

@@ -457,7 +457,7 @@ class WorkerServer:
         it has gone without completing a step while it has work, and whether the worker drains."""
         if refused := self._refused(request):
             return refused
-        return JSONResponse({**self.engine.state(), "kv_transfer": self.transfer.stats(),
+        return JSONResponse({**self.engine.state().to_json(), "kv_transfer": self.transfer.stats(),
                              "engine_alive": self.engine.alive, "engine_stall_s": self.engine.stall_s(),
                              "draining": self.draining, "in_flight": self.in_flight})
 

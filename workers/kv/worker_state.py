@@ -1,0 +1,46 @@
+"""What a worker's GET /state carries: its load as of its last step. One type for the engine
+and the fleet simulator that produce it and the gateway (and the simulator's router) that
+reads it; the JSON is its fields, flat."""
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """`step_*` are the means over the last steps of their time and work (`CostModel.step_ms`
+    terms), `decode_step_*` the same over the decode-only ones (`workers/step_stats.py`)."""
+    worker_id: str
+    role: str = "mixed"
+    model: str | None = None
+    block_size: int = 16
+    total_blocks: int = 0
+    free_blocks: int = 0
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens not computed yet (a waiting hit counts its miss)
+    kv_tokens: int = 0  # tokens whose K/V the running requests hold
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    step_ms: float | None = None
+    step_prefill_tokens: float = 0.0
+    step_prefill_ctx_products: float = 0.0
+    step_decode_seqs: float = 0.0
+    step_decode_kv_tokens: float = 0.0
+    decode_step_ms: float | None = None
+    decode_step_seqs: float = 0.0
+    decode_step_kv_tokens: float = 0.0
+    cost_model: dict | None = None  # the worker's own profile (sim executor), if it has one
+    kv_bytes_per_token: int = 0
+    kv_seq: int = 0  # its last KV event
+    preemptions: int = 0
+    pending_kv: int = 0  # P/D decode requests waiting for their blocks
+    engine_calls_s: float = 0.0
+    max_model_len: int | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "WorkerState":
+        """The known fields of a /state body (a server adds liveness and transfer fields, and
+        an older worker may lack newer ones: their defaults stand)."""
+        return WorkerState(**{f.name: d[f.name] for f in fields(WorkerState) if f.name in d})
