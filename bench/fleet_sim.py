@@ -97,7 +97,7 @@ class FleetSim:
         w = SimWorker(f"w{i:03d}", self.cfg.sim, self.cfg.cost, lambda req, now: self._finished(req, now, i),
                       lambda now: self._admit_held(i, now), self._role(i), self.cfg.kv_bytes_per_token)
         self.index.reset(w.worker_id, [], 0)
-        w.events.subscribe(lambda ev: self.unindexed.setdefault(w.worker_id, []).append(ev))
+        w.events.subscribe(lambda events: self.unindexed.setdefault(w.worker_id, []).extend(events))
         return w
 
     def _index_events(self) -> None:
@@ -215,6 +215,7 @@ class FleetSim:
         tokens = [req.prompt_ids[k * B:(k + 1) * B] for k in range(len(hashes))]
         spec = executor_spec(self.cfg.sim.model_id, B, w.executor)
         import_payload(w.pool, w.executor, KVPayload(spec, hashes, tokens, None, b""))
+        w.events.publish()
         self._admit_if_resident(req, d, now)
 
     def _kv_timeout(self, rid: str, d: int, now: float) -> None:

@@ -115,7 +115,9 @@ class SimWorker:
             self._land_step(now)
         elif self.seg_len:
             self._land_segment(self.seg_len)
-        return self._start(now)
+        t = self._start(now)
+        self.events.publish()
+        return t
 
     def sync(self, now: float) -> None:
         """Land the segment's steps that have ended by `now` (before a state poll)."""
@@ -123,6 +125,7 @@ class SimWorker:
             done = bisect_right(self.seg_ends, now, 0, self.seg_len)
             if self.seg_done < done < self.seg_len:
                 self._apply_decodes(done - self.seg_done)
+                self.events.publish()
 
     # one step
 

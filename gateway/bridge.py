@@ -66,10 +66,13 @@ class LogSink:
 
     def reset(self) -> None:
         self.log.append(CLEARED)
+        self.log.publish()
 
     def apply(self, changes: list) -> bool:
+        """One batch of the subscriber's changes: the bridge's step, published at once."""
         for c in changes:
             self.log.append(c.kind, c.hashes)
+        self.log.publish()
         return True
 
 
@@ -90,10 +93,12 @@ class BridgeLink(VllmLink):
         if self.healthy:
             logging.getLogger("kvgate.bridge").warning("%s is down (%s): its residency is unknown", self.url, why)
             self.engine.events.append(CLEARED)
+            self.engine.events.publish()
         self.healthy = False
 
     def restarted(self) -> None:
         self.engine.events.append(CLEARED)
+        self.engine.events.publish()
 
     def following(self) -> bool:
         return self.healthy

@@ -265,10 +265,12 @@ class RedisState:
             self.outbox.put_nowait(f"{self.replica} {self.seq} {w.worker_id} {delta}")
 
     async def _send_deltas(self, r: aioredis.Redis) -> None:
+        outbox = self.outbox
+        assert outbox is not None, "started with the outbox it sends"
         while True:
-            batch = [await self.outbox.get()]
-            while not self.outbox.empty():
-                batch.append(self.outbox.get_nowait())
+            batch = [await outbox.get()]
+            while not outbox.empty():
+                batch.append(outbox.get_nowait())
             async with r.pipeline(transaction=False) as p:
                 for msg in batch:
                     p.publish(rs.INFLIGHT_CHANNEL, msg)
@@ -294,8 +296,8 @@ class RedisState:
         mine = rs.inflight_key(self.replica)
         ttl_ms = int(max(2.0, 10 * self.inflight_interval) * 1000)
         while True:
-            local = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
-                     if w.worker_id and w.in_flight}
+            local: dict[Any, Any] = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
+                                     if w.worker_id and w.in_flight}
             local[rs.SEQ_FIELD] = self.seq
             async with r.pipeline(transaction=True) as p:
                 p.delete(mine)
@@ -331,7 +333,7 @@ class RedisState:
     def _share(self) -> None:
         """Every worker's load at the other replicas: tables plus the deltas after them."""
         shared: dict[str, int] = {}
-        for o, (_, counts) in self.tables.items():
+        for _, counts in self.tables.values():
             for wid, n in counts.items():
                 shared[wid] = shared.get(wid, 0) + n
         for deltas in self.pending.values():

@@ -242,6 +242,7 @@ class Engine:
         if launched is not None:
             outputs += self._resolve(launched)
         self._snapshot = self._make_state()
+        self.events.publish()
         for out in outputs:
             entry = self._requests.get(out.request_id)
             if entry:

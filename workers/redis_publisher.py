@@ -48,12 +48,11 @@ class RedisPublisher:
         self._task: asyncio.Task | None = None
         self._published = 0
         self.connected = False
-        engine.events.subscribe(self._on_event)
+        engine.events.subscribe(self._on_events)
 
-    def _on_event(self, ev: KVEvent) -> None:
-        """Engine thread: queue only. Overflow is fine: the seq gap forces a full resync."""
-        if len(self._queue) < MAX_QUEUED:
-            self._queue.append(ev)
+    def _on_events(self, events: list[KVEvent]) -> None:
+        """Engine thread, once a step: queue only. Overflow is fine: the seq gap forces a full resync."""
+        self._queue.extend(events[:max(0, MAX_QUEUED - len(self._queue))])
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 

@@ -151,7 +151,7 @@ class WorkerServer:
     async def _lifespan(self, app):
         loop = asyncio.get_running_loop()
         self._kv_changed = asyncio.Event()
-        self.engine.events.subscribe(lambda ev: loop.call_soon_threadsafe(self._kv_changed.set))
+        self.engine.events.subscribe(lambda events: loop.call_soon_threadsafe(self._kv_changed.set))
         if self.publisher is not None:
             await self.publisher.start()
         yield

@@ -5,6 +5,7 @@ next expected seq is older than what the log still holds) resynchronises from a 
 """
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from threading import Lock
 
@@ -50,21 +51,24 @@ class EventBatch:
 
 
 class EventLog:
-    """A bounded, thread-safe log that numbers events; listeners hear of each new one."""
+    """A bounded, thread-safe log that numbers events. Listeners hear of new events in batches,
+    once per `publish` (the engine publishes once per step, as vLLM drains `take_events`): a
+    listener on another thread wakes once a step, not once an event."""
 
     def __init__(self, worker_id: str, capacity: int = 65536):
         self.worker_id = worker_id
         self._events: deque[KVEvent] = deque(maxlen=capacity)
         self._seq = 0
         self._lock = Lock()
-        self._listeners: list = []
+        self._listeners: list[Callable[[list[KVEvent]], None]] = []
+        self._unpublished: list[KVEvent] = []
 
     @property
     def last_seq(self) -> int:
         return self._seq
 
-    def subscribe(self, fn) -> None:
-        """Call fn(event) for every appended event (e.g. a Redis publisher's queue)."""
+    def subscribe(self, fn: Callable[[list[KVEvent]], None]) -> None:
+        """Call fn(events) at each `publish` with the events appended since the last one."""
         self._listeners.append(fn)
 
     def append(self, kind: str, hashes: tuple[int, ...] = (), parent: int | None = None) -> KVEvent:
@@ -72,9 +76,16 @@ class EventLog:
             self._seq += 1
             ev = KVEvent(self._seq, kind, tuple(hashes), parent)
             self._events.append(ev)
-        for fn in self._listeners:
-            fn(ev)
+        self._unpublished.append(ev)
         return ev
+
+    def publish(self) -> None:
+        """Hand the events appended since the last publish to every listener, as one list."""
+        if not self._unpublished:
+            return
+        batch, self._unpublished = self._unpublished, []
+        for fn in self._listeners:
+            fn(batch)
 
     def after(self, seq: int, limit: int = 4096) -> EventBatch:
         """Events with seq > `seq`; `gap` when some of them have been dropped from the log."""
