@@ -276,8 +276,8 @@ class FleetSim:
         still running then are recorded as unfinished (SLO misses).
 
         The cyclic garbage collector is off meanwhile: a run holds millions of long-lived
-        objects (blocks, token tuples, hashes) and makes next to no cyclic garbage, so the
-        collector's passes over them were a fifth of the run's time."""
+        objects (blocks, token tuples, hashes) and makes next to no cyclic garbage, so its
+        passes over them would be pure cost."""
         enabled = gc.isenabled()
         gc.disable()
         try:

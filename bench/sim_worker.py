@@ -13,7 +13,7 @@ until a request finishes, so k of them run as one event: the k step times are su
 same cost model, and blocks, commits and tokens are applied in bulk through the same KV
 manager. An arrival routed here mid-segment cuts it after the step in progress, as the
 engine would drain it at the next step. The result is identical to stepping one at a time
-(tests/test_simulate.py checks that), only far fewer events.
+(tests/test_simulate.py and tests/test_one_lifecycle.py check that), only far fewer events.
 
 Output token ids: a constant per request (from its seed), never in any prompt; what matters
 for the cache is only that each request's output blocks hash uniquely.

@@ -1,5 +1,5 @@
 """The fleet simulator: exact event skipping, seeded, ranks policies the way caching says it
-should, degrades with load, and is fast at 128 workers."""
+should, degrades with load, and serves 128 workers at a high rate."""
 import json
 
 import pytest
@@ -38,8 +38,8 @@ def test_fast_forward_is_exact(name, blocks):
 @pytest.mark.parametrize("name", ["random", "mixed"])
 def test_fast_forward_is_exact_with_a_measured_profile(name):
     """slo_goodput rescales its cost model by the step times the polls read: those must be the
-    steps that have ended, in both modes, as in the engine's /state. (Logged at launch, a poll
-    mid-step read the step in progress, and most routes changed with fast-forward.)"""
+    steps that have ended, in both modes, as in the engine's /state (a poll mid-step reads the
+    steps before it, whether the step is one of a decode segment or not)."""
     cost = CostModel.load("bench/profiles/h200-llama8b-kvgate.json")
     wl = WorkloadConfig(name=name, rate=40, duration_s=10, seed=3)
 

@@ -6,8 +6,8 @@ one's tokens, so the host's scheduling and bookkeeping run while the device comp
 async scheduling does. To plan without the tokens, launching a step appends a PLACEHOLDER for
 each token it samples (the request then counts as decoding it), and the next step's chunk for
 that request names the row of this step's sampled tokens its input comes from (`prev_sample`:
-the runner copies it on the device). Resolving the step writes the real tokens over the
-placeholders, oldest first. A request whose sampled token will be its last (max_tokens, context)
+the runner copies it on the device). Resolving the step (`Scheduler.update_from_output`) writes
+the real tokens over the placeholders, oldest first. A request whose sampled token will be its last (max_tokens, context)
 is FINISHING from launch: the scheduler gives it no more steps.
 
 Executors without `launch` run the step at launch and resolve right away: the same bookkeeping

@@ -75,9 +75,8 @@ class Scheduler:
     @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed: the prefill work queued on this worker. A waiting
-        request counts what its cached prefix did not cover when it was queued: counted whole,
-        a queue of prefix hits (or of P/D requests whose blocks were just imported) read as
-        many times the work it is, and routers predicted this worker far too slow."""
+        request counts only what its cached prefix did not cover when it was queued, so a queue
+        of prefix hits (or of P/D requests whose blocks were imported) reads as the work it is."""
         return sum(r.queued_tokens for r in self.waiting) + sum(
             r.num_remaining for r in self.running if r.is_prefilling)
 
