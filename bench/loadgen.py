@@ -209,10 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         run = rep.summarize(records, *slo)
         run.update(rate_rps=rate, records=records)
         runs.append(run)
-        print(f"  {rate:g} req/s: attainment {run['slo_attainment']:.3f}, " + (
-              f"ttft p50 {run['ttft_p50_ms']:.0f} ms, tpot p50 {run['tpot_p50_ms'] or 0:.1f} ms, "
-              f"cached {run['cached_token_ratio']:.2f}, " if run["completed"] else "no request succeeded, ")
-              + f"errors {run['errors']} {run['error_kinds'] or ''}", file=sys.stderr, flush=True)
+        print(f"  {rate:g} req/s: {rep.run_line(run)}", file=sys.stderr, flush=True)
     meta = {"kind": "bench-serve", "title": args.title or f"{args.workload} against {label}",
             "command": "kvgate bench " + " ".join(argv), "urls": urls, "model": model,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,

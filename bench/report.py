@@ -93,6 +93,18 @@ def summarize(records: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> di
     return out
 
 
+def run_line(run: dict) -> str:
+    """One run as a progress line: attainment, latencies and hits of the requests that
+    succeeded (none: said so, not zeros), and its errors by kind."""
+    head = f"attainment {run['slo_attainment']:.3f}, "
+    if run["completed"]:
+        head += (f"ttft p50 {run['ttft_p50_ms']:.0f} ms, tpot p50 {run['tpot_p50_ms'] or 0:.1f} ms, "
+                 f"cached {run['cached_token_ratio']:.2f}, ")
+    else:
+        head += "no request succeeded, "
+    return head + f"errors {run['errors']}" + (f" {run['error_kinds']}" if run["errors"] else "")
+
+
 def goodput(points: list[tuple[float, float]], target: float = TARGET) -> tuple[float, str]:
     """(goodput in req/s, how it was found) from (rate, attainment) pairs.
 

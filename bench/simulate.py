@@ -48,9 +48,8 @@ def run_one(policy: str, kwargs: dict, rate: float, wl: WorkloadConfig, fleet: F
     if fleet.roles:
         out.update(pd_routed=sim.pd_routed, pd_kv_arrived=sim.pd_arrived, pd_fallbacks=sim.pd_fallbacks)
     if not quiet:
-        print(f"  {label}: attainment {out['slo_attainment']:.3f}, ttft p50 {out['ttft_p50_ms'] or 0:.0f} ms, "
-              f"tpot p50 {out['tpot_p50_ms'] or 0:.1f} ms, cached {out['cached_token_ratio']:.2f}, "
-              f"{out['requests']} requests in {wall:.1f} s wall", file=sys.stderr, flush=True)
+        print(f"  {label}: {rep.run_line(out)}; {out['requests']} requests in {wall:.1f} s wall",
+              file=sys.stderr, flush=True)
     return out
 
 

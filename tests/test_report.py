@@ -140,3 +140,16 @@ def test_a_sweep_reports_goodput_and_names_the_policy_column(capsys):
     err = capsys.readouterr().err
     assert err.startswith("goodput from the sweep; the other columns at 1 req/s")
     assert err.splitlines()[1].split()[:3] == ["policy", "goodput_rps", "slo_attainment"]
+
+
+def test_simulate_where_a_policy_rejects_everything_still_reports(tmp_path, capsys):
+    from bench import simulate
+    out = tmp_path / "sim.json"
+    simulate.main(["--workers", "2", "--policies", "slo_goodput,round_robin", "--workload", "random",
+                   "--input-len", "64", "--output-len", "8", "--rate", "5", "--duration", "2", "--jobs", "1",
+                   "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001", "--out", str(out)])
+    entry = json.loads(out.read_text())["policies"]["slo_goodput"]
+    assert entry["errors"] == entry["runs"][0]["requests"] > 0 and entry["error_kinds"] == {"rejected": entry["errors"]}
+    err = capsys.readouterr().err
+    assert "attainment at 5 req/s" in err and "slo_goodput: " in err and "requests failed at 5 req/s" in err
+    assert rep.run_line(entry["runs"][0]).startswith("attainment 0.000, no request succeeded, errors")
