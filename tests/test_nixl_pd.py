@@ -152,3 +152,20 @@ def test_decode_worker_dying_mid_transfer_leaves_the_prefill_worker_whole(nixl_f
         assert len(ask(p.url, nixl_fleet["model"], prompt(40, 1), max_tokens=3)[1]) == 3, "it serves on"
     finally:
         dying.stop()
+
+
+def test_a_peer_without_nixl_gets_the_blocks_over_http(nixl_fleet):
+    """An HTTP-only decode side (here the mixed worker) has no /kv/nixl: the export falls back
+    to the HTTP stream, and later exports to it go there straight away."""
+    p, m, model = nixl_fleet["p"], nixl_fleet["m"], nixl_fleet["model"]
+    before = p.state()["kv_transfer"]
+    for salt in (21, 22):
+        leg = httpx.post(p.url + "/v1/completions", timeout=120, headers={"x-kvgate-token": SECRET[1]}, json={
+            "model": model, "prompt": prompt(80, salt), "max_tokens": 1, "kv_transfer": {"export_to": m.url}})
+        assert leg.status_code == 200, leg.text
+        wait_for(lambda: ask(m.url, model, prompt(80, salt), max_tokens=1)[2] == 64, timeout=30,
+                 what="the blocks in the mixed worker's cache")
+    after = p.state()["kv_transfer"]
+    sends = 2 * 2  # per prompt: 4 blocks after the first 64-token step, the fifth at its end
+    assert after["failures"] == before["failures"] and after["nixl"]["fallbacks"] == before["nixl"]["fallbacks"] + sends
+    assert m.state()["kv_transfer"]["received_seconds"]["body"] > 0

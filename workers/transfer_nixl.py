@@ -44,6 +44,7 @@ RESERVE_BASE_S = 5.0  # a reservation lives this long plus its bytes at RESERVE_
 RESERVE_MIN_GBPS = 0.2
 MAX_HEADER_BYTES = 64 << 20
 PROGRESS_S = 0.0005  # a target's progress period while it holds reservations
+NO_NIXL_RECHECK_S = 60.0  # a peer without /kv/nixl gets HTTP straight away for this long
 
 
 def nixl_module():
@@ -251,6 +252,7 @@ class NixlTransfer:
         self.agent = agent
         self.reservations: dict[str, Held] = {}
         self._peers: dict[str, CacheLayout] = {}  # decode worker URL -> its layout
+        self._without_nixl: dict[str, float] = {}  # decode worker URL -> when to ask it again
         self._progressing: threading.Thread | None = None
         self._progress_lock = threading.Lock()
         self.committed = 0  # reservations published
@@ -368,6 +370,9 @@ class NixlTransfer:
         blocks, commit. False when any step failed (the caller falls back); nothing stays held."""
         headers = {**headers, TOKEN_HEADER: self.service.token or ""}
         base = url.rstrip("/")
+        if self._without_nixl.get(url, 0.0) > time.monotonic():
+            self.fallbacks += 1
+            return False
         try:
             peer = await self._peer(client, url, headers)
             r = await client.post(base + "/kv/nixl/reserve", content=header,
@@ -377,6 +382,8 @@ class NixlTransfer:
             if grant.agent != peer.agent:
                 peer = await self._peer(client, url, headers, refresh=True)
         except (httpx.HTTPError, ValueError) as e:
+            if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 404:
+                self._without_nixl[url] = time.monotonic() + NO_NIXL_RECHECK_S  # an HTTP-only peer
             log.warning("NIXL reservation at %s failed: %r", url, e)
             self.fallbacks += 1
             return False
