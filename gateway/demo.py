@@ -127,20 +127,23 @@ def chat_turn(gateway: str, messages: list[dict], max_tokens: int) -> dict:
             "ttft_ms": (ttft or 0.0) * 1000}
 
 
-def compact(candidates: str) -> str:
-    """'cpu0 cached=96 load=0, cpu1 cached=0 load=1' -> 'cpu0 96/0  cpu1 0/1'."""
-    return "  ".join(f"{w} {c}/{n}" for w, c, n in re.findall(r"(\S+) cached=(\d+) load=(\d+)", candidates))
+def compact(candidates: str, workers: list[str]) -> str:
+    """'cpu0 cached=96 load=0, cpu1 cached=0 load=1' -> 'cpu0 96/0  cpu1 0/1'; a worker that was
+    no candidate (out of service, or its queue full) shows as 'out'."""
+    seen = re.findall(r"(\S+) cached=(\d+) load=(\d+)", candidates)
+    out = [w for w in workers if w not in {s[0] for s in seen}]
+    return "  ".join([f"{w} {c}/{n}" for w, c, n in seen] + [f"{w} out" for w in out])
 
 
 ROW = "{:>2}  {:<4} {:>4} {:>6}  {:<22} {:<6} {:>9} {:>6} {:>7}"
 
 
-def run_chat(gateway: str, worker: str, max_tokens: int) -> list[Turn]:
+def run_chat(gateway: str, worker: str, names: list[str], max_tokens: int) -> list[Turn]:
     """The conversations, interleaved turn by turn, each request printed as it is answered."""
     print("\nPer request: the prompt's length; each candidate worker's cached prefix of it and its load "
-          "when the gateway chose\n(cached tokens / requests in flight); the chosen worker; the prompt "
-          "tokens the gateway predicted cached\nand those the worker reported cached; time to first token. "
-          "Every count is in tokens.\n")
+          "when the gateway chose\n(cached tokens / requests in flight; 'out': not a candidate); the chosen "
+          "worker; the prompt tokens the gateway\npredicted cached and those the worker reported cached; time "
+          "to first token. Counts are tokens unless said.\n")
     print(ROW.format("#", "chat", "turn", "prompt", "candidates cached/load", "chose", "predicted", "cached",
                      "TTFT ms"))
     history: list[list[dict]] = [[] for _ in CONVERSATIONS]
@@ -156,7 +159,7 @@ def run_chat(gateway: str, worker: str, max_tokens: int) -> list[Turn]:
             t = Turn("ABC"[s], turn + 1, r["worker"], r["reason"], r["candidates"], r["predicted"], r["cached"],
                      ids, r["output_ids"], r["ttft_ms"], r["reply"])
             turns.append(t)
-            print(ROW.format(len(turns), t.chat, t.turn, len(ids), compact(t.candidates), t.worker, t.predicted,
+            print(ROW.format(len(turns), t.chat, t.turn, len(ids), compact(t.candidates, names), t.worker, t.predicted,
                              t.cached, f"{t.ttft_ms:.0f}"))
             reply = t.reply.replace("\n", " ")
             print(f"    why: {t.reason}\n    reply: {reply[:90]}{'...' if len(reply) > 90 else ''}", flush=True)
@@ -211,7 +214,9 @@ def start_fleet(executor: str, policy: str, log_dir: Path, t0: float) -> list[Pr
     workers = [Worker(executor, f"cpu{i}", log_dir=str(log_dir)) for i in range(2)]
     for w in workers:
         log(f"started worker {w.worker_id} ({executor} executor) on {w.url}", t0)
-    gateway = start_gateway([w.url for w in workers], policy, name="gateway", log_dir=str(log_dir))
+    # A first CPU step on a busy machine can take seconds: no reason to take a worker out of service.
+    gateway = start_gateway([w.url for w in workers], policy, name="gateway", log_dir=str(log_dir),
+                            extra=["--engine-stall-s", "30"])
     log(f"started the {policy} gateway on {gateway.url}; logs in {log_dir}", t0)
     return [*workers, gateway]
 
@@ -235,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         prepare_model(args.executor, t0)
         children = start_fleet(args.executor, args.policy, log_dir, t0)
         wait_healthy(children, t0)
-        summary(run_chat(children[-1].url, children[0].url, args.max_tokens), [c.name for c in children[:-1]])
+        names = [c.name for c in children[:-1]]
+        summary(run_chat(children[-1].url, children[0].url, names, args.max_tokens), names)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
     except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as e:
