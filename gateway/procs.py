@@ -169,7 +169,7 @@ def start_redis(port: int | None = None, log_dir: str | None = None, extra: Sequ
     return Proc("redis", argv, port, log_dir)
 
 
-def wait_redis(proc: Proc, timeout: float = 10.0, url: str | None = None) -> Proc:
+def wait_redis(proc: Proc, timeout: float = 30.0, url: str | None = None) -> Proc:
     """Wait until the server answers PING, at `url` when given (password, TLS), else plainly."""
     import redis
     deadline = time.monotonic() + timeout
@@ -189,8 +189,9 @@ def stop_all(procs: list[Proc]) -> None:
         p.stop()
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
-    """Poll `predicate` until it returns something truthy; returns that."""
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy; returns that. `timeout` is a bound on
+    a wait that should end, generous so a busy machine does not fail it; polling ends early."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -112,7 +112,7 @@ def test_unsigned_registration_gets_no_prompts(cluster):
     info = {"worker_id": "evil", "url": cluster["evil"].url, "pool": MODEL, "state": {}, "ts": time.time()}
     with registered(cluster["url"], info):
         assert_no_prompt_reaches(cluster, "unsigned")
-        wait_for(lambda: "unsigned" in cluster["gateway"].log_tail(20000), timeout=5,
+        wait_for(lambda: "unsigned" in cluster["gateway"].log_tail(20000), timeout=30,
                  what="the gateway to log the ignored registration")
 
 
@@ -120,7 +120,7 @@ def test_registration_signed_with_another_token_gets_no_prompts(cluster):
     forged = rs.Registration("evil", cluster["evil"].url, MODEL, time.time(), {}).signed("not-the-fleet-token")
     with registered(cluster["url"], forged.to_json()):
         assert_no_prompt_reaches(cluster, "wrong token")
-        wait_for(lambda: "bad signature" in cluster["gateway"].log_tail(20000), timeout=5,
+        wait_for(lambda: "bad signature" in cluster["gateway"].log_tail(20000), timeout=30,
                  what="the gateway to log the ignored registration")
 
 
