@@ -7,7 +7,7 @@
 #   printf '/.nixl/\n/.whl/\n/.devcarry/\n' >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d /tmp/nixlwhl nixl-cu12==1.5.1
-#   python3 experiments/nixl_slim.py /tmp/nixlwhl/nixl_cu12-*.whl .nixl   # 68 MB wheel -> ~42 MiB
+#   python3 experiments/nixl_slim.py /tmp/nixlwhl/nixl_cu12-*.whl .nixl   # 68 MB wheel -> ~30 MiB
 #   mkdir -p .devcarry && cp ~/.cache/kvgate/smollm2-135m/tokenizer* .devcarry/
 #   .whl: kvgate's pure-Python needs the image lacks (starlette, uvicorn, httpx, httpcore, h11, anyio,
 #   prometheus-client, opentelemetry-api/-sdk/-semantic-conventions, redis, msgpack, pyzmq ...),
