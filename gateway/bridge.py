@@ -19,7 +19,6 @@ import concurrent.futures
 import logging
 import os
 import signal
-from dataclasses import dataclass
 
 from gateway.vllm_link import VllmLink
 from gateway.vllm_metrics import worker_id
@@ -29,29 +28,21 @@ from workers.kv.events import CLEARED, EventLog
 from workers.kv.redis_schema import redact_url
 
 
-@dataclass(frozen=True)
-class BridgeConfig:
-    worker_id: str
-
-
 class ServerEngine:
-    """What RedisPublisher reads of an engine, for a server followed from outside: its id, its
+    """The `KVSource` a RedisPublisher reads, for a server followed from outside: its id, its
     event log, its resident hashes and its state, all on this process's event loop."""
 
     def __init__(self, worker_id: str):
-        self.config = BridgeConfig(worker_id)
+        self.worker_id = worker_id
         self.events = EventLog(worker_id)
-        self.pool = self
         self.link: "BridgeLink | None" = None
         self.load: dict = {"kind": "vllm", "worker_id": worker_id}
 
-    def resident_hashes(self) -> list[int]:
+    def kv_snapshot(self) -> concurrent.futures.Future:
+        """(resident hashes, seq) now: everything here runs on this process's event loop."""
         t = self.link.translator if self.link is not None else None
-        return sorted(t.resident) if t is not None else []
-
-    def call(self, fn) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(fn())
+        done.set_result((sorted(t.resident) if t is not None else [], self.events.last_seq))
         return done
 
     def state(self) -> dict:
@@ -131,7 +122,7 @@ async def serve(args: argparse.Namespace) -> None:
     advertise = (args.advertise_url or spec.url).rstrip("/")
     engine = ServerEngine(worker_id(advertise))
     link = engine.link = BridgeLink(engine, spec.url, args.block_size, args.interval, 1.0, spec.source())
-    link.wid = engine.config.worker_id
+    link.wid = engine.worker_id
     task = asyncio.create_task(link.run())
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -141,9 +132,9 @@ async def serve(args: argparse.Namespace) -> None:
         await _first(link.ready.wait(), stop.wait())
         if not stop.is_set():
             assert link.model is not None, "the link is ready once it knows the model"
-            publisher = RedisPublisher(engine, args.redis, advertise, link.model, args.internal_token)
+            publisher = RedisPublisher(engine, args.redis, advertise, link.model, args.internal_token, engine.state)
             await publisher.start()
-            print(f"kvgate bridge: {spec.url} ({link.model}) as {engine.config.worker_id} -> "
+            print(f"kvgate bridge: {spec.url} ({link.model}) as {engine.worker_id} -> "
                   f"{redact_url(args.redis)}", flush=True)
             await stop.wait()
     finally:

@@ -164,9 +164,9 @@ def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | 
         server.publisher = RedisPublisher(server.engine, args.redis,
                                           args.advertise_url or f"http://{args.host}:{args.port}", server.model,
                                           args.internal_token,
-                                          state=lambda: {**server.engine.state().to_json(),
-                                                                 "kv_transfer": server.transfer.stats()})
-    print(f"kvgate worker {server.engine.config.worker_id} serving {server.model} "
+                                          lambda: {**server.engine.state().to_json(),
+                                                   "kv_transfer": server.transfer.stats()})
+    print(f"kvgate worker {server.engine.worker_id} serving {server.model} "
           f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}", flush=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,

@@ -422,6 +422,14 @@ class Engine:
                 cmd.future.set_exception(EngineStopped("the engine has stopped"))
         self._flush()
 
+    @property
+    def worker_id(self) -> str:
+        return self.config.worker_id
+
+    def kv_snapshot(self) -> Future:
+        """A future of (resident hashes, the event seq they are current to), read between steps."""
+        return self.call(lambda: (self.pool.resident_hashes(), self.events.last_seq))
+
     def state(self) -> WorkerState:
         """Load as the gateway's policies need it (GET /state), as of the last step."""
         return self._snapshot

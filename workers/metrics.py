@@ -40,7 +40,7 @@ class RequestClock:
 
 class _EngineCollector:
     def __init__(self, engine, model: str):
-        self.engine, self.labels = engine, [model, engine.config.worker_id]
+        self.engine, self.labels = engine, [model, engine.worker_id]
 
     def collect(self):
         st, s, eng = self.engine.stats, self.engine.state(), self.engine
@@ -100,7 +100,7 @@ class WorkerMetrics:
         self.registry = r = CollectorRegistry()
         r.register(_EngineCollector(engine, model))
         register_process_metrics(r, "worker")
-        labels = (model, engine.config.worker_id)
+        labels = (model, engine.worker_id)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS):
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*labels)

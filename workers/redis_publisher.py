@@ -14,12 +14,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from workers.kv import redis_schema as rs
-from workers.kv.events import CLEARED, REMOVED, STORED, KVEvent
+from workers.kv.events import CLEARED, REMOVED, STORED, EventLog, KVEvent
 
 log = logging.getLogger("kvgate.worker")
 
@@ -27,20 +29,30 @@ MAX_QUEUED = 100_000
 SADD_CHUNK = 10_000
 
 
+class KVSource(Protocol):
+    """What a publisher reads of the worker it publishes (an engine, or the bridge's view of a
+    server followed from outside): its id, its event log, and a consistent snapshot."""
+    worker_id: str
+    events: EventLog
+
+    def kv_snapshot(self) -> Future:
+        """A future of (resident hashes, the event seq they are current to)."""
+
+
 class RedisPublisher:
-    def __init__(self, engine, url: str, advertise_url: str, pool: str, token: str,
-                 heartbeat_s: float = 1.0, ttl_s: float = 3.0, state: Callable[[], dict] | None = None):
-        """`state`: what a heartbeat carries (default the engine's state); the server adds its
-        KV transport, NIXL agent metadata included, so peers and gateways find it in Redis."""
+    def __init__(self, engine: KVSource, url: str, advertise_url: str, pool: str, token: str,
+                 state: Callable[[], dict], heartbeat_s: float = 1.0, ttl_s: float = 3.0):
+        """`state`: what a heartbeat carries (the server's /state body: load, KV transport and
+        NIXL agent metadata), so peers and gateways find it in Redis."""
         if not token:
             raise ValueError("publishing to redis needs the fleet's internal token to sign registrations")
         self.engine = engine
-        self.state = state or engine.state
+        self.state = state
         self.url = url
         self.token = token
         self.advertise_url = advertise_url
         self.pool = pool
-        self.worker_id = engine.config.worker_id
+        self.worker_id = engine.worker_id
         self.heartbeat_s, self.ttl_ms = heartbeat_s, int(ttl_s * 1000)
         self._queue: deque[KVEvent] = deque()
         self._wake = asyncio.Event()
@@ -99,9 +111,7 @@ class RedisPublisher:
 
     async def resync(self, r: aioredis.Redis) -> None:
         """Rewrite the resident set from the block pool, as of the engine's current seq."""
-        eng = self.engine
-        hashes, seq = await asyncio.wrap_future(
-            eng.call(lambda: (eng.pool.resident_hashes(), eng.events.last_seq)))
+        hashes, seq = await asyncio.wrap_future(self.engine.kv_snapshot())
         res = rs.resident_key(self.pool, self.worker_id)
         async with r.pipeline(transaction=True) as p:
             p.delete(res)

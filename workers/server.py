@@ -506,11 +506,9 @@ class WorkerServer:
     async def kv_snapshot(self, request: Request) -> Response:
         if refused := self._refused(request):
             return refused
-        eng = self.engine
-        snap = await asyncio.wrap_future(eng.call(lambda: {
-            "worker_id": eng.config.worker_id, "seq": eng.events.last_seq,
-            "block_size": eng.config.block_size, "hashes": eng.pool.resident_hashes()}))
-        return JSONResponse(snap)
+        hashes, seq = await asyncio.wrap_future(self.engine.kv_snapshot())
+        return JSONResponse({"worker_id": self.engine.worker_id, "seq": seq,
+                             "block_size": self.engine.config.block_size, "hashes": hashes})
 
 
 async def _wait_disconnect(request: Request) -> None:
