@@ -60,9 +60,10 @@ lint: setup
 test: lint vllm-setup prometheus
 	KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-# The pure tests (no processes, no torch model; markers set in tests/conftest.py): under a minute.
+# The pure tests (no processes, no torch model; markers set in tests/conftest.py), warnings as
+# errors: under a minute.
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not model and not slow and not vllm" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -W error -m "not integration and not model and not slow and not vllm" tests
 
 bench: setup
 	$(BIN)/python -m bench.engine_throughput --model smollm2-135m --num-seqs 32 --max-input-len 256 --max-output-len 128
