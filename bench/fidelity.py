@@ -112,14 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     urls = [u.rstrip("/") for u in args.url]
     rates = [float(r) for r in args.rates.split(",")]
     t0 = time.perf_counter()
+    sim = sim_config(urls[0])
+    model = sim.model_id  # the served name: a worker answers only requests that name it
     warmup = {"seconds": args.warmup_s, "requests": 0, "errors": 0}
     if args.warmup_s > 0:
         warm = from_args(args, max(rates))
-        done, _ = run(urls, WorkloadConfig(**{**warm.__dict__, "duration_s": args.warmup_s, "seed": warm.seed + 1000}), None)
+        done, _ = run(urls, WorkloadConfig(**{**warm.__dict__, "duration_s": args.warmup_s, "seed": warm.seed + 1000}),
+                      model)
         warmup.update(requests=len(done), errors=sum(r["error"] is not None for r in done))
     profile = calibrate.calibrate(urls, [int(x) for x in args.lengths.split(",")],
                                   [int(x) for x in args.batches.split(",")], args.decode_tokens, rounds=args.rounds)
-    sim, model = sim_config(urls[0]), profile.get("model")
     runs = []
     for rate in rates:
         wl = from_args(args, rate)
