@@ -430,6 +430,15 @@ class Engine:
         """A future of (resident hashes, the event seq they are current to), read between steps."""
         return self.call(lambda: (self.pool.resident_hashes(), self.events.last_seq))
 
+    def step_log(self, after: int) -> Future:
+        """A future of (the last step's number, the logged steps after `after` as GET /steps
+        gives them), read between steps."""
+        return self.call(lambda: (self.stats.steps, self.stats.after(after)))
+
+    def clear_cache(self) -> Future:
+        """A future of the number of cached blocks evicted from the prefix cache."""
+        return self.call(self.pool.clear_cache)
+
     def state(self) -> WorkerState:
         """Load as the gateway's policies need it (GET /state), as of the last step."""
         return self._snapshot

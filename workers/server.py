@@ -470,9 +470,8 @@ class WorkerServer:
             after = int(request.query_params.get("after", "0"))
         except ValueError:
             return error(400, "'after' must be an integer")
-        eng = self.engine
-        got = await asyncio.wrap_future(eng.call(lambda: (eng.stats.steps, eng.stats.after(after))))
-        return JSONResponse({"last": got[0], "steps": got[1]})
+        last, steps = await asyncio.wrap_future(self.engine.step_log(after))
+        return JSONResponse({"last": last, "steps": steps})
 
     async def kv_events(self, request: Request) -> Response:
         if refused := self._refused(request):
@@ -500,7 +499,7 @@ class WorkerServer:
         if not self.transfer.authorised(request):
             return error(403, "resetting the prefix cache needs the fleet's internal token",
                          "permission_error", "forbidden")
-        evicted = await asyncio.wrap_future(self.engine.call(self.engine.pool.clear_cache))
+        evicted = await asyncio.wrap_future(self.engine.clear_cache())
         return JSONResponse({"evicted": evicted})
 
     async def kv_snapshot(self, request: Request) -> Response:
