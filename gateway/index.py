@@ -9,7 +9,7 @@ gateway's event loop, so no locks.
 """
 from collections.abc import Iterable
 
-from workers.kv.events import CLEARED, REMOVED, STORED, EventBatch, KVEvent
+from workers.kv.events import CLEARED, DEVICE, REMOVED, STORED, EventBatch, KVEvent
 
 RESYNC = "resync"
 
@@ -85,6 +85,8 @@ class ResidencyIndex:
         return None
 
     def _apply_event(self, wid: str, ev: KVEvent) -> None:
+        if ev.medium != DEVICE and ev.kind != CLEARED:
+            return  # the index holds device residency only
         held, bit = self._held[wid], self._bit[wid]
         if ev.kind == STORED:
             fresh = [h for h in ev.hashes if h not in held]

@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool")
     p.add_argument("--kv-cache-gb", type=float,
                    help="size the KV pool by memory instead of --num-blocks (torch executor)")
+    p.add_argument("--host-kv-gb", type=float, default=0.0,
+                   help="host memory for KV blocks evicted from the device (pinned on CUDA); a later prefix "
+                        "hit copies them back instead of recomputing them (default 0: off)")
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="tokens one engine step computes at most (prefill is chunked to fit)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch at most")
@@ -119,11 +122,20 @@ def check_args(args: argparse.Namespace) -> None:
     if args.redis and not args.internal_token:
         raise SystemExit("kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
                          "registrations in Redis are signed with it")
+    if args.host_kv_gb < 0:
+        raise SystemExit("kvgate worker: --host-kv-gb must be >= 0")
     if args.kv_export_batch_blocks < 0:
         raise SystemExit("kvgate worker: --kv-export-batch-blocks must be >= 0")
     if args.max_queued_requests < 0 or args.stall_timeout_s <= 0 or args.drain_timeout_s < 0:
         raise SystemExit("kvgate worker: --max-queued-requests and --drain-timeout-s must be >= 0, "
                          "--stall-timeout-s > 0")
+
+
+def host_blocks(gb: float, block_size: int, kv_bytes_per_token: int) -> int:
+    """How many blocks `gb` GiB of host memory holds (0 when off or the blocks carry no bytes)."""
+    if gb <= 0 or kv_bytes_per_token <= 0:
+        return 0
+    return int(gb * 2**30) // (block_size * kv_bytes_per_token)
 
 
 def build_server(args) -> WorkerServer:
@@ -136,6 +148,7 @@ def build_server(args) -> WorkerServer:
         max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
         worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}", role=args.role,
         enable_prefix_caching=not args.no_prefix_caching, export_batch_blocks=args.kv_export_batch_blocks,
+        host_blocks=host_blocks(args.host_kv_gb, args.block_size, getattr(executor, "kv_bytes_per_token", 0)),
         cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None))
     try:
         tracing = WorkerTracing(provider_from_args(args, "kvgate-worker"), config.worker_id, name)

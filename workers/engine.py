@@ -24,6 +24,7 @@ from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
+from workers.kv.host_pool import SWAP_OUT, HostPool
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
@@ -55,6 +56,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cost_model: CostModel | None = None
     export_batch_blocks: int = 16  # P/D: ship prompt blocks mid-prefill once this many are new; 0: at the end
+    host_blocks: int = 0  # the host tier's blocks (--host-kv-gb); 0: evicted blocks are dropped
 
 
 @dataclass(slots=True)
@@ -100,7 +102,10 @@ class Engine:
         # The context a request may use is what the model allows and the pool can hold alone.
         self.max_model_len = min(executor.max_model_len, config.num_blocks * config.block_size)
         self.events = EventLog(config.worker_id)
-        self.pool = BlockPool(config.num_blocks, config.block_size, self.events)
+        host = HostPool(config.host_blocks, self.events) if config.host_blocks > 0 else None
+        if host is not None:
+            executor.allocate_host_cache(config.host_blocks)
+        self.pool = BlockPool(config.num_blocks, config.block_size, self.events, host)
         self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size),
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, self.max_model_len,
@@ -185,6 +190,7 @@ class Engine:
                     cmd.future.set_result(cmd.fn())
                 except Exception as e:
                     cmd.future.set_exception(e)
+                self._copy_blocks()  # a KV import may write its blocks off this thread next
                 self.stats.calls_s += time.perf_counter() - t0
 
     def _abort(self, rid: str) -> None:
@@ -234,6 +240,7 @@ class Engine:
         if self._pending:
             self._admit_pending()
         plan = self.scheduler.schedule()
+        self._copy_blocks()
         self.stats.preemptions += len(plan.preempted)
         outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
         launched = self._launch(plan, start, outputs) if plan.scheduled else None
@@ -255,6 +262,15 @@ class Engine:
             batch, self._outbox = self._outbox, []
             self.deliver(batch)
         return outputs
+
+    def _copy_blocks(self) -> None:
+        """Hand the host tier's queued copies to the executor, in order: evicted blocks out
+        before anything overwrites them, reloaded blocks in before a step reads them."""
+        for batch in self.pool.take_copies():
+            if batch.direction == SWAP_OUT:
+                self.executor.swap_out(batch.block_ids, batch.slots)
+            else:
+                self.executor.swap_in(batch.block_ids, batch.slots)
 
     def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
         """Hand the plan to the executor and count its tokens as launched; if the executor raises,
@@ -448,6 +464,7 @@ class Engine:
         return WorkerState(
             worker_id=c.worker_id, role=c.role, model=c.model_id, block_size=c.block_size,
             total_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free, waiting=len(s.waiting),
+            host_blocks=c.host_blocks, host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
             running=len(s.running), queued_prefill_tokens=s.queued_prefill_tokens,
             kv_tokens=sum(r.num_computed for r in s.running), max_batched_tokens=s.max_batched_tokens,
             max_num_seqs=s.max_num_seqs, **step_means(self.stats.last()),

@@ -34,11 +34,17 @@ class KVCacheManager:
         return self._hashes(req, limit)[:limit]
 
     def match_prefix(self, req: Request) -> int:
-        """Take the longest cached prefix (never the whole prompt); returns the tokens it covers."""
+        """Take the longest cached prefix (never the whole prompt), on from the device into the
+        host tier (those blocks' copy-back is queued for before the next step); returns the
+        tokens it covers."""
         assert not req.blocks and req.num_computed == 0
         if not self.enable_prefix_caching:
             return 0
-        req.blocks = self.pool.touch_prefix(self._prefix_hashes(req), req.token_ids)
+        hashes = self._prefix_hashes(req)
+        req.blocks = self.pool.touch_prefix(hashes, req.token_ids)
+        n = len(req.blocks)
+        if n < len(hashes) and self.pool.host is not None:
+            req.blocks += self.pool.load_prefix(hashes[n:], req.token_ids, n, hashes[n - 1] if n else None)
         req.block_ids = [b.block_id for b in req.blocks]
         req.num_computed = req.num_registered = len(req.blocks) * self.block_size
         return req.num_computed

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from workers.kv import redis_schema as rs
-from workers.kv.events import CLEARED, REMOVED, STORED, EventLog, KVEvent
+from workers.kv.events import CLEARED, DEVICE, REMOVED, STORED, EventLog, KVEvent
 
 log = logging.getLogger("kvgate.worker")
 
@@ -168,7 +168,9 @@ class RedisPublisher:
 
     def _event(self, p, ev: KVEvent) -> None:
         res = rs.resident_key(self.pool, self.worker_id)
-        if ev.kind == STORED and ev.hashes:
+        if ev.medium != DEVICE and ev.kind != CLEARED:
+            pass  # the set holds device residency; the stream carries every tier
+        elif ev.kind == STORED and ev.hashes:
             p.sadd(res, *ev.hashes)
         elif ev.kind == REMOVED and ev.hashes:
             p.srem(res, *ev.hashes)

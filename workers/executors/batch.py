@@ -67,3 +67,15 @@ class Executor(Protocol):
         read_blocks returns) into `block_ids` (P/D import); safe off the engine thread for
         blocks no step reads."""
         ...
+
+    def allocate_host_cache(self, num_slots: int) -> None:
+        """Room for the host tier's `num_slots` blocks (workers/kv/host_pool.py)."""
+        ...
+
+    def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copy device blocks into host slots, block_ids[i] -> slots[i], before any later step."""
+        ...
+
+    def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copy host slots into device blocks, slots[i] -> block_ids[i], before any later step."""
+        ...

@@ -56,3 +56,12 @@ class SimExecutor:
 
     def import_blocks(self, block_ids: list[int], data, positions: list[int], total: int) -> None:
         return None
+
+    def allocate_host_cache(self, num_slots: int) -> None:
+        """Sim blocks carry no K/V: the host tier is residency only (its cost is the simulator's)."""
+
+    def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
+        return None
+
+    def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
+        return None

@@ -200,6 +200,34 @@ class TorchRunner:
         index = torch.tensor(block_ids, device=self.device)
         self.kv_cache.index_copy_(2, index, kv.to(device=self.device, dtype=self.dtype))
 
+    def allocate_host_cache(self, num_slots: int) -> None:
+        """The host tier's K/V, [slots, layers, 2, block_size, kv_heads, head_dim]: a slot is
+        contiguous, so a run of slots is one copy; pinned on CUDA, so copies do not block."""
+        self.host_cache = torch.zeros(num_slots, self.num_layers, 2, self.block_size, self.num_kv_heads,
+                                      self.head_dim, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copy device blocks into host slots (block_ids[i] -> slots[i]): one gather on the
+        device, then one asynchronous copy per run of consecutive slots, in the step stream's
+        order (a later step that overwrites the blocks runs after it)."""
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        ids = self._tensor([block_ids[i] for i in order])
+        with torch.inference_mode():
+            gathered = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+            for first, start, n in _runs([slots[i] for i in order]):
+                self.host_cache[start:start + n].copy_(gathered[first:first + n], non_blocking=True)
+
+    def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copy host slots back into device blocks (slots[i] -> block_ids[i]), one asynchronous
+        copy per run of consecutive slots, then one scatter, in the step stream's order."""
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        sorted_slots = [slots[i] for i in order]
+        with torch.inference_mode():
+            parts = [self.host_cache[start:start + n].to(self.device, non_blocking=True)
+                     for _, start, n in _runs(sorted_slots)]
+            kv = torch.cat(parts).permute(1, 2, 0, 3, 4, 5)
+            self.kv_cache.index_copy_(2, self._tensor([block_ids[i] for i in order]), kv)
+
     @staticmethod
     def to_bytes(kv: Tensor) -> bytes:
         """`read_blocks`' tensor as the transfer payload's raw bytes."""
@@ -295,6 +323,18 @@ def kernels_available(device: torch.device) -> bool:
     except ImportError:
         return False
     return available(device)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted slots as runs of consecutive ones: (index of its first, first slot, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            first, start, n = runs[-1]
+            runs[-1] = (first, start, n + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
 
 
 def _chunk_ends(chunks: list[SeqChunk]) -> list[int]:

@@ -8,12 +8,19 @@ of residency (a hash registered, a hash evicted, the cache cleared) goes to the 
 Block objects are created on first use, in id order (the order a fresh pool hands them out
 anyway), so a pool of many blocks costs nothing until it fills: the fleet simulator builds
 hundreds of them.
+
+With a host tier (`host`), a cached block evicted from the device is stored there by hash
+instead of vanishing, and a prefix hit that runs on into host-resident blocks takes fresh device
+blocks for them and copies them back (`load_prefix`). The copies are queued in order and leave
+in batches through `take_copies`: the engine hands them to its executor before the next step,
+which is the first that could overwrite an evicted block or read a reloaded one.
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
 
 from workers.kv.events import CLEARED, REMOVED, STORED, EventLog
+from workers.kv.host_pool import SWAP_IN, SWAP_OUT, CopyBatch, HostPool, batches
 
 
 @dataclass(slots=True)
@@ -27,8 +34,10 @@ class Block:
 class BlockPool:
     """Ref-counted blocks, an O(1) free list, and the hash -> block prefix-cache map."""
 
-    def __init__(self, num_blocks: int, block_size: int, events: EventLog):
+    def __init__(self, num_blocks: int, block_size: int, events: EventLog, host: HostPool | None = None):
         self.block_size = block_size
+        self.host = host
+        self._copies: list[tuple[str, int, int]] = []  # (direction, block id, host slot), in order
         self.num_blocks = num_blocks
         self.blocks: list[Block] = []  # the blocks used so far; block i is blocks[i]
         self.events = events
@@ -57,9 +66,9 @@ class BlockPool:
     def resident_prefix(self, hashes: list[int]) -> int:
         """How many leading `hashes` are cached, by hash alone and taking nothing: an estimate
         of a prefix hit (`touch_prefix` also checks the tokens)."""
-        by_hash = self._by_hash
+        by_hash, host = self._by_hash, self.host
         for i, h in enumerate(hashes):
-            if h not in by_hash:
+            if h not in by_hash and (host is None or h not in host):
                 return i
         return len(hashes)
 
@@ -101,7 +110,7 @@ class BlockPool:
         """n fresh blocks (ref 1); evicts cached-free blocks LRU-first when plain ones run out."""
         if n > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free}")
-        out, evicted, blocks = [], [], self.blocks
+        out, evicted, spilled, blocks = [], [], [], self.blocks
         for _ in range(n):
             if len(blocks) < self.num_blocks:
                 block = Block(len(blocks))
@@ -110,12 +119,53 @@ class BlockPool:
                 block = blocks[self._free_plain.popitem(last=False)[0]]
             else:
                 block = blocks[self._free_cached.popitem(last=False)[0]]
+                spilled.append((block.block_id, block.hash, block.token_ids))
                 evicted.append(self._evict(block))
             block.ref_count = 1
             out.append(block)
         if evicted:
             self.events.append(REMOVED, tuple(evicted))
+        if spilled and self.host is not None:
+            self._spill(spilled)
         return out
+
+    def _spill(self, spilled: list) -> None:
+        """Store evicted blocks in the host tier and queue their copies (before any reuse)."""
+        assert self.host is not None
+        slots = self.host.store([(h, toks) for _, h, toks in spilled])
+        self._copies += [(SWAP_OUT, bid, slot) for (bid, _, _), slot in zip(spilled, slots) if slot is not None]
+
+    def load_prefix(self, hashes: list[int], token_ids: list[int], start: int,
+                    parent: int | None) -> list[Block]:
+        """Continue a prefix hit from block `start` (hashes[0] is block start's) into the host
+        tier: fresh device blocks (ref 1) for the leading host-resident blocks whose tokens
+        match, their copy-back queued and their hashes registered. Stops early where the device
+        pool has no room, or where making room dropped a needed entry from the host tier."""
+        host, B = self.host, self.block_size
+        if host is None:
+            return []
+        entries = []
+        for i, h in enumerate(hashes):
+            entry = host.lookup(h, tuple(token_ids[(start + i) * B:(start + i + 1) * B]))
+            if entry is None:
+                break
+            host.touch(entry)
+            entries.append(entry)
+        n = min(len(entries), self.num_free)
+        if not n:
+            return []
+        fresh = self.allocate(n)
+        live = next((i for i, e in enumerate(entries[:n]) if host.lookup(e.hash, e.token_ids) is not e), n)
+        self.free(fresh[live:])
+        fresh, entries = fresh[:live], entries[:live]
+        self._copies += [(SWAP_IN, b.block_id, e.slot) for b, e in zip(fresh, entries)]
+        self.register(fresh, [e.hash for e in entries], [e.token_ids for e in entries], parent)
+        return fresh
+
+    def take_copies(self) -> list[CopyBatch]:
+        """The queued host copies, as batches in order; the queue is emptied."""
+        copies, self._copies = self._copies, []
+        return batches(copies)
 
     def _evict(self, block: Block) -> int:
         h = block.hash
@@ -163,8 +213,14 @@ class BlockPool:
     def resident_hashes(self) -> list[int]:
         return list(self._by_hash)
 
+    def host_hashes(self) -> list[int]:
+        return [] if self.host is None else self.host.hashes()
+
     def clear_cache(self) -> int:
-        """Forget every cached-but-free block (e.g. after a weight reload); returns how many."""
+        """Forget every cached-but-free block and the host tier (e.g. after a weight reload);
+        returns how many device blocks."""
+        if self.host is not None:
+            self.host.clear()
         evicted = []
         while self._free_cached:
             bid, _ = self._free_cached.popitem(last=False)

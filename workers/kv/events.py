@@ -13,6 +13,11 @@ STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"
 
+# Where a stored/removed block lives (vLLM's KV events carry the same `medium`). An event
+# without one (an older worker) means device memory.
+DEVICE, HOST, DISK = "device", "host", "disk"
+MEDIA = (DEVICE, HOST, DISK)
+
 
 @dataclass(frozen=True)
 class KVEvent:
@@ -21,6 +26,7 @@ class KVEvent:
     hashes: tuple[int, ...] = ()
     parent: int | None = None
     ts: float = field(default_factory=time.time)
+    medium: str = DEVICE
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -29,7 +35,8 @@ class KVEvent:
 
     @staticmethod
     def from_json(d: dict) -> "KVEvent":
-        return KVEvent(d["seq"], d["kind"], tuple(d.get("hashes", ())), d.get("parent"), d.get("ts", 0.0))
+        return KVEvent(d["seq"], d["kind"], tuple(d.get("hashes", ())), d.get("parent"), d.get("ts", 0.0),
+                       d.get("medium") or DEVICE)
 
 
 @dataclass
@@ -71,10 +78,11 @@ class EventLog:
         """Call fn(events) at each `publish` with the events appended since the last one."""
         self._listeners.append(fn)
 
-    def append(self, kind: str, hashes: tuple[int, ...] = (), parent: int | None = None) -> KVEvent:
+    def append(self, kind: str, hashes: tuple[int, ...] = (), parent: int | None = None,
+               medium: str = DEVICE) -> KVEvent:
         with self._lock:
             self._seq += 1
-            ev = KVEvent(self._seq, kind, tuple(hashes), parent)
+            ev = KVEvent(self._seq, kind, tuple(hashes), parent, medium=medium)
             self._events.append(ev)
         self._unpublished.append(ev)
         return ev

@@ -9,7 +9,7 @@ served model: their block hashes share a seed, so their residency is comparable.
   kvgate:{pool}:hb:{worker}        heartbeat JSON (a signed Registration), expires (TTL)
   kvgate:{pool}:res:{worker}       set of the worker's resident block hashes (decimal)
   kvgate:{pool}:seq:{worker}       the event seq the set is current to
-  kvgate:{pool}:events             stream of KV events, fields w s k h p (see encode_event)
+  kvgate:{pool}:events             stream of KV events, fields w s k h p [m] (see encode_event)
   kvgate:replicas                  set of gateway replica ids
   kvgate:inflight:{replica}        hash worker id -> requests that replica has open, expires
   kvgate:ratelimit:{key}:{limit}   a gateway API key's token bucket {tokens, ts}, expires
@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit, urlunsplit
 
-from workers.kv.events import KVEvent
+from workers.kv.events import DEVICE, KVEvent
 
 PREFIX = "kvgate"
 POOLS = f"{PREFIX}:pools"
@@ -60,16 +60,21 @@ def inflight_key(replica: str) -> str:
 
 
 def encode_event(worker_id: str, ev: KVEvent) -> dict[str, str]:
-    """A stream entry. Kind `snapshot` (no hashes) says the worker rewrote its set as of `s`."""
-    return {"w": worker_id, "s": str(ev.seq), "k": ev.kind, "h": " ".join(map(str, ev.hashes)),
-            "p": "" if ev.parent is None else str(ev.parent)}
+    """A stream entry. Kind `snapshot` (no hashes) says the worker rewrote its set as of `s`.
+    `m` (the medium) only when not device: an entry without it is a device event."""
+    fields = {"w": worker_id, "s": str(ev.seq), "k": ev.kind, "h": " ".join(map(str, ev.hashes)),
+              "p": "" if ev.parent is None else str(ev.parent)}
+    if ev.medium != DEVICE:
+        fields["m"] = ev.medium
+    return fields
 
 
 def decode_event(fields: dict[bytes, bytes]) -> tuple[str, KVEvent]:
     parent = fields.get(b"p", b"")
     return fields[b"w"].decode(), KVEvent(int(fields[b"s"]), fields[b"k"].decode(),
                                           tuple(map(int, fields.get(b"h", b"").split())),
-                                          int(parent) if parent else None)
+                                          int(parent) if parent else None,
+                                          medium=fields.get(b"m", b"").decode() or DEVICE)
 
 
 def ratelimit_key(key_name: str, limit: str) -> str:

@@ -1,0 +1,114 @@
+"""The host tier of the KV cache: blocks evicted from device memory, kept by hash in host slots.
+
+An entry is a block's hash, its token ids and the host slot holding its K/V. LRU within the
+tier: a stored or reloaded entry becomes the newest; storing into a full tier drops the oldest,
+whose slot is then overwritten, so a dropped hash is never found again. The tier keeps a copy
+of a block it has reloaded (an inclusive cache): evicting that block again costs no copy.
+
+The pool only decides residency; bytes move through the executor, in batches the engine hands
+it before the step that needs them (`CopyBatch`, from `BlockPool.take_copies`). Every change
+goes to the event log with medium `host`.
+"""
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from workers.kv.events import HOST, REMOVED, STORED, EventLog
+
+SWAP_OUT, SWAP_IN = "out", "in"  # device block -> host slot; host slot -> device block
+
+
+@dataclass(slots=True)
+class HostEntry:
+    hash: int
+    token_ids: tuple[int, ...]
+    slot: int
+
+
+@dataclass
+class CopyBatch:
+    """Copies of one direction, in order: block_ids[i] <-> slots[i]."""
+    direction: str
+    block_ids: list[int]
+    slots: list[int]
+
+
+class HostPool:
+    """Host slots indexed by block hash, LRU-ordered (oldest first)."""
+
+    def __init__(self, num_slots: int, events: EventLog):
+        self.num_slots = num_slots
+        self.events = events
+        self._entries: OrderedDict[int, HostEntry] = OrderedDict()
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_slots)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._entries
+
+    def hashes(self) -> list[int]:
+        return list(self._entries)
+
+    def lookup(self, h: int, token_ids: tuple[int, ...]) -> HostEntry | None:
+        """The entry for hash `h` whose tokens really are `token_ids` (a 64-bit collision is a miss)."""
+        entry = self._entries.get(h)
+        return entry if entry is not None and entry.token_ids == token_ids else None
+
+    def touch(self, entry: HostEntry) -> None:
+        """Make an entry the newest (it was just used)."""
+        self._entries.move_to_end(entry.hash)
+
+    def store(self, blocks: list[tuple[int, tuple[int, ...]]]) -> list[int | None]:
+        """Take (hash, token ids) of blocks leaving device memory; per block, the slot to copy
+        its K/V into, or None when the tier holds it already (it is made the newest instead).
+        Drops the oldest entries to make room; one `removed` and one `stored` event per call."""
+        if not self.num_slots:
+            return [None] * len(blocks)
+        entries, slots, stored, removed = self._entries, [], [], []
+        for h, tokens in blocks:
+            if h in entries:
+                entries.move_to_end(h)
+                slots.append(None)
+                continue
+            if not self._free_slots:
+                old = entries.popitem(last=False)[1]
+                self._free_slots.append(old.slot)
+                if old.hash in stored:  # stored and dropped within this call: never announced
+                    stored.remove(old.hash)
+                else:
+                    removed.append(old.hash)
+            slot = self._free_slots.pop()
+            entries[h] = HostEntry(h, tokens, slot)
+            stored.append(h)
+            slots.append(slot)
+        if removed:
+            self.events.append(REMOVED, tuple(removed), medium=HOST)
+        if stored:
+            self.events.append(STORED, tuple(stored), medium=HOST)
+        return slots
+
+    def clear(self) -> int:
+        """Forget every entry (the K/V no longer matches the weights); returns how many."""
+        n = len(self._entries)
+        if n:
+            self.events.append(REMOVED, tuple(self._entries), medium=HOST)
+            self._free_slots.extend(e.slot for e in self._entries.values())
+            self._entries.clear()
+        return n
+
+
+def batches(copies: list[tuple[str, int, int]]) -> list[CopyBatch]:
+    """Queued (direction, block id, slot) copies as batches of one direction each, order kept:
+    a store into a slot must land before a later load from it, and the reverse."""
+    out: list[CopyBatch] = []
+    for direction, block_id, slot in copies:
+        if not out or out[-1].direction != direction:
+            out.append(CopyBatch(direction, [], []))
+        out[-1].block_ids.append(block_id)
+        out[-1].slots.append(slot)
+    return out
