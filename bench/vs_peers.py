@@ -8,9 +8,9 @@ The fleet: `--workers` `kvgate worker --executor sim` processes with the `--prof
 and `--num-blocks` KV blocks each (too few for the working set, so routing decides what stays
 cached). The routers: kvgate with each of `--policies`, sglang-router and vllm-router with
 `cache_aware`. Prompts go as text (sglang-router takes no token ids): the seeded workloads'
-token ids decoded by the workers' tokenizer, so equal prefixes are equal text. The peers are installed from PyPI into venvs of their own beside the
-repository (`../.venv-sglang-router`, `../.venv-vllm-router`; created when missing, never
-part of the repository). Each router runs alone in front of the fleet; before each rate every
+token ids decoded by the workers' tokenizer, so equal prefixes are equal text. The peers are
+installed from PyPI into venvs of their own beside the repository (`../.venv-sglang-router`,
+`../.venv-vllm-router`; created when missing, never part of the repository). Each router runs alone in front of the fleet; before each rate every
 worker's prefix cache is emptied (`POST /kv/reset`), so each rate starts cold with the same
 seeded requests. Per router and workload the rates run in ascending order and stop at the
 first one below 90% SLO attainment; when every rate passes, the rate grows by half until one
@@ -22,8 +22,10 @@ time per request (user + system, from /proc).
 
 Output: one report per workload (`<out stem>-<workload>.json` with attainment-vs-rate and
 goodput plots, as `kvgate bench serve` writes), and `--out` with every router's goodput per
-workload, the ratio of kvgate's best to the best peer's, the overhead table, and a PNG of
-goodput bars next to it.
+workload, the ratio of kvgate's best to the best peer's, the overhead table, the simulator's
+goodput for each kvgate policy at the same rates against the real fleet's
+(`simulator_fidelity`; `--fidelity-only` adds it to an existing report), and a PNG of goodput
+bars next to it.
 """
 import argparse
 import asyncio
@@ -38,10 +40,14 @@ from pathlib import Path
 import httpx
 
 from bench import report as rep
+from bench.fleet_sim import FleetConfig
 from bench.loadgen import run_rate
+from bench.sim_worker import SimConfig
+from bench.simulate import run_one as sim_one
 from bench.workloads import WorkloadConfig
 from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all, wait_for
 from workers.internal_auth import TOKEN_HEADER
+from workers.kv.cost_model import CostModel
 from workers.model_store import load_tokenizer, served_name
 
 PEERS = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
@@ -182,12 +188,41 @@ def summarize_all(reports: dict[str, dict], labels: list[str]) -> dict:
     return out
 
 
+def fidelity(summary_path: str) -> dict:
+    """The simulator's goodput for each kvgate policy on each workload of a finished run (same
+    fleet, profile, pool, SLOs, seeded workload and swept rates), against the real fleet's:
+    per policy the simulated goodput, the real one and their ratio."""
+    summary = json.loads(Path(summary_path).read_text())
+    profile = json.loads(Path(summary["profile"]).read_text())
+    fleet = FleetConfig(workers=summary["workers"], sim=SimConfig(num_blocks=summary["num_blocks"]),
+                        cost=CostModel.from_json(profile), slo_ttft_ms=summary["slo_ttft_ms"],
+                        slo_tpot_ms=summary["slo_tpot_ms"], views_with_cost=True,
+                        request_overhead_ms=profile.get("request_overhead_ms", 0.0))
+    out = {}
+    for wl, name in summary["reports"].items():
+        report = json.loads((Path(summary_path).parent / name).read_text())
+        cfg = WorkloadConfig(name=wl, duration_s=summary["duration_s"], seed=0)
+        for label, entry in report["policies"].items():
+            if not label.startswith("kvgate-"):
+                continue
+            runs = [sim_one(label.removeprefix("kvgate-"), {}, r["rate_rps"], cfg, fleet, quiet=True)
+                    for r in entry["runs"]]
+            simulated, _ = rep.goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs])
+            real = entry["goodput_rps"]
+            out.setdefault(wl, {})[label] = {
+                "simulated_goodput_rps": simulated, "real_goodput_rps": real,
+                "ratio": simulated / real if real else None,
+                "attainment": [(r["rate_rps"], r["slo_attainment"]) for r in runs]}
+    return out
+
+
 def plot_summary(summary: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     workloads = list(summary)
-    labels = sorted({k for s in summary.values() for k in s["goodput_rps"]}, key=lambda k: (not k.startswith("kvgate"), k))
+    labels = sorted({k for s in summary.values() for k in s["goodput_rps"]},
+                    key=lambda k: (not k.startswith("kvgate"), k))
     fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(workloads)), 4.5))
     width = 0.8 / max(1, len(labels))
     for i, label in enumerate(labels):
@@ -227,12 +262,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--venv-dir", default=str(ROOT.parent), help="where the peers' venvs live")
     p.add_argument("--log-dir", help="process logs (default: a temp dir per process)")
     p.add_argument("--out", required=True)
+    p.add_argument("--fidelity-only", action="store_true",
+                   help="only add the simulator's goodput for the kvgate policies to the existing --out")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    if args.fidelity_only:
+        add_fidelity(args.out)
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     labels = labels_of(args)
     for label in labels:
@@ -274,7 +314,16 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).write_text(json.dumps(rep._clean(out), indent=1))
     print(json.dumps({w: {"ratio": s["ratio"], **s["goodput_rps"]} for w, s in summary.items()}, indent=1),
           file=sys.stderr)
+    add_fidelity(args.out)
     print(f"wrote {args.out} and {png}", file=sys.stderr)
+
+
+def add_fidelity(path: str) -> None:
+    out = json.loads(Path(path).read_text())
+    out["simulator_fidelity"] = fidelity(path)
+    Path(path).write_text(json.dumps(rep._clean(out), indent=1))
+    print(json.dumps({w: {k: v["ratio"] for k, v in s.items()} for w, s in out["simulator_fidelity"].items()},
+                     indent=1), file=sys.stderr)
 
 
 if __name__ == "__main__":
