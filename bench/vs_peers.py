@@ -11,10 +11,11 @@ cached). The routers: kvgate with each of `--policies`, sglang-router and vllm-r
 token ids decoded by the workers' tokenizer, so equal prefixes are equal text. The peers are
 installed from PyPI into venvs of their own beside the repository (`../.venv-sglang-router`,
 `../.venv-vllm-router`; created when missing, never part of the repository). Each router runs
-alone in front of the fleet; before each rate every worker's prefix cache is emptied (`POST /kv/reset`), so each rate starts cold with the same
-seeded requests. Per router and workload the rates run in ascending order and stop at the
-first one below 90% SLO attainment; when every rate passes, the rate grows by half until one
-fails (`--max-extra` times), so every goodput is found, not bounded.
+alone in front of the fleet; before each rate every worker's prefix cache is emptied (`POST
+/kv/reset`), so each rate starts cold with the same seeded requests. Per router and workload
+the rates run in ascending order and stop at the first one below 90% SLO attainment; when every
+rate passes, the rate grows by half until one fails (`--max-extra` times), so every goodput is
+found, not bounded.
 
 Then, at `--low-rate` with 256-token prompts and short answers: what each router adds to TTFT
 over sending straight to the workers (client-side round robin), and the router process's CPU
