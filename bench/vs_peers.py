@@ -127,6 +127,8 @@ class Bench:
         records = asyncio.run(run_rate(urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout,
                                        text=self.text))
         run = rep.summarize(records, *self.slo)
+        for r in records:
+            r.pop("itl_ms", None)  # summarized above; per token, they were most of the report's megabytes
         run.update(rate_rps=wl.rate, records=records,
                    rejected=sum(1 for r in records if (r["error"] or "").startswith("http 429")),
                    router_cpu_s_per_request=(cpu_s(pid) - before) / max(1, len(records)) if pid else None)
