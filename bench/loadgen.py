@@ -52,7 +52,8 @@ def request_body(br: BenchRequest, model: str | None, token_ids: bool,
                  text: Callable[[list[int]], str] | None = None) -> dict:
     """The completion request for `br`: its token ids as the prompt, or with `text` the
     prompt decoded to text (for routers that take only text, like sglang-router)."""
-    body = {"prompt": text(br.prompt) if text else br.prompt, "max_tokens": br.max_tokens, "stream": True, "ignore_eos": True,
+    body = {"prompt": text(br.prompt) if text else br.prompt, "max_tokens": br.max_tokens, "stream": True,
+            "ignore_eos": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0}
     if model:
         body["model"] = model
