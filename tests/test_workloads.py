@@ -1,5 +1,6 @@
 """Workloads: seeded, sharing exactly what they claim to share, arriving at the asked rate."""
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ def gaps(rs):
     return np.diff(t)
 
 
-@pytest.mark.parametrize("name", ["shared-prefix", "multi-turn", "long-doc-qa", "random", "mixed"])
+@pytest.mark.parametrize("name", ["shared-prefix", "multi-turn", "long-doc-qa", "skewed", "random", "mixed"])
 def test_seeded_and_ordered(name):
     a = reqs(name=name, rate=20, duration_s=5, seed=3)
     b = reqs(name=name, rate=20, duration_s=5, seed=3)
@@ -38,6 +39,16 @@ def test_shared_prefix_groups():
     assert len({tuple(r.prompt[64:]) for r in rs}) == len(rs)
     by_group = {r.session: tuple(r.prompt[:64]) for r in rs}
     assert len(by_group) == 3
+
+
+def test_skewed_gives_the_hot_prefixes_their_shares_and_spreads_the_rest():
+    rs = reqs(name="skewed", rate=200, duration_s=20, prefix_len=32, question_len=8)
+    share = Counter(r.session for r in rs)
+    assert abs(share["group-0"] / len(rs) - 0.4) < 0.03 and abs(share["group-1"] / len(rs) - 0.2) < 0.03
+    cold = [share[f"group-{g}"] / len(rs) for g in range(2, 48)]
+    assert len(share) == 48 and max(cold) < 0.02
+    with pytest.raises(ValueError, match="hot shares"):
+        reqs(name="skewed", rate=5, duration_s=1, hot="0.7,0.5")
 
 
 def test_long_doc_qa_defaults_are_few_long_documents():
