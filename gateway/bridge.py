@@ -24,7 +24,7 @@ from gateway.vllm_link import VllmLink
 from gateway.vllm_metrics import worker_id
 from gateway.vllm_worker import parse_spec
 from workers.cli_help import HelpFormatter
-from workers.kv.events import CLEARED, EventLog
+from workers.kv.events import CLEARED, EventLog, KVSnapshot
 from workers.kv.redis_schema import redact_url
 
 
@@ -39,10 +39,10 @@ class ServerEngine:
         self.load: dict = {"kind": "vllm", "worker_id": worker_id}
 
     def kv_snapshot(self) -> concurrent.futures.Future:
-        """(resident hashes, seq) now: everything here runs on this process's event loop."""
+        """The KVSnapshot now: everything here runs on this process's event loop."""
         t = self.link.translator if self.link is not None else None
         done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result((sorted(t.resident) if t is not None else [], self.events.last_seq))
+        done.set_result(KVSnapshot(self.worker_id, self.events.last_seq, sorted(t.resident) if t is not None else []))
         return done
 
     def state(self) -> dict:

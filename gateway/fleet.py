@@ -29,7 +29,7 @@ from gateway.index import RESYNC, ResidencyIndex
 from policies.api import WorkerView
 from workers.kv.cost_model import CostModel
 from workers.internal_auth import internal_headers
-from workers.kv.events import EventBatch
+from workers.kv.events import EventBatch, KVSnapshot
 from workers.kv.worker_state import WorkerState
 
 log = logging.getLogger("kvgate.gateway")
@@ -302,9 +302,9 @@ class Fleet:
     async def _tail_once(self, w: Worker, wid: str, epoch: int) -> None:
         seq = self.index.seq(wid)
         if seq is None:
-            snap = await self.get(w.url + "/kv/snapshot", self.timeout + LONG_POLL_S)
-            if self._current(w, wid, epoch) and snap["worker_id"] == wid:
-                self.index.reset(wid, snap["hashes"], snap["seq"])
+            snap = KVSnapshot.from_json(await self.get(w.url + "/kv/snapshot", self.timeout + LONG_POLL_S))
+            if self._current(w, wid, epoch) and snap.worker_id == wid:
+                self.index.reset(wid, snap.hashes, snap.seq, snap.tiers)
             return
         body = await self.get(w.url + "/kv/events", self.timeout + LONG_POLL_S,
                               {"after": seq, "timeout": LONG_POLL_S})

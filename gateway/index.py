@@ -1,7 +1,9 @@
 """The residency index: which worker holds which KV block, mirrored from the workers' KV events.
 
-Two maps kept in step: hash -> bitmask of workers (for matching a prompt) and worker -> hashes
-(for dropping or resyncing one worker). Each worker owns one bit while it is indexed, so
+Two maps kept in step: hash -> bitmask of workers holding it in any tier (for matching a
+prompt) and worker -> hashes (for dropping or resyncing one worker), the latter per tier:
+device, and the slower `host` and `disk` tiers (events' `medium`), with a hash -> bitmask map
+per slower tier, so a match can say how much of each worker's prefix lies there. Each worker owns one bit while it is indexed, so
 narrowing "who still matches" along a prompt is one integer AND per block. Each worker's
 events are applied strictly in `seq` order; anything else (a gap, a restart that reset its
 numbering) tells the caller to resync that worker from a snapshot. Everything runs on the
@@ -9,7 +11,9 @@ gateway's event loop, so no locks.
 """
 from collections.abc import Iterable
 
-from workers.kv.events import CLEARED, DEVICE, REMOVED, STORED, EventBatch, KVEvent
+from workers.kv.events import CLEARED, DEVICE, DISK, HOST, REMOVED, STORED, EventBatch, KVEvent
+
+SLOW = (HOST, DISK)
 
 RESYNC = "resync"
 
@@ -17,7 +21,9 @@ RESYNC = "resync"
 class ResidencyIndex:
     def __init__(self) -> None:
         self._where: dict[int, int] = {}
-        self._held: dict[str, set[int]] = {}
+        self._held: dict[str, set[int]] = {}  # device
+        self._slow_held: dict[str, dict[str, set[int]]] = {}  # worker -> medium -> hashes
+        self._slow_where: dict[str, dict[int, int]] = {m: {} for m in SLOW}
         self._seq: dict[str, int] = {}
         self._bit: dict[str, int] = {}
         self._ids: list[str] = []  # worker id by bit; "" for a free bit
@@ -29,30 +35,42 @@ class ResidencyIndex:
     def workers(self) -> list[str]:
         return list(self._seq)
 
-    def num_blocks(self, worker_id: str | None = None) -> int:
-        """Resident blocks of one worker, or distinct hashes over the fleet."""
+    def num_blocks(self, worker_id: str | None = None, medium: str = DEVICE) -> int:
+        """One worker's blocks in one tier, or distinct hashes in any tier over the fleet."""
         if worker_id is None:
             return len(self._where)
+        if medium != DEVICE:
+            return len(self._slow_held.get(worker_id, {}).get(medium, ()))
         return len(self._held.get(worker_id, ()))
 
     def holds(self, worker_id: str, h: int) -> bool:
         return h in self._held.get(worker_id, ())
 
-    def reset(self, worker_id: str, hashes: Iterable[int], seq: int) -> None:
-        """Replace a worker's residency by a snapshot current to `seq`."""
+    def reset(self, worker_id: str, hashes: Iterable[int], seq: int,
+              tiers: dict[str, Iterable[int]] | None = None) -> None:
+        """Replace a worker's residency by a snapshot current to `seq` (`tiers`: the slower
+        tiers' hashes by medium)."""
         self.drop(worker_id)
         held = set(hashes)
         self._held[worker_id] = held
+        self._slow_held[worker_id] = {}
         self._seq[worker_id] = seq
-        self._add(self._claim_bit(worker_id), held)
+        bit = self._claim_bit(worker_id)
+        self._add(bit, held)
+        for medium, tier in (tiers or {}).items():
+            if medium in SLOW:
+                self._store_slow(worker_id, bit, medium, list(tier))
 
     def drop(self, worker_id: str) -> None:
         """Forget a worker entirely (it left the fleet or must be resynced)."""
         held = self._held.pop(worker_id, None)
+        slow = self._slow_held.pop(worker_id, {})
         self._seq.pop(worker_id, None)
         bit = self._bit.pop(worker_id, None)
         if bit is not None:
-            self._remove(bit, held or ())
+            self._remove(bit, set().union(held or (), *slow.values()))
+            for medium, tier in slow.items():
+                self._remove(bit, tier, self._slow_where[medium])
             self._ids[bit] = ""
 
     def _claim_bit(self, worker_id: str) -> int:
@@ -85,28 +103,46 @@ class ResidencyIndex:
         return None
 
     def _apply_event(self, wid: str, ev: KVEvent) -> None:
-        if ev.medium != DEVICE and ev.kind != CLEARED:
-            return  # the index holds device residency only
         held, bit = self._held[wid], self._bit[wid]
-        if ev.kind == STORED:
-            fresh = [h for h in ev.hashes if h not in held]
-            held.update(fresh)
-            self._add(bit, fresh)
-        elif ev.kind == REMOVED:
-            gone = [h for h in ev.hashes if h in held]
-            held.difference_update(gone)
-            self._remove(bit, gone)
-        elif ev.kind == CLEARED:
-            self._remove(bit, held)
-            self._held[wid] = set()
+        if ev.kind == CLEARED:
+            self.reset(wid, (), ev.seq)
+        elif ev.medium in SLOW:
+            if ev.kind == STORED:
+                self._store_slow(wid, bit, ev.medium, ev.hashes)
+            elif ev.kind == REMOVED:
+                tier = self._slow_held[wid].get(ev.medium, set())
+                gone = [h for h in ev.hashes if h in tier]
+                tier.difference_update(gone)
+                self._remove(bit, gone, self._slow_where[ev.medium])
+                self._remove(bit, [h for h in gone if not self._elsewhere(wid, h)])
+        elif ev.medium == DEVICE:
+            if ev.kind == STORED:
+                fresh = [h for h in ev.hashes if h not in held]
+                held.update(fresh)
+                self._add(bit, fresh)
+            elif ev.kind == REMOVED:
+                gone = [h for h in ev.hashes if h in held]
+                held.difference_update(gone)
+                self._remove(bit, [h for h in gone if not self._elsewhere(wid, h)] if self._slow_held[wid] else gone)
 
-    def _add(self, bit: int, hashes: Iterable[int]) -> None:
-        where, mask = self._where, 1 << bit
+    def _store_slow(self, wid: str, bit: int, medium: str, hashes: Iterable[int]) -> None:
+        tier = self._slow_held[wid].setdefault(medium, set())
+        fresh = [h for h in hashes if h not in tier]
+        tier.update(fresh)
+        self._add(bit, fresh, self._slow_where[medium])
+        self._add(bit, fresh)
+
+    def _elsewhere(self, wid: str, h: int) -> bool:
+        """Whether worker `wid` still holds `h` in some tier."""
+        return h in self._held[wid] or any(h in tier for tier in self._slow_held[wid].values())
+
+    def _add(self, bit: int, hashes: Iterable[int], where: dict[int, int] | None = None) -> None:
+        where, mask = self._where if where is None else where, 1 << bit
         for h in hashes:
             where[h] = where.get(h, 0) | mask
 
-    def _remove(self, bit: int, hashes: Iterable[int]) -> None:
-        where, keep = self._where, ~(1 << bit)
+    def _remove(self, bit: int, hashes: Iterable[int], where: dict[int, int] | None = None) -> None:
+        where, keep = self._where if where is None else where, ~(1 << bit)
         for h in hashes:
             m = where.get(h, 0) & keep
             if m:
@@ -115,7 +151,8 @@ class ResidencyIndex:
                 where.pop(h, None)
 
     def match(self, hashes: list[int] | tuple[int, ...]) -> dict[str, int]:
-        """Per worker, how many leading blocks of `hashes` it holds (workers with 0 omitted).
+        """Per worker, how many leading blocks of `hashes` it holds in any tier (workers with 0
+        omitted; `slow_blocks` says how many of them are not on its device).
 
         Walks the chain once, narrowing the bitmask of workers still matching: one dict
         lookup and one AND per block, so 512 blocks x 64 workers costs tens of microseconds.
@@ -141,3 +178,24 @@ class ResidencyIndex:
             low = mask & -mask
             out[ids[low.bit_length() - 1]] = n
             mask ^= low
+
+    def slow_blocks(self, hashes: list[int] | tuple[int, ...], matches: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Per worker of `matches` (from `match`), how many blocks of its matched prefix lie in
+        its host and disk tiers and not on its device: (host, disk), workers with none omitted.
+        Costs nothing while no worker reports a slower tier."""
+        host_where, disk_where = self._slow_where[HOST], self._slow_where[DISK]
+        if not (host_where or disk_where) or not matches:
+            return {}
+        counts: dict[str, list[int]] = {}
+        ids = self._ids
+        for i in range(max(matches.values())):
+            h = hashes[i]
+            mask = host_where.get(h, 0) | disk_where.get(h, 0)
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                wid = ids[low.bit_length() - 1]
+                if matches.get(wid, 0) > i and h not in self._held[wid]:
+                    c = counts.setdefault(wid, [0, 0])
+                    c[0 if host_where.get(h, 0) & low else 1] += 1
+        return {wid: (c[0], c[1]) for wid, c in counts.items()}

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from gateway.fleet import Fleet
 from gateway.index import RESYNC, ResidencyIndex
 from workers.kv import redis_schema as rs
-from workers.kv.events import EventBatch
+from workers.kv.events import MEDIA, EventBatch
 
 # Replies as this client gets them (bytes: it does not decode responses); redis-py types them
 # as unions of every client's, so they are cast at the call.
@@ -125,17 +125,18 @@ class RedisState:
                 p.xrevrange(rs.stream_key(pool), count=1)
             for wid in wids:
                 pool = self.registered[wid].pool
-                p.smembers(rs.resident_key(pool, wid))
+                for key in rs.resident_keys(pool, wid):
+                    p.smembers(key)
                 p.get(rs.seq_key(pool, wid))
             out = await p.execute()
         for pool, tail in zip(pools, out):
             self.cursors[pool] = tail[0][0] if tail else b"0-0"
-        total = 0
+        total, per = 0, len(MEDIA) + 1
         for i, wid in enumerate(wids):
-            members, seq = out[len(pools) + 2 * i], out[len(pools) + 2 * i + 1]
-            if seq is not None:
-                self.index.reset(wid, map(int, members), int(seq))
-                total += len(members)
+            replies = out[len(pools) + per * i:len(pools) + per * (i + 1)]
+            if replies[-1] is not None:
+                self._reset(wid, replies[:-1], replies[-1])
+                total += len(replies[0])
         self._claim()
         self.last_bootstrap_s = time.perf_counter() - t0
         log.info("bootstrapped %d resident blocks of %d workers from redis in %.0f ms",
@@ -201,12 +202,18 @@ class RedisState:
     async def resync(self, r: aioredis.Redis, wid: str) -> None:
         pool = self.registered[wid].pool
         async with r.pipeline(transaction=True) as p:
-            p.smembers(rs.resident_key(pool, wid))
+            for key in rs.resident_keys(pool, wid):
+                p.smembers(key)
             p.get(rs.seq_key(pool, wid))
-            members, seq = await p.execute()
+            replies = await p.execute()
         w = self.fleet.by_id(wid)
-        if seq is not None and w is not None and w.healthy and w.redis_residency:
-            self.index.reset(wid, map(int, members), int(seq))
+        if replies[-1] is not None and w is not None and w.healthy and w.redis_residency:
+            self._reset(wid, replies[:-1], replies[-1])
+
+    def _reset(self, wid: str, sets: list, seq: bytes) -> None:
+        """Reset a worker's residency from its tiers' sets (MEDIA order) and seq."""
+        tiers = {m: [int(h) for h in members] for m, members in zip(MEDIA[1:], sets[1:]) if members}
+        self.index.reset(wid, [int(h) for h in sets[0]], int(seq), tiers)
 
     async def _registry_loop(self, r: aioredis.Redis) -> None:
         while True:

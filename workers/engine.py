@@ -22,7 +22,7 @@ from workers.executors.batch import Executor, step_work
 from workers.inflight import InFlight, SyncLaunch, advance, chunks_of
 from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
-from workers.kv.events import EventLog
+from workers.kv.events import EventLog, KVSnapshot
 from workers.kv.hashing import seed_hash
 from workers.kv.host_pool import SWAP_OUT, HostPool
 from workers.kv.worker_state import WorkerState
@@ -443,8 +443,9 @@ class Engine:
         return self.config.worker_id
 
     def kv_snapshot(self) -> Future:
-        """A future of (resident hashes, the event seq they are current to), read between steps."""
-        return self.call(lambda: (self.pool.resident_hashes(), self.events.last_seq))
+        """A future of the KVSnapshot of every tier, read between steps."""
+        return self.call(lambda: KVSnapshot(self.worker_id, self.events.last_seq, self.pool.resident_hashes(),
+                                            self.pool.tier_hashes()))
 
     def step_log(self, after: int) -> Future:
         """A future of (the last step's number, the logged steps after `after` as GET /steps

@@ -80,8 +80,8 @@ class RedisPublisher:
         try:
             r = self._client()
             async with r.pipeline(transaction=True) as p:
-                p.delete(rs.heartbeat_key(self.pool, self.worker_id),
-                         rs.resident_key(self.pool, self.worker_id), rs.seq_key(self.pool, self.worker_id))
+                p.delete(rs.heartbeat_key(self.pool, self.worker_id), *rs.resident_keys(self.pool, self.worker_id),
+                         rs.seq_key(self.pool, self.worker_id))
                 p.srem(rs.workers_key(self.pool), self.worker_id)
                 await p.execute()
             await r.aclose()
@@ -110,13 +110,15 @@ class RedisPublisher:
                 await r.aclose()
 
     async def resync(self, r: aioredis.Redis) -> None:
-        """Rewrite the resident set from the block pool, as of the engine's current seq."""
-        hashes, seq = await asyncio.wrap_future(self.engine.kv_snapshot())
-        res = rs.resident_key(self.pool, self.worker_id)
+        """Rewrite every tier's resident set from the block pool, as of the engine's current seq."""
+        snap = await asyncio.wrap_future(self.engine.kv_snapshot())
+        seq, hashes = snap.seq, snap.hashes
         async with r.pipeline(transaction=True) as p:
-            p.delete(res)
-            for i in range(0, len(hashes), SADD_CHUNK):
-                p.sadd(res, *hashes[i:i + SADD_CHUNK])
+            p.delete(*rs.resident_keys(self.pool, self.worker_id))
+            for medium, tier in [(DEVICE, hashes), *snap.tiers.items()]:
+                res = rs.resident_key(self.pool, self.worker_id, medium)
+                for i in range(0, len(tier), SADD_CHUNK):
+                    p.sadd(res, *tier[i:i + SADD_CHUNK])
             p.set(rs.seq_key(self.pool, self.worker_id), seq)
             p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, KVEvent(seq, rs.SNAPSHOT)),
                    maxlen=rs.STREAM_MAXLEN, approximate=True)
@@ -167,15 +169,13 @@ class RedisPublisher:
         return out
 
     def _event(self, p, ev: KVEvent) -> None:
-        res = rs.resident_key(self.pool, self.worker_id)
-        if ev.medium != DEVICE and ev.kind != CLEARED:
-            pass  # the set holds device residency; the stream carries every tier
-        elif ev.kind == STORED and ev.hashes:
+        res = rs.resident_key(self.pool, self.worker_id, ev.medium)
+        if ev.kind == STORED and ev.hashes:
             p.sadd(res, *ev.hashes)
         elif ev.kind == REMOVED and ev.hashes:
             p.srem(res, *ev.hashes)
         elif ev.kind == CLEARED:
-            p.delete(res)
+            p.delete(*rs.resident_keys(self.pool, self.worker_id))
         p.set(rs.seq_key(self.pool, self.worker_id), ev.seq)
         p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, ev),
                maxlen=rs.STREAM_MAXLEN, approximate=True)

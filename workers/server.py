@@ -505,9 +505,8 @@ class WorkerServer:
     async def kv_snapshot(self, request: Request) -> Response:
         if refused := self._refused(request):
             return refused
-        hashes, seq = await asyncio.wrap_future(self.engine.kv_snapshot())
-        return JSONResponse({"worker_id": self.engine.worker_id, "seq": seq,
-                             "block_size": self.engine.config.block_size, "hashes": hashes})
+        snap = await asyncio.wrap_future(self.engine.kv_snapshot())
+        return JSONResponse(snap.to_json() | {"block_size": self.engine.config.block_size})
 
 
 async def _wait_disconnect(request: Request) -> None:

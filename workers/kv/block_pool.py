@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
 
-from workers.kv.events import CLEARED, REMOVED, STORED, EventLog
+from workers.kv.events import CLEARED, HOST, REMOVED, STORED, EventLog
 from workers.kv.host_pool import SWAP_IN, SWAP_OUT, CopyBatch, HostPool, batches
 
 
@@ -215,6 +215,10 @@ class BlockPool:
 
     def host_hashes(self) -> list[int]:
         return [] if self.host is None else self.host.hashes()
+
+    def tier_hashes(self) -> dict[str, list[int]]:
+        """The hashes of the tiers below the device, by medium (a snapshot's `tiers`)."""
+        return {} if self.host is None else {HOST: self.host.hashes()}
 
     def clear_cache(self) -> int:
         """Forget every cached-but-free block and the host tier (e.g. after a weight reload);

@@ -40,6 +40,25 @@ class KVEvent:
 
 
 @dataclass
+class KVSnapshot:
+    """A worker's residency as of event `seq`: device hashes, and the slower tiers' by medium
+    (GET /kv/snapshot; a body without `tiers` is an older worker's: device only)."""
+    worker_id: str
+    seq: int
+    hashes: list[int]
+    tiers: dict[str, list[int]] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "KVSnapshot":
+        tiers = d.get("tiers") or {}
+        return KVSnapshot(d["worker_id"], int(d["seq"]), [int(h) for h in d["hashes"]],
+                          {m: [int(h) for h in hs] for m, hs in tiers.items() if m in MEDIA and m != DEVICE})
+
+
+@dataclass
 class EventBatch:
     """What `/kv/events` returns: events after a seq, or `gap=True` when they are gone."""
     worker_id: str

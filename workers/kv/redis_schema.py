@@ -8,6 +8,7 @@ served model: their block hashes share a seed, so their residency is comparable.
   kvgate:{pool}:workers            set of worker ids that registered in the pool
   kvgate:{pool}:hb:{worker}        heartbeat JSON (a signed Registration), expires (TTL)
   kvgate:{pool}:res:{worker}       set of the worker's resident block hashes (decimal)
+  kvgate:{pool}:res-host:{worker}  the same for its host tier (res-disk: its disk tier)
   kvgate:{pool}:seq:{worker}       the event seq the set is current to
   kvgate:{pool}:events             stream of KV events, fields w s k h p [m] (see encode_event)
   kvgate:replicas                  set of gateway replica ids
@@ -24,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit, urlunsplit
 
-from workers.kv.events import DEVICE, KVEvent
+from workers.kv.events import DEVICE, MEDIA, KVEvent
 
 PREFIX = "kvgate"
 POOLS = f"{PREFIX}:pools"
@@ -43,8 +44,14 @@ def heartbeat_key(pool: str, worker_id: str) -> str:
     return f"{PREFIX}:{pool}:hb:{worker_id}"
 
 
-def resident_key(pool: str, worker_id: str) -> str:
-    return f"{PREFIX}:{pool}:res:{worker_id}"
+def resident_key(pool: str, worker_id: str, medium: str = DEVICE) -> str:
+    """The set of a worker's hashes in one tier: `res` for the device, `res-host`, `res-disk`."""
+    return f"{PREFIX}:{pool}:res:{worker_id}" if medium == DEVICE else f"{PREFIX}:{pool}:res-{medium}:{worker_id}"
+
+
+def resident_keys(pool: str, worker_id: str) -> list[str]:
+    """Every tier's set of a worker, device first (in MEDIA order)."""
+    return [resident_key(pool, worker_id, m) for m in MEDIA]
 
 
 def seq_key(pool: str, worker_id: str) -> str:
