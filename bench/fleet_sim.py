@@ -34,7 +34,7 @@ from bench.sim_worker import SimConfig, SimWorker
 from bench.workloads import BenchRequest
 from gateway.fleet import with_fields, worker_view
 from gateway.index import ResidencyIndex
-from policies.api import FleetView, Policy, RequestView, WorkerView
+from policies.api import DEFAULT_TIER_CREDITS, FleetView, Policy, RequestView, TierCredits, WorkerView
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventBatch, KVEvent
 from workers.kv.hashing import block_hash, seed_hash
@@ -63,6 +63,7 @@ class FleetConfig:
     transfer_gbps: float = 20.0  # GB/s (1e9 bytes)
     transfer_latency_s: float = 0.0  # fixed cost per transfer (reserve, commit, handshakes)
     pd_wait_s: float = 5.0  # the gateway's default KV wait on the decode worker
+    tier_credits: TierCredits = DEFAULT_TIER_CREDITS  # the router's credit per tier (gateway --host-kv-credit)
 
 
 class FleetSim:
@@ -75,7 +76,7 @@ class FleetSim:
         self.workers = [self._worker(i) for i in range(cfg.workers)]
         self.base = [self._view(w) for w in self.workers]
         self.current = list(self.base)
-        self.matched: list[dict[int, WorkerView]] = [{} for _ in self.workers]
+        self.matched: list[dict[tuple[int, int, int], WorkerView]] = [{} for _ in self.workers]
         self.position = {w.worker_id: i for i, w in enumerate(self.workers)}
         self.hasher = ChainHasher(cfg.sim.block_size, self.seed)
         self.in_flight = [0] * cfg.workers
@@ -137,7 +138,8 @@ class FleetSim:
         self._index_events()
         view = RequestView(str(br.index), n, tuple(hashes), br.max_tokens, cfg.slo_ttft_ms,
                            cfg.slo_tpot_ms, br.session, model=cfg.sim.model_id)
-        route = self.policy.route(view, FleetView(self.views(self.index.match(hashes)), now))
+        matches = self.index.match(hashes)
+        route = self.policy.route(view, FleetView(self.views(matches, self.index.slow_blocks(hashes, matches)), now))
         if route.reject:
             self._failed(now, n, f"rejected: {route.reject}")
             return
@@ -224,15 +226,20 @@ class FleetSim:
             self.pd_fallbacks += 1
             self._deliver(req, d, now, now)  # D has held it since it arrived, pd_wait_s ago
 
-    def views(self, matches: dict[str, int]) -> tuple[WorkerView, ...]:
-        """`Fleet.views`: the polled view with this request's match and the in-flight count.
-        Composed views are cached per worker until its poll or in-flight count changes."""
+    def views(self, matches: dict[str, int], slow: dict[str, tuple[int, int]]) -> tuple[WorkerView, ...]:
+        """`Fleet.views`: the polled view with this request's match (and how much of it is in
+        slower tiers) and the in-flight count. Composed views are cached per worker until its
+        poll or in-flight count changes."""
         out = list(self.current)
         for wid, m in matches.items():
             i = self.position[wid]
-            v = self.matched[i].get(m)
+            host, disk = slow.get(wid, (0, 0))
+            key = (m, host, disk)
+            v = self.matched[i].get(key)
             if v is None:
-                v = self.matched[i][m] = with_fields(self.base[i], matched_blocks=m, in_flight=self.in_flight[i])
+                v = self.matched[i][key] = with_fields(
+                    self.base[i], matched_blocks=m, in_flight=self.in_flight[i], matched_host_blocks=host,
+                    matched_disk_blocks=disk, tier_credits=self.cfg.tier_credits)
             out[i] = v
         return tuple(out)
 

@@ -15,6 +15,9 @@ manager. An arrival routed here mid-segment cuts it after the step in progress, 
 engine would drain it at the next step. The result is identical to stepping one at a time
 (tests/test_simulate.py and tests/test_one_lifecycle.py check that), only far fewer events.
 
+The host tier, when on, is the block pool's own (workers/kv/host_pool.py): blocks spill and
+load back as on a real worker, and a step that loads blocks back takes their copy time longer.
+
 Output token ids: a constant per request (from its seed), never in any prompt; what matters
 for the cache is only that each request's output blocks hash uniquely.
 """
@@ -30,6 +33,7 @@ from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel, StepWork
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
+from workers.kv.host_pool import SWAP_IN, HostPool
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
 from workers.request import Request
@@ -48,6 +52,8 @@ class SimConfig:
     max_num_seqs: int = 256
     max_model_len: int = 65536
     fast_forward: bool = True
+    host_blocks: int = 0  # the host tier (--host-kv-gb's blocks); 0: evicted blocks are dropped
+    host_gbps: float = 20.0  # copy-back rate, host -> device (GB/s, 1e9 bytes)
 
 
 def output_token(chunk: SeqChunk) -> int:
@@ -75,7 +81,8 @@ class SimWorker:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cfg = cfg
         self.events = EventLog(worker_id)
-        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events)
+        host = HostPool(cfg.host_blocks, self.events) if cfg.host_blocks > 0 else None
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events, host)
         self.kv = KVCacheManager(self.pool, seed_hash(cfg.model_id, cfg.block_size))
         self.scheduler = Scheduler(self.kv, cfg.max_batched_tokens, cfg.max_num_seqs, cfg.max_model_len)
         self.executor = sim_executor(cost, cfg.max_model_len)
@@ -154,7 +161,7 @@ class SimWorker:
         tokens are drawn now and written over the placeholders when the step lands."""
         chunks = chunks_of(plan)
         work = step_work(chunks)
-        ms = self.executor.cost.work_ms(work)
+        ms = self.executor.cost.work_ms(work) + self._copy_back_ms()
         self.sampled = [self.executor.token(c) if c.sample else None for c in chunks]
         advance(plan, self.cfg.max_model_len)
         self.plan, self.plan_log = plan, StepRecord(ms, work, ms)
@@ -168,6 +175,12 @@ class SimWorker:
         for s in self.scheduler.update_from_output(plan, self.sampled, now):
             if s.finish_reason is not None:
                 self.on_finish(s.req, now)
+
+    def _copy_back_ms(self) -> float:
+        """The host tier's copies queued since the last step: copies back (host -> device) run
+        before the step and add to its time; copies out overlap the step and cost nothing."""
+        blocks = sum(len(b.block_ids) for b in self.pool.take_copies() if b.direction == SWAP_IN)
+        return blocks * self.cfg.block_size * self.kv_bytes_per_token / (self.cfg.host_gbps * 1e6)
 
     # decode segments
 

@@ -27,6 +27,7 @@ from bench.transfer_model import load as load_link
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate, resolve_rates
 from gateway.server import build_policy, parse_policy_args
+from policies.api import DEFAULT_TIER_CREDITS, TierCredits
 from policies.registry import BUILTIN_POLICIES, load_policy
 from workers.cli_help import HelpFormatter
 from workers.kv.cost_model import CostModel
@@ -142,6 +143,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens one engine step computes at most")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in a worker's running batch at most")
     p.add_argument("--max-model-len", type=int, default=65536, help="context length of the simulated model")
+    p.add_argument("--host-kv-blocks", type=int, default=0,
+                   help="each worker's host KV tier in blocks (a worker's --host-kv-gb); default 0: none")
+    p.add_argument("--host-kv-gbps", type=float, default=20.0,
+                   help="the host tier's copy-back rate in GB/s (pinned host -> device)")
+    p.add_argument("--host-kv-credit", type=float, default=DEFAULT_TIER_CREDITS.host,
+                   help="the router's credit for a matched host-tier block (gateway --host-kv-credit)")
     p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
     p.add_argument("--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival")
     p.add_argument("--request-overhead-ms", type=float,
@@ -169,7 +176,8 @@ def parser() -> argparse.ArgumentParser:
 def fleet_config(args: argparse.Namespace) -> FleetConfig:
     sim = SimConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                     max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len, fast_forward=not args.no_fast_forward)
+                    max_model_len=args.max_model_len, fast_forward=not args.no_fast_forward,
+                    host_blocks=args.host_kv_blocks, host_gbps=args.host_kv_gbps)
     profile = load_profile(args.profile) if args.profile else {}
     cost = CostModel.from_json(profile) if profile else CostModel()
     overhead = args.request_overhead_ms if args.request_overhead_ms is not None else profile.get("request_overhead_ms", 0.0)
@@ -178,7 +186,8 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
                        transfer_gbps=args.transfer_gbps or link.gbps, transfer_latency_s=link.latency_s,
                        workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
                        slo_tpot_ms=args.slo_tpot_ms, poll_s=args.poll_ms / 1000.0, drain_s=args.drain_s,
-                       views_with_cost=args.views_with_cost, request_overhead_ms=overhead)
+                       views_with_cost=args.views_with_cost, request_overhead_ms=overhead,
+                       tier_credits=TierCredits(args.host_kv_credit, DEFAULT_TIER_CREDITS.disk))
 
 
 def parse_roles(spec: str | None, workers: int) -> tuple[str, ...] | None:
@@ -240,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                       "poll_s": fleet.poll_s, "views_with_cost": fleet.views_with_cost,
                       "request_overhead_ms": fleet.request_overhead_ms, "roles": args.roles,
                       "kv_bytes_per_token": fleet.kv_bytes_per_token, "transfer_gbps": fleet.transfer_gbps,
-                      "transfer_latency_s": fleet.transfer_latency_s, "kv_transport": args.kv_transport},
+                      "transfer_latency_s": fleet.transfer_latency_s, "kv_transport": args.kv_transport,
+                      "tier_credits": asdict(fleet.tier_credits)},
             "wall_s": time.perf_counter() - t0}
     rep.publish(series, meta, args.out)

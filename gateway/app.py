@@ -280,7 +280,8 @@ class Gateway:
             self.metrics.refused.labels("worker_queues_full").inc()
             raise refused(self.admission.full(len(workers)))
         matches = self.index.match(view.block_hashes)
-        fleet = FleetView(self.fleet.views(room, matches), time.time())
+        fleet = FleetView(self.fleet.views(room, matches, self.index.slow_blocks(view.block_hashes, matches)),
+                          time.time())
         route = self.policy.route(view, fleet)
         self.metrics.decision.observe(time.perf_counter() - t0)
         if route.reject:

@@ -26,7 +26,7 @@ import aiohttp
 
 from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
-from policies.api import WorkerView
+from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
 from workers.kv.cost_model import CostModel
 from workers.internal_auth import internal_headers
 from workers.kv.events import EventBatch, KVSnapshot
@@ -145,12 +145,14 @@ class Refused(aiohttp.ClientError):
 class Fleet:
     """`token`: the fleet's internal token, sent on every control-plane call (workers refuse
     /state, /kv/events and /kv/snapshot without it when they have one). `kinds`: worker kinds
-    other than kvgate's own, by name (gateway/vllm_worker.py)."""
+    other than kvgate's own, by name (gateway/vllm_worker.py). `tier_credits`: what a matched
+    block in a worker's host or disk tier is worth to the policies (policies.api.TierCredits)."""
 
     def __init__(self, index: ResidencyIndex, interval: float = 0.5, timeout: float = 1.0,
                  stall_s: float = 1.5, breaker: BreakerConfig | None = None, token: str | None = None,
-                 kinds: dict | None = None):
+                 kinds: dict | None = None, tier_credits: TierCredits = DEFAULT_TIER_CREDITS):
         self.index = index
+        self.tier_credits = tier_credits
         self.token = token
         self.kinds = kinds or {}
         self.interval = interval
@@ -328,15 +330,22 @@ class Fleet:
     def candidates(self, model: str | None) -> list[Worker]:
         return [w for w in self.workers.values() if w.available and (model is None or w.model == model)]
 
-    def views(self, workers: list[Worker], matches: dict[str, int]) -> tuple[WorkerView, ...]:
-        """The policy's picture of `workers`: last polled load, matched prefix, in-flight."""
+    def views(self, workers: list[Worker], matches: dict[str, int],
+              slow: dict[str, tuple[int, int]] | None = None) -> tuple[WorkerView, ...]:
+        """The policy's picture of `workers`: last polled load, matched prefix (with `slow`, the
+        index's `slow_blocks`: how much of it is in host and disk tiers), in-flight."""
         out = []
         for w in workers:
             flight = w.in_flight + w.shared_in_flight
             m = matches.get(w.worker_id, 0) // w.hash_ratio
             base = w.base
             assert base is not None, "only available workers (polled, so with a view) are candidates"
-            out.append(with_fields(base, matched_blocks=m, in_flight=flight) if m or flight else base)
+            view = with_fields(base, matched_blocks=m, in_flight=flight) if m or flight else base
+            if slow and w.worker_id in slow:
+                host, disk = slow[w.worker_id]
+                view = with_fields(view, matched_host_blocks=host // w.hash_ratio,
+                                   matched_disk_blocks=disk // w.hash_ratio, tier_credits=self.tier_credits)
+            out.append(view)
         return tuple(out)
 
     def models(self) -> dict[str, int]:

@@ -24,7 +24,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Tokenizers
 from gateway.tracing import Tracing, make_exporter
-from policies.api import Policy
+from policies.api import DEFAULT_TIER_CREDITS, Policy, TierCredits
 from policies.registry import load_policy
 from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer
@@ -105,6 +105,11 @@ def parser() -> argparse.ArgumentParser:
 def add_reliability_args(p: argparse.ArgumentParser) -> None:
     """Liveness, upstream timeouts, retries, admission control and client limits."""
     g = p.add_argument_group("liveness and upstream")
+    g.add_argument("--host-kv-credit", type=float, default=DEFAULT_TIER_CREDITS.host, metavar="C",
+                   help="what a matched block in a worker's host tier is worth, in device blocks (its copy back "
+                        "costs the rest of its prefill)")
+    g.add_argument("--disk-kv-credit", type=float, default=DEFAULT_TIER_CREDITS.disk, metavar="C",
+                   help="what a matched block in a worker's disk tier is worth, in device blocks")
     g.add_argument("--engine-stall-s", type=float, default=1.5,
                    help="a worker whose engine made no progress on its work for this long is out of service")
     g.add_argument("--upstream-connect-timeout", type=float, default=2.0, metavar="S",
@@ -149,7 +154,8 @@ def build(args: argparse.Namespace) -> Gateway:
     fleet = Fleet(ResidencyIndex(), interval=args.health_interval,
                   timeout=max(0.25, min(1.0, 1.9 - args.health_interval)), stall_s=args.engine_stall_s,
                   breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s), token=args.internal_token,
-                  kinds={vllm_worker.KIND: vllm_kind(args)})
+                  kinds={vllm_worker.KIND: vllm_kind(args)},
+                  tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit))
     for spec in args.worker:
         add_worker(fleet, spec)
     redis = None

@@ -26,6 +26,20 @@ class RequestView:
 
 
 @dataclass(frozen=True)
+class TierCredits:
+    """What a matched block saves, in device blocks, by the tier it lies in: a host or disk block
+    is copied back before the prefill that uses it, so it saves that prefill less the copy.
+    `host`: 1 - copy-back time / prefill time per block, as bench/host_copy.py measures them
+    (bench/results/host_copy.json); `disk`: Dynamo's credit for its disk tier (no disk tier
+    is measured yet)."""
+    host: float = 0.9
+    disk: float = 0.25
+
+
+DEFAULT_TIER_CREDITS = TierCredits()
+
+
+@dataclass(frozen=True)
 class WorkerView:
     """One candidate worker as the gateway sees it at decision time.
 
@@ -36,7 +50,10 @@ class WorkerView:
     """
     worker_id: str
     role: str = MIXED
-    matched_blocks: int = 0
+    matched_blocks: int = 0  # the request's leading blocks it holds, in any tier
+    matched_host_blocks: int = 0  # of those, the ones only in its host tier
+    matched_disk_blocks: int = 0  # and only in its disk tier
+    tier_credits: TierCredits = DEFAULT_TIER_CREDITS
     block_size: int = 16
     waiting: int = 0
     running: int = 0

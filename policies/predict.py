@@ -18,8 +18,17 @@ DEFAULT_COST = CostModel()
 def cached_tokens(req: RequestView, w: WorkerView) -> int:
     """Prompt tokens `w` will take from its prefix cache: the matched blocks, but never the
     block holding the prompt's last token, which is always computed (kvgate's workers and vLLM
-    both stop the hit at `num_tokens - 1`, so a fully cached prompt recomputes a whole block)."""
-    return min(w.matched_blocks, max(0, req.num_tokens - 1) // w.block_size) * w.block_size
+    both stop the hit at `num_tokens - 1`, so a fully cached prompt recomputes a whole block).
+    A block in a slower tier counts as its tier's credit of a block (`TierCredits`): it saves
+    its prefill less the copy back. Every policy's hit goes through here, so all credit alike."""
+    n = min(w.matched_blocks, max(0, req.num_tokens - 1) // w.block_size)
+    if not (w.matched_host_blocks or w.matched_disk_blocks):
+        return n * w.block_size
+    cut = w.matched_blocks - n  # blocks past the limit: the chain's tail, where slower tiers lie
+    disk = max(0, w.matched_disk_blocks - cut)
+    host = max(0, w.matched_host_blocks - max(0, cut - w.matched_disk_blocks))
+    c = w.tier_credits
+    return round((n - host - disk + c.host * host + c.disk * disk) * w.block_size)
 
 
 def uncached_tokens(req: RequestView, w: WorkerView) -> int:

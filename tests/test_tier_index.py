@@ -1,10 +1,17 @@
 """The residency index keeps each worker's tiers apart (events' `medium`): a match runs over any
 tier, `slow_blocks` says how much of it is off the device; snapshots and old medium-less events
 (device) read the same as the events that built them."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.index import ResidencyIndex
+from policies import predict
+from policies.api import TierCredits
+from policies.kv_cost import KvCost
+from policies.prefix_affinity import PrefixAffinity
+from policies.slo_goodput import SloGoodput
+from tests.views import fleet, req, worker
 from workers.kv.events import CLEARED, DEVICE, DISK, HOST, MEDIA, REMOVED, STORED, EventBatch, KVEvent, KVSnapshot
 
 WORKERS = ("a", "b", "c")
@@ -65,3 +72,25 @@ def test_an_event_without_a_medium_is_a_device_event_and_snapshots_round_trip():
     assert KVSnapshot.from_json(snap.to_json()) == snap
     assert KVSnapshot.from_json({"worker_id": "w", "seq": 1, "hashes": [1]}).tiers == {}
     assert KVSnapshot.from_json({"worker_id": "w", "seq": 1, "hashes": [], "tiers": {"tape": [1]}}).tiers == {}
+
+
+# Tier-aware routing: a matched block is worth its tier's credit, in every policy alike
+
+@pytest.mark.parametrize("policy", [KvCost(), PrefixAffinity(), SloGoodput()], ids=lambda p: p.name)
+@pytest.mark.parametrize("host_credit, winner", [(0.5, "device"), (1.0, "host")])
+def test_a_longer_match_in_host_loses_to_a_shorter_one_on_device_when_credited_less(policy, host_credit, winner):
+    """"host" holds 40 blocks of the prompt, all in its host tier; "device" 30 on its device.
+    At credit 0.5 the host match is worth 20 blocks and "device" wins; at 1.0 it is worth 40."""
+    credits = TierCredits(host=host_credit)
+    f = fleet(worker("device", matched_blocks=30, total_blocks=4096, free_blocks=4096),
+              worker("host", matched_blocks=40, matched_host_blocks=40, tier_credits=credits,
+                     total_blocks=4096, free_blocks=4096))
+    r = req(64 * 16)
+    assert policy.route(r, f).worker == winner
+    assert predict.cached_tokens(r, f.workers[1]) == round(40 * host_credit) * 16
+
+
+def test_the_last_block_cut_from_a_match_is_taken_from_its_slowest_tier():
+    w = worker("w", matched_blocks=4, matched_host_blocks=1, matched_disk_blocks=1, tier_credits=TierCredits(0.5, 0.25))
+    assert predict.cached_tokens(req(4 * 16), w) == round((2 + 0.5) * 16), "3 usable blocks: the disk one goes"
+    assert predict.cached_tokens(req(5 * 16), w) == round((2 + 0.5 + 0.25) * 16)
