@@ -147,8 +147,9 @@ def parser() -> argparse.ArgumentParser:
                    help="each worker's host KV tier in blocks (a worker's --host-kv-gb); default 0: none")
     p.add_argument("--host-kv-gbps", type=float, default=20.0,
                    help="the host tier's copy-back rate in GB/s (pinned host -> device)")
-    p.add_argument("--host-kv-credit", type=float, default=DEFAULT_TIER_CREDITS.host,
-                   help="the router's credit for a matched host-tier block (gateway --host-kv-credit)")
+    p.add_argument("--host-kv-credit", type=float,
+                   help="the router's credit for a matched host-tier block (gateway --host-kv-credit; "
+                        "default: 1 - copy-back/prefill time from --host-kv-gbps and the cost model)")
     p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
     p.add_argument("--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival")
     p.add_argument("--request-overhead-ms", type=float,
@@ -187,7 +188,14 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
                        workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
                        slo_tpot_ms=args.slo_tpot_ms, poll_s=args.poll_ms / 1000.0, drain_s=args.drain_s,
                        views_with_cost=args.views_with_cost, request_overhead_ms=overhead,
-                       tier_credits=TierCredits(args.host_kv_credit, DEFAULT_TIER_CREDITS.disk))
+                       tier_credits=tier_credits(args, cost))
+
+
+def tier_credits(args: argparse.Namespace, cost: CostModel) -> TierCredits:
+    """The router's tier credits: --host-kv-credit, else what copy-back and prefill rates give."""
+    if args.host_kv_credit is not None:
+        return TierCredits(args.host_kv_credit, DEFAULT_TIER_CREDITS.disk)
+    return TierCredits.for_rates(args.host_kv_gbps, args.kv_bytes_per_token, cost.prefill_token_ms)
 
 
 def parse_roles(spec: str | None, workers: int) -> tuple[str, ...] | None:

@@ -29,14 +29,24 @@ class RequestView:
 class TierCredits:
     """What a matched block saves, in device blocks, by the tier it lies in: a host or disk block
     is copied back before the prefill that uses it, so it saves that prefill less the copy.
-    `host`: 1 - copy-back time / prefill time per block, as bench/host_copy.py measures them
-    (bench/results/host_copy.json); `disk`: Dynamo's credit for its disk tier (no disk tier
-    is measured yet)."""
-    host: float = 0.9
+    `host`: 1 - copy-back time / prefill time (`for_rates`); `disk`: Dynamo's credit for its
+    disk tier (kvgate has no disk tier yet)."""
+    host: float = 0.75
     disk: float = 0.25
 
+    @staticmethod
+    def for_rates(copy_gbps: float, kv_bytes_per_token: int, prefill_token_ms: float,
+                  disk: float = 0.25) -> "TierCredits":
+        """The host credit of a worker that copies back at `copy_gbps` (GB/s) and prefills at
+        `prefill_token_ms` per token: a block's copy and its prefill both scale with its tokens."""
+        copy_token_ms = kv_bytes_per_token / (copy_gbps * 1e6)
+        return TierCredits(round(max(0.0, 1.0 - copy_token_ms / prefill_token_ms), 3) if prefill_token_ms > 0 else 0.0, disk)
 
-DEFAULT_TIER_CREDITS = TierCredits()
+
+# Llama-3-8B on one H200: prefill 0.0104 ms/token (bench/profiles/h200-llama8b-kvgate.json), 128 KiB
+# of KV per token copied back at 50 GB/s (pinned PCIe Gen5; bench/host_copy.py --device cuda measures
+# it): host credit 0.75. On this CPU host with SmolLM2, bench/results/host_copy_cpu_smollm2.json: 0.99.
+DEFAULT_TIER_CREDITS = TierCredits.for_rates(50.0, 131072, 0.0104)
 
 
 @dataclass(frozen=True)
