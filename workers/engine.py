@@ -30,6 +30,7 @@ from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
 from workers.pending import PendingKV
 from workers.request import FINISHED, Request
+from workers.transfer import KVPayload, Reservation, publish, reserve
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Sampled, Scheduler, StepPlan
 from workers.step_stats import StepRecord, StepStats, step_means
@@ -446,6 +447,34 @@ class Engine:
         """A future of the KVSnapshot of every tier, read between steps."""
         return self.call(lambda: KVSnapshot(self.worker_id, self.events.last_seq, self.pool.resident_hashes(),
                                             self.pool.tier_hashes()))
+
+    # the KV host: what P/D transfer does to this engine's cache (workers/transfer*.py)
+
+    @property
+    def kv_seed(self) -> int:
+        """The block-hash chain's seed: imported hashes are re-derived from it and the tokens."""
+        return self.kv.seed
+
+    def hold_for_export(self, block_ids: list[int]) -> list:
+        """Engine thread (an exporter): take a reference on blocks until they are sent."""
+        self.stats.kv_exported_blocks += len(block_ids)
+        return self.pool.hold(block_ids)
+
+    def release(self, blocks: list) -> Future:
+        """Let go of held or reserved blocks."""
+        return self.call(lambda: self.pool.free(blocks))
+
+    def reserve_kv(self, payload: KVPayload) -> Future:
+        """A future of the blocks an import writes into (`workers.transfer.reserve`)."""
+        return self.call(lambda: reserve(self.pool, payload))
+
+    def publish_kv(self, payload: KVPayload, res: Reservation) -> Future:
+        """A future of (imported, present) once the written blocks enter the prefix cache."""
+        def run() -> tuple[int, int]:
+            imported, present = publish(self.pool, payload, res)
+            self.stats.kv_imported_blocks += imported
+            return imported, present
+        return self.call(run)
 
     def step_log(self, after: int) -> Future:
         """A future of (the last step's number, the logged steps after `after` as GET /steps

@@ -20,7 +20,7 @@ from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
 from workers.tracing import WorkerTracing
-from workers.transfer import KVPayload, decode, encode_header, executor_spec, publish, reserve
+from workers.transfer import KVPayload, decode, encode_header, executor_spec
 
 log = logging.getLogger("kvgate.transfer")
 CHUNK = 1 << 20
@@ -39,7 +39,7 @@ class TransferService:
         self.sending = 0  # exports between a finished prefill and the end of their POST
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
         self.tracing = WorkerTracing()  # the server's, once it sets it
-        self.nixl = self._start_nixl(engine.config.worker_id) if transport == "nixl" else None
+        self.nixl = self._start_nixl(engine.worker_id) if transport == "nixl" else None
 
     def _start_nixl(self, worker_id: str):
         """The NIXL side of this worker (workers/transfer_nixl.py), or None, with HTTP in its
@@ -68,8 +68,7 @@ class TransferService:
         decoding on this worker, so `send` reads them on another thread and lets them go.
         `span` is the request's, which the export's span is a child of."""
         def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int], parent: int | None) -> None:
-            self.engine.stats.kv_exported_blocks += len(hashes)
-            held = self.engine.pool.hold(block_ids)
+            held = self.engine.hold_for_export(block_ids)
             loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt, span, parent)
         return export
 
@@ -99,7 +98,7 @@ class TransferService:
 
         Failures only cost the decode side a recompute, so they are counted and logged.
         """
-        eng, ex = self.engine, self.engine.executor
+        ex = self.engine.executor
         header = encode_header(self.spec, hashes, tokens, parent, cache_salt)
         ids = [b.block_id for b in held]
         try:
@@ -108,7 +107,7 @@ class TransferService:
                     return True
             kv = await asyncio.to_thread(ex.read_blocks, ids)
         finally:
-            eng.call(lambda: eng.pool.free(held))
+            self.engine.release(held)
         if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
             if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes, headers):
@@ -171,7 +170,7 @@ class TransferService:
         ipc = request.headers.get("content-type") == "application/x-kvgate-ipc"
         t1 = time.perf_counter()
         try:
-            payload = await asyncio.to_thread(decode, body, self.spec, self.engine.kv.seed, ipc)
+            payload = await asyncio.to_thread(decode, body, self.spec, self.engine.kv_seed, ipc)
         except InvalidRequest as e:
             return JSONResponse(error_body(str(e), code=e.code), status_code=400)
         except Exception as e:
@@ -184,7 +183,6 @@ class TransferService:
             log.exception("KV import failed")
             return JSONResponse(error_body(f"KV import failed: {e}", "server_error", "kv_import_failed"),
                                 status_code=500)
-        self.engine.stats.kv_imported_blocks += imported
         if span is not None:
             span.set_attributes({"kvgate.blocks": len(payload.hashes), "kvgate.imported_blocks": imported,
                                  "kvgate.present_blocks": present,
@@ -198,15 +196,15 @@ class TransferService:
         """Reserve, write, publish. Run as its own task: cancelled half-way it would leave blocks
         held, or freed while a thread still writes them."""
         eng = self.engine
-        res = await asyncio.wrap_future(eng.call(lambda: reserve(eng.pool, payload)))
+        res = await asyncio.wrap_future(eng.reserve_kv(payload))
         try:
             if res.fresh:
                 await asyncio.to_thread(eng.executor.import_blocks, res.fresh_ids, payload.data,
                                         res.positions, len(payload.hashes))
         except Exception:
-            eng.call(lambda: eng.pool.free(res.blocks))
+            eng.release(res.blocks)
             raise
-        return await asyncio.wrap_future(eng.call(lambda: publish(eng.pool, payload, res)))
+        return await asyncio.wrap_future(eng.publish_kv(payload, res))
 
     def stats(self) -> dict:
         return {"transport": self.transport, "sent_bytes": self.sent_bytes, "sent_seconds": self.sent_seconds,

@@ -36,7 +36,7 @@ from workers.http_guard import BodyTooLarge, read_body
 from workers.internal_auth import TOKEN_HEADER
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
-from workers.transfer import KVPayload, Reservation, decode_header, publish, reserve
+from workers.transfer import KVPayload, Reservation, decode_header
 
 log = logging.getLogger("kvgate.transfer")
 
@@ -282,7 +282,7 @@ class NixlTransfer:
         svc, eng = self.service, self.service.engine
         try:
             body = await read_body(request, MAX_HEADER_BYTES)
-            payload, _ = await asyncio.to_thread(decode_header, body, svc.spec, eng.kv.seed)
+            payload, _ = await asyncio.to_thread(decode_header, body, svc.spec, eng.kv_seed)
         except BodyTooLarge as e:
             return JSONResponse(error_body(str(e), code="bad_kv_transfer"), status_code=413)
         except InvalidRequest as e:
@@ -294,7 +294,7 @@ class NixlTransfer:
         """Hold the blocks and start the clock on them. Its own task: a caller that goes away
         half-way must not leave blocks held with no timer to let them go."""
         eng = self.service.engine
-        res = await asyncio.wrap_future(eng.call(lambda: reserve(eng.pool, payload)))
+        res = await asyncio.wrap_future(eng.reserve_kv(payload))
         rid = uuid.uuid4().hex
         ttl = RESERVE_BASE_S + len(res.fresh) * self.service.spec.block_bytes() / (RESERVE_MIN_GBPS * 1e9)
         timer = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
@@ -324,7 +324,7 @@ class NixlTransfer:
             self.expired += 1
             log.warning("KV reservation %s expired without a commit: %d blocks let go", rid, len(held.res.blocks))
             eng = self.service.engine
-            eng.call(lambda: eng.pool.free(held.res.blocks))
+            eng.release(held.res.blocks)
 
     async def commit_endpoint(self, request: Request) -> Response:
         """POST /kv/nixl/commit {id, ok}: publish the written blocks, or let them go."""
@@ -344,10 +344,9 @@ class NixlTransfer:
         held.timer.cancel()
         eng = self.service.engine
         if not ok:
-            eng.call(lambda: eng.pool.free(held.res.blocks))
+            eng.release(held.res.blocks)
             return JSONResponse({"released": len(held.res.blocks)})
-        imported, present = await asyncio.wrap_future(eng.call(lambda: publish(eng.pool, held.payload, held.res)))
-        eng.stats.kv_imported_blocks += imported
+        imported, present = await asyncio.wrap_future(eng.publish_kv(held.payload, held.res))
         self.committed += 1
         return JSONResponse({"imported": imported, "present": present,
                              "dropped": len(held.payload.hashes) - imported - present})
