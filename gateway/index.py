@@ -9,7 +9,7 @@ events are applied strictly in `seq` order; anything else (a gap, a restart that
 numbering) tells the caller to resync that worker from a snapshot. Everything runs on the
 gateway's event loop, so no locks.
 """
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from workers.kv.events import CLEARED, DEVICE, DISK, HOST, REMOVED, STORED, EventBatch, KVEvent
 
@@ -47,7 +47,7 @@ class ResidencyIndex:
         return h in self._held.get(worker_id, ())
 
     def reset(self, worker_id: str, hashes: Iterable[int], seq: int,
-              tiers: dict[str, Iterable[int]] | None = None) -> None:
+              tiers: Mapping[str, Iterable[int]] | None = None) -> None:
         """Replace a worker's residency by a snapshot current to `seq` (`tiers`: the slower
         tiers' hashes by medium)."""
         self.drop(worker_id)

@@ -69,7 +69,10 @@ class HostPool:
         Drops the oldest entries to make room; one `removed` and one `stored` event per call."""
         if not self.num_slots:
             return [None] * len(blocks)
-        entries, slots, stored, removed = self._entries, [], [], []
+        entries = self._entries
+        slots: list[int | None] = []
+        stored: list[int] = []
+        removed: list[int] = []
         for h, tokens in blocks:
             if h in entries:
                 entries.move_to_end(h)
