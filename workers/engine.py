@@ -24,7 +24,7 @@ from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog, KVSnapshot
 from workers.kv.hashing import seed_hash
-from workers.kv.host_pool import SWAP_OUT, HostPool
+from workers.kv.host_pool import HostPool, run_copies
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
@@ -265,13 +265,9 @@ class Engine:
         return outputs
 
     def _copy_blocks(self) -> None:
-        """Hand the host tier's queued copies to the executor, in order: evicted blocks out
-        before anything overwrites them, reloaded blocks in before a step reads them."""
-        for batch in self.pool.take_copies():
-            if batch.direction == SWAP_OUT:
-                self.executor.swap_out(batch.block_ids, batch.slots)
-            else:
-                self.executor.swap_in(batch.block_ids, batch.slots)
+        """Hand the host tier's queued copies to the executor (before the step or the KV import
+        that could overwrite an evicted block or read a reloaded one)."""
+        run_copies(self.pool.take_copies(), self.executor)
 
     def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
         """Hand the plan to the executor and count its tokens as launched; if the executor raises,

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 
 from workers.kv.hashing import block_hash, salted_seed
+from workers.kv.host_pool import run_copies
 from workers.sampling_params import InvalidRequest
 
 MAGIC = b"KVG1"
@@ -158,6 +159,7 @@ def import_payload(pool, executor, payload: KVPayload) -> tuple[int, int]:
     """`reserve`, write, `publish` in one go, all on the calling (engine) thread. The HTTP
     receiver runs the write on another thread instead (workers/transfer_http.py)."""
     res = reserve(pool, payload)
+    run_copies(pool.take_copies(), executor)  # blocks the reservation evicted leave before the write
     if res.fresh:
         executor.import_blocks(res.fresh_ids, payload.data, res.positions, len(payload.hashes))
     return publish(pool, payload, res)

@@ -115,3 +115,13 @@ def batches(copies: list[tuple[str, int, int]]) -> list[CopyBatch]:
         out[-1].block_ids.append(block_id)
         out[-1].slots.append(slot)
     return out
+
+
+def run_copies(batches_: list[CopyBatch], executor) -> None:
+    """Hand queued copies to an executor's swap_out/swap_in, in order: evicted blocks out before
+    anything overwrites them, reloaded blocks in before anything reads them."""
+    for batch in batches_:
+        if batch.direction == SWAP_OUT:
+            executor.swap_out(batch.block_ids, batch.slots)
+        else:
+            executor.swap_in(batch.block_ids, batch.slots)
