@@ -270,6 +270,8 @@ class SimWorker:
         s = self.scheduler
         return WorkerState(worker_id=self.worker_id, role=self.role, model=self.cfg.model_id,
                            block_size=self.cfg.block_size, total_blocks=self.pool.num_blocks,
+                           host_blocks=self.cfg.host_blocks,
+                           host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
                            **(self.before if self.plan is not None else self._load()),
                            max_batched_tokens=s.max_batched_tokens, max_num_seqs=s.max_num_seqs,
                            **step_means(self.recent), kv_bytes_per_token=self.kv_bytes_per_token,

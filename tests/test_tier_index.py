@@ -94,3 +94,10 @@ def test_the_last_block_cut_from_a_match_is_taken_from_its_slowest_tier():
     w = worker("w", matched_blocks=4, matched_host_blocks=1, matched_disk_blocks=1, tier_credits=TierCredits(0.5, 0.25))
     assert predict.cached_tokens(req(4 * 16), w) == round((2 + 0.5) * 16), "3 usable blocks: the disk one goes"
     assert predict.cached_tokens(req(5 * 16), w) == round((2 + 0.5 + 0.25) * 16)
+
+
+def test_host_credit_is_the_prefill_a_copy_back_leaves():
+    """Copy-back at 50 GB/s of 128 KiB per token against 0.0104 ms of prefill per token saves
+    75% of it; a copy slower than the prefill saves nothing (never a negative credit)."""
+    assert TierCredits.for_rates(50.0, 131072, 0.0104).host == 0.748
+    assert TierCredits.for_rates(1.0, 131072, 0.0104).host == 0.0
