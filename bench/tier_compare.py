@@ -29,8 +29,12 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     workloads = list(report["workloads"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 3.8), squeeze=False)
-    for ax, workload in zip(axes[0], workloads):
+    cols = min(3, len(workloads))
+    rows = -(-len(workloads) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(workloads):]:
+        ax.set_axis_off()
+    for ax, workload in zip(axes.flat, workloads):
         rows = report["workloads"][workload]["policies"]
         names = list(rows)
         x = range(len(names))
