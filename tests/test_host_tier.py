@@ -169,8 +169,10 @@ def test_round_trip_through_host_matches_transformers(model_path):
     run(engine, "b", b)
     spilled = [h for h, t in zip(hashes, chunks) if engine.pool.lookup(h, t) is None]
     assert spilled and set(spilled) <= set(engine.pool.host_hashes()), "B's prefill evicted A's blocks to host"
+    loaded = engine.stats.host_loaded_blocks
     again, cached = run(engine, "a2", a)
     assert cached == len(hashes) * block, "the whole prefix is a hit, device and host"
+    assert engine.stats.host_loaded_blocks - loaded == len(spilled) and engine.stats.host_stored_blocks >= len(spilled)
     for h, t in zip(hashes, chunks):
         assert torch.equal(runner.read_blocks([engine.pool.lookup(h, t).block_id]), before[h])
     assert first == again == hf_greedy(model_path, tuple(a))

@@ -267,7 +267,9 @@ class Engine:
     def _copy_blocks(self) -> None:
         """Hand the host tier's queued copies to the executor (before the step or the KV import
         that could overwrite an evicted block or read a reloaded one)."""
-        run_copies(self.pool.take_copies(), self.executor)
+        out, back = run_copies(self.pool.take_copies(), self.executor)
+        self.stats.host_stored_blocks += out
+        self.stats.host_loaded_blocks += back
 
     def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
         """Hand the plan to the executor and count its tokens as launched; if the executor raises,

@@ -55,6 +55,10 @@ class _EngineCollector:
             "kvgate_worker_kv_fallbacks": ("P/D decode requests that computed their own prefill", st.kv_fallbacks),
             "kvgate_worker_kv_imported_blocks": ("KV blocks imported into the prefix cache", st.kv_imported_blocks),
             "kvgate_worker_kv_exported_blocks": ("KV blocks exported to decode workers", st.kv_exported_blocks),
+            "kvgate_worker_host_kv_stored_blocks": ("KV blocks evicted from the device and copied to the host tier",
+                                                    st.host_stored_blocks),
+            "kvgate_worker_host_kv_loaded_blocks": ("KV blocks copied back from the host tier for a prefix hit",
+                                                    st.host_loaded_blocks),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=LABELS)
@@ -71,6 +75,9 @@ class _EngineCollector:
                                                   1.0 - s.free_blocks / total if total else 0.0),
             "kvgate_worker_kv_cache_free_blocks": ("Free KV blocks (incl. cached-but-free)", s.free_blocks),
             "kvgate_worker_kv_cache_blocks": ("KV blocks in the pool", total),
+            "kvgate_worker_host_kv_cache_blocks": ("Blocks of the host KV tier (0: none)", s.host_blocks),
+            "kvgate_worker_host_kv_cache_free_blocks": ("Host KV tier blocks holding no block's K/V",
+                                                        s.host_free_blocks),
             "kvgate_worker_queued_prefill_tokens": ("Prompt tokens not yet computed", s.queued_prefill_tokens),
             "kvgate_worker_engine_alive": ("1 while the engine thread runs", float(eng.alive)),
             "kvgate_worker_engine_stall_seconds": ("Seconds without a completed step while there is work",

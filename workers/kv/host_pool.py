@@ -117,11 +117,16 @@ def batches(copies: list[tuple[str, int, int]]) -> list[CopyBatch]:
     return out
 
 
-def run_copies(batches_: list[CopyBatch], executor) -> None:
+def run_copies(batches_: list[CopyBatch], executor) -> tuple[int, int]:
     """Hand queued copies to an executor's swap_out/swap_in, in order: evicted blocks out before
-    anything overwrites them, reloaded blocks in before anything reads them."""
+    anything overwrites them, reloaded blocks in before anything reads them. Returns the blocks
+    copied (out, in)."""
+    out = back = 0
     for batch in batches_:
         if batch.direction == SWAP_OUT:
             executor.swap_out(batch.block_ids, batch.slots)
+            out += len(batch.block_ids)
         else:
             executor.swap_in(batch.block_ids, batch.slots)
+            back += len(batch.block_ids)
+    return out, back
