@@ -72,6 +72,10 @@ def test_an_event_without_a_medium_is_a_device_event_and_snapshots_round_trip():
     assert KVSnapshot.from_json(snap.to_json()) == snap
     assert KVSnapshot.from_json({"worker_id": "w", "seq": 1, "hashes": [1]}).tiers == {}
     assert KVSnapshot.from_json({"worker_id": "w", "seq": 1, "hashes": [], "tiers": {"tape": [1]}}).tiers == {}
+    for bad in ({"worker_id": "w", "seq": 1, "hashes": [], "tiers": [1]}, {"worker_id": "w", "seq": 1},
+                {"worker_id": "w", "seq": None, "hashes": []}, {"worker_id": "w", "seq": 1, "hashes": [["x"]]}):
+        with pytest.raises(ValueError):
+            KVSnapshot.from_json(bad)
 
 
 # Tier-aware routing: a matched block is worth its tier's credit, in every policy alike

@@ -53,9 +53,14 @@ class KVSnapshot:
 
     @staticmethod
     def from_json(d: dict) -> "KVSnapshot":
-        tiers = d.get("tiers") or {}
-        return KVSnapshot(d["worker_id"], int(d["seq"]), [int(h) for h in d["hashes"]],
-                          {m: [int(h) for h in hs] for m, hs in tiers.items() if m in MEDIA and m != DEVICE})
+        """Raises ValueError for a body that is not a snapshot (a worker is not trusted to send one);
+        tiers of an unknown medium are left out."""
+        try:
+            tiers = d.get("tiers") or {}
+            return KVSnapshot(str(d["worker_id"]), int(d["seq"]), [int(h) for h in d["hashes"]],
+                              {m: [int(h) for h in hs] for m, hs in tiers.items() if m in MEDIA and m != DEVICE})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a KV snapshot: {e!r}") from None
 
 
 @dataclass
