@@ -202,8 +202,9 @@ class TorchRunner:
 
     def allocate_host_cache(self, num_slots: int) -> None:
         """The host tier's K/V, [slots, layers, 2, block_size, kv_heads, head_dim]: a slot is
-        contiguous, so a run of slots is one copy; pinned on CUDA, so copies do not block."""
-        self.host_cache = torch.zeros(num_slots, self.num_layers, 2, self.block_size, self.num_kv_heads,
+        contiguous, so a run of slots is one copy; pinned on CUDA, so copies do not block. Left
+        uninitialised (tens of GiB would take seconds to zero): a slot is read only after a store."""
+        self.host_cache = torch.empty(num_slots, self.num_layers, 2, self.block_size, self.num_kv_heads,
                                       self.head_dim, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
     def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
