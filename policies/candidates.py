@@ -4,7 +4,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
-from policies.predict import cached_tokens
+from policies.predict import hit_tokens
 
 NO_WORKERS = "no healthy workers"
 
@@ -43,4 +43,4 @@ def cheapest(key: int, items: Sequence[T], scores: Sequence,
 
 def route_to(req: RequestView, w: WorkerView, reason: str = "", **info) -> Route:
     """A single-worker route carrying the prefix-cache hit it expects and why it was chosen."""
-    return Route(worker=w.worker_id, predicted_cached_tokens=cached_tokens(req, w), info=info, reason=reason)
+    return Route(worker=w.worker_id, predicted_cached_tokens=hit_tokens(req, w), info=info, reason=reason)

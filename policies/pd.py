@@ -8,7 +8,7 @@ could serve it alone (mixed or decode) lacks at least `min_uncached_tokens` prom
 from dataclasses import dataclass
 
 from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
-from policies.predict import cached_tokens, import_ttft_tpot_ms, transfer_ms, ttft_ms, uncached_tokens
+from policies.predict import cached_tokens, hit_tokens, import_ttft_tpot_ms, transfer_ms, ttft_ms, uncached_tokens
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,10 @@ class Pair:
     def route(self, req: RequestView, **info) -> Route:
         """The route to this pair, carrying the prefill worker's expected cache hit."""
         return Route(worker=self.decode.worker_id, prefill=self.prefill.worker_id,
-                     predicted_cached_tokens=cached_tokens(req, self.prefill),
+                     predicted_cached_tokens=hit_tokens(req, self.prefill),
                      predicted_ttft_ms=self.ttft_ms, predicted_tpot_ms=self.tpot_ms, info=info,
                      reason=f"disaggregated: {self.name} has the lowest predicted ttft ({self.ttft_ms:.0f} ms; "
-                            f"{cached_tokens(req, self.prefill)} tokens cached on the prefill worker)")
+                            f"{hit_tokens(req, self.prefill)} tokens cached on the prefill worker)")
 
 
 class PdDecider:

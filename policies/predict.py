@@ -15,13 +15,23 @@ from workers.kv.cost_model import CostModel
 DEFAULT_COST = CostModel()
 
 
-def cached_tokens(req: RequestView, w: WorkerView) -> int:
-    """Prompt tokens `w` will take from its prefix cache: the matched blocks, but never the
+def hit_blocks(req: RequestView, w: WorkerView) -> int:
+    """Blocks `w` will take from its prefix cache, in any tier: the matched blocks, but never the
     block holding the prompt's last token, which is always computed (kvgate's workers and vLLM
-    both stop the hit at `num_tokens - 1`, so a fully cached prompt recomputes a whole block).
-    A block in a slower tier counts as its tier's credit of a block (`TierCredits`): it saves
-    its prefill less the copy back. Every policy's hit goes through here, so all credit alike."""
-    n = min(w.matched_blocks, max(0, req.num_tokens - 1) // w.block_size)
+    both stop the hit at `num_tokens - 1`, so a fully cached prompt recomputes a whole block)."""
+    return min(w.matched_blocks, max(0, req.num_tokens - 1) // w.block_size)
+
+
+def hit_tokens(req: RequestView, w: WorkerView) -> int:
+    """Prompt tokens `w` will report as cached: what a route predicts, exact whatever the tier."""
+    return hit_blocks(req, w) * w.block_size
+
+
+def cached_tokens(req: RequestView, w: WorkerView) -> int:
+    """Prompt tokens `w`'s cache saves it computing, for scoring: `hit_blocks`, a block in a slower
+    tier counted as its tier's credit of a block (`TierCredits`: its prefill less the copy back).
+    Every policy's hit goes through here, so all credit alike."""
+    n = hit_blocks(req, w)
     if not (w.matched_host_blocks or w.matched_disk_blocks):
         return n * w.block_size
     cut = w.matched_blocks - n  # blocks past the limit: the chain's tail, where slower tiers lie

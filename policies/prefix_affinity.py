@@ -2,7 +2,7 @@
 from policies.api import FleetView, RequestView, Route
 from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
 from policies.pd import PdDecider
-from policies.predict import cached_tokens
+from policies.predict import cached_tokens, hit_tokens
 
 
 class PrefixAffinity:
@@ -37,7 +37,7 @@ class PrefixAffinity:
                 if load <= bound and w.matched_blocks and cached_tokens(req, w)]
         if hits:
             w = cheapest(key, [w for w, _ in hits], [(-cached_tokens(req, w), load) for w, load in hits])
-            reason = f"longest cached prefix ({cached_tokens(req, w)} tokens) among workers with load <= {bound:g}"
+            reason = f"longest cached prefix ({hit_tokens(req, w)} tokens) among workers with load <= {bound:g}"
         else:
             w = cheapest(key, workers, loads)
             reason = f"no cached prefix within load {bound:g}: least loaded ({w.load} requests)"

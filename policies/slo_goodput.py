@@ -14,7 +14,7 @@ ones that would not, so rejecting it early (with the reason) is what keeps goodp
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.pd import PdDecider
-from policies.predict import cached_tokens, pool_slack, prefill_work_ms, ttft_tpot_ms
+from policies.predict import cached_tokens, hit_tokens, pool_slack, prefill_work_ms, ttft_tpot_ms
 
 
 class SloGoodput:
@@ -68,10 +68,10 @@ class SloGoodput:
                                 f"{_name(p, d)} at ttft {ttft:.0f} ms, tpot {tpot:.1f} ms",
                          info={"headroom": headroom})
         return Route(worker=d.worker_id, prefill=p.worker_id if p else None,
-                     predicted_cached_tokens=cached_tokens(req, p or d),
+                     predicted_cached_tokens=hit_tokens(req, p or d),
                      predicted_ttft_ms=ttft, predicted_tpot_ms=tpot, info={"headroom": headroom},
                      reason=f"meets the SLOs: predicted ttft {ttft:.0f} ms, tpot {tpot:.1f} ms, headroom {headroom:.2f}, "
-                            f"{cached_tokens(req, p or d)} tokens cached" + (f", prefill on {p.worker_id}" if p else ""))
+                            f"{hit_tokens(req, p or d)} tokens cached" + (f", prefill on {p.worker_id}" if p else ""))
 
     def best(self, req: RequestView, candidates: list[tuple], slo_ttft: float,
              slo_tpot: float) -> tuple[int, float, float, float, WorkerView | None, WorkerView]:

@@ -81,7 +81,7 @@ def test_an_event_without_a_medium_is_a_device_event_and_snapshots_round_trip():
 # Tier-aware routing: a matched block is worth its tier's credit, in every policy alike
 
 @pytest.mark.parametrize("policy", [KvCost(), PrefixAffinity(), SloGoodput()], ids=lambda p: p.name)
-@pytest.mark.parametrize("host_credit, winner", [(0.5, "device"), (1.0, "host")])
+@pytest.mark.parametrize("host_credit, winner", [(0.5, "device"), (0.9, "host"), (1.0, "host")])
 def test_a_longer_match_in_host_loses_to_a_shorter_one_on_device_when_credited_less(policy, host_credit, winner):
     """"host" holds 40 blocks of the prompt, all in its host tier; "device" 30 on its device.
     At credit 0.5 the host match is worth 20 blocks and "device" wins; at 1.0 it is worth 40."""
@@ -90,8 +90,11 @@ def test_a_longer_match_in_host_loses_to_a_shorter_one_on_device_when_credited_l
               worker("host", matched_blocks=40, matched_host_blocks=40, tier_credits=credits,
                      total_blocks=4096, free_blocks=4096))
     r = req(64 * 16)
-    assert policy.route(r, f).worker == winner
+    route = policy.route(r, f)
+    assert route.worker == winner
     assert predict.cached_tokens(r, f.workers[1]) == round(40 * host_credit) * 16
+    # what the route predicts is what the worker will report: every matched block, whatever its tier
+    assert route.predicted_cached_tokens == {"device": 30, "host": 40}[winner] * 16
 
 
 def test_the_last_block_cut_from_a_match_is_taken_from_its_slowest_tier():
