@@ -304,10 +304,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(gateway: Gateway, args: argparse.Namespace, sock: socket.socket) -> None:
-    """Run the gateway under uvicorn on `sock` with the client limits and the SIGTERM drain."""
+    """Run the gateway under uvicorn on `sock` (httptools on uvloop: a fraction of h11's and
+    asyncio's CPU per request) with the client limits and the SIGTERM drain."""
     limits = ClientLimits(fit_connections(args.max_connections), args.client_header_timeout,
                           args.client_body_timeout, args.client_idle_timeout, args.retry_after_s)
     config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, http=protocol_class(limits), timeout_keep_alive=args.client_idle_timeout,
+                            access_log=False, http=protocol_class(limits), loop="uvloop", timeout_keep_alive=args.client_idle_timeout,
                             timeout_graceful_shutdown=5)
     DrainingServer(config, gateway.admission, args.drain_timeout_s).run(sockets=[sock])

@@ -113,6 +113,14 @@ def test_a_trickling_request_head_gets_408_and_is_closed(procs):
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
 
 
+def test_an_endless_request_head_gets_431_and_is_closed(procs):
+    with connect(procs["slow"].url) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-long: " + b"a" * 70_000)
+        answer = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 431")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_head_too_large"
+
+
 def test_a_silent_connection_is_closed(procs):
     with connect(procs["slow"].url) as s:
         assert read_all(s) == b""
