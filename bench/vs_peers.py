@@ -17,9 +17,10 @@ the rates run in ascending order and stop at the first one below 90% SLO attainm
 rate passes, the rate grows by half until one fails (`--max-extra` times), so every goodput is
 found, not bounded.
 
-Then, at `--low-rate` with 256-token prompts and short answers: what each router adds to TTFT
+Then (or only, with `--workloads ""`), at `--low-rate` with 256-token prompts and short answers: what each router adds to TTFT
 over sending straight to the workers (client-side round robin), and the router process's CPU
-time per request (user + system, from /proc).
+time per request (user + system, from /proc); `--overhead-repeat` runs it several times and
+reports medians, with a PNG (`<out stem>-overhead.png`).
 
 Output: one report per workload (`<out stem>-<workload>.json` with attainment-vs-rate and
 goodput plots, as `kvgate bench serve` writes), and `--out` with every router's goodput per
@@ -33,6 +34,7 @@ import asyncio
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import time
@@ -153,6 +155,18 @@ class Bench:
         return runs
 
     def overhead(self, labels: list[str], urls: list[str]) -> dict:
+        """`overhead_once` `--overhead-repeat` times; per router the median of each figure, and
+        every repeat's figures under `runs`."""
+        runs = [self.overhead_once(labels, urls) for _ in range(self.args.overhead_repeat)]
+        out = {}
+        for label in runs[0]:
+            keys = runs[0][label]
+            out[label] = {k: statistics.median(r[label][k] for r in runs) for k in keys}
+            out[label]["runs"] = [r[label] for r in runs]
+        out["load_average"] = os.getloadavg()
+        return out
+
+    def overhead_once(self, labels: list[str], urls: list[str]) -> dict:
         """TTFT through each router minus straight to the workers, at a low rate."""
         a = self.args
         wl = WorkloadConfig(name="random", rate=a.low_rate, duration_s=a.low_duration, input_len=256,
@@ -244,6 +258,37 @@ def plot_summary(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_overhead(overhead: dict, path: str) -> None:
+    """Added TTFT (p50, p90) and router CPU per request, one bar group per router."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [k for k in overhead if k not in ("direct", "load_average")]
+    fig, (lat, cpu) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (key, name) in enumerate([("added_ttft_p50_ms", "p50"), ("added_ttft_p90_ms", "p90")]):
+        xs = [j + i * 0.4 for j in range(len(labels))]
+        ys = [overhead[k][key] for k in labels]
+        lat.bar(xs, ys, 0.4, label=f"added TTFT {name}")
+        for x, y in zip(xs, ys):
+            lat.text(x, y, f"{y:.1f}", ha="center", va="bottom", fontsize=7)
+    lat.set_xticks([j + 0.2 for j in range(len(labels))], labels, fontsize=7)
+    lat.set_ylabel("ms over calling the workers directly")
+    lat.axhline(0, color="black", linewidth=0.5)
+    lat.legend(fontsize=8)
+    ys = [overhead[k]["cpu_ms_per_request"] for k in labels]
+    cpu.bar(range(len(labels)), ys)
+    for x, y in enumerate(ys):
+        cpu.text(x, y, f"{y:.1f}", ha="center", va="bottom", fontsize=7)
+    cpu.set_xticks(range(len(labels)), labels, fontsize=7)
+    cpu.set_ylabel("router CPU ms per request")
+    load = overhead.get("load_average")
+    fig.suptitle("router cost at low load (256-token text prompts; medians"
+                 + (f"; load average {load[0]:.1f}" if load else "") + ")")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.vs_peers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -261,6 +306,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--low-rate", type=float, default=2.0, help="rate of the overhead measurement (0: skip it)")
     p.add_argument("--low-duration", type=float, default=20.0)
+    p.add_argument("--overhead-repeat", type=int, default=1,
+                   help="runs of the overhead measurement; the report gives each figure's median")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     p.add_argument("--venv-dir", default=str(ROOT.parent), help="where the peers' venvs live")
     p.add_argument("--log-dir", help="process logs (default: a temp dir per process)")
@@ -312,8 +359,12 @@ def main(argv: list[str] | None = None) -> None:
            "peer_policy": PEER_POLICY, "workloads": summary, "overhead_low_load": overhead,
            "reports": {w: f"{Path(stem).name}-{w}.json" for w in reports}, "wall_s": time.perf_counter() - t0}
     png = stem + ".png"
-    plot_summary(summary, png)
-    out["plot"] = Path(png).name
+    if summary:
+        plot_summary(summary, png)
+        out["plot"] = Path(png).name
+    if overhead:
+        plot_overhead(overhead, stem + "-overhead.png")
+        out["overhead_plot"] = Path(stem + "-overhead.png").name
     Path(args.out).write_text(json.dumps(rep._clean(out), indent=1))
     print(json.dumps({w: {"ratio": s["ratio"], **s["goodput_rps"]} for w, s in summary.items()}, indent=1),
           file=sys.stderr)
