@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({w: {"ratio": s["ratio"], **s["goodput_rps"]} for w, s in summary.items()}, indent=1),
           file=sys.stderr)
     add_fidelity(args.out)
-    print(f"wrote {args.out} and {png}", file=sys.stderr)
+    print(f"wrote {args.out} and its plots", file=sys.stderr)
 
 
 def add_fidelity(path: str) -> None:
