@@ -49,10 +49,12 @@ demo: setup
 docs: setup
 	$(BIN)/python -m gateway.cli_reference > docs/cli.md
 
-# Lint and types (config in pyproject.toml): ruff over the repository, mypy over workers/kv,
+# Lint, format and types (config in pyproject.toml): ruff check and ruff format --check over the
+# repository, mypy over workers/kv,
 # policies and gateway. `make test` runs it first.
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # The whole suite: processes, models, vLLM. No test asserts on wall-clock thresholds (timing is

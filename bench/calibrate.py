@@ -32,6 +32,7 @@ batches the growth per sequence past it and the cost of a KV token; the other Co
 (`mixed_ms` too) are fitted by non-negative least squares on relative error to the steps that
 prefill, alone or beside decodes.
 """
+
 import argparse
 import asyncio
 import json
@@ -74,7 +75,7 @@ class Probe:
 
     async def mark(self) -> int:
         """The worker's last step number: probes read the steps after it."""
-        return (await self.client.get(self.url + "/steps", params={"after": 2 ** 62})).json()["last"]
+        return (await self.client.get(self.url + "/steps", params={"after": 2**62})).json()["last"]
 
     async def steps(self, after: int) -> list[StepRecord]:
         """The worker's steps after step `after`."""
@@ -83,8 +84,7 @@ class Probe:
 
     async def one(self, prompt: list[int], max_tokens: int) -> dict:
         self.index += 1
-        rec = await send(self.client, self.url, BenchRequest(self.index, 0.0, prompt, max_tokens),
-                         self.model, {}, True)
+        rec = await send(self.client, self.url, BenchRequest(self.index, 0.0, prompt, max_tokens), self.model, {}, True)
         if rec["error"]:
             raise RuntimeError(f"calibration request failed: {rec['error']}")
         return rec
@@ -96,8 +96,14 @@ class Probe:
         step = (await self.steps(mark))[-1]
         tokens, cached = int(step.work.prefill_tokens), rec["cached_tokens"]
         assert step.work.decode_seqs == 0 and tokens == len(prompt) - cached, "unexpected step: is the worker idle?"
-        return {"kind": "prefill", "key": ("prefill", tokens, cached), "ms": step.ms, "tokens": tokens,
-                "ctx": tokens * (cached + tokens / 2), "ttft_ms": rec["ttft_ms"]}
+        return {
+            "kind": "prefill",
+            "key": ("prefill", tokens, cached),
+            "ms": step.ms,
+            "tokens": tokens,
+            "ctx": tokens * (cached + tokens / 2),
+            "ttft_ms": rec["ttft_ms"],
+        }
 
     async def until_decoding(self, batch: int, streams: list[asyncio.Task]) -> None:
         """Wait until `batch` requests run and none has prompt left to prefill (or one is done)."""
@@ -112,8 +118,7 @@ class Probe:
         gap (past the first two, which may hold the other streams' prefills); and the step where
         one more request (a quarter of the prefix more) joins them."""
         mark = await self.mark()
-        streams = [asyncio.create_task(self.one(prefix + self.prompt(DECODE_SUFFIX), tokens))
-                   for _ in range(batch)]
+        streams = [asyncio.create_task(self.one(prefix + self.prompt(DECODE_SUFFIX), tokens)) for _ in range(batch)]
         await self.until_decoding(batch, streams)
         joined = await self.one(prefix + self.prompt(max(DECODE_SUFFIX, len(prefix) // 4)), 1)
         recs = await asyncio.gather(*streams)
@@ -121,21 +126,43 @@ class Probe:
         dec = [s for s in steps if s.work.prefill_tokens == 0 and s.work.decode_seqs == batch]
         gaps = [g for r in recs for g in sorted(r["itl_ms"][2:])[:-1]]  # less the step the joining request was in
         if not dec or not gaps:
-            print(f"  {self.url}: no step decoded all {batch} streams at once; batch {batch} not measured "
-                  f"(more --decode-tokens give large batches time to settle)", file=sys.stderr, flush=True)
+            print(
+                f"  {self.url}: no step decoded all {batch} streams at once; batch {batch} not measured "
+                f"(more --decode-tokens give large batches time to settle)",
+                file=sys.stderr,
+                flush=True,
+            )
             return []
-        out = [{"kind": "decode", "key": ("decode", batch, len(prefix)), "batch": batch,
+        out = [
+            {
+                "kind": "decode",
+                "key": ("decode", batch, len(prefix)),
+                "batch": batch,
                 "kv": float(np.median([s.work.decode_kv_tokens for s in dec])),
                 "ms": float(np.median([s.ms for s in dec])),
-                "gap_ms": float(np.median(gaps))}]
+                "gap_ms": float(np.median(gaps)),
+            }
+        ]
         cached = joined["cached_tokens"]
-        mixed = [s for s in steps if s.work.prefill_tokens == joined["prompt_tokens"] - cached
-                 and s.work.decode_seqs == batch]
+        mixed = [
+            s
+            for s in steps
+            if s.work.prefill_tokens == joined["prompt_tokens"] - cached and s.work.decode_seqs == batch
+        ]
         if mixed:
             m = mixed[-1]
             n = int(m.work.prefill_tokens)
-            out.append({"kind": "mixed", "key": ("mixed", batch, len(prefix)), "batch": batch, "tokens": n,
-                        "ctx": n * (cached + n / 2), "kv": m.work.decode_kv_tokens, "ms": m.ms})
+            out.append(
+                {
+                    "kind": "mixed",
+                    "key": ("mixed", batch, len(prefix)),
+                    "batch": batch,
+                    "tokens": n,
+                    "ctx": n * (cached + n / 2),
+                    "kv": m.work.decode_kv_tokens,
+                    "ms": m.ms,
+                }
+            )
         return out
 
     async def cached_prefill(self, n: int) -> dict:
@@ -150,7 +177,7 @@ class Probe:
         for prefix in prefixes.values():
             await self.one(prefix, 1)
         prefills = [lambda n=n: self.prefill(self.prompt(n)) for n in lengths]
-        prefills += [lambda n=n: self.cached_prefill(n) for n in lengths[len(lengths) // 2:]]
+        prefills += [lambda n=n: self.cached_prefill(n) for n in lengths[len(lengths) // 2 :]]
         decodes = [lambda b=b, p=p: self.decode(b, p, decode_tokens) for p in prefixes.values() for b in batches]
         samples = []
         for probe in spread(prefills, decodes):
@@ -165,8 +192,16 @@ def spread(*lists: list) -> list:
     return [x for *_, x in sorted(keyed, key=lambda t: t[:2])]
 
 
-async def measure(url: str, model: str | None, lengths: list[int], batches: list[int],
-                  decode_tokens: int, seed: int, vocab: int, rounds: int) -> list[dict]:
+async def measure(
+    url: str,
+    model: str | None,
+    lengths: list[int],
+    batches: list[int],
+    decode_tokens: int,
+    seed: int,
+    vocab: int,
+    rounds: int,
+) -> list[dict]:
     """`rounds` rounds of every probe, after a first request of each kind to warm the worker up
     (a GPU's first kernel launches are slow; a CPU's first steps cost a few percent more)."""
     p = Probe(url, model, seed, vocab)
@@ -178,8 +213,11 @@ async def measure(url: str, model: str | None, lengths: list[int], batches: list
         samples += got
         longest = max(s["ms"] for s in got if s["kind"] == "prefill")
         decodes = ", ".join(f"b={s['batch']} {s['ms']:.0f} ms" for s in got if s["kind"] == "decode")
-        print(f"  {url} round {r + 1}/{rounds}: longest prefill {longest:.0f} ms; decode steps {decodes}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {url} round {r + 1}/{rounds}: longest prefill {longest:.0f} ms; decode steps {decodes}",
+            file=sys.stderr,
+            flush=True,
+        )
     await p.client.aclose()
     return samples
 
@@ -189,8 +227,15 @@ def medians(samples: list[dict]) -> list[dict]:
     groups = defaultdict(list)
     for s in samples:
         groups[s["key"]].append(s)
-    return [{**group[0], **{k: float(np.median([g[k] for g in group])) for k in MEASURED if k in group[0]},
-             "key": list(key), "n": len(group)} for key, group in groups.items()]
+    return [
+        {
+            **group[0],
+            **{k: float(np.median([g[k] for g in group])) for k in MEASURED if k in group[0]},
+            "key": list(key),
+            "n": len(group),
+        }
+        for key, group in groups.items()
+    ]
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -208,8 +253,14 @@ def row(s: dict) -> list[float]:
     """The sample's work in CostModel terms: [1, P, sum(P_i * ctx_i) / 1000, D, KV, mixed?]."""
     prefill = s["kind"] != "decode"
     decode = s["kind"] != "prefill"
-    return [1.0, s["tokens"] if prefill else 0.0, s["ctx"] / 1000.0 if prefill else 0.0,
-            s["batch"] if decode else 0.0, s["kv"] if decode else 0.0, float(prefill and decode)]
+    return [
+        1.0,
+        s["tokens"] if prefill else 0.0,
+        s["ctx"] / 1000.0 if prefill else 0.0,
+        s["batch"] if decode else 0.0,
+        s["kv"] if decode else 0.0,
+        float(prefill and decode),
+    ]
 
 
 def fit(samples: list[dict]) -> dict:
@@ -233,10 +284,13 @@ def fit(samples: list[dict]) -> dict:
     cost = CostModel(**linear, decode_batch_ms=decode_table(dec, kv_ms), decode_batch_slope_ms=slope)
     pred = np.array([cost.step_ms(int(r[1]), r[2] * 1000.0, int(r[3]), int(r[4])) for r in a])
     request_overhead = [s["ttft_ms"] - (s["ms"] + step_overhead) for s in points if s["kind"] == "prefill"]
-    return {**cost.to_json(), "step_overhead_ms": step_overhead,
-            "request_overhead_ms": max(0.0, float(np.median(request_overhead))),
-            "fit_rel_rmse": float(np.sqrt(np.mean(((pred - target) / target) ** 2))),
-            "fit": [{"measured_ms": float(t), "fitted_ms": float(f), **s} for s, t, f in zip(points, target, pred)]}
+    return {
+        **cost.to_json(),
+        "step_overhead_ms": step_overhead,
+        "request_overhead_ms": max(0.0, float(np.median(request_overhead))),
+        "fit_rel_rmse": float(np.sqrt(np.mean(((pred - target) / target) ** 2))),
+        "fit": [{"measured_ms": float(t), "fitted_ms": float(f), **s} for s, t, f in zip(points, target, pred)],
+    }
 
 
 def decode_terms(dec: list[dict]) -> tuple[float, float]:
@@ -305,11 +359,19 @@ def rescale(profile: dict, steps: list[StepRecord]) -> dict:
     measured = sum(s.wall_ms for s in steps)
     before = sum(cost.work_ms(s.work) for s in steps)
     overall = measured / before if before > 0 else 1.0
-    return {**profile, **new.to_json(),
-            "step_overhead_ms": profile.get("step_overhead_ms", 0.0) * overall,
-            "request_overhead_ms": profile.get("request_overhead_ms", 0.0) * overall,
-            "rescaled": {"prefill": prefill, "decode": decode, "overall": overall, "steps": len(steps),
-                         "at": time.strftime("%Y-%m-%d %H:%M")}}
+    return {
+        **profile,
+        **new.to_json(),
+        "step_overhead_ms": profile.get("step_overhead_ms", 0.0) * overall,
+        "request_overhead_ms": profile.get("request_overhead_ms", 0.0) * overall,
+        "rescaled": {
+            "prefill": prefill,
+            "decode": decode,
+            "overall": overall,
+            "steps": len(steps),
+            "at": time.strftime("%Y-%m-%d %H:%M"),
+        },
+    }
 
 
 def step_log(url: str, after: int = 0) -> tuple[int, list[StepRecord]]:
@@ -320,8 +382,10 @@ def step_log(url: str, after: int = 0) -> tuple[int, list[StepRecord]]:
 
 def plot_fit(profile: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5.5, 5))
     for kind, marker in (("prefill", "o"), ("decode", "s"), ("mixed", "^")):
         pts = [(f["measured_ms"], f["fitted_ms"]) for f in profile["fit"] if f["kind"] == kind]
@@ -338,8 +402,9 @@ def plot_fit(profile: dict, path: str) -> None:
     plt.close(fig)
 
 
-def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_tokens: int = 24,
-              seed: int = 0, rounds: int = 3) -> dict:
+def calibrate(
+    urls: list[str], lengths: list[int], batches: list[int], decode_tokens: int = 24, seed: int = 0, rounds: int = 3
+) -> dict:
     """Measure the workers at `urls` (at the same time, so a fleet sharing one machine is
     measured under its own contention) and return one profile fitted to all their samples."""
     state = httpx.get(urls[0] + "/state", timeout=10, headers=internal_headers()).json()
@@ -351,10 +416,15 @@ def calibrate(urls: list[str], lengths: list[int], batches: list[int], decode_to
         return [s for samples in await asyncio.gather(*runs) for s in samples]
 
     profile = fit(asyncio.run(all_workers()))
-    head = {"description": f"measured by kvgate calibrate on {', '.join(urls)} ({model}) at "
-                           f"{time.strftime('%Y-%m-%d %H:%M')}",
-            "measured": True, "model": model, "workers": len(urls), "block_size": state.get("block_size"),
-            "max_batched_tokens": state.get("max_batched_tokens")}
+    head = {
+        "description": f"measured by kvgate calibrate on {', '.join(urls)} ({model}) at "
+        f"{time.strftime('%Y-%m-%d %H:%M')}",
+        "measured": True,
+        "model": model,
+        "workers": len(urls),
+        "block_size": state.get("block_size"),
+        "max_batched_tokens": state.get("max_batched_tokens"),
+    }
     return {**head, **profile}
 
 
@@ -376,19 +446,26 @@ def rescale_main(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate calibrate", description=__doc__, formatter_class=HelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--url", action="append",
-                        help="a running worker; repeat to measure several at once (pooled into one profile)")
+    target.add_argument(
+        "--url", action="append", help="a running worker; repeat to measure several at once (pooled into one profile)"
+    )
     target.add_argument("--model", help="start `kvgate worker --model MODEL` for the measurement")
     p.add_argument("--executor", default="torch", help="with --model: the worker's executor")
     p.add_argument("--worker-arg", action="append", default=[], help="with --model: extra worker flag (repeatable)")
     p.add_argument("--lengths", default="16,32,64,128,256,512", help="prefill lengths (tokens)")
-    p.add_argument("--batches", default="1,2,3,4,5,6,7,8",
-                   help="decode batch sizes (the profile's decode_batch_ms covers 1 to the largest)")
+    p.add_argument(
+        "--batches",
+        default="1,2,3,4,5,6,7,8",
+        help="decode batch sizes (the profile's decode_batch_ms covers 1 to the largest)",
+    )
     p.add_argument("--decode-tokens", type=int, default=24, help="tokens each decode probe generates")
     p.add_argument("--rounds", type=int, default=3, help="repeats of every probe (each probe's median is fitted)")
     p.add_argument("--seed", type=int, default=0, help="seed of the probes' random prompts")
-    p.add_argument("--rescale", metavar="PROFILE",
-                   help="with --url: no probes; rescale PROFILE's speed to the workers' logged steps of real traffic")
+    p.add_argument(
+        "--rescale",
+        metavar="PROFILE",
+        help="with --url: no probes; rescale PROFILE's speed to the workers' logged steps of real traffic",
+    )
     p.add_argument("--after", type=int, default=0, help="with --rescale: only the steps numbered above this")
     p.add_argument("--out", required=True, help="profile JSON (a -fit.png plot is written next to it)")
     return p
@@ -398,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     from bench import calibrate_requests
+
     if args.rescale:
         rescale_main(args, p)
         return
@@ -422,5 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(profile, f, indent=1)
         f.write("\n")
     plot_fit(profile, args.out[:-5] + "-fit.png" if args.out.endswith(".json") else args.out + "-fit.png")
-    print(json.dumps({k: profile[k] for k in (*COLUMNS, "step_overhead_ms", "request_overhead_ms", "fit_rel_rmse")}),
-          file=sys.stderr)
+    print(
+        json.dumps({k: profile[k] for k in (*COLUMNS, "step_overhead_ms", "request_overhead_ms", "fit_rel_rmse")}),
+        file=sys.stderr,
+    )

@@ -21,6 +21,7 @@ Scenarios:
 Writes the JSON report and, next to it, a PNG timeline per scenario (outcomes per second,
 kills marked, gateway RSS).
 """
+
 import argparse
 import asyncio
 import json
@@ -38,7 +39,17 @@ import httpx
 import numpy as np
 
 from bench import chaos_client as cc
-from gateway.procs import TEST_TOKEN, Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import (
+    TEST_TOKEN,
+    Proc,
+    Worker,
+    free_port,
+    start_gateway,
+    start_redis,
+    stop_all,
+    wait_for,
+    wait_redis,
+)
 from workers.internal_auth import internal_headers
 
 UNBOUNDED = ["--max-queue-per-worker", "1000000", "--max-pending", "1000000"]
@@ -47,6 +58,7 @@ UNBOUNDED = ["--max-queue-per-worker", "1000000", "--max-pending", "1000000"]
 @dataclass
 class Fleet:
     """Workers on fixed ports (a restart takes the same one) and their gateway."""
+
     workers: list[Worker]
     ports: list[int]
     extra: list[str]
@@ -56,23 +68,30 @@ class Fleet:
     events: list[tuple[float, str, str]] = field(default_factory=list)
 
     def restart(self, i: int) -> None:
-        self.workers[i] = Worker(worker_id=f"w{i}", port=self.ports[i], redis=self.redis, extra=self.extra,
-                                 log_dir=self.logs).ready(120)
+        self.workers[i] = Worker(
+            worker_id=f"w{i}", port=self.ports[i], redis=self.redis, extra=self.extra, log_dir=self.logs
+        ).ready(120)
 
     def procs(self) -> list[Proc]:
         return [p for p in [self.gateway, *self.workers] if p is not None]
 
 
-def start_fleet(args: argparse.Namespace, logs: str, extra: list[str], redis: str | None = None,
-                gateway_extra: list[str] = ()) -> Fleet:
+def start_fleet(
+    args: argparse.Namespace, logs: str, extra: list[str], redis: str | None = None, gateway_extra: list[str] = ()
+) -> Fleet:
     ports = [free_port() for _ in range(args.workers)]
     workers = [Worker(worker_id=f"w{i}", port=p, redis=redis, extra=extra, log_dir=logs) for i, p in enumerate(ports)]
     fleet = Fleet(workers, ports, extra, logs, redis)
     try:
         for w in workers:
             w.ready(120)
-        fleet.gateway = start_gateway([] if redis else [w.url for w in workers], args.policy, redis=redis,
-                                      log_dir=logs, extra=[*args.gateway_arg, *gateway_extra])
+        fleet.gateway = start_gateway(
+            [] if redis else [w.url for w in workers],
+            args.policy,
+            redis=redis,
+            log_dir=logs,
+            extra=[*args.gateway_arg, *gateway_extra],
+        )
         fleet.gateway.wait_ready("/v1/models", timeout=120)
         wait_for(lambda: healthy(fleet.gateway) == len(workers), timeout=30, what="every worker healthy")
     except BaseException:
@@ -120,35 +139,54 @@ class Sampler(threading.Thread):
 def leaks(fleet: Fleet) -> dict:
     """Blocks held and requests left on each worker, and requests the gateway still holds,
     once the fleet has settled."""
+
     def settled():
-        states = [httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers]
+        states = [
+            httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers
+        ]
         idle = all(s["running"] == s["waiting"] == 0 and s["free_blocks"] == s["total_blocks"] for s in states)
         return states if idle else None
+
     try:
         states = wait_for(settled, timeout=20, interval=0.2, what="the workers to settle")
     except TimeoutError:
-        states = [httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers]
+        states = [
+            httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers
+        ]
     pending = httpx.get(fleet.gateway.url + "/health", timeout=5).json()["pending"]
-    return {"leaked_blocks": sum(s["total_blocks"] - s["free_blocks"] for s in states),
-            "requests_left_on_workers": sum(s["running"] + s["waiting"] for s in states),
-            "requests_left_at_gateway": pending}
+    return {
+        "leaked_blocks": sum(s["total_blocks"] - s["free_blocks"] for s in states),
+        "requests_left_on_workers": sum(s["running"] + s["waiting"] for s in states),
+        "requests_left_at_gateway": pending,
+    }
 
 
 def summary(outcomes: list[cc.Outcome], span_s: float) -> dict:
     ok = [o for o in outcomes if o.result == cc.OK]
     lat = np.array([o.latency_ms for o in ok]) if ok else np.zeros(0)
     ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None])
+
     def pct(a: np.ndarray, p: float) -> float | None:
         return float(np.percentile(a, p)) if a.size else None
+
     dirt = sorted({o.detail for o in outcomes if o.result in (cc.DIRTY, cc.LOST)})[:10]
-    errors = Counter(o.detail.split(" retry-after")[0].split(" after ")[0] for o in outcomes
-                     if o.result in (cc.REFUSED, cc.CLEAN))
-    return {"requests": len(outcomes), **cc.counts(outcomes), "span_s": span_s,
-            "uncommitted_errors": sum(cc.uncommitted(o) for o in outcomes),
-            "ok_per_s": len(ok) / span_s if span_s else 0.0,
-            "admitted_latency_p50_ms": pct(lat, 50), "admitted_latency_p99_ms": pct(lat, 99),
-            "admitted_ttft_p50_ms": pct(ttft, 50), "admitted_ttft_p99_ms": pct(ttft, 99),
-            "dirty_examples": dirt, "error_codes": dict(errors), "per_second": cc.per_second(outcomes, span_s)}
+    errors = Counter(
+        o.detail.split(" retry-after")[0].split(" after ")[0] for o in outcomes if o.result in (cc.REFUSED, cc.CLEAN)
+    )
+    return {
+        "requests": len(outcomes),
+        **cc.counts(outcomes),
+        "span_s": span_s,
+        "uncommitted_errors": sum(cc.uncommitted(o) for o in outcomes),
+        "ok_per_s": len(ok) / span_s if span_s else 0.0,
+        "admitted_latency_p50_ms": pct(lat, 50),
+        "admitted_latency_p99_ms": pct(lat, 99),
+        "admitted_ttft_p50_ms": pct(ttft, 50),
+        "admitted_ttft_p99_ms": pct(ttft, 99),
+        "dirty_examples": dirt,
+        "error_codes": dict(errors),
+        "per_second": cc.per_second(outcomes, span_s),
+    }
 
 
 def rss_growth(samples: list[tuple[float, float]], span_s: float) -> dict:
@@ -178,8 +216,9 @@ def drive(fleet: Fleet, args: argparse.Namespace, chaos) -> dict:
     rss.start()
     thread.start()
     try:
-        outcomes = asyncio.run(cc.closed_loop(fleet.gateway.url, args.requests, args.concurrency, cc.Shape(),
-                                              args.seed, t0, args.timeout))
+        outcomes = asyncio.run(
+            cc.closed_loop(fleet.gateway.url, args.requests, args.concurrency, cc.Shape(), args.seed, t0, args.timeout)
+        )
         span = time.monotonic() - t0
     finally:
         stop.set()
@@ -205,6 +244,7 @@ def run_soak(args: argparse.Namespace) -> dict:
             stop.wait(args.restart_after)
             fleet.restart(i)
             fleet.events.append((time.monotonic() - t0, "restart", f"w{i}"))
+
     try:
         return drive(fleet, args, chaos)
     finally:
@@ -230,6 +270,7 @@ def run_redis(args: argparse.Namespace) -> dict:
         stop.wait(args.redis_down_s)
         servers.append(wait_redis(start_redis(port, log_dir=args.log_dir)))
         fleet.events.append((time.monotonic() - t0, "restart", "redis"))
+
     try:
         return drive(fleet, args, chaos)
     finally:
@@ -241,22 +282,33 @@ def run_overload(args: argparse.Namespace) -> dict:
     profile = {"base_ms": args.overload_step_ms}
     extra = worker_extra(args, profile) + ["--max-num-seqs", str(args.overload_seqs)]
     shape = cc.Shape(output=(args.overload_tokens, args.overload_tokens))
-    out: dict = {"workers": args.workers, "max_num_seqs": args.overload_seqs, "step_ms": args.overload_step_ms,
-                 "output_tokens": args.overload_tokens, "factor": args.overload_factor}
+    out: dict = {
+        "workers": args.workers,
+        "max_num_seqs": args.overload_seqs,
+        "step_ms": args.overload_step_ms,
+        "output_tokens": args.overload_tokens,
+        "factor": args.overload_factor,
+    }
     fleet = start_fleet(args, args.log_dir, extra)
     try:
         t0 = time.monotonic()
         slots = args.workers * args.overload_seqs
-        cal = asyncio.run(cc.closed_loop(fleet.gateway.url, slots * args.calibrate_rounds, slots, shape,
-                                         args.seed, t0, args.timeout))
+        cal = asyncio.run(
+            cc.closed_loop(fleet.gateway.url, slots * args.calibrate_rounds, slots, shape, args.seed, t0, args.timeout)
+        )
         capacity = cc.counts(cal)[cc.OK] / (time.monotonic() - t0)
         out["capacity_rps"] = capacity
         stop_all([fleet.gateway])
         for label, gateway_extra in (("admission", []), ("unbounded", UNBOUNDED)):
             if label not in args.overload_variants:
                 continue
-            fleet.gateway = start_gateway([w.url for w in fleet.workers], args.policy, log_dir=args.log_dir,
-                                          name=f"gateway-{label}", extra=[*args.gateway_arg, *gateway_extra])
+            fleet.gateway = start_gateway(
+                [w.url for w in fleet.workers],
+                args.policy,
+                log_dir=args.log_dir,
+                name=f"gateway-{label}",
+                extra=[*args.gateway_arg, *gateway_extra],
+            )
             fleet.gateway.wait_ready("/v1/models", timeout=120)
             wait_for(lambda: healthy(fleet.gateway) == args.workers, timeout=30, what="every worker healthy")
             out[label] = overload_once(fleet, args, capacity * args.overload_factor, shape)
@@ -269,25 +321,42 @@ def run_overload(args: argparse.Namespace) -> dict:
 
 def overload_once(fleet: Fleet, args: argparse.Namespace, rate: float, shape: cc.Shape) -> dict:
     t0 = time.monotonic()
-    waiting = Sampler(lambda: max(httpx.get(w.url + "/state", timeout=2, headers=internal_headers(TEST_TOKEN)).json()["waiting"]
-                                  for w in fleet.workers), t0, 0.2)
+    waiting = Sampler(
+        lambda: max(
+            httpx.get(w.url + "/state", timeout=2, headers=internal_headers(TEST_TOKEN)).json()["waiting"]
+            for w in fleet.workers
+        ),
+        t0,
+        0.2,
+    )
     waiting.start()
     try:
-        outcomes = asyncio.run(cc.open_loop(fleet.gateway.url, rate, args.overload_s, shape, args.seed, t0,
-                                            args.timeout))
+        outcomes = asyncio.run(
+            cc.open_loop(fleet.gateway.url, rate, args.overload_s, shape, args.seed, t0, args.timeout)
+        )
     finally:
         samples = waiting.stop()
     result = summary(outcomes, time.monotonic() - t0)
-    result.update(rate_rps=rate, max_worker_waiting=max((v for _, v in samples), default=0),
-                  worker_waiting=samples)
+    result.update(rate_rps=rate, max_worker_waiting=max((v for _, v in samples), default=0), worker_waiting=samples)
     return result
 
 
 def fault_worker(name: str, logs: str) -> Proc:
     """A real worker whose engine freezes or dies on a marked prompt (`bench.fault_worker`)."""
     port = free_port()
-    argv = [sys.executable, "-m", "bench.fault_worker", "--model", cc.MODEL, "--executor", "sim",
-            "--port", str(port), "--worker-id", name]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.fault_worker",
+        "--model",
+        cc.MODEL,
+        "--executor",
+        "sim",
+        "--port",
+        str(port),
+        "--worker-id",
+        name,
+    ]
     return Proc(name, argv, port, logs).wait_ready(timeout=120)
 
 
@@ -295,14 +364,16 @@ def run_liveness(args: argparse.Namespace) -> dict:
     """Seconds from a fault to the gateway taking the worker out of its candidates, per fault:
     the engine thread frozen or dead behind a live HTTP server, the process stopped or killed."""
     from bench import fault_worker as fw
+
     logs = args.log_dir
     out: dict = {}
     for fault in ("engine_frozen", "engine_dead", "sigstop", "sigkill"):
         times = []
         for trial in range(args.liveness_trials):
             w = fault_worker(f"{fault}-{trial}", logs)
-            gw = start_gateway([w.url], args.policy, name=f"gateway-{fault}-{trial}", log_dir=logs,
-                               extra=list(args.gateway_arg))
+            gw = start_gateway(
+                [w.url], args.policy, name=f"gateway-{fault}-{trial}", log_dir=logs, extra=list(args.gateway_arg)
+            )
             try:
                 gw.wait_ready("/v1/models", timeout=120)
                 wait_for(lambda: healthy(gw) == 1, timeout=30, what="the worker healthy")
@@ -323,7 +394,9 @@ def run_liveness(args: argparse.Namespace) -> dict:
 
 def _quietly(url: str, marker: int) -> None:
     try:
-        httpx.post(url + "/v1/completions", timeout=30, json={"model": cc.MODEL, "prompt": [marker, 1], "max_tokens": 1})
+        httpx.post(
+            url + "/v1/completions", timeout=30, json={"model": cc.MODEL, "prompt": [marker, 1], "max_tokens": 1}
+        )
     except httpx.HTTPError:
         pass
 
@@ -335,13 +408,19 @@ def plot(report: dict, path: str) -> None:
     """One timeline panel per run: outcomes per second, kills and restarts marked; gateway RSS
     (soak, redis) or the deepest worker queue (overload) on the right axis."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     panels = [(name, run) for name, run in report["scenarios"].items() if "per_second" in run]
     for variant in ("admission", "unbounded"):
         if variant in report["scenarios"].get("overload", {}):
-            panels.append((f"overload x{report['scenarios']['overload']['factor']:g}, {variant}",
-                           report["scenarios"]["overload"][variant]))
+            panels.append(
+                (
+                    f"overload x{report['scenarios']['overload']['factor']:g}, {variant}",
+                    report["scenarios"]["overload"][variant],
+                )
+            )
     liveness = report["scenarios"].get("liveness")
     rows = len(panels) + (liveness is not None)
     fig, axes = plt.subplots(rows, 1, figsize=(11, 3.2 * rows), squeeze=False)
@@ -357,15 +436,15 @@ def plot(report: dict, path: str) -> None:
         ax.set_title("liveness: fault to the gateway taking the worker out (dashed: 2 s)")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-    colors = {cc.OK: "tab:green", cc.REFUSED: "tab:orange", cc.CLEAN: "tab:blue", cc.DIRTY: "tab:red",
-              cc.LOST: "black"}
+    colors = {cc.OK: "tab:green", cc.REFUSED: "tab:orange", cc.CLEAN: "tab:blue", cc.DIRTY: "tab:red", cc.LOST: "black"}
     for ax, (name, run) in zip(axes[:, 0], panels):
         for k, series in run["per_second"].items():
             if any(series):
                 ax.plot(range(len(series)), series, label=f"{k} ({sum(series)})", color=colors[k])
         for t, kind, _ in run.get("events", ()):
-            ax.axvline(t, color="red" if kind == "kill" else "green", linestyle="-" if kind == "kill" else ":",
-                       linewidth=1)
+            ax.axvline(
+                t, color="red" if kind == "kill" else "green", linestyle="-" if kind == "kill" else ":", linewidth=1
+            )
         ax.set_ylabel("requests / s")
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
@@ -384,16 +463,24 @@ def plot(report: dict, path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default="soak,redis,overload,liveness",
-                   help="comma-separated: soak, redis, overload, liveness")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--scenarios", default="soak,redis,overload,liveness", help="comma-separated: soak, redis, overload, liveness"
+    )
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--policy", default="prefix_affinity")
     p.add_argument("--requests", type=int, default=2000, help="soak and redis: requests sent")
     p.add_argument("--concurrency", type=int, default=16, help="soak and redis: requests in flight")
-    p.add_argument("--kill-every", type=float, nargs=2, default=(2.0, 4.0), metavar=("MIN", "MAX"),
-                   help="soak: seconds between worker SIGKILLs, uniform in [MIN, MAX]")
+    p.add_argument(
+        "--kill-every",
+        type=float,
+        nargs=2,
+        default=(2.0, 4.0),
+        metavar=("MIN", "MAX"),
+        help="soak: seconds between worker SIGKILLs, uniform in [MIN, MAX]",
+    )
     p.add_argument("--restart-after", type=float, default=0.5, help="soak: seconds a killed worker stays down")
     p.add_argument("--redis-kill-at", type=float, default=3.0)
     p.add_argument("--redis-down-s", type=float, default=2.0)
@@ -419,6 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if args.log_dir is None:
         import tempfile
+
         args.log_dir = tempfile.mkdtemp(prefix="kvgate-chaos-")
     os.makedirs(args.log_dir, exist_ok=True)
     names = [s for s in args.scenarios.split(",") if s]
@@ -438,8 +526,16 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def headline(run: dict) -> str:
-    keys = ("requests", *cc.OUTCOMES, "leaked_blocks", "rss_growth_mb", "admitted_latency_p50_ms",
-            "admitted_latency_p99_ms", "capacity_rps", "max_s")
+    keys = (
+        "requests",
+        *cc.OUTCOMES,
+        "leaked_blocks",
+        "rss_growth_mb",
+        "admitted_latency_p50_ms",
+        "admitted_latency_p99_ms",
+        "capacity_rps",
+        "max_s",
+    )
     parts = [f"{k}={run[k]:.4g}" if isinstance(run.get(k), float) else f"{k}={run[k]}" for k in keys if k in run]
     for name, sub in run.items():
         if isinstance(sub, dict) and name != "per_second" and name != "error_codes":

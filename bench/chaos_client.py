@@ -12,6 +12,7 @@ Each request ends as exactly one outcome:
   that is not an OpenAI error, a stream cut off without `[DONE]`;
 - `lost`: no answer within the client's timeout.
 """
+
 import asyncio
 import json
 import random
@@ -46,6 +47,7 @@ class Outcome:
 @dataclass(frozen=True)
 class Shape:
     """What requests look like: prompt token ids and output length ranges, the share streamed."""
+
     prompt: tuple[int, int] = (8, 64)
     output: tuple[int, int] = (4, 24)
     stream_share: float = 0.5
@@ -56,8 +58,14 @@ def body(rng: random.Random, shape: Shape) -> dict:
     """A completion request as token ids (cheap to make), sharing one of a few prefixes."""
     prefix = [1000 + rng.randrange(shape.prefixes)] * 16
     prompt = prefix + [rng.randrange(2000, 30000) for _ in range(rng.randint(*shape.prompt))]
-    return {"model": MODEL, "prompt": prompt, "max_tokens": rng.randint(*shape.output), "ignore_eos": True,
-            "stream": rng.random() < shape.stream_share, "temperature": 0.0}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": rng.randint(*shape.output),
+        "ignore_eos": True,
+        "stream": rng.random() < shape.stream_share,
+        "temperature": 0.0,
+    }
 
 
 def judge_error(status: int, headers, raw: bytes) -> tuple[str, str]:
@@ -81,15 +89,19 @@ def judge_stream(lines: list[str]) -> tuple[str, str]:
         return DIRTY, "the stream ended without [DONE]"
     events = [json.loads(ln) for ln in lines[:-1]]
     if events and "error" in events[-1]:
-        tokens = sum(bool(c.get("text") or c.get("delta", {}).get("content"))
-                     for e in events[:-1] for c in e.get("choices") or ())
+        tokens = sum(
+            bool(c.get("text") or c.get("delta", {}).get("content"))
+            for e in events[:-1]
+            for c in e.get("choices") or ()
+        )
         return CLEAN, f"stream error {events[-1]['error'].get('code')} after {tokens} tokens"
     finishes = [c.get("finish_reason") for e in events for c in e.get("choices") or ()]
     return (OK, "") if any(finishes) else (DIRTY, "the stream ended without a finish reason")
 
 
-async def send(session: aiohttp.ClientSession, url: str, req: dict, t0: float, timeout: float,
-               start: float | None = None) -> Outcome:
+async def send(
+    session: aiohttp.ClientSession, url: str, req: dict, t0: float, timeout: float, start: float | None = None
+) -> Outcome:
     """One request, judged. Latency counts from `start` (its intended send time, so a client
     that falls behind shows it) or from now."""
     start = time.monotonic() if start is None else start
@@ -125,26 +137,31 @@ async def send(session: aiohttp.ClientSession, url: str, req: dict, t0: float, t
 def session() -> aiohttp.ClientSession:
     """aiohttp, not httpx: with thousands of connections open under overload httpx's pool
     becomes the bottleneck (connect timeouts that are the client's, not the server's)."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0)
+    )
 
 
-async def closed_loop(url: str, n: int, concurrency: int, shape: Shape, seed: int, t0: float,
-                      timeout: float = 60.0) -> list[Outcome]:
+async def closed_loop(
+    url: str, n: int, concurrency: int, shape: Shape, seed: int, t0: float, timeout: float = 60.0
+) -> list[Outcome]:
     """`n` requests, `concurrency` at a time, each sent as soon as a slot is free."""
     rng = random.Random(seed)
     reqs = [body(rng, shape) for _ in range(n)]
     outcomes: list[Outcome] = []
     async with session() as s:
+
         async def lane() -> None:
             while reqs:
                 outcomes.append(await send(s, url, reqs.pop(), t0, timeout))
+
         await asyncio.gather(*(lane() for _ in range(concurrency)))
     return outcomes
 
 
-async def open_loop(url: str, rate: float, duration_s: float, shape: Shape, seed: int, t0: float,
-                    timeout: float = 60.0) -> list[Outcome]:
+async def open_loop(
+    url: str, rate: float, duration_s: float, shape: Shape, seed: int, t0: float, timeout: float = 60.0
+) -> list[Outcome]:
     """Poisson arrivals at `rate` per second for `duration_s`, each sent whatever the earlier
     ones are doing (a slow server faces a growing queue, as under real overload)."""
     rng = random.Random(seed)

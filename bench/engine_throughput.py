@@ -7,6 +7,7 @@ device's copy bandwidth and matmul rate and reports the run against the roofline
 it took (bench/roofline.py); `--hf-generate` times HF `generate` on the same prompts (equal
 lengths only: a static batch) for a naive baseline.
 """
+
 import argparse
 import json
 import random
@@ -44,22 +45,36 @@ def parser() -> argparse.ArgumentParser:
 
 def workload(args) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
-    return [([rng.randint(0, 10000) for _ in range(rng.randint(args.min_input_len, args.max_input_len))],
-             rng.randint(args.min_output_len, args.max_output_len)) for _ in range(args.num_seqs)]
+    return [
+        (
+            [rng.randint(0, 10000) for _ in range(rng.randint(args.min_input_len, args.max_input_len))],
+            rng.randint(args.min_output_len, args.max_output_len),
+        )
+        for _ in range(args.num_seqs)
+    ]
 
 
 def build_engine(args, seqs) -> Engine:
     import torch
 
     from workers.executors.torch_runner import TorchRunner
+
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in seqs)
     blocks = args.num_blocks or need
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    runner = TorchRunner(str(resolve(args.model)), blocks, args.block_size, args.device, dtype,
-                         kernels=False if args.no_kernels else None, enforce_eager=args.enforce_eager,
-                         max_num_seqs=min(args.max_num_seqs, args.num_seqs))
-    cfg = EngineConfig(served_name(args.model), args.block_size, blocks, args.max_batched_tokens,
-                       args.max_num_seqs, worker_id="bench")
+    runner = TorchRunner(
+        str(resolve(args.model)),
+        blocks,
+        args.block_size,
+        args.device,
+        dtype,
+        kernels=False if args.no_kernels else None,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=min(args.max_num_seqs, args.num_seqs),
+    )
+    cfg = EngineConfig(
+        served_name(args.model), args.block_size, blocks, args.max_batched_tokens, args.max_num_seqs, worker_id="bench"
+    )
     return Engine(runner, load_tokenizer(args.model), cfg)
 
 
@@ -67,36 +82,56 @@ def run(engine: Engine, seqs) -> dict:
     timeline: list[tuple[float, int]] = []
     done = [0]
     for i, (prompt, n) in enumerate(seqs):
-        engine.submit(f"s{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                      lambda out: done.__setitem__(0, done[0] + (out.finish_reason is not None)),
-                      detokenize=False)
+        engine.submit(
+            f"s{i}",
+            prompt,
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+            lambda out: done.__setitem__(0, done[0] + (out.finish_reason is not None)),
+            detokenize=False,
+        )
     t0 = time.perf_counter()
     while engine.has_work():
         engine.step()
         timeline.append((time.perf_counter() - t0, engine.stats.generated_tokens))
         if engine.stats.steps % 20 == 0:
-            print(f"\r{done[0]}/{len(seqs)} done, {engine.stats.generated_tokens} tokens, "
-                  f"{timeline[-1][0]:.0f}s", end="", file=sys.stderr, flush=True)
+            print(
+                f"\r{done[0]}/{len(seqs)} done, {engine.stats.generated_tokens} tokens, {timeline[-1][0]:.0f}s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     elapsed = time.perf_counter() - t0
     print(file=sys.stderr)
     out_tokens = sum(n for _, n in seqs)
     in_tokens = sum(len(p) for p, _ in seqs)
-    return {"seconds": elapsed, "output_tokens": out_tokens, "input_tokens": in_tokens,
-            "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
-            "steps": engine.stats.steps, "preemptions": engine.stats.preemptions, "timeline": timeline,
-            "step_log": list(engine.stats.recent)}
+    return {
+        "seconds": elapsed,
+        "output_tokens": out_tokens,
+        "input_tokens": in_tokens,
+        "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (in_tokens + out_tokens) / elapsed,
+        "steps": engine.stats.steps,
+        "preemptions": engine.stats.preemptions,
+        "timeline": timeline,
+        "step_log": list(engine.stats.recent),
+    }
 
 
 def step_split(log: list[StepRecord]) -> dict:
     """Where a step's time goes, decode-only and other steps apart: the executor's share (inputs,
     forward, sampling) and the engine's around it (scheduling, commits, outputs)."""
     out = {}
-    for kind, steps in (("decode", [s for s in log if s.work.prefill_tokens == 0]),
-                        ("prefill_or_mixed", [s for s in log if s.work.prefill_tokens])):
+    for kind, steps in (
+        ("decode", [s for s in log if s.work.prefill_tokens == 0]),
+        ("prefill_or_mixed", [s for s in log if s.work.prefill_tokens]),
+    ):
         if steps:
-            out[kind] = {"steps": len(steps), "executor_ms_mean": sum(s.ms for s in steps) / len(steps),
-                         "wall_ms_mean": sum(s.wall_ms for s in steps) / len(steps),
-                         "seconds": sum(s.wall_ms for s in steps) / 1000}
+            out[kind] = {
+                "steps": len(steps),
+                "executor_ms_mean": sum(s.ms for s in steps) / len(steps),
+                "wall_ms_mean": sum(s.wall_ms for s in steps) / len(steps),
+                "seconds": sum(s.wall_ms for s in steps) / 1000,
+            }
     return out
 
 
@@ -105,17 +140,27 @@ def roofline(engine: Engine, result: dict) -> dict:
     import torch
 
     from bench.roofline import measure, model_cost
+
     runner = engine.executor
     ceilings = measure(runner.device, runner.dtype)
     cost = model_cost(runner)
-    bound = sum(cost.step_bound_s(s.work.prefill_tokens, s.work.decode_seqs, s.work.decode_kv_tokens,
-                                  s.work.prefill_ctx_products, ceilings) for s in result["step_log"])
+    bound = sum(
+        cost.step_bound_s(
+            s.work.prefill_tokens, s.work.decode_seqs, s.work.decode_kv_tokens, s.work.prefill_ctx_products, ceilings
+        )
+        for s in result["step_log"]
+    )
     if len(result["step_log"]) < result["steps"]:
         raise RuntimeError("the step log dropped steps; raise workers.engine.STEP_LOG")
     torch.cuda.empty_cache()
-    return {"ceilings": ceilings.to_json(), "bound_s": bound, "roofline_output_tok_s": result["output_tokens"] / bound,
-            "roofline_fraction": bound / result["seconds"], "weight_bytes": cost.weight_bytes,
-            "kv_bytes_per_token": cost.kv_bytes_per_token}
+    return {
+        "ceilings": ceilings.to_json(),
+        "bound_s": bound,
+        "roofline_output_tok_s": result["output_tokens"] / bound,
+        "roofline_fraction": bound / result["seconds"],
+        "weight_bytes": cost.weight_bytes,
+        "kv_bytes_per_token": cost.kv_bytes_per_token,
+    }
 
 
 def hf_generate(args, seqs) -> dict:
@@ -124,22 +169,26 @@ def hf_generate(args, seqs) -> dict:
 
     import torch
     from transformers import AutoModelForCausalLM
+
     if len({len(p) for p, _ in seqs}) != 1 or len({n for _, n in seqs}) != 1:
         raise SystemExit("--hf-generate needs equal prompt and output lengths (--min-input-len = --max-input-len ...)")
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(str(resolve(args.model)), dtype=dtype,
-                                                 attn_implementation="sdpa").to(args.device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(str(resolve(args.model)), dtype=dtype, attn_implementation="sdpa")
+        .to(args.device)
+        .eval()
+    )
     ids = torch.tensor([p for p, _ in seqs], device=args.device)
     n = seqs[0][1]
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-              pad_token_id=0)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     with torch.inference_mode():
-        model.generate(ids[:2], **{**kw, "attention_mask": kw["attention_mask"][:2], "max_new_tokens": 4,
-                                   "min_new_tokens": 4})
+        model.generate(
+            ids[:2], **{**kw, "attention_mask": kw["attention_mask"][:2], "max_new_tokens": 4, "min_new_tokens": 4}
+        )
         sync()
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
@@ -152,15 +201,18 @@ def hf_generate(args, seqs) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     t, tok = zip(*result["timeline"]) if result["timeline"] else ((), ())
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(t, tok)
     ax.set_xlabel("seconds")
     ax.set_ylabel("output tokens generated")
-    ax.set_title(f"{result['config']['model']} on {result['config']['device']}: "
-                 f"{result['output_tok_s']:.1f} output tok/s")
+    ax.set_title(
+        f"{result['config']['model']} on {result['config']['device']}: {result['output_tok_s']:.1f} output tok/s"
+    )
     fig.tight_layout()
     fig.savefig(path)
 
@@ -185,14 +237,16 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(result, out.with_suffix(".png"))
-    result["timeline"] = result["timeline"][::max(1, len(result["timeline"]) // 200)]
+    result["timeline"] = result["timeline"][:: max(1, len(result["timeline"]) // 200)]
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("timeline", "config")}, indent=1))
     if "roofline" in result:
         r = result["roofline"]
-        print(f"{result['output_tok_s']:.0f} output tok/s = {100 * r['roofline_fraction']:.1f}% of the roofline's "
-              f"{r['roofline_output_tok_s']:.0f} ({r['ceilings']['copy_gbps']:.0f} GB/s copy, "
-              f"{r['ceilings']['matmul_tflops']:.0f} TFLOP/s matmul)")
+        print(
+            f"{result['output_tok_s']:.0f} output tok/s = {100 * r['roofline_fraction']:.1f}% of the roofline's "
+            f"{r['roofline_output_tok_s']:.0f} ({r['ceilings']['copy_gbps']:.0f} GB/s copy, "
+            f"{r['ceilings']['matmul_tflops']:.0f} TFLOP/s matmul)"
+        )
 
 
 if __name__ == "__main__":

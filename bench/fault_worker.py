@@ -5,6 +5,7 @@ step that prefills a prompt starting with one of the marker token ids below fail
 real executor can: it raises (a CUDA error, a bad sampling value), kills the engine thread, or
 hangs for a while. Only a prompt's first chunk is looked at, so generated tokens never trip it.
 """
+
 import sys
 import time
 

@@ -17,6 +17,7 @@ unmeasured. A GPU worker's first half-minute under a new load ran its steps ~1.8
 the same load later (bench/results/README.md, "warm-up"), so probes or runs on a cold worker
 measure the warm-up, not the worker.
 """
+
 import argparse
 import asyncio
 import json
@@ -50,25 +51,40 @@ def run(urls: list[str], wl: WorkloadConfig, model: str | None) -> tuple[list[di
 def sim_config(url: str) -> SimConfig:
     """A simulated worker with the real one's pool, batching and length limits."""
     s = httpx.get(url + "/state", timeout=10, headers=internal_headers()).json()
-    return SimConfig(model_id=s["model"], block_size=s["block_size"], num_blocks=s["total_blocks"],
-                     max_batched_tokens=s["max_batched_tokens"], max_num_seqs=s["max_num_seqs"],
-                     max_model_len=s["max_model_len"])
+    return SimConfig(
+        model_id=s["model"],
+        block_size=s["block_size"],
+        num_blocks=s["total_blocks"],
+        max_batched_tokens=s["max_batched_tokens"],
+        max_num_seqs=s["max_num_seqs"],
+        max_model_len=s["max_model_len"],
+    )
 
 
 def simulate(profile: dict, wl: WorkloadConfig, workers: int, sim: SimConfig) -> dict:
     """The same workload on `workers` simulated workers with `profile`, round robin."""
-    fleet = FleetConfig(workers=workers, sim=sim, cost=CostModel.from_json(profile),
-                        request_overhead_ms=profile.get("request_overhead_ms", 0.0))
+    fleet = FleetConfig(
+        workers=workers,
+        sim=sim,
+        cost=CostModel.from_json(profile),
+        request_overhead_ms=profile.get("request_overhead_ms", 0.0),
+    )
     return summarize(FleetSim(load_policy("round_robin"), fleet).run(generate(wl), wl.duration_s), *LOOSE_SLO)
 
 
-def compare(profile: dict, wl: WorkloadConfig, records: list[dict], steps: list[StepRecord],
-            workers: int, sim: SimConfig) -> dict:
+def compare(
+    profile: dict, wl: WorkloadConfig, records: list[dict], steps: list[StepRecord], workers: int, sim: SimConfig
+) -> dict:
     """Real against simulated medians, with the probed profile and with it rescaled to `steps`."""
     real = summarize(records, *LOOSE_SLO)
     now = calibrate.rescale(profile, steps)
-    out = {"rate_rps": wl.rate, "requests": real["requests"], "errors": real["errors"],
-           "real": {k: real[k] for k in (*METRICS, "cached_token_ratio")}, "speed_factors": now["rescaled"]}
+    out = {
+        "rate_rps": wl.rate,
+        "requests": real["requests"],
+        "errors": real["errors"],
+        "real": {k: real[k] for k in (*METRICS, "cached_token_ratio")},
+        "speed_factors": now["rescaled"],
+    }
     for label, p in (("probed", profile), ("rescaled", now)):
         s = simulate(p, wl, workers, sim)
         out[label] = {k: s[k] for k in (*METRICS, "cached_token_ratio", "errors")}
@@ -78,8 +94,10 @@ def compare(profile: dict, wl: WorkloadConfig, records: list[dict], steps: list[
 
 def plot(report: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     runs = report["runs"]
     for ax, metric in zip(axes, METRICS):
@@ -96,8 +114,9 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.fidelity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", action="append", required=True, help="a running worker (repeatable)")
     p.add_argument("--rates", required=True, help="comma-separated request rates (req/s), run in turn")
     add_args(p)
@@ -117,20 +136,31 @@ def main(argv: list[str] | None = None) -> None:
     warmup = {"seconds": args.warmup_s, "requests": 0, "errors": 0}
     if args.warmup_s > 0:
         warm = from_args(args, max(rates))
-        done, _ = run(urls, WorkloadConfig(**{**warm.__dict__, "duration_s": args.warmup_s, "seed": warm.seed + 1000}),
-                      model)
+        done, _ = run(
+            urls, WorkloadConfig(**{**warm.__dict__, "duration_s": args.warmup_s, "seed": warm.seed + 1000}), model
+        )
         warmup.update(requests=len(done), errors=sum(r["error"] is not None for r in done))
-    profile = calibrate.calibrate(urls, [int(x) for x in args.lengths.split(",")],
-                                  [int(x) for x in args.batches.split(",")], args.decode_tokens, rounds=args.rounds)
+    profile = calibrate.calibrate(
+        urls,
+        [int(x) for x in args.lengths.split(",")],
+        [int(x) for x in args.batches.split(",")],
+        args.decode_tokens,
+        rounds=args.rounds,
+    )
     runs = []
     for rate in rates:
         wl = from_args(args, rate)
         records, steps = run(urls, wl, model)
         runs.append(compare(profile, wl, records, steps, len(urls), sim))
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    report = {"title": args.title or f"{model}: {len(urls)} workers, real against simulated",
-              "command": "python -m bench.fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "warmup": warmup, "profile": profile, "runs": runs, "wall_s": time.perf_counter() - t0}
+    report = {
+        "title": args.title or f"{model}: {len(urls)} workers, real against simulated",
+        "command": "python -m bench.fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "warmup": warmup,
+        "profile": profile,
+        "runs": runs,
+        "wall_s": time.perf_counter() - t0,
+    }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")

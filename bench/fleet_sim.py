@@ -21,6 +21,7 @@ blocks x block_size x kv_bytes_per_token / (transfer_gbps * 1e9) s (a transport'
 bench/transfer_model.py) and are written into D's
 pool by the real `import_payload`, published as stored events like any cached block.
 """
+
 import gc
 import heapq
 import sys
@@ -95,8 +96,15 @@ class FleetSim:
         self.pd_routed = self.pd_arrived = self.pd_fallbacks = 0
 
     def _worker(self, i: int) -> SimWorker:
-        w = SimWorker(f"w{i:03d}", self.cfg.sim, self.cfg.cost, lambda req, now: self._finished(req, now, i),
-                      lambda now: self._admit_held(i, now), self._role(i), self.cfg.kv_bytes_per_token)
+        w = SimWorker(
+            f"w{i:03d}",
+            self.cfg.sim,
+            self.cfg.cost,
+            lambda req, now: self._finished(req, now, i),
+            lambda now: self._admit_held(i, now),
+            self._role(i),
+            self.cfg.kv_bytes_per_token,
+        )
         self.index.reset(w.worker_id, [], 0)
         w.events.subscribe(lambda events: self.unindexed.setdefault(w.worker_id, []).extend(events))
         return w
@@ -113,8 +121,9 @@ class FleetSim:
 
     def _view(self, w: SimWorker) -> WorkerView:
         """What a poll of w's /state gives the router, built as the gateway builds it."""
-        return worker_view(w.state(), transfer_gbps=self.cfg.transfer_gbps,
-                           cost=self.cfg.cost if self.cfg.views_with_cost else None)
+        return worker_view(
+            w.state(), transfer_gbps=self.cfg.transfer_gbps, cost=self.cfg.cost if self.cfg.views_with_cost else None
+        )
 
     def _push(self, t: float, kind: int, i: int) -> None:
         self.seq += 1
@@ -136,17 +145,29 @@ class FleetSim:
             return
         hashes = self.hasher.hashes(br.prompt)
         self._index_events()
-        view = RequestView(str(br.index), n, tuple(hashes), br.max_tokens, cfg.slo_ttft_ms,
-                           cfg.slo_tpot_ms, br.session, model=cfg.sim.model_id)
+        view = RequestView(
+            str(br.index),
+            n,
+            tuple(hashes),
+            br.max_tokens,
+            cfg.slo_ttft_ms,
+            cfg.slo_tpot_ms,
+            br.session,
+            model=cfg.sim.model_id,
+        )
         matches = self.index.match(hashes)
         route = self.policy.route(view, FleetView(self.views(matches, self.index.slow_blocks(hashes, matches)), now))
         if route.reject:
             self._failed(now, n, f"rejected: {route.reject}")
             return
         i = int(route.worker[1:])
-        req = Request(str(br.index), br.prompt, SamplingParams(max_tokens=br.max_tokens, ignore_eos=True,
-                                                                 seed=br.index), arrival=now)
-        req.block_hashes = hashes[:(n - 1) // cfg.sim.block_size]
+        req = Request(
+            str(br.index),
+            br.prompt,
+            SamplingParams(max_tokens=br.max_tokens, ignore_eos=True, seed=br.index),
+            arrival=now,
+        )
+        req.block_hashes = hashes[: (n - 1) // cfg.sim.block_size]
         self.live[req.request_id] = (req, i)
         self.in_flight[i] += 1
         self._refresh(i)
@@ -154,8 +175,12 @@ class FleetSim:
             p = int(route.prefill[1:])
             self.pd_routed += 1
             self.prefill_of[req.request_id] = p
-            leg = Request(req.request_id + PREFILL_SUFFIX, br.prompt,
-                          SamplingParams(max_tokens=1, ignore_eos=True, seed=br.index), arrival=now)
+            leg = Request(
+                req.request_id + PREFILL_SUFFIX,
+                br.prompt,
+                SamplingParams(max_tokens=1, ignore_eos=True, seed=br.index),
+                arrival=now,
+            )
             leg.block_hashes = list(req.block_hashes)  # P's commits extend its own copy
             self.live[leg.request_id] = (leg, p)
             self.in_flight[p] += 1
@@ -205,7 +230,7 @@ class FleetSim:
         if req is None or rid not in self.held[d] or leg.num_tokens <= leg.num_prompt:
             return
         B = self.cfg.sim.block_size
-        hashes = leg.block_hashes[:leg.num_prompt // B]
+        hashes = leg.block_hashes[: leg.num_prompt // B]
         size = len(hashes) * B * self.cfg.kv_bytes_per_token
         self._push(now + self.cfg.transfer_latency_s + size / (self.cfg.transfer_gbps * 1e9), TRANSFER, d)
         self.transfers[self.seq] = (req, d, hashes)
@@ -214,7 +239,7 @@ class FleetSim:
         if req.request_id not in self.held[d]:
             return
         w, B = self.workers[d], self.cfg.sim.block_size
-        tokens = [req.prompt_ids[k * B:(k + 1) * B] for k in range(len(hashes))]
+        tokens = [req.prompt_ids[k * B : (k + 1) * B] for k in range(len(hashes))]
         spec = executor_spec(self.cfg.sim.model_id, B, w.executor)
         import_payload(w.pool, w.executor, KVPayload(spec, hashes, tokens, None, b""))
         w.events.publish()
@@ -238,8 +263,13 @@ class FleetSim:
             v = self.matched[i].get(key)
             if v is None:
                 v = self.matched[i][key] = with_fields(
-                    self.base[i], matched_blocks=m, in_flight=self.in_flight[i], matched_host_blocks=host,
-                    matched_disk_blocks=disk, tier_credits=self.cfg.tier_credits)
+                    self.base[i],
+                    matched_blocks=m,
+                    in_flight=self.in_flight[i],
+                    matched_host_blocks=host,
+                    matched_disk_blocks=disk,
+                    tier_credits=self.cfg.tier_credits,
+                )
             out[i] = v
         return tuple(out)
 
@@ -263,22 +293,42 @@ class FleetSim:
         error = None if out >= req.params.max_tokens else "evicted: the KV pool cannot hold it"
         ttft = (req.first_token_at - req.arrival) * 1000.0 if req.first_token_at is not None else None
         e2e = (now - req.arrival) * 1000.0
-        self.records.append({
-            "arrival_s": req.arrival, "prompt_tokens": req.num_prompt, "output_tokens": out,
-            "cached_tokens": max(req.num_cached, 0), "ttft_ms": ttft, "e2e_ms": e2e,
-            "tpot_ms": tpot_ms(ttft, e2e, out) if ttft is not None else None,
-            "worker": self.workers[i].worker_id, "error": error,
-            "prefill_worker": self.workers[p].worker_id if p is not None else None})
+        self.records.append(
+            {
+                "arrival_s": req.arrival,
+                "prompt_tokens": req.num_prompt,
+                "output_tokens": out,
+                "cached_tokens": max(req.num_cached, 0),
+                "ttft_ms": ttft,
+                "e2e_ms": e2e,
+                "tpot_ms": tpot_ms(ttft, e2e, out) if ttft is not None else None,
+                "worker": self.workers[i].worker_id,
+                "error": error,
+                "prefill_worker": self.workers[p].worker_id if p is not None else None,
+            }
+        )
 
     def _failed(self, arrival_s: float, n: int, error: str) -> None:
-        self.records.append({"arrival_s": arrival_s, "prompt_tokens": n, "output_tokens": 0,
-                             "cached_tokens": 0, "ttft_ms": None, "tpot_ms": None, "e2e_ms": None,
-                             "worker": None, "error": error, "prefill_worker": None})
+        self.records.append(
+            {
+                "arrival_s": arrival_s,
+                "prompt_tokens": n,
+                "output_tokens": 0,
+                "cached_tokens": 0,
+                "ttft_ms": None,
+                "tpot_ms": None,
+                "e2e_ms": None,
+                "worker": None,
+                "error": error,
+                "prefill_worker": None,
+            }
+        )
 
     # the event loop
 
-    def run(self, requests: Iterable[BenchRequest], duration_s: float,
-            progress: Callable[[float, int], None] | None = None) -> list[dict]:
+    def run(
+        self, requests: Iterable[BenchRequest], duration_s: float, progress: Callable[[float, int], None] | None = None
+    ) -> list[dict]:
         """Simulate until every request is done or `drain_s` past the last arrival; requests
         still running then are recorded as unfinished (SLO misses).
 
@@ -293,8 +343,9 @@ class FleetSim:
             if enabled:
                 gc.enable()
 
-    def _run(self, requests: Iterable[BenchRequest], duration_s: float,
-             progress: Callable[[float, int], None] | None) -> list[dict]:
+    def _run(
+        self, requests: Iterable[BenchRequest], duration_s: float, progress: Callable[[float, int], None] | None
+    ) -> list[dict]:
         for i in range(len(self.workers)):
             self._push(self.cfg.poll_s * i / len(self.workers), POLL, i)
         stream = iter(requests)
@@ -359,7 +410,7 @@ class ChainHasher:
         out, h = [], self.seed
         for i in range(0, n, span):
             end = min(i + span, n)
-            key = (h, tuple(tokens[i * B:end * B]))
+            key = (h, tuple(tokens[i * B : end * B]))
             run = runs.get(key)
             if run is None:
                 run, seen = self._blocks(h, tokens, i, end)
@@ -372,13 +423,13 @@ class ChainHasher:
     def _blocks(self, h: int, tokens: list[int], start: int, end: int) -> tuple[list[int], bool]:
         """Hashes of blocks start..end-1 after parent `h`, and whether the first was memoised."""
         B, memo = self.block_size, self.memo
-        raw, width = array("q", tokens[start * B:end * B]).tobytes(), 8 * B
+        raw, width = array("q", tokens[start * B : end * B]).tobytes(), 8 * B
         out, seen = [], False
         for k in range(end - start):
-            key = (h, raw[k * width:(k + 1) * width])
+            key = (h, raw[k * width : (k + 1) * width])
             nh = memo.get(key)
             if nh is None:
-                nh = memo[key] = block_hash(h, tokens[(start + k) * B:(start + k + 1) * B])
+                nh = memo[key] = block_hash(h, tokens[(start + k) * B : (start + k + 1) * B])
             elif k == 0:
                 seen = True
             out.append(nh)
@@ -389,4 +440,5 @@ class ChainHasher:
 def stderr_progress(label: str) -> Callable[[float, int], None]:
     def show(t: float, done: int) -> None:
         print(f"  {label}: virtual {t:8.1f} s, {done} requests done", file=sys.stderr, flush=True)
+
     return show

@@ -7,15 +7,16 @@ full pages (every row sees all of it) or partial ones (the mask_mod decides per 
 on the logical position that an inverse page table recovers). Why: the comparison issue 14 asks
 for, our Triton kernels against FlexAttention with a paged block mask.
 """
+
 import torch
 from torch import Tensor
 
 
-def paged_block_mask(tables: Tensor, context_lens: Tensor, num_q: int, num_blocks: int, page: int,
-                     q_block: int = 128):
+def paged_block_mask(tables: Tensor, context_lens: Tensor, num_q: int, num_blocks: int, page: int, q_block: int = 128):
     """BlockMask for B sequences, each with its last `num_q` tokens as queries (1: decode), whose
     pages are tables[b, :ceil(len / page)], over the physical cache of `num_blocks` pages."""
     from torch.nn.attention.flex_attention import BlockMask
+
     b, width = tables.shape
     dev = tables.device
     tables = tables.long()
@@ -31,7 +32,9 @@ def paged_block_mask(tables: Tensor, context_lens: Tensor, num_q: int, num_block
     full_idx = torch.zeros(b, rows, num_blocks, dtype=torch.long, device=dev)
     part_idx = torch.zeros_like(full_idx)
     full_idx[:, :, :width] = tables[:, None, :]
-    part_idx[:, :, :width] = tables.gather(1, (full[:, :, None] + cols).clamp(max=width - 1).view(b, -1)).view(b, rows, width)
+    part_idx[:, :, :width] = tables.gather(1, (full[:, :, None] + cols).clamp(max=width - 1).view(b, -1)).view(
+        b, rows, width
+    )
     logical = torch.full((b, num_blocks), -1, dtype=torch.long, device=dev)
     owned = cols[None, :] < ((lens + page - 1) // page)[:, None]
     logical[torch.arange(b, device=dev)[:, None].expand(b, width)[owned], tables[owned]] = cols.expand(b, width)[owned]
@@ -41,9 +44,15 @@ def paged_block_mask(tables: Tensor, context_lens: Tensor, num_q: int, num_block
         return (block >= 0) & (block * page + kv_idx % page <= lens[bi] - num_q + q_idx)
 
     return BlockMask.from_kv_blocks(
-        (visible - full)[:, None].int(), part_idx[:, None].int().contiguous(), full[:, None].int(),
-        full_idx[:, None].int().contiguous(), BLOCK_SIZE=(q_block, page), mask_mod=mask_mod,
-        seq_lengths=(num_q, num_blocks * page), compute_q_blocks=False)
+        (visible - full)[:, None].int(),
+        part_idx[:, None].int().contiguous(),
+        full[:, None].int(),
+        full_idx[:, None].int().contiguous(),
+        BLOCK_SIZE=(q_block, page),
+        mask_mod=mask_mod,
+        seq_lengths=(num_q, num_blocks * page),
+        compute_q_blocks=False,
+    )
 
 
 def physical_kv(cache: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ tokenization, routing and proxying. The load client speaks HTTP/1.1 on raw async
 (keep-alive, one connection per concurrent caller): a Python HTTP library as client would cost
 more CPU than the gateway and, on a small machine, measure itself.
 """
+
 import argparse
 import asyncio
 import gc
@@ -40,12 +41,15 @@ class RawConnection:
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        head = (f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode()
         self.writer.write(head + body)
         status_line, _, rest = (await self.reader.readuntil(b"\r\n\r\n")).partition(b"\r\n")
-        length = next(int(line.split(b":")[1]) for line in rest.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
+        length = next(
+            int(line.split(b":")[1]) for line in rest.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
         return int(status_line.split()[1]), await self.reader.readexactly(length)
 
     def close(self) -> None:
@@ -55,8 +59,12 @@ class RawConnection:
 
 def percentiles(xs: list[float]) -> dict:
     xs = sorted(xs)
-    return {"p50": xs[len(xs) // 2], "p90": xs[int(len(xs) * 0.9)], "p99": xs[int(len(xs) * 0.99)],
-            "mean": statistics.fmean(xs)}
+    return {
+        "p50": xs[len(xs) // 2],
+        "p90": xs[int(len(xs) * 0.9)],
+        "p99": xs[int(len(xs) * 0.99)],
+        "mean": statistics.fmean(xs),
+    }
 
 
 async def latency(direct: list[str], gateway: str, n: int) -> dict:
@@ -96,6 +104,7 @@ async def throughput(urls: list[str], concurrency: int, duration: float) -> floa
                 done += status == 200
         finally:
             conn.close()
+
     t0 = time.perf_counter()
     await asyncio.gather(*(caller(i) for i in range(concurrency)))
     return done / (time.perf_counter() - t0)
@@ -123,15 +132,25 @@ def decision_times(num_workers: int = 64, prompt_tokens: int = 8192, n: int = 20
     for i in range(num_workers):
         w = fleet.add(f"http://127.0.0.1:{20_000 + i}")
         w.worker_id, w.healthy = f"w{i:02d}", True
-        w.state = {"worker_id": w.worker_id, "model": "m", "max_model_len": 32_768, "waiting": rng.randrange(4),
-                   "running": rng.randrange(32), "queued_prefill_tokens": rng.randrange(4096),
-                   "kv_tokens": rng.randrange(100_000), "step_ms": 20.0 + rng.random() * 10,
-                   "step_prefill_tokens": rng.randrange(2048), "step_prefill_ctx_products": rng.randrange(10**7),
-                   "step_decode_seqs": rng.randrange(32), "step_decode_kv_tokens": rng.randrange(100_000),
-                   "total_blocks": 8192, "free_blocks": rng.randrange(8192)}
+        w.state = {
+            "worker_id": w.worker_id,
+            "model": "m",
+            "max_model_len": 32_768,
+            "waiting": rng.randrange(4),
+            "running": rng.randrange(32),
+            "queued_prefill_tokens": rng.randrange(4096),
+            "kv_tokens": rng.randrange(100_000),
+            "step_ms": 20.0 + rng.random() * 10,
+            "step_prefill_tokens": rng.randrange(2048),
+            "step_prefill_ctx_products": rng.randrange(10**7),
+            "step_decode_seqs": rng.randrange(32),
+            "step_decode_kv_tokens": rng.randrange(100_000),
+            "total_blocks": 8192,
+            "free_blocks": rng.randrange(8192),
+        }
         w.base = _view(w.state, w.url)
         w.in_flight = rng.randrange(8)
-        held = [h for d in rng.sample(docs, 4) for h in d[:rng.randrange(len(d))]]
+        held = [h for d in rng.sample(docs, 4) for h in d[: rng.randrange(len(d))]]
         fleet.index.reset(w.worker_id, held, 0)
     out = {}
     for name, gw in zip(BUILTIN_POLICIES, gateways):
@@ -144,8 +163,11 @@ def decision_times(num_workers: int = 64, prompt_tokens: int = 8192, n: int = 20
             cpu.append((time.thread_time() - c0) * 1000)
             wall.append((time.perf_counter() - t0) * 1000)
         out[name] = {**percentiles(wall), "cpu": percentiles(cpu)}
-        print(f"  decision {name}: wall p50 {out[name]['p50']:.3f} ms, p99 {out[name]['p99']:.3f} ms; "
-              f"cpu p50 {out[name]['cpu']['p50']:.3f} ms, p99 {out[name]['cpu']['p99']:.3f} ms", flush=True)
+        print(
+            f"  decision {name}: wall p50 {out[name]['p50']:.3f} ms, p99 {out[name]['p99']:.3f} ms; "
+            f"cpu p50 {out[name]['cpu']['p50']:.3f} ms, p99 {out[name]['cpu']['p99']:.3f} ms",
+            flush=True,
+        )
     gc.unfreeze()  # the rest of this process is the load client, not the gateway
     gc.set_threshold(*thresholds)
     return out
@@ -155,6 +177,7 @@ def tokenize_time(prompt_tokens: int = 8192) -> float:
     """Milliseconds to tokenize and hash an 8k-token prompt (done off the event loop)."""
     from gateway.tokenize import ModelTokenizer
     from workers.model_store import load_tokenizer
+
     tok = ModelTokenizer("smollm2-135m", load_tokenizer("smollm2-135m"), 16)
     words = "cache block token worker gateway prefix decode prefill route fleet".split()
     text = " ".join(random.Random(1).choice(words) for _ in range(prompt_tokens))
@@ -169,15 +192,23 @@ def tokenize_time(prompt_tokens: int = 8192) -> float:
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     ax = axes[0]
     for kind in ("direct", "gateway"):
         xs = sorted(result["latency"]["samples_ms"][kind])
-        ax.plot(xs, [i / len(xs) for i in range(len(xs))], label=f"{kind} (p50 {result['latency'][kind]['p50']:.2f} ms)")
-    ax.set(xscale="log", xlabel="request latency (ms)", ylabel="CDF",
-           title=f"added p50 {result['latency']['added_ms']['p50']:.2f} ms, p99 {result['latency']['added_ms']['p99']:.2f} ms")
+        ax.plot(
+            xs, [i / len(xs) for i in range(len(xs))], label=f"{kind} (p50 {result['latency'][kind]['p50']:.2f} ms)"
+        )
+    ax.set(
+        xscale="log",
+        xlabel="request latency (ms)",
+        ylabel="CDF",
+        title=f"added p50 {result['latency']['added_ms']['p50']:.2f} ms, p99 {result['latency']['added_ms']['p99']:.2f} ms",
+    )
     ax.legend()
     ax = axes[1]
     for kind in ("direct", "gateway"):
@@ -188,8 +219,12 @@ def plot(result: dict, path: Path) -> None:
     names = list(result["decision"])
     bars = (("p50", lambda d: d["p50"]), ("p99 wall", lambda d: d["p99"]), ("p99 cpu", lambda d: d["cpu"]["p99"]))
     for j, (label, get) in enumerate(bars):
-        ax.bar([i + (j - 1) * 0.27 for i in range(len(names))], [get(result["decision"][n]) for n in names], 0.27,
-               label=label)
+        ax.bar(
+            [i + (j - 1) * 0.27 for i in range(len(names))],
+            [get(result["decision"][n]) for n in names],
+            0.27,
+            label=label,
+        )
     ax.axhline(1.0, color="red", linestyle="--", label="target p99")
     ax.set_xticks(range(len(names)), names, rotation=20)
     ax.set(ylabel="ms", title="routing decision, 64 workers, 8k-token prompt")
@@ -200,6 +235,7 @@ def plot(result: dict, path: Path) -> None:
 
 async def measure_http(args) -> dict:
     from gateway.procs import Worker, start_gateway, stop_all
+
     profile = Path(tempfile.mkdtemp()) / "zero.json"
     profile.write_text(json.dumps({k: 0.0 for k in CostModel().to_json()}))
     workers = [Worker(worker_id=f"z{i}", extra=["--sim-profile", str(profile)]) for i in range(2)]
@@ -215,8 +251,11 @@ async def measure_http(args) -> dict:
         for c in CONCURRENCY:
             for kind, urls in (("direct", direct), ("gateway", [gateway.url])):
                 thr[kind][str(c)] = await throughput(urls, c, args.duration)
-            print(f"  throughput x{c}: direct {thr['direct'][str(c)]:.0f} req/s, "
-                  f"gateway {thr['gateway'][str(c)]:.0f} req/s", flush=True)
+            print(
+                f"  throughput x{c}: direct {thr['direct'][str(c)]:.0f} req/s, "
+                f"gateway {thr['gateway'][str(c)]:.0f} req/s",
+                flush=True,
+            )
         return {"latency": lat, "throughput": thr}
     finally:
         stop_all([gateway] + workers)
@@ -228,8 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=float, default=3.0, help="seconds per throughput level")
     p.add_argument("--policy", default="prefix_affinity")
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--only", choices=("decision",),
-                   help="only the in-process routing decision time, written to gateway_overhead_decision.json")
+    p.add_argument(
+        "--only",
+        choices=("decision",),
+        help="only the in-process routing decision time, written to gateway_overhead_decision.json",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
         decision = decision_times()
         targets = {n: d["p99"] <= 1.0 for n, d in decision.items()}
         (out / "gateway_overhead_decision.json").write_text(
-            json.dumps({"decision": decision, "targets": {"decision_p99_le_1ms": targets}}, indent=2))
+            json.dumps({"decision": decision, "targets": {"decision_p99_le_1ms": targets}}, indent=2)
+        )
         print(f"wrote {out / 'gateway_overhead_decision.json'}")
         return
     result = {"decision": decision_times(), "tokenize_8k_ms": tokenize_time()}
@@ -247,14 +290,17 @@ def main(argv: list[str] | None = None) -> None:
     result["peak_rps"] = peak
     result["targets"] = {
         "decision_p99_le_1ms": {n: d["p99"] <= 1.0 for n, d in result["decision"].items()},
-        "added_p50_le_1ms": result["latency"]["added_ms"]["p50"] <= 1.0}
+        "added_p50_le_1ms": result["latency"]["added_ms"]["p50"] <= 1.0,
+    }
     plot(result, out / "gateway_overhead.png")
     result["latency"].pop("samples_ms")
     (out / "gateway_overhead.json").write_text(json.dumps(result, indent=2))
     lat = result["latency"]
-    print(f"added latency p50 {lat['added_ms']['p50']:.3f} ms, p99 {lat['added_ms']['p99']:.3f} ms; "
-          f"peak direct {peak['direct']:.0f} req/s, gateway {peak['gateway']:.0f} req/s; "
-          f"wrote {out / 'gateway_overhead.json'} and .png")
+    print(
+        f"added latency p50 {lat['added_ms']['p50']:.3f} ms, p99 {lat['added_ms']['p99']:.3f} ms; "
+        f"peak direct {peak['direct']:.0f} req/s, gateway {peak['gateway']:.0f} req/s; "
+        f"wrote {out / 'gateway_overhead.json'} and .png"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ blocks) as the engine issues them, timed to completion (CUDA: synchronised), and
 the n blocks' tokens in one step. A matched host block saves its prefill less its copy back:
 credit = 1 - copy-back ms / prefill ms per block (policies.api.TierCredits). JSON and PNG out.
 """
+
 import argparse
 import json
 import random
@@ -45,15 +46,24 @@ def measure(runner: TorchRunner, n: int, repeat: int, rng: random.Random) -> dic
     tokens = [rng.randrange(100, runner.vocab_size) for _ in range(n * B)]
     chunk = SeqChunk(tokens, 0, list(range(n)), True, SamplingParams(temperature=0.0))
     prefill_ms = timed(lambda: runner.execute([chunk]), runner.device, repeat)
-    return {"blocks": n, "bytes": n * block_bytes, "swap_out_ms": out_ms, "swap_in_ms": in_ms,
-            "swap_out_gbps": n * block_bytes / out_ms / 1e6, "swap_in_gbps": n * block_bytes / in_ms / 1e6,
-            "prefill_ms": prefill_ms, "host_credit": max(0.0, 1.0 - in_ms / prefill_ms)}
+    return {
+        "blocks": n,
+        "bytes": n * block_bytes,
+        "swap_out_ms": out_ms,
+        "swap_in_ms": in_ms,
+        "swap_out_gbps": n * block_bytes / out_ms / 1e6,
+        "swap_in_gbps": n * block_bytes / in_ms / 1e6,
+        "prefill_ms": prefill_ms,
+        "host_credit": max(0.0, 1.0 - in_ms / prefill_ms),
+    }
 
 
 def plot(report: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = report["rows"]
     n = [r["blocks"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -63,8 +73,13 @@ def plot(report: dict, path: str) -> None:
     a.legend()
     b.plot(n, [r["swap_in_ms"] / r["blocks"] for r in rows], "o-", label="copy back, ms/block")
     b.plot(n, [r["prefill_ms"] / r["blocks"] for r in rows], "o-", label="prefill, ms/block")
-    b.set(xscale="log", yscale="log", xlabel="blocks per batch", ylabel="ms per block",
-          title=f"host credit {report['host_credit']:.3f} (1 - copy/prefill)")
+    b.set(
+        xscale="log",
+        yscale="log",
+        xlabel="blocks per batch",
+        ylabel="ms per block",
+        title=f"host credit {report['host_credit']:.3f} (1 - copy/prefill)",
+    )
     b.legend()
     fig.suptitle(report["title"], fontsize=9)
     fig.tight_layout()
@@ -87,13 +102,21 @@ def main(argv: list[str] | None = None) -> None:
     measure(runner, sizes[0], 1, rng)  # first-call costs (allocations, kernels) out of the figures
     rows = [measure(runner, n, args.repeat, rng) for n in sizes]
     largest = rows[-1]
-    report = {"kind": "host_copy", "command": "python -m bench.host_copy " + " ".join(argv or sys.argv[1:]),
-              "title": f"host KV tier on {runner.device} ({torch.get_num_threads()} threads): {args.model}, "
-                       f"{runner.dtype}, {args.block_size}-token blocks of {args.block_size * runner.kv_bytes_per_token} B",
-              "device": str(runner.device), "model": args.model, "dtype": str(runner.dtype),
-              "block_size": args.block_size, "kv_bytes_per_token": runner.kv_bytes_per_token,
-              "host_credit": largest["host_credit"], "swap_in_gbps": largest["swap_in_gbps"],
-              "swap_out_gbps": largest["swap_out_gbps"], "rows": rows}
+    report = {
+        "kind": "host_copy",
+        "command": "python -m bench.host_copy " + " ".join(argv or sys.argv[1:]),
+        "title": f"host KV tier on {runner.device} ({torch.get_num_threads()} threads): {args.model}, "
+        f"{runner.dtype}, {args.block_size}-token blocks of {args.block_size * runner.kv_bytes_per_token} B",
+        "device": str(runner.device),
+        "model": args.model,
+        "dtype": str(runner.dtype),
+        "block_size": args.block_size,
+        "kv_bytes_per_token": runner.kv_bytes_per_token,
+        "host_credit": largest["host_credit"],
+        "swap_in_gbps": largest["swap_in_gbps"],
+        "swap_out_gbps": largest["swap_out_gbps"],
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(report, indent=1))
     plot(report, str(Path(args.out).with_suffix(".png")))
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1))

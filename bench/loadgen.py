@@ -11,6 +11,7 @@ overload). Prompts go as token-id lists to /v1/completions with `stream: true`,
 client (a fleet without a router). Per request: TTFT, TPOT, inter-token latencies,
 end-to-end, cached tokens, the worker that served it (`x-kvgate-worker`), errors.
 """
+
 import argparse
 import asyncio
 import json
@@ -36,8 +37,10 @@ class Progress:
 
     def line(self) -> str:
         el = time.perf_counter() - self.start
-        return (f"  {self.label}: sent {self.sent}/{self.total}, done {self.done}, errors {self.errors}, "
-                f"{el:.0f}/{self.duration:.0f} s")
+        return (
+            f"  {self.label}: sent {self.sent}/{self.total}, done {self.done}, errors {self.errors}, "
+            f"{el:.0f}/{self.duration:.0f} s"
+        )
 
     async def show(self) -> None:
         while True:
@@ -48,13 +51,19 @@ class Progress:
         print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
 
 
-def request_body(br: BenchRequest, model: str | None, token_ids: bool,
-                 text: Callable[[list[int]], str] | None = None) -> dict:
+def request_body(
+    br: BenchRequest, model: str | None, token_ids: bool, text: Callable[[list[int]], str] | None = None
+) -> dict:
     """The completion request for `br`: its token ids as the prompt, or with `text` the
     prompt decoded to text (for routers that take only text, like sglang-router)."""
-    body = {"prompt": text(br.prompt) if text else br.prompt, "max_tokens": br.max_tokens, "stream": True,
-            "ignore_eos": True,
-            "stream_options": {"include_usage": True}, "temperature": 0.0}
+    body = {
+        "prompt": text(br.prompt) if text else br.prompt,
+        "max_tokens": br.max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
     if model:
         body["model"] = model
     if token_ids:
@@ -64,13 +73,32 @@ def request_body(br: BenchRequest, model: str | None, token_ids: bool,
     return body
 
 
-async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str | None,
-               headers: dict, token_ids: bool, text: Callable[[list[int]], str] | None = None) -> dict:
+async def send(
+    client: httpx.AsyncClient,
+    url: str,
+    br: BenchRequest,
+    model: str | None,
+    headers: dict,
+    token_ids: bool,
+    text: Callable[[list[int]], str] | None = None,
+) -> dict:
     """Stream one completion; the record holds client-side timings and the server's usage."""
-    rec = {"index": br.index, "arrival_s": br.arrival_s, "prompt_tokens": len(br.prompt),
-           "max_tokens": br.max_tokens, "output_tokens": 0, "cached_tokens": 0, "ttft_ms": None,
-           "tpot_ms": None, "e2e_ms": None, "itl_ms": [], "worker": None, "prefill_worker": None,
-           "error": None, "session": br.session}
+    rec = {
+        "index": br.index,
+        "arrival_s": br.arrival_s,
+        "prompt_tokens": len(br.prompt),
+        "max_tokens": br.max_tokens,
+        "output_tokens": 0,
+        "cached_tokens": 0,
+        "ttft_ms": None,
+        "tpot_ms": None,
+        "e2e_ms": None,
+        "itl_ms": [],
+        "worker": None,
+        "prefill_worker": None,
+        "error": None,
+        "session": br.session,
+    }
     if br.session:
         headers = {**headers, "x-session-id": br.session}
     start = time.perf_counter()
@@ -78,8 +106,9 @@ async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str
     usage: dict = {}
     finish = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=request_body(br, model, token_ids, text),
-                                 headers=headers) as resp:
+        async with client.stream(
+            "POST", url + "/v1/completions", json=request_body(br, model, token_ids, text), headers=headers
+        ) as resp:
             rec["worker"] = resp.headers.get("x-kvgate-worker")
             rec["prefill_worker"] = resp.headers.get("x-kvgate-prefill-worker")
             if resp.status_code != 200:
@@ -107,8 +136,9 @@ async def send(client: httpx.AsyncClient, url: str, br: BenchRequest, model: str
     return finish_record(rec, start, end, times, usage, finish)
 
 
-def finish_record(rec: dict, start: float, end: float, times: list[float], usage: dict,
-                  finish: str | None = None) -> dict:
+def finish_record(
+    rec: dict, start: float, end: float, times: list[float], usage: dict, finish: str | None = None
+) -> dict:
     """Timings and usage into the record. A `length` finish short of max_tokens is an error:
     the server cut the request (context or KV limit), as the simulator counts it; a `stop`
     finish (EOS, where the endpoint ignores ignore_eos) is not."""
@@ -128,9 +158,15 @@ def finish_record(rec: dict, start: float, end: float, times: list[float], usage
     return rec
 
 
-async def run_rate(urls: list[str], cfg: WorkloadConfig, model: str | None, slo: tuple[float, float],
-                   token_ids: bool = True, timeout: float = 600.0,
-                   text: Callable[[list[int]], str] | None = None) -> list[dict]:
+async def run_rate(
+    urls: list[str],
+    cfg: WorkloadConfig,
+    model: str | None,
+    slo: tuple[float, float],
+    token_ids: bool = True,
+    timeout: float = 600.0,
+    text: Callable[[list[int]], str] | None = None,
+) -> list[dict]:
     """Fire the workload's requests at their arrival times; wait for all; return records.
     With `text`, prompts go as the text it decodes them to."""
     requests = list(generate(cfg))
@@ -171,19 +207,27 @@ def served_model(url: str) -> str | None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate bench serve", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--url", action="append", required=True,
-                   help="endpoint base URL (repeat to spread requests round-robin from the client)")
+    p.add_argument(
+        "--url",
+        action="append",
+        required=True,
+        help="endpoint base URL (repeat to spread requests round-robin from the client)",
+    )
     rate = p.add_mutually_exclusive_group(required=True)
     rate.add_argument("--rate", type=float, help="requests per second (0: a trace at its own timestamps)")
-    rate.add_argument("--sweep", help="R1,R2,...: one run per rate; goodput (the highest rate meeting the SLOs) "
-                                      "from the sweep")
+    rate.add_argument(
+        "--sweep", help="R1,R2,...: one run per rate; goodput (the highest rate meeting the SLOs) from the sweep"
+    )
     add_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="a request meets its SLO within this TTFT ...")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="... and this time per output token")
     p.add_argument("--model", help="model name (default: the first one /v1/models lists)")
     p.add_argument("--label", help="name of this target in the report (default: the URL)")
-    p.add_argument("--no-token-ids", action="store_true",
-                   help="do not ask for return_token_ids (for endpoints that reject it; tokens are then counted per chunk)")
+    p.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="do not ask for return_token_ids (for endpoints that reject it; tokens are then counted per chunk)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--title", help="plot title")
     p.add_argument("--out", required=True, help="report JSON; plots are written next to it")
@@ -194,12 +238,17 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "serve":
         asked = argv[:1] in (["-h"], ["--help"])
-        print("usage: kvgate bench serve --url URL (--rate R | --sweep R1,R2,...) --out REPORT.json ... "
-              "(kvgate bench serve --help lists every flag)", file=sys.stdout if asked else sys.stderr)
+        print(
+            "usage: kvgate bench serve --url URL (--rate R | --sweep R1,R2,...) --out REPORT.json ... "
+            "(kvgate bench serve --help lists every flag)",
+            file=sys.stdout if asked else sys.stderr,
+        )
         sys.exit(0 if asked else 2)
     args = parser().parse_args(argv[1:])
     urls = [u.rstrip("/") for u in args.url]
-    rates = resolve_rates(args, [args.rate] if args.rate is not None else sorted(float(r) for r in args.sweep.split(",")))
+    rates = resolve_rates(
+        args, [args.rate] if args.rate is not None else sorted(float(r) for r in args.sweep.split(","))
+    )
     model = args.model or served_model(urls[0])
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     label = args.label or (urls[0] if len(urls) == 1 else f"{len(urls)} urls, client round-robin")
@@ -211,9 +260,15 @@ def main(argv: list[str] | None = None) -> None:
         run.update(rate_rps=rate, records=records)
         runs.append(run)
         print(f"  {rate:g} req/s: {rep.run_line(run)}", file=sys.stderr, flush=True)
-    meta = {"kind": "bench-serve", "title": args.title or f"{args.workload} against {label}",
-            "command": "kvgate bench " + " ".join(argv), "urls": urls, "model": model,
-            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
-            "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
-            "wall_s": time.perf_counter() - t0}
+    meta = {
+        "kind": "bench-serve",
+        "title": args.title or f"{args.workload} against {label}",
+        "command": "kvgate bench " + " ".join(argv),
+        "urls": urls,
+        "model": model,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
+        "wall_s": time.perf_counter() - t0,
+    }
     rep.publish({label: runs}, meta, args.out)

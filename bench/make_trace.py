@@ -9,6 +9,7 @@ previous one. It is synthetic: the shapes are chosen, not measured.
 
     python -m bench.make_trace --requests 20000 --rate 20 --out bench/results/mooncake-synthetic.jsonl
 """
+
 import argparse
 import json
 import sys
@@ -35,7 +36,7 @@ class TraceMaker:
         return ids
 
     def lognormal(self, mean: float, sigma: float, low: int, high: int) -> int:
-        mu = np.log(mean) - sigma ** 2 / 2
+        mu = np.log(mean) - sigma**2 / 2
         return int(np.clip(self.rng.lognormal(mu, sigma), low, high))
 
     def row(self, t_ms: int) -> dict:
@@ -44,7 +45,7 @@ class TraceMaker:
         if self.sessions and self.rng.random() < self.followup:
             k = int(self.rng.integers(len(self.sessions)))
             ids, length, prev_out = self.sessions[k]
-            keep = ids[:length // BLOCK]
+            keep = ids[: length // BLOCK]
             n = min(self.max_input, length + prev_out + self.lognormal(300, 0.8, 16, 4096))
         else:
             k = len(self.sessions)
@@ -61,8 +62,9 @@ class TraceMaker:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.make_trace", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.make_trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--rate", type=float, default=20.0, help="mean requests per second (Poisson)")
     p.add_argument("--prefixes", type=int, default=40, help="popular shared prefixes")

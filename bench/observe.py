@@ -11,6 +11,7 @@ bucket; every recording rule returns values in range and the worker-down alert f
 
     python -m bench.observe --out bench/results/observe.json --png bench/results/dashboard.png
 """
+
 import argparse
 import asyncio
 import json
@@ -51,8 +52,14 @@ def body(rng: random.Random, long_share: float, stream: bool) -> dict:
     enough that slo_goodput moves their prefill to the prefill worker."""
     n = rng.randint(160, 240) if rng.random() < long_share else rng.randint(8, 48)
     prefix = [1000 + 7 * rng.randrange(4) + i for i in range(32)]
-    return {"model": MODEL, "prompt": prefix + [rng.randrange(2000, 30000) for _ in range(n)],
-            "max_tokens": rng.randint(4, 16), "ignore_eos": True, "temperature": 0.0, "stream": stream}
+    return {
+        "model": MODEL,
+        "prompt": prefix + [rng.randrange(2000, 30000) for _ in range(n)],
+        "max_tokens": rng.randint(4, 16),
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+    }
 
 
 async def one(session: aiohttp.ClientSession, name: str, url: str, b: dict) -> Sent:
@@ -84,8 +91,13 @@ async def drive(gateways: dict[str, tuple[str, float, float]], until: float, con
             while time.monotonic() < until:
                 sent.append(await one(session, name, url, body(rng, long_share, rng.random() < stream_share)))
 
-    await asyncio.gather(*(loop(name, url, st, lg, 10 * i + c) for i, (name, (url, st, lg)) in
-                           enumerate(gateways.items()) for c in range(concurrency)))
+    await asyncio.gather(
+        *(
+            loop(name, url, st, lg, 10 * i + c)
+            for i, (name, (url, st, lg)) in enumerate(gateways.items())
+            for c in range(concurrency)
+        )
+    )
     return sent
 
 
@@ -112,14 +124,37 @@ class Fleet:
 
 
 def start_fleet(logs: str) -> Fleet:
-    w = {name: Worker(worker_id=name, log_dir=logs, extra=[*SECRET, *(("--role", role) if role else ())])
-         for name, role in (("m0", None), ("m1", None), ("p0", "prefill"), ("d0", "decode"))}
+    w = {
+        name: Worker(worker_id=name, log_dir=logs, extra=[*SECRET, *(("--role", role) if role else ())])
+        for name, role in (("m0", None), ("m1", None), ("p0", "prefill"), ("d0", "decode"))
+    }
     urls = {n: x.url for n, x in w.items()}
-    g = {"gw-pd": start_gateway([urls["m0"], urls["p0"], urls["d0"]], "slo_goodput", log_dir=logs, name="gw-pd",
-                                extra=[*SECRET, "--pd-min-uncached-tokens", "96", "--slo-ttft-ms", "2000",
-                                       "--slo-tpot-ms", "200", "--fleet-summary-s", "0"]),
-         "gw-pa": start_gateway([urls["m0"], urls["m1"]], "prefix_affinity", log_dir=logs, name="gw-pa",
-                                extra=[*SECRET, "--slo-ttft-ms", "300", "--slo-tpot-ms", "60", "--fleet-summary-s", "0"])}
+    g = {
+        "gw-pd": start_gateway(
+            [urls["m0"], urls["p0"], urls["d0"]],
+            "slo_goodput",
+            log_dir=logs,
+            name="gw-pd",
+            extra=[
+                *SECRET,
+                "--pd-min-uncached-tokens",
+                "96",
+                "--slo-ttft-ms",
+                "2000",
+                "--slo-tpot-ms",
+                "200",
+                "--fleet-summary-s",
+                "0",
+            ],
+        ),
+        "gw-pa": start_gateway(
+            [urls["m0"], urls["m1"]],
+            "prefix_affinity",
+            log_dir=logs,
+            name="gw-pa",
+            extra=[*SECRET, "--slo-ttft-ms", "300", "--slo-tpot-ms", "60", "--fleet-summary-s", "0"],
+        ),
+    }
     return Fleet(w, g)
 
 
@@ -138,8 +173,14 @@ def run(duration_s: float = 30.0, kill_at_s: float = 12.0, concurrency: int = 3,
             g = fleet.gateways[name]
             wait_for(lambda: httpx.get(g.url + "/health").json()["healthy"] == n, what=f"{name} fleet")
         rules = quick_rules(RULES, Path(logs) / "rules.yml")
-        prom_proc, prom = start_prometheus({"kvgate-gateway": [g.url for g in fleet.gateways.values()],
-                                            "kvgate-worker": [x.url for x in fleet.workers.values()]}, [rules], logs)
+        prom_proc, prom = start_prometheus(
+            {
+                "kvgate-gateway": [g.url for g in fleet.gateways.values()],
+                "kvgate-worker": [x.url for x in fleet.workers.values()],
+            },
+            [rules],
+            logs,
+        )
         prom.wait_scraped(["kvgate-gateway", "kvgate-worker"])
         time.sleep(2)  # a few scrapes of the idle fleet: every counter's 0 is in the TSDB
         start, t0 = time.time(), time.monotonic()
@@ -176,25 +217,51 @@ def evaluate(prom: Prom, sent: list[Sent], start: float, killed: float, end: flo
             continue
         vals = values_of(result)
         low, high = (0.0, 1.0) if pq.unit in RATIO_UNITS else (0.0, 120.0) if pq.unit == "s" else (0.0, float("inf"))
-        entry = {"panel": pq.panel, "legend": pq.legend, "unit": pq.unit, "series": len(result), "points": len(vals),
-                 "min": min(vals, default=None), "max": max(vals, default=None), "result": result}
+        entry = {
+            "panel": pq.panel,
+            "legend": pq.legend,
+            "unit": pq.unit,
+            "series": len(result),
+            "points": len(vals),
+            "min": min(vals, default=None),
+            "max": max(vals, default=None),
+            "result": result,
+        }
         if not vals:
             problems.append(f"{pq.panel} / {pq.legend}: no data")
         elif min(vals) < low - 1e-9 or max(vals) > high + 1e-9:
             problems.append(f"{pq.panel} / {pq.legend}: values {min(vals):.4g}..{max(vals):.4g} outside {low}..{high}")
         panels.append(entry)
-    after_kill = [v for e in panels if e["panel"] == ERROR_PANEL for s in e["result"]
-                  for t, v in s["values"] if float(t) > killed and float(v) > 0]
+    after_kill = [
+        v
+        for e in panels
+        if e["panel"] == ERROR_PANEL
+        for s in e["result"]
+        for t, v in s["values"]
+        if float(t) > killed and float(v) > 0
+    ]
     if not after_kill:
         problems.append("the error panel shows nothing after the worker was killed")
-    down = [v for e in panels if e["panel"] == HEALTH_PANEL and e["legend"].startswith("healthy") for s in e["result"]
-            if s["metric"].get("worker") == "m1" for t, v in s["values"] if float(t) > killed and float(v) == 0]
+    down = [
+        v
+        for e in panels
+        if e["panel"] == HEALTH_PANEL and e["legend"].startswith("healthy")
+        for s in e["result"]
+        if s["metric"].get("worker") == "m1"
+        for t, v in s["values"]
+        if float(t) > killed and float(v) == 0
+    ]
     if not down:
         problems.append("the health panel never shows the killed worker out")
     latency = compare_latency(prom, sent, start, end, pa_url, problems)
     rules = check_rules(prom, end, problems)
-    return {"problems": problems, "panels": panels, "latency": latency, "rules": rules,
-            "window": {"start": start, "killed": killed, "end": end}}
+    return {
+        "problems": problems,
+        "panels": panels,
+        "latency": latency,
+        "rules": rules,
+        "window": {"start": start, "killed": killed, "end": end},
+    }
 
 
 def compare_latency(prom: Prom, sent: list[Sent], start: float, end: float, pa_url: str, problems: list[str]) -> list:
@@ -213,8 +280,16 @@ def compare_latency(prom: Prom, sent: list[Sent], start: float, end: float, pa_u
             got = values_of(prom.query(pq.expr, end))
             want = quantile(client, q) if client else None
             lo, hi = bucket_range(want) if want is not None else (None, None)
-            out.append({"panel": panel, "quantile": pq.legend, "client_s": want, "prometheus_s": got[0] if got else None,
-                        "bucket_with_slack": [lo, hi], "client_requests": len(client)})
+            out.append(
+                {
+                    "panel": panel,
+                    "quantile": pq.legend,
+                    "client_s": want,
+                    "prometheus_s": got[0] if got else None,
+                    "bucket_with_slack": [lo, hi],
+                    "client_requests": len(client),
+                }
+            )
             if not got or want is None or not lo <= got[0] <= hi:
                 problems.append(f"{panel} {pq.legend}: Prometheus {got} vs the client's {want} (allowed {lo}..{hi})")
     return out
@@ -249,8 +324,10 @@ def check_rules(prom: Prom, end: float, problems: list[str]) -> dict:
 def plot(report: dict, path: str) -> None:
     """Each panel's series over the run, as the dashboard would draw them, with the kill marked."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     titles = list(dict.fromkeys(e["panel"] for e in report["panels"]))
     cols = 3
     rows = -(-len(titles) // cols)
@@ -269,7 +346,7 @@ def plot(report: dict, path: str) -> None:
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=5, loc="upper left", ncol=2)
-    for ax in list(axes.flat)[len(titles):]:
+    for ax in list(axes.flat)[len(titles) :]:
         ax.axis("off")
     fig.suptitle("kvgate dashboard panels from a real Prometheus run (red: worker m1 SIGKILLed; x: seconds)")
     fig.tight_layout()

@@ -1,6 +1,7 @@
 """PNG plots of a report: latency CDFs per policy at the compared rate, and SLO attainment
 against request rate with each policy's goodput. Drawn from the report dict alone, so a
 saved JSON can be re-plotted."""
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -9,8 +10,12 @@ import numpy as np  # noqa: E402
 
 from bench.report import single_rate  # noqa: E402
 
-METRICS = (("ttft", "TTFT (ms)", "slo_ttft_ms"), ("tpot", "TPOT (ms)", "slo_tpot_ms"),
-           ("e2e", "end-to-end (ms)", None), ("itl", "inter-token latency (ms)", "slo_tpot_ms"))
+METRICS = (
+    ("ttft", "TTFT (ms)", "slo_ttft_ms"),
+    ("tpot", "TPOT (ms)", "slo_tpot_ms"),
+    ("e2e", "end-to-end (ms)", None),
+    ("itl", "inter-token latency (ms)", "slo_tpot_ms"),
+)
 
 
 def _run_at(entry: dict, rate: float) -> dict:
@@ -19,9 +24,12 @@ def _run_at(entry: dict, rate: float) -> dict:
 
 def _failures(report: dict) -> str:
     """'a: 12 of 12 requests failed (http 503: 12)' per entry with failures at the compared rate."""
-    lines = [f"{name}: {e['errors']} of {_run_at(e, report['reference_rate_rps'])['requests']} requests failed "
-             f"({', '.join(f'{k}: {n}' for k, n in (e.get('error_kinds') or {}).items())})"
-             for name, e in report["policies"].items() if e.get("errors")]
+    lines = [
+        f"{name}: {e['errors']} of {_run_at(e, report['reference_rate_rps'])['requests']} requests failed "
+        f"({', '.join(f'{k}: {n}' for k, n in (e.get('error_kinds') or {}).items())})"
+        for name, e in report["policies"].items()
+        if e.get("errors")
+    ]
     return "\n".join(lines)
 
 
@@ -33,8 +41,15 @@ def plot_cdfs(report: dict, path: str) -> None:
     shown = [m for m in METRICS if any(r.get("cdf", {}).get(m[0]) for r in runs.values())]
     if not shown:
         fig, ax = plt.subplots(figsize=(7, 3))
-        ax.text(0.5, 0.5, "no request succeeded: no latencies to plot\n" + _failures(report),
-                ha="center", va="center", wrap=True, fontsize=9)
+        ax.text(
+            0.5,
+            0.5,
+            "no request succeeded: no latencies to plot\n" + _failures(report),
+            ha="center",
+            va="center",
+            wrap=True,
+            fontsize=9,
+        )
         ax.set_axis_off()
         fig.suptitle(f"{report.get('title', '')} at {rate:.4g} req/s")
         fig.savefig(path, dpi=110)
@@ -54,8 +69,10 @@ def plot_cdfs(report: dict, path: str) -> None:
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=8)
     failures = _failures(report)
-    fig.suptitle(f"{report.get('title', '')} at {rate:.4g} req/s" + (f"\nfailed, not plotted: {failures}" if failures else ""),
-                 fontsize=10)
+    fig.suptitle(
+        f"{report.get('title', '')} at {rate:.4g} req/s" + (f"\nfailed, not plotted: {failures}" if failures else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -72,8 +89,14 @@ def plot_attainment(report: dict, path: str) -> None:
         ax.plot([r["rate_rps"] for r in runs], [r["slo_attainment"] for r in runs], marker="o", label=name)
         for r in runs:
             if r.get("errors"):
-                ax.annotate(f"{r['errors']} failed", (r["rate_rps"], r["slo_attainment"]), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4), color="C3")
+                ax.annotate(
+                    f"{r['errors']} failed",
+                    (r["rate_rps"], r["slo_attainment"]),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    color="C3",
+                )
     ax.axhline(report["target_attainment"], color="k", linestyle="--", linewidth=1)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (TTFT and TPOT)")
@@ -81,8 +104,11 @@ def plot_attainment(report: dict, path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     rate = report["reference_rate_rps"]
-    key, what = (("slo_attainment", f"SLO attainment at {rate:.4g} req/s (one rate: no goodput)") if one_rate
-                 else ("goodput_rps", "goodput (req/s at 90% attainment)"))
+    key, what = (
+        ("slo_attainment", f"SLO attainment at {rate:.4g} req/s (one rate: no goodput)")
+        if one_rate
+        else ("goodput_rps", "goodput (req/s at 90% attainment)")
+    )
     bars = [report["policies"][n][key] or 0.0 for n in names]
     bx.bar(range(len(names)), bars, color=[f"C{i}" for i in range(len(names))])
     bx.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)

@@ -6,6 +6,7 @@ this runs as root; a non-root user installs it once (`sudo apt-get install prome
 both binaries on PATH. The server runs with a private data directory, scrapes the given targets
 every second and evaluates the given rule files every second.
 """
+
 import json
 import os
 import re
@@ -34,12 +35,13 @@ def ensure_prometheus() -> None:
     if shutil.which("prometheus") and shutil.which("promtool"):
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise PrometheusMissing("prometheus and promtool are not on PATH: install Debian's `prometheus` "
-                                "package (sudo apt-get install prometheus) or put both binaries on PATH")
+        raise PrometheusMissing(
+            "prometheus and promtool are not on PATH: install Debian's `prometheus` "
+            "package (sudo apt-get install prometheus) or put both binaries on PATH"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, stdout=subprocess.DEVNULL)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "prometheus"], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "prometheus"], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def quick_rules(src: Path, dest: Path) -> Path:
@@ -53,14 +55,29 @@ def start_prometheus(targets: dict[str, list[str]], rule_files: list[Path], log_
     and a query client once it is ready."""
     ensure_prometheus()
     home = Path(tempfile.mkdtemp(prefix="prom-", dir=log_dir))
-    jobs = [{"job_name": job, "scrape_interval": "1s", "scrape_timeout": "900ms",
-             "static_configs": [{"targets": [u.split("://", 1)[-1] for u in urls]}]} for job, urls in targets.items()]
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "rule_files": [str(p) for p in rule_files], "scrape_configs": jobs}
+    jobs = [
+        {
+            "job_name": job,
+            "scrape_interval": "1s",
+            "scrape_timeout": "900ms",
+            "static_configs": [{"targets": [u.split("://", 1)[-1] for u in urls]}],
+        }
+        for job, urls in targets.items()
+    ]
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": jobs,
+    }
     (home / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
-    argv = ["prometheus", f"--config.file={home / 'prometheus.yml'}", f"--storage.tsdb.path={home / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    argv = [
+        "prometheus",
+        f"--config.file={home / 'prometheus.yml'}",
+        f"--storage.tsdb.path={home / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
     proc = Proc("prometheus", argv, port, log_dir)
     proc.wait_ready("/-/ready", timeout=60)
     return proc, Prom(proc.url)
@@ -97,14 +114,16 @@ class Prom:
 @dataclass
 class PanelQuery:
     """One target of a dashboard panel, with Grafana's variables put in."""
+
     panel: str
     unit: str
     legend: str
     expr: str
 
 
-def panel_queries(rate_interval: str, variables: dict[str, str] | None = None,
-                  dashboard: Path = DASHBOARD) -> list[PanelQuery]:
+def panel_queries(
+    rate_interval: str, variables: dict[str, str] | None = None, dashboard: Path = DASHBOARD
+) -> list[PanelQuery]:
     """Every panel target of the dashboard as Grafana would send it: `$__rate_interval` and the
     template variables replaced (each defaults to All, `.*`)."""
     dash = json.loads(dashboard.read_text())

@@ -1,4 +1,5 @@
 """A random-weight Llama-shaped checkpoint for speed work: cost depends on shapes, not weights."""
+
 import argparse
 import shutil
 from pathlib import Path
@@ -21,10 +22,18 @@ def make_model(args, root: Path) -> Path:
     """Save a bf16 Llama (Llama-3.2-1B-like by default) plus the tokenizer into `root`."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
-    cfg = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                      max_position_embeddings=args.max_len, tie_word_embeddings=True)
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_len,
+        tie_word_embeddings=True,
+    )
     with torch.device(args.init_device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(root)

@@ -14,6 +14,7 @@ rate every worker's prefix cache is emptied (`POST /kv/reset`, with the internal
 workloads are seeded, so each rate sends the same documents and prefixes, and a cache warmed
 by the previous rate would turn its long prefills into hits.
 """
+
 import argparse
 import asyncio
 import os
@@ -44,23 +45,45 @@ def parse_fleet(spec: str) -> tuple[str, str, list[str]]:
     return label, policy, out
 
 
-def start_fleet(label: str, policy: str, roles: list[str], args: argparse.Namespace,
-                token: str) -> list:
+def start_fleet(label: str, policy: str, roles: list[str], args: argparse.Namespace, token: str) -> list:
     """Workers and their gateway, ready; the gateway is last in the list."""
     extra = ["--internal-token", token, *args.worker_arg]
-    workers = [Worker(args.executor, f"{label}-{role[0]}{i}", model=args.model, log_dir=args.log_dir,
-                      extra=["--role", role, *extra]) for i, role in enumerate(roles)]
+    workers = [
+        Worker(
+            args.executor,
+            f"{label}-{role[0]}{i}",
+            model=args.model,
+            log_dir=args.log_dir,
+            extra=["--role", role, *extra],
+        )
+        for i, role in enumerate(roles)
+    ]
     procs = list(workers)
     try:
         for w in workers:
             w.ready(600)
-        gateway = start_gateway([w.url for w in workers], policy, name=f"gateway-{label}", log_dir=args.log_dir,
-                                extra=["--internal-token", token, "--slo-ttft-ms", str(args.slo_ttft_ms),
-                                       "--slo-tpot-ms", str(args.slo_tpot_ms), *args.gateway_arg])
+        gateway = start_gateway(
+            [w.url for w in workers],
+            policy,
+            name=f"gateway-{label}",
+            log_dir=args.log_dir,
+            extra=[
+                "--internal-token",
+                token,
+                "--slo-ttft-ms",
+                str(args.slo_ttft_ms),
+                "--slo-tpot-ms",
+                str(args.slo_tpot_ms),
+                *args.gateway_arg,
+            ],
+        )
         procs.append(gateway)
         gateway.wait_ready(timeout=120)
-        wait_for(lambda: httpx.get(gateway.url + "/health").json()["healthy"] == len(workers), timeout=30,
-                 what=f"the gateway to see {len(workers)} healthy workers")
+        wait_for(
+            lambda: httpx.get(gateway.url + "/health").json()["healthy"] == len(workers),
+            timeout=30,
+            what=f"the gateway to see {len(workers)} healthy workers",
+        )
     except BaseException:
         stop_all(procs)
         raise
@@ -78,23 +101,30 @@ def run_fleet(spec: str, args: argparse.Namespace, rates: list[float]) -> tuple[
         for rate in rates:
             for w in procs[:-1]:
                 httpx.post(w.url + "/kv/reset", headers={"x-kvgate-token": token}, timeout=30).raise_for_status()
-            records = asyncio.run(run_rate([procs[-1].url], from_args(args, rate), args.model, slo,
-                                           timeout=args.timeout))
+            records = asyncio.run(
+                run_rate([procs[-1].url], from_args(args, rate), args.model, slo, timeout=args.timeout)
+            )
             run = rep.summarize(records, *slo)
-            run.update(rate_rps=rate, records=records,
-                       pd_requests=sum(r.get("prefill_worker") is not None for r in records))
+            run.update(
+                rate_rps=rate, records=records, pd_requests=sum(r.get("prefill_worker") is not None for r in records)
+            )
             runs.append(run)
-            print(f"  {label} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, "
-                  f"ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, tpot p50 {run['tpot_p50_ms'] or 0:.1f} ms, "
-                  f"P/D {run['pd_requests']}, errors {run['errors']}", file=sys.stderr, flush=True)
+            print(
+                f"  {label} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, "
+                f"ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, tpot p50 {run['tpot_p50_ms'] or 0:.1f} ms, "
+                f"P/D {run['pd_requests']}, errors {run['errors']}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         stop_all(procs)
     return label, runs
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.real_fleet", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.real_fleet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--fleet", action="append", required=True, metavar="LABEL=POLICY@ROLE:COUNT,...")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--executor", choices=["torch", "sim"], default="torch")
@@ -121,12 +151,20 @@ def main(argv: list[str] | None = None) -> None:
         series = dict(run_fleet(spec, args, rates) for spec in args.fleet)
     except ValueError as e:
         raise SystemExit(f"bench.real_fleet: {e}")
-    meta = {"kind": "bench-real-fleet", "title": args.title or f"{args.workload}: " + " vs ".join(series),
-            "command": "python -m bench.real_fleet " + " ".join(argv), "fleets": args.fleet,
-            "model": args.model, "executor": args.executor, "slo_ttft_ms": args.slo_ttft_ms,
-            "slo_tpot_ms": args.slo_tpot_ms, "gateway_args": args.gateway_arg, "worker_args": args.worker_arg,
-            "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
-            "wall_s": time.perf_counter() - t0}
+    meta = {
+        "kind": "bench-real-fleet",
+        "title": args.title or f"{args.workload}: " + " vs ".join(series),
+        "command": "python -m bench.real_fleet " + " ".join(argv),
+        "fleets": args.fleet,
+        "model": args.model,
+        "executor": args.executor,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "gateway_args": args.gateway_arg,
+        "worker_args": args.worker_arg,
+        "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
+        "wall_s": time.perf_counter() - t0,
+    }
     rep.publish(series, meta, args.out)
 
 

@@ -6,6 +6,7 @@ totals of resident blocks (target: 100k blocks under 1 s). JSON and PNG out.
 
   python -m bench.redis_bootstrap [--blocks 25000,50000,100000] [--workers 8] [--out bench/results]
 """
+
 import argparse
 import asyncio
 import json
@@ -53,8 +54,10 @@ async def bootstrap_s(url: str) -> tuple[float, ResidencyIndex]:
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["blocks"] for r in rows], [r["best_s"] for r in rows], "o-", label="best")
     ax.plot([r["blocks"] for r in rows], [r["median_s"] for r in rows], "s--", label="median")
@@ -87,8 +90,15 @@ def main(argv: list[str] | None = None) -> None:
             indexed = [index.num_blocks() for _, index in runs]
             if any(n != total // args.workers * args.workers for n in indexed):
                 raise RuntimeError(f"bootstrap indexed {indexed} of {total} blocks")
-            rows.append({"blocks": total, "workers": args.workers, "best_s": times[0],
-                         "median_s": times[len(times) // 2], "runs_s": times})
+            rows.append(
+                {
+                    "blocks": total,
+                    "workers": args.workers,
+                    "best_s": times[0],
+                    "median_s": times[len(times) // 2],
+                    "runs_s": times,
+                }
+            )
             print(f"  {total} blocks: best {times[0]:.3f} s, median {times[len(times) // 2]:.3f} s", flush=True)
     finally:
         proc.stop()

@@ -10,6 +10,7 @@ between the highest passing rate and the next (failing) one, since attainment fa
 continuously between them. A run at a single rate measures no goodput: its report says
 "attainment at R" and leaves goodput null.
 """
+
 import json
 import math
 import sys
@@ -19,9 +20,21 @@ import numpy as np
 
 TARGET = 0.9
 CDF_POINTS = 101
-HEADLINE = ("slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
-            "tpot_p90_ms", "tpot_p99_ms", "e2e_p50_ms", "cached_token_ratio", "throughput_rps",
-            "throughput_tok_s", "errors", "error_kinds")
+HEADLINE = (
+    "slo_attainment",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p90_ms",
+    "tpot_p99_ms",
+    "e2e_p50_ms",
+    "cached_token_ratio",
+    "throughput_rps",
+    "throughput_tok_s",
+    "errors",
+    "error_kinds",
+)
 
 
 def meets_slo(r: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
@@ -68,7 +81,9 @@ def summarize(records: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> di
     output = sum(r["output_tokens"] for r in ok)
     itl = [x for r in ok for x in r.get("itl_ms") or ()]
     out = {
-        "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": len(records) - len(ok),
         "error_kinds": dict(Counter(str(r["error"]).split(":")[0] for r in records if r.get("error"))),
         "span_s": span,
         "throughput_rps": len(ok) / span if span > 0 else 0.0,
@@ -76,7 +91,8 @@ def summarize(records: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> di
         "slo_attainment": met / len(records) if records else 0.0,
         "slo_met_rps": met / span if span > 0 else 0.0,
         "cached_token_ratio": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
-        "prompt_tokens": prompt, "output_tokens": output,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
     }
     for name in ("ttft", "tpot", "e2e"):
         out.update(percentiles([r.get(f"{name}_ms") for r in ok], name))
@@ -98,8 +114,10 @@ def run_line(run: dict) -> str:
     succeeded (none: said so, not zeros), and its errors by kind."""
     head = f"attainment {run['slo_attainment']:.3f}, "
     if run["completed"]:
-        head += (f"ttft p50 {run['ttft_p50_ms']:.0f} ms, tpot p50 {run['tpot_p50_ms'] or 0:.1f} ms, "
-                 f"cached {run['cached_token_ratio']:.2f}, ")
+        head += (
+            f"ttft p50 {run['ttft_p50_ms']:.0f} ms, tpot p50 {run['tpot_p50_ms'] or 0:.1f} ms, "
+            f"cached {run['cached_token_ratio']:.2f}, "
+        )
     else:
         head += "no request succeeded, "
     return head + f"errors {run['errors']}" + (f" {run['error_kinds']}" if run["errors"] else "")
@@ -147,15 +165,24 @@ def entry(runs: list[dict], at_rate: float) -> dict:
         g, method = goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs])
     ref = min(runs, key=lambda r: abs(r["rate_rps"] - at_rate))
     head = {k: ref.get(k) for k in HEADLINE}
-    return {"goodput_rps": g, "goodput_method": method, "at_rate_rps": ref["rate_rps"], **head,
-            "runs": sorted(runs, key=lambda r: r["rate_rps"])}
+    return {
+        "goodput_rps": g,
+        "goodput_method": method,
+        "at_rate_rps": ref["rate_rps"],
+        **head,
+        "runs": sorted(runs, key=lambda r: r["rate_rps"]),
+    }
 
 
 def build(series: dict[str, list[dict]], meta: dict) -> dict:
     """The report both commands write: metadata, the compared rate, one entry per label."""
     at = reference_rate(series)
-    return {**meta, "reference_rate_rps": at, "target_attainment": TARGET,
-            "policies": {label: entry(runs, at) for label, runs in series.items()}}
+    return {
+        **meta,
+        "reference_rate_rps": at,
+        "target_attainment": TARGET,
+        "policies": {label: entry(runs, at) for label, runs in series.items()},
+    }
 
 
 def _clean(x):
@@ -179,8 +206,16 @@ def print_table(report: dict, out) -> None:
     """A one-line-per-entry summary for the terminal; its first column is named for what it
     holds (a policy, or the target a benchmark ran against)."""
     rate = report["reference_rate_rps"]
-    cols = ("slo_attainment", "errors", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
-            "cached_token_ratio", "throughput_tok_s")
+    cols = (
+        "slo_attainment",
+        "errors",
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "tpot_p50_ms",
+        "tpot_p90_ms",
+        "cached_token_ratio",
+        "throughput_tok_s",
+    )
     if single_rate(report):
         print(f"attainment at {rate:.4g} req/s (one rate: no goodput; --sweep R1,R2,... measures it):", file=out)
     else:
@@ -201,6 +236,7 @@ def publish(series: dict[str, list[dict]], meta: dict, out: str) -> dict:
     """Build the report, draw its plots next to `out`, write it and print its table: the last
     step of every command that writes one."""
     from bench.plots import plot_paths, plot_report
+
     report = build(series, meta)
     report["plots"] = plot_paths(out)
     write_json(out, report)  # first: a plot that fails still leaves the numbers

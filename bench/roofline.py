@@ -5,6 +5,7 @@ device's copy bandwidth; a prefill must at least do its matmul FLOPs at the devi
 A step's bound is the decode part's bytes / bandwidth plus the prefill part's FLOPs / rate
 (issue 14's definition); both ceilings are measured here, on the device the run used.
 """
+
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,8 +28,14 @@ class ModelCost:
     kv_bytes_per_token: int
     attn_flops_per_ctx_product: int  # 4 * layers * heads * head_dim: QK^T and PV per (query, key) pair
 
-    def step_bound_s(self, prefill_tokens: float, decode_seqs: float, decode_kv_tokens: float,
-                     prefill_ctx_products: float, c: Ceilings) -> float:
+    def step_bound_s(
+        self,
+        prefill_tokens: float,
+        decode_seqs: float,
+        decode_kv_tokens: float,
+        prefill_ctx_products: float,
+        c: Ceilings,
+    ) -> float:
         decode = 0.0
         if decode_seqs:
             decode = (self.weight_bytes + decode_kv_tokens * self.kv_bytes_per_token) / (c.copy_gbps * 1e9)
@@ -40,9 +47,12 @@ def model_cost(runner) -> ModelCost:
     """What a `TorchRunner`'s model reads and computes per token."""
     params = sum(p.numel() for p in runner.model.parameters())
     cfg = runner.config
-    return ModelCost(weight_bytes=params * runner.dtype.itemsize, params=params,
-                     kv_bytes_per_token=runner.kv_bytes_per_token,
-                     attn_flops_per_ctx_product=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+    return ModelCost(
+        weight_bytes=params * runner.dtype.itemsize,
+        params=params,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        attn_flops_per_ctx_product=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
+    )
 
 
 def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
@@ -53,7 +63,7 @@ def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilin
     a = torch.randn(8192, 8192, device=device, dtype=dtype)
     b = torch.randn(8192, 8192, device=device, dtype=dtype)
     mm_s = _timed(lambda: a @ b, 10, device)
-    return Ceilings(copy_gbps=2 * (1 << 30) / copy_s / 1e9, matmul_tflops=2 * 8192 ** 3 / mm_s / 1e12)
+    return Ceilings(copy_gbps=2 * (1 << 30) / copy_s / 1e9, matmul_tflops=2 * 8192**3 / mm_s / 1e12)
 
 
 def _timed(fn, reps: int, device: torch.device) -> float:

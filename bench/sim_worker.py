@@ -21,6 +21,7 @@ load back as on a real worker, and a step that loads blocks back takes their cop
 Output token ids: a constant per request (from its seed), never in any prompt; what matters
 for the cache is only that each request's output blocks hash uniquely.
 """
+
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
@@ -63,17 +64,28 @@ def output_token(chunk: SeqChunk) -> int:
 
 def sim_executor(cost: CostModel, max_model_len: int) -> SimExecutor:
     """The executor a simulated worker prices its steps with (it never waits: time is virtual)."""
-    return SimExecutor(cost, vocab_size=OUTPUT_TOKEN_LOW + OUTPUT_TOKEN_SPAN, max_model_len=max_model_len,
-                       wait=lambda s: None, token=output_token)
+    return SimExecutor(
+        cost,
+        vocab_size=OUTPUT_TOKEN_LOW + OUTPUT_TOKEN_SPAN,
+        max_model_len=max_model_len,
+        wait=lambda s: None,
+        token=output_token,
+    )
 
 
 class SimWorker:
     """Call `submit` when a request is routed here and `advance` at each time it returns."""
 
-    def __init__(self, worker_id: str, cfg: SimConfig, cost: CostModel,
-                 on_finish: Callable[[Request, float], None],
-                 on_start: Callable[[float], None] | None = None, role: str = "mixed",
-                 kv_bytes_per_token: int = 0):
+    def __init__(
+        self,
+        worker_id: str,
+        cfg: SimConfig,
+        cost: CostModel,
+        on_finish: Callable[[Request, float], None],
+        on_start: Callable[[float], None] | None = None,
+        role: str = "mixed",
+        kv_bytes_per_token: int = 0,
+    ):
         """`on_start(now)` runs as each step starts, before the inbox is drained: where the
         engine admits held P/D requests whose blocks have arrived (`Engine._admit_pending`)."""
         self.worker_id = worker_id
@@ -243,7 +255,7 @@ class SimWorker:
             r.token_ids += [r.token_ids[-1]] * m
             if r.num_computed // B > r.num_registered // B:
                 kv.commit(r)
-        self.recent.extend(self.seg_steps[self.seg_done:self.seg_done + m])
+        self.recent.extend(self.seg_steps[self.seg_done : self.seg_done + m])
         self.seg_done += m
 
     def _land_segment(self, upto: int) -> None:
@@ -260,19 +272,30 @@ class SimWorker:
 
     def _load(self) -> dict:
         s = self.scheduler
-        return {"free_blocks": self.pool.num_free, "waiting": len(s.waiting), "running": len(s.running),
-                "queued_prefill_tokens": s.queued_prefill_tokens,
-                "kv_tokens": sum(r.num_computed for r in s.running)}
+        return {
+            "free_blocks": self.pool.num_free,
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+            "queued_prefill_tokens": s.queued_prefill_tokens,
+            "kv_tokens": sum(r.num_computed for r in s.running),
+        }
 
     def state(self) -> WorkerState:
         """The engine's snapshot: as of the end of the last step that ended. Mid-step that is
         the state before the step was planned (its admissions and blocks not yet shown)."""
         s = self.scheduler
-        return WorkerState(worker_id=self.worker_id, role=self.role, model=self.cfg.model_id,
-                           block_size=self.cfg.block_size, total_blocks=self.pool.num_blocks,
-                           host_blocks=self.cfg.host_blocks,
-                           host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
-                           **(self.before if self.plan is not None else self._load()),
-                           max_batched_tokens=s.max_batched_tokens, max_num_seqs=s.max_num_seqs,
-                           **step_means(self.recent), kv_bytes_per_token=self.kv_bytes_per_token,
-                           max_model_len=self.cfg.max_model_len)
+        return WorkerState(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.cfg.model_id,
+            block_size=self.cfg.block_size,
+            total_blocks=self.pool.num_blocks,
+            host_blocks=self.cfg.host_blocks,
+            host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
+            **(self.before if self.plan is not None else self._load()),
+            max_batched_tokens=s.max_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            **step_means(self.recent),
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            max_model_len=self.cfg.max_model_len,
+        )

@@ -12,6 +12,7 @@ the headline numbers compare like with like. `--policy-arg KEY=VALUE` passes con
 arguments to the policies that take them (e.g. slo_goodput's pd_min_uncached_tokens). Output:
 the JSON report plus -cdf.png and -attainment.png next to it.
 """
+
 import argparse
 import inspect
 import json
@@ -35,8 +36,9 @@ from workers.kv.cost_model import CostModel
 MAX_DOUBLINGS = 14
 
 
-def run_one(policy: str, kwargs: dict, rate: float, wl: WorkloadConfig, fleet: FleetConfig,
-            quiet: bool = False) -> dict:
+def run_one(
+    policy: str, kwargs: dict, rate: float, wl: WorkloadConfig, fleet: FleetConfig, quiet: bool = False
+) -> dict:
     """One simulation: a fresh fleet behind `policy` (built with `kwargs`) at `rate`; returns
     its summary."""
     label = f"{policy} @ {rate:g} req/s"
@@ -49,8 +51,11 @@ def run_one(policy: str, kwargs: dict, rate: float, wl: WorkloadConfig, fleet: F
     if fleet.roles:
         out.update(pd_routed=sim.pd_routed, pd_kv_arrived=sim.pd_arrived, pd_fallbacks=sim.pd_fallbacks)
     if not quiet:
-        print(f"  {label}: {rep.run_line(out)}; {out['requests']} requests in {wall:.1f} s wall",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {label}: {rep.run_line(out)}; {out['requests']} requests in {wall:.1f} s wall",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
@@ -70,8 +75,7 @@ def _round(r: float) -> float:
     return float(f"{r:.3g}")
 
 
-def search(policy: str, kwargs: dict, wl: WorkloadConfig, fleet: FleetConfig, start: float,
-           refine: int) -> list[dict]:
+def search(policy: str, kwargs: dict, wl: WorkloadConfig, fleet: FleetConfig, start: float, refine: int) -> list[dict]:
     """Attainment at the rates needed to bracket the 90% crossing, then `refine` bisections."""
     runs: dict[float, dict] = {}
 
@@ -101,8 +105,9 @@ def search(policy: str, kwargs: dict, wl: WorkloadConfig, fleet: FleetConfig, st
     return list(runs.values())
 
 
-def sweep(policies: dict[str, dict], rates: list[float] | None, wl: WorkloadConfig, fleet: FleetConfig,
-          refine: int, jobs: int) -> dict[str, list[dict]]:
+def sweep(
+    policies: dict[str, dict], rates: list[float] | None, wl: WorkloadConfig, fleet: FleetConfig, refine: int, jobs: int
+) -> dict[str, list[dict]]:
     """Runs per policy (name -> constructor kwargs): the given rates, or a goodput search plus
     the common reference rate."""
     with ProcessPoolExecutor(jobs) as pool:
@@ -115,8 +120,11 @@ def sweep(policies: dict[str, dict], rates: list[float] | None, wl: WorkloadConf
             series = {p: futs[p].result() for p in policies}
             passing = [r["rate_rps"] for runs in series.values() for r in runs if r["slo_attainment"] >= rep.TARGET]
             ref = max(passing) if passing else min(r["rate_rps"] for runs in series.values() for r in runs)
-            extra = {p: pool.submit(run_one, p, policies[p], ref, wl, fleet) for p, runs in series.items()
-                     if all(r["rate_rps"] != ref for r in runs)}
+            extra = {
+                p: pool.submit(run_one, p, policies[p], ref, wl, fleet)
+                for p, runs in series.items()
+                if all(r["rate_rps"] != ref for r in runs)
+            }
             for p, fut in extra.items():
                 series[p].append(fut.result())
     return series
@@ -125,15 +133,22 @@ def sweep(policies: dict[str, dict], rates: list[float] | None, wl: WorkloadConf
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate simulate", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--workers", type=int, default=8, help="simulated workers (sim executors in virtual time)")
-    p.add_argument("--policies", default=",".join(BUILTIN_POLICIES),
-                   help="comma-separated policy names or module:Class specs")
-    p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="constructor argument for the policies that take it, e.g. pd_min_uncached_tokens=256 "
-                        "(repeatable; numbers are parsed, as by `kvgate gateway --policy-arg`)")
+    p.add_argument(
+        "--policies", default=",".join(BUILTIN_POLICIES), help="comma-separated policy names or module:Class specs"
+    )
+    p.add_argument(
+        "--policy-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="constructor argument for the policies that take it, e.g. pd_min_uncached_tokens=256 "
+        "(repeatable; numbers are parsed, as by `kvgate gateway --policy-arg`)",
+    )
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="one request rate (req/s; 0: a trace at its own timestamps)")
-    rate.add_argument("--sweep", nargs="?", const="auto",
-                      help="R1,R2,... rates to run, or nothing to search each policy's goodput")
+    rate.add_argument(
+        "--sweep", nargs="?", const="auto", help="R1,R2,... rates to run, or nothing to search each policy's goodput"
+    )
     add_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="a request meets its SLO within this TTFT ...")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="... and this time per output token")
@@ -143,30 +158,62 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens one engine step computes at most")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in a worker's running batch at most")
     p.add_argument("--max-model-len", type=int, default=65536, help="context length of the simulated model")
-    p.add_argument("--host-kv-blocks", type=int, default=0,
-                   help="each worker's host KV tier in blocks (a worker's --host-kv-gb); default 0: none")
-    p.add_argument("--host-kv-gbps", type=float, default=20.0,
-                   help="the host tier's copy-back rate in GB/s (pinned host -> device)")
-    p.add_argument("--host-kv-credit", type=float,
-                   help="the router's credit for a matched host-tier block (gateway --host-kv-credit; "
-                        "default: 1 - copy-back/prefill time from --host-kv-gbps and the cost model)")
+    p.add_argument(
+        "--host-kv-blocks",
+        type=int,
+        default=0,
+        help="each worker's host KV tier in blocks (a worker's --host-kv-gb); default 0: none",
+    )
+    p.add_argument(
+        "--host-kv-gbps",
+        type=float,
+        default=20.0,
+        help="the host tier's copy-back rate in GB/s (pinned host -> device)",
+    )
+    p.add_argument(
+        "--host-kv-credit",
+        type=float,
+        help="the router's credit for a matched host-tier block (gateway --host-kv-credit; "
+        "default: 1 - copy-back/prefill time from --host-kv-gbps and the cost model)",
+    )
     p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
-    p.add_argument("--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival")
-    p.add_argument("--request-overhead-ms", type=float,
-                   help="delay from arrival to the worker's queue (default: the profile's, else 0)")
-    p.add_argument("--roles", help="worker roles as ROLE:COUNT,... summing to --workers, e.g. "
-                   "prefill:2,decode:2 (roles: mixed, prefill, decode); default: all mixed")
-    p.add_argument("--kv-bytes-per-token", type=int, default=131072,
-                   help="KV bytes per token for P/D transfers (default 131072: Llama-3-8B in bf16)")
-    p.add_argument("--transfer-gbps", type=float, help="P/D link speed in GB/s (default: --kv-transport's "
-                   "measured link, else 20)")
-    p.add_argument("--kv-transport", choices=["http", "ipc", "nixl"],
-                   help="model P/D transfers as this transport's measured link (latency + bandwidth fitted "
-                        "by bench/transfer_payload.py, read from --transfer-profile)")
+    p.add_argument(
+        "--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival"
+    )
+    p.add_argument(
+        "--request-overhead-ms",
+        type=float,
+        help="delay from arrival to the worker's queue (default: the profile's, else 0)",
+    )
+    p.add_argument(
+        "--roles",
+        help="worker roles as ROLE:COUNT,... summing to --workers, e.g. "
+        "prefill:2,decode:2 (roles: mixed, prefill, decode); default: all mixed",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131072,
+        help="KV bytes per token for P/D transfers (default 131072: Llama-3-8B in bf16)",
+    )
+    p.add_argument(
+        "--transfer-gbps", type=float, help="P/D link speed in GB/s (default: --kv-transport's measured link, else 20)"
+    )
+    p.add_argument(
+        "--kv-transport",
+        choices=["http", "ipc", "nixl"],
+        help="model P/D transfers as this transport's measured link (latency + bandwidth fitted "
+        "by bench/transfer_payload.py, read from --transfer-profile)",
+    )
     p.add_argument("--transfer-profile", default=DEFAULT_PROFILE, help="a bench/transfer_payload.py result")
-    p.add_argument("--views-with-cost", action="store_true",
-                   help="give policies the cost model (the gateway does not: it sends step_ms only)")
-    p.add_argument("--no-fast-forward", action="store_true", help="step every decode one at a time (slow; for checking)")
+    p.add_argument(
+        "--views-with-cost",
+        action="store_true",
+        help="give policies the cost model (the gateway does not: it sends step_ms only)",
+    )
+    p.add_argument(
+        "--no-fast-forward", action="store_true", help="step every decode one at a time (slow; for checking)"
+    )
     p.add_argument("--refine", type=int, default=3, help="bisection steps of the goodput search")
     p.add_argument("--jobs", type=int, default=2, help="simulations run in parallel processes")
     p.add_argument("--title", help="plot title")
@@ -175,20 +222,40 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fleet_config(args: argparse.Namespace) -> FleetConfig:
-    sim = SimConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                    max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len, fast_forward=not args.no_fast_forward,
-                    host_blocks=args.host_kv_blocks, host_gbps=args.host_kv_gbps)
+    sim = SimConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        fast_forward=not args.no_fast_forward,
+        host_blocks=args.host_kv_blocks,
+        host_gbps=args.host_kv_gbps,
+    )
     profile = load_profile(args.profile) if args.profile else {}
     cost = CostModel.from_json(profile) if profile else CostModel()
-    overhead = args.request_overhead_ms if args.request_overhead_ms is not None else profile.get("request_overhead_ms", 0.0)
-    link = load_link(args.kv_transport, args.transfer_profile) if args.kv_transport else TransferLink("given", 0.0, 20.0)
-    return FleetConfig(roles=parse_roles(args.roles, args.workers), kv_bytes_per_token=args.kv_bytes_per_token,
-                       transfer_gbps=args.transfer_gbps or link.gbps, transfer_latency_s=link.latency_s,
-                       workers=args.workers, sim=sim, cost=cost, slo_ttft_ms=args.slo_ttft_ms,
-                       slo_tpot_ms=args.slo_tpot_ms, poll_s=args.poll_ms / 1000.0, drain_s=args.drain_s,
-                       views_with_cost=args.views_with_cost, request_overhead_ms=overhead,
-                       tier_credits=tier_credits(args, cost))
+    overhead = (
+        args.request_overhead_ms if args.request_overhead_ms is not None else profile.get("request_overhead_ms", 0.0)
+    )
+    link = (
+        load_link(args.kv_transport, args.transfer_profile) if args.kv_transport else TransferLink("given", 0.0, 20.0)
+    )
+    return FleetConfig(
+        roles=parse_roles(args.roles, args.workers),
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        transfer_gbps=args.transfer_gbps or link.gbps,
+        transfer_latency_s=link.latency_s,
+        workers=args.workers,
+        sim=sim,
+        cost=cost,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        poll_s=args.poll_ms / 1000.0,
+        drain_s=args.drain_s,
+        views_with_cost=args.views_with_cost,
+        request_overhead_ms=overhead,
+        tier_credits=tier_credits(args, cost),
+    )
 
 
 def tier_credits(args: argparse.Namespace, cost: CostModel) -> TierCredits:
@@ -199,7 +266,7 @@ def tier_credits(args: argparse.Namespace, cost: CostModel) -> TierCredits:
 
 
 def parse_roles(spec: str | None, workers: int) -> tuple[str, ...] | None:
-    """"prefill:2,decode:2" -> ("prefill", "prefill", "decode", "decode")."""
+    """ "prefill:2,decode:2" -> ("prefill", "prefill", "decode", "decode")."""
     if not spec:
         return None
     roles: list[str] = []
@@ -249,15 +316,29 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     series = sweep(policies, rates, wl, fleet, args.refine, args.jobs)
     title = args.title or f"{args.workload}, {args.workers} simulated workers"
-    meta = {"kind": "simulate", "title": title, "command": "kvgate simulate " + " ".join(argv or sys.argv[1:]),
-            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "workers": args.workers,
-            "policy_args": policies,
-            "workload": {k: v for k, v in asdict(wl).items() if k != "rate"},
-            "fleet": {"sim": asdict(fleet.sim), "cost": fleet.cost.to_json(), "profile": args.profile,
-                      "poll_s": fleet.poll_s, "views_with_cost": fleet.views_with_cost,
-                      "request_overhead_ms": fleet.request_overhead_ms, "roles": args.roles,
-                      "kv_bytes_per_token": fleet.kv_bytes_per_token, "transfer_gbps": fleet.transfer_gbps,
-                      "transfer_latency_s": fleet.transfer_latency_s, "kv_transport": args.kv_transport,
-                      "tier_credits": asdict(fleet.tier_credits)},
-            "wall_s": time.perf_counter() - t0}
+    meta = {
+        "kind": "simulate",
+        "title": title,
+        "command": "kvgate simulate " + " ".join(argv or sys.argv[1:]),
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "workers": args.workers,
+        "policy_args": policies,
+        "workload": {k: v for k, v in asdict(wl).items() if k != "rate"},
+        "fleet": {
+            "sim": asdict(fleet.sim),
+            "cost": fleet.cost.to_json(),
+            "profile": args.profile,
+            "poll_s": fleet.poll_s,
+            "views_with_cost": fleet.views_with_cost,
+            "request_overhead_ms": fleet.request_overhead_ms,
+            "roles": args.roles,
+            "kv_bytes_per_token": fleet.kv_bytes_per_token,
+            "transfer_gbps": fleet.transfer_gbps,
+            "transfer_latency_s": fleet.transfer_latency_s,
+            "kv_transport": args.kv_transport,
+            "tier_credits": asdict(fleet.tier_credits),
+        },
+        "wall_s": time.perf_counter() - t0,
+    }
     rep.publish(series, meta, args.out)

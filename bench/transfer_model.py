@@ -5,6 +5,7 @@ process pair) and fits seconds = latency + bytes / bandwidth by least squares; t
 (bench/simulate.py --kv-transport) reads the fit for the transport it models, so its P/D legs
 take as long as that transport took here.
 """
+
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path

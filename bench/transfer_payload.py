@@ -15,6 +15,7 @@ worker's answer; prefill compute is not part of it (bench/transfer_throughput.py
 JSON (with each transport's fitted link, bench/transfer_model.py, which the simulator reads)
 and PNG out.
 """
+
 import argparse
 import asyncio
 import json
@@ -48,8 +49,9 @@ class Sender:
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: str, url: str, seed: int):
         dtype = getattr(torch, spec.dtype)
-        self.cache = torch.randn(spec.num_layers, 2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim,
-                                 dtype=dtype, device=device)
+        self.cache = torch.randn(
+            spec.num_layers, 2, num_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device
+        )
         self.spec, self.url, self.seed = spec, url, seed
         self.client = httpx.AsyncClient(timeout=600, headers=internal_headers(TOKEN))
         self.nixl = None
@@ -59,7 +61,7 @@ class Sender:
     def header(self, n: int) -> bytes:
         tokens = [self.rng.randrange(100, 30000) for _ in range(n * BLOCK)]
         hashes = block_hashes(tokens, BLOCK, self.seed)
-        return encode_header(self.spec, hashes, [tokens[i * BLOCK:(i + 1) * BLOCK] for i in range(n)], None)
+        return encode_header(self.spec, hashes, [tokens[i * BLOCK : (i + 1) * BLOCK] for i in range(n)], None)
 
     async def send(self, transport: str, n: int) -> dict:
         header, ids = self.header(n), list(range(n))
@@ -70,26 +72,38 @@ class Sender:
             kv = self.cache[:, :, torch.tensor(ids, device=self.cache.device)]
             if transport == "ipc":
                 from workers.transfer_ipc import share
+
                 torch.cuda.synchronize()
                 pieces, ctype = [header, share(kv)], "application/x-kvgate-ipc"
             else:
                 raw = memoryview(TorchRunner.to_bytes(kv))
-                pieces, ctype = [header] + [raw[i:i + MIB] for i in range(0, len(raw), MIB)], "application/octet-stream"
+                pieces, ctype = (
+                    [header] + [raw[i : i + MIB] for i in range(0, len(raw), MIB)],
+                    "application/octet-stream",
+                )
             ok = await self._post(pieces, ctype)
         secs = time.perf_counter() - t0
         nbytes = n * self.spec.block_bytes()
-        return {"transport": transport, "blocks": n, "bytes": nbytes, "seconds": secs,
-                "gbps": nbytes / secs / 1e9 if ok else None, "ok": ok}
+        return {
+            "transport": transport,
+            "blocks": n,
+            "bytes": nbytes,
+            "seconds": secs,
+            "gbps": nbytes / secs / 1e9 if ok else None,
+            "ok": ok,
+        }
 
     async def _post(self, pieces: list, ctype: str) -> bool:
         async def body():
             for piece in pieces:
                 yield bytes(piece)
+
         r = await self.client.post(self.url + "/kv/import", content=body(), headers={"content-type": ctype})
         return r.status_code == 200 and r.json()["imported"] > 0
 
     async def _nixl(self, header: bytes, ids: list[int]) -> bool:
         from workers.transfer_nixl import NixlAgent, NixlTransfer
+
         if self.nixl is None:
             self.nixl = NixlTransfer(self, NixlAgent("bench-sender", self.cache))
         return await self.nixl.send(self.client, self.url, header, ids, {})
@@ -113,9 +127,25 @@ def main(argv: list[str] | None = None) -> None:
         dtype = str(default_dtype(args.device)).removeprefix("torch.")
         spec = KVSpec(served_name(str(model)), BLOCK, dtype, args.layers, args.kv_heads, args.head_dim)
         blocks = [m * MIB // spec.block_bytes() for m in args.mib]
-        w = Worker("torch", "payload-d", model=str(model), extra=[
-            "--role", "decode", "--internal-token", TOKEN, "--kv-transport", "nixl", "--device", args.device,
-            "--num-blocks", str(max(blocks) + 16), "--block-size", str(BLOCK)])
+        w = Worker(
+            "torch",
+            "payload-d",
+            model=str(model),
+            extra=[
+                "--role",
+                "decode",
+                "--internal-token",
+                TOKEN,
+                "--kv-transport",
+                "nixl",
+                "--device",
+                args.device,
+                "--num-blocks",
+                str(max(blocks) + 16),
+                "--block-size",
+                str(BLOCK),
+            ],
+        )
         try:
             w.ready(300)
             sender = Sender(spec, max(blocks), args.device, w.url, seed_hash(spec.model, BLOCK))
@@ -126,22 +156,41 @@ def main(argv: list[str] | None = None) -> None:
                     for n in blocks:
                         for _ in range(args.repeats):
                             rows.append(await sender.send(t, n))
-                            print(f"{t} {rows[-1]['bytes'] / MIB:.0f} MiB: {rows[-1]['gbps']} GB/s",
-                                  file=sys.stderr, flush=True)
+                            print(
+                                f"{t} {rows[-1]['bytes'] / MIB:.0f} MiB: {rows[-1]['gbps']} GB/s",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                 await sender.client.aclose()
+
             asyncio.run(run())
         finally:
             w.stop()
-    summary = {t: {str(m): max((r["gbps"] or 0) for r in rows if r["transport"] == t and r["blocks"] == n)
-                   for m, n in zip(args.mib, blocks)} for t in transports}
-    links = {t: fit(t, rows).to_json() for t in transports
-             if sum(r["ok"] for r in rows if r["transport"] == t) >= 2}
+    summary = {
+        t: {
+            str(m): max((r["gbps"] or 0) for r in rows if r["transport"] == t and r["blocks"] == n)
+            for m, n in zip(args.mib, blocks)
+        }
+        for t in transports
+    }
+    links = {t: fit(t, rows).to_json() for t in transports if sum(r["ok"] for r in rows if r["transport"] == t) >= 2}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m bench.transfer_payload " + " ".join(argv or sys.argv[1:]),
-                               "config": vars(args), "spec": spec.__dict__, "block_bytes": spec.block_bytes(),
-                               "best_gbps_by_mib": summary, "links": links, "not_run": skipped,
-                               "runs": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.transfer_payload " + " ".join(argv or sys.argv[1:]),
+                "config": vars(args),
+                "spec": spec.__dict__,
+                "block_bytes": spec.block_bytes(),
+                "best_gbps_by_mib": summary,
+                "links": links,
+                "not_run": skipped,
+                "runs": rows,
+            },
+            indent=1,
+        )
+    )
     plot(rows, out.with_suffix(".png"))
     print(json.dumps({"best_gbps_by_mib": summary, "links": links}, indent=1))
 

@@ -6,6 +6,7 @@ a few prompts' blocks, evicting as many as it stores once the cache is full).
 
     python -m bench.vllm_events_bench [--out F.json]
 """
+
 import argparse
 import json
 import random
@@ -24,8 +25,9 @@ RECORDED = Path(__file__).resolve().parents[1] / "tests" / "data" / "vllm-0.32-e
 MODEL = "smollm2-135m"
 
 
-def synthetic(batches: int, blocks_per_batch: int, engine_block: int = 32, cache_blocks: int = 4096,
-              seed: int = 0) -> list[list[bytes]]:
+def synthetic(
+    batches: int, blocks_per_batch: int, engine_block: int = 32, cache_blocks: int = 4096, seed: int = 0
+) -> list[list[bytes]]:
     """vLLM-framed PUB messages: each batch stores one prompt's fresh chain of blocks and, once
     `cache_blocks` are held, removes the oldest ones as it stores."""
     rng = random.Random(seed)
@@ -39,8 +41,18 @@ def synthetic(batches: int, blocks_per_batch: int, engine_block: int = 32, cache
         if len(held) + blocks_per_batch > cache_blocks:
             gone, held = held[:blocks_per_batch], held[blocks_per_batch:]
             events += [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in gone]
-        events.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
-                       "block_size": engine_block, "lora_id": None, "medium": "GPU", "lora_name": None})
+        events.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": None,
+                "token_ids": tokens,
+                "block_size": engine_block,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+        )
         held += hashes
         out.append([b"kv", seq.to_bytes(8, "big"), msgpack.packb([time.time(), events, 0], use_bin_type=True)])
     return out
@@ -63,8 +75,14 @@ def run(messages: list[list[bytes]], block_size: int, replay: bool = False) -> d
             sink.apply(changes)
     dt = time.perf_counter() - t0
     blocks = t.stats.stored_blocks + t.stats.removed_blocks
-    return {"messages": len(messages), "engine_blocks": blocks, "seconds": dt, "blocks_per_s": blocks / dt,
-            "us_per_block": dt / blocks * 1e6, "resident_hashes": index.num_blocks("w")}
+    return {
+        "messages": len(messages),
+        "engine_blocks": blocks,
+        "seconds": dt,
+        "blocks_per_s": blocks / dt,
+        "us_per_block": dt / blocks * 1e6,
+        "resident_hashes": index.num_blocks("w"),
+    }
 
 
 def translate_throughput(repeats: int = 200) -> dict:
@@ -72,15 +90,20 @@ def translate_throughput(repeats: int = 200) -> dict:
     out = {"recorded_vllm_0.32": {bs: run(recorded * 1, bs, replay=True) for bs in (16, 32)}}
     best = [run(recorded, 16, replay=True) for _ in range(repeats)]
     out["recorded_vllm_0.32"]["16_repeated"] = {
-        "blocks_per_s": sum(b["engine_blocks"] for b in best) / sum(b["seconds"] for b in best), "runs": repeats}
+        "blocks_per_s": sum(b["engine_blocks"] for b in best) / sum(b["seconds"] for b in best),
+        "runs": repeats,
+    }
     for per in (4, 16, 64):
         out[f"synthetic_{per}_blocks_per_step"] = {bs: run(synthetic(2000, per), bs) for bs in (16, 32)}
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.vllm_events_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.vllm_events_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     result = translate_throughput()

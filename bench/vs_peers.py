@@ -29,6 +29,7 @@ goodput for each kvgate policy at the same rates against the real fleet's
 (`simulator_fidelity`; `--fidelity-only` adds it to an existing report), and a PNG of goodput
 bars next to it.
 """
+
 import argparse
 import asyncio
 import json
@@ -96,8 +97,9 @@ class Bench:
     def start_fleet(self) -> list[str]:
         a = self.args
         extra = ["--sim-profile", a.profile, "--num-blocks", str(a.num_blocks), "--internal-token", self.token]
-        self.workers = [Worker("sim", f"sim{i}", extra=extra, model=a.model, log_dir=a.log_dir)
-                        for i in range(a.workers)]
+        self.workers = [
+            Worker("sim", f"sim{i}", extra=extra, model=a.model, log_dir=a.log_dir) for i in range(a.workers)
+        ]
         for w in self.workers:
             w.ready(300)
         return [w.url for w in self.workers]
@@ -105,12 +107,26 @@ class Bench:
     def start_router(self, label: str, urls: list[str]) -> Proc:
         a = self.args
         if label.startswith("kvgate-"):
-            proc = start_gateway(urls, label.removeprefix("kvgate-"), name=label, log_dir=a.log_dir,
-                                 extra=["--internal-token", self.token, "--slo-ttft-ms", str(a.slo_ttft_ms),
-                                        "--slo-tpot-ms", str(a.slo_tpot_ms)])
+            proc = start_gateway(
+                urls,
+                label.removeprefix("kvgate-"),
+                name=label,
+                log_dir=a.log_dir,
+                extra=[
+                    "--internal-token",
+                    self.token,
+                    "--slo-ttft-ms",
+                    str(a.slo_ttft_ms),
+                    "--slo-tpot-ms",
+                    str(a.slo_tpot_ms),
+                ],
+            )
             proc.wait_ready(timeout=120)
-            wait_for(lambda: httpx.get(proc.url + "/health").json()["healthy"] == len(urls), timeout=30,
-                     what=f"{label} to see every worker")
+            wait_for(
+                lambda: httpx.get(proc.url + "/health").json()["healthy"] == len(urls),
+                timeout=30,
+                what=f"{label} to see every worker",
+            )
             return proc
         venv = ensure_venv(PEERS[label], Path(a.venv_dir) / f".venv-{label}")
         port = free_port()
@@ -126,14 +142,18 @@ class Bench:
         """One rate against `urls`: the summary, with the router's CPU seconds per request."""
         self.reset()
         before = cpu_s(pid) if pid else 0.0
-        records = asyncio.run(run_rate(urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout,
-                                       text=self.text))
+        records = asyncio.run(
+            run_rate(urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout, text=self.text)
+        )
         run = rep.summarize(records, *self.slo)
         for r in records:
             r.pop("itl_ms", None)  # summarized above; per token, they were most of the report's megabytes
-        run.update(rate_rps=wl.rate, records=records,
-                   rejected=sum(1 for r in records if (r["error"] or "").startswith("http 429")),
-                   router_cpu_s_per_request=(cpu_s(pid) - before) / max(1, len(records)) if pid else None)
+        run.update(
+            rate_rps=wl.rate,
+            records=records,
+            rejected=sum(1 for r in records if (r["error"] or "").startswith("http 429")),
+            router_cpu_s_per_request=(cpu_s(pid) - before) / max(1, len(records)) if pid else None,
+        )
         return run
 
     def sweep(self, label: str, router: Proc, wl: WorkloadConfig) -> list[dict]:
@@ -145,8 +165,12 @@ class Bench:
             rate = rates.pop(0)
             run = self.measure([router.url], wl.with_rate(rate), router.popen.pid)
             runs.append(run)
-            print(f"  {label} {wl.name} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, "
-                  f"ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, errors {run['errors']}", file=sys.stderr, flush=True)
+            print(
+                f"  {label} {wl.name} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, "
+                f"ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, errors {run['errors']}",
+                file=sys.stderr,
+                flush=True,
+            )
             if run["slo_attainment"] < rep.TARGET:
                 break
             if not rates and extra < a.max_extra:
@@ -169,8 +193,9 @@ class Bench:
     def overhead_once(self, labels: list[str], urls: list[str]) -> dict:
         """TTFT through each router minus straight to the workers, at a low rate."""
         a = self.args
-        wl = WorkloadConfig(name="random", rate=a.low_rate, duration_s=a.low_duration, input_len=256,
-                            output_len=16, seed=7)
+        wl = WorkloadConfig(
+            name="random", rate=a.low_rate, duration_s=a.low_duration, input_len=256, output_len=16, seed=7
+        )
         direct = self.measure(urls, wl, None)
         out = {"direct": {"ttft_p50_ms": direct["ttft_p50_ms"], "ttft_p90_ms": direct["ttft_p90_ms"]}}
         for label in labels:
@@ -179,10 +204,13 @@ class Bench:
                 run = self.measure([router.url], wl, router.popen.pid)
             finally:
                 stop_all([router])
-            out[label] = {"ttft_p50_ms": run["ttft_p50_ms"], "ttft_p90_ms": run["ttft_p90_ms"],
-                          "added_ttft_p50_ms": run["ttft_p50_ms"] - direct["ttft_p50_ms"],
-                          "added_ttft_p90_ms": run["ttft_p90_ms"] - direct["ttft_p90_ms"],
-                          "cpu_ms_per_request": 1000.0 * run["router_cpu_s_per_request"]}
+            out[label] = {
+                "ttft_p50_ms": run["ttft_p50_ms"],
+                "ttft_p90_ms": run["ttft_p90_ms"],
+                "added_ttft_p50_ms": run["ttft_p50_ms"] - direct["ttft_p50_ms"],
+                "added_ttft_p90_ms": run["ttft_p90_ms"] - direct["ttft_p90_ms"],
+                "cpu_ms_per_request": 1000.0 * run["router_cpu_s_per_request"],
+            }
         return out
 
 
@@ -199,9 +227,13 @@ def summarize_all(reports: dict[str, dict], labels: list[str]) -> dict:
         ours = max((g, k) for k, g in good.items() if k.startswith("kvgate-"))
         peers = [(g, k) for k, g in good.items() if not k.startswith("kvgate-")]
         best_peer = max(peers) if peers else (0.0, None)
-        out[wl] = {"goodput_rps": good, "goodput_method": methods, "kvgate_best": ours[1],
-                   "best_peer": best_peer[1],
-                   "ratio": ours[0] / best_peer[0] if best_peer[0] else None}
+        out[wl] = {
+            "goodput_rps": good,
+            "goodput_method": methods,
+            "kvgate_best": ours[1],
+            "best_peer": best_peer[1],
+            "ratio": ours[0] / best_peer[0] if best_peer[0] else None,
+        }
     return out
 
 
@@ -211,10 +243,15 @@ def fidelity(summary_path: str) -> dict:
     per policy the simulated goodput, the real one and their ratio."""
     summary = json.loads(Path(summary_path).read_text())
     profile = json.loads(Path(summary["profile"]).read_text())
-    fleet = FleetConfig(workers=summary["workers"], sim=SimConfig(num_blocks=summary["num_blocks"]),
-                        cost=CostModel.from_json(profile), slo_ttft_ms=summary["slo_ttft_ms"],
-                        slo_tpot_ms=summary["slo_tpot_ms"], views_with_cost=True,
-                        request_overhead_ms=profile.get("request_overhead_ms", 0.0))
+    fleet = FleetConfig(
+        workers=summary["workers"],
+        sim=SimConfig(num_blocks=summary["num_blocks"]),
+        cost=CostModel.from_json(profile),
+        slo_ttft_ms=summary["slo_ttft_ms"],
+        slo_tpot_ms=summary["slo_tpot_ms"],
+        views_with_cost=True,
+        request_overhead_ms=profile.get("request_overhead_ms", 0.0),
+    )
     out = {}
     for wl, name in summary["reports"].items():
         report = json.loads((Path(summary_path).parent / name).read_text())
@@ -222,24 +259,30 @@ def fidelity(summary_path: str) -> dict:
         for label, entry in report["policies"].items():
             if not label.startswith("kvgate-"):
                 continue
-            runs = [sim_one(label.removeprefix("kvgate-"), {}, r["rate_rps"], cfg, fleet, quiet=True)
-                    for r in entry["runs"]]
+            runs = [
+                sim_one(label.removeprefix("kvgate-"), {}, r["rate_rps"], cfg, fleet, quiet=True) for r in entry["runs"]
+            ]
             simulated, _ = rep.goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs])
             real = entry["goodput_rps"]
             out.setdefault(wl, {})[label] = {
-                "simulated_goodput_rps": simulated, "real_goodput_rps": real,
+                "simulated_goodput_rps": simulated,
+                "real_goodput_rps": real,
                 "ratio": simulated / real if real else None,
-                "attainment": [(r["rate_rps"], r["slo_attainment"]) for r in runs]}
+                "attainment": [(r["rate_rps"], r["slo_attainment"]) for r in runs],
+            }
     return out
 
 
 def plot_summary(summary: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     workloads = list(summary)
-    labels = sorted({k for s in summary.values() for k in s["goodput_rps"]},
-                    key=lambda k: (not k.startswith("kvgate"), k))
+    labels = sorted(
+        {k for s in summary.values() for k in s["goodput_rps"]}, key=lambda k: (not k.startswith("kvgate"), k)
+    )
     fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(workloads)), 4.5))
     width = 0.8 / max(1, len(labels))
     for i, label in enumerate(labels):
@@ -261,8 +304,10 @@ def plot_summary(summary: dict, path: str) -> None:
 def plot_overhead(overhead: dict, path: str) -> None:
     """Added TTFT (p50, p90) and router CPU per request, one bar group per router."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     labels = [k for k in overhead if k not in ("direct", "load_average")]
     fig, (lat, cpu) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (key, name) in enumerate([("added_ttft_p50_ms", "p50"), ("added_ttft_p90_ms", "p90")]):
@@ -282,16 +327,20 @@ def plot_overhead(overhead: dict, path: str) -> None:
     cpu.set_xticks(range(len(labels)), labels, fontsize=7)
     cpu.set_ylabel("router CPU ms per request")
     load = overhead.get("load_average")
-    fig.suptitle("router cost at low load (256-token text prompts; medians"
-                 + (f"; load average {load[0]:.1f}" if load else "") + ")")
+    fig.suptitle(
+        "router cost at low load (256-token text prompts; medians"
+        + (f"; load average {load[0]:.1f}" if load else "")
+        + ")"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.vs_peers", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.vs_peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workloads", default="multi-turn,shared-prefix,skewed")
     p.add_argument("--policies", default="slo_goodput,prefix_affinity,round_robin", help="kvgate policies")
     p.add_argument("--peers", default="sglang-router,vllm-router")
@@ -306,14 +355,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--low-rate", type=float, default=2.0, help="rate of the overhead measurement (0: skip it)")
     p.add_argument("--low-duration", type=float, default=20.0)
-    p.add_argument("--overhead-repeat", type=int, default=1,
-                   help="runs of the overhead measurement; the report gives each figure's median")
+    p.add_argument(
+        "--overhead-repeat",
+        type=int,
+        default=1,
+        help="runs of the overhead measurement; the report gives each figure's median",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     p.add_argument("--venv-dir", default=str(ROOT.parent), help="where the peers' venvs live")
     p.add_argument("--log-dir", help="process logs (default: a temp dir per process)")
     p.add_argument("--out", required=True)
-    p.add_argument("--fidelity-only", action="store_true",
-                   help="only add the simulator's goodput for the kvgate policies to the existing --out")
+    p.add_argument(
+        "--fidelity-only",
+        action="store_true",
+        help="only add the simulator's goodput for the kvgate policies to the existing --out",
+    )
     return p
 
 
@@ -344,20 +400,36 @@ def main(argv: list[str] | None = None) -> None:
                     series[label] = bench.sweep(label, router, wl)
                 finally:
                     stop_all([router])
-            meta = {"kind": "bench-vs-peers", "title": f"{name}: kvgate vs peers, {args.workers} sim workers",
-                    "command": "python -m bench.vs_peers " + " ".join(argv), "slo_ttft_ms": args.slo_ttft_ms,
-                    "slo_tpot_ms": args.slo_tpot_ms, "workload": name, "wall_s": time.perf_counter() - t0}
+            meta = {
+                "kind": "bench-vs-peers",
+                "title": f"{name}: kvgate vs peers, {args.workers} sim workers",
+                "command": "python -m bench.vs_peers " + " ".join(argv),
+                "slo_ttft_ms": args.slo_ttft_ms,
+                "slo_tpot_ms": args.slo_tpot_ms,
+                "workload": name,
+                "wall_s": time.perf_counter() - t0,
+            }
             reports[name] = rep.publish(series, meta, f"{stem}-{name}.json")
         if args.low_rate > 0:
             overhead = bench.overhead(labels, urls)
     finally:
         stop_all(bench.workers)
     summary = summarize_all(reports, labels)
-    out = {"kind": "bench-vs-peers-summary", "command": "python -m bench.vs_peers " + " ".join(argv),
-           "workers": args.workers, "num_blocks": args.num_blocks, "profile": args.profile,
-           "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "duration_s": args.duration,
-           "peer_policy": PEER_POLICY, "workloads": summary, "overhead_low_load": overhead,
-           "reports": {w: f"{Path(stem).name}-{w}.json" for w in reports}, "wall_s": time.perf_counter() - t0}
+    out = {
+        "kind": "bench-vs-peers-summary",
+        "command": "python -m bench.vs_peers " + " ".join(argv),
+        "workers": args.workers,
+        "num_blocks": args.num_blocks,
+        "profile": args.profile,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "duration_s": args.duration,
+        "peer_policy": PEER_POLICY,
+        "workloads": summary,
+        "overhead_low_load": overhead,
+        "reports": {w: f"{Path(stem).name}-{w}.json" for w in reports},
+        "wall_s": time.perf_counter() - t0,
+    }
     png = stem + ".png"
     if summary:
         plot_summary(summary, png)
@@ -366,8 +438,10 @@ def main(argv: list[str] | None = None) -> None:
         plot_overhead(overhead, stem + "-overhead.png")
         out["overhead_plot"] = Path(stem + "-overhead.png").name
     Path(args.out).write_text(json.dumps(rep._clean(out), indent=1))
-    print(json.dumps({w: {"ratio": s["ratio"], **s["goodput_rps"]} for w, s in summary.items()}, indent=1),
-          file=sys.stderr)
+    print(
+        json.dumps({w: {"ratio": s["ratio"], **s["goodput_rps"]} for w, s in summary.items()}, indent=1),
+        file=sys.stderr,
+    )
     add_fidelity(args.out)
     print(f"wrote {args.out} and its plots", file=sys.stderr)
 
@@ -376,8 +450,10 @@ def add_fidelity(path: str) -> None:
     out = json.loads(Path(path).read_text())
     out["simulator_fidelity"] = fidelity(path)
     Path(path).write_text(json.dumps(rep._clean(out), indent=1))
-    print(json.dumps({w: {k: v["ratio"] for k, v in s.items()} for w, s in out["simulator_fidelity"].items()},
-                     indent=1), file=sys.stderr)
+    print(
+        json.dumps({w: {k: v["ratio"] for k, v in s.items()} for w, s in out["simulator_fidelity"].items()}, indent=1),
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ otherwise a chat turn (a shared `prefix_len`-token system prompt plus a fresh `q
 question, answered in `output_len` tokens: short prefill, long decode). On a mixed worker every
 long prefill stalls the chats decoding beside it.
 """
+
 import argparse
 import json
 import math
@@ -32,8 +33,9 @@ DEFAULTS = {
     "skewed": dict(groups=48, prefix_len=2048, question_len=128, output_len=128, hot="0.4,0.2"),
     "multi-turn": dict(prefix_len=512, question_len=128, output_len=128, turns=8, think_s=5.0),
     "random": dict(input_len=1024, output_len=128),
-    "mixed": dict(long_fraction=0.2, input_len=4096, long_output_len=64, prefix_len=512,
-                  question_len=128, output_len=256),
+    "mixed": dict(
+        long_fraction=0.2, input_len=4096, long_output_len=64, prefix_len=512, question_len=128, output_len=256
+    ),
     "trace": dict(),
 }
 
@@ -50,6 +52,7 @@ class BenchRequest:
 @dataclass
 class WorkloadConfig:
     """Every knob of every workload; `None` means the workload's default from DEFAULTS."""
+
     name: str = "shared-prefix"
     rate: float = 10.0
     duration_s: float = 60.0
@@ -79,29 +82,44 @@ class WorkloadConfig:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The workload flags shared by `kvgate bench serve` and `kvgate simulate`."""
-    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix",
-                   help="the request stream (bench/workloads.py describes each)")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="shared-prefix",
+        help="the request stream (bench/workloads.py describes each)",
+    )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     p.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson", help="inter-arrival distribution")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="coefficient of variation of gamma inter-arrival times (>1 is bursty)")
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="coefficient of variation of gamma inter-arrival times (>1 is bursty)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts")
     p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
     for knob, doc in KNOBS.items():
         kind = float if knob in ("think_s", "long_fraction") else int
         p.add_argument("--" + knob.replace("_", "-"), type=kind, default=None, help=f"{doc} ({knob_defaults(knob)})")
-    p.add_argument("--hot", default=None,
-                   help="skewed: the shares of requests for the first prefixes, e.g. 0.4,0.2: the rest spread evenly "
-                        f"({knob_defaults('hot')})")
+    p.add_argument(
+        "--hot",
+        default=None,
+        help="skewed: the shares of requests for the first prefixes, e.g. 0.4,0.2: the rest spread evenly "
+        f"({knob_defaults('hot')})",
+    )
     p.add_argument("--trace", help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids)")
 
 
 KNOBS = {
-    "groups": "prompt groups sharing a prefix", "prefix_len": "tokens of the shared prefix (system prompt, document)",
-    "question_len": "tokens of a request's own question", "output_len": "tokens to generate",
-    "input_len": "tokens of a random or long-document prompt", "turns": "multi-turn: turns per conversation",
+    "groups": "prompt groups sharing a prefix",
+    "prefix_len": "tokens of the shared prefix (system prompt, document)",
+    "question_len": "tokens of a request's own question",
+    "output_len": "tokens to generate",
+    "input_len": "tokens of a random or long-document prompt",
+    "turns": "multi-turn: turns per conversation",
     "long_output_len": "mixed: tokens to generate for a long document",
-    "think_s": "multi-turn: mean gap between turns, seconds", "long_fraction": "mixed: share of long-document requests",
+    "think_s": "multi-turn: mean gap between turns, seconds",
+    "long_fraction": "mixed: share of long-document requests",
 }
 
 
@@ -122,8 +140,7 @@ def resolve_rates(args: argparse.Namespace, rates: list[float]) -> list[float]:
     (its requests at their own timestamps) and is refused for the other workloads."""
     for r in rates:
         if r < 0 or (r == 0 and args.workload != "trace"):
-            raise SystemExit(f"request rates must be > 0 (0 replays --workload trace at its own "
-                             f"timestamps); got {r:g}")
+            raise SystemExit(f"request rates must be > 0 (0 replays --workload trace at its own timestamps); got {r:g}")
     if 0 in rates and not args.trace:
         raise SystemExit("the trace workload needs --trace FILE.jsonl")
     return [trace_rate(args.trace) if r == 0 else r for r in rates]
@@ -146,7 +163,7 @@ def arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Iterator[float]:
     t = 0.0
     while True:
         if cfg.arrival == "gamma":
-            shape = 1.0 / cfg.burstiness ** 2
+            shape = 1.0 / cfg.burstiness**2
             t += rng.gamma(shape, 1.0 / (cfg.rate * shape))
         else:
             t += rng.exponential(1.0 / cfg.rate)
@@ -165,8 +182,14 @@ def generate(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
         raise ValueError(f"unknown workload {cfg.name!r}; choose from {', '.join(WORKLOADS)}")
     if cfg.name == "trace":
         return trace(cfg)
-    return {"shared-prefix": shared_prefix, "long-doc-qa": shared_prefix, "skewed": shared_prefix,
-            "multi-turn": multi_turn, "random": random_prompts, "mixed": mixed}[cfg.name](cfg)
+    return {
+        "shared-prefix": shared_prefix,
+        "long-doc-qa": shared_prefix,
+        "skewed": shared_prefix,
+        "multi-turn": multi_turn,
+        "random": random_prompts,
+        "mixed": mixed,
+    }[cfg.name](cfg)
 
 
 def shared_prefix(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
@@ -289,5 +312,10 @@ def trace(cfg: WorkloadConfig) -> Iterator[BenchRequest]:
         t = (row["timestamp"] / 1000.0 - t0) * scale
         if t >= cfg.duration_s:
             return
-        yield BenchRequest(i, t, trace_prompt(row, i, cfg), max(1, int(row["output_length"])),
-                           str(row["session"]) if "session" in row else None)
+        yield BenchRequest(
+            i,
+            t,
+            trace_prompt(row, i, cfg),
+            max(1, int(row["output_length"])),
+            str(row["session"]) if "session" in row else None,
+        )

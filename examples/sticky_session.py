@@ -5,6 +5,7 @@ Load it with `--policy examples/sticky_session.py:StickySession` (or, with the r
 prefix of its next one, so pinning the session keeps its KV cache hot without waiting for
 residency events to catch up.
 """
+
 from policies.api import FleetView, RequestView, Route
 from policies.candidates import NO_WORKERS, route_to, serving_workers, stable_hash
 from policies.prefix_affinity import PrefixAffinity
@@ -14,6 +15,7 @@ class StickySession:
     """Rendezvous-hashes `session_id` over the serving workers: every gateway replica picks the
     same worker, and when a worker leaves only its own sessions move. Requests without a
     session fall back to prefix affinity (built with `affinity_kwargs`)."""
+
     name = "sticky_session"
 
     def __init__(self, **affinity_kwargs) -> None:

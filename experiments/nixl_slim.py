@@ -8,6 +8,7 @@ keeps.
 
     python experiments/nixl_slim.py nixl_cu12-1.5.1-cp312-...whl .nixl   # then PYTHONPATH=.nixl
 """
+
 import shutil
 import subprocess
 import sys
@@ -35,15 +36,20 @@ def slim(wheel: str, out: str) -> int:
     shutil.rmtree(root, ignore_errors=True)
     zipfile.ZipFile(wheel).extractall(root)
     for d in sorted(root.rglob("*")):
-        if d.is_dir() and (d.name in DROP_DIRS or d.name.endswith((".data", ".scripts")) or d.name.startswith("nixl_ep")):
+        if d.is_dir() and (
+            d.name in DROP_DIRS or d.name.endswith((".data", ".scripts")) or d.name.startswith("nixl_ep")
+        ):
             shutil.rmtree(d, ignore_errors=True)
     for f in root.rglob("*"):
         if not f.is_file():
             continue
         plugin = f.parent.name in ("plugins", "nixl") and f.name.startswith(("libplugin_", "libtelemetry_"))
         ucx_module = f.parent.name == "ucx"
-        if (plugin and f.name not in KEEP_PLUGINS) or (ucx_module and not f.name.startswith(KEEP_UCX_MODULES)) \
-                or f.suffix == ".la":
+        if (
+            (plugin and f.name not in KEEP_PLUGINS)
+            or (ucx_module and not f.name.startswith(KEEP_UCX_MODULES))
+            or f.suffix == ".la"
+        ):
             f.unlink()
     libs = {f.name: f for f in root.rglob("*.so*") if f.is_file() and is_elf(f)}
     roots = [f for f in libs.values() if f.parent.name in ("plugins", "nixl", "ucx") or f.name.startswith("_")]

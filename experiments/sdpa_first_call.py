@@ -4,6 +4,7 @@ at new row counts. Why the torch runner pads attention shapes to buckets (worker
 
     python experiments/sdpa_first_call.py --out bench/results/h200-sdpa-first-call.json
 """
+
 import argparse
 import json
 import random
@@ -33,6 +34,7 @@ def sdpa_shapes(dev: str, rnd: random.Random, shapes: int = 12) -> dict:
 
         def call():
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
         firsts.append(timed(call))
         repeats.append(timed(call))
     return {"first_ms": firsts, "repeat_ms": repeats}

@@ -5,6 +5,7 @@ Both log lines go through loggers of their own (`kvgate.access`, `kvgate.fleet`)
 whatever `--log-level` is, with structured fields (workers/logs.py renders them as
 `key=value` or JSON keys). Either can be turned off.
 """
+
 import asyncio
 import contextlib
 import logging
@@ -25,18 +26,34 @@ def _ms(seconds: float | None) -> float | None:
 
 def access_fields(rec: RequestRecord, outcome: str | None) -> dict:
     """The access-log line of a request (None fields are left out of it)."""
-    return {"request_id": rec.request_id, "client_request_id": rec.client_request_id, "kind": rec.kind,
-            "model": rec.model or None, "status": rec.status, "code": rec.code, "worker": rec.worker or None,
-            "prefill_worker": rec.prefill_worker, "stream": rec.stream, "ttft_ms": _ms(rec.ttft_s),
-            "tpot_ms": _ms(rec.tpot_s), "e2e_ms": _ms(rec.e2e_s), "prompt_tokens": rec.prompt_tokens,
-            "output_tokens": rec.output_tokens, "cached_tokens": rec.cached_tokens,
-            "predicted_cached_tokens": rec.predicted_cached, "finish_reason": rec.finish_reason,
-            "slo": outcome, "retries": rec.retries or None, "route_reason": rec.route_reason or None}
+    return {
+        "request_id": rec.request_id,
+        "client_request_id": rec.client_request_id,
+        "kind": rec.kind,
+        "model": rec.model or None,
+        "status": rec.status,
+        "code": rec.code,
+        "worker": rec.worker or None,
+        "prefill_worker": rec.prefill_worker,
+        "stream": rec.stream,
+        "ttft_ms": _ms(rec.ttft_s),
+        "tpot_ms": _ms(rec.tpot_s),
+        "e2e_ms": _ms(rec.e2e_s),
+        "prompt_tokens": rec.prompt_tokens,
+        "output_tokens": rec.output_tokens,
+        "cached_tokens": rec.cached_tokens,
+        "predicted_cached_tokens": rec.predicted_cached,
+        "finish_reason": rec.finish_reason,
+        "slo": outcome,
+        "retries": rec.retries or None,
+        "route_reason": rec.route_reason or None,
+    }
 
 
 @dataclass
 class Tally:
     """One worker's requests since the last summary."""
+
     requests: int = 0
     failed: int = 0
     prompt: int = 0
@@ -65,19 +82,31 @@ class Accounting:
         self.metrics.observe(rec)
         self._close_trace(rec, outcome)
         if self.access:
-            access_log.info("request", extra={"fields": {k: v for k, v in access_fields(rec, outcome).items()
-                                                         if v is not None}})
+            access_log.info(
+                "request", extra={"fields": {k: v for k, v in access_fields(rec, outcome).items() if v is not None}}
+            )
         if self.summary_s > 0:
             self._tally(rec, outcome)
 
     def _close_trace(self, rec: RequestRecord, outcome: str | None) -> None:
         t = rec.trace
-        t.set(cached_tokens=rec.cached_tokens, ttft_ms=_ms(rec.ttft_s), slo=outcome,
-              predicted_cached_tokens=rec.predicted_cached)
-        t.set_raw({"gen_ai.operation.name": OPERATION.get(rec.kind), "gen_ai.request.model": rec.model or None,
-                   "gen_ai.response.model": rec.model or None, "gen_ai.request.id": rec.request_id,
-                   "gen_ai.usage.input_tokens": rec.prompt_tokens, "gen_ai.usage.output_tokens": rec.output_tokens,
-                   "gen_ai.response.finish_reasons": [rec.finish_reason] if rec.finish_reason else None})
+        t.set(
+            cached_tokens=rec.cached_tokens,
+            ttft_ms=_ms(rec.ttft_s),
+            slo=outcome,
+            predicted_cached_tokens=rec.predicted_cached,
+        )
+        t.set_raw(
+            {
+                "gen_ai.operation.name": OPERATION.get(rec.kind),
+                "gen_ai.request.model": rec.model or None,
+                "gen_ai.response.model": rec.model or None,
+                "gen_ai.request.id": rec.request_id,
+                "gen_ai.usage.input_tokens": rec.prompt_tokens,
+                "gen_ai.usage.output_tokens": rec.output_tokens,
+                "gen_ai.response.finish_reasons": [rec.finish_reason] if rec.finish_reason else None,
+            }
+        )
         t.end(rec.status)
 
     def _tally(self, rec: RequestRecord, outcome: str | None) -> None:
@@ -101,16 +130,32 @@ class Accounting:
         outcomes, self.outcomes = self.outcomes, {}
         workers = list(self.fleet.workers.values())
         judged = sum(outcomes.values())
-        lines = [{"policy": self.policy, "workers": len(workers), "healthy": sum(w.available for w in workers),
-                  "requests": sum(t.requests for t in tallies.values()), "slo_judged": judged,
-                  "slo_attainment": round(outcomes.get(MET, 0) / judged, 4) if judged else None,
-                  **{f"slo_{k}": v for k, v in sorted(outcomes.items())}}]
+        lines = [
+            {
+                "policy": self.policy,
+                "workers": len(workers),
+                "healthy": sum(w.available for w in workers),
+                "requests": sum(t.requests for t in tallies.values()),
+                "slo_judged": judged,
+                "slo_attainment": round(outcomes.get(MET, 0) / judged, 4) if judged else None,
+                **{f"slo_{k}": v for k, v in sorted(outcomes.items())},
+            }
+        ]
         for w in workers:
             t = tallies.get(w.worker_id or "", Tally())
-            lines.append({"worker": w.worker_id or w.url, "model": w.model, "healthy": w.available,
-                          "out": w.out, "in_flight": w.in_flight, "requests": t.requests, "failed": t.failed,
-                          "hit_ratio": round(t.cached / t.prompt, 4) if t.prompt else None,
-                          "ttft_ms": _ms(t.ttft_s / t.ttfts) if t.ttfts else None})
+            lines.append(
+                {
+                    "worker": w.worker_id or w.url,
+                    "model": w.model,
+                    "healthy": w.available,
+                    "out": w.out,
+                    "in_flight": w.in_flight,
+                    "requests": t.requests,
+                    "failed": t.failed,
+                    "hit_ratio": round(t.cached / t.prompt, 4) if t.prompt else None,
+                    "ttft_ms": _ms(t.ttft_s / t.ttfts) if t.ttfts else None,
+                }
+            )
         return lines
 
     async def _summarize(self) -> None:

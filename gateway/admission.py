@@ -13,6 +13,7 @@ load at the door instead, cheaply and explicitly: an OpenAI-shaped 503 (or 429) 
 
 While the gateway drains (SIGTERM) every new request is refused (`draining`).
 """
+
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -29,6 +30,7 @@ class AdmissionConfig:
 @dataclass(frozen=True)
 class Refusal:
     """Why a request is not taken: an HTTP status, an OpenAI error code and a message."""
+
     status: int
     code: str
     message: str
@@ -56,11 +58,14 @@ class Admission:
         """Why a new request cannot be taken now, or None (then call `enter`)."""
         c = self.config
         if self.draining:
-            return Refusal(503, DRAINING, "this gateway is shutting down; retry on another replica",
-                           c.retry_after_s)
+            return Refusal(503, DRAINING, "this gateway is shutting down; retry on another replica", c.retry_after_s)
         if self.pending >= c.max_pending:
-            return Refusal(503, OVERLOADED, f"the gateway holds its limit of {c.max_pending} requests; "
-                           "retry later", c.retry_after_s)
+            return Refusal(
+                503,
+                OVERLOADED,
+                f"the gateway holds its limit of {c.max_pending} requests; retry later",
+                c.retry_after_s,
+            )
         return None
 
     @property
@@ -84,5 +89,9 @@ class Admission:
         return [w for w in workers if w.queued() < bound]
 
     def full(self, n: int) -> Refusal:
-        return Refusal(503, OVERLOADED, f"all {n} candidate workers have {self.config.max_queue_per_worker} "
-                       "requests queued; retry later", self.config.retry_after_s)
+        return Refusal(
+            503,
+            OVERLOADED,
+            f"all {n} candidate workers have {self.config.max_queue_per_worker} requests queued; retry later",
+            self.config.retry_after_s,
+        )

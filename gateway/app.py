@@ -14,6 +14,7 @@ client's own `x-request-id` is only echoed back and logged. Bodies past `max_bod
 refused before they are read, internal fields (`kv_transfer`) are refused, and every 5xx
 closes its connection (`CloseOn5xx`).
 """
+
 import asyncio
 import contextlib
 import dataclasses
@@ -36,9 +37,21 @@ from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
 from gateway.metrics import GatewayMetrics
 from gateway.passthrough import internal_field
-from gateway.proxy import (ClientGone, ConnectFailed, PassThrough, Proxy, StreamTap, UpstreamError,
-                           UpstreamFailed, UpstreamTimeout, WorkerBusy, ask_usage, close_upstream, relay,
-                           whole_answer)
+from gateway.proxy import (
+    ClientGone,
+    ConnectFailed,
+    PassThrough,
+    Proxy,
+    StreamTap,
+    UpstreamError,
+    UpstreamFailed,
+    UpstreamTimeout,
+    WorkerBusy,
+    ask_usage,
+    close_upstream,
+    relay,
+    whole_answer,
+)
 from gateway.record import PREFILL, RequestRecord
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Prepared, Tokenizers
@@ -60,8 +73,15 @@ PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 class ApiError(Exception):
     """An error answered to the client as an OpenAI error object with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.type, self.code, self.param = status, type_, code, param
         self.retry_after = retry_after
@@ -72,12 +92,25 @@ def refused(r: Refusal) -> ApiError:
 
 
 class Gateway:
-    def __init__(self, fleet: Fleet, tokenizers: Tokenizers, policy: Policy, proxy: Proxy | None = None,
-                 redis=None, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                 pd_wait_ms: float = 5000.0, tracing: Tracing | None = None, access: Access | None = None,
-                 internal_token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 admission: Admission | None = None, retry: RetryPolicy | None = None,
-                 access_log: bool = True, fleet_summary_s: float = 0.0):
+    def __init__(
+        self,
+        fleet: Fleet,
+        tokenizers: Tokenizers,
+        policy: Policy,
+        proxy: Proxy | None = None,
+        redis=None,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
+        pd_wait_ms: float = 5000.0,
+        tracing: Tracing | None = None,
+        access: Access | None = None,
+        internal_token: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        admission: Admission | None = None,
+        retry: RetryPolicy | None = None,
+        access_log: bool = True,
+        fleet_summary_s: float = 0.0,
+    ):
         self.fleet = fleet
         self.admission = admission or Admission()
         self.retry = retry or RetryPolicy()
@@ -95,15 +128,19 @@ class Gateway:
         self.account = Accounting(self.metrics, fleet, policy.name, access_log, fleet_summary_s)
         self.access = access or Access()
         self.access.register(self.metrics.registry)
-        self.app = Starlette(routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/models", self.models),
-            Route("/v1/models/{model:path}", self.retrieve_model),
-            Route("/health", self.health),
-            Route("/metrics", self.prometheus),
-        ], lifespan=self._lifespan, exception_handlers=JSON_HTTP_ERRORS,
-            middleware=[Middleware(CloseOn5xx), Middleware(Guard, access=self.access)])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models),
+                Route("/v1/models/{model:path}", self.retrieve_model),
+                Route("/health", self.health),
+                Route("/metrics", self.prometheus),
+            ],
+            lifespan=self._lifespan,
+            exception_handlers=JSON_HTTP_ERRORS,
+            middleware=[Middleware(CloseOn5xx), Middleware(Guard, access=self.access)],
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -125,8 +162,11 @@ class Gateway:
             self.tracing.shutdown()
 
     def headers(self, worker: str = "", predicted: int = 0) -> dict[str, str]:
-        return {"x-kvgate-worker": worker, "x-kvgate-policy": self.policy.name,
-                "x-kvgate-predicted-cached-tokens": str(predicted)}
+        return {
+            "x-kvgate-worker": worker,
+            "x-kvgate-policy": self.policy.name,
+            "x-kvgate-predicted-cached-tokens": str(predicted),
+        }
 
     def error(self, e: ApiError, worker: str = "") -> JSONResponse:
         headers = self.headers(worker)
@@ -199,8 +239,9 @@ class Gateway:
             self.account.finish(rec)
         return resp
 
-    async def prepare(self, request: Request, raw: bytes, kind: str,
-                      rec: RequestRecord) -> tuple[str, Prepared | None, RequestView, bytes]:
+    async def prepare(
+        self, request: Request, raw: bytes, kind: str, rec: RequestRecord
+    ) -> tuple[str, Prepared | None, RequestView, bytes]:
         """Body -> (model, tokenized request, the policy's request view, the body to forward:
         with the tenant's cache_salt, and a stream's usage asked for); raises ApiError."""
         try:
@@ -210,8 +251,9 @@ class Gateway:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if (field := internal_field(body)) is not None:
-            raise ApiError(400, f"'{field}' is internal to the fleet: clients may not set it", param=field,
-                           code="internal_field")
+            raise ApiError(
+                400, f"'{field}' is internal to the fleet: clients may not set it", param=field, code="internal_field"
+            )
         if self.access.apply_cache_salt(api_key(request.scope), body):
             raw = json.dumps(body).encode()
         models = self.fleet.models()
@@ -238,8 +280,13 @@ class Gateway:
         tokens = view.num_tokens + view.max_tokens
         wait = await self.access.admit_tokens(key, tokens)
         if wait and key is not None:
-            raise ApiError(429, too_many_tokens(key, tokens, wait), "rate_limit_error", "rate_limit_exceeded",
-                           retry_after=retry_after(wait))
+            raise ApiError(
+                429,
+                too_many_tokens(key, tokens, wait),
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                retry_after=retry_after(wait),
+            )
 
     def resolve_model(self, model: object, models: dict[str, int]) -> str:
         """The served model a request names (required, as in OpenAI's schema)."""
@@ -253,8 +300,9 @@ class Gateway:
             raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
         return model
 
-    def request_view(self, request: Request, body: dict, kind: str, model: str,
-                     prep: Prepared | None, size: int, rid: str) -> RequestView:
+    def request_view(
+        self, request: Request, body: dict, kind: str, model: str, prep: Prepared | None, size: int, rid: str
+    ) -> RequestView:
         h = request.headers
         session = h.get("x-session-id") or body.get("user")
         return RequestView(
@@ -264,10 +312,13 @@ class Gateway:
             max_tokens=prep.max_tokens if prep else 16,
             slo_ttft_ms=_slo(h, "x-slo-ttft-ms", self.slo_ttft_ms),
             slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
-            session_id=str(session) if session is not None else None, model=model)
+            session_id=str(session) if session is not None else None,
+            model=model,
+        )
 
-    def decide(self, view: RequestView, model: str,
-               exclude: set[str]) -> tuple[Worker, Decision, Worker | None, FleetView]:
+    def decide(
+        self, view: RequestView, model: str, exclude: set[str]
+    ) -> tuple[Worker, Decision, Worker | None, FleetView]:
         """Match the prompt against the index and ask the policy; all in memory. Returns the
         chosen worker, the route, the prefill worker of a P/D route, and what the policy saw."""
         t0 = time.perf_counter()
@@ -280,8 +331,9 @@ class Gateway:
             self.metrics.refused.labels("worker_queues_full").inc()
             raise refused(self.admission.full(len(workers)))
         matches = self.index.match(view.block_hashes)
-        fleet = FleetView(self.fleet.views(room, matches, self.index.slow_blocks(view.block_hashes, matches)),
-                          time.time())
+        fleet = FleetView(
+            self.fleet.views(room, matches, self.index.slow_blocks(view.block_hashes, matches)), time.time()
+        )
         route = self.policy.route(view, fleet)
         self.metrics.decision.observe(time.perf_counter() - t0)
         if route.reject:
@@ -295,12 +347,24 @@ class Gateway:
         chosen = by_id.get(route.worker) if route.worker else None
         prefill = by_id.get(route.prefill) if route.prefill else None
         if chosen is None or (route.prefill is not None and prefill is None):
-            raise ApiError(500, f"policy {self.policy.name} chose {route.worker!r}/{route.prefill!r}, "
-                           "not candidates", "server_error", "bad_route")
+            raise ApiError(
+                500,
+                f"policy {self.policy.name} chose {route.worker!r}/{route.prefill!r}, not candidates",
+                "server_error",
+                "bad_route",
+            )
         return chosen, route, prefill, fleet
 
-    async def dispatch(self, request: Request, kind: str, raw: bytes, model: str, prep: Prepared | None,
-                       view: RequestView, rec: RequestRecord) -> Response:
+    async def dispatch(
+        self,
+        request: Request,
+        kind: str,
+        raw: bytes,
+        model: str,
+        prep: Prepared | None,
+        view: RequestView,
+        rec: RequestRecord,
+    ) -> Response:
         """Decide and forward; a worker that fails before the answer is committed costs a
         retry elsewhere (after a backoff), up to `retry.max_retries` of them."""
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
@@ -322,8 +386,11 @@ class Gateway:
             trace.set(policy=self.policy.name, worker=w.worker_id, prefill_worker=route.prefill)
             rec.worker, rec.prefill_worker = w.worker_id, route.prefill
             rec.route_reason, rec.candidates = route.reason, candidates_summary(view, seen)
-            rec.predicted_cached = (route.predicted_cached_tokens if p is None else
-                                    pd.expected_cached(view.num_tokens, w.state.get("block_size", 16)))
+            rec.predicted_cached = (
+                route.predicted_cached_tokens
+                if p is None
+                else pd.expected_cached(view.num_tokens, w.state.get("block_size", 16))
+            )
             self.fleet.begin(w)
             w.breaker.attempt()
             leg = headers if p is None or not self.internal_token else pd.leg_headers(headers, self.internal_token)
@@ -347,12 +414,26 @@ class Gateway:
         rec.worker = ""  # the fleet's answer, not one worker's
         if isinstance(failure, WorkerBusy):
             return Response(failure.body, failure.status, {**self.headers(), **failure.headers})
-        raise ApiError(502, f"no worker could serve the request after {len(exclude)} tries; last: {failure}",
-                       "server_error", "worker_failed", retry_after=self.admission.config.retry_after_s)
+        raise ApiError(
+            502,
+            f"no worker could serve the request after {len(exclude)} tries; last: {failure}",
+            "server_error",
+            "worker_failed",
+            retry_after=self.admission.config.retry_after_s,
+        )
 
-    async def attempt(self, request: Request, w: Worker, route: Decision, view: RequestView,
-                      prep: Prepared | None, kind: str, payload: bytes, headers: dict,
-                      rec: RequestRecord) -> Response:
+    async def attempt(
+        self,
+        request: Request,
+        w: Worker,
+        route: Decision,
+        view: RequestView,
+        prep: Prepared | None,
+        kind: str,
+        payload: bytes,
+        headers: dict,
+        rec: RequestRecord,
+    ) -> Response:
         """One try on `w`: the response head, then a non-streaming body whole or a stream up to
         its first token. Raises `UpstreamError` while nothing is committed to the client."""
         lost = self.fleet.lost(w)
@@ -375,8 +456,9 @@ class Gateway:
         w.breaker.succeeded()  # the answer is committed to the client: the worker's success
         return self.stream(w, resp, tap, head, out, rec)
 
-    def start_prefill(self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord,
-                      route: Decision) -> tuple[bytes, Span]:
+    def start_prefill(
+        self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord, route: Decision
+    ) -> tuple[bytes, Span]:
         """Start the prefill leg on `p` in the background; returns the decode leg's body for `d`
         and the leg's span. The leg's cache hit is counted against what the policy predicted."""
         body = json.loads(raw)
@@ -403,21 +485,24 @@ class Gateway:
         if isinstance(e, WorkerBusy):
             w.breaker.released()
         elif w.breaker.failed():
-            log.warning("worker %s: circuit breaker open after %d failures (last: %s)",
-                        w.worker_id, w.breaker.consecutive, e)
+            log.warning(
+                "worker %s: circuit breaker open after %d failures (last: %s)", w.worker_id, w.breaker.consecutive, e
+            )
         if type(e) in (ConnectFailed, UpstreamFailed):
             self.fleet.mark_suspect(w, str(e))
         return f"worker {w.worker_id} failed: {e}"
 
-    async def collect(self, w: Worker, route: Decision, view: RequestView, resp, headers: dict, started: float,
-                      rec: RequestRecord) -> Response:
+    async def collect(
+        self, w: Worker, route: Decision, view: RequestView, resp, headers: dict, started: float, rec: RequestRecord
+    ) -> Response:
         """A non-streaming answer, read whole before anything reaches the client (so a failure
         while reading it is still retried); a 503 is the worker's load, retried elsewhere."""
         status = resp.status
         body = await self.proxy.read(resp)
         if status == 503:
-            raise WorkerBusy(status, body, {k: v for k, v in resp.headers.items()
-                                            if k.lower() in ("retry-after", "content-type")})
+            raise WorkerBusy(
+                status, body, {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "content-type")}
+            )
         self.fleet.end(w)
         if status >= 500:
             w.breaker.failed()
@@ -427,8 +512,7 @@ class Gateway:
             whole_answer(rec, body, resp.headers, started)
         return Response(body, status, headers, resp.headers.get("content-type", "application/json"))
 
-    def stream(self, w: Worker, resp, tap: StreamTap, head: bytes, headers: dict,
-               rec: RequestRecord) -> Response:
+    def stream(self, w: Worker, resp, tap: StreamTap, head: bytes, headers: dict, rec: RequestRecord) -> Response:
         rec.status = 200
 
         def failed(e: Exception) -> str:
@@ -456,15 +540,21 @@ class Gateway:
         """GET /v1/models/{id}: a model the fleet serves, or a 404."""
         name, models = request.path_params["model"], self.fleet.models()
         if name not in models:
-            return self.error(ApiError(404, f"The model `{name[:200]}` does not exist.", code="model_not_found",
-                                       param="model"))
+            return self.error(
+                ApiError(404, f"The model `{name[:200]}` does not exist.", code="model_not_found", param="model")
+            )
         return JSONResponse(_model_card(name, models[name]), headers=self.headers())
 
     async def health(self, request: Request) -> Response:
         up = sum(w.available for w in self.fleet.workers.values())
         status = "draining" if self.admission.draining else "ok" if up else NO_WORKERS
-        body = {"status": status, "workers": len(self.fleet.workers), "healthy": up,
-                "pending": self.admission.pending, "redis": self.redis.status() if self.redis is not None else "off"}
+        body = {
+            "status": status,
+            "workers": len(self.fleet.workers),
+            "healthy": up,
+            "pending": self.admission.pending,
+            "redis": self.redis.status() if self.redis is not None else "off",
+        }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:

@@ -10,6 +10,7 @@ Each key belongs to a tenant whose requests are hashed with the tenant's `cache_
 tenants never share cached blocks (and cannot probe each other's prompts through cache hits)
 unless their config gives them the same salt, or none (the fleet's shared cache).
 """
+
 import hashlib
 import json
 import math
@@ -28,8 +29,14 @@ from workers.protocol import MAX_CACHE_SALT, error_body
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 SCOPE_KEY = "kvgate.api_key"
-CACHE_HEADERS = (b"x-kvgate-worker", b"x-kvgate-prefill-worker", b"x-kvgate-policy",
-                 b"x-kvgate-predicted-cached-tokens", b"x-kvgate-route-reason", b"x-kvgate-candidates")
+CACHE_HEADERS = (
+    b"x-kvgate-worker",
+    b"x-kvgate-prefill-worker",
+    b"x-kvgate-policy",
+    b"x-kvgate-predicted-cached-tokens",
+    b"x-kvgate-route-reason",
+    b"x-kvgate-candidates",
+)
 SHARED = None  # a tenant cache salt of None: the fleet's shared cache
 MAX_TENANT_SALT = 128
 
@@ -43,6 +50,7 @@ class ApiKey:
     """One client key. `name` appears in logs, metrics and rate-limit buckets (never the key);
     `client_cache_salt` lets the tenant's clients split its cache further with their own
     `cache_salt` (always inside the tenant's, never reaching another tenant's blocks)."""
+
     name: str
     digest: bytes
     tenant: str
@@ -56,10 +64,19 @@ class ApiKey:
         """A key-file entry: {"key", "name"?, "tenant"?, "cache_salt"?, "rpm"?, "tpm"?,
         "client_cache_salt"?}; limits default to `rpm`/`tpm`, the tenant to the name, the salt
         to one of the tenant's own (null: the shared cache). Raises ValueError."""
-        if not isinstance(d, dict) or not set(d) <= {"key", "name", "tenant", "cache_salt", "rpm", "tpm",
-                                                     "client_cache_salt"}:
-            raise ValueError(f"a key entry is an object with key, name, tenant, cache_salt, rpm, tpm, "
-                             f"client_cache_salt; got {d!r:.80}")
+        if not isinstance(d, dict) or not set(d) <= {
+            "key",
+            "name",
+            "tenant",
+            "cache_salt",
+            "rpm",
+            "tpm",
+            "client_cache_salt",
+        }:
+            raise ValueError(
+                f"a key entry is an object with key, name, tenant, cache_salt, rpm, tpm, "
+                f"client_cache_salt; got {d!r:.80}"
+            )
         key = _key(d.get("key"))
         name = _str(d.get("name", "key-" + digest(key).hex()[:8]), "name")
         tenant = _str(d.get("tenant", name), "tenant")
@@ -70,8 +87,15 @@ class ApiKey:
             salt = _str(salt, "cache_salt") or SHARED
             if salt and len(salt) > MAX_TENANT_SALT:
                 raise ValueError(f"'cache_salt' is at most {MAX_TENANT_SALT} characters")
-        return cls(name, digest(key), tenant, salt, _limit(d.get("rpm", rpm), "rpm"), _limit(d.get("tpm", tpm), "tpm"),
-                   _flag(d.get("client_cache_salt", False)))
+        return cls(
+            name,
+            digest(key),
+            tenant,
+            salt,
+            _limit(d.get("rpm", rpm), "rpm"),
+            _limit(d.get("tpm", tpm), "tpm"),
+            _flag(d.get("client_cache_salt", False)),
+        )
 
     def salt_for(self, client_salt: str | None) -> str | None:
         """The cache_salt a request of this key runs with: the tenant's, refined by the client's
@@ -171,16 +195,21 @@ def retry_after(wait_s: float) -> int:
 class Access:
     """One gateway's client policy: its keys, their rate limits, whether cache headers show."""
 
-    def __init__(self, keys: ApiKeys | None = None, limiter: RateLimiter | None = None,
-                 hide_cache_headers: bool = False):
+    def __init__(
+        self, keys: ApiKeys | None = None, limiter: RateLimiter | None = None, hide_cache_headers: bool = False
+    ):
         self.keys = keys or ApiKeys([])
         self.limiter = limiter or RateLimiter()
         self.hide_cache_headers = hide_cache_headers
         self.rejected: Counter | None = None
 
     def register(self, registry: CollectorRegistry) -> None:
-        self.rejected = Counter("kvgate_gateway_client_rejections", "Requests refused for a key: "
-                                "unauthenticated (401), rpm or tpm (429)", ["key", "reason"], registry=registry)
+        self.rejected = Counter(
+            "kvgate_gateway_client_rejections",
+            "Requests refused for a key: unauthenticated (401), rpm or tpm (429)",
+            ["key", "reason"],
+            registry=registry,
+        )
 
     def count(self, key: str, reason: str) -> None:
         if self.rejected is not None:
@@ -223,8 +252,10 @@ class Access:
 
 def too_many_tokens(key: ApiKey, tokens: int, wait_s: float) -> str:
     if math.isinf(wait_s):
-        return (f"Request too large for key {key.name}: {tokens} tokens (prompt + max_tokens) exceed its "
-                f"limit of {key.tpm} tokens per minute; ask for fewer max_tokens")
+        return (
+            f"Request too large for key {key.name}: {tokens} tokens (prompt + max_tokens) exceed its "
+            f"limit of {key.tpm} tokens per minute; ask for fewer max_tokens"
+        )
     return f"Rate limit reached for key {key.name}: {key.tpm} tokens per minute (prompt + max_tokens)"
 
 
@@ -252,26 +283,38 @@ class Guard:
             wait = await self.access.admit_request(key) if scope["path"] in LIMITED_PATHS else 0.0
             if wait:
                 msg = f"Rate limit reached for key {key.name}: {key.rpm} requests per minute"
-                resp = JSONResponse(error_body(msg, "rate_limit_error", "rate_limit_exceeded"), status_code=429,
-                                    headers={"retry-after": str(retry_after(wait))})
+                resp = JSONResponse(
+                    error_body(msg, "rate_limit_error", "rate_limit_exceeded"),
+                    status_code=429,
+                    headers={"retry-after": str(retry_after(wait))},
+                )
                 return await resp(scope, receive, send)
         await self.app(scope, receive, send)
 
     async def _unauthenticated(self, scope, receive, send) -> None:
         self.access.count("", "unauthenticated")
         given = Headers(scope=scope).get("authorization")
-        msg = ("Incorrect API key provided." if given else
-               "You didn't provide an API key. You need to provide your API key in an Authorization header "
-               "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-        resp = JSONResponse(error_body(msg, "invalid_request_error", "invalid_api_key"), status_code=401,
-                            headers={"www-authenticate": 'Bearer realm="kvgate"'})
+        msg = (
+            "Incorrect API key provided."
+            if given
+            else "You didn't provide an API key. You need to provide your API key in an Authorization header "
+            "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+        )
+        resp = JSONResponse(
+            error_body(msg, "invalid_request_error", "invalid_api_key"),
+            status_code=401,
+            headers={"www-authenticate": 'Bearer realm="kvgate"'},
+        )
         await resp(scope, receive, send)
 
 
 def _without_cache_headers(send):
     async def wrapped(message) -> None:
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [(k, v) for k, v in message.get("headers", [])
-                                              if k.lower() not in CACHE_HEADERS]}
+            message = {
+                **message,
+                "headers": [(k, v) for k, v in message.get("headers", []) if k.lower() not in CACHE_HEADERS],
+            }
         await send(message)
+
     return wrapped

@@ -9,6 +9,7 @@ may go; its success closes the breaker, its failure reopens it. Failures are the
 worker's 503 is load, not failure, and leaves the breaker alone. A worker whose health poll
 failed (dead, restarted) starts again with a closed breaker when it answers again.
 """
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class Breaker:
         self.consecutive += 1
         if self.consecutive < self.config.failures:
             return False
-        cooldown = min(self.config.cooldown_s * 2 ** self.opened, self.config.max_cooldown_s)
+        cooldown = min(self.config.cooldown_s * 2**self.opened, self.config.max_cooldown_s)
         self.opened += 1
         self.until = self.clock() + cooldown
         return True

@@ -13,6 +13,7 @@ that discover the server in Redis poll it as a vLLM server. The worker id is the
 derive from the URL (`vllm@HOST:PORT`), so `--advertise-url` must be the URL gateways use.
 While the server is down or restarting its set is emptied, then rebuilt from its events.
 """
+
 import argparse
 import asyncio
 import concurrent.futures
@@ -68,8 +69,7 @@ class LogSink:
 
 
 class BridgeLink(VllmLink):
-    def __init__(self, engine: ServerEngine, url: str, block_size: int, interval: float, timeout: float,
-                 events=None):
+    def __init__(self, engine: ServerEngine, url: str, block_size: int, interval: float, timeout: float, events=None):
         super().__init__(url, block_size, interval, timeout, events)
         self.engine = engine
         self.healthy = False
@@ -99,24 +99,39 @@ class BridgeLink(VllmLink):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate bridge", description=__doc__,
-                                formatter_class=HelpFormatter)
-    p.add_argument("--vllm", required=True, metavar="URL",
-                   help="the vLLM server (vllm:URL?kv_events=..&kv_replay=.. forms are taken too)")
-    p.add_argument("--redis", default=os.environ.get("KVGATE_REDIS_URL"), metavar="URL",
-                   help="redis://[:PASSWORD@]HOST:PORT/DB (default: $KVGATE_REDIS_URL)")
-    p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
-                   help="the fleet's shared secret that signs the registration (default: $KVGATE_INTERNAL_TOKEN)")
+    p = argparse.ArgumentParser(prog="kvgate bridge", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--vllm",
+        required=True,
+        metavar="URL",
+        help="the vLLM server (vllm:URL?kv_events=..&kv_replay=.. forms are taken too)",
+    )
+    p.add_argument(
+        "--redis",
+        default=os.environ.get("KVGATE_REDIS_URL"),
+        metavar="URL",
+        help="redis://[:PASSWORD@]HOST:PORT/DB (default: $KVGATE_REDIS_URL)",
+    )
+    p.add_argument(
+        "--internal-token",
+        default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
+        help="the fleet's shared secret that signs the registration (default: $KVGATE_INTERNAL_TOKEN)",
+    )
     p.add_argument("--advertise-url", help="the server's URL as gateways reach it (default: --vllm)")
     p.add_argument("--block-size", type=int, default=16, help="the gateways' --block-size (their hashes)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between /health + /metrics polls")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
-                   help="the lowest level logged (stderr)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="the lowest level logged (stderr)",
+    )
     return p
 
 
 async def serve(args: argparse.Namespace) -> None:
     from workers.redis_publisher import RedisPublisher
+
     spec = parse_spec(args.vllm if args.vllm.startswith(("vllm:", "sglang:")) else "vllm:" + args.vllm)
     assert spec is not None, "a vllm: or sglang: spec always parses"
     advertise = (args.advertise_url or spec.url).rstrip("/")
@@ -134,8 +149,10 @@ async def serve(args: argparse.Namespace) -> None:
             assert link.model is not None, "the link is ready once it knows the model"
             publisher = RedisPublisher(engine, args.redis, advertise, link.model, args.internal_token, engine.state)
             await publisher.start()
-            print(f"kvgate bridge: {spec.url} ({link.model}) as {engine.worker_id} -> "
-                  f"{redact_url(args.redis)}", flush=True)
+            print(
+                f"kvgate bridge: {spec.url} ({link.model}) as {engine.worker_id} -> {redact_url(args.redis)}",
+                flush=True,
+            )
             await stop.wait()
     finally:
         task.cancel()
@@ -154,7 +171,9 @@ async def _first(*aws) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if not args.redis or not args.internal_token:
-        raise SystemExit("kvgate bridge: needs --redis and --internal-token (or $KVGATE_REDIS_URL, "
-                         "$KVGATE_INTERNAL_TOKEN): gateways accept only signed registrations")
+        raise SystemExit(
+            "kvgate bridge: needs --redis and --internal-token (or $KVGATE_REDIS_URL, "
+            "$KVGATE_INTERNAL_TOKEN): gateways accept only signed registrations"
+        )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     asyncio.run(serve(args))

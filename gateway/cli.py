@@ -3,6 +3,7 @@
 The table names modules rather than importing them so that `kvgate gateway` never loads
 torch (the worker's executor) and `kvgate worker` never loads the gateway.
 """
+
 import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -19,9 +20,15 @@ COMMANDS = {
 
 
 # The argparse parser of each command, by the words that run it (`kvgate bench serve`).
-PARSERS = {"worker": "workers.cli", "gateway": "gateway.server", "bridge": "gateway.bridge",
-           "bench serve": "bench.loadgen", "simulate": "bench.simulate", "calibrate": "bench.calibrate",
-           "demo": "gateway.demo"}
+PARSERS = {
+    "worker": "workers.cli",
+    "gateway": "gateway.server",
+    "bridge": "gateway.bridge",
+    "bench serve": "bench.loadgen",
+    "simulate": "bench.simulate",
+    "calibrate": "bench.calibrate",
+    "demo": "gateway.demo",
+}
 
 
 def parser_of(command: str):
@@ -37,8 +44,7 @@ def kvgate_version() -> str:
 
 
 def usage() -> str:
-    lines = ["usage: kvgate COMMAND [ARGS]   (kvgate COMMAND --help for its flags; kvgate --version)",
-             "", "commands:"]
+    lines = ["usage: kvgate COMMAND [ARGS]   (kvgate COMMAND --help for its flags; kvgate --version)", "", "commands:"]
     lines += [f"  {name:<10} {doc}" for name, (_, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -54,8 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvgate {kvgate_version()}")
         sys.exit(0)
     if argv[0] not in COMMANDS:
-        print(f"kvgate: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}; see kvgate --help)",
-              file=sys.stderr)
+        print(
+            f"kvgate: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}; see kvgate --help)", file=sys.stderr
+        )
         sys.exit(2)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])

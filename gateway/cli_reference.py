@@ -1,5 +1,6 @@
 """docs/cli.md: every command's `--help`, generated from argparse (`make docs` rewrites it,
 tests/test_cli.py fails when it is stale), so the reference cannot drift from the flags."""
+
 import os
 import sys
 
@@ -10,9 +11,11 @@ WIDTH = "100"  # help is wrapped to the terminal's width: fixed here so the file
 
 def reference() -> str:
     os.environ["COLUMNS"] = WIDTH
-    parts = ["# Command reference\n",
-             "Generated from the commands' argparse parsers by `make docs` (`python -m gateway.cli_reference > docs/cli.md`);",
-             "`tests/test_cli.py` fails when it is out of date. `kvgate COMMAND --help` prints the same.\n"]
+    parts = [
+        "# Command reference\n",
+        "Generated from the commands' argparse parsers by `make docs` (`python -m gateway.cli_reference > docs/cli.md`);",
+        "`tests/test_cli.py` fails when it is out of date. `kvgate COMMAND --help` prints the same.\n",
+    ]
     for command in PARSERS:
         parts += [f"## kvgate {command}\n", "```text", parser_of(command).format_help().rstrip(), "```\n"]
     return "\n".join(parts)

@@ -7,6 +7,7 @@ worker it chose and the policy's reason, and the prompt tokens it predicted cach
 ones the worker reported. At the end it replays the same requests over the workers in turn to
 estimate what round robin would have cached.
 """
+
 import argparse
 import json
 import re
@@ -25,13 +26,17 @@ MODEL = "smollm2-135m"
 BLOCK = 16  # the workers' and the gateway's default --block-size
 PROGRESS_S = 5.0
 CONVERSATIONS = [
-    ["You are helping me plan a trip to Paris. Which three museums should I visit?",
-     "Which of those is best for a rainy afternoon?",
-     "And where should I eat near it?",
-     "Summarise the plan in one sentence."],
-    ["Explain in two sentences what a KV cache is in a transformer.",
-     "Why does reusing it for a shared prompt prefix save time?",
-     "Give a one-line analogy for a child."],
+    [
+        "You are helping me plan a trip to Paris. Which three museums should I visit?",
+        "Which of those is best for a rainy afternoon?",
+        "And where should I eat near it?",
+        "Summarise the plan in one sentence.",
+    ],
+    [
+        "Explain in two sentences what a KV cache is in a transformer.",
+        "Why does reusing it for a shared prompt prefix save time?",
+        "Give a one-line analogy for a child.",
+    ],
     ["Suggest a name for a grey cat.", "Why that name?"],
 ]
 
@@ -39,6 +44,7 @@ CONVERSATIONS = [
 @dataclass
 class Turn:
     """One chat request as the gateway routed it and the worker answered it."""
+
     chat: str
     turn: int
     worker: str
@@ -59,6 +65,7 @@ def log(message: str, t0: float) -> None:
 def prepare_model(executor: str, t0: float) -> None:
     """Convert SmolLM2 once, here, where its progress can be told (the workers would race to)."""
     from workers.model_store import cache_dir, resolve
+
     log(f"preparing {MODEL} in {cache_dir()} (the first run converts its GGUF weights, about a minute)", t0)
     path = resolve(MODEL, tokenizer_only=executor == "sim")
     log(f"model ready: {path}", t0)
@@ -80,8 +87,10 @@ def wait_healthy(procs: list[Proc], t0: float, timeout: float = 600.0) -> None:
                 pass
         if pending and time.monotonic() >= next_note:
             what = {"gateway": "waiting for healthy workers"}
-            log("still starting: " + ", ".join(f"{p.name} ({what.get(p.name, 'loading the model')})"
-                                               for p in pending), t0)
+            log(
+                "still starting: " + ", ".join(f"{p.name} ({what.get(p.name, 'loading the model')})" for p in pending),
+                t0,
+            )
             next_note += PROGRESS_S
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"not up after {timeout:.0f} s: {', '.join(p.name for p in pending)}")
@@ -98,8 +107,15 @@ def prompt_ids(worker: str, messages: list[dict]) -> list[int]:
 def chat_turn(gateway: str, messages: list[dict], max_tokens: int) -> dict:
     """Stream one turn through the gateway: its reply, output token ids, routing headers, usage
     and time to first token."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     t0, ttft, parts = time.monotonic(), None, []
     ids: list[int] = []
     usage: dict = {}
@@ -120,11 +136,16 @@ def chat_turn(gateway: str, messages: list[dict], max_tokens: int) -> dict:
                     ttft = ttft if ttft is not None else time.monotonic() - t0
                     parts.append(choice["delta"]["content"])
         h = r.headers
-    return {"reply": "".join(parts).strip(), "output_ids": ids, "worker": h["x-kvgate-worker"],
-            "reason": h.get("x-kvgate-route-reason", ""), "candidates": h.get("x-kvgate-candidates", ""),
-            "predicted": int(h["x-kvgate-predicted-cached-tokens"]),
-            "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-            "ttft_ms": (ttft or 0.0) * 1000}
+    return {
+        "reply": "".join(parts).strip(),
+        "output_ids": ids,
+        "worker": h["x-kvgate-worker"],
+        "reason": h.get("x-kvgate-route-reason", ""),
+        "candidates": h.get("x-kvgate-candidates", ""),
+        "predicted": int(h["x-kvgate-predicted-cached-tokens"]),
+        "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        "ttft_ms": (ttft or 0.0) * 1000,
+    }
 
 
 def compact(candidates: str, workers: list[str]) -> str:
@@ -140,12 +161,15 @@ ROW = "{:>2}  {:<4} {:>4} {:>6}  {:<22} {:<6} {:>9} {:>6} {:>7}"
 
 def run_chat(gateway: str, worker: str, names: list[str], max_tokens: int) -> list[Turn]:
     """The conversations, interleaved turn by turn, each request printed as it is answered."""
-    print("\nPer request: the prompt's length; each candidate worker's cached prefix of it and its load "
-          "when the gateway chose\n(cached tokens / requests in flight; 'out': not a candidate); the chosen "
-          "worker; the prompt tokens the gateway\npredicted cached and those the worker reported cached; time "
-          "to first token. Counts are tokens unless said.\n")
-    print(ROW.format("#", "chat", "turn", "prompt", "candidates cached/load", "chose", "predicted", "cached",
-                     "TTFT ms"))
+    print(
+        "\nPer request: the prompt's length; each candidate worker's cached prefix of it and its load "
+        "when the gateway chose\n(cached tokens / requests in flight; 'out': not a candidate); the chosen "
+        "worker; the prompt tokens the gateway\npredicted cached and those the worker reported cached; time "
+        "to first token. Counts are tokens unless said.\n"
+    )
+    print(
+        ROW.format("#", "chat", "turn", "prompt", "candidates cached/load", "chose", "predicted", "cached", "TTFT ms")
+    )
     history: list[list[dict]] = [[] for _ in CONVERSATIONS]
     turns: list[Turn] = []
     for turn in range(max(len(c) for c in CONVERSATIONS)):
@@ -156,11 +180,33 @@ def run_chat(gateway: str, worker: str, names: list[str], max_tokens: int) -> li
             ids = prompt_ids(worker, history[s])
             r = chat_turn(gateway, history[s], max_tokens)
             history[s].append({"role": "assistant", "content": r["reply"]})
-            t = Turn("ABC"[s], turn + 1, r["worker"], r["reason"], r["candidates"], r["predicted"], r["cached"],
-                     ids, r["output_ids"], r["ttft_ms"], r["reply"])
+            t = Turn(
+                "ABC"[s],
+                turn + 1,
+                r["worker"],
+                r["reason"],
+                r["candidates"],
+                r["predicted"],
+                r["cached"],
+                ids,
+                r["output_ids"],
+                r["ttft_ms"],
+                r["reply"],
+            )
             turns.append(t)
-            print(ROW.format(len(turns), t.chat, t.turn, len(ids), compact(t.candidates, names), t.worker, t.predicted,
-                             t.cached, f"{t.ttft_ms:.0f}"))
+            print(
+                ROW.format(
+                    len(turns),
+                    t.chat,
+                    t.turn,
+                    len(ids),
+                    compact(t.candidates, names),
+                    t.worker,
+                    t.predicted,
+                    t.cached,
+                    f"{t.ttft_ms:.0f}",
+                )
+            )
             reply = t.reply.replace("\n", " ")
             print(f"    why: {t.reason}\n    reply: {reply[:90]}{'...' if len(reply) > 90 else ''}", flush=True)
         time.sleep(0.2)  # let the workers' KV events reach the gateway between turns
@@ -202,11 +248,15 @@ def summary(turns: list[Turn], names: list[str]) -> None:
     rr = estimate_cached(turns, [names[i % len(names)] for i in range(len(turns))])
     ours = estimate_cached(turns, [t.worker for t in turns])
     print(f"\nrequests per worker: {', '.join(f'{w} {n}' for w, n in sorted(per.items()))}")
-    print(f"prompt tokens served from the prefix cache: {cached} of {prompt} ({cached / max(prompt, 1):.0%}); "
-          f"the gateway predicted {predicted}")
-    print(f"round robin over {', '.join(names)} on the same requests: about {sum(rr)} ({sum(rr) / max(prompt, 1):.0%}), "
-          f"estimated by replaying them\n  (a worker keeps every full {BLOCK}-token block it computed; the same "
-          f"estimate for this run's routing gives {sum(ours)}, the workers reported {cached})")
+    print(
+        f"prompt tokens served from the prefix cache: {cached} of {prompt} ({cached / max(prompt, 1):.0%}); "
+        f"the gateway predicted {predicted}"
+    )
+    print(
+        f"round robin over {', '.join(names)} on the same requests: about {sum(rr)} ({sum(rr) / max(prompt, 1):.0%}), "
+        f"estimated by replaying them\n  (a worker keeps every full {BLOCK}-token block it computed; the same "
+        f"estimate for this run's routing gives {sum(ours)}, the workers reported {cached})"
+    )
 
 
 def start_fleet(executor: str, policy: str, log_dir: Path, t0: float) -> list[Proc]:
@@ -215,16 +265,18 @@ def start_fleet(executor: str, policy: str, log_dir: Path, t0: float) -> list[Pr
     for w in workers:
         log(f"started worker {w.worker_id} ({executor} executor) on {w.url}", t0)
     # A first CPU step on a busy machine can take seconds: no reason to take a worker out of service.
-    gateway = start_gateway([w.url for w in workers], policy, name="gateway", log_dir=str(log_dir),
-                            extra=["--engine-stall-s", "30"])
+    gateway = start_gateway(
+        [w.url for w in workers], policy, name="gateway", log_dir=str(log_dir), extra=["--engine-stall-s", "30"]
+    )
     log(f"started the {policy} gateway on {gateway.url}; logs in {log_dir}", t0)
     return [*workers, gateway]
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate demo", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--executor", choices=["torch", "sim"], default="torch",
-                   help="the workers' executor (sim: no model, instant)")
+    p.add_argument(
+        "--executor", choices=["torch", "sim"], default="torch", help="the workers' executor (sim: no model, instant)"
+    )
     p.add_argument("--policy", default="prefix_affinity", help="the gateway's routing policy")
     p.add_argument("--max-tokens", type=int, default=40, help="tokens per answer")
     p.add_argument("--keep-logs", action="store_true", help="print where the processes logged")

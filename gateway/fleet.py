@@ -16,6 +16,7 @@ Routing reads only in-memory fields, never the network. The HTTP client is aioht
 the proxy: with 64 workers polled twice a second the control plane alone makes ~130 requests
 per second.
 """
+
 import asyncio
 import logging
 import time
@@ -64,8 +65,9 @@ class Worker:
 
     @property
     def available(self) -> bool:
-        return (self.healthy and self.out is None and not self.suspect and self.base is not None
-                and self.breaker.allows())
+        return (
+            self.healthy and self.out is None and not self.suspect and self.base is not None and self.breaker.allows()
+        )
 
     @property
     def model(self) -> str | None:
@@ -86,21 +88,36 @@ class Worker:
 TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0, "nixl": 3.5}
 
 
-def worker_view(state: WorkerState, url: str = "", transfer_gbps: float = TRANSPORT_GBPS["http"],
-                cost: CostModel | None = None) -> WorkerView:
+def worker_view(
+    state: WorkerState, url: str = "", transfer_gbps: float = TRANSPORT_GBPS["http"], cost: CostModel | None = None
+) -> WorkerView:
     """The policies' picture of a worker from its /state: the one builder, for the gateway's
     polls and the fleet simulator's. `cost`, when given, stands for the worker's own profile."""
     return WorkerView(
-        worker_id=state.worker_id, role=state.role, block_size=state.block_size, waiting=state.waiting,
-        running=state.running, free_blocks=state.free_blocks, total_blocks=state.total_blocks,
-        queued_prefill_tokens=state.queued_prefill_tokens, kv_tokens=state.kv_tokens,
-        max_batched_tokens=state.max_batched_tokens, max_num_seqs=state.max_num_seqs, step_ms=state.step_ms,
-        step_prefill_tokens=state.step_prefill_tokens, step_prefill_ctx_products=state.step_prefill_ctx_products,
-        step_decode_seqs=state.step_decode_seqs, step_decode_kv_tokens=state.step_decode_kv_tokens,
-        decode_step_ms=state.decode_step_ms, decode_step_seqs=state.decode_step_seqs,
+        worker_id=state.worker_id,
+        role=state.role,
+        block_size=state.block_size,
+        waiting=state.waiting,
+        running=state.running,
+        free_blocks=state.free_blocks,
+        total_blocks=state.total_blocks,
+        queued_prefill_tokens=state.queued_prefill_tokens,
+        kv_tokens=state.kv_tokens,
+        max_batched_tokens=state.max_batched_tokens,
+        max_num_seqs=state.max_num_seqs,
+        step_ms=state.step_ms,
+        step_prefill_tokens=state.step_prefill_tokens,
+        step_prefill_ctx_products=state.step_prefill_ctx_products,
+        step_decode_seqs=state.step_decode_seqs,
+        step_decode_kv_tokens=state.step_decode_kv_tokens,
+        decode_step_ms=state.decode_step_ms,
+        decode_step_seqs=state.decode_step_seqs,
         decode_step_kv_tokens=state.decode_step_kv_tokens,
         cost=cost or (CostModel.from_json(state.cost_model) if state.cost_model else None),
-        kv_bytes_per_token=state.kv_bytes_per_token, transfer_gbps=transfer_gbps, url=url)
+        kv_bytes_per_token=state.kv_bytes_per_token,
+        transfer_gbps=transfer_gbps,
+        url=url,
+    )
 
 
 def _view(state: dict, url: str) -> WorkerView:
@@ -148,9 +165,17 @@ class Fleet:
     other than kvgate's own, by name (gateway/vllm_worker.py). `tier_credits`: what a matched
     block in a worker's host or disk tier is worth to the policies (policies.api.TierCredits)."""
 
-    def __init__(self, index: ResidencyIndex, interval: float = 0.5, timeout: float = 1.0,
-                 stall_s: float = 1.5, breaker: BreakerConfig | None = None, token: str | None = None,
-                 kinds: dict | None = None, tier_credits: TierCredits = DEFAULT_TIER_CREDITS):
+    def __init__(
+        self,
+        index: ResidencyIndex,
+        interval: float = 0.5,
+        timeout: float = 1.0,
+        stall_s: float = 1.5,
+        breaker: BreakerConfig | None = None,
+        token: str | None = None,
+        kinds: dict | None = None,
+        tier_credits: TierCredits = DEFAULT_TIER_CREDITS,
+    ):
         self.index = index
         self.tier_credits = tier_credits
         self.token = token
@@ -168,8 +193,9 @@ class Fleet:
         url = url.rstrip("/")
         w = self.workers.get(url)
         if w is None:
-            w = self.workers[url] = Worker(url, static, breaker=Breaker(self.breaker),
-                                           kind=kind if kind in self.kinds else "kvgate")
+            w = self.workers[url] = Worker(
+                url, static, breaker=Breaker(self.breaker), kind=kind if kind in self.kinds else "kvgate"
+            )
             if self._started:
                 self._spawn(w)
         return w
@@ -182,8 +208,9 @@ class Fleet:
             self._down(w, "removed from the registry")
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             headers=internal_headers(self.token))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=internal_headers(self.token)
+        )
         self._started = True
         for w in self.workers.values():
             self._spawn(w)
@@ -235,8 +262,10 @@ class Fleet:
         assert self.session is not None, "Fleet.start opens the session before any poll"
         async with self.session.get(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status == 403:
-                raise Refused(f"{url} refuses the gateway (403): the worker has an internal token; "
-                              "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)")
+                raise Refused(
+                    f"{url} refuses the gateway (403): the worker has an internal token; "
+                    "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)"
+                )
             r.raise_for_status()
             return await r.json(content_type=None)
 
@@ -308,8 +337,7 @@ class Fleet:
             if self._current(w, wid, epoch) and snap.worker_id == wid:
                 self.index.reset(wid, snap.hashes, snap.seq, snap.tiers)
             return
-        body = await self.get(w.url + "/kv/events", self.timeout + LONG_POLL_S,
-                              {"after": seq, "timeout": LONG_POLL_S})
+        body = await self.get(w.url + "/kv/events", self.timeout + LONG_POLL_S, {"after": seq, "timeout": LONG_POLL_S})
         batch = EventBatch.from_json(body)
         if self._current(w, wid, epoch) and not w.redis_residency:
             if batch.worker_id != wid or self.index.apply(batch) == RESYNC:
@@ -330,8 +358,9 @@ class Fleet:
     def candidates(self, model: str | None) -> list[Worker]:
         return [w for w in self.workers.values() if w.available and (model is None or w.model == model)]
 
-    def views(self, workers: list[Worker], matches: dict[str, int],
-              slow: dict[str, tuple[int, int]] | None = None) -> tuple[WorkerView, ...]:
+    def views(
+        self, workers: list[Worker], matches: dict[str, int], slow: dict[str, tuple[int, int]] | None = None
+    ) -> tuple[WorkerView, ...]:
         """The policy's picture of `workers`: last polled load, matched prefix (with `slow`, the
         index's `slow_blocks`: how much of it is in host and disk tiers), in-flight."""
         out = []
@@ -343,8 +372,12 @@ class Fleet:
             view = with_fields(base, matched_blocks=m, in_flight=flight) if m or flight else base
             if slow and w.worker_id in slow:
                 host, disk = slow[w.worker_id]
-                view = with_fields(view, matched_host_blocks=host // w.hash_ratio,
-                                   matched_disk_blocks=disk // w.hash_ratio, tier_credits=self.tier_credits)
+                view = with_fields(
+                    view,
+                    matched_host_blocks=host // w.hash_ratio,
+                    matched_disk_blocks=disk // w.hash_ratio,
+                    tier_credits=self.tier_credits,
+                )
             out.append(view)
         return tuple(out)
 

@@ -17,6 +17,7 @@ with a plain-text 503. So each connection here is a `ClientConnection`:
 (SIGTERM drains the gateway through `workers.drain.DrainingServer`, with `Admission` as what
 drains: new requests get 503 `draining` + `Retry-After` while the ones it holds finish.)
 """
+
 import asyncio
 import json
 import resource
@@ -52,13 +53,16 @@ def fit_connections(wanted: int) -> int:
     return min(wanted, max(16, (soft - 256) // 2))
 
 
-def _raw_error(status: int, reason: str, message: str, type_: str, code: str,
-               retry_after: int | None = None) -> bytes:
+def _raw_error(status: int, reason: str, message: str, type_: str, code: str, retry_after: int | None = None) -> bytes:
     """A whole HTTP/1.1 error response that closes the connection, for when no request cycle
     is there to answer through."""
     body = json.dumps(error_body(message, type_, code)).encode()
-    head = [f"HTTP/1.1 {status} {reason}", "content-type: application/json",
-            f"content-length: {len(body)}", "connection: close"]
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
     if retry_after is not None:
         head.append(f"retry-after: {retry_after}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
@@ -66,14 +70,20 @@ def _raw_error(status: int, reason: str, message: str, type_: str, code: str,
 
 def over_capacity(retry_after: int):
     """An ASGI app answering every request with 503 `overloaded` and closing the connection."""
-    body = json.dumps(error_body("the gateway has too many open connections; retry later", "server_error",
-                                 "overloaded")).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"retry-after", str(retry_after).encode()), (b"connection", b"close")]
+    body = json.dumps(
+        error_body("the gateway has too many open connections; retry later", "server_error", "overloaded")
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(retry_after).encode()),
+        (b"connection", b"close"),
+    ]
 
     async def app(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
     return app
 
 
@@ -81,6 +91,7 @@ class ClientConnection(HttpToolsProtocol):
     """uvicorn's httptools protocol with head/body deadlines, a head size cap and the connection
     cap (`limits` is set on the subclass `protocol_class` makes). httptools (llhttp, in C) parses
     a request for a fraction of h11's CPU, which was the largest cost of a proxied request."""
+
     limits: ClientLimits = ClientLimits()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -100,9 +111,15 @@ class ClientConnection(HttpToolsProtocol):
         if self.phase == HEADER and self.in_message and self.head_bytes > self.limits.max_head_bytes:
             self._unguard()
             if not self.transport.is_closing():
-                self.transport.write(_raw_error(431, "Request Header Fields Too Large", "the request head is "
-                                                f"over {self.limits.max_head_bytes} bytes", "invalid_request_error",
-                                                "request_head_too_large"))
+                self.transport.write(
+                    _raw_error(
+                        431,
+                        "Request Header Fields Too Large",
+                        f"the request head is over {self.limits.max_head_bytes} bytes",
+                        "invalid_request_error",
+                        "request_head_too_large",
+                    )
+                )
                 self.transport.close()
 
     def on_message_begin(self) -> None:
@@ -145,8 +162,15 @@ class ClientConnection(HttpToolsProtocol):
         started = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
         if self.in_message and not started:
             seconds = self.limits.header_timeout_s if phase == HEADER else self.limits.body_timeout_s
-            self.transport.write(_raw_error(408, "Request Timeout", f"the request {phase} did not arrive "
-                                            f"within {seconds:g} s", "invalid_request_error", "request_timeout"))
+            self.transport.write(
+                _raw_error(
+                    408,
+                    "Request Timeout",
+                    f"the request {phase} did not arrive within {seconds:g} s",
+                    "invalid_request_error",
+                    "request_timeout",
+                )
+            )
         self.transport.close()
 
 

@@ -9,6 +9,7 @@ events are applied strictly in `seq` order; anything else (a gap, a restart that
 numbering) tells the caller to resync that worker from a snapshot. Everything runs on the
 gateway's event loop, so no locks.
 """
+
 from collections.abc import Iterable, Mapping
 
 from workers.kv.events import CLEARED, DEVICE, DISK, HOST, REMOVED, STORED, EventBatch, KVEvent
@@ -46,8 +47,9 @@ class ResidencyIndex:
     def holds(self, worker_id: str, h: int) -> bool:
         return h in self._held.get(worker_id, ())
 
-    def reset(self, worker_id: str, hashes: Iterable[int], seq: int,
-              tiers: Mapping[str, Iterable[int]] | None = None) -> None:
+    def reset(
+        self, worker_id: str, hashes: Iterable[int], seq: int, tiers: Mapping[str, Iterable[int]] | None = None
+    ) -> None:
         """Replace a worker's residency by a snapshot current to `seq` (`tiers`: the slower
         tiers' hashes by medium)."""
         self.drop(worker_id)

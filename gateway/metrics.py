@@ -8,6 +8,7 @@ counters start at 0 for every known label value (each worker and model the fleet
 status, stage and outcome) before the first scrape that could see them move, so `rate()` sees
 the first failure of an incident, not only the second.
 """
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -28,21 +29,30 @@ class _FleetCollector:
         self.fleet = fleet
 
     def collect(self):
-        healthy = GaugeMetricFamily("kvgate_gateway_worker_healthy", "1 when the worker is a candidate",
-                                    labels=["model", "worker", "url"])
-        flight = GaugeMetricFamily("kvgate_gateway_in_flight", "Requests this gateway has open on a worker",
-                                   labels=["model", "worker"])
-        shared = GaugeMetricFamily("kvgate_gateway_shared_in_flight",
-                                   "Requests other gateway replicas have open on a worker (via Redis)",
-                                   labels=["model", "worker"])
-        blocks = GaugeMetricFamily("kvgate_gateway_resident_blocks",
-                                   "Blocks the residency index holds per worker", labels=["model", "worker"])
-        lag = GaugeMetricFamily("kvgate_gateway_index_lag_events",
-                                "KV events the worker reported at its last poll that the index has not applied",
-                                labels=["model", "worker"])
-        probes = CounterMetricFamily("kvgate_gateway_worker_probe_failures",
-                                     "Failed /state polls: the worker unreachable or not answering",
-                                     labels=["model", "worker", "url"])
+        healthy = GaugeMetricFamily(
+            "kvgate_gateway_worker_healthy", "1 when the worker is a candidate", labels=["model", "worker", "url"]
+        )
+        flight = GaugeMetricFamily(
+            "kvgate_gateway_in_flight", "Requests this gateway has open on a worker", labels=["model", "worker"]
+        )
+        shared = GaugeMetricFamily(
+            "kvgate_gateway_shared_in_flight",
+            "Requests other gateway replicas have open on a worker (via Redis)",
+            labels=["model", "worker"],
+        )
+        blocks = GaugeMetricFamily(
+            "kvgate_gateway_resident_blocks", "Blocks the residency index holds per worker", labels=["model", "worker"]
+        )
+        lag = GaugeMetricFamily(
+            "kvgate_gateway_index_lag_events",
+            "KV events the worker reported at its last poll that the index has not applied",
+            labels=["model", "worker"],
+        )
+        probes = CounterMetricFamily(
+            "kvgate_gateway_worker_probe_failures",
+            "Failed /state polls: the worker unreachable or not answering",
+            labels=["model", "worker", "url"],
+        )
         index = self.fleet.index
         for w in list(self.fleet.workers.values()):
             wid, model = w.worker_id or "", w.model or ""
@@ -61,49 +71,112 @@ class GatewayMetrics:
         self.fleet, self.policy = fleet, policy
         self.registry = r = CollectorRegistry()
         wm = ["model", "worker"]
-        self.requests = Counter("kvgate_gateway_requests", "Requests answered, by model, worker, policy and status",
-                                ["model", "worker", "policy", "status"], registry=r)
-        self.slo = Counter("kvgate_gateway_slo_requests",
-                           "Requests by outcome against their TTFT/TPOT SLOs (met, ttft_miss, tpot_miss; "
-                           "rejected: shed with 429/503; failed: a server error)", ["model", "outcome"], registry=r)
-        self.decision = Histogram("kvgate_gateway_decision_seconds", "Routing decision time (match + policy)",
-                                  ["policy"], buckets=DECISION_BUCKETS, registry=r).labels(policy)
+        self.requests = Counter(
+            "kvgate_gateway_requests",
+            "Requests answered, by model, worker, policy and status",
+            ["model", "worker", "policy", "status"],
+            registry=r,
+        )
+        self.slo = Counter(
+            "kvgate_gateway_slo_requests",
+            "Requests by outcome against their TTFT/TPOT SLOs (met, ttft_miss, tpot_miss; "
+            "rejected: shed with 429/503; failed: a server error)",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.decision = Histogram(
+            "kvgate_gateway_decision_seconds",
+            "Routing decision time (match + policy)",
+            ["policy"],
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        ).labels(policy)
         quality = ["model", "worker", "policy", "leg"]
-        self.predicted_cached = Counter("kvgate_gateway_predicted_cached_tokens",
-                                        "Prompt tokens the gateway expected the worker to have cached, by leg "
-                                        "(whole request, P/D prefill, P/D decode)", quality, registry=r)
-        self.actual_cached = Counter("kvgate_gateway_actual_cached_tokens",
-                                     "Prompt tokens the worker reported as cached, by leg", quality, registry=r)
-        self.prompt_tokens = Counter("kvgate_gateway_prompt_tokens", "Prompt tokens of answered requests, by leg",
-                                     quality, registry=r)
-        self.generation_tokens = Counter("kvgate_gateway_generation_tokens", "Output tokens of answered requests",
-                                         wm, registry=r)
-        self.ttft = Histogram("kvgate_gateway_time_to_first_token_seconds",
-                              "Arrival at the gateway to the first token (streaming or not)", wm,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("kvgate_gateway_time_per_output_token_seconds",
-                              "A request's mean time per output token after the first", wm,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("kvgate_gateway_e2e_request_latency_seconds",
-                             "Arrival at the gateway to the answer's last byte, answered requests", wm,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.request_prompt = Histogram("kvgate_gateway_request_prompt_tokens", "Prompt tokens per request",
-                                        ["model"], buckets=TOKEN_BUCKETS, registry=r)
-        self.request_output = Histogram("kvgate_gateway_request_generation_tokens", "Output tokens per request",
-                                        ["model"], buckets=TOKEN_BUCKETS, registry=r)
-        self.request_cached = Histogram("kvgate_gateway_request_cached_tokens", "Cached prompt tokens per request",
-                                        ["model"], buckets=(0, *TOKEN_BUCKETS), registry=r)
-        self.finished = Counter("kvgate_gateway_requests_finished", "Answered requests by finish reason",
-                                ["model", "finished_reason"], registry=r)
-        self.upstream_failures = Counter("kvgate_gateway_upstream_failures",
-                                         "Worker failures: before the response (retried) or mid-response",
-                                         ["model", "worker", "stage"], registry=r)
-        self.retries = Counter("kvgate_gateway_retries", "Requests sent to another worker after a failure, by stage",
-                               ["stage"], registry=r)
-        self.refused = Counter("kvgate_gateway_refused", "Requests refused by admission control, by reason",
-                               ["reason"], registry=r)
-        self.prefill_legs = Counter("kvgate_gateway_prefill_legs", "P/D prefill legs, by prefill worker and outcome",
-                                    ["model", "worker", "outcome"], registry=r)
+        self.predicted_cached = Counter(
+            "kvgate_gateway_predicted_cached_tokens",
+            "Prompt tokens the gateway expected the worker to have cached, by leg "
+            "(whole request, P/D prefill, P/D decode)",
+            quality,
+            registry=r,
+        )
+        self.actual_cached = Counter(
+            "kvgate_gateway_actual_cached_tokens",
+            "Prompt tokens the worker reported as cached, by leg",
+            quality,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_gateway_prompt_tokens", "Prompt tokens of answered requests, by leg", quality, registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvgate_gateway_generation_tokens", "Output tokens of answered requests", wm, registry=r
+        )
+        self.ttft = Histogram(
+            "kvgate_gateway_time_to_first_token_seconds",
+            "Arrival at the gateway to the first token (streaming or not)",
+            wm,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvgate_gateway_time_per_output_token_seconds",
+            "A request's mean time per output token after the first",
+            wm,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvgate_gateway_e2e_request_latency_seconds",
+            "Arrival at the gateway to the answer's last byte, answered requests",
+            wm,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt = Histogram(
+            "kvgate_gateway_request_prompt_tokens",
+            "Prompt tokens per request",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_output = Histogram(
+            "kvgate_gateway_request_generation_tokens",
+            "Output tokens per request",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_cached = Histogram(
+            "kvgate_gateway_request_cached_tokens",
+            "Cached prompt tokens per request",
+            ["model"],
+            buckets=(0, *TOKEN_BUCKETS),
+            registry=r,
+        )
+        self.finished = Counter(
+            "kvgate_gateway_requests_finished",
+            "Answered requests by finish reason",
+            ["model", "finished_reason"],
+            registry=r,
+        )
+        self.upstream_failures = Counter(
+            "kvgate_gateway_upstream_failures",
+            "Worker failures: before the response (retried) or mid-response",
+            ["model", "worker", "stage"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvgate_gateway_retries", "Requests sent to another worker after a failure, by stage", ["stage"], registry=r
+        )
+        self.refused = Counter(
+            "kvgate_gateway_refused", "Requests refused by admission control, by reason", ["reason"], registry=r
+        )
+        self.prefill_legs = Counter(
+            "kvgate_gateway_prefill_legs",
+            "P/D prefill legs, by prefill worker and outcome",
+            ["model", "worker", "outcome"],
+            registry=r,
+        )
         r.register(_FleetCollector(fleet))
         for kind in getattr(fleet, "kinds", {}).values():  # other engines' collectors (gateway/vllm_worker.py)
             r.register(kind)

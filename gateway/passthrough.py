@@ -12,6 +12,7 @@ kvgate's `kv_transfer` (P/D legs), vLLM's `kv_transfer_params` (its disaggregati
 a worker pulls KV from or pushes it to) and `vllm_xargs.kv_cache_report_mode` (re-announces
 cached blocks as stored, which would inflate the gateway's reference counts).
 """
+
 from workers.protocol import IMPLEMENTED, NOOP_VALUES, ParsedRequest, parse_request
 
 

@@ -10,6 +10,7 @@ worker a recompute, so it is logged and counted, never shown to the client.
 `kv_transfer` is internal: workers read it only with the fleet's token, so both legs carry it
 (`leg_headers`) and no other request does.
 """
+
 import asyncio
 import json
 import logging
@@ -64,8 +65,9 @@ async def run_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers
     return cached_tokens(body) or 0
 
 
-def start_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str],
-                  done: Callable[[int | None], None]) -> "asyncio.Future[int | None]":
+def start_prefill(
+    proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str], done: Callable[[int | None], None]
+) -> "asyncio.Future[int | None]":
     """Run the prefill leg in the background; `done(cached)` is called once when it ends
     (cached tokens, or None when it failed, raised or was cancelled), so the caller's
     accounting (the prefill worker's in-flight count) always closes."""

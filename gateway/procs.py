@@ -5,6 +5,7 @@ Every process runs in its own process group and is stopped by group (SIGTERM, th
 so nothing outlives a test even when it fails; output goes to a log file whose tail is shown
 when a process does not come up.
 """
+
 import os
 import random
 import signal
@@ -57,16 +58,18 @@ def ephemeral_low() -> int:
 class Proc:
     """A child process in its own group, with a log file and a base URL."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log_dir: str | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self, name: str, argv: list[str], port: int, log_dir: str | None = None, env: dict[str, str] | None = None
+    ):
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvgate-")) / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.token = _token(argv, env or {})
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
-        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                      start_new_session=True)
+        self.popen = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
 
     def internal(self, path: str, **kw) -> httpx.Response:
         """GET one of a worker's internal endpoints, with its internal token if it has one."""
@@ -121,12 +124,29 @@ class Proc:
 class Worker(Proc):
     """A `kvgate worker` for smollm2-135m on a free port (sim executor unless told otherwise)."""
 
-    def __init__(self, executor: str = "sim", worker_id: str = "w0", port: int | None = None,
-                 redis: str | None = None, extra: Sequence[str] = (),
-                 model: str = "smollm2-135m", log_dir: str | None = None):
+    def __init__(
+        self,
+        executor: str = "sim",
+        worker_id: str = "w0",
+        port: int | None = None,
+        redis: str | None = None,
+        extra: Sequence[str] = (),
+        model: str = "smollm2-135m",
+        log_dir: str | None = None,
+    ):
         port = port or free_port()
-        argv = KVGATE + ["worker", "--model", model, "--executor", executor, "--port", str(port),
-                         "--worker-id", worker_id, *extra]
+        argv = KVGATE + [
+            "worker",
+            "--model",
+            model,
+            "--executor",
+            executor,
+            "--port",
+            str(port),
+            "--worker-id",
+            worker_id,
+            *extra,
+        ]
         if redis:
             argv += ["--redis", redis]
         super().__init__(worker_id, argv, port, log_dir, redis_env(redis))
@@ -137,14 +157,27 @@ class Worker(Proc):
         return self
 
 
-def start_worker(worker_id: str, port: int | None = None, executor: str = "sim", redis: str | None = None,
-                 extra: Sequence[str] = (), log_dir: str | None = None) -> Worker:
+def start_worker(
+    worker_id: str,
+    port: int | None = None,
+    executor: str = "sim",
+    redis: str | None = None,
+    extra: Sequence[str] = (),
+    log_dir: str | None = None,
+) -> Worker:
     return Worker(executor, worker_id, port, redis, extra, log_dir=log_dir)
 
 
-def start_gateway(workers: Sequence[str] = (), policy: str = "prefix_affinity", port: int | None = None,
-                  redis: str | None = None, extra: Sequence[str] = (), name: str = "gateway",
-                  log_dir: str | None = None, env: dict[str, str] | None = None) -> Proc:
+def start_gateway(
+    workers: Sequence[str] = (),
+    policy: str = "prefix_affinity",
+    port: int | None = None,
+    redis: str | None = None,
+    extra: Sequence[str] = (),
+    name: str = "gateway",
+    log_dir: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Proc:
     port = port or free_port()
     argv = KVGATE + ["gateway", "--port", str(port), "--policy", policy, "--model", "smollm2-135m", *extra]
     for url in workers:
@@ -164,19 +197,22 @@ def start_redis(port: int | None = None, log_dir: str | None = None, extra: Sequ
     """A private, memory-only redis-server (never the shared one on 6379); `extra` adds options
     (a password, TLS)."""
     port = port or free_port()
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            *extra]
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra]
     return Proc("redis", argv, port, log_dir)
 
 
 def wait_redis(proc: Proc, timeout: float = 30.0, url: str | None = None) -> Proc:
     """Wait until the server answers PING, at `url` when given (password, TLS), else plainly."""
     import redis
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            client = (redis.Redis.from_url(url, socket_timeout=0.5) if url
-                      else redis.Redis(port=proc.port, socket_timeout=0.5))
+            client = (
+                redis.Redis.from_url(url, socket_timeout=0.5)
+                if url
+                else redis.Redis(port=proc.port, socket_timeout=0.5)
+            )
             if client.ping():
                 return proc
         except (redis.RedisError, OSError):

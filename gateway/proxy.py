@@ -15,6 +15,7 @@ future) or the client disconnects. Any failure before the answer is committed to
 is an `UpstreamError` for the caller to retry elsewhere; a failure in a committed stream ends
 it with an SSE error event and `[DONE]`.
 """
+
 import asyncio
 import json
 import re
@@ -39,21 +40,25 @@ ENGINE_GONE = (b'"engine_stopped"', b'"engine_stalled"')
 
 class UpstreamError(Exception):
     """A worker failed a request: `stage` says where (connect, timeout, lost, response, stream)."""
+
     stage = "response"
 
 
 class ConnectFailed(UpstreamError):
     """The worker could not be reached, or dropped the connection before answering."""
+
     stage = "connect"
 
 
 class UpstreamTimeout(ConnectFailed):
     """The worker did not start its answer within the first-byte timeout."""
+
     stage = "timeout"
 
 
 class WorkerLost(ConnectFailed):
     """The fleet took the worker out (engine dead or stalled, /state failing) while we waited."""
+
     stage = "lost"
 
 
@@ -63,12 +68,14 @@ class UpstreamFailed(UpstreamError):
 
 class StreamFailed(UpstreamFailed):
     """The worker's stream said, before its first token, that its engine is gone."""
+
     stage = "error_event"
 
 
 class WorkerBusy(UpstreamError):
     """The worker answered 503 (its queue is full, or it drains): load, not failure; the
     request goes elsewhere, and if nowhere is left the worker's answer is the client's."""
+
     stage = "busy"
 
     def __init__(self, status: int, body: bytes, headers: dict[str, str]):
@@ -81,8 +88,7 @@ class ClientGone(Exception):
 
 
 class Proxy:
-    def __init__(self, connect_timeout: float = 2.0, first_byte_timeout: float = 120.0,
-                 idle_timeout: float = 30.0):
+    def __init__(self, connect_timeout: float = 2.0, first_byte_timeout: float = 120.0, idle_timeout: float = 30.0):
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
@@ -93,16 +99,24 @@ class Proxy:
         """Made on first use: an aiohttp session belongs to the event loop it is made in."""
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=None)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
-                                                  auto_decompress=False, skip_auto_headers=("User-Agent",))
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self.timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            )
         return self._session
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
-    async def open(self, url: str, path: str, body: bytes, headers: dict[str, str],
-                   client: Request | None = None, lost: asyncio.Future | None = None) -> aiohttp.ClientResponse:
+    async def open(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        client: Request | None = None,
+        lost: asyncio.Future | None = None,
+    ) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head (the body stays unread).
 
         A non-streaming worker answers only when the whole completion is done, so with
@@ -126,8 +140,14 @@ class Proxy:
         finally:
             close_upstream(resp)
 
-    async def first_token(self, resp: aiohttp.ClientResponse, tap: "StreamTap", client: Request | None,
-                          lost: asyncio.Future | None, started: float) -> bytes:
+    async def first_token(
+        self,
+        resp: aiohttp.ClientResponse,
+        tap: "StreamTap",
+        client: Request | None,
+        lost: asyncio.Future | None,
+        started: float,
+    ) -> bytes:
         """Read a stream up to and including its first token event (or an error event, or
         `[DONE]`): what was read so far, which nobody has seen yet. Raises `UpstreamError` (the
         stream is still the caller's to retry elsewhere) or `ClientGone`."""
@@ -230,8 +250,9 @@ def cached_tokens(body: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
-async def relay(resp: aiohttp.ClientResponse, tap: StreamTap, head: bytes, idle_timeout: float,
-                on_error: Callable[[Exception], str]) -> AsyncIterator[bytes]:
+async def relay(
+    resp: aiohttp.ClientResponse, tap: StreamTap, head: bytes, idle_timeout: float, on_error: Callable[[Exception], str]
+) -> AsyncIterator[bytes]:
     """Pass an SSE stream through as it arrives, starting with `head` (what `first_token` read,
     already fed to `tap`).
 
@@ -264,8 +285,11 @@ async def relay(resp: aiohttp.ClientResponse, tap: StreamTap, head: bytes, idle_
             yield partial
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
         silent = isinstance(e, TimeoutError)
-        message = on_error(UpstreamTimeout(f"no event for {idle_timeout:g} s") if silent
-                           else UpstreamFailed(f"{type(e).__name__}: {e}"))
+        message = on_error(
+            UpstreamTimeout(f"no event for {idle_timeout:g} s")
+            if silent
+            else UpstreamFailed(f"{type(e).__name__}: {e}")
+        )
         yield sse_error(message)
         yield DONE
     finally:
@@ -277,8 +301,13 @@ class PassThrough(StreamingResponse):
     ends: finished, failed, cancelled by a client disconnect, or never started because the
     client was gone before the first byte."""
 
-    def __init__(self, content: AsyncIterator[bytes], upstream: aiohttp.ClientResponse, on_close: Callable[[], None],
-                 headers: dict[str, str]):
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        upstream: aiohttp.ClientResponse,
+        on_close: Callable[[], None],
+        headers: dict[str, str],
+    ):
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.upstream = upstream
         self.on_close: list[Callable[[], None]] = [on_close]
@@ -314,8 +343,9 @@ async def _race(aw: Awaitable, deadline: float, client: Request | None, lost: as
     gone = asyncio.ensure_future(_wait_disconnect(client)) if client is not None else None
     waiters = {task} | ({gone} if gone else set()) | ({lost} if lost is not None else set())
     try:
-        done, _ = await asyncio.wait(waiters, timeout=max(0.0, deadline - time.monotonic()),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            waiters, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+        )
         if task in done:
             return task.result()
         if gone is not None and gone in done:

@@ -5,6 +5,7 @@ up to a minute's worth and then runs at its rate. With Redis the buckets live th
 script takes from a bucket atomically, on Redis's clock), so gateway replicas share each key's
 limit; without Redis, or while Redis does not answer, each replica keeps its own buckets.
 """
+
 import logging
 import math
 import time
@@ -42,6 +43,7 @@ return {0, tostring((cost - tokens) / rate)}
 @dataclass(frozen=True)
 class Limit:
     """`per_minute` units (requests or tokens) for one key; `name` is `rpm` or `tpm`."""
+
     name: str
     per_minute: int
 
@@ -50,8 +52,7 @@ class Limit:
         return self.per_minute / 60.0
 
 
-def take(state: tuple[float, float] | None, limit: Limit, cost: float,
-         now: float) -> tuple[tuple[float, float], float]:
+def take(state: tuple[float, float] | None, limit: Limit, cost: float, now: float) -> tuple[tuple[float, float], float]:
     """One bucket step: (tokens, ts) after taking `cost` at `now`, and the wait (0.0 when
     admitted; `inf` when `cost` exceeds the whole bucket). A refused take changes nothing."""
     tokens, ts = state if state is not None else (float(limit.per_minute), now)
@@ -82,14 +83,18 @@ class RateLimiter:
             try:
                 wait = await self._acquire_redis(bucket, limit, cost)
                 if self._redis_failing:
-                    log.warning("rate limits: redis at %s answers again; limits are shared again",
-                                rs.redact_url(self.redis_url))
+                    log.warning(
+                        "rate limits: redis at %s answers again; limits are shared again", rs.redact_url(self.redis_url)
+                    )
                 self._redis_failing = False
                 return wait
             except (RedisError, OSError) as e:
                 if not self._redis_failing:
-                    log.warning("rate limits: redis at %s failed (%r); limiting per replica until it answers",
-                                rs.redact_url(self.redis_url), e)
+                    log.warning(
+                        "rate limits: redis at %s failed (%r); limiting per replica until it answers",
+                        rs.redact_url(self.redis_url),
+                        e,
+                    )
                 self._redis_failing = True
                 self._redis_down_until = time.monotonic() + REDIS_RETRY_S
         self._local[bucket], wait = take(self._local.get(bucket), limit, cost, time.monotonic())
@@ -98,8 +103,9 @@ class RateLimiter:
     async def _acquire_redis(self, bucket: str, limit: Limit, cost: float) -> float:
         assert self.redis_url is not None, "acquire reaches Redis only when it has a URL"
         if self._redis is None or self._script is None:
-            self._redis = aioredis.from_url(self.redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                                            socket_connect_timeout=REDIS_TIMEOUT_S)
+            self._redis = aioredis.from_url(
+                self.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+            )
             self._script = self._redis.register_script(TAKE)
         admitted, wait = await self._script(keys=[bucket], args=[limit.per_minute, limit.rate, cost])
         return 0.0 if admitted else float(wait)

@@ -1,6 +1,7 @@
 """What the gateway learns about one request, from its arrival to its last byte, and how it did
 against its SLOs. Filled in as the request goes (routing, the worker's answer, the stream's
 events) and read once at its end by the metrics, the access log and the trace."""
+
 from dataclasses import dataclass, field
 
 from gateway.tracing import NO_TRACE, RequestTrace
@@ -16,6 +17,7 @@ class RequestRecord:
     """Times are time.monotonic(). `first_token_at` is when the first token reached the gateway
     (a stream's first token event; for a whole answer, when the worker says it made it);
     `predicted_cached` is what the answering worker was expected to hold of the prompt."""
+
     request_id: str
     kind: str
     arrived: float

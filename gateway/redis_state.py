@@ -11,6 +11,7 @@ Only registrations signed with the fleet's internal token join the fleet; others
 and logged. A restarted Redis is empty until the workers re-register, so for `grace_s` after
 each (re)connect a worker known before is kept (on the embedded path) rather than dropped.
 """
+
 import asyncio
 import json
 import logging
@@ -37,8 +38,16 @@ ERRORS = (RedisError, OSError)
 
 
 class RedisState:
-    def __init__(self, url: str, fleet: Fleet, token: str, replica_id: str | None = None,
-                 interval: float = 0.5, inflight_interval: float = 0.1, grace_s: float = 10.0):
+    def __init__(
+        self,
+        url: str,
+        fleet: Fleet,
+        token: str,
+        replica_id: str | None = None,
+        interval: float = 0.5,
+        inflight_interval: float = 0.1,
+        grace_s: float = 10.0,
+    ):
         if not token:
             raise ValueError("worker discovery in redis needs the fleet's internal token to verify registrations")
         self.url = url
@@ -87,12 +96,16 @@ class RedisState:
                 self.up, backoff = True, 0.2
                 self.outbox = asyncio.Queue()
                 self.fleet.on_change = self._publish
-                await _first_failure(self._tail(r), self._registry_loop(r), self._inflight_loop(r),
-                                     self._send_deltas(r), self._read_deltas(r))
+                await _first_failure(
+                    self._tail(r),
+                    self._registry_loop(r),
+                    self._inflight_loop(r),
+                    self._send_deltas(r),
+                    self._read_deltas(r),
+                )
             except ERRORS as e:
                 if self.up:
-                    log.warning("redis at %s failed (%r): routing on the embedded path",
-                                rs.redact_url(self.url), e)
+                    log.warning("redis at %s failed (%r): routing on the embedded path", rs.redact_url(self.url), e)
             except Exception:
                 log.exception("redis state failed: routing on the embedded path")
             finally:
@@ -133,14 +146,18 @@ class RedisState:
             self.cursors[pool] = tail[0][0] if tail else b"0-0"
         total, per = 0, len(MEDIA) + 1
         for i, wid in enumerate(wids):
-            replies = out[len(pools) + per * i:len(pools) + per * (i + 1)]
+            replies = out[len(pools) + per * i : len(pools) + per * (i + 1)]
             if replies[-1] is not None:
                 self._reset(wid, replies[:-1], replies[-1])
                 total += len(replies[0])
         self._claim()
         self.last_bootstrap_s = time.perf_counter() - t0
-        log.info("bootstrapped %d resident blocks of %d workers from redis in %.0f ms",
-                 total, len(wids), self.last_bootstrap_s * 1000)
+        log.info(
+            "bootstrapped %d resident blocks of %d workers from redis in %.0f ms",
+            total,
+            len(wids),
+            self.last_bootstrap_s * 1000,
+        )
         return total
 
     async def refresh_registry(self, r: aioredis.Redis) -> None:
@@ -165,8 +182,7 @@ class RedisState:
     async def _registrations(self, r: aioredis.Redis) -> dict[str, rs.Registration]:
         """Every heartbeat in the registry that the fleet's token signed, by worker id."""
         pools = sorted(p.decode() for p in cast(Replies, await r.smembers(rs.POOLS)))
-        members = [(pool, w.decode()) for pool in pools
-                   for w in cast(Replies, await r.smembers(rs.workers_key(pool)))]
+        members = [(pool, w.decode()) for pool in pools for w in cast(Replies, await r.smembers(rs.workers_key(pool)))]
         keys = [rs.heartbeat_key(pool, wid) for pool, wid in members]
         beats = cast(list[bytes | None], await r.mget(keys)) if members else []
         live = {}
@@ -303,8 +319,9 @@ class RedisState:
         mine = rs.inflight_key(self.replica)
         ttl_ms = int(max(2.0, 10 * self.inflight_interval) * 1000)
         while True:
-            local: dict[Any, Any] = {w.worker_id: w.in_flight for w in self.fleet.workers.values()
-                                     if w.worker_id and w.in_flight}
+            local: dict[Any, Any] = {
+                w.worker_id: w.in_flight for w in self.fleet.workers.values() if w.worker_id and w.in_flight
+            }
             local[rs.SEQ_FIELD] = self.seq
             async with r.pipeline(transaction=True) as p:
                 p.delete(mine)

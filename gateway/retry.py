@@ -5,6 +5,7 @@ its first token event) the request can go to another worker as if the first had 
 tried. Each retry waits a backoff first, doubling from `backoff_s` with jitter (so requests
 that failed together do not return together), capped at `max_backoff_s`.
 """
+
 import random
 from dataclasses import dataclass
 

@@ -1,4 +1,5 @@
 """`kvgate gateway`: the KV-aware OpenAI gateway in front of a worker fleet."""
+
 import argparse
 import contextlib
 import gc
@@ -42,62 +43,136 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate gateway", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="a worker's base URL (repeatable); `vllm:URL` (or `sglang:URL`) for a vLLM server "
-                        "publishing KV events (README: In front of vLLM); with --redis, more are discovered")
-    p.add_argument("--vllm-profile", metavar="PATH",
-                   help="cost model of the vLLM workers (`kvgate calibrate --url VLLM_URL --out PATH`), for "
-                        "slo_goodput; without it their TTFT/TPOT are predicted by the default model")
-    p.add_argument("--policy", default="prefix_affinity",
-                   help="built-in name (round_robin, least_load, prefix_affinity, kv_cost, slo_goodput), "
-                        "module:Class, path/to/file.py:Class, or a kvgate.policies entry point")
-    p.add_argument("--model", action="append", default=[], metavar="PATH|ALIAS",
-                   help="tokenizer and chat template of a served model (repeatable; the first is the "
-                        "default); other models of the fleet load by alias on first use")
-    p.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
-                   help="discover workers, residency, shared load and rate limits in Redis "
-                        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
-                        "needs --internal-token")
-    p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
-                   help="the fleet's shared secret (default: $KVGATE_INTERNAL_TOKEN): verifies workers' "
-                        "registrations in Redis, and is sent to workers on P/D legs (only there); without "
-                        "it requests are never disaggregated")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a worker's base URL (repeatable); `vllm:URL` (or `sglang:URL`) for a vLLM server "
+        "publishing KV events (README: In front of vLLM); with --redis, more are discovered",
+    )
+    p.add_argument(
+        "--vllm-profile",
+        metavar="PATH",
+        help="cost model of the vLLM workers (`kvgate calibrate --url VLLM_URL --out PATH`), for "
+        "slo_goodput; without it their TTFT/TPOT are predicted by the default model",
+    )
+    p.add_argument(
+        "--policy",
+        default="prefix_affinity",
+        help="built-in name (round_robin, least_load, prefix_affinity, kv_cost, slo_goodput), "
+        "module:Class, path/to/file.py:Class, or a kvgate.policies entry point",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="PATH|ALIAS",
+        help="tokenizer and chat template of a served model (repeatable; the first is the "
+        "default); other models of the fleet load by alias on first use",
+    )
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        default=os.environ.get("KVGATE_REDIS_URL"),
+        help="discover workers, residency, shared load and rate limits in Redis "
+        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
+        "needs --internal-token",
+    )
+    p.add_argument(
+        "--internal-token",
+        default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
+        help="the fleet's shared secret (default: $KVGATE_INTERNAL_TOKEN): verifies workers' "
+        "registrations in Redis, and is sent to workers on P/D legs (only there); without "
+        "it requests are never disaggregated",
+    )
     p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for requests without x-slo-ttft-ms")
     p.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO for requests without x-slo-tpot-ms")
-    p.add_argument("--health-interval", type=float, default=0.5,
-                   help="seconds between /state polls; a worker is out after one failed poll")
-    p.add_argument("--pd-min-uncached-tokens", type=int, metavar="N",
-                   help="P/D-aware policies (slo_goodput) disaggregate only when the best decode/mixed worker "
-                        "lacks at least N prompt tokens; shorter prefills run on the decode worker (default 512)")
-    p.add_argument("--pd-wait-ms", type=float, default=5000.0,
-                   help="how long a decode leg waits for its KV blocks before computing them itself")
-    p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="constructor argument for the policy (repeatable; numbers are parsed)")
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=0.5,
+        help="seconds between /state polls; a worker is out after one failed poll",
+    )
+    p.add_argument(
+        "--pd-min-uncached-tokens",
+        type=int,
+        metavar="N",
+        help="P/D-aware policies (slo_goodput) disaggregate only when the best decode/mixed worker "
+        "lacks at least N prompt tokens; shorter prefills run on the decode worker (default 512)",
+    )
+    p.add_argument(
+        "--pd-wait-ms",
+        type=float,
+        default=5000.0,
+        help="how long a decode leg waits for its KV blocks before computing them itself",
+    )
+    p.add_argument(
+        "--policy-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="constructor argument for the policy (repeatable; numbers are parsed)",
+    )
     add_trace_args(p)
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="a client API key (repeatable; each its own tenant); clients send `Authorization: "
-                        "Bearer KEY`, others get a 401. /health and /metrics stay open")
-    p.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
-                   help="client API keys: one a line, or a JSON list of {key, name, tenant, cache_salt, rpm, tpm, "
-                        "client_cache_salt} (repeatable); keeps keys out of the process list")
-    p.add_argument("--rate-limit-rpm", type=int, metavar="N",
-                   help="requests per minute per API key, for keys without their own rpm (shared by replicas "
-                        "through --redis)")
-    p.add_argument("--rate-limit-tpm", type=int, metavar="N",
-                   help="tokens (prompt + max_tokens) per minute per API key, for keys without their own tpm")
-    p.add_argument("--hide-cache-headers", action="store_true",
-                   help="do not send the x-kvgate-* routing headers (worker, policy, predicted cached tokens) "
-                        "to clients: they reveal what other clients' prompts put in the cache")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                   help="largest request body taken, checked before it is read (larger: 413)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a client API key (repeatable; each its own tenant); clients send `Authorization: "
+        "Bearer KEY`, others get a 401. /health and /metrics stay open",
+    )
+    p.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="client API keys: one a line, or a JSON list of {key, name, tenant, cache_salt, rpm, tpm, "
+        "client_cache_salt} (repeatable); keeps keys out of the process list",
+    )
+    p.add_argument(
+        "--rate-limit-rpm",
+        type=int,
+        metavar="N",
+        help="requests per minute per API key, for keys without their own rpm (shared by replicas through --redis)",
+    )
+    p.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        metavar="N",
+        help="tokens (prompt + max_tokens) per minute per API key, for keys without their own tpm",
+    )
+    p.add_argument(
+        "--hide-cache-headers",
+        action="store_true",
+        help="do not send the x-kvgate-* routing headers (worker, policy, predicted cached tokens) "
+        "to clients: they reveal what other clients' prompts put in the cache",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help="largest request body taken, checked before it is read (larger: 413)",
+    )
     p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
     add_log_args(p)
-    p.add_argument("--no-access-log", dest="access_log", action="store_false",
-                   help="no access-log line per request (logger kvgate.access, at INFO whatever --log-level)")
-    p.add_argument("--fleet-summary-s", type=float, default=60.0, metavar="S",
-                   help="a fleet summary line (kvgate.fleet) every S seconds: workers, requests, SLO attainment, "
-                        "hit ratio, TTFT; 0 turns it off")
+    p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no access-log line per request (logger kvgate.access, at INFO whatever --log-level)",
+    )
+    p.add_argument(
+        "--fleet-summary-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a fleet summary line (kvgate.fleet) every S seconds: workers, requests, SLO attainment, "
+        "hit ratio, TTFT; 0 turns it off",
+    )
     add_reliability_args(p)
     return p
 
@@ -105,65 +180,141 @@ def parser() -> argparse.ArgumentParser:
 def add_reliability_args(p: argparse.ArgumentParser) -> None:
     """Liveness, upstream timeouts, retries, admission control and client limits."""
     g = p.add_argument_group("liveness and upstream")
-    g.add_argument("--host-kv-credit", type=float, default=DEFAULT_TIER_CREDITS.host, metavar="C",
-                   help="what a matched block in a worker's host tier is worth, in device blocks (its copy back "
-                        "costs the rest of its prefill)")
-    g.add_argument("--disk-kv-credit", type=float, default=DEFAULT_TIER_CREDITS.disk, metavar="C",
-                   help="what a matched block in a worker's disk tier is worth, in device blocks")
-    g.add_argument("--engine-stall-s", type=float, default=1.5,
-                   help="a worker whose engine made no progress on its work for this long is out of service")
-    g.add_argument("--upstream-connect-timeout", type=float, default=2.0, metavar="S",
-                   help="seconds to connect to a worker")
-    g.add_argument("--upstream-first-byte-timeout", type=float, default=120.0, metavar="S",
-                   help="seconds until a worker's answer starts: a stream's first token, a whole non-streaming answer")
-    g.add_argument("--upstream-idle-timeout", type=float, default=30.0, metavar="S",
-                   help="longest silence of a worker inside an answer (between stream events)")
-    g.add_argument("--max-retries", type=int, default=2,
-                   help="other workers a request may go to when one fails before its answer is committed")
-    g.add_argument("--retry-backoff-ms", type=float, default=50.0,
-                   help="wait before the first retry; doubles with each, with jitter, up to 1 s")
-    g.add_argument("--breaker-failures", type=int, default=3,
-                   help="consecutive failed requests that open a worker's circuit breaker")
-    g.add_argument("--breaker-cooldown-s", type=float, default=2.0,
-                   help="how long an open breaker keeps a worker out before one trial (doubles per reopening)")
+    g.add_argument(
+        "--host-kv-credit",
+        type=float,
+        default=DEFAULT_TIER_CREDITS.host,
+        metavar="C",
+        help="what a matched block in a worker's host tier is worth, in device blocks (its copy back "
+        "costs the rest of its prefill)",
+    )
+    g.add_argument(
+        "--disk-kv-credit",
+        type=float,
+        default=DEFAULT_TIER_CREDITS.disk,
+        metavar="C",
+        help="what a matched block in a worker's disk tier is worth, in device blocks",
+    )
+    g.add_argument(
+        "--engine-stall-s",
+        type=float,
+        default=1.5,
+        help="a worker whose engine made no progress on its work for this long is out of service",
+    )
+    g.add_argument(
+        "--upstream-connect-timeout", type=float, default=2.0, metavar="S", help="seconds to connect to a worker"
+    )
+    g.add_argument(
+        "--upstream-first-byte-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds until a worker's answer starts: a stream's first token, a whole non-streaming answer",
+    )
+    g.add_argument(
+        "--upstream-idle-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="longest silence of a worker inside an answer (between stream events)",
+    )
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="other workers a request may go to when one fails before its answer is committed",
+    )
+    g.add_argument(
+        "--retry-backoff-ms",
+        type=float,
+        default=50.0,
+        help="wait before the first retry; doubles with each, with jitter, up to 1 s",
+    )
+    g.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=3,
+        help="consecutive failed requests that open a worker's circuit breaker",
+    )
+    g.add_argument(
+        "--breaker-cooldown-s",
+        type=float,
+        default=2.0,
+        help="how long an open breaker keeps a worker out before one trial (doubles per reopening)",
+    )
     g = p.add_argument_group("admission control")
-    g.add_argument("--max-pending", type=int, default=1024,
-                   help="requests the gateway holds at once; beyond, 503 overloaded")
-    g.add_argument("--max-queue-per-worker", type=int, default=32,
-                   help="requests a worker may have waiting beyond its running batch; a full worker gets no "
-                        "more, and when all are full the request is refused (503 overloaded)")
+    g.add_argument(
+        "--max-pending", type=int, default=1024, help="requests the gateway holds at once; beyond, 503 overloaded"
+    )
+    g.add_argument(
+        "--max-queue-per-worker",
+        type=int,
+        default=32,
+        help="requests a worker may have waiting beyond its running batch; a full worker gets no "
+        "more, and when all are full the request is refused (503 overloaded)",
+    )
     g.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 503/429 refusals")
     g = p.add_argument_group("client connections")
-    g.add_argument("--max-connections", type=int, default=4096,
-                   help="open client connections; beyond, a new one is answered 503 and closed "
-                        "(lowered to fit the file limit)")
-    g.add_argument("--client-header-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds for a request head to arrive whole (else 408 and close)")
-    g.add_argument("--client-body-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds for a request body to arrive whole after its head (else 408 and close)")
-    g.add_argument("--client-idle-timeout", type=float, default=5.0, metavar="S",
-                   help="seconds an idle keep-alive connection stays open")
-    g.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, how long requests in flight may take to finish before the gateway exits")
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open client connections; beyond, a new one is answered 503 and closed (lowered to fit the file limit)",
+    )
+    g.add_argument(
+        "--client-header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds for a request head to arrive whole (else 408 and close)",
+    )
+    g.add_argument(
+        "--client-body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds for a request body to arrive whole after its head (else 408 and close)",
+    )
+    g.add_argument(
+        "--client-idle-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open",
+    )
+    g.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long requests in flight may take to finish before the gateway exits",
+    )
 
 
 def build(args: argparse.Namespace) -> Gateway:
     """Wire index, fleet, tokenizers, policy and (optionally) Redis into one ASGI app."""
     if not args.worker and not args.redis:
         raise SystemExit("kvgate gateway: give at least one --worker URL or --redis URL")
-    fleet = Fleet(ResidencyIndex(), interval=args.health_interval,
-                  timeout=max(0.25, min(1.0, 1.9 - args.health_interval)), stall_s=args.engine_stall_s,
-                  breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s), token=args.internal_token,
-                  kinds={vllm_worker.KIND: vllm_kind(args)},
-                  tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit))
+    fleet = Fleet(
+        ResidencyIndex(),
+        interval=args.health_interval,
+        timeout=max(0.25, min(1.0, 1.9 - args.health_interval)),
+        stall_s=args.engine_stall_s,
+        breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s),
+        token=args.internal_token,
+        kinds={vllm_worker.KIND: vllm_kind(args)},
+        tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit),
+    )
     for spec in args.worker:
         add_worker(fleet, spec)
     redis = None
     if args.redis:
         from gateway.redis_state import RedisState
+
         if not args.internal_token:
-            raise SystemExit("kvgate gateway: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
-                             "workers' registrations in Redis are verified with it")
+            raise SystemExit(
+                "kvgate gateway: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
+                "workers' registrations in Redis are verified with it"
+            )
         redis = RedisState(args.redis, fleet, args.internal_token, args.replica_id, interval=args.health_interval)
     policy = build_policy(args.policy, policy_kwargs(args), "kvgate gateway")
     try:
@@ -173,11 +324,24 @@ def build(args: argparse.Namespace) -> Gateway:
     proxy = Proxy(args.upstream_connect_timeout, args.upstream_first_byte_timeout, args.upstream_idle_timeout)
     admission = Admission(AdmissionConfig(args.max_pending, args.max_queue_per_worker, args.retry_after_s))
     retry = RetryPolicy(args.max_retries, args.retry_backoff_ms / 1000.0)
-    return Gateway(fleet, Tokenizers(args.block_size, args.model), policy, proxy=proxy, redis=redis,
-                   slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, pd_wait_ms=args.pd_wait_ms,
-                   tracing=tracing, access=access(args), internal_token=args.internal_token,
-                   max_body_bytes=args.max_body_bytes, admission=admission, retry=retry,
-                   access_log=args.access_log, fleet_summary_s=args.fleet_summary_s)
+    return Gateway(
+        fleet,
+        Tokenizers(args.block_size, args.model),
+        policy,
+        proxy=proxy,
+        redis=redis,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        pd_wait_ms=args.pd_wait_ms,
+        tracing=tracing,
+        access=access(args),
+        internal_token=args.internal_token,
+        max_body_bytes=args.max_body_bytes,
+        admission=admission,
+        retry=retry,
+        access_log=args.access_log,
+        fleet_summary_s=args.fleet_summary_s,
+    )
 
 
 def vllm_kind(args: argparse.Namespace) -> vllm_worker.VllmKind:
@@ -287,6 +451,7 @@ def settle_gc_after_startup(app: Starlette) -> None:
         async with startup(app) as state:
             settle_gc()
             yield state
+
     app.router.lifespan_context = lifespan
 
 
@@ -297,18 +462,33 @@ def main(argv: list[str] | None = None) -> None:
     sock = listen(args.host, args.port, "kvgate gateway")
     gateway = build(args)
     settle_gc_after_startup(gateway.app)
-    print(f"kvgate gateway ({gateway.policy.name}) on http://{args.host}:{args.port} "
-          f"for {len(args.worker)} static workers{' + redis ' + redact_url(args.redis) if args.redis else ''}",
-          flush=True)
+    print(
+        f"kvgate gateway ({gateway.policy.name}) on http://{args.host}:{args.port} "
+        f"for {len(args.worker)} static workers{' + redis ' + redact_url(args.redis) if args.redis else ''}",
+        flush=True,
+    )
     serve(gateway, args, sock)
 
 
 def serve(gateway: Gateway, args: argparse.Namespace, sock: socket.socket) -> None:
     """Run the gateway under uvicorn on `sock` (httptools on uvloop: a fraction of h11's and
     asyncio's CPU per request) with the client limits and the SIGTERM drain."""
-    limits = ClientLimits(fit_connections(args.max_connections), args.client_header_timeout,
-                          args.client_body_timeout, args.client_idle_timeout, args.retry_after_s)
-    config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, http=protocol_class(limits), loop="uvloop", timeout_keep_alive=args.client_idle_timeout,
-                            timeout_graceful_shutdown=5)
+    limits = ClientLimits(
+        fit_connections(args.max_connections),
+        args.client_header_timeout,
+        args.client_body_timeout,
+        args.client_idle_timeout,
+        args.retry_after_s,
+    )
+    config = uvicorn.Config(
+        gateway.app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        http=protocol_class(limits),
+        loop="uvloop",
+        timeout_keep_alive=args.client_idle_timeout,
+        timeout_graceful_shutdown=5,
+    )
     DrainingServer(config, gateway.admission, args.drain_timeout_s).run(sockets=[sock])

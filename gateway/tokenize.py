@@ -5,6 +5,7 @@ template) and the shared `workers.kv.hashing` chain, so its hashes name the very
 workers cache. Long prompts are tokenized in a thread so they never stall the event loop;
 short ones inline, where a thread hop would cost more than the work.
 """
+
 import asyncio
 import logging
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ INLINE_BYTES = 2048
 class Prepared:
     """A parsed request and its first prompt's block hashes (a request may hold several prompts
     and ask for several completions of each; it is routed by its first)."""
+
     parsed: ParsedRequest
     hashes: list[int]
 
@@ -83,8 +85,9 @@ class Tokenizers:
             log.warning("no tokenizer for model %r (%s): routing it cache-blind", name, e)
             return None
 
-    async def prepare(self, tok: ModelTokenizer, body: dict, kind: str, size: int,
-                      max_model_len: int, whole: bool = False) -> Prepared:
+    async def prepare(
+        self, tok: ModelTokenizer, body: dict, kind: str, size: int, max_model_len: int, whole: bool = False
+    ) -> Prepared:
         """`tok.prepare`, in a thread when the body (of `size` bytes) is long."""
         if size <= INLINE_BYTES:
             return tok.prepare(body, kind, max_model_len, whole)

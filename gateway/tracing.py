@@ -11,6 +11,7 @@ both P/D legs land in one trace (the decode leg's `upstream` links to its `prefi
 Off by default. Off, `Tracing.start` hands out one shared no-op trace, so a request allocates
 no span and pays a method call per phase.
 """
+
 import contextlib
 from collections.abc import Iterator, Mapping
 
@@ -42,8 +43,7 @@ class RequestTrace:
     @contextlib.contextmanager
     def phase(self, name: str, **attributes: str | int | float) -> Iterator[None]:
         """A child span around a phase; an exception escaping it marks the phase failed."""
-        with self.tracer.start_as_current_span(name, context=self.context, attributes=attributes,
-                                               end_on_exit=True):
+        with self.tracer.start_as_current_span(name, context=self.context, attributes=attributes, end_on_exit=True):
             yield
 
     def child(self, name: str, headers: dict[str, str], **attributes: str | int | float) -> trace.Span:
@@ -54,13 +54,15 @@ class RequestTrace:
         return span
 
     @contextlib.contextmanager
-    def client(self, name: str, headers: dict[str, str], link: trace.Span | None = None,
-               **attributes: str | int | float) -> Iterator[dict[str, str]]:
+    def client(
+        self, name: str, headers: dict[str, str], link: trace.Span | None = None, **attributes: str | int | float
+    ) -> Iterator[dict[str, str]]:
         """A CLIENT span around a call to a worker; yields `headers` plus its `traceparent`.
         `link` (a prefill leg's span) is linked, so the legs of one request find each other."""
         links = [Link(link.get_span_context())] if link is not None and link.get_span_context().is_valid else None
-        with self.tracer.start_as_current_span(name, context=self.context, kind=SpanKind.CLIENT, links=links,
-                                               attributes=attributes, end_on_exit=True) as span:
+        with self.tracer.start_as_current_span(
+            name, context=self.context, kind=SpanKind.CLIENT, links=links, attributes=attributes, end_on_exit=True
+        ) as span:
             sent = dict(headers)
             PROPAGATOR.inject(sent, context=trace.set_span_in_context(span))
             yield sent
@@ -92,8 +94,9 @@ class NoTrace(RequestTrace):
         return trace.INVALID_SPAN
 
     @contextlib.contextmanager
-    def client(self, name: str, headers: dict[str, str], link: trace.Span | None = None,
-               **attributes: str | int | float) -> Iterator[dict[str, str]]:
+    def client(
+        self, name: str, headers: dict[str, str], link: trace.Span | None = None, **attributes: str | int | float
+    ) -> Iterator[dict[str, str]]:
         yield headers
 
     def end(self, status: int) -> None:
@@ -108,8 +111,9 @@ class Tracing:
     the `sample_ratio` of traces not already decided by the client's sampled flag (None: as
     OTEL_TRACES_SAMPLER says, by default all); the service is OTEL_SERVICE_NAME or `service`."""
 
-    def __init__(self, exporter: SpanExporter | None = None, sample_ratio: float | None = None,
-                 service: str = "kvgate-gateway"):
+    def __init__(
+        self, exporter: SpanExporter | None = None, sample_ratio: float | None = None, service: str = "kvgate-gateway"
+    ):
         self.provider = make_provider(exporter, service, sample_ratio)
         self.tracer = self.provider.get_tracer("kvgate.gateway") if self.provider is not None else None
 

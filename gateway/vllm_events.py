@@ -11,6 +11,7 @@ The publisher is a process of the fleet, not a client, but a bad frame still mus
 subscriber: anything malformed raises `BadBatch`, and fields are type-checked here, once, so
 the translation downstream handles plain, well-typed data.
 """
+
 from dataclasses import dataclass
 
 import msgpack
@@ -18,13 +19,37 @@ import msgpack
 END_SEQ = b"\xff" * 8
 STORED_TAG, REMOVED_TAG, CLEARED_TAG = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 # The array form's fields, in order after the tag (vLLM's BlockStored / BlockRemoved order).
-STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                 "lora_name", "extra_keys")
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+)
 REMOVED_FIELDS = ("block_hashes", "medium")
 # Extra keys that change no block hash in kvgate's chain or are about placement, not content.
-NEUTRAL_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-                "locality", "ownership", "session_id", "cache_salt", "remaining_copy_counts"}
+NEUTRAL_KEYS = {
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "cache_salt",
+    "remaining_copy_counts",
+}
 
 
 class BadBatch(ValueError):
@@ -40,6 +65,7 @@ class Stored:
     before the first (None: the first block of a prompt). `extra` holds, per block, the extra
     hash keys vLLM published (LoRA name, multimodal ids, cache salt), `salt` SGLang's cache salt,
     and `unknown` names fields this decoder cannot vouch do not change a block's hash."""
+
     hashes: tuple[EngineHash, ...]
     parent: EngineHash | None
     token_ids: tuple[int, ...]
@@ -69,6 +95,7 @@ Event = Stored | Removed | Cleared
 @dataclass(frozen=True)
 class EngineBatch:
     """One scheduler step's events from one data-parallel rank."""
+
     seq: int
     ts: float
     events: tuple[Event, ...]
@@ -114,8 +141,11 @@ def decode_payload(seq: int, payload: bytes) -> EngineBatch:
 def decode_event(e: object) -> Event:
     if isinstance(e, list) and e and isinstance(e[0], str):
         fields = STORED_FIELDS if e[0] == STORED_TAG else REMOVED_FIELDS
-        e = {"type": e[0], **dict(zip(fields, e[1:])),  # fields past the known ones: unknown meaning
-             **{f"field {i}": True for i in range(len(fields) + 1, len(e)) if e[i] is not None}}
+        e = {
+            "type": e[0],
+            **dict(zip(fields, e[1:])),  # fields past the known ones: unknown meaning
+            **{f"field {i}": True for i in range(len(fields) + 1, len(e)) if e[i] is not None},
+        }
     if not isinstance(e, dict):
         raise BadBatch("an event is a map with a 'type' or an array starting with its tag")
     tag = e.get("type")
@@ -133,8 +163,11 @@ def _stored(e: dict) -> Stored:
     parent = e.get("parent_block_hash")
     if type(size) is not int or size < 1:
         raise BadBatch("BlockStored.block_size must be a positive int")
-    if not isinstance(tokens, list) or len(tokens) != len(hashes) * size or \
-            not all(type(t) is int and t >= 0 for t in tokens):
+    if (
+        not isinstance(tokens, list)
+        or len(tokens) != len(hashes) * size
+        or not all(type(t) is int and t >= 0 for t in tokens)
+    ):
         raise BadBatch("BlockStored.token_ids must be block_size token ids per block")
     if parent is not None and not isinstance(parent, (int, bytes)):
         raise BadBatch("BlockStored.parent_block_hash must be a hash or nil")
@@ -145,12 +178,18 @@ def _stored(e: dict) -> Stored:
     if salt is not None and not isinstance(salt, str):
         raise BadBatch("BlockStored.cache_salt must be a string")
     kind = e.get("kv_cache_spec_kind")
-    return Stored(hashes, parent, tuple(tokens), size, _group(e),
-                  lora=e.get("lora_id") is not None or e.get("lora_name") is not None,
-                  extra=tuple(None if x is None else tuple(x) if isinstance(x, list | tuple) else (x,)
-                              for x in extra),
-                  salt=salt or None, full_attention=kind in (None, "full_attention"),
-                  unknown=tuple(sorted(k for k in e if k not in NEUTRAL_KEYS)))
+    return Stored(
+        hashes,
+        parent,
+        tuple(tokens),
+        size,
+        _group(e),
+        lora=e.get("lora_id") is not None or e.get("lora_name") is not None,
+        extra=tuple(None if x is None else tuple(x) if isinstance(x, list | tuple) else (x,) for x in extra),
+        salt=salt or None,
+        full_attention=kind in (None, "full_attention"),
+        unknown=tuple(sorted(k for k in e if k not in NEUTRAL_KEYS)),
+    )
 
 
 def _hashes(v: object) -> tuple[EngineHash, ...]:

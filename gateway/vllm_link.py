@@ -7,6 +7,7 @@ Health and load: `/health` and `/metrics` every `interval` seconds, `/v1/models`
 (`vllm_subscriber`) re-hashing its events into kvgate's chain at `block_size`, running while
 `following()` says so. Subclasses say where the state and residency go.
 """
+
 import asyncio
 import logging
 import time
@@ -15,8 +16,17 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from gateway.vllm_metrics import (BadAnswer, EventSource, VllmLoad, parse_metrics, parse_models, parse_sources,
-                                  replay_address, subscribe_address, worker_id)
+from gateway.vllm_metrics import (
+    BadAnswer,
+    EventSource,
+    VllmLoad,
+    parse_metrics,
+    parse_models,
+    parse_sources,
+    replay_address,
+    subscribe_address,
+    worker_id,
+)
 
 if TYPE_CHECKING:  # pyzmq and msgpack are imported only when a link follows events
     from gateway.vllm_subscriber import Subscriber, SubscriberStats
@@ -30,8 +40,15 @@ RETRY_S = 5.0
 
 
 class VllmLink:
-    def __init__(self, url: str, block_size: int, interval: float, timeout: float,
-                 events: EventSource | None = None, profile: dict | None = None):
+    def __init__(
+        self,
+        url: str,
+        block_size: int,
+        interval: float,
+        timeout: float,
+        events: EventSource | None = None,
+        profile: dict | None = None,
+    ):
         self.url, self.block_size, self.interval, self.timeout = url, block_size, interval, timeout
         self.events, self.profile = events, profile
         self.wid = worker_id(url)
@@ -99,11 +116,22 @@ class VllmLink:
         free, total = load.kv_blocks()
         bs = load.block_size or self.block_size
         profile = self.profile or {}
-        return {"worker_id": self.wid, "kind": KIND, "model": self.model, "role": "mixed", "block_size": bs,
-                "waiting": load.waiting, "running": load.running, "free_blocks": free, "total_blocks": total,
-                "kv_tokens": (total - free) * bs, "max_model_len": self.max_model_len,
-                "max_batched_tokens": profile.get("max_batched_tokens") or 2048,
-                "max_num_seqs": profile.get("max_num_seqs") or 256, "cost_model": self.profile}
+        return {
+            "worker_id": self.wid,
+            "kind": KIND,
+            "model": self.model,
+            "role": "mixed",
+            "block_size": bs,
+            "waiting": load.waiting,
+            "running": load.running,
+            "free_blocks": free,
+            "total_blocks": total,
+            "kv_tokens": (total - free) * bs,
+            "max_model_len": self.max_model_len,
+            "max_batched_tokens": profile.get("max_batched_tokens") or 2048,
+            "max_num_seqs": profile.get("max_num_seqs") or 256,
+            "cost_model": self.profile,
+        }
 
     async def discover(self, started: float | None) -> None:
         """Model, context and event endpoints of a server seen for the first time or restarted."""
@@ -125,11 +153,18 @@ class VllmLink:
                 raise
             sources = []
         if not sources and not self.sources:
-            log.warning("vLLM worker %s publishes no KV events (start it with --kv-events-config, or give "
-                        "?kv_events=ENDPOINT): routing to it cache-blind", self.url)
+            log.warning(
+                "vLLM worker %s publishes no KV events (start it with --kv-events-config, or give "
+                "?kv_events=ENDPOINT): routing to it cache-blind",
+                self.url,
+            )
         if len(sources) > 1:
-            log.warning("vLLM worker %s has %d data-parallel ranks: following rank %d's events only",
-                        self.url, len(sources), sources[0].rank)
+            log.warning(
+                "vLLM worker %s has %d data-parallel ranks: following rank %d's events only",
+                self.url,
+                len(sources),
+                sources[0].rank,
+            )
         return sources[:1]
 
     def steer(self) -> None:
@@ -143,6 +178,7 @@ class VllmLink:
     def start_subscriber(self) -> None:
         from gateway.vllm_subscriber import Subscriber, SubscriberStats  # pyzmq, msgpack: only if used
         from gateway.vllm_translate import Translator, TranslateStats
+
         assert self.model is not None, "steer follows events only once the model is known"
         if self.stats is None:
             self.stats = (SubscriberStats(), TranslateStats())
@@ -150,8 +186,9 @@ class VllmLink:
         address, bind = subscribe_address(src.endpoint, self.host)
         replay = replay_address(src.replay, self.host) if src.replay else None
         translator = self.translator = Translator(self.model, self.block_size, self.stats[1])
-        subscriber = self.subscriber = Subscriber(address, bind, replay, src.topic, translator, self.sink(), self.wid,
-                                                  stats=self.stats[0])
+        subscriber = self.subscriber = Subscriber(
+            address, bind, replay, src.topic, translator, self.sink(), self.wid, stats=self.stats[0]
+        )
         self.task = asyncio.create_task(self._follow(subscriber))
 
     async def _follow(self, sub) -> None:

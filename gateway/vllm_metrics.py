@@ -10,6 +10,7 @@ data-parallel rank's ZMQ endpoints. SGLang's gauges are read under their own nam
 The metrics page is ~60 KB and read twice a second per worker, so only the few series used are
 picked out line by line rather than parsed whole.
 """
+
 import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -43,6 +44,7 @@ class VllmLoad:
 @dataclass(frozen=True)
 class EventSource:
     """One data-parallel rank's event endpoints as the server reports them."""
+
     rank: int
     endpoint: str
     replay: str | None
@@ -79,7 +81,7 @@ def _sample(line: str) -> tuple[str, str, float]:
     brace = line.find("{")
     if brace >= 0:
         end = line.rfind("}")
-        name, labels, rest = line[:brace], line[brace + 1:end], line[end + 1:]
+        name, labels, rest = line[:brace], line[brace + 1 : end], line[end + 1 :]
     else:
         name, _, rest = line.partition(" ")
         labels = ""
@@ -95,7 +97,7 @@ def _int_label(labels: str, key: str, default: int | None) -> int | None:
     at = labels.find(needle)
     if at < 0 or (at > 0 and labels[at - 1] not in ", "):
         return default
-    raw = labels[at + len(needle):labels.find('"', at + len(needle))]
+    raw = labels[at + len(needle) : labels.find('"', at + len(needle))]
     return int(raw) if raw.isdigit() and int(raw) > 0 else default
 
 
@@ -123,8 +125,14 @@ def parse_sources(body: object) -> list[EventSource]:
         if not cfg.get("enable_kv_cache_events", True) or cfg.get("publisher", "zmq") != "zmq":
             continue
         replay, topic = cfg.get("replay_endpoint"), cfg.get("topic") or ""
-        out.append(EventSource(int(rank), cfg["endpoint"], replay if isinstance(replay, str) else None,
-                               topic if isinstance(topic, str) else ""))
+        out.append(
+            EventSource(
+                int(rank),
+                cfg["endpoint"],
+                replay if isinstance(replay, str) else None,
+                topic if isinstance(topic, str) else "",
+            )
+        )
     return sorted(out, key=lambda s: s.rank)
 
 

@@ -12,6 +12,7 @@ again, which under-states residency (a missed hit), never over-states it.
 
 Everything runs in one asyncio task on the caller's loop; routing reads only the sink.
 """
+
 import asyncio
 import logging
 import time
@@ -56,9 +57,18 @@ class SubscriberStats:
 
 
 class Subscriber:
-    def __init__(self, address: str, bind: bool, replay: str | None, topic: str, translator: Translator,
-                 sink: Sink, name: str, ctx: zmq.asyncio.Context | None = None,
-                 stats: SubscriberStats | None = None):
+    def __init__(
+        self,
+        address: str,
+        bind: bool,
+        replay: str | None,
+        topic: str,
+        translator: Translator,
+        sink: Sink,
+        name: str,
+        ctx: zmq.asyncio.Context | None = None,
+        stats: SubscriberStats | None = None,
+    ):
         self.address, self.bind, self.replay_address, self.topic = address, bind, replay, topic
         self.translator, self.sink, self.name = translator, sink, name
         self.ctx = ctx or zmq.asyncio.Context.instance()
@@ -102,8 +112,12 @@ class Subscriber:
             if first is None:
                 self.expected = 0  # nothing published yet: the first batch to come is seq 0
             elif first:
-                log.warning("kv events of %s: the publisher holds batches from seq %d on; blocks cached "
-                            "before them are unknown until stored again", self.name, first)
+                log.warning(
+                    "kv events of %s: the publisher holds batches from seq %d on; blocks cached "
+                    "before them are unknown until stored again",
+                    self.name,
+                    first,
+                )
         self.synced.set()
 
     async def follow(self, sub: zmq.asyncio.Socket) -> None:

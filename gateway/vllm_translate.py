@@ -12,6 +12,7 @@ The same engine block may be stored more than once (two physical copies of one p
 engine blocks are counted; a kvgate hash is resident while any engine block that yields it is.
 `apply` returns only the transitions: hashes that became resident or stopped being so.
 """
+
 from dataclasses import dataclass, field
 
 from gateway.vllm_events import Cleared, EngineHash, Event, Removed, Stored
@@ -22,6 +23,7 @@ from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 @dataclass(frozen=True)
 class Change:
     """A change to the residency of kvgate hashes (kind: stored, removed or cleared)."""
+
     kind: str
     hashes: tuple[int, ...] = ()
 
@@ -106,7 +108,7 @@ class Translator:
             n = self._refs.get(key, 0)
             self._refs[key] = n + 1
             if n == 0:
-                mine = self._ours[key] = tuple(ours[i * per:(i + 1) * per])
+                mine = self._ours[key] = tuple(ours[i * per : (i + 1) * per])
                 added += self._hold(mine)
         self.stats.stored_blocks += len(ev.hashes)
         return added

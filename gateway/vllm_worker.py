@@ -9,6 +9,7 @@ again. Its residency goes into the gateway's index while Redis does not carry it
 block size: matched prefix blocks are counted in the gateway's (smaller) blocks and converted
 (`Worker.hash_ratio`). Nothing here is on the routing path.
 """
+
 import asyncio
 import logging
 from dataclasses import dataclass
@@ -25,16 +26,19 @@ from workers.kv.events import EventBatch, KVEvent
 log = logging.getLogger("kvgate.gateway")
 
 PREFIXES = ("vllm:", "sglang:")
-COUNTERS = (("batches", "KV event batches applied (live or replayed)", ["worker"]),
-            ("resyncs", "Syncs from the publisher's replay buffer (start, restart, lost batches)", ["worker"]),
-            ("gaps", "Sequence gaps seen in the live stream", ["worker"]),
-            ("restarts", "Sequence numbers that went back (the server restarted)", ["worker"]),
-            ("blocks", "Engine blocks by outcome: stored, removed, or skipped (no kvgate hash)", ["worker", "outcome"]))
+COUNTERS = (
+    ("batches", "KV event batches applied (live or replayed)", ["worker"]),
+    ("resyncs", "Syncs from the publisher's replay buffer (start, restart, lost batches)", ["worker"]),
+    ("gaps", "Sequence gaps seen in the live stream", ["worker"]),
+    ("restarts", "Sequence numbers that went back (the server restarted)", ["worker"]),
+    ("blocks", "Engine blocks by outcome: stored, removed, or skipped (no kvgate hash)", ["worker", "outcome"]),
+)
 
 
 @dataclass(frozen=True)
 class Spec:
     """`--worker vllm:URL[?kv_events=..&kv_replay=..&kv_topic=..]`, parsed."""
+
     url: str
     events: str | None = None
     replay: str | None = None
@@ -49,7 +53,7 @@ def parse_spec(spec: str) -> Spec | None:
     prefix = next((p for p in PREFIXES if spec.startswith(p)), None)
     if prefix is None:
         return None
-    parts = urlsplit(spec[len(prefix):])
+    parts = urlsplit(spec[len(prefix) :])
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--worker {spec!r}: a vLLM worker is {prefix}http(s)://HOST:PORT")
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -105,11 +109,15 @@ class VllmKind:
     def collect(self):
         """Prometheus families of the event path, per vLLM worker (a collector of the gateway's
         registry: gateway/metrics.py)."""
-        fams = {name: CounterMetricFamily(f"kvgate_gateway_vllm_event_{name}", doc, labels=labels)
-                for name, doc, labels in COUNTERS}
-        lag = GaugeMetricFamily("kvgate_gateway_vllm_event_lag_seconds",
-                                "Median delay from a KV event batch's publication to its arrival, recent batches",
-                                labels=["worker"])
+        fams = {
+            name: CounterMetricFamily(f"kvgate_gateway_vllm_event_{name}", doc, labels=labels)
+            for name, doc, labels in COUNTERS
+        }
+        lag = GaugeMetricFamily(
+            "kvgate_gateway_vllm_event_lag_seconds",
+            "Median delay from a KV event batch's publication to its arrival, recent batches",
+            labels=["worker"],
+        )
         for link in list(self.links.values()):
             sub, tr = link.stats or (None, None)
             w = [link.wid]
@@ -143,13 +151,21 @@ class FleetLink(VllmLink):
     def warn(self, block_size: int) -> None:
         """Say once what keeps this worker's routing from being as good as a kvgate worker's."""
         if block_size % self.block_size:
-            log.warning("vLLM worker %s caches blocks of %d tokens, which the gateway's --block-size %d does "
-                        "not divide: its residency cannot be indexed, it is routed cache-blind",
-                        self.wid, block_size, self.block_size)
+            log.warning(
+                "vLLM worker %s caches blocks of %d tokens, which the gateway's --block-size %d does "
+                "not divide: its residency cannot be indexed, it is routed cache-blind",
+                self.wid,
+                block_size,
+                self.block_size,
+            )
         if self.kind.needs_cost and self.profile is None:
-            log.warning("vLLM worker %s has no cost model: slo_goodput predicts its TTFT and TPOT with the "
-                        "default model; measure one with `kvgate calibrate --url %s --out P.json` and pass "
-                        "--vllm-profile P.json", self.wid, self.url)
+            log.warning(
+                "vLLM worker %s has no cost model: slo_goodput predicts its TTFT and TPOT with the "
+                "default model; measure one with `kvgate calibrate --url %s --out P.json` and pass "
+                "--vllm-profile P.json",
+                self.wid,
+                self.url,
+            )
 
     def down(self, why: str) -> None:
         self.fleet._down(self.w, why)

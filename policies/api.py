@@ -3,6 +3,7 @@
 Policies do no I/O. The gateway builds the views from its residency index, its worker
 registry and shared in-flight counts, calls `Policy.route`, and acts on the `Route`.
 """
+
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -14,6 +15,7 @@ MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
 @dataclass(frozen=True)
 class RequestView:
     """What a policy may know of a request."""
+
     request_id: str
     num_tokens: int
     block_hashes: tuple[int, ...]
@@ -31,16 +33,20 @@ class TierCredits:
     is copied back before the prefill that uses it, so it saves that prefill less the copy.
     `host`: 1 - copy-back time / prefill time (`for_rates`); `disk`: Dynamo's credit for its
     disk tier (kvgate has no disk tier yet)."""
+
     host: float = 0.75
     disk: float = 0.25
 
     @staticmethod
-    def for_rates(copy_gbps: float, kv_bytes_per_token: int, prefill_token_ms: float,
-                  disk: float = 0.25) -> "TierCredits":
+    def for_rates(
+        copy_gbps: float, kv_bytes_per_token: int, prefill_token_ms: float, disk: float = 0.25
+    ) -> "TierCredits":
         """The host credit of a worker that copies back at `copy_gbps` (GB/s) and prefills at
         `prefill_token_ms` per token: a block's copy and its prefill both scale with its tokens."""
         copy_token_ms = kv_bytes_per_token / (copy_gbps * 1e6)
-        return TierCredits(round(max(0.0, 1.0 - copy_token_ms / prefill_token_ms), 3) if prefill_token_ms > 0 else 0.0, disk)
+        return TierCredits(
+            round(max(0.0, 1.0 - copy_token_ms / prefill_token_ms), 3) if prefill_token_ms > 0 else 0.0, disk
+        )
 
 
 # Llama-3-8B on one H200: prefill 0.0104 ms/token (bench/profiles/h200-llama8b-kvgate.json), 128 KiB
@@ -58,6 +64,7 @@ class WorkerView:
     took, and a worker's current queue need not look like its recent steps. `decode_step_*`
     are the same for the recent steps that only decoded.
     """
+
     worker_id: str
     role: str = MIXED
     matched_blocks: int = 0  # the request's leading blocks it holds, in any tier
@@ -107,6 +114,7 @@ class Route:
     """A decision: one worker, a (prefill, decode) pair, or a rejection with a reason.
     `reason` says in a few words why this worker: the gateway sends it to clients as
     x-kvgate-route-reason, so an operator can read a routing decision without a debugger."""
+
     worker: str | None = None
     prefill: str | None = None
     reject: str | None = None

@@ -1,4 +1,5 @@
 """Who may serve a request alone, and tie-breaks that every gateway replica agrees on."""
+
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -30,8 +31,7 @@ def stable_hash(key: int | str, worker_id: str) -> int:
     return zlib.crc32(f"{key}/{worker_id}".encode())
 
 
-def cheapest(key: int, items: Sequence[T], scores: Sequence,
-             name: Callable[[T], str] = lambda w: w.worker_id) -> T:  # type: ignore[attr-defined]
+def cheapest(key: int, items: Sequence[T], scores: Sequence, name: Callable[[T], str] = lambda w: w.worker_id) -> T:  # type: ignore[attr-defined]
     """The item with the lowest score; ties go by `stable_hash(key, name)`, then by name. Only
     tied items are hashed: hashing every worker was most of a cheap policy's decision time."""
     low = min(scores)

@@ -5,6 +5,7 @@ Moving KV costs a transfer and a second request; it pays only when there is much
 So a request is split only when the fleet has both roles and even the best-cached worker that
 could serve it alone (mixed or decode) lacks at least `min_uncached_tokens` prompt tokens.
 """
+
 from dataclasses import dataclass
 
 from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
@@ -15,6 +16,7 @@ from policies.predict import cached_tokens, hit_tokens, import_ttft_tpot_ms, tra
 class Pair:
     """A prefill worker and a decode worker for one request, with the predicted TTFT (P's
     queue and prefill, the transfer of what D lacks, D's last partial block) and TPOT on D."""
+
     prefill: WorkerView
     decode: WorkerView
     ttft_ms: float
@@ -26,11 +28,16 @@ class Pair:
 
     def route(self, req: RequestView, **info) -> Route:
         """The route to this pair, carrying the prefill worker's expected cache hit."""
-        return Route(worker=self.decode.worker_id, prefill=self.prefill.worker_id,
-                     predicted_cached_tokens=hit_tokens(req, self.prefill),
-                     predicted_ttft_ms=self.ttft_ms, predicted_tpot_ms=self.tpot_ms, info=info,
-                     reason=f"disaggregated: {self.name} has the lowest predicted ttft ({self.ttft_ms:.0f} ms; "
-                            f"{hit_tokens(req, self.prefill)} tokens cached on the prefill worker)")
+        return Route(
+            worker=self.decode.worker_id,
+            prefill=self.prefill.worker_id,
+            predicted_cached_tokens=hit_tokens(req, self.prefill),
+            predicted_ttft_ms=self.ttft_ms,
+            predicted_tpot_ms=self.tpot_ms,
+            info=info,
+            reason=f"disaggregated: {self.name} has the lowest predicted ttft ({self.ttft_ms:.0f} ms; "
+            f"{hit_tokens(req, self.prefill)} tokens cached on the prefill worker)",
+        )
 
 
 class PdDecider:
@@ -65,8 +72,10 @@ class PdDecider:
         out = []
         for d in fleet.by_role(DECODE):
             tail, tpot = import_ttft_tpot_ms(req, d)
-            ttft, p = min(((t + transfer_ms(req, p, d) + tail, p) for t, _, p in fastest.values()),
-                          key=lambda c: (c[0], c[1].worker_id))
+            ttft, p = min(
+                ((t + transfer_ms(req, p, d) + tail, p) for t, _, p in fastest.values()),
+                key=lambda c: (c[0], c[1].worker_id),
+            )
             out.append(Pair(p, d, ttft, tpot))
         return out
 

@@ -7,6 +7,7 @@ model's prefill and decode terms are rescaled, each by its own factor, to the wo
 step times for the work those steps did; with neither, the default model alone gives a crude
 per-token estimate.
 """
+
 import math
 
 from policies.api import RequestView, WorkerView
@@ -60,8 +61,7 @@ def queued_tokens(req: RequestView, w: WorkerView) -> int:
     return max(w.queued_prefill_tokens, w.waiting) + unseen_requests(w) * uncached_tokens(req, w)
 
 
-def ttft_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
-            cached: int | None = None) -> float:
+def ttft_ms(req: RequestView, w: WorkerView, uncached: int | None = None, cached: int | None = None) -> float:
     """Time until `w` emits `req`'s first token: drain the prefill queue ahead, then prefill
     `uncached` tokens after `cached` ones (default: what `w` lacks and holds), in chunks that
     share every step with `w`'s running decodes."""
@@ -74,8 +74,9 @@ def tpot_ms(req: RequestView, w: WorkerView) -> float:
     return ttft_tpot_ms(req, w)[1]
 
 
-def ttft_tpot_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
-                 cached: int | None = None) -> tuple[float, float]:
+def ttft_tpot_ms(
+    req: RequestView, w: WorkerView, uncached: int | None = None, cached: int | None = None
+) -> tuple[float, float]:
     """`ttft_ms` and `tpot_ms` of `req` on `w` at once. A decision asks both of every worker
     (128 of them for every request in a large simulated fleet), so the helpers above are
     inlined here: one call instead of a dozen per worker.
@@ -94,13 +95,15 @@ def ttft_tpot_ms(req: RequestView, w: WorkerView, uncached: int | None = None,
     chunk = max(1, w.max_batched_tokens - running)
     per_step = model.base_ms + model.decode_seq_ms * running + model.decode_kv_token_ms * w.kv_tokens
     attn = queued * queued / (2 * requests) + own * (ctx + own / 2)
-    ttft = (dscale * (math.ceil((queued + own) / chunk) * per_step)
-            + pscale * (model.prefill_token_ms * (queued + own)) + pscale * (model.prefill_attn_ms * attn / 1000.0))
+    ttft = (
+        dscale * (math.ceil((queued + own) / chunk) * per_step)
+        + pscale * (model.prefill_token_ms * (queued + own))
+        + pscale * (model.prefill_attn_ms * attn / 1000.0)
+    )
     out = max(1, req.max_tokens)
     ttft += slot_wait_ms(w, running, waiting + unseen, out, model, dscale)
     shared = min(queued, chunk * out)
-    interference = (model.prefill_token_ms * shared
-                    + model.prefill_attn_ms * shared * shared / (2 * requests) / 1000.0)
+    interference = model.prefill_token_ms * shared + model.prefill_attn_ms * shared * shared / (2 * requests) / 1000.0
     return ttft, dscale * model.decode_ms(running + 1, w.kv_tokens + n) + pscale * (interference / out)
 
 
@@ -196,8 +199,9 @@ def _model(w: WorkerView) -> tuple[CostModel, float, float]:
     if w.cost is not None:
         return w.cost, 1.0, 1.0
     c = DEFAULT_COST
-    reference = c.step_ms(w.step_prefill_tokens, w.step_prefill_ctx_products,
-                          w.step_decode_seqs, w.step_decode_kv_tokens)
+    reference = c.step_ms(
+        w.step_prefill_tokens, w.step_prefill_ctx_products, w.step_decode_seqs, w.step_decode_kv_tokens
+    )
     if not w.step_ms or not reference:
         return c, 1.0, 1.0
     overall = w.step_ms / reference

@@ -1,4 +1,5 @@
 """Prefix affinity: follow the longest cached prefix, unless that worker is overloaded."""
+
 from policies.api import FleetView, RequestView, Route
 from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
 from policies.pd import PdDecider
@@ -15,6 +16,7 @@ class PrefixAffinity:
     With prefill and decode workers, a request `policies.pd` judges worth splitting (no
     worker holds enough of it) goes to the pair predicted to answer first.
     """
+
     name = "prefix_affinity"
 
     def __init__(self, slack_abs: int = 4, slack_rel: float = 0.5, pd_min_uncached_tokens: int = 512) -> None:
@@ -33,8 +35,9 @@ class PrefixAffinity:
         min_load = min(loads)
         bound = min_load + max(self.slack_abs, self.slack_rel * min_load)
         key = request_key(req)
-        hits = [(w, load) for w, load in zip(workers, loads)
-                if load <= bound and w.matched_blocks and cached_tokens(req, w)]
+        hits = [
+            (w, load) for w, load in zip(workers, loads) if load <= bound and w.matched_blocks and cached_tokens(req, w)
+        ]
         if hits:
             w = cheapest(key, [w for w, _ in hits], [(-cached_tokens(req, w), load) for w, load in hits])
             reason = f"longest cached prefix ({hit_tokens(req, w)} tokens) among workers with load <= {bound:g}"

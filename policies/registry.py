@@ -1,5 +1,6 @@
 """Finding a policy by name: built-ins, `module:Class`, `path/to/file.py:Class`, or the
 `kvgate.policies` entry-point group, so third parties can ship policies without forking."""
+
 import importlib
 import importlib.util
 import sys
@@ -69,6 +70,8 @@ def _entry_point(name: str):
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()
-    raise ValueError(f"unknown policy {name!r}: built-ins are {', '.join(BUILTIN_POLICIES)}; "
-                     f"or give 'module:Class', 'path/to/plugin.py:Class', or install a package "
-                     f"with a {ENTRY_POINT_GROUP!r} entry point")
+    raise ValueError(
+        f"unknown policy {name!r}: built-ins are {', '.join(BUILTIN_POLICIES)}; "
+        f"or give 'module:Class', 'path/to/plugin.py:Class', or install a package "
+        f"with a {ENTRY_POINT_GROUP!r} entry point"
+    )

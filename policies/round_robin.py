@@ -1,4 +1,5 @@
 """Round robin: the cache-blind baseline every other policy is measured against."""
+
 from policies.api import FleetView, RequestView, Route
 from policies.candidates import NO_WORKERS, route_to, serving_workers
 
@@ -6,6 +7,7 @@ from policies.candidates import NO_WORKERS, route_to, serving_workers
 class RoundRobin:
     """Cycles through the serving workers in worker-id order, so the cycle does not depend on
     the order the gateway lists them in."""
+
     name = "round_robin"
 
     def __init__(self) -> None:

@@ -11,6 +11,7 @@ recompute their whole context: past that point admissions feed a thrash that dra
 request on the worker past its SLO. A request predicted to miss only steals capacity from
 ones that would not, so rejecting it early (with the reason) is what keeps goodput at overload.
 """
+
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.pd import PdDecider
@@ -34,10 +35,17 @@ class SloGoodput:
     worker (`PdDecider.warm_pairs`) compete too: a hot prefix spreads by KV import, not by
     recomputing it cold (`warm_prefixes=False` turns that off).
     """
+
     name = "slo_goodput"
 
-    def __init__(self, ttft_ms: float = 2000.0, tpot_ms: float = 200.0,
-                 pd_min_uncached_tokens: int = 512, margin: float = 0.0, warm_prefixes: bool = True) -> None:
+    def __init__(
+        self,
+        ttft_ms: float = 2000.0,
+        tpot_ms: float = 200.0,
+        pd_min_uncached_tokens: int = 512,
+        margin: float = 0.0,
+        warm_prefixes: bool = True,
+    ) -> None:
         self.ttft_ms = ttft_ms
         self.tpot_ms = tpot_ms
         self.margin = margin
@@ -53,7 +61,8 @@ class SloGoodput:
         split = self.pd.split(req, fleet)
         servers = mixed if split else mixed + decode
         candidates: list[tuple[float, float, WorkerView | None, WorkerView]] = [
-            (*ttft_tpot_ms(req, w), None, w) for w in servers]
+            (*ttft_tpot_ms(req, w), None, w) for w in servers
+        ]
         if split:
             candidates += [(c.ttft_ms, c.tpot_ms, c.prefill, c.decode) for c in self.pd.pairs(req, fleet)]
         tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)
@@ -63,24 +72,34 @@ class SloGoodput:
                 tier, headroom, ttft, tpot, p, d = self.best(req, candidates + warm, slo_ttft, slo_tpot)
         if tier == 2:
             why = "the SLOs" if headroom < 0 else "the SLOs with the KV pool it would overflow"
-            return Route(reject=f"no {'P/D pair or ' if split else ''}worker meets {why} "
-                                f"(ttft {slo_ttft:.0f} ms, tpot {slo_tpot:.0f} ms): best is "
-                                f"{_name(p, d)} at ttft {ttft:.0f} ms, tpot {tpot:.1f} ms",
-                         info={"headroom": headroom})
-        return Route(worker=d.worker_id, prefill=p.worker_id if p else None,
-                     predicted_cached_tokens=hit_tokens(req, p or d),
-                     predicted_ttft_ms=ttft, predicted_tpot_ms=tpot, info={"headroom": headroom},
-                     reason=f"meets the SLOs: predicted ttft {ttft:.0f} ms, tpot {tpot:.1f} ms, headroom {headroom:.2f}, "
-                            f"{hit_tokens(req, p or d)} tokens cached" + (f", prefill on {p.worker_id}" if p else ""))
+            return Route(
+                reject=f"no {'P/D pair or ' if split else ''}worker meets {why} "
+                f"(ttft {slo_ttft:.0f} ms, tpot {slo_tpot:.0f} ms): best is "
+                f"{_name(p, d)} at ttft {ttft:.0f} ms, tpot {tpot:.1f} ms",
+                info={"headroom": headroom},
+            )
+        return Route(
+            worker=d.worker_id,
+            prefill=p.worker_id if p else None,
+            predicted_cached_tokens=hit_tokens(req, p or d),
+            predicted_ttft_ms=ttft,
+            predicted_tpot_ms=tpot,
+            info={"headroom": headroom},
+            reason=f"meets the SLOs: predicted ttft {ttft:.0f} ms, tpot {tpot:.1f} ms, headroom {headroom:.2f}, "
+            f"{hit_tokens(req, p or d)} tokens cached" + (f", prefill on {p.worker_id}" if p else ""),
+        )
 
-    def best(self, req: RequestView, candidates: list[tuple], slo_ttft: float,
-             slo_tpot: float) -> tuple[int, float, float, float, WorkerView | None, WorkerView]:
+    def best(
+        self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float
+    ) -> tuple[int, float, float, float, WorkerView | None, WorkerView]:
         """(tier, headroom, ttft, tpot, P, D) of the best of `candidates`, given as
         (ttft, tpot, P, D)."""
-        scored = [(self.tier(req, h, d), h, t, o, p, d) for t, o, p, d in candidates
-                  for h in (_headroom(t, o, slo_ttft, slo_tpot),)]
-        scores = [(k, prefill_work_ms(req, p or d) / slo_ttft - h) if k < 2 else (2, -h)
-                  for k, h, _, _, p, d in scored]
+        scored = [
+            (self.tier(req, h, d), h, t, o, p, d)
+            for t, o, p, d in candidates
+            for h in (_headroom(t, o, slo_ttft, slo_tpot),)
+        ]
+        scores = [(k, prefill_work_ms(req, p or d) / slo_ttft - h) if k < 2 else (2, -h) for k, h, _, _, p, d in scored]
         return cheapest(request_key(req), scored, scores, name=lambda c: _name(c[4], c[5]))
 
     def holder_full(self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float) -> bool:

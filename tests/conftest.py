@@ -5,6 +5,7 @@ uses `gateway.procs`, or `subprocess` itself) is `integration`; one that runs a 
 module imports torch, or it uses `tiny_llama`) is `model`. `make test-fast` deselects both (and
 `slow`, `vllm`): the pure tests alone, in under a minute.
 """
+
 import subprocess
 import sys
 
@@ -35,11 +36,21 @@ def tiny_llama(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from workers.model_store import load_tokenizer
+
     path = tmp_path_factory.mktemp("tiny-llama")
     tok = load_tokenizer("smollm2-135m")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)

@@ -9,6 +9,7 @@ and answers whether a control-plane request ever carried kvgate's internal token
 events are vLLM BlockStored/BlockRemoved maps; `restart` is a new process (numbering from 0, an
 empty replay buffer, a new process_start_time_seconds).
 """
+
 import argparse
 import asyncio
 import contextlib
@@ -58,12 +59,16 @@ class Fake:
         self.seq += 1
 
     def metrics(self) -> str:
-        return "\n".join([
-            f"process_start_time_seconds {self.started}",
-            f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 1.0',
-            f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 2.0',
-            f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.25',
-            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="400"} 1.0', ""])
+        return "\n".join(
+            [
+                f"process_start_time_seconds {self.started}",
+                f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 1.0',
+                f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 2.0',
+                f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.25',
+                'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="400"} 1.0',
+                "",
+            ]
+        )
 
 
 def app(fake: Fake) -> Starlette:
@@ -81,16 +86,33 @@ def app(fake: Fake) -> Starlette:
 
     async def sources(request: Request) -> Response:
         fake.saw_token |= "x-kvgate-token" in request.headers
-        return JSONResponse({"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                   "endpoint": f"tcp://*:{fake.events_port}",
-                                   "replay_endpoint": f"tcp://*:{fake.replay_port}", "topic": "kv"}})
+        return JSONResponse(
+            {
+                "0": {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{fake.events_port}",
+                    "replay_endpoint": f"tcp://*:{fake.replay_port}",
+                    "topic": "kv",
+                }
+            }
+        )
 
     async def completions(request: Request) -> Response:
         raw = await request.body()
-        return JSONResponse({"object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
-                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
-                                       "prompt_tokens_details": {"cached_tokens": 0}},
-                             "received": raw.decode()})
+        return JSONResponse(
+            {
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "ok"}],
+                "usage": {
+                    "prompt_tokens": 1,
+                    "completion_tokens": 1,
+                    "total_tokens": 2,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+                "received": raw.decode(),
+            }
+        )
 
     async def control(request: Request) -> Response:
         body = json.loads(await request.body())
@@ -111,11 +133,18 @@ def app(fake: Fake) -> Starlette:
         yield
         task.cancel()
 
-    return Starlette(routes=[Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
-                             Route("/kv_event_sources", sources),
-                             Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/chat/completions", completions, methods=["POST"]),
-                             Route("/_control", control, methods=["POST"])], lifespan=lifespan)
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/metrics", metrics),
+            Route("/v1/models", models),
+            Route("/kv_event_sources", sources),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/_control", control, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
 
 
 def main() -> None:
@@ -124,8 +153,7 @@ def main() -> None:
     p.add_argument("--events-port", type=int, required=True)
     p.add_argument("--replay-port", type=int, required=True)
     args = p.parse_args()
-    uvicorn.run(app(Fake(args.events_port, args.replay_port)), host="127.0.0.1", port=args.port,
-                log_level="warning")
+    uvicorn.run(app(Fake(args.events_port, args.replay_port)), host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ message broken; and sometimes a byte-level one: NaN/Infinity/1e999 or a 5,000-di
 in place of a number, a lone surrogate in a string, deep nesting, invalid UTF-8, truncation.
 Bodies stay cheap to serve: a valid one asks for at most a few tokens.
 """
+
 import json
 import random
 import re
@@ -14,11 +15,39 @@ from collections.abc import Iterator
 
 MODEL = "smollm2-135m"
 WORDS = "the cache holds blocks of tokens routed by prefix to a worker queue ünï ✓ 日本".split()
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "user", "ignore_eos",
-          "return_token_ids", "logprobs", "top_logprobs", "echo", "presence_penalty", "frequency_penalty",
-          "logit_bias", "tools", "tool_choice", "response_format", "best_of", "suffix", "min_tokens",
-          "kv_transfer", "unknown_field"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "ignore_eos",
+    "return_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "best_of",
+    "suffix",
+    "min_tokens",
+    "kv_transfer",
+    "unknown_field",
+]
 ROLES = ["system", "developer", "user", "assistant", "tool", "function"]
 _NUMBER = re.compile(rb"(?<=[:\[,] )-?\d+(\.\d+)?")
 _STRING_END = re.compile(rb'[^\\]"')
@@ -63,9 +92,14 @@ def _sampling(rng: random.Random) -> dict:
 
 
 def _completion(rng: random.Random) -> dict:
-    prompt = rng.choice([
-        _text(rng, 30), [_text(rng)], [rng.randrange(49152) for _ in range(rng.randint(1, 40))],
-        [[rng.randrange(49152) for _ in range(rng.randint(1, 10))]]])
+    prompt = rng.choice(
+        [
+            _text(rng, 30),
+            [_text(rng)],
+            [rng.randrange(49152) for _ in range(rng.randint(1, 40))],
+            [[rng.randrange(49152) for _ in range(rng.randint(1, 10))]],
+        ]
+    )
     return {"model": MODEL, "prompt": prompt, **_sampling(rng)}
 
 
@@ -75,13 +109,23 @@ def _chat(rng: random.Random) -> dict:
 
 def _message(rng: random.Random) -> dict:
     role = rng.choice(ROLES)
-    content = rng.choice([_text(rng), [{"type": "text", "text": _text(rng)}, _text(rng)],
-                          [{"type": "input_text", "text": _text(rng)}, {"type": "text", "text": None}]])
+    content = rng.choice(
+        [
+            _text(rng),
+            [{"type": "text", "text": _text(rng)}, _text(rng)],
+            [{"type": "input_text", "text": _text(rng)}, {"type": "text", "text": None}],
+        ]
+    )
     m = {"role": role, "content": content}
     if role == "assistant" and rng.random() < 0.5:
         m["content"] = None
-        m["tool_calls"] = [{"id": f"call_{rng.randrange(99)}", "type": "function",
-                            "function": {"name": "lookup", "arguments": json.dumps({"q": _text(rng, 3)})}}]
+        m["tool_calls"] = [
+            {
+                "id": f"call_{rng.randrange(99)}",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"q": _text(rng, 3)})},
+            }
+        ]
     if role == "tool":
         m["tool_call_id"] = f"call_{rng.randrange(99)}"
     if role == "function" or rng.random() < 0.1:
@@ -97,7 +141,7 @@ def _value(rng: random.Random, depth: int = 0) -> object:
     if pick == 1:
         return rng.random() < 0.5
     if pick == 2:
-        return rng.choice([-1, 0, 1, 2, 3, 2**31, 2**63, -2**63 - 1, 10**309, -10**309])
+        return rng.choice([-1, 0, 1, 2, 3, 2**31, 2**63, -(2**63) - 1, 10**309, -(10**309)])
     if pick == 3:
         return rng.choice([-0.5, 0.0, 0.5, 1.5, 1e-300, 1.7e308, -1e308, 5e-324])
     if pick == 4:
@@ -131,8 +175,17 @@ def _mutate(rng: random.Random, obj: dict) -> None:
         if isinstance(m, dict):
             m[rng.choice(["role", "content", "tool_calls", "name", "tool_call_id"])] = _value(rng)
     elif choice == 4 and isinstance(obj.get("messages"), list):
-        obj["messages"].append(rng.choice([_value(rng), {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}]}]))
+        obj["messages"].append(
+            rng.choice(
+                [
+                    _value(rng),
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}],
+                    },
+                ]
+            )
+        )
 
 
 def _corrupt(rng: random.Random, raw: bytes) -> bytes:
@@ -142,7 +195,7 @@ def _corrupt(rng: random.Random, raw: bytes) -> bytes:
     if pick <= 1 and numbers:
         m = rng.choice(numbers)
         new = rng.choice([b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999", b"9" * 5000, b"1" + b"0" * 400])
-        return raw[:m.start()] + new + raw[m.end():]
+        return raw[: m.start()] + new + raw[m.end() :]
     strings = list(_STRING_END.finditer(raw))
     if pick == 2 and strings:
         at = rng.choice(strings).start() + 1
@@ -152,7 +205,7 @@ def _corrupt(rng: random.Random, raw: bytes) -> bytes:
         depth = rng.choice([40, 1000, 100_000])
         return raw[:-1] + b', "deep": ' + b"[" * depth + b"]" * depth + b"}"
     if pick == 4:
-        return raw[:rng.randrange(len(raw))]
+        return raw[: rng.randrange(len(raw))]
     if pick == 5:
         at = rng.randrange(len(raw))
         return raw[:at] + rng.choice([b"\xff", b"\xc3", b"\x00", b"\\"]) + raw[at:]

@@ -7,6 +7,7 @@ is SIGKILLed at one step of a NIXL transfer, named by $KVGATE_TEST_NIXL_DIE:
   commit  as the decode side, when the commit comes: the prefill side wrote into a cache that is
           gone and gets no answer.
 """
+
 import os
 import signal
 import sys

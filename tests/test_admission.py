@@ -1,4 +1,5 @@
 """Admission control's bounds and refusals, and a worker's queue as the gateway counts it: pure."""
+
 from gateway.admission import DRAINING, OVERLOADED, Admission, AdmissionConfig
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex

@@ -4,6 +4,7 @@ Pure parts first (key files, bearer parsing, token buckets, salts), then real ga
 replicas sharing rate limits through a private redis-server, in front of one sim worker, and
 a third gateway that hides the x-kvgate-* headers.
 """
+
 import asyncio
 import json
 import math
@@ -24,13 +25,19 @@ WORDS = "cache block token worker gateway prefix decode prefill route fleet queu
 
 # key files and bearer tokens
 
+
 def test_plain_and_json_key_files(tmp_path):
     plain = tmp_path / "keys.txt"
     plain.write_text("# ops keys\nsk-one\n\n  sk-two  \n")
     doc = tmp_path / "keys.json"
-    doc.write_text(json.dumps([{"key": "sk-a", "name": "alice", "tenant": "acme", "rpm": 5},
-                               {"key": "sk-s", "name": "shared", "cache_salt": None, "tpm": 900,
-                                "client_cache_salt": True}]))
+    doc.write_text(
+        json.dumps(
+            [
+                {"key": "sk-a", "name": "alice", "tenant": "acme", "rpm": 5},
+                {"key": "sk-s", "name": "shared", "cache_salt": None, "tpm": 900, "client_cache_salt": True},
+            ]
+        )
+    )
     keys = ApiKeys.load(["sk-flag"], [str(plain), str(doc)], rpm=60)
     flag, one = keys.authenticate("Bearer sk-flag"), keys.authenticate("Bearer sk-one")
     assert flag.tenant == flag.name == "key-" + digest("sk-flag").hex()[:8] and flag.rpm == 60
@@ -43,27 +50,31 @@ def test_plain_and_json_key_files(tmp_path):
     assert keys.authenticate("Bearer sk-two").name.startswith("key-")
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic sk-a", "sk-a", "Bearer sk-b",
-                                    "Bearer sk-a\x00", "Bearer \ud800"])
+@pytest.mark.parametrize(
+    "header", [None, "", "Bearer", "Bearer ", "Basic sk-a", "sk-a", "Bearer sk-b", "Bearer sk-a\x00", "Bearer \ud800"]
+)
 def test_only_the_bearer_of_a_known_key_is_authenticated(header):
     assert ApiKeys.load(["sk-a"], []).authenticate(header) is None
 
 
-@pytest.mark.parametrize("entries,why", [
-    ([{"key": "sk-a"}, {"key": "sk-a", "name": "other"}], "twice"),
-    ([{"key": "sk-a", "name": "n"}, {"key": "sk-b", "name": "n"}], "twice"),
-    ([{"key": "has space"}], "whitespace"),
-    ([{"key": ""}], "whitespace"),
-    ([{"key": "sk-a", "rpm": 0}], "rpm"),
-    ([{"key": "sk-a", "tpm": 1.5}], "tpm"),
-    ([{"key": "sk-a", "rpm": True}], "rpm"),
-    ([{"key": "sk-a", "cache_salt": 3}], "cache_salt"),
-    ([{"key": "sk-a", "cache_salt": "s" * 129}], "cache_salt"),
-    ([{"key": "sk-a", "name": "n" * 200}], "tenant"),
-    ([{"key": "sk-a", "client_cache_salt": "yes"}], "client_cache_salt"),
-    ([{"key": "sk-a", "admin": True}], "key entry"),
-    ({"key": "sk-a"}, "list"),
-])
+@pytest.mark.parametrize(
+    "entries,why",
+    [
+        ([{"key": "sk-a"}, {"key": "sk-a", "name": "other"}], "twice"),
+        ([{"key": "sk-a", "name": "n"}, {"key": "sk-b", "name": "n"}], "twice"),
+        ([{"key": "has space"}], "whitespace"),
+        ([{"key": ""}], "whitespace"),
+        ([{"key": "sk-a", "rpm": 0}], "rpm"),
+        ([{"key": "sk-a", "tpm": 1.5}], "tpm"),
+        ([{"key": "sk-a", "rpm": True}], "rpm"),
+        ([{"key": "sk-a", "cache_salt": 3}], "cache_salt"),
+        ([{"key": "sk-a", "cache_salt": "s" * 129}], "cache_salt"),
+        ([{"key": "sk-a", "name": "n" * 200}], "tenant"),
+        ([{"key": "sk-a", "client_cache_salt": "yes"}], "client_cache_salt"),
+        ([{"key": "sk-a", "admin": True}], "key entry"),
+        ({"key": "sk-a"}, "list"),
+    ],
+)
 def test_bad_key_files_are_refused(tmp_path, entries, why):
     f = tmp_path / "keys.json"
     f.write_text(json.dumps(entries))
@@ -73,18 +84,22 @@ def test_bad_key_files_are_refused(tmp_path, entries, why):
 
 # tenant cache salts
 
+
 def key(**kw) -> ApiKey:
     return ApiKey.from_json({"key": "sk-x", "name": "x", **kw})
 
 
-@pytest.mark.parametrize("kw,client,salt", [
-    ({}, None, "tenant:x"),
-    ({}, "tenant:other", "tenant:x"),                        # a client cannot pick another tenant's salt
-    ({"tenant": "acme"}, None, "tenant:acme"),
-    ({"cache_salt": None}, "mine", None),                    # the shared cache
-    ({"cache_salt": ""}, None, None),
-    ({"cache_salt": None, "client_cache_salt": True}, "mine", "mine"),
-])
+@pytest.mark.parametrize(
+    "kw,client,salt",
+    [
+        ({}, None, "tenant:x"),
+        ({}, "tenant:other", "tenant:x"),  # a client cannot pick another tenant's salt
+        ({"tenant": "acme"}, None, "tenant:acme"),
+        ({"cache_salt": None}, "mine", None),  # the shared cache
+        ({"cache_salt": ""}, None, None),
+        ({"cache_salt": None, "client_cache_salt": True}, "mine", "mine"),
+    ],
+)
 def test_a_request_runs_with_its_tenants_salt(kw, client, salt):
     assert key(**kw).salt_for(client) == salt
 
@@ -98,6 +113,7 @@ def test_a_clients_own_salt_stays_inside_its_tenant():
 
 
 # token buckets
+
 
 def test_a_bucket_admits_a_minutes_worth_then_its_rate():
     lim = Limit("rpm", 60)
@@ -134,6 +150,7 @@ def test_the_limiter_limits_per_replica_while_redis_is_unreachable():
         waits = [await limiter.acquire("k", lim, 1) for _ in range(3)]
         await limiter.close()
         return waits
+
     waits = asyncio.run(run())
     assert waits[:2] == [0.0, 0.0] and waits[2] > 0
 
@@ -162,10 +179,19 @@ def fleet(tmp_path_factory):
         worker = Worker(worker_id="w0", log_dir=logs)
         procs.append(worker)
         extra = ["--api-key-file", str(d / "keys.json")]
-        replicas = [start_gateway([worker.url], "round_robin", redis=url, name=f"gw-{c}", log_dir=logs,
-                                  extra=extra + ["--replica-id", c]) for c in "ab"]
-        hidden = start_gateway([worker.url], "round_robin", name="gw-hidden", log_dir=logs,
-                               extra=["--api-key", "sk-plain", "--hide-cache-headers"])
+        replicas = [
+            start_gateway(
+                [worker.url], "round_robin", redis=url, name=f"gw-{c}", log_dir=logs, extra=extra + ["--replica-id", c]
+            )
+            for c in "ab"
+        ]
+        hidden = start_gateway(
+            [worker.url],
+            "round_robin",
+            name="gw-hidden",
+            log_dir=logs,
+            extra=["--api-key", "sk-plain", "--hide-cache-headers"],
+        )
         procs += replicas + [hidden]
         worker.ready()
         for g in replicas + [hidden]:
@@ -177,8 +203,12 @@ def fleet(tmp_path_factory):
 
 def post(url: str, key: str | None, prompt: str = "hello", max_tokens: int = 2, **body) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(url + "/v1/completions", headers=headers, timeout=30,
-                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **body})
+    return httpx.post(
+        url + "/v1/completions",
+        headers=headers,
+        timeout=30,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **body},
+    )
 
 
 def assert_openai_error(r: httpx.Response, status: int, type_: str) -> dict:
@@ -195,15 +225,20 @@ def test_requests_without_a_valid_key_get_an_openai_401(fleet):
         r = post(a, key)
         assert assert_openai_error(r, 401, "invalid_request_error")["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"].startswith("Bearer")
-    r = httpx.post(a + "/v1/chat/completions", headers={"authorization": "Basic c2stYWxpY2U="},
-                   json={"messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        a + "/v1/chat/completions",
+        headers={"authorization": "Basic c2stYWxpY2U="},
+        json={"messages": [{"role": "user", "content": "hi"}]},
+    )
     assert_openai_error(r, 401, "invalid_request_error")
     assert httpx.get(a + "/v1/models").status_code == 401
     assert httpx.get(a + "/v1/models", headers={"authorization": "Bearer sk-alice"}).status_code == 200
     assert httpx.get(a + "/health").status_code == 200
     metrics = httpx.get(a + "/metrics")
-    assert metrics.status_code == 200 and 'kvgate_gateway_client_rejections_total{key="",reason="unauthenticated"}' \
-        in metrics.text
+    assert (
+        metrics.status_code == 200
+        and 'kvgate_gateway_client_rejections_total{key="",reason="unauthenticated"}' in metrics.text
+    )
     assert post(a, "sk-alice").status_code == 200
 
 
@@ -240,8 +275,12 @@ def test_tenants_never_share_cache_unless_configured(fleet):
     a = fleet["a"]
     prompt = " ".join(random.Random(7).choice(WORDS) for _ in range(120))
     assert cached(post(a, "sk-alice", prompt)) == 0
-    wait_for(lambda: int(post(a, "sk-alice", prompt).headers["x-kvgate-predicted-cached-tokens"]) > 0,
-             timeout=10, interval=0.2, what="the gateway to see alice's blocks")
+    wait_for(
+        lambda: int(post(a, "sk-alice", prompt).headers["x-kvgate-predicted-cached-tokens"]) > 0,
+        timeout=10,
+        interval=0.2,
+        what="the gateway to see alice's blocks",
+    )
     assert cached(post(a, "sk-alice", prompt)) > 0
     assert cached(post(a, "sk-bob", prompt)) > 0, "bob shares acme's cache"
     r = post(a, "sk-eve", prompt, cache_salt="tenant:acme")  # naming acme's salt does not reach its cache
@@ -260,15 +299,19 @@ def test_cache_headers_can_be_hidden_from_clients(fleet):
     assert_openai_error(post(fleet["hidden"], None), 401, "invalid_request_error")
 
 
-@pytest.mark.parametrize("argv,why", [
-    (["--worker", "http://127.0.0.1:1", "--rate-limit-rpm", "5"], "per API key"),
-    (["--worker", "http://127.0.0.1:1", "--api-key", "k", "--rate-limit-tpm", "0"], "positive"),
-    (["--worker", "http://127.0.0.1:1", "--api-key-file", "/nonexistent/keys"], "bad API keys"),
-    (["--worker", "http://127.0.0.1:1", "--api-key", "k", "--api-key", "k"], "twice"),
-    (["--redis", "redis://127.0.0.1:1/0"], "internal-token"),
-])
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--worker", "http://127.0.0.1:1", "--rate-limit-rpm", "5"], "per API key"),
+        (["--worker", "http://127.0.0.1:1", "--api-key", "k", "--rate-limit-tpm", "0"], "positive"),
+        (["--worker", "http://127.0.0.1:1", "--api-key-file", "/nonexistent/keys"], "bad API keys"),
+        (["--worker", "http://127.0.0.1:1", "--api-key", "k", "--api-key", "k"], "twice"),
+        (["--redis", "redis://127.0.0.1:1/0"], "internal-token"),
+    ],
+)
 def test_bad_gateway_flags_are_start_up_errors(monkeypatch, argv, why):
     from gateway.server import build, parser
+
     monkeypatch.delenv("KVGATE_INTERNAL_TOKEN", raising=False)
     with pytest.raises(SystemExit, match=why):
         build(parser().parse_args(argv))
@@ -276,6 +319,7 @@ def test_bad_gateway_flags_are_start_up_errors(monkeypatch, argv, why):
 
 def test_a_worker_publishing_to_redis_without_the_token_is_a_start_up_error(monkeypatch):
     from workers.cli import main
+
     monkeypatch.delenv("KVGATE_INTERNAL_TOKEN", raising=False)
     with pytest.raises(SystemExit, match="internal-token"):
         main(["--model", MODEL, "--executor", "sim", "--redis", "redis://127.0.0.1:1/0"])

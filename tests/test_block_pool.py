@@ -1,4 +1,5 @@
 """Block pool, prefix cache and KV events: ref counts, LRU eviction order, gap-free seqs."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -1,4 +1,5 @@
 """The per-worker circuit breaker and the retry backoff: pure, on a fake clock."""
+
 import random
 
 from hypothesis import given
@@ -78,6 +79,7 @@ def test_a_worker_back_after_a_failed_poll_starts_with_a_closed_breaker():
     """A restarted worker is a new process: the failures of the one that died do not keep it out."""
     from gateway.fleet import Fleet
     from gateway.index import ResidencyIndex
+
     fleet = Fleet(ResidencyIndex(), breaker=BreakerConfig(failures=1, cooldown_s=60))
     w = fleet.add("http://w")
     fleet._up(w, {"worker_id": "w", "model": "m"})

@@ -1,5 +1,6 @@
 """`cache_salt`: requests share cached blocks only with requests of the same salt, at the
 worker (engine, KV transfer) and at the gateway (the hashes it routes by)."""
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -51,7 +52,7 @@ def test_salted_kv_transfer_verifies_only_under_its_salt():
     spec = KVSpec("m", 4, "none", 0, 0, 0)
     seed = salted_seed(eng.kv.seed, "tenant-a")
     hashes = block_hashes(prompt, 4, seed)
-    blocks = [prompt[i:i + 4] for i in range(0, 16, 4)]
+    blocks = [prompt[i : i + 4] for i in range(0, 16, 4)]
     with pytest.raises(InvalidRequest):
         decode(encode_header(spec, hashes, blocks, None), spec, eng.kv.seed)
     body = encode_header(spec, hashes, blocks, None, "tenant-a")

@@ -4,6 +4,7 @@ worker's logged steps finds how much slower each kind of work ran, and a simulat
 profile it measures reproduces a real fleet's medians. Wall-clock checks compare measurements of
 one run with wide ratios, so a busy machine does not fail them; how close they come on an idle
 one is `python -m bench.fidelity`'s JSON."""
+
 import asyncio
 import dataclasses
 import json
@@ -19,8 +20,13 @@ from gateway.procs import start_worker
 from workers.kv.cost_model import CostModel, StepWork
 from workers.step_stats import StepRecord
 
-KNOWN = {"base_ms": 10.0, "prefill_token_ms": 0.3, "prefill_attn_ms": 0.5, "decode_seq_ms": 1.5,
-         "decode_kv_token_ms": 0.002}
+KNOWN = {
+    "base_ms": 10.0,
+    "prefill_token_ms": 0.3,
+    "prefill_attn_ms": 0.5,
+    "decode_seq_ms": 1.5,
+    "decode_kv_token_ms": 0.002,
+}
 
 
 def test_nnls_keeps_coefficients_non_negative():
@@ -30,8 +36,16 @@ def test_nnls_keeps_coefficients_non_negative():
 
 
 def test_cost_model_decode_table_and_mixed_term():
-    cost = CostModel(base_ms=10, prefill_token_ms=1, prefill_attn_ms=0, decode_seq_ms=2, decode_kv_token_ms=0.01,
-                     mixed_ms=5, decode_batch_ms=(20.0, 40.0, 30.0), decode_batch_slope_ms=3.0)
+    cost = CostModel(
+        base_ms=10,
+        prefill_token_ms=1,
+        prefill_attn_ms=0,
+        decode_seq_ms=2,
+        decode_kv_token_ms=0.01,
+        mixed_ms=5,
+        decode_batch_ms=(20.0, 40.0, 30.0),
+        decode_batch_slope_ms=3.0,
+    )
     assert cost.step_ms(decode_seqs=2, decode_kv_tokens=100) == pytest.approx(41.0)
     assert cost.step_ms(decode_seqs=3) == 30.0 and cost.step_ms(decode_seqs=5) == 36.0  # table, then its slope
     assert cost.step_ms(prefill_tokens=8) == 18.0
@@ -48,18 +62,43 @@ def synthetic_samples(true: CostModel, overhead: float) -> list[dict]:
     samples = []
     for n, c in ((16, 0), (64, 0), (256, 0), (512, 0), (32, 128), (64, 256)):
         ms = true.step_ms(n, n * (c + n / 2))
-        samples.append({"kind": "prefill", "key": ("prefill", n, c), "ms": ms, "tokens": n, "ctx": n * (c + n / 2),
-                        "ttft_ms": ms + overhead + 3.0})
+        samples.append(
+            {
+                "kind": "prefill",
+                "key": ("prefill", n, c),
+                "ms": ms,
+                "tokens": n,
+                "ctx": n * (c + n / 2),
+                "ttft_ms": ms + overhead + 3.0,
+            }
+        )
     for ctx in (16, 256):
         for b in range(1, len(true.decode_batch_ms) + 1):
             kv = b * (ctx + 20)
             ms = true.step_ms(decode_seqs=b, decode_kv_tokens=kv)
-            samples.append({"kind": "decode", "key": ("decode", b, ctx), "batch": b, "kv": float(kv), "ms": ms,
-                            "gap_ms": ms + overhead})
+            samples.append(
+                {
+                    "kind": "decode",
+                    "key": ("decode", b, ctx),
+                    "batch": b,
+                    "kv": float(kv),
+                    "ms": ms,
+                    "gap_ms": ms + overhead,
+                }
+            )
             n = max(16, ctx // 4)
             ms = true.step_ms(n, n * (ctx + n / 2), b, kv)
-            samples.append({"kind": "mixed", "key": ("mixed", b, ctx), "batch": b, "tokens": n,
-                            "ctx": n * (ctx + n / 2), "kv": kv, "ms": ms})
+            samples.append(
+                {
+                    "kind": "mixed",
+                    "key": ("mixed", b, ctx),
+                    "batch": b,
+                    "tokens": n,
+                    "ctx": n * (ctx + n / 2),
+                    "kv": kv,
+                    "ms": ms,
+                }
+            )
     return samples
 
 
@@ -67,9 +106,16 @@ def test_fit_recovers_a_nonlinear_decode_table_and_the_mixed_cost():
     """Small decode batches that are not linear in their size (3 dearer than 4, as on a CPU;
     from 4 on, 3 ms a sequence), decodes beside a prefill that cost less per sequence than that
     plus a fixed cost for running beside it: the fit must find all of them."""
-    true = CostModel(base_ms=50, prefill_token_ms=2.5, prefill_attn_ms=1.0, decode_seq_ms=1.0,
-                     decode_kv_token_ms=0.02, mixed_ms=30, decode_batch_ms=(58, 90, 113, 84, 87, 90, 93),
-                     decode_batch_slope_ms=3.0)
+    true = CostModel(
+        base_ms=50,
+        prefill_token_ms=2.5,
+        prefill_attn_ms=1.0,
+        decode_seq_ms=1.0,
+        decode_kv_token_ms=0.02,
+        mixed_ms=30,
+        decode_batch_ms=(58, 90, 113, 84, 87, 90, 93),
+        decode_batch_slope_ms=3.0,
+    )
     profile = calibrate.fit(synthetic_samples(true, overhead=0.5))
     expected = {**{k: getattr(true, k) for k in calibrate.COLUMNS}, "base_ms": true.base_ms + 0.5}  # + step overhead
     assert {k: profile[k] for k in calibrate.COLUMNS} == pytest.approx(expected, rel=0.02, abs=1e-4)
@@ -123,7 +169,9 @@ def test_two_factor_scaling_prices_decoding_rows_apart():
     assert both.step_ms(decode_seqs=4, decode_kv_tokens=800) == pytest.approx(0.5 * cost.step_ms(0, 0, 4, 800))
     assert both.step_ms(64, 9000.0) == pytest.approx(1.5 * cost.step_ms(64, 9000.0))
     rows = KNOWN["decode_seq_ms"] * 3 + KNOWN["decode_kv_token_ms"] * 600
-    assert both.step_ms(64, 9000.0, 3, 600) == pytest.approx(1.5 * (cost.step_ms(64, 9000.0, 3, 600) - rows) + 0.5 * rows)
+    assert both.step_ms(64, 9000.0, 3, 600) == pytest.approx(
+        1.5 * (cost.step_ms(64, 9000.0, 3, 600) - rows) + 0.5 * rows
+    )
 
 
 def test_speed_factors_recover_how_much_slower_each_kind_ran():
@@ -152,8 +200,16 @@ def test_rescale_from_a_workers_step_log(tmp_path):
     w = start_worker("slow", executor="sim", extra=["--sim-profile", str(tmp_path / "truth.json")]).ready()
     try:
         assert httpx.get(w.url + "/steps", params={"after": "x"}).status_code == 400
-        wl = WorkloadConfig(name="shared-prefix", rate=20.0, duration_s=2, seed=1, groups=2,
-                            prefix_len=64, question_len=32, output_len=12)
+        wl = WorkloadConfig(
+            name="shared-prefix",
+            rate=20.0,
+            duration_s=2,
+            seed=1,
+            groups=2,
+            prefix_len=64,
+            question_len=32,
+            output_len=12,
+        )
         model = w.state()["model"]
         assert all(r["error"] is None for r in asyncio.run(run_rate([w.url], wl, model, (5000, 1000))))
         last, steps = calibrate.step_log(w.url)
@@ -193,8 +249,9 @@ def test_simulation_matches_real_smollm2_fleet(monkeypatch, tmp_path):
     times; the latencies compared come out of its own queueing and batching."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     workers = [start_worker(f"cpu{i}", executor="torch", log_dir=str(tmp_path)) for i in range(2)]
-    wl = WorkloadConfig(name="shared-prefix", rate=2.0, duration_s=40, seed=7, groups=2,
-                        prefix_len=128, question_len=32, output_len=20)
+    wl = WorkloadConfig(
+        name="shared-prefix", rate=2.0, duration_s=40, seed=7, groups=2, prefix_len=128, question_len=32, output_len=20
+    )
     try:
         for w in workers:
             w.ready(300)
@@ -226,10 +283,33 @@ def test_fidelity_benchmark_on_sim_workers(tmp_path):
     try:
         for w in workers:
             w.ready()
-        fidelity.main([a for w in workers for a in ("--url", w.url)] + [
-            "--rates", "4,8", "--duration", "4", "--groups", "2", "--prefix-len", "64", "--question-len", "32",
-            "--output-len", "8", "--lengths", "16,64,128", "--batches", "1,2,3", "--rounds", "1", "--warmup-s", "1",
-            "--out", str(out)])
+        fidelity.main(
+            [a for w in workers for a in ("--url", w.url)]
+            + [
+                "--rates",
+                "4,8",
+                "--duration",
+                "4",
+                "--groups",
+                "2",
+                "--prefix-len",
+                "64",
+                "--question-len",
+                "32",
+                "--output-len",
+                "8",
+                "--lengths",
+                "16,64,128",
+                "--batches",
+                "1,2,3",
+                "--rounds",
+                "1",
+                "--warmup-s",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
     finally:
         for w in workers:
             w.stop()

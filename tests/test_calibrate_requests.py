@@ -1,11 +1,13 @@
 """The requests-only calibration (servers without a step log, like vLLM) recovers a known cost model."""
+
 import pytest
 
 from bench.calibrate_requests import fit
 from workers.kv.cost_model import CostModel
 
-TRUE = CostModel(base_ms=6.0, prefill_token_ms=0.09, prefill_attn_ms=0.003, decode_seq_ms=0.4,
-                 decode_kv_token_ms=0.0002)
+TRUE = CostModel(
+    base_ms=6.0, prefill_token_ms=0.09, prefill_attn_ms=0.003, decode_seq_ms=0.4, decode_kv_token_ms=0.0002
+)
 OVERHEAD_MS = 12.0
 
 
@@ -19,8 +21,9 @@ def samples() -> list[dict]:
             out.append({"kind": "decode", "key": ("decode", b, ctx), "batch": b, "kv": kv, "gap_ms": gap, "ms": gap})
     for n in (16, 64, 128, 256, 512, 1024):
         ttft = OVERHEAD_MS + TRUE.step_ms(n, n * n / 2)
-        out.append({"kind": "prefill", "key": ("prefill", n), "tokens": n, "ctx": n * n / 2, "ttft_ms": ttft,
-                    "ms": ttft})
+        out.append(
+            {"kind": "prefill", "key": ("prefill", n), "tokens": n, "ctx": n * n / 2, "ttft_ms": ttft, "ms": ttft}
+        )
     return out
 
 

@@ -1,6 +1,7 @@
 """The chaos scenarios of `python -m bench.chaos`, at a size that stays in the suite: a soak
 with workers SIGKILLed and restarted, and overload at 5x capacity. Real gateway and sim
 workers on loopback; every request is judged by `bench.chaos_client`."""
+
 import pytest
 
 from bench import chaos
@@ -28,9 +29,24 @@ def test_soak_with_workers_killed_loses_nothing_and_leaks_nothing(tmp_path):
 
 def overload(tmp_path, *extra: str) -> dict:
     """One sim worker running 2 at a time, Poisson arrivals at 5x its measured capacity."""
-    return chaos.run_overload(args(tmp_path, "--workers", "1", "--overload-seqs", "2", "--overload-s", "6",
-                                   "--calibrate-rounds", "4", "--overload-variants", "admission",
-                                   "--policy", "round_robin", *extra))["admission"]
+    return chaos.run_overload(
+        args(
+            tmp_path,
+            "--workers",
+            "1",
+            "--overload-seqs",
+            "2",
+            "--overload-s",
+            "6",
+            "--calibrate-rounds",
+            "4",
+            "--overload-variants",
+            "admission",
+            "--policy",
+            "round_robin",
+            *extra,
+        )
+    )["admission"]
 
 
 @pytest.mark.slow
@@ -49,8 +65,13 @@ def test_overload_slo_goodput_rejects_predicted_misses(tmp_path):
     """With queues unbounded only the policy stands between the worker and a growing queue:
     slo_goodput answers 429 for requests it predicts to miss their SLOs (it admitted every one
     before, while their TTFT grew to 12x the SLO)."""
-    run = overload(tmp_path, "--policy", "slo_goodput", "--gateway-arg=--slo-ttft-ms=1000",
-                   "--gateway-arg=--max-queue-per-worker=1000000")
+    run = overload(
+        tmp_path,
+        "--policy",
+        "slo_goodput",
+        "--gateway-arg=--slo-ttft-ms=1000",
+        "--gateway-arg=--max-queue-per-worker=1000000",
+    )
     assert run["dirty"] == 0 and run["lost"] == 0 and run["clean_error"] == 0, run["dirty_examples"]
     assert run["error_codes"].get("429 policy_rejected", 0) > 0 and run["ok"] > 0
     assert run["max_worker_waiting"] < 20

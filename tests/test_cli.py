@@ -1,6 +1,7 @@
 """The `kvgate` command line tells the truth: every flag has help with its default, docs/cli.md
 is the parsers' own --help, the README names only flags that exist, usage errors are one line
 and exit 2, and a busy port fails before anything says "serving"."""
+
 import argparse
 import re
 import socket
@@ -37,8 +38,7 @@ def test_every_flag_has_help_and_shows_its_default(command):
 
 
 def test_docs_cli_md_is_the_parsers_help():
-    assert (ROOT / "docs/cli.md").read_text() == reference(), \
-        "docs/cli.md is stale: make docs"
+    assert (ROOT / "docs/cli.md").read_text() == reference(), "docs/cli.md is stale: make docs"
 
 
 def readme_commands() -> list[tuple[str, str]]:
@@ -78,11 +78,17 @@ def test_version():
     assert r.returncode == 0 and re.fullmatch(r"kvgate \S+\n", r.stdout)
 
 
-@pytest.mark.parametrize("args,says", [
-    (["frobnicate"], "unknown command 'frobnicate'"),
-    (["bench", "frobnicate"], "usage: kvgate bench serve"),
-    (["simulate", "--policies", "frobnicate", "--rate", "1", "--out", "/tmp/never.json"], "unknown policy 'frobnicate'"),
-])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["frobnicate"], "unknown command 'frobnicate'"),
+        (["bench", "frobnicate"], "usage: kvgate bench serve"),
+        (
+            ["simulate", "--policies", "frobnicate", "--rate", "1", "--out", "/tmp/never.json"],
+            "unknown policy 'frobnicate'",
+        ),
+    ],
+)
 def test_usage_errors_are_one_line_and_exit_2(args, says):
     r = run(*args)
     assert r.returncode == 2 and r.stdout == ""
@@ -98,10 +104,13 @@ def test_an_unknown_gateway_policy_is_one_line_and_exit_2():
     assert "unknown policy 'frobnicate'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-@pytest.mark.parametrize("command", [
-    ["worker", "--model", "smollm2-135m", "--executor", "sim"],
-    ["gateway", "--worker", "http://127.0.0.1:9"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["worker", "--model", "smollm2-135m", "--executor", "sim"],
+        ["gateway", "--worker", "http://127.0.0.1:9"],
+    ],
+)
 def test_a_busy_port_fails_before_serving(command):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

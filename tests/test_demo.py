@@ -1,5 +1,6 @@
 """`kvgate demo` (sim workers: real gateway, scheduling and caching, no model) explains every
 routing decision and compares the cache it got with round robin's on the same requests."""
+
 import re
 import subprocess
 import sys
@@ -9,8 +10,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_explains_each_routing_decision_and_compares_with_round_robin():
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", "--executor", "sim", "--max-tokens", "8"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "demo", "--executor", "sim", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "model ready" in out and "is up on http" in out  # progress while setting up
@@ -21,7 +27,10 @@ def test_demo_explains_each_routing_decision_and_compares_with_round_robin():
         seen = dict(re.findall(r"(cpu\d) (\d+)/\d+", candidates))
         assert set(seen) == {"cpu0", "cpu1"} and int(seen[chosen]) == int(predicted) <= int(prompt)
         assert int(cached) <= int(prompt)
-    m = re.search(r"served from the prefix cache: (\d+) of (\d+) .*\nround robin over cpu0, cpu1 on the same "
-                  r"requests: about (\d+)", out)
+    m = re.search(
+        r"served from the prefix cache: (\d+) of (\d+) .*\nround robin over cpu0, cpu1 on the same "
+        r"requests: about (\d+)",
+        out,
+    )
     assert m, out
     assert int(m.group(1)) > int(m.group(3)), "prefix affinity keeps each chat's history where it is cached"

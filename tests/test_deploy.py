@@ -2,6 +2,7 @@
 unit-tested with `promtool test rules`), the Kubernetes manifests against the API schemas
 (kubernetes-validate), and the compose stack's commands, mounts and scrape targets against
 what kvgate and the repository actually have."""
+
 import os
 import shlex
 import subprocess
@@ -50,12 +51,18 @@ def test_rules_are_valid_and_their_unit_tests_pass():
 
 def test_rules_use_only_exported_metrics():
     import re
+
     text = (PROM / "rules.yml").read_text()
     used = set(re.findall(r"\bkvgate_[a-z0-9_]+", text))
     assert used and not used - exported_names(), sorted(used - exported_names())
     alerts = {r["alert"] for g in yaml.safe_load(text)["groups"] for r in g["rules"] if "alert" in r}
-    assert alerts == {"KvgateWorkerDown", "KvgateSLOAttainmentLow", "KvgateIndexLag", "KvgateKVCacheExhausted",
-                      "KvgateErrorRateHigh"}
+    assert alerts == {
+        "KvgateWorkerDown",
+        "KvgateSLOAttainmentLow",
+        "KvgateIndexLag",
+        "KvgateKVCacheExhausted",
+        "KvgateErrorRateHigh",
+    }
 
 
 def k8s_docs() -> list[dict]:
@@ -67,8 +74,12 @@ def test_kubernetes_manifests_validate_against_the_api_schemas():
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert {("Deployment", "kvgate-gateway"), ("Deployment", "kvgate-worker"), ("Deployment", "redis"),
-            ("Service", "kvgate-gateway")} <= kinds
+    assert {
+        ("Deployment", "kvgate-gateway"),
+        ("Deployment", "kvgate-worker"),
+        ("Deployment", "redis"),
+        ("Service", "kvgate-gateway"),
+    } <= kinds
     gateway = next(d for d in docs if d["metadata"]["name"] == "kvgate-gateway" and d["kind"] == "Deployment")
     assert gateway["spec"]["replicas"] >= 2, "gateway replicas share Redis"
 
@@ -83,8 +94,11 @@ def test_kubernetes_commands_parse_and_scrape_config_finds_the_pods():
         args = (gateway_parser() if command == "gateway" else worker_parser()).parse_args(args)
         env = {e["name"] for e in c["env"]}
         assert {"KVGATE_REDIS_URL", "KVGATE_INTERNAL_TOKEN"} <= env, "Redis and the fleet token come by environment"
-    headless = {d["metadata"]["name"]: d["spec"]["ports"][0]["port"] for d in docs
-                if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None"}
+    headless = {
+        d["metadata"]["name"]: d["spec"]["ports"][0]["port"]
+        for d in docs
+        if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None"
+    }
     scrape = yaml.safe_load((PROM / "kubernetes.yml").read_text())["scrape_configs"]
     for job in scrape:
         sd = job["dns_sd_configs"][0]
@@ -102,8 +116,11 @@ def test_compose_stack_is_consistent_with_kvgate_and_the_repository():
             command, *args = svc["command"]
             (gateway_parser() if command == "gateway" else worker_parser()).parse_args(args)
             assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
-    ports = {n: int(s["command"][s["command"].index("--port") + 1]) for n, s in services.items()
-             if "--port" in (s.get("command") or [])}
+    ports = {
+        n: int(s["command"][s["command"].index("--port") + 1])
+        for n, s in services.items()
+        if "--port" in (s.get("command") or [])
+    }
     prom = yaml.safe_load((PROM / "prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
     assert targets == {f"{n}:{p}" for n, p in ports.items()}

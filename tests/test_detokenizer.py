@@ -1,5 +1,6 @@
 """Detokenizer: the DecodeStream path (fast tokenizers) and the windowed-decode path give the
 text `decode` gives, hold back partial characters, and cut at stop strings in the same place."""
+
 import pytest
 
 from workers.detokenizer import Detokenizer
@@ -56,7 +57,7 @@ def test_stop_strings_cut_alike_on_both_paths(tok, stop):
     pieces, stopped = stream
     full = tok.decode(out, skip_special_tokens=True)
     if stop in full:
-        assert stopped is not None and "".join(pieces) == full[:full.index(stop)]
+        assert stopped is not None and "".join(pieces) == full[: full.index(stop)]
     else:
         assert stopped is None
 
@@ -82,12 +83,14 @@ def byte_fallback_tokenizer():
     """A Llama-2-style tokenizer (byte fallback, `▁` for spaces) built in place."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
+
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
     for t in ("▁", "a", "▁a"):
         vocab[t] = len(vocab)
     tk = Tokenizer(models.BPE(vocab, [], byte_fallback=True, unk_token="<unk>"))
-    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tk, clean_up_tokenization_spaces=False), vocab
 
 

@@ -1,4 +1,5 @@
 """The engine under faults, in process: a step that raises, a loop that breaks, a dead thread."""
+
 import threading
 
 import pytest
@@ -56,8 +57,11 @@ def test_step_exception_fails_that_steps_requests_only():
 def test_request_not_in_the_failing_step_is_unaffected():
     eng = sim_engine(max_num_seqs=1)
     real = eng.executor.execute
-    eng.executor.execute = lambda chunks: (_ for _ in ()).throw(RuntimeError("boom")) if any(
-        c.token_ids[0] == 777 and c.start_pos == 0 for c in chunks) else real(chunks)
+    eng.executor.execute = lambda chunks: (
+        (_ for _ in ()).throw(RuntimeError("boom"))
+        if any(c.token_ids[0] == 777 and c.start_pos == 0 for c in chunks)
+        else real(chunks)
+    )
     out = Outputs(2)
     eng.submit("first", [10, 11], params(3), out.sink)
     eng.submit("bad", [777, 1], params(3), out.sink)  # waits: one sequence at a time

@@ -1,4 +1,5 @@
 """The example third-party policy, loaded the ways a plugin author would load it."""
+
 from pathlib import Path
 
 from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView, Route, WorkerView
@@ -9,8 +10,7 @@ FILE_SPEC = f"{ROOT / 'examples' / 'sticky_session.py'}:StickySession"
 
 
 def req(session: str | None = None, n: int = 256) -> RequestView:
-    return RequestView(request_id="r", num_tokens=n, block_hashes=tuple(range(n // 16)),
-                       session_id=session)
+    return RequestView(request_id="r", num_tokens=n, block_hashes=tuple(range(n // 16)), session_id=session)
 
 
 def fleet(n: int = 8, role: str = MIXED) -> FleetView:

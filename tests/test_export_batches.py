@@ -1,5 +1,6 @@
 """P/D block-batch export: a prefill that takes several steps hands its blocks to the exporter
 in batches of at least `export_batch_blocks` as they are computed, as one unbroken chain."""
+
 import pytest
 
 from tests.sim_engine import drain, sim_engine
@@ -18,14 +19,20 @@ def exported(batch_blocks: int, prompt_len: int = 100) -> tuple[list[tuple[int, 
         assert all(eng.pool.blocks[i].ref_count > 0 for i in ids), "blocks are held while exported"
         calls.append((len(hs), parent))
         hashes.extend(hs)
-    eng.submit("r", list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=1, temperature=0),
-               lambda out: None, detokenize=False, export=export)
+
+    eng.submit(
+        "r",
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(max_tokens=1, temperature=0),
+        lambda out: None,
+        detokenize=False,
+        export=export,
+    )
     drain(eng)
     return calls, hashes, eng
 
 
-@pytest.mark.parametrize("batch, sizes", [(0, [25]), (4, [8, 8, 8, 1]), (8, [8, 8, 8, 1]), (9, [16, 9]),
-                                          (100, [25])])
+@pytest.mark.parametrize("batch, sizes", [(0, [25]), (4, [8, 8, 8, 1]), (8, [8, 8, 8, 1]), (9, [16, 9]), (100, [25])])
 def test_batches_follow_prefill_steps_and_form_one_chain(batch, sizes):
     calls, hashes, eng = exported(batch)
     assert [n for n, _ in calls] == sizes

@@ -6,6 +6,7 @@ CUDA the decode steps replay CUDA graphs, and graph replay is also held against 
 path across batch sizes that pad a bucket. On CPU the kernels run in Triton's interpreter in a
 spawned child (tests/test_kernels.py says why), without graphs.
 """
+
 import importlib.util
 import multiprocessing
 import random
@@ -23,12 +24,20 @@ DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
-def fast_greedy(path: str, prompts: list[list[int]], tables: list[list[int]], chunk: int | None = None,
-                starts: list[int] | None = None, eager: bool = not CUDA) -> list[list[int]]:
+def fast_greedy(
+    path: str,
+    prompts: list[list[int]],
+    tables: list[list[int]],
+    chunk: int | None = None,
+    starts: list[int] | None = None,
+    eager: bool = not CUDA,
+) -> list[list[int]]:
     """Greedy tokens from a kernel-path runner (graphs unless `eager`)."""
     from workers.executors.torch_runner import TorchRunner
-    runner = TorchRunner(path, NUM_BLOCKS, BLOCK, DEVICE, torch.float32, kernels=True, enforce_eager=eager,
-                         max_num_seqs=32)
+
+    runner = TorchRunner(
+        path, NUM_BLOCKS, BLOCK, DEVICE, torch.float32, kernels=True, enforce_eager=eager, max_num_seqs=32
+    )
     assert (runner.graphs is None) == eager
     return run_greedy(runner, prompts, tables, chunk=chunk, starts=starts)
 
@@ -55,7 +64,7 @@ def test_batch_chunked_shuffled_matches_hf(name, checkpoints, run):
     prompts = [_prompt(rng, n) for n in (1, 5, 12, 21)]
     ids = list(range(NUM_BLOCKS))
     rng.shuffle(ids)
-    tables = [ids[i * 8:(i + 1) * 8] for i in range(len(prompts))]
+    tables = [ids[i * 8 : (i + 1) * 8] for i in range(len(prompts))]
     assert run(fast_greedy, str(path), prompts, tables, 7) == [hf_greedy(hf, p) for p in prompts]
 
 
@@ -65,7 +74,7 @@ def test_reads_a_cached_prefix(name, checkpoints, run):
     path, hf = checkpoints[name]
     rng = random.Random(3)
     a = _prompt(rng, 2 * BLOCK + 3)
-    b = a[:2 * BLOCK] + _prompt(rng, 5)
+    b = a[: 2 * BLOCK] + _prompt(rng, 5)
     table_a, fresh = [17, 3, 40, 8, 61, 25], [9, 52, 30, 71]
     got = run(fast_greedy, str(path), [a, b], [table_a, table_a[:2] + fresh], None, [0, 2 * BLOCK])
     assert got == [hf_greedy(hf, a), hf_greedy(hf, b)]
@@ -94,6 +103,7 @@ def test_engine_overlapping_graph_steps_matches_cpu_engine(blocks, checkpoints):
     from tests.test_overlap import run, workload
     from workers.engine import Engine, EngineConfig
     from workers.executors.torch_runner import TorchRunner
+
     path, _ = checkpoints["qwen2-bias-gqa2"]
 
     def engine(overlap: bool) -> Engine:
@@ -102,5 +112,6 @@ def test_engine_overlapping_graph_steps_matches_cpu_engine(blocks, checkpoints):
         assert eng._overlap
         eng._overlap = overlap
         return eng
+
     requests = workload(4, 512)
     assert run(engine(True), requests) == run(engine(False), requests)

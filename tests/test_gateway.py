@@ -1,4 +1,5 @@
 """The gateway as users run it: real gateway and sim-worker processes on loopback."""
+
 import json
 import random
 import time
@@ -11,8 +12,10 @@ from gateway.procs import Worker, free_port, start_gateway, stop_all, wait_for
 from workers.model_store import load_tokenizer
 
 MODEL = "smollm2-135m"
-WORDS = ("the of cache block model token worker gateway prefix decode prefill route fleet queue "
-         "latency memory page hash batch stream chunk event index policy replica").split()
+WORDS = (
+    "the of cache block model token worker gateway prefix decode prefill route fleet queue "
+    "latency memory page hash batch stream chunk event index policy replica"
+).split()
 
 
 def text(rng: random.Random, n: int) -> str:
@@ -79,10 +82,13 @@ def test_non_streaming_passes_through_with_routing_headers(fleet):
 
 
 def test_streaming_passes_chat_events_through(fleet):
-    body = {"messages": [{"role": "user", "content": "Stream me forty tokens"}], "max_tokens": 40,
-            "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", fleet["pa"].url + "/v1/chat/completions", json={"model": MODEL, **body},
-                      timeout=60) as r:
+    body = {
+        "messages": [{"role": "user", "content": "Stream me forty tokens"}],
+        "max_tokens": 40,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", fleet["pa"].url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-kvgate-worker"] and r.headers["x-kvgate-policy"] == "prefix_affinity"
         events = sse_events(r)
@@ -134,9 +140,14 @@ def test_models_health_and_metrics(fleet):
     assert httpx.get(url + "/health").json()["healthy"] == 4
     complete(url, {"prompt": "count me", "max_tokens": 2})
     metrics = httpx.get(url + "/metrics").text
-    for name in ("kvgate_gateway_requests_total", "kvgate_gateway_decision_seconds_bucket",
-                 "kvgate_gateway_predicted_cached_tokens_total", "kvgate_gateway_actual_cached_tokens_total",
-                 "kvgate_gateway_time_to_first_token_seconds_bucket", "kvgate_gateway_worker_healthy"):
+    for name in (
+        "kvgate_gateway_requests_total",
+        "kvgate_gateway_decision_seconds_bucket",
+        "kvgate_gateway_predicted_cached_tokens_total",
+        "kvgate_gateway_actual_cached_tokens_total",
+        "kvgate_gateway_time_to_first_token_seconds_bucket",
+        "kvgate_gateway_worker_healthy",
+    ):
         assert name in metrics
     assert 'status="200"' in metrics and 'status="404"' in metrics
 
@@ -145,8 +156,13 @@ def test_gateway_tokens_and_hashes_are_the_workers(fleet, tokenizer):
     """The gateway's token ids and block hashes for a chat and a text prompt name exactly the
     blocks the worker cached, and its predicted cached tokens equal the worker's report."""
     rng = random.Random(11)
-    chat = {"messages": [{"role": "system", "content": text(rng, 60)},
-                         {"role": "user", "content": "Ünïcode ✓ and " + text(rng, 80)}], "max_tokens": 2}
+    chat = {
+        "messages": [
+            {"role": "system", "content": text(rng, 60)},
+            {"role": "user", "content": "Ünïcode ✓ and " + text(rng, 80)},
+        ],
+        "max_tokens": 2,
+    }
     plain = {"prompt": text(rng, 150), "max_tokens": 2}
     for body, kind, path in ((chat, "chat", "/v1/chat/completions"), (plain, "completion", "/v1/completions")):
         prep = tokenizer.prepare({"model": MODEL, **body}, kind, 8192)
@@ -159,6 +175,7 @@ def test_gateway_tokens_and_hashes_are_the_workers(fleet, tokenizer):
         def repeat():
             r = complete(fleet["pa"].url, body, path=path)
             return r if int(r.headers["x-kvgate-predicted-cached-tokens"]) else None
+
         again = wait_for(repeat, timeout=30, interval=0.1, what="residency to reach the gateway")
         assert again.headers["x-kvgate-worker"] == worker.worker_id
         predicted = int(again.headers["x-kvgate-predicted-cached-tokens"])
@@ -191,21 +208,30 @@ def test_prefix_affinity_caches_3x_more_than_round_robin(fleet):
 
 def test_client_disconnect_aborts_the_upstream_request(fleet):
     url = fleet["rr"].url
-    with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "never ending", "max_tokens": 5000, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "never ending", "max_tokens": 5000, "stream": True},
+    ) as r:
         worker = next(w for w in fleet["workers"] if w.worker_id == r.headers["x-kvgate-worker"])
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass
         assert worker.state()["running"] == 1
-    wait_for(lambda: worker.state()["running"] == 0, timeout=30,
-             what="the worker to abort the request")
+    wait_for(lambda: worker.state()["running"] == 0, timeout=30, what="the worker to abort the request")
     # non-streaming: 5000 tokens would take the sim ~20 s; the client gives up after 0.5 s
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "never ending", "max_tokens": 5000},
-                   timeout=httpx.Timeout(10, read=0.5))
-    wait_for(lambda: all(w.state()["running"] == 0 for w in fleet["workers"]),
-             timeout=30, what="the workers to abort the request")
+        httpx.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "never ending", "max_tokens": 5000},
+            timeout=httpx.Timeout(10, read=0.5),
+        )
+    wait_for(
+        lambda: all(w.state()["running"] == 0 for w in fleet["workers"]),
+        timeout=30,
+        what="the workers to abort the request",
+    )
 
 
 @pytest.mark.slow
@@ -213,8 +239,10 @@ def test_worker_killed_mid_stream_fails_only_that_stream(procs):
     gw, workers = procs["kill"], [w for w in procs["doomed"] if w.alive]
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "stream": True}
     with httpx.Client(timeout=30) as c, httpx.Client(timeout=30) as c2:
-        with c.stream("POST", gw.url + "/v1/completions", json=body) as doomed, \
-                c2.stream("POST", gw.url + "/v1/completions", json=body) as other:
+        with (
+            c.stream("POST", gw.url + "/v1/completions", json=body) as doomed,
+            c2.stream("POST", gw.url + "/v1/completions", json=body) as other,
+        ):
             victim = next(w for w in workers if w.worker_id == doomed.headers["x-kvgate-worker"])
             assert other.headers["x-kvgate-worker"] != victim.worker_id
             doomed_lines, other_lines = doomed.iter_lines(), other.iter_lines()
@@ -236,8 +264,10 @@ def test_connection_refused_is_retried_on_another_worker(procs):
     """A worker that dies between health polls costs a retry, not an error."""
     gw, victim = procs["kill"], next(w for w in procs["doomed"] if w.alive)
     victim.kill()
-    answers = [httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                          timeout=30) for _ in range(3)]
+    answers = [
+        httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        for _ in range(3)
+    ]
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert all(r.headers["x-kvgate-worker"] != victim.worker_id for r in answers)
 
@@ -259,17 +289,22 @@ def test_gateway_tokenizer_loads_without_torch_and_matches_auto_tokenizer():
     tokenizer it loads instead must give AutoTokenizer's ids and chat text."""
     import subprocess
     import sys
-    code = ("import sys; from workers.model_store import load_tokenizer; load_tokenizer('smollm2-135m'); "
-            "print('torch' in sys.modules)")
+
+    code = (
+        "import sys; from workers.model_store import load_tokenizer; load_tokenizer('smollm2-135m'); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     from transformers import AutoTokenizer
     from workers.model_store import resolve
+
     auto = AutoTokenizer.from_pretrained(str(resolve(MODEL, tokenizer_only=True)))
     ours = load_tokenizer(MODEL)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo <|im_end|> wörld"}]
-    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
     for text in ("plain text", " leading space\nnew line\t tab", "emoji 🎉 and 中文", "<|im_start|>user"):
         assert ours.encode(text) == auto.encode(text)
     assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)

@@ -5,6 +5,7 @@ Faults are real: workers are SIGKILLed or SIGSTOPped, and `bench.fault_worker` (
 worker whose executor misbehaves on marked prompts) stops or freezes its engine thread behind
 a live HTTP server.
 """
+
 import concurrent.futures as cf
 import json
 import signal
@@ -21,8 +22,20 @@ MODEL = "smollm2-135m"
 
 def start_fault_worker(name: str, log_dir: str, extra: tuple[str, ...] = ()) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "bench.fault_worker", "--model", MODEL, "--executor", "sim",
-            "--port", str(port), "--worker-id", name, *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.fault_worker",
+        "--model",
+        MODEL,
+        "--executor",
+        "sim",
+        "--port",
+        str(port),
+        "--worker-id",
+        name,
+        *extra,
+    ]
     return Proc(name, argv, port, log_dir)
 
 
@@ -34,8 +47,11 @@ def slow_profile(tmp_path, base_ms: float = 20.0) -> str:
 
 
 def complete(url: str, prompt, max_tokens: int = 4, timeout: float = 60, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=timeout, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra})
+    return httpx.post(
+        url + "/v1/completions",
+        timeout=timeout,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra},
+    )
 
 
 def stream(url: str, prompt, max_tokens: int = 4, timeout: float = 60) -> tuple[int, dict, list[str]]:
@@ -75,10 +91,26 @@ def procs(tmp_path_factory):
         urls = [w.url for w in faulty]
         gateways = {  # after the workers: a gateway polling once a minute must find them up at once
             "live": start_gateway(urls, "round_robin", name="gw-live", log_dir=logs),
-            "blind": start_gateway(urls, "round_robin", name="gw-blind", log_dir=logs, extra=[
-                "--health-interval", "60", "--engine-stall-s", "1000",
-                "--upstream-first-byte-timeout", "0.5", "--upstream-idle-timeout", "0.5",
-                "--breaker-failures", "2", "--breaker-cooldown-s", "3"]),
+            "blind": start_gateway(
+                urls,
+                "round_robin",
+                name="gw-blind",
+                log_dir=logs,
+                extra=[
+                    "--health-interval",
+                    "60",
+                    "--engine-stall-s",
+                    "1000",
+                    "--upstream-first-byte-timeout",
+                    "0.5",
+                    "--upstream-idle-timeout",
+                    "0.5",
+                    "--breaker-failures",
+                    "2",
+                    "--breaker-cooldown-s",
+                    "3",
+                ],
+            ),
         }
         procs += list(gateways.values())
         for g in gateways.values():
@@ -121,15 +153,15 @@ def test_dead_engine_is_taken_out(procs):
     """A worker whose engine thread died still answers /state, but is no candidate: every
     request through the gateway is served by the other worker."""
     doomed = start_fault_worker("doomed", procs["logs"]).wait_ready(timeout=180)
-    gw = start_gateway([doomed.url, procs["faulty"][1].url], "round_robin", name="gw-dead-engine",
-                       log_dir=procs["logs"])
+    gw = start_gateway(
+        [doomed.url, procs["faulty"][1].url], "round_robin", name="gw-dead-engine", log_dir=procs["logs"]
+    )
     try:
         gw.wait_ready("/v1/models")
         wait_for(lambda: healthy(gw) == 2, what="2 healthy workers")
         with cf.ThreadPoolExecutor(1) as pool:
             pool.submit(complete, doomed.url, [fw.DIE, 1, 2], 1, timeout=5)
-            wait_for(lambda: doomed.state()["engine_alive"] is False,
-                     what="the engine to die")
+            wait_for(lambda: doomed.state()["engine_alive"] is False, what="the engine to die")
         wait_for(lambda: healthy(gw) == 1, timeout=10, what="the dead engine to leave the candidates")
         answers = [complete(gw.url, [30 + i, 31]) for i in range(4)]
         assert all(r.status_code == 200 and r.headers["x-kvgate-worker"] == "f1" for r in answers)
@@ -139,8 +171,10 @@ def test_dead_engine_is_taken_out(procs):
 
 def busy_worker(gw: Proc, workers: list[Proc]) -> Proc:
     """The one of `workers` the gateway has a request open on."""
+
     def find():
         return next((w for w in workers if metric(gw.url, "kvgate_gateway_in_flight", worker=w.name)), None)
+
     return wait_for(find, what="a worker holding the request")
 
 
@@ -193,8 +227,12 @@ def test_frozen_worker_times_out_and_its_breaker_opens(procs):
         assert status == 200 and headers["x-kvgate-worker"] == "f1"
     assert metric(gw.url, "kvgate_gateway_retries_total", stage="timeout") == 2
     assert metric(gw.url, "kvgate_gateway_upstream_failures_total", worker="f0") == 2
-    served = wait_for(lambda: complete(gw.url, [50, 51]).headers["x-kvgate-worker"] == "f0", timeout=20,
-                      interval=0.3, what="f0 to serve again after its breaker's cooldown")
+    served = wait_for(
+        lambda: complete(gw.url, [50, 51]).headers["x-kvgate-worker"] == "f0",
+        timeout=20,
+        interval=0.3,
+        what="f0 to serve again after its breaker's cooldown",
+    )
     assert served
 
 
@@ -203,8 +241,7 @@ def test_stream_that_falls_silent_ends_with_an_error_event(procs):
     after the 0.5 s idle timeout, not a hang."""
     gw, faulty = procs["blind"], procs["faulty"]
     body = {"model": MODEL, "prompt": [60, 61], "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with cf.ThreadPoolExecutor(1) as pool, httpx.stream("POST", gw.url + "/v1/completions", json=body,
-                                                        timeout=30) as r:
+    with cf.ThreadPoolExecutor(1) as pool, httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         next(ln for ln in lines if ln.startswith("data: "))
         frozen = freeze(pool, next(w for w in faulty if w.name == r.headers["x-kvgate-worker"]))
@@ -223,8 +260,13 @@ def test_a_request_goes_to_at_most_max_retries_more_workers(tmp_path):
     try:
         for w in workers:
             w.ready()
-        gw = start_gateway([w.url for w in workers], "round_robin", name="gw-retries", log_dir=logs,
-                           extra=["--health-interval", "60", "--max-retries", "2", "--breaker-failures", "100"])
+        gw = start_gateway(
+            [w.url for w in workers],
+            "round_robin",
+            name="gw-retries",
+            log_dir=logs,
+            extra=["--health-interval", "60", "--max-retries", "2", "--breaker-failures", "100"],
+        )
         gw.wait_ready("/v1/models")
         wait_for(lambda: healthy(gw) == 4, what="4 healthy workers")
         for w in workers:

@@ -1,5 +1,6 @@
 """Admission control and client limits at the gateway: queue bounds answered with 503 and
 Retry-After, slow or idle clients timed out, a connection cap; real processes on loopback."""
+
 import concurrent.futures as cf
 import json
 import socket
@@ -22,14 +23,26 @@ def procs(tmp_path_factory):
     logs = str(tmp)
     worker = Worker(worker_id="w", log_dir=logs, extra=("--max-num-seqs", "1", "--sim-profile", slow_profile(tmp)))
     gateways = {
-        "queue": start_gateway([worker.url], "round_robin", name="gw-queue", log_dir=logs,
-                               extra=["--max-queue-per-worker", "2", "--retry-after-s", "2"]),
-        "pending": start_gateway([worker.url], "round_robin", name="gw-pending", log_dir=logs,
-                                 extra=["--max-pending", "2"]),
-        "slow": start_gateway([worker.url], "round_robin", name="gw-slow", log_dir=logs,
-                              extra=["--client-header-timeout", "1", "--client-body-timeout", "1"]),
-        "cap": start_gateway([worker.url], "round_robin", name="gw-cap", log_dir=logs,
-                             extra=["--max-connections", "3"]),
+        "queue": start_gateway(
+            [worker.url],
+            "round_robin",
+            name="gw-queue",
+            log_dir=logs,
+            extra=["--max-queue-per-worker", "2", "--retry-after-s", "2"],
+        ),
+        "pending": start_gateway(
+            [worker.url], "round_robin", name="gw-pending", log_dir=logs, extra=["--max-pending", "2"]
+        ),
+        "slow": start_gateway(
+            [worker.url],
+            "round_robin",
+            name="gw-slow",
+            log_dir=logs,
+            extra=["--client-header-timeout", "1", "--client-body-timeout", "1"],
+        ),
+        "cap": start_gateway(
+            [worker.url], "round_robin", name="gw-cap", log_dir=logs, extra=["--max-connections", "3"]
+        ),
     }
     try:
         worker.ready()
@@ -42,8 +55,11 @@ def procs(tmp_path_factory):
 
 
 def complete(url: str, max_tokens: int = 3) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True})
+    return httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True},
+    )
 
 
 def assert_refused(r: httpx.Response, status: int, code: str) -> None:
@@ -128,8 +144,10 @@ def test_a_silent_connection_is_closed(procs):
 
 def test_a_trickling_body_gets_408_and_is_closed(procs):
     with connect(procs["slow"].url) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: 100\r\n\r\n{\"model\":")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"model":'
+        )
         answer = read_all(s)
     assert answer.startswith(b"HTTP/1.1 408")
     url = procs["slow"].url

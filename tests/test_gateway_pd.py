@@ -3,6 +3,7 @@
 Real torch workers (a tiny random Llama) as prefill, decode and a mixed reference; the gateway
 runs slo_goodput with a low disaggregation threshold.
 """
+
 import json
 
 import httpx
@@ -21,9 +22,22 @@ def pd_fleet(tiny_llama, tmp_path_factory):
     p = Worker("torch", "pd-p", extra=("--role", "prefill", *SECRET), model=model, log_dir=logs)
     d = Worker("torch", "pd-d", extra=("--role", "decode", *SECRET), model=model, log_dir=logs)
     m = Worker("torch", "pd-m", extra=SECRET, model=model, log_dir=logs)
-    gw = start_gateway([p.url, d.url], "slo_goodput", log_dir=logs, extra=[
-        *SECRET, "--model", model, "--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000",
-        "--slo-tpot-ms", "60000"])
+    gw = start_gateway(
+        [p.url, d.url],
+        "slo_goodput",
+        log_dir=logs,
+        extra=[
+            *SECRET,
+            "--model",
+            model,
+            "--pd-min-uncached-tokens",
+            "64",
+            "--slo-ttft-ms",
+            "60000",
+            "--slo-tpot-ms",
+            "60000",
+        ],
+    )
     try:
         for w in (p, d, m):
             w.ready()
@@ -35,8 +49,16 @@ def pd_fleet(tiny_llama, tmp_path_factory):
 
 
 def ask(url, model, ids, stream=False, max_tokens=8):
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": stream, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+        "stream_options": {"include_usage": True},
+    }
     if not stream:
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -81,9 +103,12 @@ def test_short_uncached_part_stays_on_the_decode_worker(pd_fleet):
 def test_no_blocks_leak_on_either_side(pd_fleet):
     f = pd_fleet
     for w in (f["p"], f["d"]):
-        wait_for(lambda: (lambda s: s["running"] == s["waiting"] == s["pending_kv"] == 0
-                          and s["free_blocks"] == s["total_blocks"])(w.state()),
-                 what=f"{w.name} drained")
+        wait_for(
+            lambda: (
+                lambda s: s["running"] == s["waiting"] == s["pending_kv"] == 0 and s["free_blocks"] == s["total_blocks"]
+            )(w.state()),
+            what=f"{w.name} drained",
+        )
     metrics = httpx.get(f["gw"].url + "/metrics").text
     assert f'kvgate_gateway_prefill_legs_total{{model="{f["model"]}",outcome="ok",worker="pd-p"}}' in metrics
 
@@ -96,11 +121,16 @@ def test_routing_quality_counts_each_leg_of_a_pd_request(pd_fleet):
     text = httpx.get(f["gw"].url + "/metrics").text
 
     def counted(name: str, worker: str, leg: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"kvgate_gateway_{name}_total{{") and f'worker="{worker}"' in line
-                   and f'leg="{leg}"' in line)
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"kvgate_gateway_{name}_total{{")
+            and f'worker="{worker}"' in line
+            and f'leg="{leg}"' in line
+        )
 
-    prompt_tokens, predicted, actual = (counted(n, "pd-d", "decode") for n in
-                                        ("prompt_tokens", "predicted_cached_tokens", "actual_cached_tokens"))
+    prompt_tokens, predicted, actual = (
+        counted(n, "pd-d", "decode") for n in ("prompt_tokens", "predicted_cached_tokens", "actual_cached_tokens")
+    )
     assert prompt_tokens >= 300 and predicted == actual > 0.9 * prompt_tokens
     assert counted("prompt_tokens", "pd-p", "prefill") >= 300

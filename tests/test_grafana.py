@@ -1,4 +1,5 @@
 """The dashboard only charts metrics that the gateway and workers really export."""
+
 import json
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ def exported_names() -> set[str]:
     from gateway.fleet import Fleet
     from gateway.index import ResidencyIndex
     from gateway.metrics import GatewayMetrics
+
     eng = sim_engine()
     eng.submit("r", [3, 4, 5], SamplingParams(max_tokens=2), lambda o: None)
     drain(eng)
@@ -42,8 +44,14 @@ def test_dashboard_has_the_operator_panels_and_variables():
     variables = {v["name"] for v in dash["templating"]["list"]}
     assert variables == {"datasource", "model", "worker", "gateway"}
     titles = {p["title"] for p in dash["panels"]}
-    for wanted in ("SLO attainment", "Goodput", "Routing quality per worker: predicted vs actual hit ratio",
-                   "Routing quality per policy: predicted vs actual hit ratio", "Residency index lag", "Errors/s"):
+    for wanted in (
+        "SLO attainment",
+        "Goodput",
+        "Routing quality per worker: predicted vs actual hit ratio",
+        "Routing quality per policy: predicted vs actual hit ratio",
+        "Residency index lag",
+        "Errors/s",
+    ):
         assert wanted in titles
     for p in dash["panels"]:
         assert p["description"] and p["datasource"]["uid"] == "${datasource}"

@@ -1,6 +1,7 @@
 """The host tier (workers/kv/host_pool.py): evicted device blocks spill to host slots by hash and
 come back on a prefix hit. Residency and copies are checked against a shadow of the bytes under
 random operations; a device -> host -> device round trip gives transformers' greedy output."""
+
 import functools
 
 import pytest
@@ -66,8 +67,10 @@ def replay(events, medium: str) -> set[int]:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "reg", "load", "clear"]), st.integers(0, 6)),
-                max_size=80), st.integers(0, 5))
+@given(
+    st.lists(st.tuples(st.sampled_from(["alloc", "free", "reg", "load", "clear"]), st.integers(0, 6)), max_size=80),
+    st.integers(0, 5),
+)
 def test_tiers_keep_totals_and_never_serve_a_block_whose_slot_was_reused(ops, num_slots):
     """A shadow of every device block's and host slot's bytes follows the queued copies; a block
     loaded from host must then hold its hash's tokens, and both tiers' counts add up."""
@@ -132,9 +135,13 @@ def hf_greedy(path: str, prompt: tuple[int, ...]) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "smollm2"])
@@ -144,8 +151,9 @@ def model_path(request, tiny_llama) -> str:
 
 def run(engine: Engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
     outs: list = []
-    engine.submit(rid, prompt, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                  outs.append, detokenize=False)
+    engine.submit(
+        rid, prompt, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True), outs.append, detokenize=False
+    )
     while engine.has_work():
         engine.step()
     return [t for o in outs for t in o.token_ids], outs[-1].num_cached
@@ -163,8 +171,8 @@ def test_round_trip_through_host_matches_transformers(model_path):
     engine = Engine(runner, tok, EngineConfig("m", block, blocks, 64, 8, host_blocks=32))
     first, cached = run(engine, "a1", a)
     assert cached == 0
-    hashes = block_hashes(a, block, engine.kv.seed)[:(len(a) - 1) // block]
-    chunks = [tuple(a[i * block:(i + 1) * block]) for i in range(len(hashes))]
+    hashes = block_hashes(a, block, engine.kv.seed)[: (len(a) - 1) // block]
+    chunks = [tuple(a[i * block : (i + 1) * block]) for i in range(len(hashes))]
     before = {h: runner.read_blocks([engine.pool.lookup(h, t).block_id]).clone() for h, t in zip(hashes, chunks)}
     run(engine, "b", b)
     spilled = [h for h, t in zip(hashes, chunks) if engine.pool.lookup(h, t) is None]

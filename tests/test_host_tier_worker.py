@@ -1,6 +1,7 @@
 """A worker started with --host-kv-gb (sim executor, a test-started redis-server): evicted blocks
 show in its host tier, in /state, /kv/snapshot and Redis' per-tier set, and a prompt whose blocks
 were evicted is a cache hit again."""
+
 import random
 
 import httpx
@@ -32,12 +33,18 @@ def test_a_worker_spills_to_host_publishes_both_tiers_and_hits_from_host(tmp_pat
         for p in prompts:
             complete(w.url, p)
         state = w.state()
-        assert state["host_blocks"] == int(0.05 * 2**30) // (16 * 36864) and state["host_free_blocks"] < state["host_blocks"]
+        assert (
+            state["host_blocks"] == int(0.05 * 2**30) // (16 * 36864)
+            and state["host_free_blocks"] < state["host_blocks"]
+        )
         snap = w.internal("/kv/snapshot").json()
         assert snap["tiers"][HOST], "the first prompts' blocks were evicted into the host tier"
         r = redis.Redis(port=server.port)
-        wait_for(lambda: int(r.get(rs.seq_key(MODEL, "t0")) or 0) == snap["seq"], timeout=30,
-                 what="the worker's events in redis")
+        wait_for(
+            lambda: int(r.get(rs.seq_key(MODEL, "t0")) or 0) == snap["seq"],
+            timeout=30,
+            what="the worker's events in redis",
+        )
         assert {int(h) for h in r.smembers(rs.resident_key(MODEL, "t0", HOST))} == set(snap["tiers"][HOST])
         assert {int(h) for h in r.smembers(rs.resident_key(MODEL, "t0"))} == set(snap["hashes"])
         again = complete(w.url, prompts[0])

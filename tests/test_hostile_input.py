@@ -2,6 +2,7 @@
 tokenizer) on loopback: 4xx, never 5xx; body size limit before reading; gateway-owned request
 ids; no client `kv_transfer`; every answer leaves a usable keep-alive connection, and a 5xx
 says `Connection: close`."""
+
 import http.client
 import json
 import os
@@ -75,12 +76,24 @@ HOSTILE = [
     ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400),
     ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 1e999}', 400),
     ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": NaN}', 400),
-    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    (
+        "/v1/completions",
+        b'{"model": "smollm2-135m", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+    ),
     ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi\\ud800", "max_tokens": 2}', 400),
     ("/v1/completions", b'{"model": "x\\ud800", "prompt": "hi"}', 400),
     ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400),
-    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "top_k": 1' + b"0" * 309 + b"}", 400),
-    ("/v1/completions", b'{"model": "smollm2-135m", "prompt": [1000000000000000000000000000000], "max_tokens": 2}', 400),
+    (
+        "/v1/completions",
+        b'{"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "top_k": 1' + b"0" * 309 + b"}",
+        400,
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "smollm2-135m", "prompt": [1000000000000000000000000000000], "max_tokens": 2}',
+        400,
+    ),
     ("/v1/chat/completions", raw_json({"messages": [{"role": 5, "content": "x"}]}), 400),
     ("/v1/chat/completions", raw_json({"messages": [{"role": "user", "content": 5}]}), 400),
     ("/v1/completions", raw_json({"prompt": "hi", "stream_options": 5, "max_tokens": 2}), 400),
@@ -90,12 +103,21 @@ HOSTILE = [
 # standard OpenAI shapes that were 500s before
 VALID_CHATS = [
     [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "a KV cache?"}]}],
-    [{"role": "user", "content": "weather in Oslo?"},
-     {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                           "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
-     {"role": "tool", "tool_call_id": "c1", "content": "12 C"}],
-    [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
-     {"role": "function", "name": "weather", "content": "12 C"}],
+    [
+        {"role": "user", "content": "weather in Oslo?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "12 C"},
+    ],
+    [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "function", "name": "weather", "content": "12 C"},
+    ],
 ]
 
 
@@ -117,16 +139,22 @@ def test_hostile_bodies_are_400s_on_one_kept_alive_connection(fleet, target):
 
 @pytest.mark.parametrize("messages", VALID_CHATS)
 def test_openai_chat_shapes_that_used_to_fail_are_served(fleet, messages):
-    r = httpx.post(fleet["gw"].url + "/v1/chat/completions", timeout=60,
-                   json={"model": MODEL, "messages": messages, "max_tokens": 3})
+    r = httpx.post(
+        fleet["gw"].url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": MODEL, "messages": messages, "max_tokens": 3},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_client_kv_transfer_is_refused_at_the_gateway(fleet):
     for kv in ({"wait_ms": 60000}, {"export_to": "http://127.0.0.1:9/steal"}, None):
-        r = httpx.post(fleet["gw"].url + "/v1/completions", timeout=10,
-                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "kv_transfer": kv})
+        r = httpx.post(
+            fleet["gw"].url + "/v1/completions",
+            timeout=10,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "kv_transfer": kv},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer", r.text
 
 
@@ -143,8 +171,11 @@ def status_of(s: socket.socket) -> int:
 
 def test_a_body_past_the_limit_is_refused_before_it_is_read(fleet):
     """Content-Length says 100 MB and only a few bytes follow: the 413 comes without the rest."""
-    s = send_head(fleet["gw"].url, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                                   b"content-length: 104857600\r\n\r\n{\"prompt\": \"")
+    s = send_head(
+        fleet["gw"].url,
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 104857600\r\n\r\n{"prompt": "',
+    )
     try:
         assert status_of(s) == 413
     finally:
@@ -152,8 +183,11 @@ def test_a_body_past_the_limit_is_refused_before_it_is_read(fleet):
 
 
 def test_a_chunked_body_is_refused_once_it_passes_the_limit(fleet):
-    s = send_head(fleet["gw"].url, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                                   b"transfer-encoding: chunked\r\n\r\n")
+    s = send_head(
+        fleet["gw"].url,
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n",
+    )
     chunk = b"x" * 65536
     try:
         sent = 0
@@ -195,9 +229,17 @@ def test_prompts_past_the_context_are_refused_without_tokenizing_them(fleet):
     assert len(big) < DEFAULT_MAX_BODY_BYTES and len(chat) < DEFAULT_MAX_BODY_BYTES
     before = rss_mb(gw.popen.pid)
     with ThreadPoolExecutor(4) as pool:
-        rs = list(pool.map(lambda i: httpx.post(gw.url + ("/v1/chat/completions" if i % 2 else "/v1/completions"),
-                                                content=chat if i % 2 else big, timeout=60,
-                                                headers={"content-type": "application/json"}), range(4)))
+        rs = list(
+            pool.map(
+                lambda i: httpx.post(
+                    gw.url + ("/v1/chat/completions" if i % 2 else "/v1/completions"),
+                    content=chat if i % 2 else big,
+                    timeout=60,
+                    headers={"content-type": "application/json"},
+                ),
+                range(4),
+            )
+        )
     for r in rs:
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     grew = rss_mb(gw.popen.pid) - before
@@ -213,8 +255,12 @@ def test_the_gateway_owns_request_ids(fleet):
 
     def run(prompt: str, rid: str | None) -> httpx.Response:
         headers = {"x-request-id": rid} if rid else {}
-        return httpx.post(url, headers=headers, timeout=30, json={
-            "model": MODEL, "prompt": prompt, "max_tokens": 24, "return_token_ids": True})
+        return httpx.post(
+            url,
+            headers=headers,
+            timeout=30,
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 24, "return_token_ids": True},
+        )
 
     prompts = ["one prompt about caches", "another about routing"]
     solo = [run(p, None).json()["choices"][0]["token_ids"] for p in prompts]
@@ -280,17 +326,29 @@ def test_fuzzed_bodies_never_get_a_5xx_and_never_lose_the_connection(fleet):
 def test_a_torch_worker_refuses_out_of_range_sampling_and_serves_extreme_valid_values(tiny_llama, tmp_path):
     """`top_k: 10**309` once stopped a torch engine for good; now it is a 400 at the worker, and
     valid extremes (near-zero temperature, tiny top_p, int64 seeds, huge top_k) sample fine."""
-    w = Worker(executor="torch", worker_id="t0", model=str(tiny_llama), log_dir=str(tmp_path),
-               extra=("--num-blocks", "64", "--max-model-len", "256"))
+    w = Worker(
+        executor="torch",
+        worker_id="t0",
+        model=str(tiny_llama),
+        log_dir=str(tmp_path),
+        extra=("--num-blocks", "64", "--max-model-len", "256"),
+    )
     name = served_name(str(tiny_llama))
     try:
         w.ready()
         c = Connection(w.url)
         for field, value in (("top_k", 10**309), ("top_k", 2**31), ("seed", 2**63), ("temperature", 10**400)):
-            status, _, body = c.post("/v1/completions", json.dumps({"model": name, "prompt": "hi", field: value}).encode())
+            status, _, body = c.post(
+                "/v1/completions", json.dumps({"model": name, "prompt": "hi", field: value}).encode()
+            )
             assert status == 400 and json.loads(body)["error"]["param"] == field, body
-        for extra in ({"temperature": 1e-300}, {"top_p": 5e-324}, {"seed": -2**63}, {"top_k": 2**31 - 1},
-                      {"temperature": 1.7e308, "seed": 2**63 - 1}):
+        for extra in (
+            {"temperature": 1e-300},
+            {"top_p": 5e-324},
+            {"seed": -(2**63)},
+            {"top_k": 2**31 - 1},
+            {"temperature": 1.7e308, "seed": 2**63 - 1},
+        ):
             raw = json.dumps({"model": name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True, **extra}).encode()
             status, _, body = c.post("/v1/completions", raw)
             assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3, (extra, body)

@@ -1,4 +1,5 @@
 """CloseOn5xx and read_body on a real uvicorn server (in a thread, on a free loopback port)."""
+
 import http.client
 import json
 import threading
@@ -57,8 +58,13 @@ def serve(app) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def guarded():
-    routes = [Route("/boom", boom), Route("/late", late), Route("/unavailable", unavailable), Route("/ok", ok),
-              Route("/echo", echo, methods=["POST"])]
+    routes = [
+        Route("/boom", boom),
+        Route("/late", late),
+        Route("/unavailable", unavailable),
+        Route("/ok", ok),
+        Route("/echo", echo, methods=["POST"]),
+    ]
     server, port = serve(Starlette(routes=routes, middleware=[Middleware(CloseOn5xx)]))
     yield port
     server.should_exit = True
@@ -107,8 +113,12 @@ def test_read_body_stops_at_the_limit(guarded):
 def test_without_the_guard_uvicorn_drops_the_connection_unannounced():
     """What CloseOn5xx prevents: Starlette's error handler answers 500, re-raises, and uvicorn
     then closes the connection though the response never said so."""
-    server, port = serve(Starlette(routes=[Route("/boom", boom), Route("/ok", ok)],
-                                   exception_handlers={Exception: lambda r, e: JSONResponse({}, status_code=500)}))
+    server, port = serve(
+        Starlette(
+            routes=[Route("/boom", boom), Route("/ok", ok)],
+            exception_handlers={Exception: lambda r, e: JSONResponse({}, status_code=500)},
+        )
+    )
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         status, headers, _ = get(conn, "/boom")

@@ -1,4 +1,5 @@
 """The gateway's residency index: event application, gaps, snapshot resync, prefix matching."""
+
 import random
 
 from hypothesis import given, settings, strategies as st
@@ -74,8 +75,9 @@ def test_match_is_the_longest_contiguous_prefix_per_worker():
     assert idx.match([]) == {} and idx.match([9, 1]) == {}
 
 
-ops = st.lists(st.tuples(st.sampled_from([STORED, REMOVED, CLEARED]),
-                         st.lists(st.integers(0, 30), max_size=6)), max_size=40)
+ops = st.lists(
+    st.tuples(st.sampled_from([STORED, REMOVED, CLEARED]), st.lists(st.integers(0, 30), max_size=6)), max_size=40
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -127,5 +129,5 @@ def test_match_64_workers_512_blocks():
     hashes = block_hashes(list(range(8192)), 16, seed)
     idx = ResidencyIndex()
     for i in range(64):
-        idx.reset(f"w{i}", hashes[:8 * i + 8] + [hash((i, j)) for j in range(2000)], 0)
+        idx.reset(f"w{i}", hashes[: 8 * i + 8] + [hash((i, j)) for j in range(2000)], 0)
     assert idx.match(hashes) == {f"w{i}": 8 * i + 8 for i in range(64)}

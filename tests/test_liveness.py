@@ -1,4 +1,5 @@
 """How the gateway reads a worker's liveness from its /state: pure, no processes."""
+
 import asyncio
 
 from gateway.fleet import DRAINING, Fleet, out_of_service
@@ -27,6 +28,7 @@ def test_losing_a_worker_resolves_its_lost_future_but_draining_does_not():
         assert lost.done() and "no progress" in lost.result()
         fleet._up(w, STATE)
         assert w.available and not fleet.lost(w).done()
+
     asyncio.run(run())
 
 

@@ -1,6 +1,7 @@
 """Logprobs from the worker's engine equal HF's log-softmax of the raw logits at every position:
 the sampled token's and the top-k, on SmolLM2-135M's real weights and on a tiny random Llama,
 greedy and sampled (raw: temperature does not reshape them), with prefill cut into chunks."""
+
 import functools
 
 import pytest
@@ -42,10 +43,14 @@ def model_path(request, tiny_llama) -> str:
     return str(resolve("smollm2-135m")) if request.param == "smollm2" else str(tiny_llama)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=5),
-    SamplingParams(max_tokens=NEW, temperature=1.7, top_k=8, seed=3, ignore_eos=True, logprobs=3),
-], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=NEW, temperature=1.7, top_k=8, seed=3, ignore_eos=True, logprobs=3),
+    ],
+    ids=["greedy", "sampled"],
+)
 def test_logprobs_are_hf_log_softmax_of_the_raw_logits(model_path, params):
     tok = load_tokenizer(model_path)
     prompt = tok.encode("The capital of France is Paris, and the capital of Italy is")
@@ -70,7 +75,8 @@ def test_no_logprobs_unless_asked(tiny_llama):
 
 
 def test_zero_top_logprobs_still_reports_the_sampled_token(tiny_llama):
-    outs = engine_outputs(str(tiny_llama), [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True,
-                                                                      temperature=0.0, logprobs=0))
+    outs = engine_outputs(
+        str(tiny_llama), [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=0)
+    )
     entries = [e for o in outs for e in o.logprobs]
     assert len(entries) == 2 and all(e.top == [] and e.logprob <= 0 for e in entries)

@@ -1,6 +1,7 @@
 """Metrics an operator can trust: the exposition passes `promtool check metrics`, counters start
 at 0, TTFT is the first token's time from arrival (streaming or not), SLO outcomes are judged
 per request, and a stream's usage is read without the client seeing what it did not ask for."""
+
 import json
 import subprocess
 import time
@@ -21,8 +22,12 @@ MODEL = "smollm2-135m"
 
 
 def samples(text: str, name: str, **labels) -> list[float]:
-    return [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
 
 
 def record(status=200, ttft=None, last=None, out=None, e2e=1.0, **kw) -> RequestRecord:
@@ -53,11 +58,13 @@ def test_stream_usage_is_read_and_dropped_unless_the_client_asked():
     assert ask_usage(body) and body["stream_options"] == {"include_usage": True}
     asked = {"stream": True, "stream_options": {"include_usage": True}}
     assert not ask_usage(asked) and not ask_usage({"stream": False})
-    events = (b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
-              b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\n'
-              b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,'
-              b'"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
-              b'data: [DONE]\n\n')
+    events = (
+        b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\n'
+        b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,'
+        b'"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
+        b"data: [DONE]\n\n"
+    )
     for hide in (True, False):
         tap = StreamTap("completion", time.monotonic(), hide_usage=hide)
         out = tap.feed(events)
@@ -69,9 +76,18 @@ def test_stream_usage_is_read_and_dropped_unless_the_client_asked():
 def test_a_whole_answer_takes_its_first_token_time_from_the_worker():
     rec = RequestRecord("r", "completion", time.monotonic() - 1.0)
     sent = rec.arrived + 0.2
-    whole_answer(rec, b'{"choices":[{"text":"hi","finish_reason":"stop"}],"usage":{"completion_tokens":7,'
-                      b'"prompt_tokens_details":{"cached_tokens":16}}}', {"x-kvgate-ttft-ms": "50"}, sent)
-    assert rec.ttft_s == pytest.approx(0.25) and (rec.output_tokens, rec.cached_tokens, rec.finish_reason) == (7, 16, "stop")
+    whole_answer(
+        rec,
+        b'{"choices":[{"text":"hi","finish_reason":"stop"}],"usage":{"completion_tokens":7,'
+        b'"prompt_tokens_details":{"cached_tokens":16}}}',
+        {"x-kvgate-ttft-ms": "50"},
+        sent,
+    )
+    assert rec.ttft_s == pytest.approx(0.25) and (rec.output_tokens, rec.cached_tokens, rec.finish_reason) == (
+        7,
+        16,
+        "stop",
+    )
     bad = RequestRecord("r", "completion", time.monotonic())
     whole_answer(bad, b"{}", {"x-kvgate-ttft-ms": "nan"}, bad.arrived)
     assert bad.first_token_at is None
@@ -94,8 +110,12 @@ def test_labelled_counters_start_at_zero_for_known_workers_and_models():
 def fleet(tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("metrics"))
     worker = Worker(worker_id="mx", log_dir=logs)
-    gw = start_gateway([worker.url], "prefix_affinity", log_dir=logs, extra=[
-        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--log-format", "json", "--fleet-summary-s", "1"])
+    gw = start_gateway(
+        [worker.url],
+        "prefix_affinity",
+        log_dir=logs,
+        extra=["--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--log-format", "json", "--fleet-summary-s", "1"],
+    )
     try:
         worker.ready()
         gw.wait_ready()
@@ -113,8 +133,11 @@ def promtool_check(text: str) -> subprocess.CompletedProcess:
 def test_exposition_passes_promtool_and_carries_model_worker_process_and_build_info(fleet):
     worker, gw = fleet
     for stream in (False, True):
-        r = httpx.post(gw.url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "promtool " * 20, "max_tokens": 6, "stream": stream})
+        r = httpx.post(
+            gw.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": "promtool " * 20, "max_tokens": 6, "stream": stream},
+        )
         assert r.status_code == 200
     for url, component in ((gw.url, "gateway"), (worker.url, "worker")):
         text = httpx.get(url + "/metrics").text
@@ -125,10 +148,14 @@ def test_exposition_passes_promtool_and_carries_model_worker_process_and_build_i
     text = httpx.get(worker.url + "/metrics").text
     usage = samples(text, "kvgate_worker_kv_cache_usage_perc", model=MODEL, worker="mx")
     assert len(usage) == 1 and 0.0 <= usage[0] <= 1.0
-    for name in ("kvgate_worker_time_to_first_token_seconds_count", "kvgate_worker_inter_token_latency_seconds_count",
-                 "kvgate_worker_request_time_per_output_token_seconds_count",
-                 "kvgate_worker_request_queue_time_seconds_count", "kvgate_worker_request_prefill_time_seconds_count",
-                 "kvgate_worker_request_decode_time_seconds_count"):
+    for name in (
+        "kvgate_worker_time_to_first_token_seconds_count",
+        "kvgate_worker_inter_token_latency_seconds_count",
+        "kvgate_worker_request_time_per_output_token_seconds_count",
+        "kvgate_worker_request_queue_time_seconds_count",
+        "kvgate_worker_request_prefill_time_seconds_count",
+        "kvgate_worker_request_decode_time_seconds_count",
+    ):
         assert samples(text, name, model=MODEL, worker="mx")[0] >= 2, name
     assert samples(text, "kvgate_worker_requests_finished_total", finished_reason="length")[0] >= 2
     assert samples(text, "kvgate_worker_requests_finished_total", finished_reason="error") == [0.0]
@@ -140,13 +167,17 @@ def test_gateway_ttft_is_the_first_token_streaming_or_not(fleet):
 
     def sums() -> tuple[float, float, float]:
         text = httpx.get(gw.url + "/metrics").text
-        return tuple(sum(samples(text, f"kvgate_gateway_{n}_sum", model=MODEL, worker="mx"))
-                     for n in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                               "time_per_output_token_seconds"))
+        return tuple(
+            sum(samples(text, f"kvgate_gateway_{n}_sum", model=MODEL, worker="mx"))
+            for n in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds")
+        )
 
     before = sums()
-    r = httpx.post(gw.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "ttft " * 30, "max_tokens": 48,
-                                                                  "ignore_eos": True})
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "ttft " * 30, "max_tokens": 48, "ignore_eos": True},
+    )
     assert r.status_code == 200 and "x-kvgate-ttft-ms" not in r.headers
     ttft, e2e, tpot = (a - b for a, b in zip(sums(), before))
     assert 0 < ttft < e2e / 4, "a non-streaming request's TTFT is its first token, not the whole request"
@@ -170,8 +201,12 @@ def test_idle_workers_add_no_step_time(fleet):
 @pytest.mark.slow
 def test_access_log_and_fleet_summary_as_json(fleet):
     worker, gw = fleet
-    r = httpx.post(gw.url + "/v1/completions", timeout=60, headers={"x-request-id": "client-42"},
-                   json={"model": MODEL, "prompt": "logged " * 10, "max_tokens": 3})
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        timeout=60,
+        headers={"x-request-id": "client-42"},
+        json={"model": MODEL, "prompt": "logged " * 10, "max_tokens": 3},
+    )
     rid = r.headers["x-kvgate-request-id"]
 
     def lines() -> list[dict]:
@@ -181,6 +216,8 @@ def test_access_log_and_fleet_summary_as_json(fleet):
     assert access["logger"] == "kvgate.access" and access["client_request_id"] == "client-42"
     assert (access["status"], access["worker"], access["output_tokens"], access["slo"]) == (200, "mx", 3, "met")
     assert access["ttft_ms"] > 0 and access["prompt_tokens"] > 0 and "cached_tokens" in access
-    summary = wait_for(lambda: [x for x in lines() if x["logger"] == "kvgate.fleet" and x.get("worker") == "mx"],
-                       what="a fleet summary")
+    summary = wait_for(
+        lambda: [x for x in lines() if x["logger"] == "kvgate.fleet" and x.get("worker") == "mx"],
+        what="a fleet summary",
+    )
     assert summary[-1]["healthy"] is True and {"in_flight", "requests", "failed"} <= set(summary[-1])

@@ -5,6 +5,7 @@ q/k norm, Llama 3 / linear RoPE scaling (in both config spellings), sliding wind
 untied embeddings. Weights are re-randomised with a wide spread (biases and norms included) so
 that greedy choices are decisive and every parameter matters.
 """
+
 import json
 import random
 
@@ -13,33 +14,69 @@ import torch
 import transformers
 
 from workers.executors.batch import SeqChunk
-from workers.executors.torch_runner import (BLOCK_BUCKET, SEQ_BUCKET, TOKEN_BUCKET, TorchRunner, blocks_that_fit,
-                                            eos_token_ids)
+from workers.executors.torch_runner import (
+    BLOCK_BUCKET,
+    SEQ_BUCKET,
+    TOKEN_BUCKET,
+    TorchRunner,
+    blocks_that_fit,
+    eos_token_ids,
+)
 from workers.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 96
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 SMALL = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=256)
 
 CONFIGS = {
     "llama3-gqa4-tied": transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
-        tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, **SMALL),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_scaling=LLAMA3_ROPE,
+        **SMALL,
+    ),
     "llama2-mha-linear-oldstyle": transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
-        rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500.0, **SMALL),
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        rope_theta=500.0,
+        **SMALL,
+    ),
     "qwen2-bias-gqa2": transformers.Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **SMALL),
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **SMALL
+    ),
     "qwen3-qknorm-headdim32-tied": transformers.Qwen3Config(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, tie_word_embeddings=True, **SMALL),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        **SMALL,
+    ),
     "mistral-window5": transformers.MistralConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, sliding_window=5, **SMALL),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=5,
+        **SMALL,
+    ),
 }
 
 
@@ -77,8 +114,10 @@ def checkpoints(tmp_path_factory):
     return built
 
 
-@pytest.fixture(params=[(name, bucketed) for name in CONFIGS for bucketed in (False, True)],
-                ids=lambda p: p[0] + ("-bucketed" if p[1] else ""))
+@pytest.fixture(
+    params=[(name, bucketed) for name in CONFIGS for bucketed in (False, True)],
+    ids=lambda p: p[0] + ("-bucketed" if p[1] else ""),
+)
 def case(request, checkpoints):
     """Each checkpoint, run as on CPU and with CUDA's shape buckets (padding rows, tables and
     chunks): the padding must never change a token."""
@@ -92,9 +131,8 @@ def case(request, checkpoints):
 
 def hf_greedy(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
 
 
 def run_greedy(runner, prompts, tables, n=NEW_TOKENS, chunk=None, starts=None) -> list[list[int]]:
@@ -107,7 +145,7 @@ def run_greedy(runner, prompts, tables, n=NEW_TOKENS, chunk=None, starts=None) -
         live = [i for i in range(len(seqs)) if len(outs[i]) < n]
         chunks = []
         for i in live:
-            take = seqs[i][done[i]:done[i] + chunk] if chunk else seqs[i][done[i]:]
+            take = seqs[i][done[i] : done[i] + chunk] if chunk else seqs[i][done[i] :]
             sample = done[i] + len(take) == len(seqs[i])
             chunks.append(SeqChunk(take, done[i], tables[i], sample, GREEDY, len(outs[i])))
         for i, c, token in zip(live, chunks, runner.execute(chunks)):
@@ -140,7 +178,7 @@ def test_batch_of_different_lengths_with_shuffled_blocks(case):
     prompts = [_prompt(rng, n) for n in (1, 5, 12, 21)]
     ids = list(range(NUM_BLOCKS))
     rng.shuffle(ids)
-    tables = [ids[i * 8:(i + 1) * 8] for i in range(len(prompts))]
+    tables = [ids[i * 8 : (i + 1) * 8] for i in range(len(prompts))]
     assert run_greedy(runner, prompts, tables, chunk=7) == [hf_greedy(hf, p) for p in prompts]
 
 
@@ -149,7 +187,7 @@ def test_prefix_blocks_reused_across_sequences(case):
     runner, hf = case
     rng = random.Random(3)
     a = _prompt(rng, 2 * BLOCK + 3)
-    b = a[:2 * BLOCK] + _prompt(rng, 5)
+    b = a[: 2 * BLOCK] + _prompt(rng, 5)
     table_a, fresh = [17, 3, 40, 8, 61, 25], [9, 52, 30, 71]
     table_b = table_a[:2] + fresh
     assert run_greedy(runner, [a], [table_a]) == [hf_greedy(hf, a)]

@@ -1,5 +1,6 @@
 """NIXL agents in two processes on loopback: descriptors, a WRITE between KV-cache-shaped
 tensors with scattered block ids, and a WRITE to a peer that died, which must fail, not hang."""
+
 import multiprocessing as mp
 import time
 

@@ -6,6 +6,7 @@ longer than one prefill step is shipped in batches, no blocks leak on either sid
 prefill worker killed mid-transfer leaves the decode worker recomputing (the fallback), with
 its reservation let go, not hanging.
 """
+
 import json
 import sys
 
@@ -20,8 +21,10 @@ from tests.test_gateway_pd import ask, prompt
 from workers.transfer import KVSpec, encode_header
 from workers.transfer_nixl import nixl_module
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(nixl_module() is None, reason="NIXL is not installed: pip install 'kvgate[nixl]'")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(nixl_module() is None, reason="NIXL is not installed: pip install 'kvgate[nixl]'"),
+]
 SECRET = ("--internal-token", "nixl-pd-token")
 NIXL = ("--kv-transport", "nixl")
 PD = ("--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000")
@@ -39,8 +42,14 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
     server = wait_redis(start_redis(log_dir=logs))
     batches = ("--max-batched-tokens", "64", "--kv-export-batch-blocks", "4")  # a batch of 4 blocks a step
     p = Worker("torch", "nx-p", extra=("--role", "prefill", *batches, *SECRET, *NIXL), model=model, log_dir=logs)
-    d = Worker("torch", "nx-d", extra=("--role", "decode", *SECRET, *NIXL), model=model, log_dir=logs,
-               redis=f"redis://127.0.0.1:{server.port}/0")
+    d = Worker(
+        "torch",
+        "nx-d",
+        extra=("--role", "decode", *SECRET, *NIXL),
+        model=model,
+        log_dir=logs,
+        redis=f"redis://127.0.0.1:{server.port}/0",
+    )
     m = Worker("torch", "nx-m", extra=SECRET, model=model, log_dir=logs)
     gw = start_gateway([p.url, d.url], "slo_goodput", log_dir=logs, extra=[*SECRET, "--model", model, *PD])
     try:
@@ -105,16 +114,36 @@ def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):
 def dying_worker(model, role: str, step: str, log_dir: str) -> Proc:
     """A worker SIGKILLed at `step` of its first NIXL transfer (tests/nixl_fault_worker.py)."""
     port = free_port()
-    argv = [sys.executable, "-m", "tests.nixl_fault_worker", "--model", str(model), "--executor", "torch",
-            "--port", str(port), "--worker-id", "nx-dying", "--role", role, *SECRET, *NIXL]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.nixl_fault_worker",
+        "--model",
+        str(model),
+        "--executor",
+        "torch",
+        "--port",
+        str(port),
+        "--worker-id",
+        "nx-dying",
+        "--role",
+        role,
+        *SECRET,
+        *NIXL,
+    ]
     return Proc("nx-dying", argv, port, log_dir, env={DIE_ENV: step})
 
 
 def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, tiny_llama, tmp_path):
     f = nixl_fleet
     dying = dying_worker(tiny_llama, "prefill", "write", str(tmp_path))
-    gw = start_gateway([dying.url, f["d"].url], "slo_goodput", log_dir=str(tmp_path), name="gw-dying",
-                       extra=[*SECRET, "--model", str(tiny_llama), "--pd-wait-ms", "1500", *PD])
+    gw = start_gateway(
+        [dying.url, f["d"].url],
+        "slo_goodput",
+        log_dir=str(tmp_path),
+        name="gw-dying",
+        extra=[*SECRET, "--model", str(tiny_llama), "--pd-wait-ms", "1500", *PD],
+    )
     try:
         dying.wait_ready(timeout=180)
         gw.wait_ready("/v1/models")
@@ -139,13 +168,24 @@ def test_decode_worker_dying_mid_transfer_leaves_the_prefill_worker_whole(nixl_f
     try:
         dying.wait_ready(timeout=180)
         before = p.state()["kv_transfer"]
-        leg = httpx.post(p.url + "/v1/completions", timeout=120, headers={"x-kvgate-token": SECRET[1]}, json={
-            "model": nixl_fleet["model"], "prompt": prompt(100, 3), "max_tokens": 1,
-            "kv_transfer": {"export_to": dying.url}})
+        leg = httpx.post(
+            p.url + "/v1/completions",
+            timeout=120,
+            headers={"x-kvgate-token": SECRET[1]},
+            json={
+                "model": nixl_fleet["model"],
+                "prompt": prompt(100, 3),
+                "max_tokens": 1,
+                "kv_transfer": {"export_to": dying.url},
+            },
+        )
         assert leg.status_code == 200, leg.text
         wait_for(lambda: not dying.alive, timeout=30, what="the decode worker died at the commit")
-        wait_for(lambda: p.state()["kv_transfer"]["failures"] > before["failures"], timeout=60,
-                 what="the export counted as failed")
+        wait_for(
+            lambda: p.state()["kv_transfer"]["failures"] > before["failures"],
+            timeout=60,
+            what="the export counted as failed",
+        )
         after = p.state()["kv_transfer"]
         assert after["nixl"]["fallbacks"] > before["nixl"]["fallbacks"]
         wait_for(lambda: drained(p), what="prefill worker drained")
@@ -160,11 +200,18 @@ def test_a_peer_without_nixl_gets_the_blocks_over_http(nixl_fleet):
     p, m, model = nixl_fleet["p"], nixl_fleet["m"], nixl_fleet["model"]
     before = p.state()["kv_transfer"]
     for salt in (21, 22):
-        leg = httpx.post(p.url + "/v1/completions", timeout=120, headers={"x-kvgate-token": SECRET[1]}, json={
-            "model": model, "prompt": prompt(80, salt), "max_tokens": 1, "kv_transfer": {"export_to": m.url}})
+        leg = httpx.post(
+            p.url + "/v1/completions",
+            timeout=120,
+            headers={"x-kvgate-token": SECRET[1]},
+            json={"model": model, "prompt": prompt(80, salt), "max_tokens": 1, "kv_transfer": {"export_to": m.url}},
+        )
         assert leg.status_code == 200, leg.text
-        wait_for(lambda: ask(m.url, model, prompt(80, salt), max_tokens=1)[2] == 64, timeout=30,
-                 what="the blocks in the mixed worker's cache")
+        wait_for(
+            lambda: ask(m.url, model, prompt(80, salt), max_tokens=1)[2] == 64,
+            timeout=30,
+            what="the blocks in the mixed worker's cache",
+        )
     after = p.state()["kv_transfer"]
     sends = 2 * 2  # per prompt: 4 blocks after the first 64-token step, the fifth at its end
     assert after["failures"] == before["failures"] and after["nixl"]["fallbacks"] == before["nixl"]["fallbacks"] + sends

@@ -5,6 +5,7 @@ the same steps (work and cost), the same tokens and finish reasons, and the same
 The stream has shared prefixes, a prompt cached but for its last token (a one-token prefill,
 which both price as prefill), a second wave arriving mid-run, and a pool small enough to
 preempt."""
+
 from collections import deque
 
 from bench.sim_worker import SimConfig, SimWorker, sim_executor
@@ -14,18 +15,20 @@ from workers.request import Request
 from workers.sampling_params import SamplingParams
 
 B, BLOCKS = 16, 40
-COST = CostModel(base_ms=2.0, prefill_token_ms=0.05, prefill_attn_ms=0.01, decode_seq_ms=0.5,
-                 decode_kv_token_ms=0.001, mixed_ms=0.7)
+COST = CostModel(
+    base_ms=2.0, prefill_token_ms=0.05, prefill_attn_ms=0.01, decode_seq_ms=0.5, decode_kv_token_ms=0.001, mixed_ms=0.7
+)
 PREFIX = list(range(500, 532))  # two full blocks
 
 
 def stream(wave: bool = True) -> list[tuple[int, str, list[int], int]]:
     """(the step it arrives before, id, prompt, max_tokens); without `wave` all at once."""
-    first = [(0, f"a{i}", PREFIX + list(range(600 + 10 * i, 600 + 10 * i + 5 + 7 * i)), 20 + 9 * i)
-             for i in range(6)]
-    second = [(25 if wave else 0, "long", list(range(900, 1100)), 30),
-              (25 if wave else 0, "b0", PREFIX + list(range(1200, 1240)), 40),
-              (60 if wave else 0, "one-token-prefill", PREFIX + [777], 12)]
+    first = [(0, f"a{i}", PREFIX + list(range(600 + 10 * i, 600 + 10 * i + 5 + 7 * i)), 20 + 9 * i) for i in range(6)]
+    second = [
+        (25 if wave else 0, "long", list(range(900, 1100)), 30),
+        (25 if wave else 0, "b0", PREFIX + list(range(1200, 1240)), 40),
+        (60 if wave else 0, "one-token-prefill", PREFIX + [777], 12),
+    ]
     return first + second
 
 
@@ -34,8 +37,11 @@ def params(i: int, max_tokens: int) -> SamplingParams:
 
 
 def run_engine(wave: bool = True) -> tuple[list, dict, list]:
-    engine = Engine(sim_executor(COST, BLOCKS * B), None,
-                    EngineConfig("sim", block_size=B, num_blocks=BLOCKS, max_batched_tokens=64, max_num_seqs=8))
+    engine = Engine(
+        sim_executor(COST, BLOCKS * B),
+        None,
+        EngineConfig("sim", block_size=B, num_blocks=BLOCKS, max_batched_tokens=64, max_num_seqs=8),
+    )
     outputs: dict[str, tuple[list[int], str | None]] = {}
 
     def sink(out) -> None:
@@ -60,8 +66,15 @@ def run_sim(fast_forward: bool, wave: bool = True) -> tuple[list, dict, list]:
     def finished(req: Request, now: float) -> None:
         outputs[req.request_id] = (req.output_ids, req.finish_reason)
 
-    cfg = SimConfig(model_id="sim", block_size=B, num_blocks=BLOCKS, max_batched_tokens=64, max_num_seqs=8,
-                    max_model_len=BLOCKS * B, fast_forward=fast_forward)
+    cfg = SimConfig(
+        model_id="sim",
+        block_size=B,
+        num_blocks=BLOCKS,
+        max_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=BLOCKS * B,
+        fast_forward=fast_forward,
+    )
     w = SimWorker("w0", cfg, COST, finished)
     w.recent = deque()  # the whole step log, not the last few /state averages
     arrivals, t, steps = stream(wave), 0.0, 0

@@ -2,6 +2,7 @@
 (chat and completions, whole and streamed, equal to HF's log-softmax), echo, n > 1 sharing the
 prompt's cached blocks, prompt lists, GET /v1/models/{id}, stream_options, max_completion_tokens,
 /tokenize and /detokenize, JSON 404/405, and the strict types the schema asks for."""
+
 import json
 import re
 
@@ -56,8 +57,7 @@ def cached_tokens_total(worker: str) -> float:
 
 @pytest.mark.parametrize("where", ["gateway", "worker"])
 def test_chat_logprobs_whole_and_streamed_agree(fleet, where):
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "temperature": 0, "logprobs": True,
-            "top_logprobs": 2}
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     whole = post(fleet[where], "/v1/chat/completions", body).json()
     content = whole["choices"][0]["logprobs"]["content"]
     assert len(content) == whole["usage"]["completion_tokens"] == 5
@@ -73,8 +73,11 @@ def test_chat_logprobs_whole_and_streamed_agree(fleet, where):
 
 def test_completion_logprobs_equal_hf_log_softmax(fleet, tok):
     prompt = "The capital of France is"
-    r = post(fleet["gateway"], "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
-                                                   "temperature": 0, "logprobs": 3, "return_token_ids": True})
+    r = post(
+        fleet["gateway"],
+        "/v1/completions",
+        {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3, "return_token_ids": True},
+    )
     choice = r.json()["choices"][0]
     lp, ids = choice["logprobs"], choice["token_ids"]
     model = AutoModelForCausalLM.from_pretrained(str(resolve(MODEL)), dtype=torch.float32).eval()
@@ -101,8 +104,11 @@ def test_echo_starts_the_text_with_the_prompt(fleet):
 def test_n_samples_share_the_prompts_cached_blocks(fleet, tok):
     prompt = " ".join(f"word{i}" for i in range(60))  # > 4 blocks of 16 tokens
     before = cached_tokens_total(fleet["worker"])
-    r = post(fleet["gateway"], "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4, "n": 4,
-                                                   "temperature": 1.0, "seed": 7, "ignore_eos": True})
+    r = post(
+        fleet["gateway"],
+        "/v1/completions",
+        {"model": MODEL, "prompt": prompt, "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 7, "ignore_eos": True},
+    )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     n_prompt = len(tok.encode(prompt))
@@ -113,8 +119,14 @@ def test_n_samples_share_the_prompts_cached_blocks(fleet, tok):
 
 
 def test_prompt_lists_and_streamed_choices(fleet):
-    body = {"model": MODEL, "prompt": ["Red is a", "Blue is a"], "n": 2, "max_tokens": 3, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": ["Red is a", "Blue is a"],
+        "n": 2,
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     chunks = stream(fleet["gateway"], "/v1/completions", body)
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 12
@@ -128,8 +140,11 @@ def test_prompt_lists_and_streamed_choices(fleet):
 
 
 def test_max_completion_tokens_bounds_a_chat(fleet):
-    r = post(fleet["gateway"], "/v1/chat/completions", {"model": MODEL, "messages": CHAT,
-                                                        "max_completion_tokens": 2, "ignore_eos": True})
+    r = post(
+        fleet["gateway"],
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_completion_tokens": 2, "ignore_eos": True},
+    )
     assert r.json()["usage"]["completion_tokens"] == 2
 
 
@@ -165,15 +180,18 @@ def test_unknown_paths_and_methods_are_json(fleet, where):
 
 
 @pytest.mark.parametrize("where", ["gateway", "worker"])
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x"}, "model"),
-    ({"model": MODEL, "prompt": "x", "stream": "false"}, "stream"),
-    ({"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
-    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-    ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x"}, "model"),
+        ({"model": MODEL, "prompt": "x", "stream": "false"}, "stream"),
+        ({"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+        ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
+    ],
+)
 def test_what_the_schema_refuses(fleet, where, body, param):
     r = post(fleet[where], "/v1/completions", body)
     assert r.status_code == 400, r.text

@@ -2,6 +2,7 @@
 output: the same requests give the same tokens and finish reasons as one step at a time, the
 pool gets every block back, and aborts, stop tokens, max_tokens, context limits and preemption
 behave as without overlap (workers/inflight.py)."""
+
 import dataclasses
 import random
 
@@ -51,6 +52,7 @@ class HostOverlap:
 
 class OverlappingRunner(TorchRunner):
     """The torch runner's own launch/collect (device-side placeholder fill) on CPU, overlapped."""
+
     overlaps = True
 
 
@@ -62,9 +64,13 @@ def workload(seed: int, vocab: int) -> list[tuple[list[int], SamplingParams]]:
     for i in range(12):
         prompt = (shared if i % 2 else []) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
         greedy = rng.random() < 0.6
-        params = SamplingParams(max_tokens=rng.choice([1, 2, 3, 7, 16, 33]), temperature=0.0 if greedy else 0.8,
-                                top_k=0 if greedy else 20, seed=None if greedy else rng.randrange(1000),
-                                ignore_eos=rng.random() < 0.5)
+        params = SamplingParams(
+            max_tokens=rng.choice([1, 2, 3, 7, 16, 33]),
+            temperature=0.0 if greedy else 0.8,
+            top_k=0 if greedy else 20,
+            seed=None if greedy else rng.randrange(1000),
+            ignore_eos=rng.random() < 0.5,
+        )
         out.append((prompt, params))
     return out
 
@@ -79,6 +85,7 @@ def run(engine: Engine, requests, abort_after: dict[int, int] | None = None) -> 
             got[rid][0] += out.token_ids
             got[rid][1] = out.finish_reason or got[rid][1]
             got[rid][2] = out.num_output
+
         return put
 
     for i, (prompt, params) in enumerate(requests):
@@ -161,6 +168,7 @@ def test_torch_runner_fills_placeholders_on_the_device(tiny_llama, seed):
     def engine(cls, blocks):
         runner = cls(str(tiny_llama), blocks, 4)
         return Engine(runner, tok, EngineConfig("m", 4, blocks, 64, 8))
+
     requests = workload(seed, 400)
     for blocks in (256, 24):
         sync = run(engine(TorchRunner, blocks), requests)

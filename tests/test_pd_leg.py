@@ -1,5 +1,6 @@
 """The gateway's prefill leg runs in the background: its caller's `done` is called exactly once
 however it ends, so the prefill worker's in-flight count always closes."""
+
 import asyncio
 
 from gateway import pd
@@ -25,4 +26,5 @@ def test_done_is_called_when_the_leg_raises_or_is_cancelled():
         await asyncio.gather(raised, hung, return_exceptions=True)
         await asyncio.sleep(0)
         return got
+
     assert asyncio.run(main()) == [None, None]

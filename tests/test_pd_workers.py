@@ -4,6 +4,7 @@ Greedy output through P/D equals a mixed worker's, on SmolLM2 and on a tiny rand
 mismatched transfers are refused; a decode leg whose blocks never come still answers; no
 blocks leak on either side.
 """
+
 import concurrent.futures as cf
 import time
 
@@ -21,9 +22,20 @@ TOKEN = "test-token"
 def complete(url, ids, max_tokens=10, **extra):
     headers = {"x-kvgate-token": TOKEN} if "kv_transfer" in extra else None
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    r = httpx.post(url + "/v1/completions", timeout=300, headers=headers, json={
-        "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True, **extra})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=300,
+        headers=headers,
+        json={
+            "model": model,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        },
+    )
     assert r.status_code == 200, r.text
     b = r.json()
     return b["choices"][0]["token_ids"], b["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -51,8 +63,10 @@ def drained(w):
 @pytest.fixture(scope="module", params=["smollm2-135m", "tiny"])
 def fleet(request, tiny_llama):
     model = "smollm2-135m" if request.param == "smollm2-135m" else str(tiny_llama)
-    ws = [Worker("torch", f"{request.param}-{role}", extra=("--role", role, "--internal-token", TOKEN),
-                 model=model) for role in ("prefill", "decode", "mixed")]
+    ws = [
+        Worker("torch", f"{request.param}-{role}", extra=("--role", role, "--internal-token", TOKEN), model=model)
+        for role in ("prefill", "decode", "mixed")
+    ]
     try:
         yield [w.ready() for w in ws]
     finally:

@@ -1,4 +1,5 @@
 """The built-in routing policies and the policy registry (predictions: test_predict.py)."""
+
 import random
 from importlib.metadata import EntryPoint
 
@@ -24,6 +25,7 @@ PD_AWARE = (PrefixAffinity, KvCost, SloGoodput)
 
 # P/D-unaware policies
 
+
 def test_round_robin_cycles_in_worker_id_order_over_serving_workers():
     f = fleet(worker("c"), worker("p", role=PREFILL), worker("a"), worker("d", role=DECODE))
     rr = RoundRobin()
@@ -48,16 +50,19 @@ def test_least_load_picks_the_least_loaded():
 
 
 def test_prefix_affinity_follows_the_longest_match():
-    f = fleet(worker("a", matched_blocks=10, running=2), worker("b", matched_blocks=30, running=3),
-              worker("c", running=0))
+    f = fleet(
+        worker("a", matched_blocks=10, running=2), worker("b", matched_blocks=30, running=3), worker("c", running=0)
+    )
     route = PrefixAffinity().route(req(), f)
     assert route.worker == "b" and route.predicted_cached_tokens == 30 * 16
 
 
 def test_prefix_affinity_skips_only_the_overloaded_candidate():
-    f = fleet(worker("hot", matched_blocks=40, running=30),
-              worker("warm", matched_blocks=20, running=5),
-              worker("cold", running=2))
+    f = fleet(
+        worker("hot", matched_blocks=40, running=30),
+        worker("warm", matched_blocks=20, running=5),
+        worker("cold", running=2),
+    )
     assert PrefixAffinity(slack_abs=4, slack_rel=0.5).route(req(), f).worker == "warm"
     assert PrefixAffinity(slack_abs=40).route(req(), f).worker == "hot"
 
@@ -69,11 +74,9 @@ def test_prefix_affinity_without_a_match_takes_the_least_loaded():
 
 def test_kv_cost_weighs_cache_hits_against_queued_prefill():
     r = req(4096)
-    f = fleet(worker("hit", matched_blocks=200, queued_prefill_tokens=1000, waiting=1),
-              worker("idle"))
+    f = fleet(worker("hit", matched_blocks=200, queued_prefill_tokens=1000, waiting=1), worker("idle"))
     assert KvCost().route(r, f).worker == "hit"
-    f = fleet(worker("hit", matched_blocks=200, queued_prefill_tokens=8000, waiting=3),
-              worker("idle"))
+    f = fleet(worker("hit", matched_blocks=200, queued_prefill_tokens=8000, waiting=3), worker("idle"))
     assert KvCost().route(r, f).worker == "idle"
     f = fleet(worker("a", matched_blocks=10, running=20), worker("b", matched_blocks=10))
     assert KvCost(alpha=64).route(r, f).worker == "b"
@@ -82,10 +85,13 @@ def test_kv_cost_weighs_cache_hits_against_queued_prefill():
 
 # SLO goodput
 
+
 def test_slo_goodput_picks_the_most_headroom_and_fills_predictions():
     r = req(2048)
-    f = fleet(worker("busy", running=100, kv_tokens=200_000, queued_prefill_tokens=6000, waiting=3),
-              worker("free", running=4, kv_tokens=4000))
+    f = fleet(
+        worker("busy", running=100, kv_tokens=200_000, queued_prefill_tokens=6000, waiting=3),
+        worker("free", running=4, kv_tokens=4000),
+    )
     route = SloGoodput().route(r, f)
     assert route.worker == "free" and route.prefill is None
     assert route.predicted_ttft_ms == pytest.approx(predict.ttft_ms(r, f.workers[1]))
@@ -123,8 +129,9 @@ def test_slo_goodput_never_overflows_a_kv_pool():
     """A holder whose pool cannot take the request after what is queued ahead is passed over;
     with no pool that can, the request is rejected (a preemption thrash would miss anyway)."""
     r = req(2048, slo_ttft_ms=1000, slo_tpot_ms=50)
-    full = worker("full", matched_blocks=120, running=10, total_blocks=1024, free_blocks=10, waiting=1,
-                  queued_prefill_tokens=512)
+    full = worker(
+        "full", matched_blocks=120, running=10, total_blocks=1024, free_blocks=10, waiting=1, queued_prefill_tokens=512
+    )
     roomy = worker("roomy", running=10, total_blocks=1024, free_blocks=900)
     assert predict.pool_slack(r, full) < 0 <= predict.pool_slack(r, roomy)
     assert SloGoodput().route(r, fleet(full, roomy)).worker == "roomy"
@@ -156,11 +163,13 @@ def test_slo_goodput_uses_its_defaults_when_the_request_has_none():
 
 def pd_fleet(**mixed_kw) -> FleetView:
     kv = dict(kv_bytes_per_token=100_000, transfer_gbps=50.0)
-    return fleet(worker("p-busy", role=PREFILL, queued_prefill_tokens=16_000, waiting=4, **kv),
-                 worker("p-idle", role=PREFILL, **kv),
-                 worker("d-busy", role=DECODE, running=200, kv_tokens=400_000, **kv),
-                 worker("d-idle", role=DECODE, running=8, kv_tokens=8000, **kv),
-                 *([worker("m", **mixed_kw)] if mixed_kw else []))
+    return fleet(
+        worker("p-busy", role=PREFILL, queued_prefill_tokens=16_000, waiting=4, **kv),
+        worker("p-idle", role=PREFILL, **kv),
+        worker("d-busy", role=DECODE, running=200, kv_tokens=400_000, **kv),
+        worker("d-idle", role=DECODE, running=8, kv_tokens=8000, **kv),
+        *([worker("m", **mixed_kw)] if mixed_kw else []),
+    )
 
 
 def test_slo_goodput_chooses_the_pd_pair_jointly():
@@ -181,8 +190,11 @@ def test_pair_cached_tokens_are_the_prefill_workers():
 
 def test_pair_prefers_the_decode_worker_that_needs_fewer_blocks_moved():
     kv = dict(kv_bytes_per_token=1_000_000, transfer_gbps=1.0)
-    f = fleet(worker("p", role=PREFILL, **kv), worker("d-cold", role=DECODE, **kv),
-              worker("d-warm", role=DECODE, matched_blocks=200, **kv))
+    f = fleet(
+        worker("p", role=PREFILL, **kv),
+        worker("d-cold", role=DECODE, **kv),
+        worker("d-warm", role=DECODE, matched_blocks=200, **kv),
+    )
     route = SloGoodput(pd_min_uncached_tokens=1).route(req(4096), f)
     assert (route.prefill, route.worker) == ("p", "d-warm")
 
@@ -212,8 +224,12 @@ def test_slo_goodput_rejects_when_no_pair_meets_the_slo():
 def test_cache_policies_disaggregate_through_the_shared_decider(cls):
     """prefix_affinity and kv_cost split a long uncached prompt over the pair predicted to
     answer first, and keep a short one (or one a decode worker holds) on one worker."""
-    f = fleet(worker("p0", role=PREFILL), worker("p1", role=PREFILL, running=50, kv_tokens=50_000),
-              worker("d0", role=DECODE), worker("d1", role=DECODE, running=80, kv_tokens=80_000))
+    f = fleet(
+        worker("p0", role=PREFILL),
+        worker("p1", role=PREFILL, running=50, kv_tokens=50_000),
+        worker("d0", role=DECODE),
+        worker("d1", role=DECODE, running=80, kv_tokens=80_000),
+    )
     route = cls(pd_min_uncached_tokens=1024).route(req(4096), f)
     assert (route.prefill, route.worker) == ("p0", "d0")
     pair = PdDecider(1024).best_pair(req(4096), f)
@@ -229,22 +245,36 @@ def test_a_full_holder_warms_another_mixed_worker_by_kv_import():
     worker with room (a pair of two mixed workers) instead of that worker recomputing it; a
     holder that can take the request keeps it, and `warm_prefixes=False` recomputes."""
     r = req(4096, slo_ttft_ms=1000, slo_tpot_ms=50)
-    full = worker("holder", matched_blocks=250, total_blocks=1024, free_blocks=0, waiting=2,
-                  queued_prefill_tokens=1024, kv_bytes_per_token=36_864, transfer_gbps=25.0)
+    full = worker(
+        "holder",
+        matched_blocks=250,
+        total_blocks=1024,
+        free_blocks=0,
+        waiting=2,
+        queued_prefill_tokens=1024,
+        kv_bytes_per_token=36_864,
+        transfer_gbps=25.0,
+    )
     roomy = worker("roomy", total_blocks=1024, free_blocks=1024, kv_bytes_per_token=36_864, transfer_gbps=25.0)
     route = SloGoodput().route(r, fleet(full, roomy))
     assert (route.prefill, route.worker) == ("holder", "roomy")
     assert route.predicted_cached_tokens == 250 * 16
     assert SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)) == Route(
-        worker="roomy", predicted_cached_tokens=0, predicted_ttft_ms=predict.ttft_ms(r, roomy),
-        predicted_tpot_ms=predict.tpot_ms(r, roomy), info=SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)).info)
+        worker="roomy",
+        predicted_cached_tokens=0,
+        predicted_ttft_ms=predict.ttft_ms(r, roomy),
+        predicted_tpot_ms=predict.tpot_ms(r, roomy),
+        info=SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)).info,
+    )
     ok = with_fields(full, free_blocks=1024, waiting=0, queued_prefill_tokens=0)
     assert SloGoodput().route(r, fleet(ok, roomy)).worker == "holder"
 
 
 def test_unreachable_decode_workers_are_never_paired():
-    f = fleet(worker("p", role=PREFILL, kv_bytes_per_token=1000, transfer_gbps=0.0),
-              worker("d", role=DECODE, kv_bytes_per_token=1000))
+    f = fleet(
+        worker("p", role=PREFILL, kv_bytes_per_token=1000, transfer_gbps=0.0),
+        worker("d", role=DECODE, kv_bytes_per_token=1000),
+    )
     assert SloGoodput().route(req(4096), f).reject
 
 
@@ -257,33 +287,41 @@ ROLES = (MIXED, PREFILL, DECODE)
 def fleets(draw, max_workers: int = 8):
     n = draw(st.integers(0, max_workers))
     num_tokens = draw(st.integers(1, 6000))
-    r = RequestView(request_id="r", num_tokens=num_tokens,
-                    block_hashes=tuple(draw(st.integers(0, 2**64 - 1))
-                                       for _ in range(num_tokens // 16)),
-                    max_tokens=draw(st.integers(1, 1024)),
-                    slo_ttft_ms=draw(st.none() | st.floats(1, 10_000)),
-                    slo_tpot_ms=draw(st.none() | st.floats(1, 500)))
+    r = RequestView(
+        request_id="r",
+        num_tokens=num_tokens,
+        block_hashes=tuple(draw(st.integers(0, 2**64 - 1)) for _ in range(num_tokens // 16)),
+        max_tokens=draw(st.integers(1, 1024)),
+        slo_ttft_ms=draw(st.none() | st.floats(1, 10_000)),
+        slo_tpot_ms=draw(st.none() | st.floats(1, 500)),
+    )
     workers = []
     for i in range(n):
         running = draw(st.integers(0, 300))
-        workers.append(WorkerView(
-            worker_id=f"w{i}", role=draw(st.sampled_from(ROLES)),
-            matched_blocks=draw(st.integers(0, len(r.block_hashes))),
-            waiting=draw(st.integers(0, 50)), running=running, in_flight=draw(st.integers(0, 400)),
-            queued_prefill_tokens=draw(st.integers(0, 100_000)),
-            kv_tokens=running * draw(st.integers(0, 4000)),
-            max_batched_tokens=draw(st.sampled_from((256, 2048, 8192))),
-            step_ms=draw(st.none() | st.floats(0.5, 500)),
-            step_prefill_tokens=draw(st.sampled_from((0.0, 100.0, 2048.0))),
-            step_prefill_ctx_products=draw(st.sampled_from((0.0, 1e6))),
-            step_decode_seqs=draw(st.sampled_from((0.0, 1.0, 40.5))),
-            step_decode_kv_tokens=draw(st.sampled_from((0.0, 50_000.0))),
-            decode_step_ms=draw(st.none() | st.floats(0.5, 500)),
-            decode_step_seqs=draw(st.sampled_from((0.0, 1.0, 40.5))),
-            decode_step_kv_tokens=draw(st.sampled_from((0.0, 50_000.0))),
-            cost=draw(st.none() | st.just(COST)),
-            transfer_gbps=draw(st.sampled_from((0.0, 1.0, 25.0))),
-            kv_bytes_per_token=draw(st.sampled_from((0, 36_864)))))
+        workers.append(
+            WorkerView(
+                worker_id=f"w{i}",
+                role=draw(st.sampled_from(ROLES)),
+                matched_blocks=draw(st.integers(0, len(r.block_hashes))),
+                waiting=draw(st.integers(0, 50)),
+                running=running,
+                in_flight=draw(st.integers(0, 400)),
+                queued_prefill_tokens=draw(st.integers(0, 100_000)),
+                kv_tokens=running * draw(st.integers(0, 4000)),
+                max_batched_tokens=draw(st.sampled_from((256, 2048, 8192))),
+                step_ms=draw(st.none() | st.floats(0.5, 500)),
+                step_prefill_tokens=draw(st.sampled_from((0.0, 100.0, 2048.0))),
+                step_prefill_ctx_products=draw(st.sampled_from((0.0, 1e6))),
+                step_decode_seqs=draw(st.sampled_from((0.0, 1.0, 40.5))),
+                step_decode_kv_tokens=draw(st.sampled_from((0.0, 50_000.0))),
+                decode_step_ms=draw(st.none() | st.floats(0.5, 500)),
+                decode_step_seqs=draw(st.sampled_from((0.0, 1.0, 40.5))),
+                decode_step_kv_tokens=draw(st.sampled_from((0.0, 50_000.0))),
+                cost=draw(st.none() | st.just(COST)),
+                transfer_gbps=draw(st.sampled_from((0.0, 1.0, 25.0))),
+                kv_bytes_per_token=draw(st.sampled_from((0, 36_864))),
+            )
+        )
     return r, FleetView(workers=tuple(workers))
 
 
@@ -328,7 +366,8 @@ def test_prefix_affinity_takes_the_longest_eligible_match_then_the_least_load(ca
     chosen = next(w for w in workers if w.worker_id == route.worker)
     assert chosen in eligible
     assert (-predict.cached_tokens(r, chosen), chosen.load) == min(
-        (-predict.cached_tokens(r, w), w.load) for w in eligible)
+        (-predict.cached_tokens(r, w), w.load) for w in eligible
+    )
 
 
 def test_ties_go_by_the_stable_hash_of_the_first_block_then_the_id():
@@ -362,15 +401,28 @@ def test_more_cache_never_raises_predicted_ttft(case):
 
 # a large fleet (how fast: `python -m bench.gateway_overhead --only decision`)
 
-@pytest.mark.parametrize("roles", ((MIXED,) * 64, (PREFILL,) * 32 + (DECODE,) * 32,
-                                   (PREFILL,) * 16 + (DECODE,) * 16 + (MIXED,) * 32))
+
+@pytest.mark.parametrize(
+    "roles", ((MIXED,) * 64, (PREFILL,) * 32 + (DECODE,) * 32, (PREFILL,) * 16 + (DECODE,) * 16 + (MIXED,) * 32)
+)
 def test_a_64_worker_decision_names_workers_of_the_fleet(roles):
     rnd = random.Random(0)
-    f = FleetView(workers=tuple(
-        WorkerView(worker_id=f"w{i}", role=role, matched_blocks=rnd.randrange(200),
-                   running=rnd.randrange(100), waiting=rnd.randrange(5),
-                   queued_prefill_tokens=rnd.randrange(10_000), kv_tokens=rnd.randrange(200_000),
-                   cost=COST, kv_bytes_per_token=36_864) for i, role in enumerate(roles)))
+    f = FleetView(
+        workers=tuple(
+            WorkerView(
+                worker_id=f"w{i}",
+                role=role,
+                matched_blocks=rnd.randrange(200),
+                running=rnd.randrange(100),
+                waiting=rnd.randrange(5),
+                queued_prefill_tokens=rnd.randrange(10_000),
+                kv_tokens=rnd.randrange(200_000),
+                cost=COST,
+                kv_bytes_per_token=36_864,
+            )
+            for i, role in enumerate(roles)
+        )
+    )
     r = req(4096)
     ids = {w.worker_id for w in f.workers}
     for policy in (RoundRobin(), *(cls() for cls in STATELESS)):
@@ -380,9 +432,9 @@ def test_a_64_worker_decision_names_workers_of_the_fleet(roles):
 
 # registry
 
+
 def test_builtins_load_by_name_with_constructor_arguments():
-    assert set(BUILTIN_POLICIES) == {"round_robin", "least_load", "prefix_affinity", "kv_cost",
-                                     "slo_goodput"}
+    assert set(BUILTIN_POLICIES) == {"round_robin", "least_load", "prefix_affinity", "kv_cost", "slo_goodput"}
     for name in BUILTIN_POLICIES:
         policy = load_policy(name)
         assert isinstance(policy, Policy) and policy.name == name
@@ -395,13 +447,15 @@ def test_load_by_module_and_class():
 
 def test_load_by_file_path(tmp_path):
     plugin = tmp_path / "my_plugin.py"
-    plugin.write_text("from policies.api import Route\n"
-                      "class First:\n"
-                      "    name = 'first'\n"
-                      "    def __init__(self, tag='x'):\n"
-                      "        self.tag = tag\n"
-                      "    def route(self, req, fleet):\n"
-                      "        return Route(worker=fleet.workers[0].worker_id)\n")
+    plugin.write_text(
+        "from policies.api import Route\n"
+        "class First:\n"
+        "    name = 'first'\n"
+        "    def __init__(self, tag='x'):\n"
+        "        self.tag = tag\n"
+        "    def route(self, req, fleet):\n"
+        "        return Route(worker=fleet.workers[0].worker_id)\n"
+    )
     policy = load_policy(f"{plugin}:First", tag="y")
     assert policy.name == "first" and policy.tag == "y"
     assert type(load_policy(f"{plugin}:First")) is type(policy)

@@ -1,4 +1,5 @@
 """TTFT, TPOT and transfer predictions (policies/predict.py), from a cost model or measured steps."""
+
 import json
 import random
 import time
@@ -18,6 +19,7 @@ from workers.kv.cost_model import CostModel, StepWork
 from workers.sampling_params import SamplingParams
 
 CPU_PROFILE = Path(__file__).parent.parent / "bench" / "profiles" / "cpu-smollm2-135m.json"
+
 
 def test_idle_ttft_is_the_cost_models_prefill_time():
     r, w = req(5000), worker("a", matched_blocks=10, max_batched_tokens=2048)
@@ -55,8 +57,7 @@ def test_running_decodes_slow_prefill_and_decode():
 
 def test_queued_prefill_interferes_with_decode():
     r = req(1024)
-    assert predict.tpot_ms(r, worker("a", queued_prefill_tokens=4096, waiting=2)) > \
-        predict.tpot_ms(r, worker("b"))
+    assert predict.tpot_ms(r, worker("a", queued_prefill_tokens=4096, waiting=2)) > predict.tpot_ms(r, worker("b"))
 
 
 def test_measured_step_time_scales_predictions_without_a_cost_model():
@@ -66,17 +67,23 @@ def test_measured_step_time_scales_predictions_without_a_cost_model():
     assert predict.ttft_ms(r, slow) == pytest.approx(2 * predict.ttft_ms(r, fast))
     assert predict.ttft_ms(r, WorkerView(worker_id="n")) == pytest.approx(COST.prefill_ms(1024))
     unknown = WorkerView(worker_id="u", running=8, step_ms=2 * COST.decode_ms(8, 0))
-    assert predict.ttft_ms(r, unknown) == pytest.approx(predict.ttft_ms(r, fast)), \
+    assert predict.ttft_ms(r, unknown) == pytest.approx(predict.ttft_ms(r, fast)), (
         "a step time without the work it measured is no speed"
+    )
 
 
 def prefill_worker(wid: str, speed: float, chunk: int = 2048) -> WorkerView:
     """An idle prefill worker whose recent steps were `chunk`-token prefills of fresh prompts,
     each taking `speed` times the default model's time."""
     ctx = chunk * chunk / 2
-    return WorkerView(worker_id=wid, role=PREFILL, max_batched_tokens=chunk,
-                      step_ms=speed * COST.step_ms(prefill_tokens=chunk, prefill_ctx_products=ctx),
-                      step_prefill_tokens=chunk, step_prefill_ctx_products=ctx)
+    return WorkerView(
+        worker_id=wid,
+        role=PREFILL,
+        max_batched_tokens=chunk,
+        step_ms=speed * COST.step_ms(prefill_tokens=chunk, prefill_ctx_products=ctx),
+        step_prefill_tokens=chunk,
+        step_prefill_ctx_products=ctx,
+    )
 
 
 def test_a_prefill_workers_speed_comes_from_the_chunks_it_measured_not_its_empty_queue():
@@ -85,13 +92,21 @@ def test_a_prefill_workers_speed_comes_from_the_chunks_it_measured_not_its_empty
     r = req(4096)
     for speed in (0.5, 1.0, 3.0):
         assert predict.ttft_ms(r, prefill_worker("p", speed)) == pytest.approx(
-            speed * COST.prefill_ms(4096, chunk=2048), rel=0.05)
+            speed * COST.prefill_ms(4096, chunk=2048), rel=0.05
+        )
 
 
 def test_slo_goodput_pairs_a_prefill_worker_measured_on_big_chunks():
     p = prefill_worker("p", speed=3.0)
-    d = WorkerView(worker_id="d", role=DECODE, running=8, kv_tokens=8000,
-                   step_ms=3.0 * COST.decode_ms(8, 8000), step_decode_seqs=8, step_decode_kv_tokens=8000)
+    d = WorkerView(
+        worker_id="d",
+        role=DECODE,
+        running=8,
+        kv_tokens=8000,
+        step_ms=3.0 * COST.decode_ms(8, 8000),
+        step_decode_seqs=8,
+        step_decode_kv_tokens=8000,
+    )
     route = SloGoodput().route(req(4096), fleet(p, d))
     assert (route.prefill, route.worker) == ("p", "d"), route.reject
     assert route.predicted_ttft_ms < 1.2 * 3.0 * COST.prefill_ms(4096, chunk=2048)
@@ -106,8 +121,13 @@ def test_a_workers_state_carries_the_work_its_step_time_measured(monkeypatch):
     eng = Engine(ex, None, EngineConfig("m", num_blocks=1024, role=PREFILL))
     rnd = random.Random(0)
     for i, n in enumerate((3000, 4096, 2500, 5000)):
-        eng.submit(f"r{i}", [rnd.randrange(3, 1000) for _ in range(n)], SamplingParams(max_tokens=1),
-                   sink=lambda out: None, detokenize=False)
+        eng.submit(
+            f"r{i}",
+            [rnd.randrange(3, 1000) for _ in range(n)],
+            SamplingParams(max_tokens=1),
+            sink=lambda out: None,
+            detokenize=False,
+        )
     while eng.has_work():
         eng.step()
     view = worker_view(eng.state())
@@ -122,8 +142,8 @@ def test_transfer_moves_the_blocks_the_decode_worker_lacks():
     assert predict.transfer_ms(r, p, d) == pytest.approx(50 * 16 * 1000 / 2e6)
     assert predict.transfer_ms(r, worker("q", role=PREFILL), worker("u", role=DECODE)) == 0.0
     assert predict.pd_ttft_ms(r, p, d) == pytest.approx(
-        predict.ttft_ms(r, p) + predict.transfer_ms(r, p, d) + predict.import_ttft_ms(r, d))
-
+        predict.ttft_ms(r, p) + predict.transfer_ms(r, p, d) + predict.import_ttft_ms(r, d)
+    )
 
 
 @pytest.mark.parametrize("prefill_share", (0.1, 0.3, 0.6))
@@ -140,8 +160,7 @@ def test_prefill_and_decode_speeds_are_measured_apart(prefill_share):
         p, ctx = (256, 256 * (rng.randint(0, 512) + 128)) if rng.random() < prefill_share else (0, 0.0)
         work = StepWork(p, ctx, seqs, kv)
         recent.append(StepRecord(true.work_ms(work), work, true.work_ms(work)))
-    load = dict(running=4, waiting=1, in_flight=5, queued_prefill_tokens=300, kv_tokens=2000,
-                max_batched_tokens=256)
+    load = dict(running=4, waiting=1, in_flight=5, queued_prefill_tokens=300, kv_tokens=2000, max_batched_tokens=256)
     measured = WorkerView(worker_id="m", **load, **step_means(recent))
     for n in (64, 1024):
         r = req(n, max_tokens=48)

@@ -4,6 +4,7 @@ error and health panels and fires the worker-down alert, the gateway's latency q
 the client's within a histogram bucket, and every recording rule returns values in range.
 
 Needs Debian's `prometheus` (installed here when missing and running as root)."""
+
 import shutil
 
 import pytest
@@ -31,8 +32,12 @@ def test_a_killed_worker_shows_in_the_error_and_health_panels_and_fires_an_alert
     assert not [p for p in report["problems"] if "killed" in p or "never fired" in p], report["problems"]
     errors = [e for e in report["panels"] if e["panel"] == observe.ERROR_PANEL and "stage" in e["legend"]]
     killed = report["window"]["killed"]
-    failures = {s["metric"]["stage"] for e in errors for s in e["result"] if s["metric"].get("worker") == "m1"
-                and any(float(t) > killed and float(v) > 0 for t, v in s["values"])}
+    failures = {
+        s["metric"]["stage"]
+        for e in errors
+        for s in e["result"]
+        if s["metric"].get("worker") == "m1" and any(float(t) > killed and float(v) > 0 for t, v in s["values"])
+    }
     assert failures, "the killed worker's failures show by stage"
     assert "m1" in report["rules"]["worker_down_fired_for"]
 
@@ -44,9 +49,13 @@ def test_gateway_latency_quantiles_match_the_clients(report):
 
 def test_recording_rules_and_alerts_evaluate_in_range(report):
     assert not [p for p in report["problems"] if "rule" in p or "alert" in p], report["problems"]
-    assert set(report["rules"]["records"]) == {"kvgate:slo_attainment:ratio_rate5m", "kvgate:goodput:rate5m",
-                                               "kvgate:prefix_hit:ratio_rate5m",
-                                               "kvgate:prefix_hit_predicted:ratio_rate5m", "kvgate:error:ratio_rate5m"}
+    assert set(report["rules"]["records"]) == {
+        "kvgate:slo_attainment:ratio_rate5m",
+        "kvgate:goodput:rate5m",
+        "kvgate:prefix_hit:ratio_rate5m",
+        "kvgate:prefix_hit_predicted:ratio_rate5m",
+        "kvgate:error:ratio_rate5m",
+    }
     assert len(report["rules"]["alerts"]) == 5
 
 

@@ -1,5 +1,6 @@
 """The shared request parse (gateway and worker) against hostile and unusual-but-valid bodies:
 every outcome is a ParsedRequest or an InvalidRequest (a 400), never another exception."""
+
 import json
 import math
 
@@ -37,21 +38,31 @@ def chat_text(tok, messages: list[dict]) -> str:
 
 # -- JSON as a hostile client sends it ------------------------------------------------------------
 
-@pytest.mark.parametrize("raw", [
-    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
-    b'{"prompt": "x", "top_p": -Infinity}', b'{"max_tokens": ' + b"9" * 5000 + b"}",
-    b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    b'{"x": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}",
-    b'{"prompt": "a\\ud800b"}', b'{"\\udfff": 1}', b'{"prompt": "\xed\xa0\x80"}', b"\xff\xfe{}",
-    b"{not json", b"",
-])
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "x", "top_p": Infinity}',
+        b'{"prompt": "x", "top_p": -Infinity}',
+        b'{"max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"x": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}",
+        b'{"prompt": "a\\ud800b"}',
+        b'{"\\udfff": 1}',
+        b'{"prompt": "\xed\xa0\x80"}',
+        b"\xff\xfe{}",
+        b"{not json",
+        b"",
+    ],
+)
 def test_loads_refuses_what_json_does_not_allow_as_a_client_error(raw):
     with pytest.raises(InvalidRequest):
         loads(raw)
 
 
 def test_loads_keeps_valid_unicode_and_ordinary_nesting():
-    assert loads('{"p": "\\ud83d\\ude00 ✓"}'.encode()) == {"p": "\U0001F600 ✓"}
+    assert loads('{"p": "\\ud83d\\ude00 ✓"}'.encode()) == {"p": "\U0001f600 ✓"}
     nested = "[" * MAX_DEPTH + "]" * MAX_DEPTH
     assert loads(b'{"x": ' + nested[1:-1].encode() + b"}")
     assert loads(b'{"messages": [' + b",".join([b'{"role": "user", "content": "hi"}'] * 200) + b"]}")
@@ -59,35 +70,57 @@ def test_loads_keeps_valid_unicode_and_ordinary_nesting():
 
 # -- chat messages as OpenAI clients send them -----------------------------------------------------
 
+
 def test_content_as_a_list_of_parts_is_flattened_like_vllm(tok):
-    parts = [{"type": "text", "text": "first"}, "second", {"type": "input_text", "text": "third"},
-             {"type": "text", "text": None}, {"type": "refusal", "refusal": "no"}]
+    parts = [
+        {"type": "text", "text": "first"},
+        "second",
+        {"type": "input_text", "text": "third"},
+        {"type": "text", "text": None},
+        {"type": "refusal", "refusal": "no"},
+    ]
     plain = chat_text(tok, [{"role": "user", "content": "first\nsecond\nthird\nno"}])
     assert chat_text(tok, [{"role": "user", "content": parts}]) == plain
 
 
 def test_assistant_tool_calls_without_content_and_tool_roles_render(tok):
     calls = [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
-    text = chat_text(tok, [
-        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": calls},
-        {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
-        {"role": "function", "name": "weather", "content": "12 C"}])
+    text = chat_text(
+        tok,
+        [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
+            {"role": "function", "name": "weather", "content": "12 C"},
+        ],
+    )
     assert "<|im_start|>assistant\n<|im_end|>" in text
     assert "<|im_start|>tool\n12 C<|im_end|>" in text and "<|im_start|>developer\nbe brief" in text
 
 
-@pytest.mark.parametrize("messages", [
-    [], "hi", [{"content": "no role"}], [{"role": 5, "content": "x"}], [{"role": "wizard", "content": "x"}],
-    [{"role": "user", "content": 5}], [{"role": "user", "content": {"text": "x"}}],
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
-    [{"role": "user", "content": [{"text": "no type"}]}], [{"role": "user", "content": [{"type": ["text"]}]}],
-    [{"role": "user", "content": [{"type": "text", "text": 5}]}], [{"role": "user", "content": "x", "name": 5}],
-    [{"role": "user", "content": "x", "tool_calls": []}], [{"role": "assistant", "tool_calls": "call"}],
-    [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}],
-    [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
-    [{"role": "assistant", "tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hi",
+        [{"content": "no role"}],
+        [{"role": 5, "content": "x"}],
+        [{"role": "wizard", "content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": {"text": "x"}}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+        [{"role": "user", "content": [{"text": "no type"}]}],
+        [{"role": "user", "content": [{"type": ["text"]}]}],
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+        [{"role": "user", "content": "x", "name": 5}],
+        [{"role": "user", "content": "x", "tool_calls": []}],
+        [{"role": "assistant", "tool_calls": "call"}],
+        [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}],
+        [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
+        [{"role": "assistant", "tool_calls": [{"function": {"name": 7, "arguments": "{}"}}]}],
+    ],
+)
 def test_malformed_messages_are_400s(tok, messages):
     assert refused(tok, {"messages": messages, "max_tokens": 1}, "chat").param == "messages"
 
@@ -96,37 +129,104 @@ def test_a_template_that_raises_is_the_clients_error():
     class Strict:
         def apply_chat_template(self, messages, **kw):
             from jinja2 import TemplateError
+
             raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
     with pytest.raises(InvalidRequest, match="alternate"):
         parse_request({"messages": [{"role": "user", "content": "x"}]}, "chat", Strict(), CTX)
 
 
 # -- sampling parameters: ranges and types ---------------------------------------------------------
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("max_tokens", 1.5), ("max_tokens", "8"), ("max_tokens", True), ("max_tokens", 10**309),
-    ("max_tokens", 1e300), ("temperature", -0.1), ("temperature", "hot"), ("temperature", 10**400),
-    ("top_p", 0), ("top_p", 1.01), ("top_p", [0.5]), ("top_k", 10**309), ("top_k", -2), ("top_k", 2**31),
-    ("top_k", 0.5), ("seed", 2**63), ("seed", -2**63 - 1), ("seed", 1.5), ("stop", 5), ("stop", [""]),
-    ("stop", ["x"] * 33), ("stop", ["x" * 1025]), ("stop", [1]), ("stop_token_ids", [2**31]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", list(range(1025))),
-    ("ignore_eos", "yes"), ("stream", 1), ("stream_options", []), ("stream_options", {"include_usage": "y"}),
-    ("return_token_ids", "no"), ("n", 0), ("n", 129), ("n", "1"), ("user", 5), ("model", ["m"]),
-    ("presence_penalty", 0.5), ("frequency_penalty", math.inf), ("logprobs", 21), ("logprobs", True),
-    ("logprobs", -1), ("echo", "yes"), ("best_of", 3), ("logit_bias", {"1": 5}), ("tools", [{"type": "function"}]),
-    ("response_format", {"type": "json_object"}), ("min_tokens", 4), ("repetition_penalty", 1.2),
-    ("kv_transfer", {"export_to": "ftp://x"}), ("kv_transfer", {"wait_ms": 10**9}), ("kv_transfer", "x"),
-])
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 1.5),
+        ("max_tokens", "8"),
+        ("max_tokens", True),
+        ("max_tokens", 10**309),
+        ("max_tokens", 1e300),
+        ("temperature", -0.1),
+        ("temperature", "hot"),
+        ("temperature", 10**400),
+        ("top_p", 0),
+        ("top_p", 1.01),
+        ("top_p", [0.5]),
+        ("top_k", 10**309),
+        ("top_k", -2),
+        ("top_k", 2**31),
+        ("top_k", 0.5),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("seed", 1.5),
+        ("stop", 5),
+        ("stop", [""]),
+        ("stop", ["x"] * 33),
+        ("stop", ["x" * 1025]),
+        ("stop", [1]),
+        ("stop_token_ids", [2**31]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", list(range(1025))),
+        ("ignore_eos", "yes"),
+        ("stream", 1),
+        ("stream_options", []),
+        ("stream_options", {"include_usage": "y"}),
+        ("return_token_ids", "no"),
+        ("n", 0),
+        ("n", 129),
+        ("n", "1"),
+        ("user", 5),
+        ("model", ["m"]),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", math.inf),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("logprobs", -1),
+        ("echo", "yes"),
+        ("best_of", 3),
+        ("logit_bias", {"1": 5}),
+        ("tools", [{"type": "function"}]),
+        ("response_format", {"type": "json_object"}),
+        ("min_tokens", 4),
+        ("repetition_penalty", 1.2),
+        ("kv_transfer", {"export_to": "ftp://x"}),
+        ("kv_transfer", {"wait_ms": 10**9}),
+        ("kv_transfer", "x"),
+    ],
+)
 def test_every_field_is_type_and_range_checked(tok, field, value):
     assert refused(tok, {"prompt": "hello", "max_tokens": 2, field: value}).param == field
 
 
 def test_defaults_and_no_op_values_of_unsupported_fields_pass(tok):
-    p = parse(tok, {"prompt": "hello", "max_tokens": 3, "top_k": -1, "seed": -2**63, "presence_penalty": 0,
-                    "frequency_penalty": 0.0, "logprobs": None, "echo": False, "n": 1, "best_of": 1,
-                    "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-                    "stream": False, "stream_options": None, "user": "u1", "stop": ["\n"], "temperature": 0})
-    assert p.params.top_k == 0 and p.params.seed == -2**63 and p.params.max_tokens == 3 and p.params.greedy
+    p = parse(
+        tok,
+        {
+            "prompt": "hello",
+            "max_tokens": 3,
+            "top_k": -1,
+            "seed": -(2**63),
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "logprobs": None,
+            "echo": False,
+            "n": 1,
+            "best_of": 1,
+            "logit_bias": {},
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "stream": False,
+            "stream_options": None,
+            "user": "u1",
+            "stop": ["\n"],
+            "temperature": 0,
+        },
+    )
+    assert p.params.top_k == 0 and p.params.seed == -(2**63) and p.params.max_tokens == 3 and p.params.greedy
 
 
 def test_worker_vocab_bounds_token_ids(tok):
@@ -138,10 +238,16 @@ def test_worker_vocab_bounds_token_ids(tok):
 def test_extreme_valid_sampling_params_do_not_break_the_sampler():
     torch = pytest.importorskip("torch")
     from workers.sampling import sample
+
     logits = torch.randn(6, 50)
-    params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.7e308),
-              SamplingParams(top_k=2**31 - 1), SamplingParams(top_p=5e-324), SamplingParams(seed=-2**63),
-              SamplingParams(seed=2**63 - 1, top_k=1)]
+    params = [
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=1.7e308),
+        SamplingParams(top_k=2**31 - 1),
+        SamplingParams(top_p=5e-324),
+        SamplingParams(seed=-(2**63)),
+        SamplingParams(seed=2**63 - 1, top_k=1),
+    ]
     for p in params:
         p.validate()
     tokens = sample(logits, params, [0, 1, 2, 3, 4, 5])
@@ -151,27 +257,38 @@ def test_extreme_valid_sampling_params_do_not_break_the_sampler():
 def test_check_request_is_parse_request_without_the_tokenizer(tok):
     check_request({"prompt": [1, 2], "max_tokens": 2}, "completion")
     check_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "chat")
-    for body, kind in (({"prompt": "x", "top_k": 10**309}, "completion"), ({"prompt": ""}, "completion"),
-                       ({"messages": [{"role": "user", "content": 1}]}, "chat"), ([], "chat")):
+    for body, kind in (
+        ({"prompt": "x", "top_k": 10**309}, "completion"),
+        ({"prompt": ""}, "completion"),
+        ({"messages": [{"role": "user", "content": 1}]}, "chat"),
+        ([], "chat"),
+    ):
         with pytest.raises(InvalidRequest):
             check_request(body, kind)
 
 
 # -- prompt length before tokenization -------------------------------------------------------------
 
+
 def test_a_prompt_far_too_long_is_refused_without_tokenizing_it(tok):
     class Counting:
         """The real tokenizer, counting the characters it is asked to encode."""
+
         def __init__(self):
             self.chars = 0
+
         def get_vocab(self):
             return tok.get_vocab()
+
         backend_tokenizer = tok.backend_tokenizer
+
         def encode(self, text, **kw):
             self.chars += len(text)
             return tok.encode(text, **kw)
+
         def apply_chat_template(self, messages, **kw):
             return tok.apply_chat_template(messages, **kw)
+
     counting = Counting()
     too_many_chars = "x" * (token_chars(tok) * CTX + 1)  # past the bound: no tokenizing at all
     err = refused(counting, {"prompt": too_many_chars})
@@ -196,21 +313,57 @@ def test_a_prefix_cut_before_a_word_tokenizes_into_a_prefix_of_the_tokens(tok, t
     """Why the early refusal is sound: the prefix's tokens start the full text's tokens."""
     cut = _LAST_CUT.match(text, 0, end)
     if cut is not None:
-        prefix = tok.encode(text[:cut.start(1)], add_special_tokens=False)
-        assert tok.encode(text, add_special_tokens=False)[:len(prefix)] == prefix
+        prefix = tok.encode(text[: cut.start(1)], add_special_tokens=False)
+        assert tok.encode(text, add_special_tokens=False)[: len(prefix)] == prefix
 
 
 # -- fuzz: any JSON body -> a ParsedRequest or a 400 -----------------------------------------------
 
-_leaf = (st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300, max_value=10**310)
-         | st.floats(allow_nan=False, allow_infinity=True) | st.text(max_size=20)
-         | st.sampled_from(["user", "assistant", "tool", "text", "function", ""]))
-_json = st.recursive(_leaf, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
-    st.sampled_from(["role", "content", "type", "text", "tool_calls", "function", "name", "arguments", "x"]),
-    kids, max_size=4), max_leaves=12)
-_fields = st.sampled_from(["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                           "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "user",
-                           "ignore_eos", "return_token_ids", "logprobs", "tools", "model", "kv_transfer"])
+_leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**300, max_value=10**310)
+    | st.floats(allow_nan=False, allow_infinity=True)
+    | st.text(max_size=20)
+    | st.sampled_from(["user", "assistant", "tool", "text", "function", ""])
+)
+_json = st.recursive(
+    _leaf,
+    lambda kids: (
+        st.lists(kids, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["role", "content", "type", "text", "tool_calls", "function", "name", "arguments", "x"]),
+            kids,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+_fields = st.sampled_from(
+    [
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "stream",
+        "stream_options",
+        "n",
+        "user",
+        "ignore_eos",
+        "return_token_ids",
+        "logprobs",
+        "tools",
+        "model",
+        "kv_transfer",
+    ]
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,5 @@
 """How the proxy commits a stream: only at its first token event; pure, on a fake response."""
+
 import asyncio
 import json
 
@@ -32,15 +33,18 @@ ROLE = event({"choices": [{"delta": {"role": "assistant"}}]})
 TOKEN = event({"choices": [{"delta": {"content": "hi"}}]})
 
 
-def first_token(chunks: list[bytes], kind: str = "chat", then_hang: bool = False, timeout: float = 5.0,
-                lost: bool = False) -> bytes:
+def first_token(
+    chunks: list[bytes], kind: str = "chat", then_hang: bool = False, timeout: float = 5.0, lost: bool = False
+) -> bytes:
     async def run():
         future = asyncio.get_running_loop().create_future()
         if lost:
             future.set_result("its engine is not running")
         proxy = Proxy(first_byte_timeout=timeout)
-        return await proxy.first_token(FakeResponse(chunks, then_hang), StreamTap(kind, 0.0), None, future,
-                                       asyncio.get_running_loop().time())
+        return await proxy.first_token(
+            FakeResponse(chunks, then_hang), StreamTap(kind, 0.0), None, future, asyncio.get_running_loop().time()
+        )
+
     return asyncio.run(run())
 
 

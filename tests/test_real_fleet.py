@@ -1,4 +1,5 @@
 """The real-fleet comparison: two fleets of sim workers behind real gateways, one report."""
+
 import json
 
 import pytest
@@ -10,7 +11,10 @@ pytestmark = pytest.mark.slow
 
 def test_fleet_spec_parsing():
     assert real_fleet.parse_fleet("pd=slo_goodput@prefill:1,decode:2") == (
-        "pd", "slo_goodput", ["prefill", "decode", "decode"])
+        "pd",
+        "slo_goodput",
+        ["prefill", "decode", "decode"],
+    )
     for bad in ("pd", "pd=slo_goodput", "pd=slo_goodput@gpu:1", "pd=slo_goodput@mixed:x"):
         with pytest.raises(ValueError):
             real_fleet.parse_fleet(bad)
@@ -18,12 +22,39 @@ def test_fleet_spec_parsing():
 
 def test_compares_a_pd_fleet_with_a_mixed_one(tmp_path):
     out = tmp_path / "report.json"
-    real_fleet.main([
-        "--fleet", "1p1d=slo_goodput@prefill:1,decode:1", "--fleet", "2mixed=slo_goodput@mixed:2",
-        "--executor", "sim", "--gateway-arg=--pd-min-uncached-tokens=32", "--workload", "shared-prefix",
-        "--groups", "2", "--prefix-len", "96", "--question-len", "16", "--output-len", "4",
-        "--sweep", "3,4", "--duration", "2", "--slo-ttft-ms", "20000", "--slo-tpot-ms", "20000",
-        "--log-dir", str(tmp_path), "--out", str(out)])
+    real_fleet.main(
+        [
+            "--fleet",
+            "1p1d=slo_goodput@prefill:1,decode:1",
+            "--fleet",
+            "2mixed=slo_goodput@mixed:2",
+            "--executor",
+            "sim",
+            "--gateway-arg=--pd-min-uncached-tokens=32",
+            "--workload",
+            "shared-prefix",
+            "--groups",
+            "2",
+            "--prefix-len",
+            "96",
+            "--question-len",
+            "16",
+            "--output-len",
+            "4",
+            "--sweep",
+            "3,4",
+            "--duration",
+            "2",
+            "--slo-ttft-ms",
+            "20000",
+            "--slo-tpot-ms",
+            "20000",
+            "--log-dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     pd, mixed = report["policies"]["1p1d"], report["policies"]["2mixed"]
     for entry in (pd, mixed):

@@ -1,4 +1,5 @@
 """Residency, registry and shared load through a test-started redis-server (never port 6379)."""
+
 import asyncio
 import json
 import random
@@ -33,16 +34,21 @@ def cluster(tmp_path_factory):
     server = wait_redis(start_redis(log_dir=logs))
     url = f"redis://127.0.0.1:{server.port}/0"
     workers = [Worker(worker_id=f"r{i}", redis=url, log_dir=logs) for i in range(4)]
-    gateways = [start_gateway([], "prefix_affinity", redis=url, name=f"replica-{c}", log_dir=logs,
-                              extra=["--replica-id", c]) for c in "ab"]
+    gateways = [
+        start_gateway([], "prefix_affinity", redis=url, name=f"replica-{c}", log_dir=logs, extra=["--replica-id", c])
+        for c in "ab"
+    ]
     box: dict = {}
     try:
         for p in workers:
             p.ready()
         for g in gateways:
             g.wait_ready("/v1/models")
-            wait_for(lambda: httpx.get(g.url + "/health").json()["healthy"] == 4, timeout=20,
-                     what="4 workers discovered through redis")
+            wait_for(
+                lambda: httpx.get(g.url + "/health").json()["healthy"] == 4,
+                timeout=20,
+                what="4 workers discovered through redis",
+            )
         box = {"redis": server, "url": url, "workers": workers, "gateways": gateways, "logs": logs}
         yield box
     finally:
@@ -50,8 +56,11 @@ def cluster(tmp_path_factory):
 
 
 def complete(url: str, prompt: str, max_tokens: int = 2, stream: bool = False) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=60,
-                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+    return httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream},
+    )
 
 
 def test_worker_publishes_its_set_events_and_heartbeat(cluster):
@@ -63,6 +72,7 @@ def test_worker_publishes_its_set_events_and_heartbeat(cluster):
     def published():
         seq = r.get(rs.seq_key(MODEL, w.worker_id))
         return seq is not None and int(seq) == snap["seq"]
+
     wait_for(published, timeout=30, what="the worker's seq in redis")
     assert {int(h) for h in r.smembers(rs.resident_key(MODEL, w.worker_id))} == set(snap["hashes"])
     beat = json.loads(r.get(rs.heartbeat_key(MODEL, w.worker_id)))
@@ -81,8 +91,11 @@ def test_two_replicas_choose_the_same_worker(cluster):
     docs = [text(rng, 200) for _ in range(6)]
     for d in docs:
         assert complete(a, d + " warm").status_code == 200
-    wait_for(lambda: int(complete(b, docs[-1] + " probe").headers["x-kvgate-predicted-cached-tokens"]) > 0,
-             timeout=30, what="replica b to see residency that replica a caused")
+    wait_for(
+        lambda: int(complete(b, docs[-1] + " probe").headers["x-kvgate-predicted-cached-tokens"]) > 0,
+        timeout=30,
+        what="replica b to see residency that replica a caused",
+    )
     probes = [d + f" question {i}" for i, d in enumerate(docs)] + [text(rng, 150) for _ in range(4)]
     chosen = []
     for p in probes:
@@ -99,13 +112,18 @@ def test_two_replicas_choose_the_same_worker(cluster):
 
 def test_in_flight_counts_are_shared_between_replicas(cluster):
     a, b = (g.url for g in cluster["gateways"])
-    with httpx.stream("POST", a + "/v1/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "long", "max_tokens": 600, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        a + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "long", "max_tokens": 600, "stream": True},
+    ) as r:
         wid = r.headers["x-kvgate-worker"]
         line = f'kvgate_gateway_shared_in_flight{{model="{MODEL}",worker="{wid}"}} 1.0'
         wait_for(lambda: line in httpx.get(b + "/metrics").text, timeout=30, what="b to see a's request")
-    wait_for(lambda: line.replace("1.0", "0.0") in httpx.get(b + "/metrics").text, timeout=30,
-             what="b to see it finish")
+    wait_for(
+        lambda: line.replace("1.0", "0.0") in httpx.get(b + "/metrics").text, timeout=30, what="b to see it finish"
+    )
 
 
 def test_a_decision_reaches_the_other_replica_before_the_next_table(tmp_path):
@@ -184,6 +202,7 @@ def test_redis_outage_degrades_to_the_embedded_path_and_recovers(cluster):
         r = complete(a, doc + f" again {rng.random()}")
         assert r.status_code == 200
         return int(r.headers["x-kvgate-predicted-cached-tokens"]) > 0 and r
+
     again = wait_for(predicted, timeout=30, interval=0.2, what="residency via /kv/events")
     assert again.headers["x-kvgate-worker"] == first.headers["x-kvgate-worker"]
     cluster["redis"] = start_redis(cluster["redis"].port, log_dir=cluster["logs"])
@@ -194,5 +213,9 @@ def test_redis_outage_degrades_to_the_embedded_path_and_recovers(cluster):
     wait_for(lambda: r.scard(rs.resident_key(MODEL, wid)) > 0, timeout=10, what="the worker to resync its set")
     doc2 = text(rng, 200)
     complete(a, doc2 + " one")
-    wait_for(lambda: int(complete(a, doc2 + f" {rng.random()}").headers["x-kvgate-predicted-cached-tokens"]) > 0,
-             timeout=30, interval=0.2, what="residency via redis again")
+    wait_for(
+        lambda: int(complete(a, doc2 + f" {rng.random()}").headers["x-kvgate-predicted-cached-tokens"]) > 0,
+        timeout=30,
+        interval=0.2,
+        what="residency via redis again",
+    )

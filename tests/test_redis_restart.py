@@ -4,6 +4,7 @@ Real redis-server (a private one on a free port), real gateway and sim workers t
 other only through Redis. A restarted Redis is empty until the workers re-register; the gateway
 must keep routing to the workers it knew rather than re-bootstrap to an empty registry.
 """
+
 import asyncio
 import json
 import random
@@ -73,27 +74,36 @@ def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
         for w in workers:
             w.ready()
         gateway.wait_ready("/v1/models")
-        wait_for(lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 2, timeout=20,
-                 what="2 workers discovered through redis")
+        wait_for(
+            lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 2,
+            timeout=20,
+            what="2 workers discovered through redis",
+        )
         with Traffic(gateway.url) as traffic:
             wait_for(lambda: traffic.ok >= 20, timeout=30, what="traffic before the outage")
             for _ in range(2):
                 server.kill()
-                wait_for(lambda: httpx.get(gateway.url + "/health").json()["redis"] == "down", timeout=10,
-                         what="the gateway to notice the outage")
+                wait_for(
+                    lambda: httpx.get(gateway.url + "/health").json()["redis"] == "down",
+                    timeout=10,
+                    what="the gateway to notice the outage",
+                )
                 before = traffic.ok
                 wait_for(lambda: traffic.ok >= before + 10, timeout=30, what="traffic during the outage")
                 server = wait_redis(start_redis(port, log_dir=logs))
-                wait_for(lambda: httpx.get(gateway.url + "/health").json()["redis"] == "up", timeout=15,
-                         what="the gateway to reconnect")
+                wait_for(
+                    lambda: httpx.get(gateway.url + "/health").json()["redis"] == "up",
+                    timeout=15,
+                    what="the gateway to reconnect",
+                )
                 r = redis.Redis(port=port)
-                wait_for(lambda: r.scard(rs.workers_key(MODEL)) == 2, timeout=15,
-                         what="the workers to re-register")
+                wait_for(lambda: r.scard(rs.workers_key(MODEL)) == 2, timeout=15, what="the workers to re-register")
                 before = traffic.ok
                 wait_for(lambda: traffic.ok >= before + 20, timeout=30, what="traffic after the restart")
         print(f"redis killed and restarted twice under traffic: {traffic.ok} ok, {len(traffic.failures)} failed")
-        assert traffic.failures == [], f"{len(traffic.failures)} failed of {traffic.ok + len(traffic.failures)}: " \
-                                       f"{traffic.failures[:5]}"
+        assert traffic.failures == [], (
+            f"{len(traffic.failures)} failed of {traffic.ok + len(traffic.failures)}: {traffic.failures[:5]}"
+        )
         assert httpx.get(gateway.url + "/health").json()["healthy"] == 2
     finally:
         stop_all(procs + [server])

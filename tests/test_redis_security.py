@@ -6,6 +6,7 @@ token: it registers its own worker (a sim worker standing in for a prompt-steali
 unsigned, badly signed, or with a legitimate registration's URL changed. None of them may
 receive a prompt.
 """
+
 import contextlib
 import json
 import re
@@ -28,9 +29,28 @@ pytestmark = pytest.mark.slow
 def make_cert(d) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1 (it is its own CA) and its key."""
     cert, key = str(d / "cert.pem"), str(d / "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -40,9 +60,26 @@ def cluster(tmp_path_factory):
     logs = str(d)
     cert, key = make_cert(d)
     port = free_port()
-    server = start_redis(port, logs, ["--port", "0", "--tls-port", str(port), "--tls-cert-file", cert,
-                                      "--tls-key-file", key, "--tls-ca-cert-file", cert,
-                                      "--tls-auth-clients", "no", "--requirepass", PASSWORD])
+    server = start_redis(
+        port,
+        logs,
+        [
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            cert,
+            "--tls-key-file",
+            key,
+            "--tls-ca-cert-file",
+            cert,
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            PASSWORD,
+        ],
+    )
     url = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
     procs = [server]
     try:
@@ -54,8 +91,11 @@ def cluster(tmp_path_factory):
         worker.ready()
         evil.ready()
         gateway.wait_ready("/v1/models")
-        wait_for(lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 1, timeout=20,
-                 what="the worker discovered through TLS redis")
+        wait_for(
+            lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 1,
+            timeout=20,
+            what="the worker discovered through TLS redis",
+        )
         yield {"url": url, "worker": worker, "evil": evil, "gateway": gateway, "procs": procs}
     finally:
         stop_all(procs[1:] + procs[:1])
@@ -89,8 +129,11 @@ def assert_no_prompt_reaches(cluster, what: str) -> None:
     time.sleep(1.5)  # three registry refreshes and /state polls: a forged worker would be up by now
     assert httpx.get(g.url + "/health").json()["healthy"] == 1, f"{what}: the forged worker joined"
     for i in range(8):
-        r = httpx.post(g.url + "/v1/completions", timeout=30,
-                       json={"model": MODEL, "prompt": f"secret prompt {i}", "max_tokens": 2})
+        r = httpx.post(
+            g.url + "/v1/completions",
+            timeout=30,
+            json={"model": MODEL, "prompt": f"secret prompt {i}", "max_tokens": 2},
+        )
         assert r.status_code == 200 and r.headers["x-kvgate-worker"] == "good", (what, r.status_code, r.headers)
     assert requests_served(cluster["evil"]) == 0, f"{what}: the attacker's server got prompts"
 
@@ -99,8 +142,11 @@ def test_worker_and_gateway_meet_through_tls_redis_with_a_password(cluster):
     r = client(cluster["url"])
     beat = rs.Registration.from_json(json.loads(r.get(rs.heartbeat_key(MODEL, "good"))))
     assert beat.url == cluster["worker"].url and beat.why_invalid(TEST_TOKEN) is None
-    resp = httpx.post(cluster["gateway"].url + "/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": "hello over tls", "max_tokens": 2})
+    resp = httpx.post(
+        cluster["gateway"].url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": "hello over tls", "max_tokens": 2},
+    )
     assert resp.status_code == 200
     for p in (cluster["gateway"], cluster["worker"]):
         assert PASSWORD not in p.log_path.read_text(errors="replace"), f"{p.name} logged the redis password"
@@ -112,16 +158,22 @@ def test_unsigned_registration_gets_no_prompts(cluster):
     info = {"worker_id": "evil", "url": cluster["evil"].url, "pool": MODEL, "state": {}, "ts": time.time()}
     with registered(cluster["url"], info):
         assert_no_prompt_reaches(cluster, "unsigned")
-        wait_for(lambda: "unsigned" in cluster["gateway"].log_tail(20000), timeout=30,
-                 what="the gateway to log the ignored registration")
+        wait_for(
+            lambda: "unsigned" in cluster["gateway"].log_tail(20000),
+            timeout=30,
+            what="the gateway to log the ignored registration",
+        )
 
 
 def test_registration_signed_with_another_token_gets_no_prompts(cluster):
     forged = rs.Registration("evil", cluster["evil"].url, MODEL, time.time(), {}).signed("not-the-fleet-token")
     with registered(cluster["url"], forged.to_json()):
         assert_no_prompt_reaches(cluster, "wrong token")
-        wait_for(lambda: "bad signature" in cluster["gateway"].log_tail(20000), timeout=30,
-                 what="the gateway to log the ignored registration")
+        wait_for(
+            lambda: "bad signature" in cluster["gateway"].log_tail(20000),
+            timeout=30,
+            what="the gateway to log the ignored registration",
+        )
 
 
 def test_legitimate_registration_redirected_to_another_url_gets_no_prompts(cluster):

@@ -1,4 +1,5 @@
 """Signed worker registrations and Redis URLs fit for logs (pure: no Redis)."""
+
 import json
 import time
 from dataclasses import replace
@@ -23,8 +24,10 @@ def test_a_signed_registration_survives_the_json_round_trip():
     assert again == signed and again.why_invalid(TOKEN) is None
 
 
-@pytest.mark.parametrize("field,value", [("url", "http://evil:1"), ("worker_id", "w2"), ("pool", "other"),
-                                         ("state", {"waiting": 1}), ("ts", 0.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("url", "http://evil:1"), ("worker_id", "w2"), ("pool", "other"), ("state", {"waiting": 1}), ("ts", 0.0)],
+)
 def test_changing_any_signed_field_breaks_the_signature(field, value):
     signed = reg().signed(TOKEN)
     assert replace(signed, **{field: value}).why_invalid(TOKEN) == "bad signature"
@@ -43,21 +46,33 @@ def test_any_forged_signature_is_rejected_without_an_error(sig):
     assert replace(reg(), sig=sig).why_invalid(TOKEN) in ("unsigned", "bad signature")
 
 
-@pytest.mark.parametrize("body", [[], {"worker_id": "w"}, {"worker_id": 1, "url": "u", "pool": "p", "ts": 1},
-                                  {"worker_id": "w", "url": "u", "pool": "p", "ts": "x"},
-                                  {"worker_id": "w", "url": "u", "pool": "p", "ts": 10**400},
-                                  {"worker_id": "w", "url": "u", "pool": "p", "ts": 1, "state": []}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],
+        {"worker_id": "w"},
+        {"worker_id": 1, "url": "u", "pool": "p", "ts": 1},
+        {"worker_id": "w", "url": "u", "pool": "p", "ts": "x"},
+        {"worker_id": "w", "url": "u", "pool": "p", "ts": 10**400},
+        {"worker_id": "w", "url": "u", "pool": "p", "ts": 1, "state": []},
+    ],
+)
 def test_a_malformed_registration_is_a_value_error(body):
     with pytest.raises(ValueError):
         rs.Registration.from_json(body)
 
 
-@pytest.mark.parametrize("url,shown", [
-    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
-    ("redis://:pw@127.0.0.1:6379/0", "redis://***@127.0.0.1:6379/0"),
-    ("rediss://user:pw@cache.internal:6380/1?ssl_ca_certs=/ca.pem",
-     "rediss://***@cache.internal:6380/1?ssl_ca_certs=/ca.pem"),
-    ("redis://:pw@[::1]:6379", "redis://***@[::1]:6379"),
-])
+@pytest.mark.parametrize(
+    "url,shown",
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://:pw@127.0.0.1:6379/0", "redis://***@127.0.0.1:6379/0"),
+        (
+            "rediss://user:pw@cache.internal:6380/1?ssl_ca_certs=/ca.pem",
+            "rediss://***@cache.internal:6380/1?ssl_ca_certs=/ca.pem",
+        ),
+        ("redis://:pw@[::1]:6379", "redis://***@[::1]:6379"),
+    ],
+)
 def test_redact_url_hides_the_password(url, shown):
     assert rs.redact_url(url) == shown

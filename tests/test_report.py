@@ -1,4 +1,5 @@
 """The report: SLO attainment with failures as misses, DistServe goodput, JSON and plots."""
+
 import json
 import math
 import sys
@@ -10,9 +11,17 @@ from bench.plots import plot_report
 
 
 def rec(ttft, e2e, out=11, prompt=100, cached=50, error=None, arrival=0.0, worker="w0"):
-    return {"arrival_s": arrival, "prompt_tokens": prompt, "output_tokens": out, "cached_tokens": cached,
-            "ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": rep.tpot_ms(ttft, e2e, out) if ttft is not None else None,
-            "worker": worker, "error": error}
+    return {
+        "arrival_s": arrival,
+        "prompt_tokens": prompt,
+        "output_tokens": out,
+        "cached_tokens": cached,
+        "ttft_ms": ttft,
+        "e2e_ms": e2e,
+        "tpot_ms": rep.tpot_ms(ttft, e2e, out) if ttft is not None else None,
+        "worker": worker,
+        "error": error,
+    }
 
 
 def test_meets_slo():
@@ -59,12 +68,25 @@ def test_goodput_interpolates_between_passing_and_failing_rates():
 
 
 def test_build_write_and_plot(tmp_path):
-    runs = {name: [{"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
-                   for r in (1, 2, 4)] for name in ("a", "b")}
+    runs = {
+        name: [
+            {"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
+            for r in (1, 2, 4)
+        ]
+        for name in ("a", "b")
+    }
     report = rep.build(runs, {"title": "t", "slo_ttft_ms": 300, "slo_tpot_ms": 50})
     for e in report["policies"].values():
-        for key in ("goodput_rps", "slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
-                    "tpot_p90_ms", "cached_token_ratio", "throughput_tok_s"):
+        for key in (
+            "goodput_rps",
+            "slo_attainment",
+            "ttft_p50_ms",
+            "ttft_p90_ms",
+            "tpot_p50_ms",
+            "tpot_p90_ms",
+            "cached_token_ratio",
+            "throughput_tok_s",
+        ):
             assert key in e
     assert report["reference_rate_rps"] == 1
     assert report["policies"]["a"]["goodput_rps"] == pytest.approx(1 + 0.1 / 0.25)
@@ -92,14 +114,17 @@ def test_loadgen_counts_a_length_finish_short_of_max_tokens_as_an_error():
     from bench.workloads import BenchRequest
 
     def sse(n: int, finish: str) -> bytes:
-        chunks = [{"choices": [{"text": "x", "token_ids": [7], "finish_reason": finish if i == n - 1 else None}]}
-                  for i in range(n)]
+        chunks = [
+            {"choices": [{"text": "x", "token_ids": [7], "finish_reason": finish if i == n - 1 else None}]}
+            for i in range(n)
+        ]
         chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
         return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
     async def one(n: int, finish: str) -> dict:
-        reply = httpx.MockTransport(lambda req: httpx.Response(200, content=sse(n, finish),
-                                                                headers={"content-type": "text/event-stream"}))
+        reply = httpx.MockTransport(
+            lambda req: httpx.Response(200, content=sse(n, finish), headers={"content-type": "text/event-stream"})
+        )
         async with httpx.AsyncClient(transport=reply) as client:
             return await send(client, "http://w", BenchRequest(0, 0.0, [1, 2, 3], 5), None, {}, True)
 
@@ -115,10 +140,31 @@ def test_bench_serve_against_a_url_where_every_request_fails_still_reports(tmp_p
     attainment at its rate, not a goodput; the table's first column names the target."""
     from bench import loadgen
     from gateway.procs import free_port
+
     out = tmp_path / "dead.json"
-    loadgen.main(["serve", "--url", f"http://127.0.0.1:{free_port()}", "--rate", "20", "--duration", "0.5",
-                  "--workload", "random", "--input-len", "8", "--output-len", "2", "--model", "m",
-                  "--timeout", "5", "--out", str(out)])
+    loadgen.main(
+        [
+            "serve",
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+            "--rate",
+            "20",
+            "--duration",
+            "0.5",
+            "--workload",
+            "random",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2",
+            "--model",
+            "m",
+            "--timeout",
+            "5",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     (entry,) = report["policies"].values()
     assert entry["errors"] == entry["runs"][0]["requests"] > 0 and entry["slo_attainment"] == 0
@@ -134,8 +180,13 @@ def test_bench_serve_against_a_url_where_every_request_fails_still_reports(tmp_p
 
 
 def test_a_sweep_reports_goodput_and_names_the_policy_column(capsys):
-    runs = {name: [{"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
-                   for r in (1, 2, 4)] for name in ("a", "b")}
+    runs = {
+        name: [
+            {"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
+            for r in (1, 2, 4)
+        ]
+        for name in ("a", "b")
+    }
     rep.print_table(rep.build(runs, {"kind": "simulate"}), sys.stderr)
     err = capsys.readouterr().err
     assert err.startswith("goodput from the sweep; the other columns at 1 req/s")
@@ -144,10 +195,34 @@ def test_a_sweep_reports_goodput_and_names_the_policy_column(capsys):
 
 def test_simulate_where_a_policy_rejects_everything_still_reports(tmp_path, capsys):
     from bench import simulate
+
     out = tmp_path / "sim.json"
-    simulate.main(["--workers", "2", "--policies", "slo_goodput,round_robin", "--workload", "random",
-                   "--input-len", "64", "--output-len", "8", "--rate", "5", "--duration", "2", "--jobs", "1",
-                   "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001", "--out", str(out)])
+    simulate.main(
+        [
+            "--workers",
+            "2",
+            "--policies",
+            "slo_goodput,round_robin",
+            "--workload",
+            "random",
+            "--input-len",
+            "64",
+            "--output-len",
+            "8",
+            "--rate",
+            "5",
+            "--duration",
+            "2",
+            "--jobs",
+            "1",
+            "--slo-ttft-ms",
+            "0.001",
+            "--slo-tpot-ms",
+            "0.001",
+            "--out",
+            str(out),
+        ]
+    )
     entry = json.loads(out.read_text())["policies"]["slo_goodput"]
     assert entry["errors"] == entry["runs"][0]["requests"] > 0 and entry["error_kinds"] == {"rejected": entry["errors"]}
     err = capsys.readouterr().err

@@ -1,4 +1,5 @@
 """sample(): greedy is argmax, filters keep what they promise, seeds are batch-independent."""
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

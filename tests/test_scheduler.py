@@ -1,4 +1,5 @@
 """Scheduler and engine behaviour on the sim executor: budgets, chunking, preemption, aborts."""
+
 import random
 
 from hypothesis import given, settings
@@ -108,7 +109,7 @@ def test_stop_conditions():
     drain(eng)
     assert [t for o in outs["tok"] for t in o.token_ids] == toks[:3]
     assert outs["tok"][-1].finish_reason == "stop"
-    assert "".join(o.text for o in outs["str"]) == text[:text.index(text[3:5])]
+    assert "".join(o.text for o in outs["str"]) == text[: text.index(text[3:5])]
     assert outs["str"][-1].finish_reason == "stop"
 
 
@@ -129,8 +130,12 @@ def test_events_match_pool_after_mixed_traffic():
     eng = sim_engine(num_blocks=20, block_size=4, max_batched_tokens=16)
     rng = random.Random(1)
     for i in range(30):
-        eng.submit(f"r{i}", [rng.randrange(3, 50) for _ in range(rng.randrange(2, 30))],
-                   SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True), lambda o: None)
+        eng.submit(
+            f"r{i}",
+            [rng.randrange(3, 50) for _ in range(rng.randrange(2, 30))],
+            SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True),
+            lambda o: None,
+        )
     drain(eng)
     resident: set[int] = set()
     seqs = []
@@ -145,17 +150,26 @@ def test_events_match_pool_after_mixed_traffic():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.booleans(), st.integers(0, 6)),
-                min_size=1, max_size=25),
-       st.integers(6, 30), st.integers(4, 64), st.integers(1, 8))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 30), st.booleans(), st.integers(0, 6)), min_size=1, max_size=25
+    ),
+    st.integers(6, 30),
+    st.integers(4, 64),
+    st.integers(1, 8),
+)
 def test_any_mix_drains_with_all_blocks_free(reqs, num_blocks, budget, max_seqs):
     """Finished, aborted and preempted requests all give their blocks back; nothing deadlocks."""
     eng = sim_engine(num_blocks=num_blocks, block_size=4, max_batched_tokens=budget, max_num_seqs=max_seqs)
     outs = {}
     shared = list(range(3, 20))
     for i, (plen, mt, abort, delay) in enumerate(reqs):
-        eng.submit(f"r{i}", (shared + list(range(100, 100 + plen)))[:plen + (i % 3) * 4],
-                   SamplingParams(max_tokens=mt, ignore_eos=True), collect(outs))
+        eng.submit(
+            f"r{i}",
+            (shared + list(range(100, 100 + plen)))[: plen + (i % 3) * 4],
+            SamplingParams(max_tokens=mt, ignore_eos=True),
+            collect(outs),
+        )
         for _ in range(delay):
             eng.step()
         if abort:

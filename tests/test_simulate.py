@@ -1,5 +1,6 @@
 """The fleet simulator: exact event skipping, seeded, ranks policies the way caching says it
 should, degrades with load, and serves 128 workers at a high rate."""
+
 import json
 
 import pytest
@@ -22,8 +23,9 @@ def run(policy="prefix_affinity", workers=4, wl=None, **sim):
     return s, sorted(records, key=lambda r: r["arrival_s"])
 
 
-@pytest.mark.parametrize("name,blocks", [("shared-prefix", 4096), ("shared-prefix", 300),
-                                         ("multi-turn", 300), ("random", 4096)])
+@pytest.mark.parametrize(
+    "name,blocks", [("shared-prefix", 4096), ("shared-prefix", 300), ("multi-turn", 300), ("random", 4096)]
+)
 def test_fast_forward_is_exact(name, blocks):
     """Decode segments give the very records that stepping every decode gives, under KV
     pressure (preemption, eviction) too."""
@@ -44,10 +46,14 @@ def test_fast_forward_is_exact_with_a_measured_profile(name):
     wl = WorkloadConfig(name=name, rate=40, duration_s=10, seed=3)
 
     def records(ff):
-        fleet = FleetConfig(workers=4, sim=SimConfig(fast_forward=ff, num_blocks=16384), cost=cost,
-                            slo_ttft_ms=1000, slo_tpot_ms=40)
-        return sorted(FleetSim(load_policy("slo_goodput"), fleet).run(generate(wl), wl.duration_s),
-                      key=lambda r: (r["arrival_s"], r["prompt_tokens"]))
+        fleet = FleetConfig(
+            workers=4, sim=SimConfig(fast_forward=ff, num_blocks=16384), cost=cost, slo_ttft_ms=1000, slo_tpot_ms=40
+        )
+        return sorted(
+            FleetSim(load_policy("slo_goodput"), fleet).run(generate(wl), wl.duration_s),
+            key=lambda r: (r["arrival_s"], r["prompt_tokens"]),
+        )
+
     a = records(True)
     assert a == records(False)
     assert len({r["worker"] for r in a} - {None}) == 4 and len(a) > 300
@@ -59,13 +65,17 @@ def test_a_poll_mid_step_reads_the_state_before_the_step():
     from bench.sim_worker import SimWorker
     from workers.request import Request
     from workers.sampling_params import SamplingParams
+
     w = SimWorker("w0", SimConfig(num_blocks=64, block_size=16), CostModel(), lambda req, now: None)
     before = w.state()
     end = w.advance(w.submit(Request("a", list(range(100, 180)), SamplingParams(max_tokens=4)), 0.0))
     assert end > 0.0 and w.plan is not None
     mid = w.state()
-    assert (mid.running, mid.free_blocks, mid.step_ms) == (0, 64, None) == \
-        (before.running, before.free_blocks, before.step_ms)
+    assert (
+        (mid.running, mid.free_blocks, mid.step_ms)
+        == (0, 64, None)
+        == (before.running, before.free_blocks, before.step_ms)
+    )
     w.advance(end)
     after = w.state()
     assert after.running == 1 and after.free_blocks < 64 and after.step_ms > 0
@@ -97,8 +107,9 @@ def test_index_mirrors_each_pool():
 def test_prefix_affinity_beats_round_robin_on_cached_tokens():
     """32 prefixes, room for about 8 per worker: round robin makes every worker cycle through
     all of them and thrash; affinity keeps each prefix where it is cached."""
-    wl = WorkloadConfig(name="shared-prefix", rate=20, duration_s=20, seed=0, groups=32,
-                        prefix_len=1024, question_len=32, output_len=16)
+    wl = WorkloadConfig(
+        name="shared-prefix", rate=20, duration_s=20, seed=0, groups=32, prefix_len=1024, question_len=32, output_len=16
+    )
     ratios = {}
     for policy in ("round_robin", "prefix_affinity"):
         _, records = run(policy, workers=8, wl=wl, num_blocks=560)
@@ -145,15 +156,46 @@ def test_128_workers_at_high_rate():
 
 def test_cli_sweep_writes_report_and_plots(tmp_path):
     out = tmp_path / "sim.json"
-    simulate.main(["--workers", "2", "--policies", "round_robin,kv_cost", "--workload", "shared-prefix",
-                   "--groups", "4", "--prefix-len", "256", "--sweep", "5,80", "--duration", "5",
-                   "--slo-ttft-ms", "500", "--slo-tpot-ms", "30", "--jobs", "1", "--out", str(out)])
+    simulate.main(
+        [
+            "--workers",
+            "2",
+            "--policies",
+            "round_robin,kv_cost",
+            "--workload",
+            "shared-prefix",
+            "--groups",
+            "4",
+            "--prefix-len",
+            "256",
+            "--sweep",
+            "5,80",
+            "--duration",
+            "5",
+            "--slo-ttft-ms",
+            "500",
+            "--slo-tpot-ms",
+            "30",
+            "--jobs",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert report["reference_rate_rps"] == 5
     for name in ("round_robin", "kv_cost"):
         e = report["policies"][name]
-        for key in ("goodput_rps", "slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
-                    "tpot_p90_ms", "cached_token_ratio", "throughput_tok_s"):
+        for key in (
+            "goodput_rps",
+            "slo_attainment",
+            "ttft_p50_ms",
+            "ttft_p90_ms",
+            "tpot_p50_ms",
+            "tpot_p90_ms",
+            "cached_token_ratio",
+            "throughput_tok_s",
+        ):
             assert isinstance(e[key], float), key
         assert [r["rate_rps"] for r in e["runs"]] == [5, 80]
     assert all((tmp_path / p.split("/")[-1]).exists() for p in report["plots"])
@@ -161,9 +203,33 @@ def test_cli_sweep_writes_report_and_plots(tmp_path):
 
 def test_goodput_search_brackets_the_90_percent_crossing(tmp_path):
     out = tmp_path / "search.json"
-    simulate.main(["--workers", "2", "--policies", "least_load", "--workload", "random", "--input-len", "256",
-                   "--output-len", "32", "--sweep", "--refine", "2", "--duration", "8",
-                   "--slo-ttft-ms", "300", "--slo-tpot-ms", "30", "--jobs", "1", "--out", str(out)])
+    simulate.main(
+        [
+            "--workers",
+            "2",
+            "--policies",
+            "least_load",
+            "--workload",
+            "random",
+            "--input-len",
+            "256",
+            "--output-len",
+            "32",
+            "--sweep",
+            "--refine",
+            "2",
+            "--duration",
+            "8",
+            "--slo-ttft-ms",
+            "300",
+            "--slo-tpot-ms",
+            "30",
+            "--jobs",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     e = json.loads(out.read_text())["policies"]["least_load"]
     assert e["goodput_method"] == "interpolated"
     passing = [r["rate_rps"] for r in e["runs"] if r["slo_attainment"] >= 0.9]
@@ -176,9 +242,32 @@ def test_policy_args_reach_the_policies_that_take_them(tmp_path, monkeypatch):
     real = simulate.load_policy
     monkeypatch.setattr(simulate, "load_policy", lambda spec, **kw: built.append((spec, kw)) or real(spec, **kw))
     out = tmp_path / "args.json"
-    simulate.main(["--workers", "2", "--policies", "slo_goodput,round_robin", "--workload", "random",
-                   "--input-len", "64", "--output-len", "8", "--rate", "5", "--duration", "3", "--jobs", "1",
-                   "--policy-arg", "pd_min_uncached_tokens=256", "--policy-arg", "tpot_ms=80.5", "--out", str(out)])
+    simulate.main(
+        [
+            "--workers",
+            "2",
+            "--policies",
+            "slo_goodput,round_robin",
+            "--workload",
+            "random",
+            "--input-len",
+            "64",
+            "--output-len",
+            "8",
+            "--rate",
+            "5",
+            "--duration",
+            "3",
+            "--jobs",
+            "1",
+            "--policy-arg",
+            "pd_min_uncached_tokens=256",
+            "--policy-arg",
+            "tpot_ms=80.5",
+            "--out",
+            str(out),
+        ]
+    )
     args = json.loads(out.read_text())["policy_args"]
     assert args == {"slo_goodput": {"pd_min_uncached_tokens": 256, "tpot_ms": 80.5}, "round_robin": {}}
     assert ("slo_goodput", args["slo_goodput"]) in built and ("round_robin", {}) in built

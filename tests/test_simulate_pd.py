@@ -1,5 +1,6 @@
 """P/D in the fleet simulator: pairs are prefilled on P, their KV imported into D, and the
 decode request admitted as a prefix hit; no blocks leak; seeded runs repeat."""
+
 import pytest
 
 from bench import simulate
@@ -11,8 +12,7 @@ from policies.registry import load_policy
 
 def run(roles=("prefill", "decode"), seed=1, policy="slo_goodput", **kw):
     wl = WorkloadConfig(name="long-doc-qa", rate=2, duration_s=10, seed=seed)
-    fleet = FleetConfig(workers=len(roles), roles=roles, sim=SimConfig(), slo_ttft_ms=5000,
-                        slo_tpot_ms=200, **kw)
+    fleet = FleetConfig(workers=len(roles), roles=roles, sim=SimConfig(), slo_ttft_ms=5000, slo_tpot_ms=200, **kw)
     sim = FleetSim(load_policy(policy, pd_min_uncached_tokens=64), fleet)
     records = sim.run(generate(wl), wl.duration_s)
     return sim, sorted(records, key=lambda r: r["arrival_s"])
@@ -58,8 +58,9 @@ def test_slow_link_falls_back():
 def test_roles_option():
     assert simulate.parse_roles("prefill:2,decode:2", 4) == ("prefill", "prefill", "decode", "decode")
     assert simulate.parse_roles(None, 4) is None
-    args = simulate.parser().parse_args(["--workers", "2", "--roles", "prefill:1,decode:1", "--rate", "1",
-                                         "--out", "x.json", "--transfer-gbps", "5"])
+    args = simulate.parser().parse_args(
+        ["--workers", "2", "--roles", "prefill:1,decode:1", "--rate", "1", "--out", "x.json", "--transfer-gbps", "5"]
+    )
     fleet = simulate.fleet_config(args)
     assert fleet.roles == ("prefill", "decode") and fleet.transfer_gbps == 5.0
     sim = FleetSim(load_policy("slo_goodput"), fleet)
@@ -72,8 +73,10 @@ def one_pair_ttft(overhead_ms: float, **kw) -> tuple[FleetSim, float]:
     import random
 
     from bench.workloads import BenchRequest
-    fleet = FleetConfig(workers=2, roles=("prefill", "decode"), request_overhead_ms=overhead_ms,
-                        slo_ttft_ms=5000, slo_tpot_ms=200, **kw)
+
+    fleet = FleetConfig(
+        workers=2, roles=("prefill", "decode"), request_overhead_ms=overhead_ms, slo_ttft_ms=5000, slo_tpot_ms=200, **kw
+    )
     sim = FleetSim(load_policy("slo_goodput"), fleet)
     rng = random.Random(0)
     [rec] = sim.run([BenchRequest(0, 0.0, [rng.randrange(100, 30000) for _ in range(2000)], 4)], 1.0)
@@ -96,12 +99,14 @@ def test_a_held_request_is_admitted_once_another_import_brings_its_blocks():
     import random
 
     from bench.workloads import BenchRequest
+
     fleet = FleetConfig(workers=2, roles=("prefill", "decode"), slo_ttft_ms=5000, slo_tpot_ms=200)
     sim = FleetSim(load_policy("slo_goodput"), fleet)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 30000) for _ in range(2000)]
-    a, b = sorted(sim.run([BenchRequest(0, 0.0, prompt, 4), BenchRequest(1, 0.005, prompt, 4)], 1.0),
-                  key=lambda r: r["arrival_s"])
+    a, b = sorted(
+        sim.run([BenchRequest(0, 0.0, prompt, 4), BenchRequest(1, 0.005, prompt, 4)], 1.0), key=lambda r: r["arrival_s"]
+    )
     assert sim.pd_routed == 2 and sim.pd_arrived == 2 and not any(sim.held)
     assert a["prefill_worker"] == b["prefill_worker"] == "w000"
     assert a["arrival_s"] + a["ttft_ms"] / 1000 == pytest.approx(b["arrival_s"] + b["ttft_ms"] / 1000)
@@ -112,11 +117,14 @@ def test_the_transfer_carries_every_full_prompt_block():
     from the prefill leg's own chain; the decode request's chain stops a block short there (the
     last token is always computed) and P's commits do not extend it."""
     from bench.workloads import BenchRequest
+
     fleet = FleetConfig(workers=2, roles=("prefill", "decode"), slo_ttft_ms=5000, slo_tpot_ms=200)
     sim = FleetSim(load_policy("slo_goodput"), fleet)
     seen, imported = [], sim._import
-    sim._import = lambda req, d, hashes, now: (seen.append((len(hashes), len(req.block_hashes))),
-                                               imported(req, d, hashes, now))
+    sim._import = lambda req, d, hashes, now: (
+        seen.append((len(hashes), len(req.block_hashes))),
+        imported(req, d, hashes, now),
+    )
     [rec] = sim.run([BenchRequest(0, 0.0, list(range(100, 2148)), 4)], 1.0)
     assert rec["error"] is None and rec["prefill_worker"] == "w000"
     assert seen == [(128, 127)]
@@ -129,6 +137,7 @@ def test_a_transports_fixed_cost_is_paid_once_per_transfer():
 
 def test_the_transfer_model_fits_latency_and_bandwidth():
     from bench.transfer_model import fit
+
     runs = [{"transport": "nixl", "bytes": b, "seconds": 0.002 + b / 4e9} for b in (2**25, 2**27, 2**29, 2**30)]
     link = fit("nixl", runs + [{"transport": "http", "bytes": 1, "seconds": 1.0}])
     assert link.latency_s == pytest.approx(0.002) and link.gbps == pytest.approx(4.0)
@@ -139,10 +148,21 @@ def test_the_transfer_model_fits_latency_and_bandwidth():
 
 def test_simulate_takes_a_transports_measured_link(tmp_path):
     import json
+
     profile = tmp_path / "transfer_payload.json"
     profile.write_text(json.dumps({"links": {"nixl": {"transport": "nixl", "latency_s": 0.003, "gbps": 2.5}}}))
-    argv = ["--workers", "2", "--roles", "prefill:1,decode:1", "--rate", "1", "--out", "x.json",
-            "--transfer-profile", str(profile)]
+    argv = [
+        "--workers",
+        "2",
+        "--roles",
+        "prefill:1,decode:1",
+        "--rate",
+        "1",
+        "--out",
+        "x.json",
+        "--transfer-profile",
+        str(profile),
+    ]
     fleet = simulate.fleet_config(simulate.parser().parse_args(argv + ["--kv-transport", "nixl"]))
     assert (fleet.transfer_gbps, fleet.transfer_latency_s) == (2.5, 0.003)
     with pytest.raises(ValueError, match="no measured link for 'ipc'"):

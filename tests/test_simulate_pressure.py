@@ -4,6 +4,7 @@ and a KV pool (1024 blocks, 16k tokens) smaller than every workload's working se
 Every policy that follows the cache must still use the whole fleet once the load warrants it,
 on each workload shape; slo_goodput must not collapse where the cache-blind baseline holds,
 and past capacity it must shed what it predicts will miss so goodput holds."""
+
 from collections import Counter
 
 import pytest
@@ -23,8 +24,14 @@ AFFINITY = ("prefix_affinity", "kv_cost", "slo_goodput")
 
 
 def simulate(policy: str, workload: str, rate: float, blocks: int = 1024, duration: float = 20.0) -> list[dict]:
-    fleet = FleetConfig(workers=WORKERS, sim=SimConfig(num_blocks=blocks), cost=COST, views_with_cost=True,
-                        slo_ttft_ms=SLO[0], slo_tpot_ms=SLO[1])
+    fleet = FleetConfig(
+        workers=WORKERS,
+        sim=SimConfig(num_blocks=blocks),
+        cost=COST,
+        views_with_cost=True,
+        slo_ttft_ms=SLO[0],
+        slo_tpot_ms=SLO[1],
+    )
     wl = WorkloadConfig(name=workload, rate=rate, duration_s=duration, seed=5)
     return FleetSim(load_policy(policy), fleet).run(generate(wl), duration)
 
@@ -84,12 +91,20 @@ def test_a_hot_prefix_beyond_its_holder_warms_a_second_worker_by_kv_import():
     """When the holder cannot take a request (its pool or SLOs), slo_goodput ships the prefix
     from it to another worker (a P/D pair of two mixed workers) instead of recomputing it
     cold; attainment is no worse than without warming."""
+
     def run(warm: bool):
-        fleet = FleetConfig(workers=WORKERS, sim=SimConfig(num_blocks=1024), cost=COST, views_with_cost=True,
-                            slo_ttft_ms=SLO[0], slo_tpot_ms=SLO[1])
+        fleet = FleetConfig(
+            workers=WORKERS,
+            sim=SimConfig(num_blocks=1024),
+            cost=COST,
+            views_with_cost=True,
+            slo_ttft_ms=SLO[0],
+            slo_tpot_ms=SLO[1],
+        )
         wl = WorkloadConfig(name="shared-prefix", rate=30.0, duration_s=20.0, seed=5)
         sim = FleetSim(load_policy("slo_goodput", warm_prefixes=warm), fleet)
         return sim, sim.run(generate(wl), wl.duration_s)
+
     cold_sim, cold = run(False)
     warm_sim, warm = run(True)
     assert cold_sim.pd_routed == 0 and warm_sim.pd_routed > 0

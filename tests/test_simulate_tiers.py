@@ -1,6 +1,7 @@
 """The fleet simulator with the block pool's host tier: the same records stepped or fast-forwarded,
 the router's index mirrors both tiers of every worker, blocks come back, and a host tier under a
 device pool too small for the working set turns recomputed prefixes into hits."""
+
 from bench.fleet_sim import FleetConfig, FleetSim
 from bench.report import summarize
 from bench.sim_worker import SimConfig
@@ -8,8 +9,9 @@ from bench.workloads import WorkloadConfig, generate
 from policies.registry import load_policy
 from workers.kv.events import HOST
 
-WL = WorkloadConfig(name="shared-prefix", rate=20, duration_s=15, seed=0, groups=32, prefix_len=1024,
-                    question_len=32, output_len=16)
+WL = WorkloadConfig(
+    name="shared-prefix", rate=20, duration_s=15, seed=0, groups=32, prefix_len=1024, question_len=32, output_len=16
+)
 
 
 def run(policy: str = "prefix_affinity", wl: WorkloadConfig = WL, **sim) -> tuple[FleetSim, list[dict]]:

@@ -1,6 +1,7 @@
 """The residency index keeps each worker's tiers apart (events' `medium`): a match runs over any
 tier, `slow_blocks` says how much of it is off the device; snapshots and old medium-less events
 (device) read the same as the events that built them."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,9 +34,18 @@ def brute(tiers: dict[str, dict[str, set[int]]], chain: list[int]) -> tuple[dict
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(WORKERS), st.sampled_from([STORED, REMOVED, CLEARED]),
-                          st.sampled_from(MEDIA), st.lists(st.integers(1, 8), max_size=5)), max_size=60),
-       st.lists(st.integers(1, 8), min_size=1, max_size=8))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(WORKERS),
+            st.sampled_from([STORED, REMOVED, CLEARED]),
+            st.sampled_from(MEDIA),
+            st.lists(st.integers(1, 8), max_size=5),
+        ),
+        max_size=60,
+    ),
+    st.lists(st.integers(1, 8), min_size=1, max_size=8),
+)
 def test_tiered_match_equals_brute_force(events, chain):
     index = ResidencyIndex()
     tiers = {w: {m: set() for m in MEDIA} for w in WORKERS}
@@ -72,23 +82,31 @@ def test_an_event_without_a_medium_is_a_device_event_and_snapshots_round_trip():
     assert KVSnapshot.from_json(snap.to_json()) == snap
     assert KVSnapshot.from_json({"worker_id": "w", "seq": 1, "hashes": [1]}).tiers == {}
     assert KVSnapshot.from_json({"worker_id": "w", "seq": 1, "hashes": [], "tiers": {"tape": [1]}}).tiers == {}
-    for bad in ({"worker_id": "w", "seq": 1, "hashes": [], "tiers": [1]}, {"worker_id": "w", "seq": 1},
-                {"worker_id": "w", "seq": None, "hashes": []}, {"worker_id": "w", "seq": 1, "hashes": [["x"]]}):
+    for bad in (
+        {"worker_id": "w", "seq": 1, "hashes": [], "tiers": [1]},
+        {"worker_id": "w", "seq": 1},
+        {"worker_id": "w", "seq": None, "hashes": []},
+        {"worker_id": "w", "seq": 1, "hashes": [["x"]]},
+    ):
         with pytest.raises(ValueError):
             KVSnapshot.from_json(bad)
 
 
 # Tier-aware routing: a matched block is worth its tier's credit, in every policy alike
 
+
 @pytest.mark.parametrize("policy", [KvCost(), PrefixAffinity(), SloGoodput()], ids=lambda p: p.name)
 @pytest.mark.parametrize("host_credit, winner", [(0.5, "device"), (0.9, "host"), (1.0, "host")])
 def test_a_longer_match_in_host_loses_to_a_shorter_one_on_device_when_credited_less(policy, host_credit, winner):
-    """"host" holds 40 blocks of the prompt, all in its host tier; "device" 30 on its device.
+    """ "host" holds 40 blocks of the prompt, all in its host tier; "device" 30 on its device.
     At credit 0.5 the host match is worth 20 blocks and "device" wins; at 1.0 it is worth 40."""
     credits = TierCredits(host=host_credit)
-    f = fleet(worker("device", matched_blocks=30, total_blocks=4096, free_blocks=4096),
-              worker("host", matched_blocks=40, matched_host_blocks=40, tier_credits=credits,
-                     total_blocks=4096, free_blocks=4096))
+    f = fleet(
+        worker("device", matched_blocks=30, total_blocks=4096, free_blocks=4096),
+        worker(
+            "host", matched_blocks=40, matched_host_blocks=40, tier_credits=credits, total_blocks=4096, free_blocks=4096
+        ),
+    )
     r = req(64 * 16)
     route = policy.route(r, f)
     assert route.worker == winner

@@ -1,5 +1,6 @@
 """OpenTelemetry traces: spans and propagation in process, and a real gateway exporting OTLP to a
 test collector."""
+
 import http.server
 import threading
 import time
@@ -34,7 +35,7 @@ def test_request_spans_continue_the_client_trace_and_propagate():
     spans = {s.name: s for s in exporter.get_finished_spans()}
     root = spans["POST /v1/completions"]
     assert format(root.context.trace_id, "032x") == CLIENT_TRACE
-    assert root.parent.span_id == 0x00f067aa0ba902b7
+    assert root.parent.span_id == 0x00F067AA0BA902B7
     assert spans["route"].parent.span_id == root.context.span_id
     assert spans["prefill_leg"].parent.span_id == root.context.span_id
     assert root.attributes["kvgate.worker"] == "w1" and "kvgate.cached_tokens" not in root.attributes
@@ -113,9 +114,13 @@ def traced_fleet(monkeypatch, tmp_path):
     secret = ["--internal-token", "trace-test-token"]
     p = Worker(worker_id="tp", log_dir=str(tmp_path), extra=["--role", "prefill", *secret, *trace])
     d = Worker(worker_id="td", log_dir=str(tmp_path), extra=["--role", "decode", *secret, *trace])
-    gateway = start_gateway([p.url, d.url], "slo_goodput", log_dir=str(tmp_path), env={"OTEL_SERVICE_NAME": "edge"},
-                            extra=[*trace, *secret, "--pd-min-uncached-tokens", "32", "--slo-ttft-ms", "60000",
-                                   "--slo-tpot-ms", "60000"])
+    gateway = start_gateway(
+        [p.url, d.url],
+        "slo_goodput",
+        log_dir=str(tmp_path),
+        env={"OTEL_SERVICE_NAME": "edge"},
+        extra=[*trace, *secret, "--pd-min-uncached-tokens", "32", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"],
+    )
     try:
         p.ready()
         d.ready()
@@ -131,15 +136,36 @@ def traced_fleet(monkeypatch, tmp_path):
 def test_one_trace_crosses_the_gateway_both_pd_legs_and_the_kv_transfer(traced_fleet):
     gateway, collector = traced_fleet
     prompt = [(i * 37) % 3000 + 100 for i in range(200)]
-    r = httpx.post(gateway.url + "/v1/completions", timeout=60, headers={"traceparent": CLIENT_PARENT},
-                   json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True})
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        timeout=60,
+        headers={"traceparent": CLIENT_PARENT},
+        json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True},
+    )
     assert r.status_code == 200 and r.headers["x-kvgate-prefill-worker"] == "tp"
-    assert httpx.post(gateway.url + "/v1/completions", json={"model": "smollm2-135m", "prompt": 3}, timeout=30).status_code == 400
-    wanted = {"POST /v1/completions", "upstream", "prefill_leg", "queue", "prefill", "prefill_chunk", "decode",
-              "kv_export", "kv_import"}
-    wait_for(lambda: wanted <= {s.name for s in collector.spans if s.trace_id.hex() == CLIENT_TRACE}
-             and sum(s.kind == s.SPAN_KIND_SERVER and s.trace_id.hex() != CLIENT_TRACE
-                     for s in collector.spans) >= 1, timeout=20, what="every span of the trace")
+    assert (
+        httpx.post(gateway.url + "/v1/completions", json={"model": "smollm2-135m", "prompt": 3}, timeout=30).status_code
+        == 400
+    )
+    wanted = {
+        "POST /v1/completions",
+        "upstream",
+        "prefill_leg",
+        "queue",
+        "prefill",
+        "prefill_chunk",
+        "decode",
+        "kv_export",
+        "kv_import",
+    }
+    wait_for(
+        lambda: (
+            wanted <= {s.name for s in collector.spans if s.trace_id.hex() == CLIENT_TRACE}
+            and sum(s.kind == s.SPAN_KIND_SERVER and s.trace_id.hex() != CLIENT_TRACE for s in collector.spans) >= 1
+        ),
+        timeout=20,
+        what="every span of the trace",
+    )
     traced = [s for s in collector.spans if s.trace_id.hex() == CLIENT_TRACE]
     by_id = {s.span_id: s for s in traced}
     service = collector.service
@@ -163,7 +189,9 @@ def test_one_trace_crosses_the_gateway_both_pd_legs_and_the_kv_transfer(traced_f
     prefill_req = next(s for s in traced if s.kind == s.SPAN_KIND_SERVER and parent(s) is leg)
     assert service[decode_req.span_id] == service[prefill_req.span_id] == "kvgate-worker"
     assert attrs(decode_req)["kvgate.worker"] == "td" and attrs(prefill_req)["kvgate.worker"] == "tp"
-    assert attrs(prefill_req)["gen_ai.usage.output_tokens"] == 1 and attrs(decode_req)["gen_ai.usage.output_tokens"] == 6
+    assert (
+        attrs(prefill_req)["gen_ai.usage.output_tokens"] == 1 and attrs(decode_req)["gen_ai.usage.output_tokens"] == 6
+    )
     # the engine's phases, with their token counts, as children of each worker's request span
     for req in (prefill_req, decode_req):
         phases = {s.name: s for s in traced if parent(s) is req}
@@ -175,8 +203,12 @@ def test_one_trace_crosses_the_gateway_both_pd_legs_and_the_kv_transfer(traced_f
         computed = sum(attrs(c)["kvgate.tokens"] for c in chunks)
         p = attrs(phases["prefill"])
         assert computed == p["kvgate.prompt_tokens"] - p["kvgate.cached_tokens"] > 0
-    assert attrs(next(s for s in traced if parent(s) is prefill_req and s.name == "prefill"))["kvgate.cached_tokens"] == 0
-    assert attrs(next(s for s in traced if parent(s) is decode_req and s.name == "prefill"))["kvgate.cached_tokens"] == 192
+    assert (
+        attrs(next(s for s in traced if parent(s) is prefill_req and s.name == "prefill"))["kvgate.cached_tokens"] == 0
+    )
+    assert (
+        attrs(next(s for s in traced if parent(s) is decode_req and s.name == "prefill"))["kvgate.cached_tokens"] == 192
+    )
     # the KV transfer between the legs: exported under the prefill request, imported by the decode worker
     export = next(s for s in traced if s.name == "kv_export")
     imported = next(s for s in traced if s.name == "kv_import")

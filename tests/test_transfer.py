@@ -1,4 +1,5 @@
 """The KV transfer format: round trip, and every way a bad transfer is refused."""
+
 import pytest
 
 from tests.sim_engine import drain, sim_engine
@@ -11,7 +12,7 @@ SEED = seed_hash("m", 4)
 
 
 def transfer(tokens, spec=SPEC, payload=None, hashes=None):
-    blocks = [tokens[i:i + 4] for i in range(0, len(tokens) - len(tokens) % 4, 4)]
+    blocks = [tokens[i : i + 4] for i in range(0, len(tokens) - len(tokens) % 4, 4)]
     hashes = block_hashes(tokens, 4, SEED) if hashes is None else hashes
     data = payload if payload is not None else bytes(range(256))[:1] * (spec.block_bytes() * len(blocks))
     return encode_header(spec, hashes, blocks, None) + data, hashes, blocks
@@ -47,7 +48,7 @@ def test_import_populates_prefix_cache_and_emits_stored_events():
     prompt = list(range(3, 20))
     spec = KVSpec("m", 4, "none", 0, 0, 0)
     hashes = block_hashes(prompt, 4, eng.kv.seed)
-    body = encode_header(spec, hashes, [prompt[i:i + 4] for i in range(0, 16, 4)], None)
+    body = encode_header(spec, hashes, [prompt[i : i + 4] for i in range(0, 16, 4)], None)
     imported, present = import_payload(eng.pool, eng.executor, decode(body, spec, eng.kv.seed))
     assert (imported, present) == (4, 0)
     assert [e.hashes for e in eng.events.after(0).events] == [tuple(hashes)]
@@ -62,8 +63,7 @@ def test_import_populates_prefix_cache_and_emits_stored_events():
 def test_decode_leg_falls_back_when_blocks_never_arrive():
     eng = sim_engine()
     outs = []
-    eng.submit("r", list(range(3, 30)), SamplingParams(max_tokens=2, ignore_eos=True), outs.append,
-               kv_wait_s=0.05)
+    eng.submit("r", list(range(3, 30)), SamplingParams(max_tokens=2, ignore_eos=True), outs.append, kv_wait_s=0.05)
     drain(eng)
     assert outs[-1].finish_reason == "length" and outs[-1].num_output == 2
     assert eng.stats.kv_fallbacks == 1 and eng.pool.num_free == eng.pool.num_blocks
@@ -74,8 +74,7 @@ def test_reserved_blocks_are_invisible_until_published_and_a_failed_write_leaks_
     prompt = list(range(3, 20))
     spec = KVSpec("m", 4, "none", 0, 0, 0)
     hashes = block_hashes(prompt, 4, eng.kv.seed)
-    payload = decode(encode_header(spec, hashes, [prompt[i:i + 4] for i in range(0, 16, 4)], None),
-                     spec, eng.kv.seed)
+    payload = decode(encode_header(spec, hashes, [prompt[i : i + 4] for i in range(0, 16, 4)], None), spec, eng.kv.seed)
     res = reserve(eng.pool, payload)
     assert len(res.fresh) == 4 and res.positions == [0, 1, 2, 3] and eng.pool.num_free == 12
     assert eng.pool.lookup(hashes[0], tuple(prompt[:4])) is None, "not cached before publish"
@@ -99,11 +98,12 @@ def test_a_failed_kv_write_is_a_500_and_leaks_nothing():
 
     def broken(*args):
         raise RuntimeError("device lost")
+
     eng.executor.import_blocks = broken
     server = WorkerServer(eng, "m", vocab_size=1000, internal_token="t")
     prompt = list(range(3, 20))
     spec = KVSpec("m", 4, "none", 0, 0, 0)
-    body = encode_header(spec, block_hashes(prompt, 4, eng.kv.seed), [prompt[i:i + 4] for i in range(0, 16, 4)], None)
+    body = encode_header(spec, block_hashes(prompt, 4, eng.kv.seed), [prompt[i : i + 4] for i in range(0, 16, 4)], None)
     eng.start()
     with TestClient(server.app) as client:
         r = client.post("/kv/import", content=body, headers={"x-kvgate-token": "t"})

@@ -1,4 +1,5 @@
 """CUDA IPC transfer between two processes on one host (runs where CUDA is; skipped on CPU CI)."""
+
 import multiprocessing as mp
 
 import pytest
@@ -11,6 +12,7 @@ def _producer(q_out, q_done):
     import torch
 
     from workers.transfer_ipc import share
+
     kv = torch.arange(2 * 2 * 3 * 4 * 2 * 8, dtype=torch.bfloat16, device="cuda:0").view(2, 2, 3, 4, 2, 8)
     q_out.put(share(kv))
     q_done.get(timeout=60)
@@ -19,6 +21,7 @@ def _producer(q_out, q_done):
 @needs_cuda
 def test_ipc_handle_opens_in_another_process_and_copies():
     from workers.transfer_ipc import open_shared
+
     ctx = mp.get_context("spawn")
     q_out, q_done = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_producer, args=(q_out, q_done))
@@ -39,5 +42,6 @@ def test_ipc_handle_refuses_foreign_pickles():
     import pickle
 
     from workers.transfer_ipc import open_shared
+
     with pytest.raises(pickle.UnpicklingError):
         open_shared(pickle.dumps(print), (1,))

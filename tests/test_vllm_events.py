@@ -1,11 +1,11 @@
 """vLLM / SGLang KV events: decoding recorded real bytes and re-hashing them into kvgate's chain."""
+
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.vllm_events import (BadBatch, Cleared, Removed, Stored, decode_frames, decode_payload,
-                                 decode_replay)
+from gateway.vllm_events import BadBatch, Cleared, Removed, Stored, decode_frames, decode_payload, decode_replay
 from gateway.vllm_translate import Translator
 from tests import vllm_data as vd
 from workers.kv.events import CLEARED, REMOVED, STORED
@@ -109,12 +109,30 @@ def test_a_gateway_block_size_that_does_not_divide_the_engines_indexes_nothing()
 
 def test_sglang_shaped_batches_decode_and_translate():
     tokens = list(range(300, 364))
-    salted = msgpack.packb([2.0, [{"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None,
-                                   "token_ids": tokens[:32], "block_size": 32, "lora_id": None,
-                                   "cache_salt": "t1", "session_id": "s"}]], use_bin_type=True)
+    salted = msgpack.packb(
+        [
+            2.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [9],
+                    "parent_block_hash": None,
+                    "token_ids": tokens[:32],
+                    "block_size": 32,
+                    "lora_id": None,
+                    "cache_salt": "t1",
+                    "session_id": "s",
+                }
+            ],
+        ],
+        use_bin_type=True,
+    )
     live = [b"kv", (0).to_bytes(8, "big"), vd.payload([vd.sglang_stored([1, 2], tokens)])]
-    replay = [b"", (1).to_bytes(8, "big"), vd.payload([vd.sglang_removed([2]), vd.sglang_stored([5], tokens[:32],
-                                                                                             lora_id=3)])]
+    replay = [
+        b"",
+        (1).to_bytes(8, "big"),
+        vd.payload([vd.sglang_removed([2]), vd.sglang_stored([5], tokens[:32], lora_id=3)]),
+    ]
     b0, b1, b2 = decode_frames(live), decode_replay(replay), decode_payload(2, salted)
     assert decode_replay([b"", vd.END, b""]) is None
     assert b0.seq == 0 and b0.rank == 0 and b1.seq == 1 and b2.events[0].salt == "t1"
@@ -127,25 +145,68 @@ def test_sglang_shaped_batches_decode_and_translate():
     assert set(vd.ours(tokens[:32], salt="t1")) <= t.resident
 
 
-@pytest.mark.parametrize("frames", [
-    [b"kv", b"\x00" * 7, b""], [b"kv"], [b"kv", b"\x00" * 8, b"\xc1"],
-    [b"kv", b"\x00" * 8, msgpack.packb({"ts": 1})],
-    [b"kv", b"\x00" * 8, vd.payload([{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                                      "token_ids": [1, 2], "block_size": 32}])],
-    [b"kv", b"\x00" * 8, vd.payload([{"type": "Nope"}])],
-    [b"kv", b"\x00" * 8, vd.payload([["BlockStored", ["x"], None, [], 32, None]])],
-])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"kv", b"\x00" * 7, b""],
+        [b"kv"],
+        [b"kv", b"\x00" * 8, b"\xc1"],
+        [b"kv", b"\x00" * 8, msgpack.packb({"ts": 1})],
+        [
+            b"kv",
+            b"\x00" * 8,
+            vd.payload(
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "parent_block_hash": None,
+                        "token_ids": [1, 2],
+                        "block_size": 32,
+                    }
+                ]
+            ),
+        ],
+        [b"kv", b"\x00" * 8, vd.payload([{"type": "Nope"}])],
+        [b"kv", b"\x00" * 8, vd.payload([["BlockStored", ["x"], None, [], 32, None]])],
+    ],
+)
 def test_malformed_frames_are_bad_batches(frames):
     with pytest.raises(BadBatch):
         decode_frames(frames)
 
 
-JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
-                       | st.binary(max_size=8) | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
-                       lambda c: st.lists(c, max_size=6) | st.dictionaries(
-                           st.sampled_from(["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-                                            "lora_id", "extra_keys", "group_idx", "cache_salt", "zz"]), c, max_size=6),
-                       max_leaves=30)
+JSONISH = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
+    lambda c: (
+        st.lists(c, max_size=6)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "lora_id",
+                    "extra_keys",
+                    "group_idx",
+                    "cache_salt",
+                    "zz",
+                ]
+            ),
+            c,
+            max_size=6,
+        )
+    ),
+    max_leaves=30,
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,6 +1,7 @@
 """A real gateway in front of a fake vLLM server (tests/fake_vllm.py): residency from its ZMQ
 events, load and restarts from its /metrics, health from /health, whole requests forwarded
 byte for byte, and no routing decision ever waiting on ZMQ or HTTP."""
+
 import json
 import sys
 from pathlib import Path
@@ -9,7 +10,17 @@ import httpx
 import pytest
 
 from tests import vllm_data as vd
-from gateway.procs import KVGATE, TEST_TOKEN, Proc, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import (
+    KVGATE,
+    TEST_TOKEN,
+    Proc,
+    free_port,
+    start_gateway,
+    start_redis,
+    stop_all,
+    wait_for,
+    wait_redis,
+)
 from workers.model_store import load_tokenizer
 
 PROMPT = " ".join(f"word{i}" for i in range(60))
@@ -19,8 +30,22 @@ PROFILE = Path(__file__).parent.parent / "bench" / "profiles" / "vllm-cpu-smollm
 @pytest.fixture
 def fake(tmp_path):
     port = free_port()
-    proc = Proc("fake-vllm", [sys.executable, "-m", "tests.fake_vllm", "--port", str(port), "--events-port",
-                              str(free_port()), "--replay-port", str(free_port())], port, str(tmp_path))
+    proc = Proc(
+        "fake-vllm",
+        [
+            sys.executable,
+            "-m",
+            "tests.fake_vllm",
+            "--port",
+            str(port),
+            "--events-port",
+            str(free_port()),
+            "--replay-port",
+            str(free_port()),
+        ],
+        port,
+        str(tmp_path),
+    )
     try:
         yield proc.wait_ready("/health", 60)
     finally:
@@ -43,11 +68,13 @@ def blocks(n: int) -> list[dict]:
     """BlockStored events for PROMPT's first n engine blocks (32 tokens each), one per batch."""
     ids = load_tokenizer(vd.MODEL).encode(PROMPT)
     assert len(ids) > 32 * n
-    return [[vd.stored([100 + i], ids[32 * i:32 * (i + 1)], parent=100 + i - 1 if i else None)] for i in range(n)]
+    return [[vd.stored([100 + i], ids[32 * i : 32 * (i + 1)], parent=100 + i - 1 if i else None)] for i in range(n)]
 
 
 def predicted(gw: Proc, body: dict | None = None) -> int:
-    r = httpx.post(gw.url + "/v1/completions", json=body or {"model": vd.MODEL, "prompt": PROMPT, "max_tokens": 1}, timeout=30)
+    r = httpx.post(
+        gw.url + "/v1/completions", json=body or {"model": vd.MODEL, "prompt": PROMPT, "max_tokens": 1}, timeout=30
+    )
     assert r.status_code == 200, r.text
     return int(r.headers["x-kvgate-predicted-cached-tokens"])
 
@@ -104,8 +131,17 @@ def test_no_decision_waits_on_a_replay_that_never_answers(fake, tmp_path):
 def test_whole_requests_reach_vllm_byte_for_byte(fake, tmp_path):
     gw = gateway(fake, tmp_path)
     try:
-        raw = json.dumps({"model": vd.MODEL, "prompt": ["a b c", "d e"], "n": 2, "logprobs": 3, "max_tokens": 4,
-                          "presence_penalty": 0.1, "vllm_xargs": {"custom": 1}}).encode()
+        raw = json.dumps(
+            {
+                "model": vd.MODEL,
+                "prompt": ["a b c", "d e"],
+                "n": 2,
+                "logprobs": 3,
+                "max_tokens": 4,
+                "presence_penalty": 0.1,
+                "vllm_xargs": {"custom": 1},
+            }
+        ).encode()
         r = httpx.post(gw.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 200 and r.json()["received"].encode() == raw
     finally:
@@ -143,8 +179,15 @@ def test_through_a_bridge_a_restart_empties_the_residency_in_redis_until_resynce
     try:
         wait_redis(redis)
         url = f"redis://127.0.0.1:{redis.port}"
-        procs.append(Proc("bridge", KVGATE + ["bridge", "--vllm", fake.url, "--redis", url], free_port(),
-                          str(tmp_path), {"KVGATE_INTERNAL_TOKEN": TEST_TOKEN}))
+        procs.append(
+            Proc(
+                "bridge",
+                KVGATE + ["bridge", "--vllm", fake.url, "--redis", url],
+                free_port(),
+                str(tmp_path),
+                {"KVGATE_INTERNAL_TOKEN": TEST_TOKEN},
+            )
+        )
         gw = start_gateway([], "prefix_affinity", redis=url, log_dir=str(tmp_path))
         procs.append(gw)
         gw.wait_ready(timeout=60)

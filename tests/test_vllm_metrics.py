@@ -1,10 +1,18 @@
 """What the gateway reads from a vLLM server's HTTP endpoints: recorded answers of vLLM 0.32."""
+
 import json
 
 import pytest
 
-from gateway.vllm_metrics import (BadAnswer, parse_metrics, parse_models, parse_sources, replay_address,
-                                  subscribe_address, worker_id)
+from gateway.vllm_metrics import (
+    BadAnswer,
+    parse_metrics,
+    parse_models,
+    parse_sources,
+    replay_address,
+    subscribe_address,
+    worker_id,
+)
 from gateway.vllm_worker import Spec, parse_spec
 from tests.vllm_data import DATA
 
@@ -18,15 +26,18 @@ def test_recorded_metrics_give_load_geometry_and_start_time():
 
 
 def test_data_parallel_engines_add_up_and_sglang_names_are_read():
-    text = "\n".join([
-        'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
-        'vllm:num_requests_running{engine="1",model_name="m"} 3.0',
-        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
-        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} NaN',
-        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0',
-        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0',
-        'sglang:num_queue_reqs{model_name="m"} 4'])
+    text = "\n".join(
+        [
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+            'vllm:num_requests_running{engine="1",model_name="m"} 3.0',
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} NaN',
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0',
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0',
+            'sglang:num_queue_reqs{model_name="m"} 4',
+        ]
+    )
     load = parse_metrics(text)
     assert (load.running, load.waiting, load.block_size, load.num_blocks) == (5, 5, 16, 200)
     assert load.usage == pytest.approx(0.25) and load.started is None
@@ -47,12 +58,15 @@ def test_models_and_event_sources():
         parse_sources({"x": {}})
 
 
-@pytest.mark.parametrize("endpoint,address,bind", [
-    ("tcp://*:5557", "tcp://10.0.0.5:5557", False),  # vLLM binds: connect on the worker's host
-    ("tcp://[::]:5557", "tcp://10.0.0.5:5557", False),
-    ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557", True),  # vLLM connects: the subscriber binds
-    ("ipc:///tmp/kv.sock", "ipc:///tmp/kv.sock", False),
-])
+@pytest.mark.parametrize(
+    "endpoint,address,bind",
+    [
+        ("tcp://*:5557", "tcp://10.0.0.5:5557", False),  # vLLM binds: connect on the worker's host
+        ("tcp://[::]:5557", "tcp://10.0.0.5:5557", False),
+        ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557", True),  # vLLM connects: the subscriber binds
+        ("ipc:///tmp/kv.sock", "ipc:///tmp/kv.sock", False),
+    ],
+)
 def test_where_a_subscriber_meets_the_publisher(endpoint, address, bind):
     assert subscribe_address(endpoint, "10.0.0.5") == (address, bind)
 
@@ -66,8 +80,9 @@ def test_replay_is_always_reached_on_the_workers_host():
 def test_worker_specs():
     assert parse_spec("http://h:1") is None
     assert parse_spec("vllm:http://h:8000/") == Spec("http://h:8000")
-    assert parse_spec("sglang:http://h:30000?kv_events=tcp://h:5557&kv_replay=tcp://h:5558&kv_topic=kv") == \
-        Spec("http://h:30000", "tcp://h:5557", "tcp://h:5558", "kv")
+    assert parse_spec("sglang:http://h:30000?kv_events=tcp://h:5557&kv_replay=tcp://h:5558&kv_topic=kv") == Spec(
+        "http://h:30000", "tcp://h:5557", "tcp://h:5558", "kv"
+    )
     for bad in ("vllm:h:8000", "vllm:http://h:1?events=x", "vllm:ftp://h:1"):
         with pytest.raises(ValueError):
             parse_spec(bad)

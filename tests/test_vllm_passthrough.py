@@ -1,4 +1,5 @@
 """Requests forwarded whole to a vLLM fleet: what the gateway still checks and how it counts them."""
+
 import pytest
 
 from gateway.passthrough import internal_field, parse_whole
@@ -14,8 +15,13 @@ def tok():
 
 
 def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(tok):
-    body = {"prompt": ["one two three", "four five six seven"], "n": 3, "max_tokens": 5, "logprobs": 2,
-            "presence_penalty": 0.5}
+    body = {
+        "prompt": ["one two three", "four five six seven"],
+        "n": 3,
+        "max_tokens": 5,
+        "logprobs": 2,
+        "presence_penalty": 0.5,
+    }
     first = parse_whole(body, "completion", tok, 1024)
     assert first.prompt_ids == tok.encode("one two three")
     tokens = len(tok.encode("one two three")) + len(tok.encode("four five six seven"))
@@ -31,20 +37,28 @@ def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(to
 
 
 def test_a_single_request_parses_as_kvgate_parses_it(tok):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-            "max_tokens": 3}
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_tokens": 3,
+    }
     first = parse_whole(body, "chat", tok, 1024)
     assert first == parse_request(body, "chat", tok, 1024) and first.num_choices == 1
     ids = parse_whole({"prompt": [[1, 2, 3], [4, 5]]}, "completion", tok, 1024)
     assert (ids.prompt_tokens, ids.num_choices) == (5, 2)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": 1.5}, "n"), ({"prompt": "x", "n": 10_000}, "n"),
-    ({"prompt": ["x", ""]}, "prompt"), ({"prompt": ["x"] * 2000}, "prompt"),
-    ({"prompt": ["x", "y " * 5000]}, "prompt"),  # every prompt meets the context limit
-    ({"prompt": "x", "temperature": -1}, "temperature"),  # fields kvgate knows are still checked
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 1.5}, "n"),
+        ({"prompt": "x", "n": 10_000}, "n"),
+        ({"prompt": ["x", ""]}, "prompt"),
+        ({"prompt": ["x"] * 2000}, "prompt"),
+        ({"prompt": ["x", "y " * 5000]}, "prompt"),  # every prompt meets the context limit
+        ({"prompt": "x", "temperature": -1}, "temperature"),  # fields kvgate knows are still checked
+    ],
+)
 def test_what_the_gateway_still_refuses(tok, body, param):
     with pytest.raises(InvalidRequest) as e:
         parse_whole(body, "completion", tok, 1024)
@@ -58,14 +72,21 @@ def test_fields_that_steer_vllms_cache_are_internal():
     assert internal_field({"vllm_xargs": {"my_logits_processor": 1}, "n": 2}) is None
 
 
-@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5})])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+        ("logit_bias", {"1": 5}),
+    ],
+)
 def test_fields_only_vllm_implements_pass_to_vllm_and_are_refused_for_kvgate_workers(tok, field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, field: value}
     m = ModelTokenizer("smollm2-135m", tok, 16)
-    assert m.prepare(body, "chat", 1024, whole=True).parsed.prompt_ids == parse_request(
-        {k: v for k, v in body.items() if k != field}, "chat", tok, 1024).prompt_ids
+    assert (
+        m.prepare(body, "chat", 1024, whole=True).parsed.prompt_ids
+        == parse_request({k: v for k, v in body.items() if k != field}, "chat", tok, 1024).prompt_ids
+    )
     with pytest.raises(InvalidRequest) as e:
         m.prepare(body, "chat", 1024)
     assert e.value.param == field and e.value.code == "unsupported_parameter" and "vLLM" in str(e.value)
-

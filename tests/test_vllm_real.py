@@ -5,13 +5,24 @@ Every routed request's predicted cached tokens (x-kvgate-predicted-cached-tokens
 what vLLM reports (usage.prompt_tokens_details.cached_tokens). The gateway learns residency
 asynchronously, so before each request the test waits until the gateways' resident-block
 counts stop changing (`settle`), never for a fixed time."""
+
 import signal
 import time
 
 import httpx
 import pytest
 
-from gateway.procs import TEST_TOKEN, Proc, KVGATE, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import (
+    TEST_TOKEN,
+    Proc,
+    KVGATE,
+    free_port,
+    start_gateway,
+    start_redis,
+    stop_all,
+    wait_for,
+    wait_redis,
+)
 from bench.vllm_procs import VllmServer
 from tests.vllm_env import need_vllm
 
@@ -29,8 +40,10 @@ def text(seed: int, n: int) -> str:
 def fleet(tmp_path_factory):
     python = need_vllm()
     logs = str(tmp_path_factory.mktemp("vllm-logs"))
-    servers = [VllmServer(f"vllm-{c}", python, core=i, num_blocks=NUM_BLOCKS, max_model_len=1024, log_dir=logs)
-               for i, c in enumerate("ab")]
+    servers = [
+        VllmServer(f"vllm-{c}", python, core=i, num_blocks=NUM_BLOCKS, max_model_len=1024, log_dir=logs)
+        for i, c in enumerate("ab")
+    ]
     procs = list(servers)
     try:
         for s in servers:
@@ -88,8 +101,11 @@ def routed(gw: Proc, body: dict, kind: str = "completion") -> tuple[str, int, in
     """(worker, predicted, actual cached tokens) of a request through `gw`, after settling."""
     settle(gw)
     out, headers = post(gw.url, body, kind)
-    return (headers["x-kvgate-worker"], int(headers["x-kvgate-predicted-cached-tokens"]),
-            out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return (
+        headers["x-kvgate-worker"],
+        int(headers["x-kvgate-predicted-cached-tokens"]),
+        out["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
 
 
 def test_predicted_cached_tokens_equal_vllms_on_every_request(fleet):
@@ -98,8 +114,9 @@ def test_predicted_cached_tokens_equal_vllms_on_every_request(fleet):
     bodies = []
     for q in range(4):
         for fam in range(3):
-            bodies.append(({"prompt": f"{system} family {fam} {text(10 + fam, 40)} question {q}: {text(q, 8)}"},
-                           "completion"))
+            bodies.append(
+                ({"prompt": f"{system} family {fam} {text(10 + fam, 40)} question {q}: {text(q, 8)}"}, "completion")
+            )
     for q in range(3):  # chat content as a list of parts, flattened like vLLM does
         parts = [{"type": "text", "text": system}, {"type": "text", "text": f"question {q}"}]
         bodies.append(({"messages": [{"role": "user", "content": parts}]}, "chat"))
@@ -149,8 +166,10 @@ def test_redis_bridge_gives_two_gateway_replicas_the_same_decision(fleet):
         wait_redis(redis)
         url = f"redis://127.0.0.1:{redis.port}"
         env = {"KVGATE_INTERNAL_TOKEN": TEST_TOKEN}
-        procs += [Proc(f"bridge-{i}", KVGATE + ["bridge", "--vllm", s.url, "--redis", url], free_port(), logs, env)
-                  for i, s in enumerate(servers)]
+        procs += [
+            Proc(f"bridge-{i}", KVGATE + ["bridge", "--vllm", s.url, "--redis", url], free_port(), logs, env)
+            for i, s in enumerate(servers)
+        ]
         gws = [start_gateway([], "prefix_affinity", redis=url, name=f"gw-redis-{i}", log_dir=logs) for i in range(2)]
         procs += gws
         for g in gws:

@@ -1,6 +1,7 @@
 """The ZMQ subscriber against a fake vLLM publisher speaking vLLM's wire protocol on loopback:
 replay on start, a gap filled by replay, a gap the publisher can no longer fill, a restart,
 both bind directions, and no replay endpoint at all."""
+
 import asyncio
 import time
 from collections import deque
@@ -81,14 +82,24 @@ async def scenario(body, bind_pub=True, with_replay=True, buffer=10_000):
     pub_addr = f"tcp://127.0.0.1:{port}"
     fake = FakeVllm(ctx, pub_addr, f"tcp://127.0.0.1:{rport}", bind_pub, buffer)
     index = ResidencyIndex()
-    sub = Subscriber(pub_addr, not bind_pub, f"tcp://127.0.0.1:{rport}" if with_replay else None, "kv",
-                     Translator(vd.MODEL, 16), IndexSink(index, WID, lambda: False), WID, ctx)
+    sub = Subscriber(
+        pub_addr,
+        not bind_pub,
+        f"tcp://127.0.0.1:{rport}" if with_replay else None,
+        "kv",
+        Translator(vd.MODEL, 16),
+        IndexSink(index, WID, lambda: False),
+        WID,
+        ctx,
+    )
     task = None
     try:
+
         async def start():
             nonlocal task
             task = asyncio.ensure_future(sub.run())
             await until(sub.synced.is_set)
+
         await body(fake, sub, index, start)
     finally:
         if task is not None:
@@ -110,6 +121,7 @@ def test_history_is_replayed_on_start_then_live_batches_follow():
         await until(lambda: resident(index) == 3 * 2)
         assert index.match(vd.ours(block(7)[1])) == {WID: 2}
         assert index.match(vd.ours(block(1)[1])) == {}
+
     asyncio.run(scenario(body))
 
 
@@ -122,6 +134,7 @@ def test_a_gap_is_filled_from_the_replay_buffer():
         await fake.publish([block(2)[0]])
         await until(lambda: resident(index) == 3 * 2)
         assert sub.stats.gaps >= 1 and sub.stats.syncs == 1
+
     asyncio.run(scenario(body))
 
 
@@ -132,6 +145,7 @@ def test_a_first_batch_lost_to_a_joining_subscriber_is_replayed():
         await fake.publish([block(1)[0]])
         await until(lambda: resident(index) == 2 * 2)
         assert index.match(vd.ours(block(0)[1])) == {WID: 2}
+
     asyncio.run(scenario(body))
 
 
@@ -147,6 +161,7 @@ def test_a_gap_the_publisher_no_longer_holds_resyncs_from_what_it_has():
         await until(lambda: sub.stats.syncs == 2 and sub.synced.is_set() and resident(index) == 2 * 2)
         assert sub.stats.history_from == 4  # seqs 4, 5 held; blocks 0-3 are unknown now (an under-statement)
         assert index.match(vd.ours(block(0)[1])) == {}
+
     asyncio.run(scenario(body, buffer=2))
 
 
@@ -162,6 +177,7 @@ def test_a_restarted_publisher_is_followed_from_its_new_history():
         await fake.publish([block(9)[0]])  # seq 0 again, and newer
         await until(lambda: sub.stats.restarts == 1 and sub.synced.is_set() and resident(index) == 2)
         assert index.match(vd.ours(block(9)[1])) == {WID: 2} and index.match(vd.ours(block(0)[1])) == {}
+
     asyncio.run(scenario(body))
 
 
@@ -172,6 +188,7 @@ def test_a_connecting_publisher_reaches_a_binding_subscriber():
         await asyncio.sleep(0.3)
         await fake.publish([block(0)[0]])
         await until(lambda: resident(index) == 2)
+
     asyncio.run(scenario(body, bind_pub=False))
 
 
@@ -187,4 +204,5 @@ def test_without_a_replay_endpoint_live_batches_still_apply_and_a_gap_resyncs():
         await until(lambda: sub.stats.syncs == 2)
         await fake.publish([block(4)[0]])
         await until(lambda: index.match(vd.ours(block(4)[1])) == {WID: 2})
+
     asyncio.run(scenario(body, with_replay=False))

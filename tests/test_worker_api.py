@@ -1,4 +1,5 @@
 """The worker's HTTP API on a sim worker process: OpenAI shapes, errors, KV endpoints, aborts."""
+
 import json
 import threading
 import time
@@ -16,8 +17,7 @@ INTERNAL = {"x-kvgate-token": "api-token"}  # the fixture worker's internal toke
 
 @pytest.fixture(scope="module")
 def worker():
-    w = Worker(worker_id="api", extra=("--num-blocks", "64", "--max-model-len", "512",
-                                             "--internal-token", "api-token"))
+    w = Worker(worker_id="api", extra=("--num-blocks", "64", "--max-model-len", "512", "--internal-token", "api-token"))
     try:
         yield w.ready()
     finally:
@@ -40,8 +40,9 @@ def test_completion_and_usage(worker):
 def test_chat_uses_the_chat_template(worker):
     tok = load_tokenizer(MODEL)
     messages = [{"role": "user", "content": "What is a KV cache?"}]
-    expected = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False)
+    expected = tok.encode(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     r = post(worker, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 3})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -50,9 +51,18 @@ def test_chat_uses_the_chat_template(worker):
 
 
 def test_streaming_ends_with_done_and_usage(worker):
-    with httpx.stream("POST", worker.url + "/v1/chat/completions", timeout=30, json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        worker.url + "/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
@@ -61,19 +71,22 @@ def test_streaming_ends_with_done_and_usage(worker):
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
-@pytest.mark.parametrize("body,status,param", [
-    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
-    ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
-    ({"model": MODEL, "prompt": list(range(600))}, 400, "prompt"),
-    ({"model": MODEL, "prompt": list(range(500)), "max_tokens": 100}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
-    ({"prompt": "x"}, 400, "model"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),  # the sim executor has no distribution
-    ({"model": MODEL, "messages": "nope"}, 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+        ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": list(range(600))}, 400, "prompt"),
+        ({"model": MODEL, "prompt": list(range(500)), "max_tokens": 100}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x"}, 400, "model"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),  # the sim executor has no distribution
+        ({"model": MODEL, "messages": "nope"}, 400, "messages"),
+    ],
+)
 def test_bad_input_gets_openai_errors(worker, body, status, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = post(worker, path, body)
@@ -109,8 +122,9 @@ def test_kv_events_long_poll_and_snapshot_agree_with_hashes(worker):
     seq = worker.internal("/kv/snapshot").json()["seq"]
     ids = list(range(1000, 1040))
     got = {}
-    t = threading.Thread(target=lambda: got.update(
-        worker.internal(f"/kv/events?after={seq}&timeout=10", timeout=15).json()))
+    t = threading.Thread(
+        target=lambda: got.update(worker.internal(f"/kv/events?after={seq}&timeout=10", timeout=15).json())
+    )
     t.start()
     time.sleep(0.3)
     post(worker, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})
@@ -123,9 +137,12 @@ def test_kv_events_long_poll_and_snapshot_agree_with_hashes(worker):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(worker):
-    with httpx.stream("POST", worker.url + "/v1/completions", timeout=30, json={
-            "model": MODEL, "prompt": list(range(2000, 2100)), "max_tokens": 400,
-            "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        worker.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": list(range(2000, 2100)), "max_tokens": 400, "ignore_eos": True, "stream": True},
+    ) as r:
         next(r.iter_lines())
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -160,10 +177,12 @@ def test_streams_complete_without_the_app_lifespan():
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://w") as c:
+
             async def one(i):
                 body = {"model": "m", "prompt": [3 + i, 4, 5, 6], "max_tokens": 8, "stream": True, "ignore_eos": True}
                 async with c.stream("POST", "/v1/completions", json=body) as r:
                     return [line async for line in r.aiter_lines() if line.startswith("data:")]
+
             return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(4)]), 10)
 
     eng.start()

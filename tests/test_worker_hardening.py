@@ -5,6 +5,7 @@ that raises fails its requests cleanly and the engine goes on; a dead or frozen 
 /health and /state; the advertised context is what the pool holds; P/D roles need a token;
 SIGTERM drains; the waiting queue is bounded.
 """
+
 import concurrent.futures as cf
 import json
 import signal
@@ -24,8 +25,20 @@ TOKEN = "hardening-token"
 
 def start_fault_worker(name: str, extra: tuple[str, ...] = ()) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "bench.fault_worker", "--model", MODEL, "--executor", "sim",
-            "--port", str(port), "--worker-id", name, *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.fault_worker",
+        "--model",
+        MODEL,
+        "--executor",
+        "sim",
+        "--port",
+        str(port),
+        "--worker-id",
+        name,
+        *extra,
+    ]
     return Proc(name, argv, port).wait_ready(timeout=180)
 
 
@@ -37,11 +50,22 @@ def slow_profile(tmp_path, base_ms: float = 20.0) -> str:
     return str(path)
 
 
-def complete(url: str, ids: list[int], max_tokens: int = 8, headers: dict | None = None,
-             timeout: float = 30, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", headers=headers, timeout=timeout, json={
-        "model": MODEL, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True,
-        "return_token_ids": True, **extra})
+def complete(
+    url: str, ids: list[int], max_tokens: int = 8, headers: dict | None = None, timeout: float = 30, **extra
+) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/completions",
+        headers=headers,
+        timeout=timeout,
+        json={
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        },
+    )
 
 
 def token_ids(r: httpx.Response) -> list[int]:
@@ -102,8 +126,11 @@ def test_kv_transfer_needs_the_internal_token(worker):
     try:
         url = f"http://127.0.0.1:{trap.getsockname()[1]}"
         ids = list(range(100, 164))
-        for kv, headers in (({"export_to": url}, None), ({"export_to": url}, {"x-kvgate-token": "wrong"}),
-                            ({"wait_ms": 60000}, None)):
+        for kv, headers in (
+            ({"export_to": url}, None),
+            ({"export_to": url}, {"x-kvgate-token": "wrong"}),
+            ({"wait_ms": 60000}, None),
+        ):
             err = assert_error(complete(worker.url, ids, 1, headers, kv_transfer=kv), 403)
             assert err["type"] == "permission_error"
         with pytest.raises(socket.timeout):
@@ -162,8 +189,12 @@ def faulty():
 def test_step_that_raises_fails_its_requests_and_the_engine_goes_on(faulty):
     err = assert_error(complete(faulty.url, [fw.RAISE, 11, 12, 13], 4), 500, "engine_error")
     assert err["type"] == "server_error"
-    with httpx.stream("POST", faulty.url + "/v1/completions", timeout=30, json={
-            "model": MODEL, "prompt": [fw.RAISE, 21, 22], "max_tokens": 4, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        faulty.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": [fw.RAISE, 21, 22], "max_tokens": 4, "stream": True},
+    ) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
@@ -179,10 +210,14 @@ def test_step_that_raises_fails_its_requests_and_the_engine_goes_on(faulty):
 def test_frozen_engine_shows_a_stall(faulty):
     with cf.ThreadPoolExecutor(1) as pool:
         frozen = pool.submit(complete, faulty.url, [fw.FREEZE, 41, 42], 2)
-        wait_for(lambda: faulty.state()["engine_stall_s"] > 1.0, timeout=fw.FREEZE_S * 3,
-                 what="engine_stall_s to pass 1 s")
-        h = wait_for(lambda: (lambda r: r if r.status_code == 503 else None)(httpx.get(faulty.url + "/health")),
-                     timeout=fw.FREEZE_S * 3, what="/health to answer 503")
+        wait_for(
+            lambda: faulty.state()["engine_stall_s"] > 1.0, timeout=fw.FREEZE_S * 3, what="engine_stall_s to pass 1 s"
+        )
+        h = wait_for(
+            lambda: (lambda r: r if r.status_code == 503 else None)(httpx.get(faulty.url + "/health")),
+            timeout=fw.FREEZE_S * 3,
+            what="/health to answer 503",
+        )
         assert_error(h, 503, "engine_stalled")
         assert len(token_ids(frozen.result())) == 2
     wait_for(lambda: httpx.get(faulty.url + "/health").status_code == 200, what="/health back to 200")
@@ -209,9 +244,19 @@ def test_sigterm_drains(tmp_path):
     """In-flight requests finish; new ones get 503 + Retry-After; then the worker exits."""
     w = Worker(worker_id="drain", extra=("--sim-profile", slow_profile(tmp_path))).ready()
     try:
-        with httpx.stream("POST", w.url + "/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": [7, 8, 9], "max_tokens": 60, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}) as stream:
+        with httpx.stream(
+            "POST",
+            w.url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": MODEL,
+                "prompt": [7, 8, 9],
+                "max_tokens": 60,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        ) as stream:
             lines = stream.iter_lines()
             first = next(ln for ln in lines if ln.startswith("data: "))
             w.signal(signal.SIGTERM)
@@ -229,8 +274,10 @@ def test_sigterm_drains(tmp_path):
 
 
 def test_waiting_queue_is_bounded(tmp_path):
-    w = Worker(worker_id="bounded", extra=("--max-num-seqs", "1", "--max-queued-requests", "1",
-                                           "--sim-profile", slow_profile(tmp_path))).ready()
+    w = Worker(
+        worker_id="bounded",
+        extra=("--max-num-seqs", "1", "--max-queued-requests", "1", "--sim-profile", slow_profile(tmp_path)),
+    ).ready()
     body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True, "stream": True}
     try:
         with httpx.Client(timeout=60) as client, cf.ThreadPoolExecutor(1) as pool:
@@ -254,8 +301,11 @@ def test_gateway_pd_legs_carry_the_internal_token():
     secret = ("--internal-token", TOKEN)
     p = Worker(worker_id="hp", extra=("--role", "prefill", *secret))
     d = Worker(worker_id="hd", extra=("--role", "decode", *secret))
-    gw = start_gateway([p.url, d.url], "slo_goodput", extra=[
-        *secret, "--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"])
+    gw = start_gateway(
+        [p.url, d.url],
+        "slo_goodput",
+        extra=[*secret, "--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"],
+    )
     try:
         p.ready(), d.ready()
         gw.wait_ready("/v1/models")
@@ -294,12 +344,18 @@ def test_torch_sampling_fault_fails_one_request_not_the_engine(tiny_llama):
     w = Worker("torch", "torch-topk", model=str(tiny_llama), extra=("--num-blocks", "64")).ready()
     model = tiny_llama.name
     try:
-        r = httpx.post(w.url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": [5, 6, 7], "max_tokens": 2, "top_k": 10**309})
+        r = httpx.post(
+            w.url + "/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": [5, 6, 7], "max_tokens": 2, "top_k": 10**309},
+        )
         assert r.status_code in (400, 500), r.text
         assert r.json()["error"]["type"] in ("invalid_request_error", "server_error")
-        r = httpx.post(w.url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})
+        r = httpx.post(
+            w.url + "/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         w.kill()

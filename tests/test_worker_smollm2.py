@@ -3,6 +3,7 @@
 Alone, with 8 concurrent requests, with prefix-cache hits, and with chunked prefill forced
 to 7 tokens a step; plus the cached-token report for a shared 200-token prefix.
 """
+
 import concurrent.futures as cf
 import random
 
@@ -25,10 +26,13 @@ def tok():
 def prompts(tok):
     rng = random.Random(3)
     words = "the of cache block model token worker gateway prefix decode prefill route".split()
-    texts = ["The capital of France is", "Write a haiku about paged attention:",
-             " ".join(rng.choice(words) for _ in range(110)),
-             " ".join(rng.choice(words) for _ in range(240)),
-             " ".join(rng.choice(words) for _ in range(560))]
+    texts = [
+        "The capital of France is",
+        "Write a haiku about paged attention:",
+        " ".join(rng.choice(words) for _ in range(110)),
+        " ".join(rng.choice(words) for _ in range(240)),
+        " ".join(rng.choice(words) for _ in range(560)),
+    ]
     return [tok.encode(t) for t in texts]
 
 
@@ -36,22 +40,30 @@ def prompts(tok):
 def reference():
     import torch
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(resolve("smollm2-135m")), dtype=torch.float32)
     model.generation_config.eos_token_id = None
     model.eval()
 
     def generate(ids: list[int]) -> list[int]:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        return out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        return out[0, len(ids) :].tolist()
+
     return generate
 
 
 @pytest.fixture(scope="module")
 def workers():
-    ws = [Worker(executor="torch", worker_id="fid-a"),
-          Worker(executor="torch", worker_id="fid-b", extra=("--max-batched-tokens", "7"))]
+    ws = [
+        Worker(executor="torch", worker_id="fid-a"),
+        Worker(executor="torch", worker_id="fid-b", extra=("--max-batched-tokens", "7")),
+    ]
     try:
         yield [w.ready() for w in ws]
     finally:
@@ -60,9 +72,18 @@ def workers():
 
 
 def complete(url: str, ids: list[int]) -> dict:
-    r = httpx.post(url + "/v1/completions", timeout=300, json={
-        "model": "smollm2-135m", "prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=300,
+        json={
+            "model": "smollm2-135m",
+            "prompt": ids,
+            "max_tokens": MAX_NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     return {"ids": body["choices"][0]["token_ids"], "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}

@@ -1,4 +1,5 @@
 """Workloads: seeded, sharing exactly what they claim to share, arriving at the asked rate."""
+
 import json
 from collections import Counter
 
@@ -23,8 +24,9 @@ def test_seeded_and_ordered(name):
     a = reqs(name=name, rate=20, duration_s=5, seed=3)
     b = reqs(name=name, rate=20, duration_s=5, seed=3)
     c = reqs(name=name, rate=20, duration_s=5, seed=4)
-    assert [(r.arrival_s, r.prompt, r.max_tokens, r.session) for r in a] == \
-           [(r.arrival_s, r.prompt, r.max_tokens, r.session) for r in b]
+    assert [(r.arrival_s, r.prompt, r.max_tokens, r.session) for r in a] == [
+        (r.arrival_s, r.prompt, r.max_tokens, r.session) for r in b
+    ]
     assert [r.prompt for r in a] != [r.prompt for r in c]
     assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:]))
     assert all(0 <= r.arrival_s < 5 for r in a)
@@ -58,8 +60,9 @@ def test_long_doc_qa_defaults_are_few_long_documents():
 
 
 def test_multi_turn_prompt_grows_from_previous_turn():
-    rs = reqs(name="multi-turn", rate=10, duration_s=30, think_s=2, turns=4, prefix_len=32,
-              question_len=8, output_len=4)
+    rs = reqs(
+        name="multi-turn", rate=10, duration_s=30, think_s=2, turns=4, prefix_len=32, question_len=8, output_len=4
+    )
     sessions: dict[str, list] = {}
     for r in rs:
         sessions.setdefault(r.session, []).append(r)
@@ -68,7 +71,7 @@ def test_multi_turn_prompt_grows_from_previous_turn():
         assert len(turns) <= 4
         assert (len(turns[0].prompt) - 32 - 8) % 12 == 0
         for prev, nxt in zip(turns, turns[1:]):
-            assert nxt.prompt[:len(prev.prompt)] == prev.prompt
+            assert nxt.prompt[: len(prev.prompt)] == prev.prompt
             assert len(nxt.prompt) == len(prev.prompt) + 4 + 8
             assert 0.5 < nxt.arrival_s - prev.arrival_s < 10
     assert len({tuple(r.prompt[:32]) for r in rs}) == 1
@@ -77,8 +80,17 @@ def test_multi_turn_prompt_grows_from_previous_turn():
 
 
 def test_mixed_is_long_unique_documents_among_chats_sharing_a_system_prompt():
-    rs = reqs(name="mixed", rate=100, duration_s=20, long_fraction=0.3, input_len=1000,
-              long_output_len=16, prefix_len=64, question_len=8, output_len=40)
+    rs = reqs(
+        name="mixed",
+        rate=100,
+        duration_s=20,
+        long_fraction=0.3,
+        input_len=1000,
+        long_output_len=16,
+        prefix_len=64,
+        question_len=8,
+        output_len=40,
+    )
     long = [r for r in rs if r.session is None]
     chat = [r for r in rs if r.session == "chat"]
     assert len(long) + len(chat) == len(rs) and 0.25 < len(long) / len(rs) < 0.35
@@ -112,16 +124,18 @@ def write_trace(path, rows):
 
 
 def test_trace_equal_hash_ids_give_equal_tokens(tmp_path):
-    rows = [{"timestamp": 0, "input_length": 1200, "output_length": 7, "hash_ids": [1, 2, 3]},
-            {"timestamp": 500, "input_length": 700, "output_length": 3, "hash_ids": [1, 9]},
-            {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [4]}]
+    rows = [
+        {"timestamp": 0, "input_length": 1200, "output_length": 7, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 700, "output_length": 3, "hash_ids": [1, 9]},
+        {"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [4]},
+    ]
     cfg = WorkloadConfig(name="trace", rate=0, duration_s=100, trace=write_trace(tmp_path / "t.jsonl", rows))
     a, b, c = generate(cfg)
     assert [len(r.prompt) for r in (a, b, c)] == [1200, 700, 1100]
     assert [r.max_tokens for r in (a, b, c)] == [7, 3, 5]
     assert [r.arrival_s for r in (a, b, c)] == [0.0, 0.5, 1.0]
     assert a.prompt[:TRACE_BLOCK] == b.prompt[:TRACE_BLOCK] == list(trace_block(1, 0, 32000))
-    assert a.prompt[TRACE_BLOCK:2 * TRACE_BLOCK] != b.prompt[TRACE_BLOCK:2 * TRACE_BLOCK]
+    assert a.prompt[TRACE_BLOCK : 2 * TRACE_BLOCK] != b.prompt[TRACE_BLOCK : 2 * TRACE_BLOCK]
     assert c.prompt[:TRACE_BLOCK] == list(trace_block(4, 0, 32000))
     assert c.prompt[TRACE_BLOCK:] != a.prompt[TRACE_BLOCK:1100]
 
@@ -153,18 +167,45 @@ def test_rate_zero_replays_a_trace_at_its_own_timestamps(tmp_path):
     """`--rate 0` on either CLI: a trace at its own mean rate (no time scaled), refused with a
     message for the other workloads and for negative rates; before any request is sent."""
     from bench import loadgen, simulate
+
     rows = [{"timestamp": 250 * i, "input_length": 32, "output_length": 2, "hash_ids": [i % 3]} for i in range(9)]
     path = write_trace(tmp_path / "t.jsonl", rows)
     out = tmp_path / "sim.json"
-    simulate.main(["--workers", "2", "--policies", "round_robin", "--workload", "trace", "--trace", path,
-                   "--rate", "0", "--duration", "10", "--drain-s", "5", "--jobs", "1", "--out", str(out)])
+    simulate.main(
+        [
+            "--workers",
+            "2",
+            "--policies",
+            "round_robin",
+            "--workload",
+            "trace",
+            "--trace",
+            path,
+            "--rate",
+            "0",
+            "--duration",
+            "10",
+            "--drain-s",
+            "5",
+            "--jobs",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     [run] = json.loads(out.read_text())["policies"]["round_robin"]["runs"]
     assert run["rate_rps"] == pytest.approx(9 / 2.0) and run["requests"] == 9
     cfg = WorkloadConfig(name="trace", rate=run["rate_rps"], duration_s=10, trace=path)
     assert [r.arrival_s for r in generate(cfg)] == pytest.approx([0.25 * i for i in range(9)])
-    for argv in (["--workload", "random", "--rate", "0"], ["--workload", "trace", "--trace", path, "--rate", "-1"],
-                 ["--workload", "trace", "--rate", "0"]):
-        for main, extra in ((simulate.main, ["--workers", "1"]), (loadgen.main, ["serve", "--url", "http://127.0.0.1:9"])):
+    for argv in (
+        ["--workload", "random", "--rate", "0"],
+        ["--workload", "trace", "--trace", path, "--rate", "-1"],
+        ["--workload", "trace", "--rate", "0"],
+    ):
+        for main, extra in (
+            (simulate.main, ["--workers", "1"]),
+            (loadgen.main, ["serve", "--url", "http://127.0.0.1:9"]),
+        ):
             with pytest.raises(SystemExit) as e:
                 main(extra + argv + ["--out", str(tmp_path / "x.json")])
             assert "rate" in str(e.value.code) or "--trace" in str(e.value.code)

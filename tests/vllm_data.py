@@ -1,5 +1,6 @@
 """Recorded vLLM 0.32 KV event bytes (tests/data/README.md) and SGLang-shaped batches built to
 its wire format, for the unit tests of the vLLM worker kind."""
+
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def prompt_ids(name: str) -> list[int]:
     """The token ids the gateway gives a recorded prompt (A and C are completions, chat a chat)."""
     from workers.model_store import load_tokenizer
     from workers.protocol import parse_request
+
     prompt = recorded()["prompts"][name]
     kind, body = ("chat", {"messages": prompt}) if name == "chat" else ("completion", {"prompt": prompt})
     return parse_request(body, kind, load_tokenizer(MODEL), 1024).prompt_ids
@@ -44,16 +46,26 @@ def payload(events: list, ts: float = 1.0, rank: int | None = None) -> bytes:
 
 def stored(hashes: list[int], tokens: list[int], parent: int | None = None, block_size: int = 32, **extra) -> dict:
     """A vLLM 0.32 BlockStored as a tagged map."""
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **extra,
+    }
 
 
 def removed(hashes: list[int]) -> dict:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
 
 
-def sglang_stored(hashes: list[int], tokens: list[int], parent: int | None = None, block_size: int = 32,
-                  lora_id: int | None = None) -> list:
+def sglang_stored(
+    hashes: list[int], tokens: list[int], parent: int | None = None, block_size: int = 32, lora_id: int | None = None
+) -> list:
     """SGLang's BlockStored: an array-like struct, the tag first."""
     return ["BlockStored", hashes, parent, tokens, block_size, lora_id]
 

@@ -1,4 +1,5 @@
 """The vLLM interpreter for tests: skipped without one, except under CI, which builds it."""
+
 import os
 
 import pytest

@@ -20,6 +20,7 @@ batch with dummy rows (length 1, output dropped), block tables with block 0 (mas
 each prefill chunk to a multiple of `bucket` tokens (rows after every real one, which causal
 masking hides from them; their output is dropped), so a few plans serve every load.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 @dataclass
 class PrefillSeq:
     """A sequence computing several new tokens: flat rows `rows`, the first at `start_pos`."""
+
     rows: slice
     start_pos: int
     block_table: Tensor  # [blocks covering 0 .. start_pos + n - 1]
@@ -38,6 +40,7 @@ class PrefillSeq:
 @dataclass
 class AttentionBatch:
     """Per-step attention metadata, tensorised once by the runner and shared by every layer."""
+
     slot_mapping: Tensor  # [T] flat cache slot of each new token
     decode_rows: Tensor  # [S'] flat row of each one-token sequence; S' >= S pads with row 0
     decode_tables: Tensor  # [S', max_blocks] block tables, padded with block 0 (masked out)
@@ -54,6 +57,7 @@ class KernelBatch:
     The first `num_decodes` rows are one-token sequences, attended by the decode kernel (GQA
     packed, split-K); the remaining rows are chunks, attended by the varlen prefill kernel. The
     scheduler lists running decodes first, so a mixed step is one call of each."""
+
     slot_mapping: Tensor  # [T] flat cache slot of each new token; -1 stores nothing (padding)
     num_decodes: int
     decode_tables: Tensor | None  # [D, W] blocks of each decode row; entries past its context unread
@@ -96,15 +100,35 @@ class PagedAttention(nn.Module):
         from workers.kernels.decode_attention import paged_decode_attention
         from workers.kernels.prefill_attention import paged_prefill_attention
         from workers.kernels.store_kv import store_kv
+
         store_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
-        scale, d = self.head_dim ** -0.5, batch.num_decodes
+        scale, d = self.head_dim**-0.5, batch.num_decodes
         out = torch.empty_like(q)
         if d:
-            paged_decode_attention(q[:d], self.k_cache, self.v_cache, batch.decode_tables, batch.decode_lens,
-                                   scale, self.sliding_window, batch.num_splits, out=out[:d])
+            paged_decode_attention(
+                q[:d],
+                self.k_cache,
+                self.v_cache,
+                batch.decode_tables,
+                batch.decode_lens,
+                scale,
+                self.sliding_window,
+                batch.num_splits,
+                out=out[:d],
+            )
         if batch.cu_seqlens_q is not None:
-            paged_prefill_attention(q[d:], self.k_cache, self.v_cache, batch.prefill_tables, batch.cu_seqlens_q,
-                                    batch.prefill_lens, batch.max_seqlen_q, scale, self.sliding_window, out=out[d:])
+            paged_prefill_attention(
+                q[d:],
+                self.k_cache,
+                self.v_cache,
+                batch.prefill_tables,
+                batch.cu_seqlens_q,
+                batch.prefill_lens,
+                batch.max_seqlen_q,
+                scale,
+                self.sliding_window,
+                out=out[d:],
+            )
         return out
 
     def _store(self, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -124,8 +148,7 @@ class PagedAttention(nn.Module):
         mask = kv_pos < lens
         if self.sliding_window is not None:
             mask &= kv_pos >= lens - self.sliding_window
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
         return out[:, :, 0]
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, seq: PrefillSeq) -> Tensor:
@@ -134,7 +157,8 @@ class PagedAttention(nn.Module):
             # Nothing cached precedes the chunk: plain causal attention on the fresh K/V, which
             # also lets CUDA pick a fused kernel.
             out = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=True
+            )
             return out[0].transpose(0, 1)
         k = self._gather(self.k_cache, seq.block_table[None])
         v = self._gather(self.v_cache, seq.block_table[None])

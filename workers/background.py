@@ -3,6 +3,7 @@
 The event loop holds only weak references to tasks, so a task nobody keeps may be collected
 before it finishes: `background` keeps each one referenced until it is done.
 """
+
 import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar

@@ -8,6 +8,7 @@ is one the OpenAI API names; tool calls keep their id and function name, with th
 arguments parsed into an object (the form templates index). A template that still refuses the
 conversation (say, roles that must alternate) is the client's error, a 400, never the server's.
 """
+
 from jinja2 import TemplateError
 
 from workers.sampling_params import InvalidRequest
@@ -21,11 +22,9 @@ def render_chat(conversation: list[dict], tokenizer, add_generation_prompt: bool
     """The prompt text of messages `chat_messages` has checked, under the tokenizer's chat
     template (InvalidRequest if it has none or refuses them)."""
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
     except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise InvalidRequest(f"the chat template cannot render these messages: {str(e)[:300]}",
-                             "messages") from None
+        raise InvalidRequest(f"the chat template cannot render these messages: {str(e)[:300]}", "messages") from None
 
 
 def chat_messages(messages: object) -> list[dict]:
@@ -41,7 +40,7 @@ def _message(m: object, where: str) -> dict:
     role = m.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise InvalidRequest(f"'{where}.role' must be one of {', '.join(ROLES)}", "messages")
-    out = {"role": role, "content": _content(m.get("content"), where)}
+    out: dict[str, object] = {"role": role, "content": _content(m.get("content"), where)}
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             out[key] = _text(m[key], f"{where}.{key}")
@@ -69,8 +68,11 @@ def _content(content: object, where: str) -> str:
         key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
             shown = f"type {kind[:40]!r}" if isinstance(kind, str) else "no type"
-            raise InvalidRequest(f"'{where}.content[{j}]': a content part of {shown} is not supported "
-                                 f"(this model takes text parts: {', '.join(TEXT_PARTS)})", "messages")
+            raise InvalidRequest(
+                f"'{where}.content[{j}]': a content part of {shown} is not supported "
+                f"(this model takes text parts: {', '.join(TEXT_PARTS)})",
+                "messages",
+            )
         if part.get(key) is not None:
             texts.append(_text(part[key], f"{where}.content[{j}].{key}"))
     return "\n".join(texts)
@@ -86,8 +88,10 @@ def _tool_calls(calls: object, where: str) -> list[dict]:
         if not isinstance(fn, dict):
             raise InvalidRequest(f"'{at}' must be an object with a 'function'", "messages")
         arguments = _arguments(_text(fn.get("arguments", "{}"), f"{at}.function.arguments"), at)
-        entry = {"type": "function", "function": {"name": _text(fn.get("name"), f"{at}.function.name"),
-                                                  "arguments": arguments}}
+        entry = {
+            "type": "function",
+            "function": {"name": _text(fn.get("name"), f"{at}.function.name"), "arguments": arguments},
+        }
         if call.get("id") is not None:
             entry["id"] = _text(call["id"], f"{at}.id")
         out.append(entry)

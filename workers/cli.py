@@ -1,4 +1,5 @@
 """`kvgate worker`: serve one model from a paged KV cache over the OpenAI API."""
+
 import argparse
 import json
 import logging
@@ -27,55 +28,110 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate worker", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="HF model folder or alias (smollm2-135m)")
     p.add_argument("--served-model-name", help="name clients use (default: alias or folder name)")
-    p.add_argument("--executor", choices=["torch", "sim"], default="torch",
-                   help="torch runs the model; sim runs no model and takes the cost model's step times "
-                        "(fleets on a laptop, the simulator)")
-    p.add_argument("--sim-profile", help="cost-model JSON: the sim executor's step times, and for any executor "
-                   "the model the gateway predicts this worker by (kvgate calibrate writes one)")
+    p.add_argument(
+        "--executor",
+        choices=["torch", "sim"],
+        default="torch",
+        help="torch runs the model; sim runs no model and takes the cost model's step times "
+        "(fleets on a laptop, the simulator)",
+    )
+    p.add_argument(
+        "--sim-profile",
+        help="cost-model JSON: the sim executor's step times, and for any executor "
+        "the model the gateway predicts this worker by (kvgate calibrate writes one)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8100, help="port to listen on")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the gateway's --block-size)")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool")
-    p.add_argument("--kv-cache-gb", type=float,
-                   help="size the KV pool by memory instead of --num-blocks (torch executor)")
-    p.add_argument("--host-kv-gb", type=float, default=0.0,
-                   help="host memory for KV blocks evicted from the device (pinned on CUDA); a later prefix "
-                        "hit copies them back instead of recomputing them (default 0: off)")
-    p.add_argument("--max-batched-tokens", type=int, default=2048,
-                   help="tokens one engine step computes at most (prefill is chunked to fit)")
+    p.add_argument(
+        "--kv-cache-gb", type=float, help="size the KV pool by memory instead of --num-blocks (torch executor)"
+    )
+    p.add_argument(
+        "--host-kv-gb",
+        type=float,
+        default=0.0,
+        help="host memory for KV blocks evicted from the device (pinned on CUDA); a later prefix "
+        "hit copies them back instead of recomputing them (default 0: off)",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens one engine step computes at most (prefill is chunked to fit)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch at most")
     p.add_argument("--max-model-len", type=int, help="cap the context length below the model's")
-    p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed",
-                   help="P/D disaggregation: prefill workers export KV to decode workers; mixed does both")
+    p.add_argument(
+        "--role",
+        choices=["mixed", "prefill", "decode"],
+        default="mixed",
+        help="P/D disaggregation: prefill workers export KV to decode workers; mixed does both",
+    )
     p.add_argument("--worker-id", help="stable id in KV events and the registry (default: random)")
     p.add_argument("--device", default="cpu", help="torch device of the torch executor (cpu, cuda, cuda:1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="never reuse cached prompt blocks (every prompt is computed whole)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (torch executor on CUDA; default: graphs on)")
-    p.add_argument("--internal-token", default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
-                   help="the fleet's shared secret for internal calls: /kv/import, /kv/reset, a body's "
-                   "kv_transfer (default: $KVGATE_INTERNAL_TOKEN); none refuses them all; "
-                   "required for --role prefill|decode")
-    p.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="requests held beyond the running batch (--max-num-seqs); more get 503 + Retry-After")
-    p.add_argument("--stall-timeout-s", type=float, default=5.0,
-                   help="/health answers 503 when the engine has work but no step completed for this long")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests may take to finish before the worker exits")
-    p.add_argument("--kv-transport", choices=["http", "ipc", "nixl"], default="http",
-                   help="P/D export: bytes over HTTP, CUDA IPC handles between GPUs of one host, or NIXL "
-                        "(UCX) writes into the decode worker's cache, any host (pip install 'kvgate[nixl]'); "
-                        "both fall back to HTTP")
-    p.add_argument("--kv-export-batch-blocks", type=int, default=16,
-                   help="P/D prefill side: ship a prompt's blocks while it still prefills, in batches of at "
-                        "least this many new blocks, so their transfer overlaps the rest of the prefill; "
-                        "0 ships them all when the prefill ends")
-    p.add_argument("--redis", metavar="URL", default=os.environ.get("KVGATE_REDIS_URL"),
-                   help="publish KV events, residency and signed heartbeats to this Redis URL "
-                        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
-                        "needs --internal-token")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on GPU"
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="never reuse cached prompt blocks (every prompt is computed whole)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs for decode steps (torch executor on CUDA; default: graphs on)",
+    )
+    p.add_argument(
+        "--internal-token",
+        default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
+        help="the fleet's shared secret for internal calls: /kv/import, /kv/reset, a body's "
+        "kv_transfer (default: $KVGATE_INTERNAL_TOKEN); none refuses them all; "
+        "required for --role prefill|decode",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests held beyond the running batch (--max-num-seqs); more get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=5.0,
+        help="/health answers 503 when the engine has work but no step completed for this long",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests may take to finish before the worker exits",
+    )
+    p.add_argument(
+        "--kv-transport",
+        choices=["http", "ipc", "nixl"],
+        default="http",
+        help="P/D export: bytes over HTTP, CUDA IPC handles between GPUs of one host, or NIXL "
+        "(UCX) writes into the decode worker's cache, any host (pip install 'kvgate[nixl]'); "
+        "both fall back to HTTP",
+    )
+    p.add_argument(
+        "--kv-export-batch-blocks",
+        type=int,
+        default=16,
+        help="P/D prefill side: ship a prompt's blocks while it still prefills, in batches of at "
+        "least this many new blocks, so their transfer overlaps the rest of the prefill; "
+        "0 ships them all when the prefill ends",
+    )
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        default=os.environ.get("KVGATE_REDIS_URL"),
+        help="publish KV events, residency and signed heartbeats to this Redis URL "
+        "(redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS; default: $KVGATE_REDIS_URL); "
+        "needs --internal-token",
+    )
     p.add_argument("--advertise-url", help="URL the gateway should use (default: http://HOST:PORT)")
     add_trace_args(p)
     add_log_args(p)
@@ -94,20 +150,36 @@ def build_executor(args, path: Path, tokenizer):
 
         from workers.executors.torch_runner import TorchRunner, blocks_that_fit
         from workers.models.loader import default_dtype
+
         dtype = getattr(torch, args.dtype) if args.dtype else None
         if args.kv_cache_gb:
-            args.num_blocks = blocks_that_fit(str(path), int(args.kv_cache_gb * 2**30), args.block_size,
-                                              dtype or default_dtype(torch.device(args.device)))
-        runner = TorchRunner(str(path), args.num_blocks, args.block_size, args.device, dtype,
-                             enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
+            args.num_blocks = blocks_that_fit(
+                str(path),
+                int(args.kv_cache_gb * 2**30),
+                args.block_size,
+                dtype or default_dtype(torch.device(args.device)),
+            )
+        runner = TorchRunner(
+            str(path),
+            args.num_blocks,
+            args.block_size,
+            args.device,
+            dtype,
+            enforce_eager=args.enforce_eager,
+            max_num_seqs=args.max_num_seqs,
+        )
     else:
         from workers.executors.sim import SimExecutor
+
         cfg = model_config(path)
         cost = CostModel.load(args.sim_profile) if args.sim_profile else CostModel()
         eos = cfg.get("eos_token_id", tokenizer.eos_token_id)
-        runner = SimExecutor(cost, cfg.get("vocab_size", len(tokenizer)),
-                             tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-                             cfg.get("max_position_embeddings", 8192))
+        runner = SimExecutor(
+            cost,
+            cfg.get("vocab_size", len(tokenizer)),
+            tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            cfg.get("max_position_embeddings", 8192),
+        )
     if args.max_model_len:
         runner.max_model_len = min(runner.max_model_len, args.max_model_len)
     return runner
@@ -116,19 +188,24 @@ def build_executor(args, path: Path, tokenizer):
 def check_args(args: argparse.Namespace) -> None:
     """Refuse settings that would fail on every request later."""
     if args.role != "mixed" and not args.internal_token:
-        raise SystemExit(f"kvgate worker: --role {args.role} needs the fleet's internal token "
-                         "(--internal-token or $KVGATE_INTERNAL_TOKEN): P/D legs and KV imports "
-                         "are refused without it")
+        raise SystemExit(
+            f"kvgate worker: --role {args.role} needs the fleet's internal token "
+            "(--internal-token or $KVGATE_INTERNAL_TOKEN): P/D legs and KV imports "
+            "are refused without it"
+        )
     if args.redis and not args.internal_token:
-        raise SystemExit("kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
-                         "registrations in Redis are signed with it")
+        raise SystemExit(
+            "kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
+            "registrations in Redis are signed with it"
+        )
     if args.host_kv_gb < 0:
         raise SystemExit("kvgate worker: --host-kv-gb must be >= 0")
     if args.kv_export_batch_blocks < 0:
         raise SystemExit("kvgate worker: --kv-export-batch-blocks must be >= 0")
     if args.max_queued_requests < 0 or args.stall_timeout_s <= 0 or args.drain_timeout_s < 0:
-        raise SystemExit("kvgate worker: --max-queued-requests and --drain-timeout-s must be >= 0, "
-                         "--stall-timeout-s > 0")
+        raise SystemExit(
+            "kvgate worker: --max-queued-requests and --drain-timeout-s must be >= 0, --stall-timeout-s > 0"
+        )
 
 
 def host_blocks(gb: float, block_size: int, kv_bytes_per_token: int) -> int:
@@ -144,20 +221,34 @@ def build_server(args) -> WorkerServer:
     executor = build_executor(args, path, tokenizer)
     name = args.served_model_name or served_name(args.model)
     config = EngineConfig(
-        model_id=name, block_size=args.block_size, num_blocks=args.num_blocks,
-        max_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
-        worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}", role=args.role,
-        enable_prefix_caching=not args.no_prefix_caching, export_batch_blocks=args.kv_export_batch_blocks,
+        model_id=name,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        worker_id=args.worker_id or f"w-{uuid.uuid4().hex[:8]}",
+        role=args.role,
+        enable_prefix_caching=not args.no_prefix_caching,
+        export_batch_blocks=args.kv_export_batch_blocks,
         host_blocks=host_blocks(args.host_kv_gb, args.block_size, getattr(executor, "kv_bytes_per_token", 0)),
-        cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None))
+        cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None),
+    )
     try:
         tracing = WorkerTracing(provider_from_args(args, "kvgate-worker"), config.worker_id, name)
     except ValueError as e:
         raise SystemExit(f"kvgate worker: {e}")
     engine = Engine(executor, tokenizer, config)
     engine.start()
-    return WorkerServer(engine, name, getattr(executor, "vocab_size", len(tokenizer)), args.internal_token,
-                        args.kv_transport, args.max_queued_requests, args.stall_timeout_s, tracing)
+    return WorkerServer(
+        engine,
+        name,
+        getattr(executor, "vocab_size", len(tokenizer)),
+        args.internal_token,
+        args.kv_transport,
+        args.max_queued_requests,
+        args.stall_timeout_s,
+        tracing,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,14 +265,22 @@ def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | 
     sock = sock or listen(args.host, args.port, "kvgate worker")
     if args.redis:
         from workers.redis_publisher import RedisPublisher
-        server.publisher = RedisPublisher(server.engine, args.redis,
-                                          args.advertise_url or f"http://{args.host}:{args.port}", server.model,
-                                          args.internal_token,
-                                          lambda: {**server.engine.state().to_json(),
-                                                   "kv_transfer": server.transfer.stats()})
-    print(f"kvgate worker {server.engine.worker_id} serving {server.model} "
-          f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}", flush=True)
+
+        server.publisher = RedisPublisher(
+            server.engine,
+            args.redis,
+            args.advertise_url or f"http://{args.host}:{args.port}",
+            server.model,
+            args.internal_token,
+            lambda: {**server.engine.state().to_json(), "kv_transfer": server.transfer.stats()},
+        )
+    print(
+        f"kvgate worker {server.engine.worker_id} serving {server.model} "
+        f"({args.executor}, role={args.role}) on http://{args.host}:{args.port}",
+        flush=True,
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        server.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     DrainingServer(config, server, args.drain_timeout_s).run(sockets=[sock])

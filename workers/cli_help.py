@@ -1,4 +1,5 @@
 """`--help` that states every flag's default, shared by all `kvgate` commands."""
+
 import argparse
 
 
@@ -11,7 +12,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or not action.option_strings or default is None or default is False
-                or default == [] or default is argparse.SUPPRESS):
+        if (
+            "default" in text
+            or not action.option_strings
+            or default is None
+            or default is False
+            or default == []
+            or default is argparse.SUPPRESS
+        ):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"

@@ -6,6 +6,7 @@ on the engine thread that every stream's step waits for. Other tokenizers decode
 window of ids per token, which keeps that O(1) per step too. Either way, text that could still
 become a stop string is held back until it can't.
 """
+
 from tokenizers.decoders import DecodeStream
 
 CONTEXT = 4  # prompt ids before the output: how the first output token's text starts
@@ -45,12 +46,12 @@ class Detokenizer:
                 self.stream = None  # windowed from here; what the stream emitted stays emitted
                 self.read_offset = len(self.ids) - 1
                 self.prefix_offset = max(0, self.read_offset - CONTEXT)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset :])
         if len(new) <= len(prefix) or new.endswith("\ufffd"):
             return None
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new[len(prefix):]
+        return new[len(prefix) :]
 
     def add(self, token_id: int) -> bool:
         """Append a token; True when a stop string has appeared (the text is cut before it)."""
@@ -61,12 +62,12 @@ class Detokenizer:
         self.text += new
         hits = [at for at in (self.text.find(s, start) for s in self.stop) if at >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
         return bool(hits)
 
     def flush(self, final: bool) -> str:
         """Text not yet emitted; while not final, keep back what may be a stop string's start."""
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = end
         return out

@@ -6,6 +6,7 @@ Retry-After, and the ones in flight (a worker's KV exports too) run to the end. 
 is left, or `drain_timeout_s` has passed, uvicorn's own shutdown runs. A second signal exits
 at once. Torch-free: the gateway uses it too.
 """
+
 import logging
 import signal
 import time
@@ -19,6 +20,7 @@ log = logging.getLogger("kvgate.drain")
 
 class Drainable(Protocol):
     """What drains: a `draining` flag it honours, and what it still holds."""
+
     draining: bool
 
     @property
@@ -39,13 +41,20 @@ class DrainingServer(uvicorn.Server):
         if self.worker.draining:
             self.should_exit = self.force_exit = True
             return
-        log.warning("%s: draining %d requests (at most %.0f s)", signal.Signals(sig).name,
-                    self.worker.in_flight, self.drain_timeout_s)
+        log.warning(
+            "%s: draining %d requests (at most %.0f s)",
+            signal.Signals(sig).name,
+            self.worker.in_flight,
+            self.drain_timeout_s,
+        )
         self.worker.draining = True
         self.drain_deadline = time.monotonic() + self.drain_timeout_s
 
     async def on_tick(self, counter: int) -> bool:
-        if self.drain_deadline is not None and not self.should_exit and (
-                self.worker.idle or time.monotonic() >= self.drain_deadline):
+        if (
+            self.drain_deadline is not None
+            and not self.should_exit
+            and (self.worker.idle or time.monotonic() >= self.drain_deadline)
+        ):
             self.should_exit = True
         return await super().on_tick(counter)

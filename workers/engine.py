@@ -9,6 +9,7 @@ requests (`error="engine_error"`) and the engine goes on; any other exception in
 every request in flight and the engine goes on; if the thread itself ends, every request in
 flight and every later `submit` fails (`engine_stopped`).
 """
+
 import logging
 import queue
 import threading
@@ -63,6 +64,7 @@ class EngineConfig:
 @dataclass(slots=True)
 class Add:
     """Inbox command: admit a request (`Engine.submit` says what the fields mean)."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -77,12 +79,14 @@ class Add:
 @dataclass(slots=True)
 class Abort:
     """Inbox command: drop a request wherever it is and answer it with finish_reason "abort"."""
+
     request_id: str
 
 
 @dataclass(slots=True)
 class Call:
     """Inbox command: run `fn` on the engine thread between steps; its result goes to `future`."""
+
     fn: Callable[[], object]
     future: Future
 
@@ -107,10 +111,10 @@ class Engine:
         if host is not None:
             executor.allocate_host_cache(config.host_blocks)
         self.pool = BlockPool(config.num_blocks, config.block_size, self.events, host)
-        self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size),
-                                 config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, self.max_model_len,
-                                   executor.eos_token_ids)
+        self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size), config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_batched_tokens, config.max_num_seqs, self.max_model_len, executor.eos_token_ids
+        )
         self.scheduler.exporter = self._export
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -138,10 +142,18 @@ class Engine:
         self._launcher = executor if hasattr(executor, "launch") else SyncLaunch(executor)
         self._overlap = bool(getattr(self._launcher, "overlaps", False))
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               sink: Callable[[RequestOutput], None], detokenize: bool = True,
-               kv_wait_s: float = 0.0, export: Callable | None = None, cache_salt: str | None = None,
-               trace: bool = False) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Callable[[RequestOutput], None],
+        detokenize: bool = True,
+        kv_wait_s: float = 0.0,
+        export: Callable | None = None,
+        cache_salt: str | None = None,
+        trace: bool = False,
+    ) -> None:
         """Queue a request; `sink` is called from the engine thread with each output delta.
 
         `kv_wait_s` holds the request back until its prompt's blocks arrive by KV import (P/D
@@ -156,8 +168,7 @@ class Engine:
         with self._submit_lock:
             if self._dead:
                 raise EngineStopped("the engine has stopped")
-            self._inbox.put(Add(request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export,
-                                cache_salt, trace))
+            self._inbox.put(Add(request_id, prompt_ids, params, sink, detokenize, kv_wait_s, export, cache_salt, trace))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -199,15 +210,33 @@ class Engine:
         if entry:
             req = entry[0]
             self._drop(req)
-            self._outbox.append((entry[2], RequestOutput(
-                req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "abort",
-                times=RequestTimes.of(req))))
+            self._outbox.append(
+                (
+                    entry[2],
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        "",
+                        req.num_prompt,
+                        max(req.num_cached, 0),
+                        req.num_output,
+                        "abort",
+                        times=RequestTimes.of(req),
+                    ),
+                )
+            )
 
     def _add(self, cmd: Add) -> None:
         rid = cmd.request_id
         try:
-            req = Request(rid, cmd.prompt_ids, cmd.params, export=cmd.export, cache_salt=cmd.cache_salt,
-                          chunks=[] if cmd.trace else None)
+            req = Request(
+                rid,
+                cmd.prompt_ids,
+                cmd.params,
+                export=cmd.export,
+                cache_salt=cmd.cache_salt,
+                chunks=[] if cmd.trace else None,
+            )
             d = Detokenizer(self.tokenizer, cmd.prompt_ids, cmd.params.stop) if cmd.detokenize else None
         except Exception:
             log.exception("request %s could not be set up", rid)
@@ -221,8 +250,7 @@ class Engine:
             self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_work() or bool(self._pending) or not self._inbox.empty()
-                or self._inflight is not None)
+        return self.scheduler.has_work() or bool(self._pending) or not self._inbox.empty() or self._inflight is not None
 
     def _admit_pending(self) -> None:
         """Admit P/D decode requests whose blocks have arrived or whose wait has run out."""
@@ -321,8 +349,16 @@ class Engine:
             self.stats.finished += 1
         detok = self._requests[req.request_id][1]
         text = detok.flush(s.finish_reason is not None) if detok else ""
-        return RequestOutput(req.request_id, [s.token], text, req.num_prompt, max(req.num_cached, 0),
-                             req.num_output, s.finish_reason, logprobs=None if logprobs is None else [logprobs])
+        return RequestOutput(
+            req.request_id,
+            [s.token],
+            text,
+            req.num_prompt,
+            max(req.num_cached, 0),
+            req.num_output,
+            s.finish_reason,
+            logprobs=None if logprobs is None else [logprobs],
+        )
 
     def _drop(self, req: Request) -> None:
         """Take a request out of the pending list or the scheduler and free its blocks."""
@@ -334,8 +370,9 @@ class Engine:
         were never committed for the failed step, so nothing it half-computed enters the cache."""
         self._drop(req)
         self.stats.failed += 1
-        return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
-                             req.num_output, "error", why)
+        return RequestOutput(
+            req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "error", why
+        )
 
     def _fail_all(self, why: str) -> None:
         """Fail every request in flight and hand out what is owed (after a fault outside the
@@ -374,7 +411,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         ids = [b.block_id for b in req.blocks[start:n]]
-        tokens = [req.token_ids[i * B:(i + 1) * B] for i in range(start, n)]
+        tokens = [req.token_ids[i * B : (i + 1) * B] for i in range(start, n)]
         req.num_exported = n
         try:
             req.export(req.block_hashes[start:n], tokens, ids, req.block_hashes[start - 1] if start else None)
@@ -383,8 +420,9 @@ class Engine:
         self.stats.calls_s += time.perf_counter() - t0
 
     def _finish_evicted(self, req: Request) -> RequestOutput:
-        return RequestOutput(req.request_id, [], "", req.num_prompt, max(req.num_cached, 0),
-                             req.num_output, req.finish_reason)
+        return RequestOutput(
+            req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, req.finish_reason
+        )
 
     @property
     def alive(self) -> bool:
@@ -443,8 +481,11 @@ class Engine:
 
     def kv_snapshot(self) -> Future:
         """A future of the KVSnapshot of every tier, read between steps."""
-        return self.call(lambda: KVSnapshot(self.worker_id, self.events.last_seq, self.pool.resident_hashes(),
-                                            self.pool.tier_hashes()))
+        return self.call(
+            lambda: KVSnapshot(
+                self.worker_id, self.events.last_seq, self.pool.resident_hashes(), self.pool.tier_hashes()
+            )
+        )
 
     # the KV host: what P/D transfer does to this engine's cache (workers/transfer*.py)
 
@@ -468,10 +509,12 @@ class Engine:
 
     def publish_kv(self, payload: KVPayload, res: Reservation) -> Future:
         """A future of (imported, present) once the written blocks enter the prefix cache."""
+
         def run() -> tuple[int, int]:
             imported, present = publish(self.pool, payload, res)
             self.stats.kv_imported_blocks += imported
             return imported, present
+
         return self.call(run)
 
     def step_log(self, after: int) -> Future:
@@ -490,13 +533,26 @@ class Engine:
     def _make_state(self) -> WorkerState:
         s, c = self.scheduler, self.config
         return WorkerState(
-            worker_id=c.worker_id, role=c.role, model=c.model_id, block_size=c.block_size,
-            total_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free, waiting=len(s.waiting),
-            host_blocks=c.host_blocks, host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
-            running=len(s.running), queued_prefill_tokens=s.queued_prefill_tokens,
-            kv_tokens=sum(r.num_computed for r in s.running), max_batched_tokens=s.max_batched_tokens,
-            max_num_seqs=s.max_num_seqs, **step_means(self.stats.last()),
+            worker_id=c.worker_id,
+            role=c.role,
+            model=c.model_id,
+            block_size=c.block_size,
+            total_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free,
+            waiting=len(s.waiting),
+            host_blocks=c.host_blocks,
+            host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
+            running=len(s.running),
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            kv_tokens=sum(r.num_computed for r in s.running),
+            max_batched_tokens=s.max_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            **step_means(self.stats.last()),
             cost_model=c.cost_model.to_json() if c.cost_model else None,
-            kv_bytes_per_token=getattr(self.executor, "kv_bytes_per_token", 0), kv_seq=self.events.last_seq,
-            preemptions=self.stats.preemptions, pending_kv=len(self._pending), engine_calls_s=self.stats.calls_s,
-            max_model_len=self.max_model_len)
+            kv_bytes_per_token=getattr(self.executor, "kv_bytes_per_token", 0),
+            kv_seq=self.events.last_seq,
+            preemptions=self.stats.preemptions,
+            pending_kv=len(self._pending),
+            engine_calls_s=self.stats.calls_s,
+            max_model_len=self.max_model_len,
+        )

@@ -6,6 +6,7 @@ the tokenizer. `CloseOn5xx` marks every 5xx `Connection: close` and turns an exc
 escapes the app into an OpenAI-shaped 500: without it uvicorn drops the connection after
 such a response without saying so, and the client's next request on it fails.
 """
+
 import json
 import logging
 
@@ -79,8 +80,13 @@ class CloseOn5xx:
 
 async def _send_500(send, e: Exception) -> None:
     body = json.dumps(error_body(f"internal error: {type(e).__name__}", "server_error", "internal_error")).encode()
-    await send({"type": "http.response.start", "status": 500,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 500,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -92,10 +98,14 @@ async def json_http_error(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, HTTPException):
         raise exc
     path = request.url.path[:200]
-    message = {404: f"no such endpoint: {path}",
-               405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, str(exc.detail))
-    return JSONResponse(error_body(message, "invalid_request_error", ERROR_CODES.get(exc.status_code)),
-                        status_code=exc.status_code, headers=exc.headers)
+    message = {404: f"no such endpoint: {path}", 405: f"{request.method} is not allowed on {path}"}.get(
+        exc.status_code, str(exc.detail)
+    )
+    return JSONResponse(
+        error_body(message, "invalid_request_error", ERROR_CODES.get(exc.status_code)),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
 
 
 JSON_HTTP_ERRORS = {HTTPException: json_http_error}

@@ -13,6 +13,7 @@ is FINISHING from launch: the scheduler gives it no more steps.
 Executors without `launch` run the step at launch and resolve right away: the same bookkeeping
 with nothing in between.
 """
+
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ PLACEHOLDER = -1  # a token sampled by a step not resolved yet
 class InFlight:
     """A launched step: its plan, the executor's handle, its work (for the step log), and when
     the engine iteration that launched it began."""
+
     plan: StepPlan
     handle: object
     work: StepWork
@@ -61,8 +63,9 @@ def chunks_of(plan: StepPlan) -> list[SeqChunk]:
         start = req.num_computed
         end = start + n
         total = len(req.token_ids)
-        chunk = SeqChunk(req.token_ids[start:end], start, req.block_ids, end == total, req.params,
-                         total - len(req.prompt_ids))
+        chunk = SeqChunk(
+            req.token_ids[start:end], start, req.block_ids, end == total, req.params, total - len(req.prompt_ids)
+        )
         if req.unresolved:
             assert n == 1 and end == total, "only a decode's input token can be unresolved"
             chunk.prev_sample = req.sample_row
@@ -80,8 +83,5 @@ def advance(plan: StepPlan, max_model_len: int) -> None:
             req.unresolved += 1
             req.sample_row = row
             row += 1
-            if (req.num_output + req.unresolved >= req.params.max_tokens
-                    or len(req.token_ids) >= max_model_len):
+            if req.num_output + req.unresolved >= req.params.max_tokens or len(req.token_ids) >= max_model_len:
                 req.status = FINISHING
-
-

@@ -6,6 +6,7 @@ refuses them without it: cache residency and load are a prompt side channel, and
 into the cache. A worker started without one (a lone development worker) leaves the read
 endpoints open and refuses every write. Tools find the token in $KVGATE_INTERNAL_TOKEN.
 """
+
 import hmac
 import os
 
@@ -15,7 +16,9 @@ TOKEN_ENV = "KVGATE_INTERNAL_TOKEN"
 
 def token_matches(given: str | None, token: str | None) -> bool:
     """Constant-time check; never true without a configured token."""
-    return bool(token) and hmac.compare_digest(given or "", token)
+    if not token:
+        return False
+    return hmac.compare_digest(given or "", token)
 
 
 def internal_headers(token: str | None = None) -> dict[str, str]:

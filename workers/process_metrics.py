@@ -1,11 +1,17 @@
 """What every kvgate process exports besides its own metrics: `process_*` (CPU, memory, open
 files, start time), `python_*` (version, GC) and `kvgate_build_info`, so one alert or panel
 covers gateways and workers alike."""
+
 import platform
 from importlib import metadata
 
-from prometheus_client import (CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector,
-                               disable_created_metrics)
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 
@@ -21,8 +27,11 @@ class _BuildInfo:
         self.labels = [version(), component, platform.python_version()]
 
     def collect(self):
-        g = GaugeMetricFamily("kvgate_build_info", "Always 1: the kvgate version and component of this process",
-                              labels=["version", "component", "python"])
+        g = GaugeMetricFamily(
+            "kvgate_build_info",
+            "Always 1: the kvgate version and component of this process",
+            labels=["version", "component", "python"],
+        )
         g.add_metric(self.labels, 1.0)
         yield g
 

@@ -5,11 +5,13 @@ request into the same token ids, and refuse the same bad input with the same 400
 the same code. Every field a client may send is checked for type and range before the prompt
 is tokenized; a feature this server does not implement is refused, never silently ignored.
 """
+
 import math
 import re
 import time
 import uuid
 import weakref
+from typing import cast
 from dataclasses import dataclass, field, replace
 
 from workers.chat_template import chat_messages, render_chat
@@ -18,10 +20,23 @@ from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
 
 # OpenAI and vLLM request fields this server does not implement, with the values that ask for nothing.
 NOOP_VALUES = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
-    "prompt_logprobs": (0,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
 }
 # The NOOP_VALUES fields that each kind does implement (with OpenAI's types, checked below).
 IMPLEMENTED = {"completion": {"echo", "logprobs"}, "chat": {"logprobs", "top_logprobs"}}
@@ -45,6 +60,7 @@ class ParsedRequest:
     """A checked request. `prompts` are all its prompts (a completions request may send a list),
     `prompt_ids` the first; each prompt gets `n` completions, choice `i * n + j` being prompt i's
     j-th. `echo_texts` (completions' `echo`) are the prompts' texts that start their choices."""
+
     kind: str
     model: str
     prompt_ids: list[int]
@@ -71,14 +87,16 @@ class ParsedRequest:
         return sum(map(len, self.prompts))
 
 
-def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
-               param: str | None = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> dict:
     """The OpenAI error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def parse_request(body: object, kind: str, tokenizer, max_model_len: int,
-                  vocab_size: int | None = None) -> ParsedRequest:
+def parse_request(
+    body: object, kind: str, tokenizer, max_model_len: int, vocab_size: int | None = None
+) -> ParsedRequest:
     """Validate an OpenAI completions/chat body into token ids and sampling parameters.
 
     Fields are checked before the prompt is tokenized, and a prompt that must be too long for
@@ -101,8 +119,20 @@ def parse_request(body: object, kind: str, tokenizer, max_model_len: int,
     if kv and len(prompts) * n > 1:
         raise InvalidRequest("'kv_transfer' takes one prompt and n=1", "kv_transfer")
     echo_texts = [tokenizer.decode(ids) if t is None else t for ids, t in zip(prompts, texts)] if echo else None
-    return ParsedRequest(kind, body.get("model") or "", prompts[0], replace(params, max_tokens=asked), stream,
-                         include_usage, return_token_ids, kv, salt, prompts, n, echo_texts)
+    return ParsedRequest(
+        kind,
+        body.get("model") or "",
+        prompts[0],
+        replace(params, max_tokens=asked),
+        stream,
+        include_usage,
+        return_token_ids,
+        kv,
+        salt,
+        prompts,
+        n,
+        echo_texts,
+    )
 
 
 def check_request(body: object, kind: str) -> None:
@@ -123,9 +153,12 @@ def _object(body: object, kind: str) -> dict:
     for name, noop in NOOP_VALUES.items():
         v = body.get(name)
         if v is not None and name not in IMPLEMENTED[kind] and v not in noop:
-            raise InvalidRequest(f"'{name}' is not supported by kvgate's workers (leave it out, or serve this "
-                                 "model with vLLM workers, which the gateway forwards it to)", name,
-                                 "unsupported_parameter")
+            raise InvalidRequest(
+                f"'{name}' is not supported by kvgate's workers (leave it out, or serve this "
+                "model with vLLM workers, which the gateway forwards it to)",
+                name,
+                "unsupported_parameter",
+            )
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise InvalidRequest("'model' must be a string", "model")
     if body.get("user") is not None and not isinstance(body["user"], str):
@@ -140,8 +173,11 @@ def _choices(body: dict, kind: str) -> tuple[int, bool]:
         raise InvalidRequest(f"'n' must be an integer in [1, {MAX_N}]", "n")
     echo = _flag(body, "echo") if kind == "completion" else False
     if echo and body.get("logprobs") is not None:
-        raise InvalidRequest("'echo' with 'logprobs' needs the prompt's log-probabilities, which kvgate's "
-                             "workers do not compute", "echo", "unsupported_parameter")
+        raise InvalidRequest(
+            "'echo' with 'logprobs' needs the prompt's log-probabilities, which kvgate's workers do not compute",
+            "echo",
+            "unsupported_parameter",
+        )
     return n, echo
 
 
@@ -168,8 +204,11 @@ def _options(body: dict) -> tuple[bool, bool, bool]:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    return (_flag(body, "stream"), _flag(opts or {}, "include_usage", "stream_options"),
-            _flag(body, "return_token_ids"))
+    return (
+        _flag(body, "stream"),
+        _flag(opts or {}, "include_usage", "stream_options"),
+        _flag(body, "return_token_ids"),
+    )
 
 
 def _max_tokens(body: dict, kind: str) -> int | None:
@@ -181,17 +220,22 @@ def _max_tokens(body: dict, kind: str) -> int | None:
     return n
 
 
-def sampling_params(body: dict, max_tokens: int, vocab_size: int | None = None,
-                    kind: str = "completion") -> SamplingParams:
+def sampling_params(
+    body: dict, max_tokens: int, vocab_size: int | None = None, kind: str = "completion"
+) -> SamplingParams:
     """The body's sampling fields, each type- and range-checked."""
     top_k = _number(body, "top_k", 0, int)
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0), top_k=0 if top_k == -1 else top_k,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=0 if top_k == -1 else top_k,
         seed=_number(body, "seed", None, int),
         stop=_as_list(body.get("stop"), "stop", str),
         stop_token_ids=_as_list(body.get("stop_token_ids"), "stop_token_ids", int),
-        ignore_eos=_flag(body, "ignore_eos"), logprobs=_logprobs(body, kind)).validate()
+        ignore_eos=_flag(body, "ignore_eos"),
+        logprobs=_logprobs(body, kind),
+    ).validate()
     if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     return params
@@ -218,8 +262,7 @@ def _cache_salt(body: dict) -> str | None:
     """vLLM's `cache_salt`: requests share cached blocks only with requests of the same salt."""
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and len(salt) <= MAX_CACHE_SALT):
-        raise InvalidRequest(f"'cache_salt' must be a string of at most {MAX_CACHE_SALT} characters",
-                             "cache_salt")
+        raise InvalidRequest(f"'cache_salt' must be a string of at most {MAX_CACHE_SALT} characters", "cache_salt")
     return salt or None
 
 
@@ -228,23 +271,31 @@ def _check_context(n_prompt: int, n_out: int, max_model_len: int) -> None:
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{n_prompt + n_out} tokens ({n_prompt} in the prompt, {n_out} in the completion).",
-            "max_tokens" if n_prompt < max_model_len else "prompt", "context_length_exceeded")
+            "max_tokens" if n_prompt < max_model_len else "prompt",
+            "context_length_exceeded",
+        )
 
 
-def prompt_ids(prompt: str | list[int] | list[dict], kind: str, tokenizer,
-               max_model_len: int) -> tuple[list[int], str | None]:
+def prompt_ids(
+    prompt: str | list[int] | list[dict], kind: str, tokenizer, max_model_len: int
+) -> tuple[list[int], str | None]:
     """(token ids, text) of one checked prompt: chat messages (checked by `chat_messages`) through the chat template, text
     with the tokenizer's special tokens, token ids as given (their text is None)."""
     if kind == "chat":
-        text, special, param = render_chat(prompt, tokenizer), False, "messages"
+        text, special, param = render_chat(cast(list[dict], prompt), tokenizer), False, "messages"
     elif isinstance(prompt, list):
-        _check_context(len(prompt), 1, max_model_len)
-        return prompt, None
+        ids = cast(list[int], prompt)
+        _check_context(len(ids), 1, max_model_len)
+        return ids, None
     else:
         text, special, param = prompt, True, "prompt"
     if surely_too_long(text, tokenizer, max_model_len):
-        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens; this prompt "
-                             f"of {len(text)} characters is longer.", param, "context_length_exceeded")
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; this prompt "
+            f"of {len(text)} characters is longer.",
+            param,
+            "context_length_exceeded",
+        )
     ids = tokenizer.encode(text, add_special_tokens=special)
     if not ids:
         raise InvalidRequest("the prompt is empty", param)
@@ -258,7 +309,7 @@ def _prompts(body: dict, kind: str, vocab_size: int | None) -> list:
         return [chat_messages(body.get("messages"))]
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-    if not batch:
+    if not batch or not isinstance(prompt, list):
         return [_prompt(prompt, vocab_size)]
     if len(prompt) > MAX_PROMPTS:
         raise InvalidRequest(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
@@ -296,12 +347,14 @@ def tokenize_body(body: dict, tokenizer, max_model_len: int) -> tuple[list[int],
             raise InvalidRequest("'add_generation_prompt' must be a boolean", "add_generation_prompt")
         text = render_chat(chat_messages(body["messages"]), tokenizer, generation)
     else:
-        text = body.get("prompt")
-        if not isinstance(text, str):
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
             raise InvalidRequest("'prompt' must be a string (or send 'messages')", "prompt")
+        text = prompt
     if surely_too_long(text, tokenizer, 8 * max_model_len):
-        raise InvalidRequest(f"this prompt is far longer than the model's {max_model_len} tokens", "prompt",
-                             "context_length_exceeded")
+        raise InvalidRequest(
+            f"this prompt is far longer than the model's {max_model_len} tokens", "prompt", "context_length_exceeded"
+        )
     return tokenizer.encode(text, add_special_tokens=special), strs
 
 
@@ -321,7 +374,7 @@ def surely_too_long(text: str, tokenizer, limit: int) -> bool:
     cut = _LAST_CUT.match(text, 0, PREFIX_CHARS_PER_TOKEN * limit)
     if cut is None:
         return False
-    return len(tokenizer.encode(text[:cut.start(1)], add_special_tokens=False)) - CUT_MARGIN >= limit
+    return len(tokenizer.encode(text[: cut.start(1)], add_special_tokens=False)) - CUT_MARGIN >= limit
 
 
 def token_chars(tokenizer) -> int | None:
@@ -386,12 +439,25 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
-def chunk(kind: str, rid: str, model: str, text: str, finish: str | None, first: bool = False,
-          token_ids: list[int] | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+def chunk(
+    kind: str,
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    first: bool = False,
+    token_ids: list[int] | None = None,
+    index: int = 0,
+    logprobs: dict | None = None,
+) -> dict:
     """One streaming chunk (`text_completion` or `chat.completion.chunk`) of choice `index`."""
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
@@ -405,12 +471,22 @@ def chunk(kind: str, rid: str, model: str, text: str, finish: str | None, first:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def choice(kind: str, index: int, text: str, finish: str | None, logprobs: dict | None = None,
-           token_ids: list[int] | None = None) -> dict:
+def choice(
+    kind: str,
+    index: int,
+    text: str,
+    finish: str | None,
+    logprobs: dict | None = None,
+    token_ids: list[int] | None = None,
+) -> dict:
     """One choice of a whole answer."""
     if kind == "chat":
-        out = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-               "finish_reason": finish}
+        out = {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
     else:
         out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if token_ids is not None:
@@ -420,8 +496,7 @@ def choice(kind: str, index: int, text: str, finish: str | None, logprobs: dict 
 
 def full_response(kind: str, rid: str, model: str, choices: list[dict], use: dict) -> dict:
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": choices, "usage": use}
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, "usage": use}
 
 
 def _logprob(x: float) -> float:
@@ -430,11 +505,14 @@ def _logprob(x: float) -> float:
 
 def chat_logprobs(entries: list[TokenLogprobs], decode) -> dict:
     """OpenAI's chat `logprobs` object for these output tokens; `decode(id)` is a token's text."""
+
     def item(token_id: int, lp: float) -> dict:
         text = decode(token_id)
         return {"token": text, "logprob": _logprob(lp), "bytes": list(text.encode())}
-    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries]}
+
+    return {
+        "content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+    }
 
 
 def completion_logprobs(entries: list[TokenLogprobs], decode, offset: int) -> dict:
@@ -447,5 +525,9 @@ def completion_logprobs(entries: list[TokenLogprobs], decode, offset: int) -> di
         offsets.append(offset)
         offset += len(text)
     top = [{decode(t): _logprob(lp) for t, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries]
-    return {"text_offset": offsets, "token_logprobs": [_logprob(e.logprob) for e in entries],
-            "tokens": tokens, "top_logprobs": top}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "tokens": tokens,
+        "top_logprobs": top,
+    }

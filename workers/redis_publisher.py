@@ -8,6 +8,7 @@ worker rewrites its whole set from the block pool and says so with a `snapshot` 
 Heartbeats are registrations signed with the fleet's internal token (redis_schema.Registration):
 gateways route only to workers whose registration a token holder signed.
 """
+
 import asyncio
 import json
 import logging
@@ -32,6 +33,7 @@ SADD_CHUNK = 10_000
 class KVSource(Protocol):
     """What a publisher reads of the worker it publishes (an engine, or the bridge's view of a
     server followed from outside): its id, its event log, and a consistent snapshot."""
+
     worker_id: str
     events: EventLog
 
@@ -40,8 +42,17 @@ class KVSource(Protocol):
 
 
 class RedisPublisher:
-    def __init__(self, engine: KVSource, url: str, advertise_url: str, pool: str, token: str,
-                 state: Callable[[], dict], heartbeat_s: float = 1.0, ttl_s: float = 3.0):
+    def __init__(
+        self,
+        engine: KVSource,
+        url: str,
+        advertise_url: str,
+        pool: str,
+        token: str,
+        state: Callable[[], dict],
+        heartbeat_s: float = 1.0,
+        ttl_s: float = 3.0,
+    ):
         """`state`: what a heartbeat carries (the server's /state body: load, KV transport and
         NIXL agent metadata), so peers and gateways find it in Redis."""
         if not token:
@@ -64,7 +75,7 @@ class RedisPublisher:
 
     def _on_events(self, events: list[KVEvent]) -> None:
         """Engine thread, once a step: queue only. Overflow is fine: the seq gap forces a full resync."""
-        self._queue.extend(events[:max(0, MAX_QUEUED - len(self._queue))])
+        self._queue.extend(events[: max(0, MAX_QUEUED - len(self._queue))])
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
@@ -80,8 +91,11 @@ class RedisPublisher:
         try:
             r = self._client()
             async with r.pipeline(transaction=True) as p:
-                p.delete(rs.heartbeat_key(self.pool, self.worker_id), *rs.resident_keys(self.pool, self.worker_id),
-                         rs.seq_key(self.pool, self.worker_id))
+                p.delete(
+                    rs.heartbeat_key(self.pool, self.worker_id),
+                    *rs.resident_keys(self.pool, self.worker_id),
+                    rs.seq_key(self.pool, self.worker_id),
+                )
                 p.srem(rs.workers_key(self.pool), self.worker_id)
                 await p.execute()
             await r.aclose()
@@ -118,10 +132,14 @@ class RedisPublisher:
             for medium, tier in [(DEVICE, hashes), *snap.tiers.items()]:
                 res = rs.resident_key(self.pool, self.worker_id, medium)
                 for i in range(0, len(tier), SADD_CHUNK):
-                    p.sadd(res, *tier[i:i + SADD_CHUNK])
+                    p.sadd(res, *tier[i : i + SADD_CHUNK])
             p.set(rs.seq_key(self.pool, self.worker_id), seq)
-            p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, KVEvent(seq, rs.SNAPSHOT)),
-                   maxlen=rs.STREAM_MAXLEN, approximate=True)
+            p.xadd(
+                rs.stream_key(self.pool),
+                rs.encode_event(self.worker_id, KVEvent(seq, rs.SNAPSHOT)),  # type: ignore[arg-type]  # stub: invariant dict
+                maxlen=rs.STREAM_MAXLEN,
+                approximate=True,
+            )
             self._heartbeat(p)
             await p.execute()
         self._published = seq
@@ -177,12 +195,10 @@ class RedisPublisher:
         elif ev.kind == CLEARED:
             p.delete(*rs.resident_keys(self.pool, self.worker_id))
         p.set(rs.seq_key(self.pool, self.worker_id), ev.seq)
-        p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, ev),
-               maxlen=rs.STREAM_MAXLEN, approximate=True)
+        p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, ev), maxlen=rs.STREAM_MAXLEN, approximate=True)
 
     def _heartbeat(self, p) -> None:
         reg = rs.Registration(self.worker_id, self.advertise_url, self.pool, time.time(), self.state())
-        p.set(rs.heartbeat_key(self.pool, self.worker_id), json.dumps(reg.signed(self.token).to_json()),
-              px=self.ttl_ms)
+        p.set(rs.heartbeat_key(self.pool, self.worker_id), json.dumps(reg.signed(self.token).to_json()), px=self.ttl_ms)
         p.sadd(rs.POOLS, self.pool)
         p.sadd(rs.workers_key(self.pool), self.worker_id)

@@ -1,4 +1,5 @@
 """A request as the engine tracks it: plain data that the scheduler and KV manager mutate."""
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ class Request:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
+        return self.token_ids[self.num_prompt :]
 
     @property
     def num_output(self) -> int:

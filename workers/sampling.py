@@ -5,6 +5,7 @@ from a generator seeded by (seed, output_index), so a seeded request produces th
 whatever else shares its batch. Sampling uses the exponential race (argmax of p / Exp(1)), which
 draws from p exactly and turns the whole batch into one argmax.
 """
+
 import torch
 from torch import Tensor
 
@@ -74,8 +75,9 @@ def _sample_rows(logits: Tensor, params: list[SamplingParams], noise: Tensor) ->
     return order.gather(1, choice)[:, 0]
 
 
-def _exponential_noise(vocab: int, params: list[SamplingParams], output_indices: list[int],
-                       device: torch.device) -> Tensor:
+def _exponential_noise(
+    vocab: int, params: list[SamplingParams], output_indices: list[int], device: torch.device
+) -> Tensor:
     """Exp(1) noise per row (indexed by rank in the sorted vocabulary); seeded rows get their own stream."""
     noise = torch.empty(len(params), vocab, device=device).exponential_()
     for i, (p, index) in enumerate(zip(params, output_indices)):

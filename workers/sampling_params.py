@@ -1,4 +1,5 @@
 """Per-request sampling parameters: plain data, validated once at the API edge."""
+
 import math
 from dataclasses import dataclass, field
 
@@ -45,13 +46,12 @@ class SamplingParams:
             raise InvalidRequest("top_p must be in (0, 1]", "top_p")
         if not 0 <= self.top_k <= MAX_INT32:
             raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or in [1, {MAX_INT32}]", "top_k")
-        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequest("seed must be a 64-bit signed integer", "seed")
         if len(self.stop) > MAX_STOP or not all(0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
-            raise InvalidRequest(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters",
-                                 "stop")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
-                0 <= t <= MAX_INT32 for t in self.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids in "
-                                 f"[0, {MAX_INT32}]", "stop_token_ids")
+            raise InvalidRequest(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            raise InvalidRequest(
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids in [0, {MAX_INT32}]", "stop_token_ids"
+            )
         return self

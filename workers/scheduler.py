@@ -7,6 +7,7 @@ out of blocks a running request is preempted by recompute, newest first, so KV e
 never crashes and never deadlocks. After a step, `update_from_output` commits the blocks it
 filled, appends its tokens, checks each for a stop and finishes those that stopped.
 """
+
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from workers.request import FINISHED, RUNNING, WAITING, Request
 @dataclass
 class StepPlan:
     """What one step computes: (request, number of new tokens) pairs, plus who was preempted."""
+
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     evicted: list[Request] = field(default_factory=list)
@@ -31,6 +33,7 @@ class StepPlan:
 @dataclass(slots=True)
 class Sampled:
     """A token a step sampled for a request, and whether it was its first and its last."""
+
     req: Request
     token: int
     first: bool
@@ -46,14 +49,19 @@ def resolve(req: Request, token: int) -> None:
 def drop_unresolved(req: Request) -> None:
     """Forget placeholders after the request stopped: those steps' tokens are not its output."""
     if req.unresolved:
-        del req.token_ids[len(req.token_ids) - req.unresolved:]
+        del req.token_ids[len(req.token_ids) - req.unresolved :]
         req.unresolved = 0
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int = 1 << 30,
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int = 1 << 30,
+        eos_token_ids: Sequence[int] = (),
+    ):
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -78,7 +86,8 @@ class Scheduler:
         request counts only what its cached prefix did not cover when it was queued, so a queue
         of prefix hits (or of P/D requests whose blocks were imported) reads as the work it is."""
         return sum(r.queued_tokens for r in self.waiting) + sum(
-            r.num_remaining for r in self.running if r.is_prefilling)
+            r.num_remaining for r in self.running if r.is_prefilling
+        )
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is and free its blocks at once."""
@@ -106,8 +115,13 @@ class Scheduler:
             return "length"
         return None
 
-    def update_from_output(self, plan: StepPlan, sampled: Sequence[int | None], now: float,
-                           stop_string: Callable[[Request, int], bool] | None = None) -> list[Sampled]:
+    def update_from_output(
+        self,
+        plan: StepPlan,
+        sampled: Sequence[int | None],
+        now: float,
+        stop_string: Callable[[Request, int], bool] | None = None,
+    ) -> list[Sampled]:
         """A launched step's results: per request still live, write its token over the
         placeholder, commit the blocks the step filled, check for a stop and finish it if so.
         `stop_string(req, token)` says whether the text now ends in a stop string (asked of
@@ -168,8 +182,11 @@ class Scheduler:
     def _make_room(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Allocate blocks for req, preempting the newest other running requests if needed."""
         while not self.kv.allocate_slots(req, n):
-            victims = [r for r in self.running if r is not req and r.status == RUNNING and
-                       all(r is not s for s, _ in plan.scheduled)]
+            victims = [
+                r
+                for r in self.running
+                if r is not req and r.status == RUNNING and all(r is not s for s, _ in plan.scheduled)
+            ]
             if not victims:
                 if len(self.running) == 1 and not plan.scheduled:
                     self.finish(req, "length")

@@ -5,6 +5,7 @@ only echoed (response header and body `id`) and logged. A body's `kv_transfer` i
 with the fleet's internal token. New requests are refused with 503 + Retry-After while the
 engine is stopped, the worker drains, or it already holds `max_num_seqs + max_queued_requests`.
 """
+
 import asyncio
 import contextlib
 import json
@@ -24,8 +25,20 @@ from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
 from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx
 from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
-from workers.protocol import (TTFT_HEADER, ParsedRequest, chat_logprobs, choice, chunk, completion_logprobs,
-                              error_body, full_response, new_id, parse_request, tokenize_body, usage)
+from workers.protocol import (
+    TTFT_HEADER,
+    ParsedRequest,
+    chat_logprobs,
+    choice,
+    chunk,
+    completion_logprobs,
+    error_body,
+    full_response,
+    new_id,
+    parse_request,
+    tokenize_body,
+    usage,
+)
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
 from workers.tracing import WorkerTracing
@@ -40,8 +53,14 @@ FAILURES = {  # RequestOutput.error -> (HTTP status, message)
 }
 
 
-def error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-          param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
 
 
@@ -57,6 +76,7 @@ class Job:
     Each of its choices is an engine request of its own (`engine_key`), timed by its own clock
     for the metrics; `outputs` receives (choice index, output). `span` traces choice 0 (None
     while tracing is off)."""
+
     key: str
     shown: str
     parsed: ParsedRequest
@@ -71,6 +91,7 @@ class Job:
 @dataclass
 class Choices:
     """What a request's choices have produced so far, and how each must be reported."""
+
     parsed: ParsedRequest
     decode: Callable[[int], str]
     last: dict[int, RequestOutput] = field(default_factory=dict)
@@ -106,17 +127,27 @@ class Choices:
         """Every prompt's tokens once (counted and cached by its first completion), every
         completion's tokens."""
         firsts = [self.last[i] for i in range(0, self.parsed.num_choices, self.parsed.n)]
-        return usage(sum(o.num_prompt for o in firsts), sum(o.num_output for o in self.last.values()),
-                     sum(o.num_cached for o in firsts))
+        return usage(
+            sum(o.num_prompt for o in firsts),
+            sum(o.num_output for o in self.last.values()),
+            sum(o.num_cached for o in firsts),
+        )
 
 
 class WorkerServer:
     """Binds one engine to HTTP. Each request gets an asyncio queue fed from the engine thread."""
 
-    def __init__(self, engine: Engine, served_model: str, vocab_size: int,
-                 internal_token: str | None = None, kv_transport: str = "http",
-                 max_queued_requests: int = 1024, stall_timeout_s: float = 5.0,
-                 tracing: WorkerTracing | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        served_model: str,
+        vocab_size: int,
+        internal_token: str | None = None,
+        kv_transport: str = "http",
+        max_queued_requests: int = 1024,
+        stall_timeout_s: float = 5.0,
+        tracing: WorkerTracing | None = None,
+    ):
         self.engine = engine
         self.max_in_flight = engine.config.max_num_seqs + max_queued_requests
         self.stall_timeout_s = stall_timeout_s
@@ -130,22 +161,27 @@ class WorkerServer:
         self.transfer.tracing = self.tracing
         self.publisher = None  # a workers.redis_publisher.RedisPublisher when --redis is given
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.app = Starlette(routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/models", self.models),
-            Route("/v1/models/{model:path}", self.retrieve_model),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/detokenize", self.detokenize, methods=["POST"]),
-            Route("/health", self.health),
-            Route("/metrics", self.prometheus),
-            Route("/state", self.state),
-            Route("/steps", self.steps),
-            Route("/kv/events", self.kv_events),
-            Route("/kv/snapshot", self.kv_snapshot),
-            *self.transfer.routes(),
-            Route("/kv/reset", self.kv_reset, methods=["POST"]),
-        ], lifespan=self._lifespan, middleware=[Middleware(CloseOn5xx)], exception_handlers=JSON_HTTP_ERRORS)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models),
+                Route("/v1/models/{model:path}", self.retrieve_model),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/health", self.health),
+                Route("/metrics", self.prometheus),
+                Route("/state", self.state),
+                Route("/steps", self.steps),
+                Route("/kv/events", self.kv_events),
+                Route("/kv/snapshot", self.kv_snapshot),
+                *self.transfer.routes(),
+                Route("/kv/reset", self.kv_reset, methods=["POST"]),
+            ],
+            lifespan=self._lifespan,
+            middleware=[Middleware(CloseOn5xx)],
+            exception_handlers=JSON_HTTP_ERRORS,
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -201,16 +237,26 @@ class WorkerServer:
         if isinstance(body, Response):
             return body
         if body.get("kv_transfer") is not None and not self.transfer.authorised(request):
-            return error(403, "'kv_transfer' is internal: it needs the fleet's internal token",
-                         "permission_error", "forbidden", "kv_transfer")
+            return error(
+                403,
+                "'kv_transfer' is internal: it needs the fleet's internal token",
+                "permission_error",
+                "forbidden",
+                "kv_transfer",
+            )
         try:
-            parsed = await asyncio.to_thread(parse_request, body, kind, self.engine.tokenizer,
-                                             self.engine.max_model_len, self.vocab_size)
+            parsed = await asyncio.to_thread(
+                parse_request, body, kind, self.engine.tokenizer, self.engine.max_model_len, self.vocab_size
+            )
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
         if parsed.params.logprobs is not None and not getattr(self.engine.executor, "computes_logprobs", False):
-            return error(400, "this worker's executor has no token distribution to report logprobs from",
-                         code="unsupported_parameter", param="logprobs")
+            return error(
+                400,
+                "this worker's executor has no token distribution to report logprobs from",
+                code="unsupported_parameter",
+                param="logprobs",
+            )
         return parsed
 
     async def _body(self, request: Request, model_required: bool = True) -> dict | Response:
@@ -238,12 +284,17 @@ class WorkerServer:
         if isinstance(body, Response):
             return body
         try:
-            ids, strs = await asyncio.to_thread(tokenize_body, body, self.engine.tokenizer,
-                                                self.engine.max_model_len)
+            ids, strs = await asyncio.to_thread(tokenize_body, body, self.engine.tokenizer, self.engine.max_model_len)
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
-        return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
-                             "token_strs": self.engine.tokenizer.convert_ids_to_tokens(ids) if strs else None})
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self.engine.max_model_len,
+                "tokens": ids,
+                "token_strs": self.engine.tokenizer.convert_ids_to_tokens(ids) if strs else None,
+            }
+        )
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's POST /detokenize: `tokens` -> {"prompt": their text}; `model` is optional."""
@@ -268,16 +319,22 @@ class WorkerServer:
         given = request.headers.get("x-request-id")
         if given:
             log.info("request %s has x-request-id %r", key, given[:128])
-        job = Job(key, given if given and SHOWN_ID.fullmatch(given) else key, parsed, asyncio.Queue(),
-                  [RequestClock(arrived) for _ in range(parsed.num_choices)])
+        job = Job(
+            key,
+            given if given and SHOWN_ID.fullmatch(given) else key,
+            parsed,
+            asyncio.Queue(),
+            [RequestClock(arrived) for _ in range(parsed.num_choices)],
+        )
         job.span = self.tracing.start(f"POST {request.url.path}", request.headers, parsed, key)
         refused = self._refusal() or self._submit(job)
         if refused is not None:
             self.tracing.end(job.span, refused.status_code)
             return refused
         if parsed.stream:
-            return StreamingResponse(self._stream(job), media_type="text/event-stream",
-                                     headers={"x-request-id": job.shown})
+            return StreamingResponse(
+                self._stream(job), media_type="text/event-stream", headers={"x-request-id": job.shown}
+            )
         return await self._collect(request, job)
 
     def _submit(self, job: Job) -> Response | None:
@@ -320,9 +377,16 @@ class WorkerServer:
 
         self.in_flight += 1
         try:
-            self.engine.submit(job.engine_key(i), p.prompts[i // p.n], params, sink,
-                               kv_wait_s=kv.get("wait_ms", 0) / 1000.0, export=export, cache_salt=p.cache_salt,
-                               trace=job.span is not None and i == 0)
+            self.engine.submit(
+                job.engine_key(i),
+                p.prompts[i // p.n],
+                params,
+                sink,
+                kv_wait_s=kv.get("wait_ms", 0) / 1000.0,
+                export=export,
+                cache_salt=p.cache_salt,
+                trace=job.span is not None and i == 0,
+            )
         except EngineStopped:
             self.in_flight -= 1
             raise
@@ -376,9 +440,17 @@ class WorkerServer:
         if failed:
             status, body = failure(failed[0])
             return JSONResponse(body, status, headers)
-        choices = [choice(p.kind, i, "".join(texts[i]), state.last[i].finish_reason,
-                          state.logprobs(i, entries[i]), ids[i] if p.return_token_ids else None)
-                   for i in range(p.num_choices)]
+        choices = [
+            choice(
+                p.kind,
+                i,
+                "".join(texts[i]),
+                state.last[i].finish_reason,
+                state.logprobs(i, entries[i]),
+                ids[i] if p.return_token_ids else None,
+            )
+            for i in range(p.num_choices)
+        ]
         return JSONResponse(full_response(p.kind, job.shown, self.model, choices, state.usage()), headers=headers)
 
     async def _stream(self, job: Job):
@@ -403,9 +475,18 @@ class WorkerServer:
                     yield _sse(failure(out)[1])
                     break
                 if text or out.finish_reason or p.return_token_ids or out.logprobs:
-                    yield _sse(chunk(p.kind, rid, self.model, text, out.finish_reason, index=i,
-                                     token_ids=out.token_ids if p.return_token_ids else None,
-                                     logprobs=state.logprobs(i, out.logprobs)))
+                    yield _sse(
+                        chunk(
+                            p.kind,
+                            rid,
+                            self.model,
+                            text,
+                            out.finish_reason,
+                            index=i,
+                            token_ids=out.token_ids if p.return_token_ids else None,
+                            logprobs=state.logprobs(i, out.logprobs),
+                        )
+                    )
             if p.include_usage and not failed:
                 body = chunk(p.kind, rid, self.model, "", None)
                 body["choices"] = []
@@ -429,8 +510,13 @@ class WorkerServer:
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "kvgate",
-                "max_model_len": self.engine.max_model_len}
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvgate",
+            "max_model_len": self.engine.max_model_len,
+        }
 
     async def health(self, request: Request) -> Response:
         """200 while the engine runs and steps; 503 (OpenAI-shaped) when it has stopped, is
@@ -448,8 +534,12 @@ class WorkerServer:
         """403 for an internal read without the token, when this worker has one (the gateway
         and tools send it; workers/internal_auth.py says why)."""
         if self.transfer.token and not self.transfer.authorised(request):
-            return error(403, f"{request.url.path} is internal: it needs the fleet's internal token",
-                         "permission_error", "forbidden")
+            return error(
+                403,
+                f"{request.url.path} is internal: it needs the fleet's internal token",
+                "permission_error",
+                "forbidden",
+            )
         return None
 
     async def state(self, request: Request) -> Response:
@@ -457,9 +547,16 @@ class WorkerServer:
         it has gone without completing a step while it has work, and whether the worker drains."""
         if refused := self._refused(request):
             return refused
-        return JSONResponse({**self.engine.state().to_json(), "kv_transfer": self.transfer.stats(),
-                             "engine_alive": self.engine.alive, "engine_stall_s": self.engine.stall_s(),
-                             "draining": self.draining, "in_flight": self.in_flight})
+        return JSONResponse(
+            {
+                **self.engine.state().to_json(),
+                "kv_transfer": self.transfer.stats(),
+                "engine_alive": self.engine.alive,
+                "engine_stall_s": self.engine.stall_s(),
+                "draining": self.draining,
+                "in_flight": self.in_flight,
+            }
+        )
 
     async def steps(self, request: Request) -> Response:
         """The engine's step log after step `after`: each step's number, times and work
@@ -497,8 +594,9 @@ class WorkerServer:
     async def kv_reset(self, request: Request) -> Response:
         """Drop every cached-but-free block (after a weight reload); internal, token-protected."""
         if not self.transfer.authorised(request):
-            return error(403, "resetting the prefix cache needs the fleet's internal token",
-                         "permission_error", "forbidden")
+            return error(
+                403, "resetting the prefix cache needs the fleet's internal token", "permission_error", "forbidden"
+            )
         evicted = await asyncio.wrap_future(self.engine.clear_cache())
         return JSONResponse({"evicted": evicted})
 

@@ -1,5 +1,6 @@
 """What an engine's steps did and how long they took: counters, the step log, and the means
 the gateway and `kvgate calibrate` read from it."""
+
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ class StepRecord:
     """One logged step: `ms` is the executor's time, `wall_ms` the whole step's (scheduling,
     commits, detokenizing, any wait for a core or the GIL), `work` what it computed. The
     simulator logs the same record with `wall_ms` = `ms` (it has no host overhead)."""
+
     ms: float
     work: StepWork
     wall_ms: float
@@ -40,6 +42,7 @@ class StepStats:
     the last MEANS_OVER, and GET /steps all it holds (calibration probes read their steps there,
     and `kvgate calibrate --rescale` rescales a profile to them).
     """
+
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     steps: int = 0
     preemptions: int = 0
@@ -86,15 +89,20 @@ def step_means(recent: Iterable[StepRecord]) -> dict:
     steps = list(recent)
     if not steps:
         return {"step_ms": None}
-    out = {"step_ms": _mean(s.ms for s in steps), "step_prefill_tokens": _mean(s.work.prefill_tokens for s in steps),
-           "step_prefill_ctx_products": _mean(s.work.prefill_ctx_products for s in steps),
-           "step_decode_seqs": _mean(s.work.decode_seqs for s in steps),
-           "step_decode_kv_tokens": _mean(s.work.decode_kv_tokens for s in steps)}
+    out = {
+        "step_ms": _mean(s.ms for s in steps),
+        "step_prefill_tokens": _mean(s.work.prefill_tokens for s in steps),
+        "step_prefill_ctx_products": _mean(s.work.prefill_ctx_products for s in steps),
+        "step_decode_seqs": _mean(s.work.decode_seqs for s in steps),
+        "step_decode_kv_tokens": _mean(s.work.decode_kv_tokens for s in steps),
+    }
     decodes = [s for s in steps if s.work.prefill_tokens == 0 and s.work.decode_seqs > 0]
     if decodes:
-        out.update(decode_step_ms=_mean(s.ms for s in decodes),
-                   decode_step_seqs=_mean(s.work.decode_seqs for s in decodes),
-                   decode_step_kv_tokens=_mean(s.work.decode_kv_tokens for s in decodes))
+        out.update(
+            decode_step_ms=_mean(s.ms for s in decodes),
+            decode_step_seqs=_mean(s.work.decode_seqs for s in decodes),
+            decode_step_kv_tokens=_mean(s.work.decode_kv_tokens for s in decodes),
+        )
     return out
 
 

@@ -7,6 +7,7 @@ reaching later code was a 500; here each is an `InvalidRequest` (a 400) before a
 the body. The tree walk that checks depth and strings runs only when the raw bytes hint at
 either (many brackets, a surrogate escape), so an ordinary body costs one `json.loads`.
 """
+
 import json
 import re
 

@@ -6,6 +6,7 @@ name), OTEL_TRACES_SAMPLER(_ARG) choose the sampler unless `--trace-sample-ratio
 the OTLP exporter and batch processor read their OTEL_EXPORTER_OTLP_* and OTEL_BSP_* variables.
 Torch-free: the gateway imports it.
 """
+
 import argparse
 import os
 import time
@@ -37,8 +38,9 @@ def make_exporter(name: str, endpoint: str | None = None) -> SpanExporter | None
     return OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces" if endpoint else None)
 
 
-def make_provider(exporter: SpanExporter | None, service: str,
-                  sample_ratio: float | None = None) -> TracerProvider | None:
+def make_provider(
+    exporter: SpanExporter | None, service: str, sample_ratio: float | None = None
+) -> TracerProvider | None:
     """A tracer provider exporting in batches from a background thread, or None without an
     exporter. The service is named by OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES when set,
     else `service`; with `sample_ratio` None the sampler is OTEL_TRACES_SAMPLER's (default:
@@ -56,14 +58,22 @@ def make_provider(exporter: SpanExporter | None, service: str,
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
     """--trace, --trace-endpoint, --trace-sample-ratio, defaulting to the OTEL_* environment."""
-    p.add_argument("--trace", default=os.environ.get("OTEL_TRACES_EXPORTER", "none"),
-                   help="OpenTelemetry traces: none, console (stdout) or otlp (OTLP/HTTP); "
-                        "default $OTEL_TRACES_EXPORTER or none")
-    p.add_argument("--trace-endpoint", metavar="URL",
-                   help="OTLP/HTTP collector base URL (default: the OTEL_EXPORTER_OTLP_* variables)")
-    p.add_argument("--trace-sample-ratio", type=float,
-                   help="share of new traces recorded (default: $OTEL_TRACES_SAMPLER, else all); "
-                        "a caller's sampled traceparent is always followed")
+    p.add_argument(
+        "--trace",
+        default=os.environ.get("OTEL_TRACES_EXPORTER", "none"),
+        help="OpenTelemetry traces: none, console (stdout) or otlp (OTLP/HTTP); default $OTEL_TRACES_EXPORTER or none",
+    )
+    p.add_argument(
+        "--trace-endpoint",
+        metavar="URL",
+        help="OTLP/HTTP collector base URL (default: the OTEL_EXPORTER_OTLP_* variables)",
+    )
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        help="share of new traces recorded (default: $OTEL_TRACES_SAMPLER, else all); "
+        "a caller's sampled traceparent is always followed",
+    )
 
 
 def provider_from_args(args: argparse.Namespace, service: str) -> TracerProvider | None:

@@ -10,6 +10,7 @@ spans are made from them, with those start and end times, when the request ends.
 follow the OpenTelemetry GenAI conventions (`gen_ai.*`) where they have a name, and vLLM's
 `gen_ai.latency.*` for the phase times. Off, `start` returns None and nothing is recorded.
 """
+
 from collections.abc import Mapping
 
 from opentelemetry import trace
@@ -34,12 +35,22 @@ class WorkerTracing:
         if self.tracer is None:
             return None
         p = parsed.params
-        return self.tracer.start_span(name, context=PROPAGATOR.extract(headers), kind=SpanKind.SERVER, attributes={
-            "gen_ai.operation.name": OPERATION[parsed.kind], "gen_ai.request.model": self.model,
-            "gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature,
-            "gen_ai.request.top_p": p.top_p, "gen_ai.request.id": request_id,
-            "gen_ai.usage.input_tokens": len(parsed.prompt_ids), "kvgate.worker": self.worker_id,
-            "kvgate.kv_transfer": ",".join(sorted(parsed.kv_transfer)) or "none"})
+        return self.tracer.start_span(
+            name,
+            context=PROPAGATOR.extract(headers),
+            kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": OPERATION[parsed.kind],
+                "gen_ai.request.model": self.model,
+                "gen_ai.request.max_tokens": p.max_tokens,
+                "gen_ai.request.temperature": p.temperature,
+                "gen_ai.request.top_p": p.top_p,
+                "gen_ai.request.id": request_id,
+                "gen_ai.usage.input_tokens": len(parsed.prompt_ids),
+                "kvgate.worker": self.worker_id,
+                "kvgate.kv_transfer": ",".join(sorted(parsed.kv_transfer)) or "none",
+            },
+        )
 
     def finish(self, span: Span | None, out: RequestOutput) -> None:
         """End a request's span with its phases, from the times the engine recorded."""
@@ -49,20 +60,38 @@ class WorkerTracing:
         if t is not None:
             self._phase(ctx, "queue", t.queued, t.scheduled if t.scheduled is not None else t.finished)
             if t.scheduled is not None and t.first_token is not None:
-                prefill = self._phase(ctx, "prefill", t.scheduled, t.first_token, {
-                    "kvgate.prompt_tokens": out.num_prompt, "kvgate.cached_tokens": out.num_cached,
-                    "kvgate.chunks": len(t.chunks or ())}, close=False)
+                prefill = self._phase(
+                    ctx,
+                    "prefill",
+                    t.scheduled,
+                    t.first_token,
+                    {
+                        "kvgate.prompt_tokens": out.num_prompt,
+                        "kvgate.cached_tokens": out.num_cached,
+                        "kvgate.chunks": len(t.chunks or ()),
+                    },
+                    close=False,
+                )
                 chunk_ctx = trace.set_span_in_context(prefill)
                 for launched, done, tokens in t.chunks or ():
                     self._phase(chunk_ctx, "prefill_chunk", launched, done, {"kvgate.tokens": tokens})
                 prefill.end(end_time=epoch_ns(t.first_token))
                 self._phase(ctx, "decode", t.first_token, t.finished, {"gen_ai.usage.output_tokens": out.num_output})
-                span.set_attributes({"gen_ai.latency.time_in_queue": t.scheduled - t.queued,
-                                     "gen_ai.latency.time_to_first_token": t.first_token - t.queued,
-                                     "gen_ai.latency.time_in_model_decode": t.finished - t.first_token})
-        span.set_attributes({"gen_ai.response.finish_reasons": [out.finish_reason or "error"],
-                             "gen_ai.usage.output_tokens": out.num_output,
-                             "gen_ai.usage.input_tokens": out.num_prompt, "kvgate.cached_tokens": out.num_cached})
+                span.set_attributes(
+                    {
+                        "gen_ai.latency.time_in_queue": t.scheduled - t.queued,
+                        "gen_ai.latency.time_to_first_token": t.first_token - t.queued,
+                        "gen_ai.latency.time_in_model_decode": t.finished - t.first_token,
+                    }
+                )
+        span.set_attributes(
+            {
+                "gen_ai.response.finish_reasons": [out.finish_reason or "error"],
+                "gen_ai.usage.output_tokens": out.num_output,
+                "gen_ai.usage.input_tokens": out.num_prompt,
+                "kvgate.cached_tokens": out.num_cached,
+            }
+        )
         if out.error is not None:
             span.set_status(Status(StatusCode.ERROR, out.error))
         span.end()
@@ -73,22 +102,32 @@ class WorkerTracing:
             span.set_attribute("http.response.status_code", status)
             span.end()
 
-    def _phase(self, ctx, name: str, start: float, end: float, attributes: dict | None = None,
-               close: bool = True) -> Span:
+    def _phase(
+        self, ctx, name: str, start: float, end: float, attributes: dict | None = None, close: bool = True
+    ) -> Span:
         """A child span from `start` to `end` (time.monotonic()); left open with `close` False."""
         span = self.tracer.start_span(name, context=ctx, start_time=epoch_ns(start), attributes=attributes)
         if close:
             span.end(end_time=epoch_ns(end))
         return span
 
-    def export_span(self, parent: Span | None, url: str, blocks: int, tokens: int,
-                    headers: dict[str, str]) -> Span | None:
+    def export_span(
+        self, parent: Span | None, url: str, blocks: int, tokens: int, headers: dict[str, str]
+    ) -> Span | None:
         """A CLIENT span around shipping a prefill's blocks to `url`, injected into `headers`."""
         if self.tracer is None or parent is None:
             return None
-        span = self.tracer.start_span("kv_export", context=trace.set_span_in_context(parent), kind=SpanKind.CLIENT,
-                                      attributes={"kvgate.blocks": blocks, "kvgate.tokens": tokens,
-                                                  "server.address": url, "kvgate.worker": self.worker_id})
+        span = self.tracer.start_span(
+            "kv_export",
+            context=trace.set_span_in_context(parent),
+            kind=SpanKind.CLIENT,
+            attributes={
+                "kvgate.blocks": blocks,
+                "kvgate.tokens": tokens,
+                "server.address": url,
+                "kvgate.worker": self.worker_id,
+            },
+        )
         PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
         return span
 
@@ -96,8 +135,12 @@ class WorkerTracing:
         """The SERVER span of a KV import, continuing the exporter's `kv_export` span."""
         if self.tracer is None:
             return None
-        return self.tracer.start_span("kv_import", context=PROPAGATOR.extract(headers), kind=SpanKind.SERVER,
-                                      attributes={"kvgate.worker": self.worker_id})
+        return self.tracer.start_span(
+            "kv_import",
+            context=PROPAGATOR.extract(headers),
+            kind=SpanKind.SERVER,
+            attributes={"kvgate.worker": self.worker_id},
+        )
 
     def shutdown(self) -> None:
         if self.provider is not None:

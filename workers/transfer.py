@@ -8,6 +8,7 @@ in the sender's dtype, so a layer's K and V for all blocks are contiguous. The r
 checks the header against its own config and re-derives every hash from the tokens before
 anything touches its cache.
 """
+
 import json
 import struct
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "none": 0}
 @dataclass(frozen=True)
 class KVSpec:
     """What must match between sender and receiver for blocks to be interchangeable."""
+
     model: str
     block_size: int
     dtype: str
@@ -43,11 +45,19 @@ class KVPayload:
     data: bytes | memoryview
 
 
-def encode_header(spec: KVSpec, hashes: list[int], tokens: list[list[int]], parent: int | None,
-                  cache_salt: str | None = None) -> bytes:
+def encode_header(
+    spec: KVSpec, hashes: list[int], tokens: list[list[int]], parent: int | None, cache_salt: str | None = None
+) -> bytes:
     """`cache_salt` is the blocks' requests' salt: the receiver re-derives the chain from its seed."""
-    header = json.dumps({"spec": spec.__dict__, "hashes": [str(h) for h in hashes], "tokens": tokens,
-                         "parent": None if parent is None else str(parent), "cache_salt": cache_salt}).encode()
+    header = json.dumps(
+        {
+            "spec": spec.__dict__,
+            "hashes": [str(h) for h in hashes],
+            "tokens": tokens,
+            "parent": None if parent is None else str(parent),
+            "cache_salt": cache_salt,
+        }
+    ).encode()
     return MAGIC + struct.pack("<I", len(header)) + header
 
 
@@ -58,7 +68,7 @@ def decode_header(body: bytes, own: KVSpec, seed: int) -> tuple[KVPayload, int]:
         raise InvalidRequest("not a kvgate KV transfer (bad magic)", code="bad_kv_transfer")
     (n,) = struct.unpack("<I", body[4:8])
     try:
-        head = json.loads(body[8:8 + n])
+        head = json.loads(body[8 : 8 + n])
         spec = KVSpec(**head["spec"])
         hashes = [int(h) for h in head["hashes"]]
         tokens = [list(map(int, t)) for t in head["tokens"]]
@@ -69,11 +79,13 @@ def decode_header(body: bytes, own: KVSpec, seed: int) -> tuple[KVPayload, int]:
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidRequest(f"malformed KV transfer header: {e}", code="bad_kv_transfer") from e
     if spec != own:
-        raise InvalidRequest(f"KV transfer does not match this worker: got {spec}, expected {own}",
-                             code="kv_spec_mismatch")
+        raise InvalidRequest(
+            f"KV transfer does not match this worker: got {spec}, expected {own}", code="kv_spec_mismatch"
+        )
     if len(hashes) != len(tokens):
-        raise InvalidRequest(f"KV transfer of {len(hashes)} blocks has {len(tokens)} token lists",
-                             code="bad_kv_transfer")
+        raise InvalidRequest(
+            f"KV transfer of {len(hashes)} blocks has {len(tokens)} token lists", code="bad_kv_transfer"
+        )
     verify_chain(hashes, tokens, parent, salted_seed(seed, salt), spec.block_size)
     return KVPayload(spec, hashes, tokens, parent, b""), 8 + n
 
@@ -86,22 +98,23 @@ def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
     n = len(payload.hashes)
     if ipc:
         from workers.transfer_ipc import open_shared
+
         data = open_shared(bytes(data), (own.num_layers, 2, n))
     elif len(data) != n * own.block_bytes():
-        raise InvalidRequest(f"KV transfer of {n} blocks has {len(data)} payload bytes "
-                             f"({own.block_bytes()} per block expected)", code="bad_kv_transfer")
+        raise InvalidRequest(
+            f"KV transfer of {n} blocks has {len(data)} payload bytes ({own.block_bytes()} per block expected)",
+            code="bad_kv_transfer",
+        )
     payload.data = data
     return payload
 
 
-def verify_chain(hashes: list[int], tokens: list[list[int]], parent: int | None, seed: int,
-                 block_size: int) -> None:
+def verify_chain(hashes: list[int], tokens: list[list[int]], parent: int | None, seed: int, block_size: int) -> None:
     """Every hash must be the chain hash of its tokens: no block enters the cache unproven."""
     prev = seed if parent is None else parent
     for i, (h, toks) in enumerate(zip(hashes, tokens)):
         if len(toks) != block_size:
-            raise InvalidRequest(f"block {i} has {len(toks)} tokens, expected {block_size}",
-                                 code="bad_kv_transfer")
+            raise InvalidRequest(f"block {i} has {len(toks)} tokens, expected {block_size}", code="bad_kv_transfer")
         if block_hash(prev, toks) != h:
             raise InvalidRequest(f"block {i}: hash does not match its tokens", code="kv_hash_mismatch")
         prev = h
@@ -110,14 +123,21 @@ def verify_chain(hashes: list[int], tokens: list[list[int]], parent: int | None,
 def executor_spec(model: str, block_size: int, executor) -> KVSpec:
     """The KVSpec of a worker: the sim executor carries no K/V data (dtype "none")."""
     dtype = str(getattr(executor, "dtype", "none")).removeprefix("torch.")
-    return KVSpec(model, block_size, dtype, getattr(executor, "num_layers", 0),
-                  getattr(executor, "num_kv_heads", 0), getattr(executor, "head_dim", 0))
+    return KVSpec(
+        model,
+        block_size,
+        dtype,
+        getattr(executor, "num_layers", 0),
+        getattr(executor, "num_kv_heads", 0),
+        getattr(executor, "head_dim", 0),
+    )
 
 
 @dataclass
 class Reservation:
     """The blocks an import will publish, held (ref'd) until it does: `fresh` ones are newly
     allocated and wait for their K/V, which is block `positions[i]` of the payload."""
+
     blocks: list
     fresh: list
     positions: list[int]

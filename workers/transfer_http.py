@@ -5,6 +5,7 @@ to the stream: workers/transfer_ipc.py, workers/transfer_nixl.py).
 Internal calls carry the fleet's shared token (`x-kvgate-token`); a worker started without
 one refuses imports, so a public port never accepts foreign K/V.
 """
+
 import asyncio
 import logging
 import time
@@ -45,6 +46,7 @@ class TransferService:
         """The NIXL side of this worker (workers/transfer_nixl.py), or None, with HTTP in its
         place, where NIXL cannot run (not installed, no KV tensor: the sim executor)."""
         from workers.transfer_nixl import NixlError, NixlTransfer
+
         try:
             return NixlTransfer.start(self, worker_id)
         except NixlError as e:
@@ -56,24 +58,35 @@ class TransferService:
         """The internal KV endpoints: `/kv/import`, and with NIXL `/kv/nixl{,/reserve,/commit}`."""
         routes = [Route("/kv/import", self.import_endpoint, methods=["POST"])]
         if self.nixl is not None:
-            routes += [Route("/kv/nixl", self.nixl.info_endpoint),
-                       Route("/kv/nixl/reserve", self.nixl.reserve_endpoint, methods=["POST"]),
-                       Route("/kv/nixl/commit", self.nixl.commit_endpoint, methods=["POST"])]
+            routes += [
+                Route("/kv/nixl", self.nixl.info_endpoint),
+                Route("/kv/nixl/reserve", self.nixl.reserve_endpoint, methods=["POST"]),
+                Route("/kv/nixl/commit", self.nixl.commit_endpoint, methods=["POST"]),
+            ]
         return routes
 
-    def exporter(self, url: str, loop: asyncio.AbstractEventLoop, cache_salt: str | None = None,
-                 span=None) -> Callable:
+    def exporter(self, url: str, loop: asyncio.AbstractEventLoop, cache_salt: str | None = None, span=None) -> Callable:
         """An engine-thread callback that ships a finished prefill's blocks to `url`. It only
         takes a reference on the blocks: copying tens of MB there would stall every stream
         decoding on this worker, so `send` reads them on another thread and lets them go.
         `span` is the request's, which the export's span is a child of."""
+
         def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int], parent: int | None) -> None:
             held = self.engine.hold_for_export(block_ids)
             loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt, span, parent)
+
         return export
 
-    def _start_send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
-                    cache_salt: str | None, span=None, parent: int | None = None) -> None:
+    def _start_send(
+        self,
+        url: str,
+        hashes: list[int],
+        tokens: list[list[int]],
+        held: list,
+        cache_salt: str | None,
+        span=None,
+        parent: int | None = None,
+    ) -> None:
         """Counted from here, on the loop, so a draining worker waits for the export too."""
         self.sending += 1
         headers: dict[str, str] = {}
@@ -89,9 +102,16 @@ class TransferService:
             self.failures += 1
             log.warning("KV export failed: %r", task.exception())
 
-    async def send(self, url: str, hashes: list[int], tokens: list[list[int]], held: list,
-                   cache_salt: str | None = None, headers: dict[str, str] | None = None,
-                   parent: int | None = None) -> bool:
+    async def send(
+        self,
+        url: str,
+        hashes: list[int],
+        tokens: list[list[int]],
+        held: list,
+        cache_salt: str | None = None,
+        headers: dict[str, str] | None = None,
+        parent: int | None = None,
+    ) -> bool:
         """Ship the held blocks (a chain continuing `parent`), then release them: written by NIXL
         straight from the cache, else read and sent as an IPC handle (falling back to bytes if
         refused) or as streamed bytes.
@@ -110,25 +130,29 @@ class TransferService:
             self.engine.release(held)
         if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
+
             if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes, headers):
                 return True
         if not isinstance(kv, bytes):
             kv = await asyncio.to_thread(ex.to_bytes, kv)
         view = memoryview(kv)
-        pieces = [header] + [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)]
+        pieces = [header] + [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)]
         return await self._post(url, pieces, "application/octet-stream", len(kv), headers)
 
-    async def _post(self, url: str, pieces: list, ctype: str, nbytes: int,
-                    headers: dict[str, str] | None = None) -> bool:
+    async def _post(
+        self, url: str, pieces: list, ctype: str, nbytes: int, headers: dict[str, str] | None = None
+    ) -> bool:
         async def body():
             for piece in pieces:
                 yield bytes(piece)
 
         t0 = time.perf_counter()
         try:
-            r = await self._client().post(url.rstrip("/") + "/kv/import", content=body(),
-                                       headers={**(headers or {}), TOKEN_HEADER: self.token or "",
-                                                "content-type": ctype})
+            r = await self._client().post(
+                url.rstrip("/") + "/kv/import",
+                content=body(),
+                headers={**(headers or {}), TOKEN_HEADER: self.token or "", "content-type": ctype},
+            )
             r.raise_for_status()
         except httpx.HTTPError as e:
             self.failures += 1
@@ -152,8 +176,10 @@ class TransferService:
         The engine thread only reserves and publishes blocks (bookkeeping); decoding the body
         and writing tens of MB of K/V run on other threads, so decoding streams do not stall."""
         if not self.authorised(request):
-            return JSONResponse(error_body("KV import needs the fleet's internal token", "permission_error",
-                                           "forbidden"), status_code=403)
+            return JSONResponse(
+                error_body("KV import needs the fleet's internal token", "permission_error", "forbidden"),
+                status_code=403,
+            )
         span = self.tracing.import_span(request.headers)
         try:
             resp = await self._import_request(request, span)
@@ -174,23 +200,29 @@ class TransferService:
         except InvalidRequest as e:
             return JSONResponse(error_body(str(e), code=e.code), status_code=400)
         except Exception as e:
-            return JSONResponse(error_body(f"cannot open KV IPC handle: {e}", code="ipc_unavailable"),
-                                status_code=422)
+            return JSONResponse(error_body(f"cannot open KV IPC handle: {e}", code="ipc_unavailable"), status_code=422)
         t2 = time.perf_counter()
         try:
             imported, present = await asyncio.shield(background(self._import(payload)))
         except Exception as e:
             log.exception("KV import failed")
-            return JSONResponse(error_body(f"KV import failed: {e}", "server_error", "kv_import_failed"),
-                                status_code=500)
+            return JSONResponse(
+                error_body(f"KV import failed: {e}", "server_error", "kv_import_failed"), status_code=500
+            )
         if span is not None:
-            span.set_attributes({"kvgate.blocks": len(payload.hashes), "kvgate.imported_blocks": imported,
-                                 "kvgate.present_blocks": present,
-                                 "kvgate.tokens": len(payload.hashes) * self.spec.block_size})
+            span.set_attributes(
+                {
+                    "kvgate.blocks": len(payload.hashes),
+                    "kvgate.imported_blocks": imported,
+                    "kvgate.present_blocks": present,
+                    "kvgate.tokens": len(payload.hashes) * self.spec.block_size,
+                }
+            )
         for key, dt in (("body", t1 - t0), ("decode", t2 - t1), ("import", time.perf_counter() - t2)):
             self.received_seconds[key] += dt
-        return JSONResponse({"imported": imported, "present": present,
-                             "dropped": len(payload.hashes) - imported - present})
+        return JSONResponse(
+            {"imported": imported, "present": present, "dropped": len(payload.hashes) - imported - present}
+        )
 
     async def _import(self, payload: KVPayload) -> tuple[int, int]:
         """Reserve, write, publish. Run as its own task: cancelled half-way it would leave blocks
@@ -199,20 +231,25 @@ class TransferService:
         res = await asyncio.wrap_future(eng.reserve_kv(payload))
         try:
             if res.fresh:
-                await asyncio.to_thread(eng.executor.import_blocks, res.fresh_ids, payload.data,
-                                        res.positions, len(payload.hashes))
+                await asyncio.to_thread(
+                    eng.executor.import_blocks, res.fresh_ids, payload.data, res.positions, len(payload.hashes)
+                )
         except Exception:
             eng.release(res.blocks)
             raise
         return await asyncio.wrap_future(eng.publish_kv(payload, res))
 
     def stats(self) -> dict:
-        return {"transport": self.transport, "sent_bytes": self.sent_bytes, "sent_seconds": self.sent_seconds,
-                "gbps": self.sent_bytes / self.sent_seconds / 1e9 if self.sent_seconds else None,
-                "failures": self.failures, "received_seconds": self.received_seconds,
-                **({"nixl": self.nixl.stats()} if self.nixl is not None else {})}
+        return {
+            "transport": self.transport,
+            "sent_bytes": self.sent_bytes,
+            "sent_seconds": self.sent_seconds,
+            "gbps": self.sent_bytes / self.sent_seconds / 1e9 if self.sent_seconds else None,
+            "failures": self.failures,
+            "received_seconds": self.received_seconds,
+            **({"nixl": self.nixl.stats()} if self.nixl is not None else {}),
+        }
 
     async def close(self) -> None:
         if self.client:
             await self.client.aclose()
-

@@ -5,15 +5,21 @@ worker maps it and copies GPU to GPU (NVLink/PCIe peer copy), then answers, and 
 the sender drop its tensor. Handles are pickled by torch's own reducer; the receiver unpickles
 with an allow-list, so a handle can name nothing but a CUDA tensor rebuild.
 """
+
 import io
 import pickle
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-_ALLOWED = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"),
-            ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-            ("torch", "device")}
+_ALLOWED = {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "device"),
+}
 
 
 class _HandleUnpickler(pickle.Unpickler):

@@ -17,6 +17,7 @@ mid-transfer costs the decode side only a recompute; a sender whose write fails 
 HTTP. Whoever holds the fleet token and the metadata can write into the registered cache, as
 with any RDMA peer: the metadata is served to token holders only.
 """
+
 import asyncio
 import base64
 import json
@@ -66,6 +67,7 @@ class CacheLayout:
     """Where a worker's KV cache lives, for a peer to address its blocks: the cache tensor is
     [layers, 2, num_blocks, ...] contiguous, so block b of slice s (layer*2 + K/V) starts at
     base + (s * num_blocks + b) * slice_bytes."""
+
     agent: str
     metadata: str  # the agent's NIXL metadata, base64
     mem: str  # DRAM or VRAM
@@ -82,8 +84,12 @@ class CacheLayout:
     def from_json(cls, d: dict) -> "CacheLayout":
         """Raises ValueError for anything but a layout."""
         try:
-            layout = cls(str(d["agent"]), str(d["metadata"]), str(d["mem"]),
-                         *(int(d[k]) for k in ("device", "base", "num_blocks", "num_slices", "slice_bytes")))
+            layout = cls(
+                str(d["agent"]),
+                str(d["metadata"]),
+                str(d["mem"]),
+                *(int(d[k]) for k in ("device", "base", "num_blocks", "num_slices", "slice_bytes")),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a NIXL cache layout: {e!r}") from None
         if layout.mem not in ("DRAM", "VRAM") or min(layout.num_blocks, layout.num_slices, layout.slice_bytes) <= 0:
@@ -128,8 +134,9 @@ class NixlAgent:
             raise NixlError("the KV cache must be one contiguous [layers, 2, blocks, ...] tensor")
         # No progress thread: NIXL's spins a whole core even when idle. A writer progresses while it
         # polls its transfer, a target while it holds reservations (NixlTransfer._progress_loop).
-        conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
-                                      sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        conf = nixl.nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
         self.agent = nixl.nixl_agent(name, conf)
         self.name = name
         self.kv_cache = kv_cache
@@ -137,9 +144,15 @@ class NixlAgent:
         layers, two, num_blocks = kv_cache.shape[:3]
         cuda = kv_cache.device.type == "cuda"
         self.layout = CacheLayout(
-            name, base64.b64encode(self.agent.get_agent_metadata()).decode(), "VRAM" if cuda else "DRAM",
-            kv_cache.get_device() if cuda else 0, kv_cache.data_ptr(), num_blocks, layers * two,
-            kv_cache[0, 0, 0].numel() * kv_cache.element_size())
+            name,
+            base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "VRAM" if cuda else "DRAM",
+            kv_cache.get_device() if cuda else 0,
+            kv_cache.data_ptr(),
+            num_blocks,
+            layers * two,
+            kv_cache[0, 0, 0].numel() * kv_cache.element_size(),
+        )
         self._peers: set[str] = set()
         self._peers_lock = threading.Lock()  # batches of one prompt write from several threads
 
@@ -170,8 +183,10 @@ class NixlAgent:
         Blocking (run it on a thread); raises NixlError on a failed or timed-out transfer."""
         mine = self.layout
         if (peer.num_slices, peer.slice_bytes) != (mine.num_slices, mine.slice_bytes):
-            raise NixlError(f"peer cache layout {peer.num_slices}x{peer.slice_bytes} B does not match "
-                            f"ours {mine.num_slices}x{mine.slice_bytes} B")
+            raise NixlError(
+                f"peer cache layout {peer.num_slices}x{peer.slice_bytes} B does not match "
+                f"ours {mine.num_slices}x{mine.slice_bytes} B"
+            )
         if not local:
             return 0
         ls, rs, lens = block_runs(local, remote)
@@ -204,6 +219,7 @@ class NixlAgent:
 class Grant:
     """The decode side's answer to a reservation: which of its blocks take payload blocks
     `positions`, and for how long it waits for the commit."""
+
     id: str
     agent: str
     blocks: list[int]
@@ -216,21 +232,28 @@ class Grant:
     @classmethod
     def from_json(cls, d: dict) -> "Grant":
         try:
-            grant = cls(str(d["id"]), str(d["agent"]), [int(b) for b in d["blocks"]],
-                        [int(p) for p in d["positions"]], float(d["ttl_s"]))
+            grant = cls(
+                str(d["id"]),
+                str(d["agent"]),
+                [int(b) for b in d["blocks"]],
+                [int(p) for p in d["positions"]],
+                float(d["ttl_s"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a NIXL reservation: {e!r}") from None
         if not 0 < grant.ttl_s <= 3600:
             raise ValueError(f"a NIXL reservation lives (0, 3600] s, not {grant.ttl_s}")
         return grant
 
-
     def sources(self, local_ids: list[int], peer: CacheLayout) -> list[int]:
         """Our block for each granted one; raises NixlError for a grant that does not fit the
         payload or the peer's cache (a decode worker is trusted with the token, not with bounds)."""
-        fits = (self.agent == peer.agent and len(self.blocks) == len(self.positions)
-                and all(0 <= p < len(local_ids) for p in self.positions)
-                and all(0 <= b < peer.num_blocks for b in self.blocks))
+        fits = (
+            self.agent == peer.agent
+            and len(self.blocks) == len(self.positions)
+            and all(0 <= p < len(local_ids) for p in self.positions)
+            and all(0 <= b < peer.num_blocks for b in self.blocks)
+        )
         if not fits:
             raise NixlError(f"grant {self.id} does not fit the payload or {peer.agent}'s cache")
         return [local_ids[p] for p in self.positions]
@@ -239,6 +262,7 @@ class Grant:
 @dataclass
 class Held:
     """A reservation waiting for its commit; `timer` lets it go when none comes."""
+
     payload: KVPayload
     res: Reservation
     timer: asyncio.TimerHandle
@@ -339,8 +363,9 @@ class NixlTransfer:
             return JSONResponse(error_body(f"bad KV commit: {e!r}", code="bad_kv_transfer"), status_code=400)
         held = self.reservations.pop(rid, None)
         if held is None:
-            return JSONResponse(error_body("no such KV reservation (expired or committed)", code="kv_reservation_gone"),
-                                status_code=409)
+            return JSONResponse(
+                error_body("no such KV reservation (expired or committed)", code="kv_reservation_gone"), status_code=409
+            )
         held.timer.cancel()
         eng = self.service.engine
         if not ok:
@@ -348,8 +373,9 @@ class NixlTransfer:
             return JSONResponse({"released": len(held.res.blocks)})
         imported, present = await asyncio.wrap_future(eng.publish_kv(held.payload, held.res))
         self.committed += 1
-        return JSONResponse({"imported": imported, "present": present,
-                             "dropped": len(held.payload.hashes) - imported - present})
+        return JSONResponse(
+            {"imported": imported, "present": present, "dropped": len(held.payload.hashes) - imported - present}
+        )
 
     # -- prefill side -----------------------------------------------------------------------
 
@@ -363,8 +389,9 @@ class NixlTransfer:
                 self.agent.forget(old.agent)
         return self._peers[url]
 
-    async def send(self, client: httpx.AsyncClient, url: str, header: bytes, local_ids: list[int],
-                   headers: dict[str, str]) -> bool:
+    async def send(
+        self, client: httpx.AsyncClient, url: str, header: bytes, local_ids: list[int], headers: dict[str, str]
+    ) -> bool:
         """Reserve at `url`, WRITE `local_ids` (the payload's blocks in order) into the granted
         blocks, commit. False when any step failed (the caller falls back); nothing stays held."""
         headers = {**headers, TOKEN_HEADER: self.service.token or ""}
@@ -374,8 +401,11 @@ class NixlTransfer:
             return False
         try:
             peer = await self._peer(client, url, headers)
-            r = await client.post(base + "/kv/nixl/reserve", content=header,
-                                  headers={**headers, "content-type": "application/x-kvgate-header"})
+            r = await client.post(
+                base + "/kv/nixl/reserve",
+                content=header,
+                headers={**headers, "content-type": "application/x-kvgate-header"},
+            )
             r.raise_for_status()
             grant = Grant.from_json(r.json())
             if grant.agent != peer.agent:
@@ -408,11 +438,17 @@ class NixlTransfer:
         return ok
 
     def stats(self) -> dict:
-        return {"agent": self.agent.name, "layout": self.agent.layout.to_json(),
-                "reservations": len(self.reservations), "committed": self.committed,
-                "expired": self.expired, "fallbacks": self.fallbacks}
+        return {
+            "agent": self.agent.name,
+            "layout": self.agent.layout.to_json(),
+            "reservations": len(self.reservations),
+            "committed": self.committed,
+            "expired": self.expired,
+            "fallbacks": self.fallbacks,
+        }
 
 
 def _forbidden() -> JSONResponse:
-    return JSONResponse(error_body("KV transfer needs the fleet's internal token", "permission_error", "forbidden"),
-                        status_code=403)
+    return JSONResponse(
+        error_body("KV transfer needs the fleet's internal token", "permission_error", "forbidden"), status_code=403
+    )

@@ -1,4 +1,5 @@
 """What the scheduler hands an executor each step: plain data, tensorised once by the executor."""
+
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +16,7 @@ class SeqChunk:
     is the sequence's own list and may hold blocks past the chunk: read only the first
     ceil((start_pos + len(token_ids)) / block_size), and never keep or change it.
     """
+
     token_ids: list[int]
     start_pos: int
     block_table: list[int]

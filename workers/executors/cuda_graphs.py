@@ -7,6 +7,7 @@ a replay launches them all at once. A step of n sequences replays the smallest b
 the extra rows have context length 0 and slot -1, so they read and write no cache and their
 logits are dropped. Prefill and mixed steps run eagerly.
 """
+
 import logging
 import time
 from array import array
@@ -30,8 +31,14 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """`forward(ids, positions, batch) -> logits` captured for every bucket; `run` replays."""
 
-    def __init__(self, forward: Callable[[Tensor, Tensor, KernelBatch], Tensor], max_num_seqs: int,
-                 max_blocks: int, device: torch.device, num_splits: Callable[[int], int | None]):
+    def __init__(
+        self,
+        forward: Callable[[Tensor, Tensor, KernelBatch], Tensor],
+        max_num_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+        num_splits: Callable[[int], int | None],
+    ):
         self.device = device
         self.sizes = bucket_sizes(max_num_seqs)
         self.max_blocks = max_blocks
@@ -69,8 +76,13 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
-        log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB",
-                 len(self.sizes), self.sizes[-1], self.capture_s, self.memory_bytes / 2**20)
+        log.info(
+            "captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.0f MiB",
+            len(self.sizes),
+            self.sizes[-1],
+            self.capture_s,
+            self.memory_bytes / 2**20,
+        )
 
     @property
     def max_num_seqs(self) -> int:
@@ -82,12 +94,12 @@ class DecodeGraphs:
         n = d.num_seqs
         bs = next(b for b in self.sizes if b >= n)
         zeros, skip = array("i", [0]) * (bs - n), array("i", [-1]) * (bs - n)
-        dev = self.staging.upload(d.token_ids + zeros + d.positions + zeros + d.slots + skip
-                                  + d.context_lens + zeros + d.tables)
-        self.vectors[:, :bs].copy_(dev[:4 * bs].view(4, bs))
+        dev = self.staging.upload(
+            d.token_ids + zeros + d.positions + zeros + d.slots + skip + d.context_lens + zeros + d.tables
+        )
+        self.vectors[:, :bs].copy_(dev[: 4 * bs].view(4, bs))
         if d.width:
-            self.tables[:n, :d.width].copy_(dev[4 * bs:].view(n, d.width))
+            self.tables[:n, : d.width].copy_(dev[4 * bs :].view(n, d.width))
         fill_ids(self.vectors[0])
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
-

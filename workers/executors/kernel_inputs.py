@@ -4,6 +4,7 @@ moved to the device in one asynchronous copy from a reused pinned buffer.
 Per-sequence Python (a few list operations each) is the only host work of a step's inputs: no
 tensor is built per token or per sequence, and no pinned memory is allocated per step.
 """
+
 from array import array
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class Staging:
 @dataclass
 class DecodeInputs:
     """A decode-only step on the host: one token per sequence (graph replay fills its buffers)."""
+
     token_ids: array
     positions: array
     slots: array
@@ -81,15 +83,21 @@ def decode_inputs(chunks: list[SeqChunk], block_size: int) -> DecodeInputs:
     width = max(used, default=0)
     tables = array("i", bytes(4 * n * width))
     for r, (c, k) in enumerate(zip(chunks, used)):
-        tables[r * width:r * width + k] = array("i", c.block_table[:k])
-    return DecodeInputs(token_ids=array("i", [c.token_ids[0] for c in chunks]), positions=pos,
-                        slots=array("i", [c.block_table[p // b] * b + p % b for c, p in zip(chunks, pos)]),
-                        context_lens=array("i", [p + 1 for p in pos]), tables=tables, width=width)
+        tables[r * width : r * width + k] = array("i", c.block_table[:k])
+    return DecodeInputs(
+        token_ids=array("i", [c.token_ids[0] for c in chunks]),
+        positions=pos,
+        slots=array("i", [c.block_table[p // b] * b + p % b for c, p in zip(chunks, pos)]),
+        context_lens=array("i", [p + 1 for p in pos]),
+        tables=tables,
+        width=width,
+    )
 
 
 @dataclass
 class ChunkInputs:
     """The multi-token part of a step on the host: varlen rows, chunk offsets, block tables."""
+
     token_ids: array
     positions: array
     slots: array
@@ -110,26 +118,35 @@ def chunk_inputs(chunks: list[SeqChunk], block_size: int) -> ChunkInputs:
     for c in chunks:
         n, start = len(c.token_ids), c.start_pos
         end = start + n
-        row = c.block_table[:-(-end // b)]
+        row = c.block_table[: -(-end // b)]
         ids.extend(c.token_ids)
         pos.extend(range(start, end))
         slots.extend(row[p // b] * b + p % b for p in range(start, end))
         lens.append(end)
         cu.append(cu[-1] + n)
         tables.extend(row)
-        tables.extend(pad[:width - len(row)])
+        tables.extend(pad[: width - len(row)])
         longest = max(longest, n)
     return ChunkInputs(ids, pos, slots, lens, cu, tables, width, longest)
 
 
-def kernel_inputs(chunks: list[SeqChunk], block_size: int,
-                  staging: Staging) -> tuple[Tensor, Tensor, KernelBatch]:
+def kernel_inputs(chunks: list[SeqChunk], block_size: int, staging: Staging) -> tuple[Tensor, Tensor, KernelBatch]:
     """(token ids, positions, KernelBatch) for any step, in one host -> device copy."""
     nd = leading_decodes(chunks)
     d = decode_inputs(chunks[:nd], block_size)
     c = chunk_inputs(chunks[nd:], block_size)
-    flat, at = packed([d.token_ids + c.token_ids, d.positions + c.positions, d.slots + c.slots, d.context_lens,
-                       d.tables, c.context_lens, c.cu_seqlens, c.tables])
+    flat, at = packed(
+        [
+            d.token_ids + c.token_ids,
+            d.positions + c.positions,
+            d.slots + c.slots,
+            d.context_lens,
+            d.tables,
+            c.context_lens,
+            c.cu_seqlens,
+            c.tables,
+        ]
+    )
     dev = staging.upload(flat)
     ids, pos, slots, dlens, dtables, plens, cu, ptables = (dev[lo:hi] for lo, hi in at)
     batch = KernelBatch(slots, nd, None, None)
@@ -151,7 +168,7 @@ def packed(fields: list[array]) -> tuple[array, list[tuple[int, int]]]:
     for f in fields:
         at.append((len(flat), len(flat) + len(f)))
         flat.extend(f)
-        flat.extend(ALIGN_PAD[:-len(flat) % 4])
+        flat.extend(ALIGN_PAD[: -len(flat) % 4])
     return flat, at
 
 

@@ -3,6 +3,7 @@
 It runs the real scheduler, block pool and events, so fleets of realistic workers fit on a
 CPU, and the fleet simulator drives it in virtual time by passing its own `wait`.
 """
+
 import time
 from collections.abc import Callable
 
@@ -13,10 +14,17 @@ from workers.kv.cost_model import CostModel
 class SimExecutor:
     """Emits deterministic token ids (never EOS) after waiting the modelled step time."""
 
-    def __init__(self, cost: CostModel, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
-                 max_model_len: int = 8192, wait: Callable[[float], None] = time.sleep,
-                 first_token_id: int = 256, kv_bytes_per_token: int = 36864,
-                 token: Callable[[SeqChunk], int] | None = None):
+    def __init__(
+        self,
+        cost: CostModel,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int = 8192,
+        wait: Callable[[float], None] = time.sleep,
+        first_token_id: int = 256,
+        kv_bytes_per_token: int = 36864,
+        token: Callable[[SeqChunk], int] | None = None,
+    ):
         """`token` replaces the default rule for the sampled token (the fleet simulator's, when
         a test compares the engine with it)."""
         self.cost = cost

@@ -9,6 +9,7 @@ activation and RoPE (workers/kernels), and decode steps replay CUDA graphs
 (workers/executors/cuda_graphs.py) unless `enforce_eager`. Elsewhere, plain torch ops and the
 gather attention path: the reference the fidelity tests hold against HF.
 """
+
 import json
 import time
 from array import array
@@ -41,6 +42,7 @@ class Launched:
     way to pinned host memory), the chunk each came from, and its timing (CUDA events, or the
     host time where the step ran in `launch`). `logprobs` is `token_logprobs`' result until
     `collect` turns it into one TokenLogprobs (or None) per chunk."""
+
     tokens: Tensor | None
     host_tokens: Tensor | None
     rows: list[int]
@@ -56,9 +58,17 @@ class TorchRunner:
 
     computes_logprobs = True  # `collect` fills Launched.logprobs for rows whose params ask
 
-    def __init__(self, model_dir: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 dtype: torch.dtype | None = None, kernels: bool | None = None, enforce_eager: bool = False,
-                 max_num_seqs: int = 256):
+    def __init__(
+        self,
+        model_dir: str,
+        num_blocks: int,
+        block_size: int,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        kernels: bool | None = None,
+        enforce_eager: bool = False,
+        max_num_seqs: int = 256,
+    ):
         hf_config = load_config(model_dir)
         self.config = ModelConfig.from_hf(hf_config)
         self.device = torch.device(device)
@@ -76,11 +86,20 @@ class TorchRunner:
         self.kernels = kernels_available(self.device) if kernels is None else kernels
         gather_on_cuda = cuda and not self.kernels
         self.seq_bucket, self.block_bucket, self.token_bucket = (
-            (SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET) if gather_on_cuda else (1, 1, 1))
+            (SEQ_BUCKET, BLOCK_BUCKET, TOKEN_BUCKET) if gather_on_cuda else (1, 1, 1)
+        )
         self.model = load_model(model_dir, self.config, self.device, self.dtype, self.kernels)
         # One tensor for the whole cache, so read_blocks/write_blocks are single index ops.
-        self.kv_cache = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(
+            self.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.staging = Staging(self.device) if self.kernels else None
@@ -116,8 +135,9 @@ class TorchRunner:
                 events[0].record()
             logits = self._logits(chunks, sampled)
             params = [chunks[i].params for i in sampled]
-            tokens = None if logits is None else sample_tensor(
-                logits, params, [chunks[i].output_index for i in sampled])
+            tokens = (
+                None if logits is None else sample_tensor(logits, params, [chunks[i].output_index for i in sampled])
+            )
             logprobs = None if logits is None else token_logprobs(logits, tokens, params)
             if events:
                 # Copied out now, in stream order: read later, after the next step was queued, the
@@ -204,8 +224,16 @@ class TorchRunner:
         """The host tier's K/V, [slots, layers, 2, block_size, kv_heads, head_dim]: a slot is
         contiguous, so a run of slots is one copy; pinned on CUDA, so copies do not block. Left
         uninitialised (tens of GiB would take seconds to zero): a slot is read only after a store."""
-        self.host_cache = torch.empty(num_slots, self.num_layers, 2, self.block_size, self.num_kv_heads,
-                                      self.head_dim, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        self.host_cache = torch.empty(
+            num_slots,
+            self.num_layers,
+            2,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=self.dtype,
+            pin_memory=self.device.type == "cuda",
+        )
 
     def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
         """Copy device blocks into host slots (block_ids[i] -> slots[i]): one gather on the
@@ -216,7 +244,7 @@ class TorchRunner:
         with torch.inference_mode():
             gathered = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
             for first, start, n in _runs([slots[i] for i in order]):
-                self.host_cache[start:start + n].copy_(gathered[first:first + n], non_blocking=True)
+                self.host_cache[start : start + n].copy_(gathered[first : first + n], non_blocking=True)
 
     def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
         """Copy host slots back into device blocks (slots[i] -> block_ids[i]), one asynchronous
@@ -224,8 +252,10 @@ class TorchRunner:
         order = sorted(range(len(slots)), key=slots.__getitem__)
         sorted_slots = [slots[i] for i in order]
         with torch.inference_mode():
-            parts = [self.host_cache[start:start + n].to(self.device, non_blocking=True)
-                     for _, start, n in _runs(sorted_slots)]
+            parts = [
+                self.host_cache[start : start + n].to(self.device, non_blocking=True)
+                for _, start, n in _runs(sorted_slots)
+            ]
             kv = torch.cat(parts).permute(1, 2, 0, 3, 4, 5)
             self.kv_cache.index_copy_(2, self._tensor([block_ids[i] for i in order]), kv)
 
@@ -260,7 +290,7 @@ class TorchRunner:
         for chunk in chunks:
             row, n = len(input_ids), len(chunk.token_ids)
             end = chunk.start_pos + n
-            table = chunk.block_table[:(end + b - 1) // b]
+            table = chunk.block_table[: (end + b - 1) // b]
             input_ids += chunk.token_ids
             positions += range(chunk.start_pos, end)
             slots += [table[p // b] * b + p % b for p in range(chunk.start_pos, end)]
@@ -269,8 +299,13 @@ class TorchRunner:
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
-                prefills.append(PrefillSeq(slice(row, row + n), chunk.start_pos,
-                                           self._tensor(table + [0] * (-len(table) % self.block_bucket))))
+                prefills.append(
+                    PrefillSeq(
+                        slice(row, row + n),
+                        chunk.start_pos,
+                        self._tensor(table + [0] * (-len(table) % self.block_bucket)),
+                    )
+                )
         num_decodes = len(decode_rows)
         pad = -num_decodes % self.seq_bucket
         batch = AttentionBatch(
@@ -297,7 +332,7 @@ class TorchRunner:
         flat, pad = array("q"), [0] * width
         for t in tables:
             flat.extend(t)
-            flat.extend(pad[:width - len(t)])
+            flat.extend(pad[: width - len(t)])
         if not flat:
             return torch.zeros((len(tables), width), dtype=torch.long, device=self.device)
         return torch.frombuffer(flat, dtype=torch.long).view(len(tables), width).to(self.device)

@@ -4,6 +4,7 @@ Importing this package is cheap (no triton); each kernel module imports triton i
 compiled on CUDA tensors and through Triton's interpreter on CPU tensors (workers/kernels/launch.py),
 the latter only for tests: the CPU keeps the eager path.
 """
+
 import importlib.util
 import os
 

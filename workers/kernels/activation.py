@@ -5,6 +5,7 @@ I:, as one GEMM over concatenated gate/up weights produces it; out [T, I] in the
 Rounding follows the eager MLP: silu in fp32 rounded to the dtype, then the product rounded.
 Why: one launch instead of silu, mul and the two slices' copies.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -35,5 +36,6 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{t}, {inter}] {gate_up.dtype}")
     if t:
         _silu_and_mul_kernel[(t, triton.cdiv(inter, BLOCK))](
-            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4
+        )
     return out

@@ -6,6 +6,7 @@ applies upstream's fix for triton-lang/triton#9171 (merged after 3.6): the inter
 loaded scalar, a 1-element array, into an int with int(), which numpy >= 2.4 rejects, so a loop
 bounded by a value read in the kernel fails. Why here: one place, used by whoever interprets.
 """
+
 import os
 import sys
 
@@ -28,6 +29,7 @@ def fix_index() -> None:
     """Make the interpreter's tensor.__index__ accept 1-element arrays (idempotent)."""
     global _fixed
     from triton.runtime import interpreter
+
     if _fixed or not hasattr(interpreter, "_patch_lang_tensor"):
         return
     original = interpreter._patch_lang_tensor

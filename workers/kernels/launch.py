@@ -4,6 +4,7 @@ Kernels are plain `@triton.jit` functions: compiled on CUDA, or run by Triton's 
 TRITON_INTERPRET=1 was set before triton was first imported (tests on CPU do that in a child
 process, tests/test_kernels.py). Why: one place for the sizes every kernel must get right.
 """
+
 import functools
 from dataclasses import asdict, dataclass
 
@@ -19,6 +20,7 @@ if interpreter.interpreting():
 @dataclass(frozen=True)
 class TileConfig:
     """Tile sizes and launch parameters of an attention kernel (powers of two, >= 16 for tl.dot)."""
+
     block_n: int = 64  # context tokens per loop step
     block_m: int = 64  # query rows per program (prefill only)
     num_warps: int = 4

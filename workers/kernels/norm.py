@@ -7,6 +7,7 @@ x = rms_norm(residual), both in place (vLLM's contract). Rounding follows the ea
 workers/models/llama.py: normalise in fp32, round to x's dtype, multiply by weight in that dtype.
 weight [N] has x's dtype. Why: one launch instead of the eager norm's six, and the add fused in.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -17,9 +18,20 @@ from workers.kernels.launch import pow2
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, inner, n, eps,
-    stride_xa, stride_xb, stride_ra, stride_oa, stride_ob,
-    BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    inner,
+    n,
+    eps,
+    stride_xa,
+    stride_xb,
+    stride_ra,
+    stride_oa,
+    stride_ob,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0)
     a = (row // inner).to(tl.int64)
@@ -51,15 +63,19 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     """residual += x; x = weight * rmsnorm(residual); both [T, N], in place."""
     _check(x, weight)
     if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
-                         "must be matching [T, N] with a contiguous last dimension")
+        raise ValueError(
+            f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
+            "must be matching [T, N] with a contiguous last dimension"
+        )
     _launch(x[:, None], residual, weight, x[:, None], eps)
 
 
 def _check(x: Tensor, weight: Tensor) -> None:
     if x.dim() not in (2, 3) or x.stride(-1) != 1 or weight.shape != (x.shape[-1],) or weight.dtype != x.dtype:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} (2-D or 3-D, contiguous last dim) does not fit "
-                         f"weight {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"x {tuple(x.shape)} {x.dtype} (2-D or 3-D, contiguous last dim) does not fit "
+            f"weight {tuple(weight.shape)} {weight.dtype}"
+        )
 
 
 def _launch(x3: Tensor, residual: Tensor | None, weight: Tensor, out3: Tensor, eps: float) -> None:
@@ -70,6 +86,19 @@ def _launch(x3: Tensor, residual: Tensor | None, weight: Tensor, out3: Tensor, e
     block = pow2(x3.shape[2])
     res = x3 if residual is None else residual
     _rms_norm_kernel[(rows,)](
-        x3, res, weight, out3, x3.shape[1], x3.shape[2], eps,
-        x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
-        BLOCK=block, ADD_RESIDUAL=residual is not None, num_warps=min(max(block // 256, 1), 8))
+        x3,
+        res,
+        weight,
+        out3,
+        x3.shape[1],
+        x3.shape[2],
+        eps,
+        x3.stride(0),
+        x3.stride(1),
+        res.stride(0),
+        out3.stride(0),
+        out3.stride(1),
+        BLOCK=block,
+        ADD_RESIDUAL=residual is not None,
+        num_warps=min(max(block // 256, 1), 8),
+    )

@@ -13,6 +13,7 @@ walks the visible context in BLOCK_N steps with tl.dot and an online softmax. Th
 stages: tiles cut by the window's lower edge (masked), tiles every row sees whole (no mask), and
 the diagonal (masked). Why: prefill over a cached prefix no longer gathers the prefix per chunk.
 """
+
 import math
 
 import torch
@@ -27,12 +28,35 @@ from workers.kernels.paged_layout import check_paged
 # The table's width changes from step to step: not specialised on (see decode_attention.py).
 @triton.jit(do_not_specialize=["max_context", "stride_ts"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, cu_q_ptr, lens_ptr, out_ptr,
-    scale_log2, window, max_context,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ts, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    cu_q_ptr,
+    lens_ptr,
+    out_ptr,
+    scale_log2,
+    window,
+    max_context,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ts,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -60,8 +84,7 @@ def _prefill_kernel(
     q_pos = first + offs_m
     md_mask = (rows < n)[:, None] & d_mask[None, :]
     row_off = (row0 + rows).to(tl.int64)
-    q = tl.load(q_ptr + row_off[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=md_mask, other=0.0)
+    q = tl.load(q_ptr + row_off[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=md_mask, other=0.0)
     kvh = head // GROUP
     table = tables_ptr + chunk.to(tl.int64) * stride_ts
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -82,8 +105,11 @@ def _prefill_kernel(
             block = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
             slot = (pos % PAGE).to(tl.int64)
             nd_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
-                        + offs_d[None, :], mask=nd_mask, other=0.0)
+            k = tl.load(
+                k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=nd_mask,
+                other=0.0,
+            )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
             if stage != 1:
                 keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -95,13 +121,19 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
-                        + offs_d[None, :], mask=nd_mask, other=0.0)
+            v = tl.load(
+                v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=nd_mask,
+                other=0.0,
+            )
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + row_off[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=md_mask)
+    tl.store(
+        out_ptr + row_off[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=md_mask,
+    )
 
 
 def prefill_config(dtype: torch.dtype, max_seqlen_q: int) -> TileConfig:
@@ -114,10 +146,19 @@ def prefill_config(dtype: torch.dtype, max_seqlen_q: int) -> TileConfig:
     return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                            cu_seqlens_q: Tensor, context_lens: Tensor, max_seqlen_q: int, scale: float,
-                            sliding_window: int | None = None, out: Tensor | None = None,
-                            config: TileConfig | None = None) -> Tensor:
+def paged_prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    cu_seqlens_q: Tensor,
+    context_lens: Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: Tensor | None = None,
+    config: TileConfig | None = None,
+) -> Tensor:
     """Causal attention of every chunk's rows over its cached context -> [T, H, D].
 
     `max_seqlen_q` (a host int >= every chunk's length) sizes the grid; rows of q not covered by
@@ -132,11 +173,32 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     cfg = config or prefill_config(q.dtype, max_seqlen_q)
     grid = (h, triton.cdiv(max_seqlen_q, cfg.block_m), chunks)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * math.log2(math.e), sliding_window or 0, block_tables.shape[1] * page,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=h // kvh, HEAD_DIM=d, BLOCK_D=pow2(d, 16), PAGE=page, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        scale * math.log2(math.e),
+        sliding_window or 0,
+        block_tables.shape[1] * page,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=h // kvh,
+        HEAD_DIM=d,
+        BLOCK_D=pow2(d, 16),
+        PAGE=page,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out

@@ -8,6 +8,7 @@ llama.apply_rotary's rounding: HF's rotate-half (NeoX) convention, each product 
 dtype before the sum.
 Why: no per-step cos/sin tensors and no rotate-half copies, one launch for q and k.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -18,9 +19,20 @@ from workers.kernels.launch import pow2
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, pos_ptr, cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -62,12 +74,27 @@ def apply_rotary_inplace(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache:
     if k.shape[0] != t or k.shape[2] != d or d % 2 or cos_sin_cache.shape[-1] != d:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, table {tuple(cos_sin_cache.shape)} do not fit")
     if q.dtype != k.dtype or cos_sin_cache.dtype != q.dtype or positions.shape[0] < t:
-        raise ValueError(f"dtypes q {q.dtype}, k {k.dtype}, table {cos_sin_cache.dtype}; {positions.shape[0]} positions")
+        raise ValueError(
+            f"dtypes q {q.dtype}, k {k.dtype}, table {cos_sin_cache.dtype}; {positions.shape[0]} positions"
+        )
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
         raise ValueError("q, k and the table need a contiguous last dimension")
     if t == 0:
         return
     _rotary_kernel[(t,)](
-        q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_sin_cache.stride(0), HEADS=h, KV_HEADS=kvh, HALF=d // 2,
-        BLOCK_H=pow2(max(h, kvh)), BLOCK_HALF=pow2(d // 2), num_warps=4)
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        HEADS=h,
+        KV_HEADS=kvh,
+        HALF=d // 2,
+        BLOCK_H=pow2(max(h, kvh)),
+        BLOCK_HALF=pow2(d // 2),
+        num_warps=4,
+    )

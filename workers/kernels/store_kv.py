@@ -5,6 +5,7 @@ are fine), k_cache/v_cache [num_blocks, block_size, KVH, D] of the same dtype, s
 int32 or int64 holding block * block_size + offset, -1 for a row to skip (padding). One program
 per token. Why: replaces two index_copy_ launches (and their index checks) per layer.
 """
+
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -14,10 +15,25 @@ from workers.kernels.launch import pow2
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ckb, stride_ckt, stride_ckh, stride_cvb, stride_cvt, stride_cvh,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ckb,
+    stride_ckt,
+    stride_ckh,
+    stride_cvb,
+    stride_cvt,
+    stride_cvh,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -30,11 +46,17 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + block * stride_ckb + offset * stride_ckt + offs_h[:, None] * stride_ckh
-             + offs_d[None, :], k, mask=mask)
+    tl.store(
+        k_cache_ptr + block * stride_ckb + offset * stride_ckt + offs_h[:, None] * stride_ckh + offs_d[None, :],
+        k,
+        mask=mask,
+    )
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(v_cache_ptr + block * stride_cvb + offset * stride_cvt + offs_h[:, None] * stride_cvh
-             + offs_d[None, :], v, mask=mask)
+    tl.store(
+        v_cache_ptr + block * stride_cvb + offset * stride_cvt + offs_h[:, None] * stride_cvh + offs_d[None, :],
+        v,
+        mask=mask,
+    )
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -51,7 +73,21 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     if t == 0:
         return
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=pow2(kvh), BLOCK_D=pow2(d), PAGE=k_cache.shape[1],
-        num_warps=4)
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        KV_HEADS=kvh,
+        HEAD_DIM=d,
+        BLOCK_H=pow2(kvh),
+        BLOCK_D=pow2(d),
+        PAGE=k_cache.shape[1],
+        num_warps=4,
+    )

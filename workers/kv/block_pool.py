@@ -15,6 +15,7 @@ blocks for them and copies them back (`load_prefix`). The copies are queued in o
 in batches through `take_copies`: the engine hands them to its executor before the next step,
 which is the first that could overwrite an evicted block or read a reloaded one.
 """
+
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
@@ -84,9 +85,8 @@ class BlockPool:
             if bid is None:
                 break
             found.append(blocks[bid])
-        if list(chain.from_iterable([b.token_ids for b in found])) != token_ids[:len(found) * B]:
-            del found[next(i for i, b in enumerate(found)
-                           if b.token_ids != tuple(token_ids[i * B:(i + 1) * B])):]
+        if list(chain.from_iterable([b.token_ids for b in found])) != token_ids[: len(found) * B]:
+            del found[next(i for i, b in enumerate(found) if b.token_ids != tuple(token_ids[i * B : (i + 1) * B])) :]
         cached = self._free_cached
         for block in found:
             if block.ref_count == 0:
@@ -135,8 +135,7 @@ class BlockPool:
         slots = self.host.store([(h, toks) for _, h, toks in spilled])
         self._copies += [(SWAP_OUT, bid, slot) for (bid, _, _), slot in zip(spilled, slots) if slot is not None]
 
-    def load_prefix(self, hashes: list[int], token_ids: list[int], start: int,
-                    parent: int | None) -> list[Block]:
+    def load_prefix(self, hashes: list[int], token_ids: list[int], start: int, parent: int | None) -> list[Block]:
         """Continue a prefix hit from block `start` (hashes[0] is block start's) into the host
         tier: fresh device blocks (ref 1) for the leading host-resident blocks whose tokens
         match, their copy-back queued and their hashes registered. Stops early where the device
@@ -146,7 +145,7 @@ class BlockPool:
             return []
         entries = []
         for i, h in enumerate(hashes):
-            entry = host.lookup(h, tuple(token_ids[(start + i) * B:(start + i + 1) * B]))
+            entry = host.lookup(h, tuple(token_ids[(start + i) * B : (start + i + 1) * B]))
             if entry is None:
                 break
             host.touch(entry)
@@ -186,8 +185,9 @@ class BlockPool:
                 else:
                     cached[block.block_id] = None
 
-    def register(self, blocks: list[Block], hashes: list[int], tokens: list[tuple[int, ...]],
-                 parent: int | None) -> None:
+    def register(
+        self, blocks: list[Block], hashes: list[int], tokens: list[tuple[int, ...]], parent: int | None
+    ) -> None:
         """Record newly filled blocks in the prefix cache and emit `stored` events.
 
         A hash already owned by another block stays with that block (the duplicate is simply

@@ -4,6 +4,7 @@ It lives in `workers/kv` (the pure, torch-free contract package) so the worker t
 time and the gateway that predicts time use one formula. `kvgate calibrate` fits its
 coefficients to a real worker and writes them as JSON (a "profile").
 """
+
 import json
 from dataclasses import asdict, astuple, dataclass
 
@@ -12,6 +13,7 @@ from dataclasses import asdict, astuple, dataclass
 class StepWork:
     """The work of one step in the cost model's terms (fields in `CostModel.step_ms`'s order).
     Fractional when it is a mean over steps, as /state reports it."""
+
     prefill_tokens: float = 0
     prefill_ctx_products: float = 0.0  # sum over prefill chunks of tokens x (start + tokens / 2)
     decode_seqs: float = 0
@@ -40,6 +42,7 @@ class CostModel:
     are not linear in D (on a CPU a decode of 3 costs more than one of 4, as matmul kernels
     change with the row count). Closed-form predictions use the linear terms alone.
     """
+
     base_ms: float = 4.0
     prefill_token_ms: float = 0.08
     prefill_attn_ms: float = 0.002
@@ -49,18 +52,27 @@ class CostModel:
     decode_batch_ms: tuple[float, ...] = ()
     decode_batch_slope_ms: float = 0.0
 
-    def step_ms(self, prefill_tokens: float = 0, prefill_ctx_products: float = 0.0,
-                decode_seqs: float = 0, decode_kv_tokens: float = 0) -> float:
+    def step_ms(
+        self,
+        prefill_tokens: float = 0,
+        prefill_ctx_products: float = 0.0,
+        decode_seqs: float = 0,
+        decode_kv_tokens: float = 0,
+    ) -> float:
         """One step's time. Arguments may be means over steps (fractional), as /state gives them."""
         if prefill_tokens == 0:
             if decode_seqs == 0:
                 return 0.0
             if self.decode_batch_ms:
                 return self._decode_table_ms(decode_seqs) + self.decode_kv_token_ms * decode_kv_tokens
-        return (self.base_ms + self.prefill_token_ms * prefill_tokens
-                + self.prefill_attn_ms * prefill_ctx_products / 1000.0
-                + self.decode_seq_ms * decode_seqs + self.decode_kv_token_ms * decode_kv_tokens
-                + (self.mixed_ms if prefill_tokens and decode_seqs else 0.0))
+        return (
+            self.base_ms
+            + self.prefill_token_ms * prefill_tokens
+            + self.prefill_attn_ms * prefill_ctx_products / 1000.0
+            + self.decode_seq_ms * decode_seqs
+            + self.decode_kv_token_ms * decode_kv_tokens
+            + (self.mixed_ms if prefill_tokens and decode_seqs else 0.0)
+        )
 
     def work_ms(self, work: StepWork) -> float:
         return self.step_ms(*astuple(work))

@@ -3,6 +3,7 @@
 Events are numbered 1, 2, 3... per worker with no gaps. A consumer that sees a gap (its
 next expected seq is older than what the log still holds) resynchronises from a snapshot.
 """
+
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,14 +36,21 @@ class KVEvent:
 
     @staticmethod
     def from_json(d: dict) -> "KVEvent":
-        return KVEvent(d["seq"], d["kind"], tuple(d.get("hashes", ())), d.get("parent"), d.get("ts", 0.0),
-                       d.get("medium") or DEVICE)
+        return KVEvent(
+            d["seq"],
+            d["kind"],
+            tuple(d.get("hashes", ())),
+            d.get("parent"),
+            d.get("ts", 0.0),
+            d.get("medium") or DEVICE,
+        )
 
 
 @dataclass
 class KVSnapshot:
     """A worker's residency as of event `seq`: device hashes, and the slower tiers' by medium
     (GET /kv/snapshot; a body without `tiers` is an older worker's: device only)."""
+
     worker_id: str
     seq: int
     hashes: list[int]
@@ -57,8 +65,12 @@ class KVSnapshot:
         tiers of an unknown medium are left out."""
         try:
             tiers = d.get("tiers") or {}
-            return KVSnapshot(str(d["worker_id"]), int(d["seq"]), [int(h) for h in d["hashes"]],
-                              {m: [int(h) for h in hs] for m, hs in tiers.items() if m in MEDIA and m != DEVICE})
+            return KVSnapshot(
+                str(d["worker_id"]),
+                int(d["seq"]),
+                [int(h) for h in d["hashes"]],
+                {m: [int(h) for h in hs] for m, hs in tiers.items() if m in MEDIA and m != DEVICE},
+            )
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a KV snapshot: {e!r}") from None
 
@@ -66,19 +78,25 @@ class KVSnapshot:
 @dataclass
 class EventBatch:
     """What `/kv/events` returns: events after a seq, or `gap=True` when they are gone."""
+
     worker_id: str
     events: list[KVEvent]
     last_seq: int
     gap: bool = False
 
     def to_json(self) -> dict:
-        return {"worker_id": self.worker_id, "last_seq": self.last_seq, "gap": self.gap,
-                "events": [e.to_json() for e in self.events]}
+        return {
+            "worker_id": self.worker_id,
+            "last_seq": self.last_seq,
+            "gap": self.gap,
+            "events": [e.to_json() for e in self.events],
+        }
 
     @staticmethod
     def from_json(d: dict) -> "EventBatch":
-        return EventBatch(d["worker_id"], [KVEvent.from_json(e) for e in d["events"]],
-                          d["last_seq"], d.get("gap", False))
+        return EventBatch(
+            d["worker_id"], [KVEvent.from_json(e) for e in d["events"]], d["last_seq"], d.get("gap", False)
+        )
 
 
 class EventLog:
@@ -102,8 +120,9 @@ class EventLog:
         """Call fn(events) at each `publish` with the events appended since the last one."""
         self._listeners.append(fn)
 
-    def append(self, kind: str, hashes: tuple[int, ...] = (), parent: int | None = None,
-               medium: str = DEVICE) -> KVEvent:
+    def append(
+        self, kind: str, hashes: tuple[int, ...] = (), parent: int | None = None, medium: str = DEVICE
+    ) -> KVEvent:
         with self._lock:
             self._seq += 1
             ev = KVEvent(self._seq, kind, tuple(hashes), parent, medium=medium)

@@ -6,6 +6,7 @@ worker's prefix cache guards against by also comparing token ids). A request's `
 (per tenant) is folded into the chain's seed, so requests with different salts never share
 a block: one tenant cannot learn from cache hits what another tenant's prompts were.
 """
+
 from array import array
 from hashlib import blake2b
 
@@ -35,8 +36,7 @@ def block_hash(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(tokens: list[int], block_size: int, seed: int, start: int = 0,
-                 parent: int | None = None) -> list[int]:
+def block_hashes(tokens: list[int], block_size: int, seed: int, start: int = 0, parent: int | None = None) -> list[int]:
     """Hashes of the full blocks of `tokens` from block index `start` on.
 
     `parent` is the hash of block start-1 (or the seed when start is 0); passing it lets a
@@ -45,6 +45,6 @@ def block_hashes(tokens: list[int], block_size: int, seed: int, start: int = 0,
     prev = seed if parent is None else parent
     out: list[int] = []
     for i in range(start, len(tokens) // block_size):
-        prev = block_hash(prev, tokens[i * block_size:(i + 1) * block_size])
+        prev = block_hash(prev, tokens[i * block_size : (i + 1) * block_size])
         out.append(prev)
     return out

@@ -9,6 +9,7 @@ The pool only decides residency; bytes move through the executor, in batches the
 it before the step that needs them (`CopyBatch`, from `BlockPool.take_copies`). Every change
 goes to the event log with medium `host`.
 """
+
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class HostEntry:
 @dataclass
 class CopyBatch:
     """Copies of one direction, in order: block_ids[i] <-> slots[i]."""
+
     direction: str
     block_ids: list[int]
     slots: list[int]

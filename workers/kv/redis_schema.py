@@ -18,6 +18,7 @@ served model: their block hashes share a seed, so their residency is comparable.
 A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
 whoever can write to Redis but lacks the token cannot point gateways at a server of theirs.
 """
+
 import hashlib
 import hmac
 import json
@@ -69,8 +70,13 @@ def inflight_key(replica: str) -> str:
 def encode_event(worker_id: str, ev: KVEvent) -> dict[str, str]:
     """A stream entry. Kind `snapshot` (no hashes) says the worker rewrote its set as of `s`.
     `m` (the medium) only when not device: an entry without it is a device event."""
-    fields = {"w": worker_id, "s": str(ev.seq), "k": ev.kind, "h": " ".join(map(str, ev.hashes)),
-              "p": "" if ev.parent is None else str(ev.parent)}
+    fields = {
+        "w": worker_id,
+        "s": str(ev.seq),
+        "k": ev.kind,
+        "h": " ".join(map(str, ev.hashes)),
+        "p": "" if ev.parent is None else str(ev.parent),
+    }
     if ev.medium != DEVICE:
         fields["m"] = ev.medium
     return fields
@@ -78,10 +84,13 @@ def encode_event(worker_id: str, ev: KVEvent) -> dict[str, str]:
 
 def decode_event(fields: dict[bytes, bytes]) -> tuple[str, KVEvent]:
     parent = fields.get(b"p", b"")
-    return fields[b"w"].decode(), KVEvent(int(fields[b"s"]), fields[b"k"].decode(),
-                                          tuple(map(int, fields.get(b"h", b"").split())),
-                                          int(parent) if parent else None,
-                                          medium=fields.get(b"m", b"").decode() or DEVICE)
+    return fields[b"w"].decode(), KVEvent(
+        int(fields[b"s"]),
+        fields[b"k"].decode(),
+        tuple(map(int, fields.get(b"h", b"").split())),
+        int(parent) if parent else None,
+        medium=fields.get(b"m", b"").decode() or DEVICE,
+    )
 
 
 def ratelimit_key(key_name: str, limit: str) -> str:
@@ -94,6 +103,7 @@ MAX_REGISTRATION_AGE_S = 60.0
 @dataclass(frozen=True)
 class Registration:
     """A worker's heartbeat: where to reach it and in which pool, signed by a token holder."""
+
     worker_id: str
     url: str
     pool: str
@@ -113,8 +123,9 @@ class Registration:
             reg = cls(d["worker_id"], d["url"], d["pool"], float(d["ts"]), d.get("state", {}), d.get("sig", ""))
         except (KeyError, TypeError, OverflowError) as e:
             raise ValueError(f"not a registration: {e!r}") from None
-        if not all(isinstance(v, str) for v in (reg.worker_id, reg.url, reg.pool, reg.sig)) or \
-                not isinstance(reg.state, dict):
+        if not all(isinstance(v, str) for v in (reg.worker_id, reg.url, reg.pool, reg.sig)) or not isinstance(
+            reg.state, dict
+        ):
             raise ValueError("a registration's worker_id, url, pool and sig are strings, its state an object")
         return reg
 

@@ -1,6 +1,7 @@
 """What a worker's GET /state carries: its load as of its last step. One type for the engine
 and the fleet simulator that produce it and the gateway (and the simulator's router) that
 reads it; the JSON is its fields, flat."""
+
 from dataclasses import asdict, dataclass, fields
 
 
@@ -8,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 class WorkerState:
     """`step_*` are the means over the last steps of their time and work (`CostModel.step_ms`
     terms), `decode_step_*` the same over the decode-only ones (`workers/step_stats.py`)."""
+
     worker_id: str
     role: str = "mixed"
     model: str | None = None

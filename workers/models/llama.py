@@ -6,6 +6,7 @@ HF config: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), an explicit head_di
 so safetensors checkpoints load without renaming. Tokens are flat [T] across all sequences of a
 step; the paged attention layer sorts out which token sees which.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -133,6 +134,7 @@ class Rotary:
         if self.kernels:
             if self.cache is None or self.cache.dtype != dtype:
                 from workers.kernels.rotary import rotary_cache
+
                 self.cache = rotary_cache(self.inv_freq, self.max_positions, dtype, positions.device)
             return (positions,)
         emb = self._freqs(positions)
@@ -141,6 +143,7 @@ class Rotary:
     def apply(self, ctx: tuple[Tensor, ...], q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         if self.kernels:
             from workers.kernels.rotary import apply_rotary_inplace
+
             apply_rotary_inplace(q, k, ctx[0], self.cache)
             return q, k
         cos, sin = ctx
@@ -170,6 +173,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None):
         if self.kernels:
             from workers.kernels.norm import fused_add_rms_norm, rms_norm
+
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -224,6 +228,7 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.kernels:
             from workers.kernels.activation import silu_and_mul
+
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -240,8 +245,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp = LlamaMLP(cfg, kernels)
 
-    def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary, rope: tuple[Tensor, ...],
-                batch) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, residual: Tensor | None, rotary: Rotary, rope: tuple[Tensor, ...], batch
+    ) -> tuple[Tensor, Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -261,8 +267,13 @@ class LlamaModel(nn.Module):
 
 # HF weight name -> (our packed parameter, which of its row ranges): one GEMM for q/k/v and one
 # for gate/up instead of five.
-PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -275,8 +286,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, kernels)
         # Tied models read the embedding matrix directly instead of sharing a Parameter, so meta
         # construction and checkpoint loading need no re-tying.
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(rope_inv_freq(cfg.rope, cfg.head_dim), cfg.max_position_embeddings, kernels)
 
     def forward(self, input_ids: Tensor, positions: Tensor, batch) -> Tensor:

@@ -1,4 +1,5 @@
 """Build a model from an HF folder (config.json + safetensors, single file or sharded)."""
+
 import json
 from pathlib import Path
 
@@ -20,8 +21,9 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype, kernels: bool = False) -> LlamaForCausalLM:
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kernels: bool = False
+) -> LlamaForCausalLM:
     """Construct on the meta device (no random init, no double allocation), then fill from disk."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, kernels)
@@ -59,8 +61,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                 dest = params[target] if rows is None else params[target].narrow(0, start, rows)
                 tensor = f.get_tensor(name)
                 if dest.shape != tensor.shape:
-                    raise ValueError(f"{path.name}: {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
+                    raise ValueError(
+                        f"{path.name}: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                    )
                 dest.copy_(tensor)
                 rows_left[target] -= dest.shape[0]
     missing = sorted(name for name, left in rows_left.items() if left)
