@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     add_args(p)
     p.set_defaults(layers=16, hidden=256, intermediate=512, heads=8, kv_heads=4, head_dim=128)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="the sender's (prefill side's) device")
+    p.add_argument("--decode-device", help="the decode worker's device (default: --device; cuda:1 for two GPUs)")
     p.add_argument("--transports", default="nixl,http,ipc", type=lambda s: s.split(","))
     p.add_argument("--mib", default="32,128,512,1024", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--repeats", type=int, default=3)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--kv-transport",
                 "nixl",
                 "--device",
-                args.device,
+                args.decode_device or args.device,
                 "--num-blocks",
                 str(max(blocks) + 16),
                 "--block-size",
