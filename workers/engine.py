@@ -31,7 +31,7 @@ from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
 from workers.pending import PendingKV
 from workers.request import FINISHED, Request
-from workers.transfer import KVPayload, Reservation, publish, reserve
+from workers.transfer import KVPayload, KVSpec, Reservation, executor_spec, publish, reserve
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Sampled, Scheduler, StepPlan
 from workers.step_stats import StepRecord, StepStats, step_means
@@ -516,6 +516,33 @@ class Engine:
             return imported, present
 
         return self.call(run)
+
+    # the executor's KV data, for transfer: called off the engine thread on blocks held or reserved
+
+    def kv_spec(self, model: str) -> KVSpec:
+        """The layout of this worker's K/V blocks as transfer headers describe it."""
+        return executor_spec(model, self.config.block_size, self.executor)
+
+    def kv_cache_tensor(self) -> object | None:
+        """The executor's whole KV cache tensor (what NIXL registers), None without one (sim)."""
+        return getattr(self.executor, "kv_cache", None)
+
+    def read_blocks(self, block_ids: list[int]) -> object:
+        """The K/V of held blocks: a device tensor, or bytes where the executor has no tensor."""
+        return self.executor.read_blocks(block_ids)
+
+    def kv_bytes(self, kv: object) -> bytes:
+        """The bytes of what `read_blocks` gave, as the HTTP transport streams them."""
+        return self.executor.to_bytes(kv)
+
+    def write_blocks(self, block_ids: list[int], data: object, positions: object, num_blocks: int) -> None:
+        """Write an import's K/V into reserved blocks (before `publish_kv` makes them visible)."""
+        self.executor.import_blocks(block_ids, data, positions, num_blocks)
+
+    @property
+    def computes_logprobs(self) -> bool:
+        """Whether the executor has a token distribution to report logprobs from."""
+        return bool(getattr(self.executor, "computes_logprobs", False))
 
     def step_log(self, after: int) -> Future:
         """A future of (the last step's number, the logged steps after `after` as GET /steps

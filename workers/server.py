@@ -250,7 +250,7 @@ class WorkerServer:
             )
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
-        if parsed.params.logprobs is not None and not getattr(self.engine.executor, "computes_logprobs", False):
+        if parsed.params.logprobs is not None and not self.engine.computes_logprobs:
             return error(
                 400,
                 "this worker's executor has no token distribution to report logprobs from",

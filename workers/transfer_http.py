@@ -21,7 +21,7 @@ from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
 from workers.tracing import WorkerTracing
-from workers.transfer import KVPayload, decode, encode_header, executor_spec
+from workers.transfer import KVPayload, decode, encode_header
 
 log = logging.getLogger("kvgate.transfer")
 CHUNK = 1 << 20
@@ -32,7 +32,7 @@ class TransferService:
         self.engine = engine
         self.token = token
         self.transport = transport
-        self.spec = executor_spec(served_model, engine.config.block_size, engine.executor)
+        self.spec = engine.kv_spec(served_model)
         self.client: httpx.AsyncClient | None = None
         self.sent_bytes = 0
         self.sent_seconds = 0.0
@@ -118,14 +118,13 @@ class TransferService:
 
         Failures only cost the decode side a recompute, so they are counted and logged.
         """
-        ex = self.engine.executor
         header = encode_header(self.spec, hashes, tokens, parent, cache_salt)
         ids = [b.block_id for b in held]
         try:
             if self.nixl is not None:
                 if await self.nixl.send(self._client(), url, header, ids, headers or {}):
                     return True
-            kv = await asyncio.to_thread(ex.read_blocks, ids)
+            kv = await asyncio.to_thread(self.engine.read_blocks, ids)
         finally:
             self.engine.release(held)
         if self.transport == "ipc" and not isinstance(kv, bytes):
@@ -134,7 +133,7 @@ class TransferService:
             if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes, headers):
                 return True
         if not isinstance(kv, bytes):
-            kv = await asyncio.to_thread(ex.to_bytes, kv)
+            kv = await asyncio.to_thread(self.engine.kv_bytes, kv)
         view = memoryview(kv)
         pieces = [header] + [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)]
         return await self._post(url, pieces, "application/octet-stream", len(kv), headers)
@@ -232,7 +231,7 @@ class TransferService:
         try:
             if res.fresh:
                 await asyncio.to_thread(
-                    eng.executor.import_blocks, res.fresh_ids, payload.data, res.positions, len(payload.hashes)
+                    eng.write_blocks, res.fresh_ids, payload.data, res.positions, len(payload.hashes)
                 )
         except Exception:
             eng.release(res.blocks)

@@ -286,7 +286,7 @@ class NixlTransfer:
     @classmethod
     def start(cls, service, worker_id: str) -> "NixlTransfer":
         """Register the executor's KV cache with a fresh agent; raises NixlError when it cannot."""
-        kv_cache = getattr(service.engine.executor, "kv_cache", None)
+        kv_cache = service.engine.kv_cache_tensor()
         if kv_cache is None:
             raise NixlError("this executor has no KV cache tensor to register")
         return cls(service, NixlAgent(f"kvgate-{worker_id}-{uuid.uuid4().hex[:8]}", kv_cache))
