@@ -33,9 +33,7 @@ batches the growth per sequence past it and the cost of a KV token; the other Co
 prefill, alone or beside decodes.
 """
 
-import argparse
 import asyncio
-import json
 import sys
 import time
 from collections import defaultdict
@@ -45,8 +43,6 @@ import numpy as np
 
 from bench.loadgen import send
 from bench.workloads import BenchRequest, TOKEN_LOW
-from gateway.procs import Worker
-from workers.cli_help import HelpFormatter
 from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 from workers.step_stats import StepRecord
@@ -426,81 +422,3 @@ def calibrate(
         "max_batched_tokens": state.get("max_batched_tokens"),
     }
     return {**head, **profile}
-
-
-def rescale_main(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
-    if not args.url:
-        p.error("--rescale reads the step logs of running workers: give --url")
-    with open(args.rescale) as f:
-        profile = json.load(f)
-    steps = [s for u in args.url for s in step_log(u.rstrip("/"), args.after)[1]]
-    if not steps:
-        sys.exit("kvgate calibrate: the workers have logged no steps to rescale by")
-    out = rescale(profile, steps)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(json.dumps(out["rescaled"]), file=sys.stderr)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate calibrate", description=__doc__, formatter_class=HelpFormatter)
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument(
-        "--url", action="append", help="a running worker; repeat to measure several at once (pooled into one profile)"
-    )
-    target.add_argument("--model", help="start `kvgate worker --model MODEL` for the measurement")
-    p.add_argument("--executor", default="torch", help="with --model: the worker's executor")
-    p.add_argument("--worker-arg", action="append", default=[], help="with --model: extra worker flag (repeatable)")
-    p.add_argument("--lengths", default="16,32,64,128,256,512", help="prefill lengths (tokens)")
-    p.add_argument(
-        "--batches",
-        default="1,2,3,4,5,6,7,8",
-        help="decode batch sizes (the profile's decode_batch_ms covers 1 to the largest)",
-    )
-    p.add_argument("--decode-tokens", type=int, default=24, help="tokens each decode probe generates")
-    p.add_argument("--rounds", type=int, default=3, help="repeats of every probe (each probe's median is fitted)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the probes' random prompts")
-    p.add_argument(
-        "--rescale",
-        metavar="PROFILE",
-        help="with --url: no probes; rescale PROFILE's speed to the workers' logged steps of real traffic",
-    )
-    p.add_argument("--after", type=int, default=0, help="with --rescale: only the steps numbered above this")
-    p.add_argument("--out", required=True, help="profile JSON (a -fit.png plot is written next to it)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = parser()
-    args = p.parse_args(argv)
-    from bench import calibrate_requests
-
-    if args.rescale:
-        rescale_main(args, p)
-        return
-    lengths = [int(x) for x in args.lengths.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
-    proc = None
-    urls = args.url
-    if args.model:
-        proc = Worker(args.executor, "calibrate", model=args.model, extra=args.worker_arg).ready(300)
-        urls = [proc.url]
-    try:
-        urls = [u.rstrip("/") for u in urls]
-        probe = calibrate
-        if not calibrate_requests.has_step_log(urls[0]):  # vLLM: no /steps, requests alone
-            print(f"  {urls[0]} has no step log (GET /steps): probing with requests only", file=sys.stderr)
-            probe = calibrate_requests.calibrate
-        profile = probe(urls, lengths, batches, args.decode_tokens, args.seed, args.rounds)
-    finally:
-        if proc is not None:
-            proc.stop()
-    with open(args.out, "w") as f:
-        json.dump(profile, f, indent=1)
-        f.write("\n")
-    plot_fit(profile, args.out[:-5] + "-fit.png" if args.out.endswith(".json") else args.out + "-fit.png")
-    print(
-        json.dumps({k: profile[k] for k in (*COLUMNS, "step_overhead_ms", "request_overhead_ms", "fit_rel_rmse")}),
-        file=sys.stderr,
-    )

@@ -14,7 +14,7 @@ COMMANDS = {
     "bridge": ("gateway.bridge", "publish a vLLM server's KV residency and load into Redis"),
     "bench": ("bench.loadgen", "load generator: `kvgate bench serve ...`"),
     "simulate": ("bench.simulate", "fleet simulator in virtual time"),
-    "calibrate": ("bench.calibrate", "measure a worker and write a sim cost profile"),
+    "calibrate": ("bench.calibrate_cli", "measure a worker and write a sim cost profile"),
     "demo": ("gateway.demo", "gateway + local fleet + a short chat, printed"),
 }
 
@@ -26,7 +26,7 @@ PARSERS = {
     "bridge": "gateway.bridge",
     "bench serve": "bench.loadgen",
     "simulate": "bench.simulate",
-    "calibrate": "bench.calibrate",
+    "calibrate": "bench.calibrate_cli",
     "demo": "gateway.demo",
 }
 

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench import calibrate, fidelity
+from bench import calibrate, calibrate_cli, fidelity
 from bench.loadgen import run_rate
 from bench.workloads import WorkloadConfig
 from gateway.procs import start_worker
@@ -216,7 +216,9 @@ def test_rescale_from_a_workers_step_log(tmp_path):
         numbered = httpx.get(w.url + "/steps").json()["steps"]
         assert [s["step"] for s in numbered] == list(range(last - len(steps) + 1, last + 1))
         assert calibrate.step_log(w.url, last - 3)[1] == steps[-3:]
-        calibrate.main(["--url", w.url, "--rescale", str(tmp_path / "known.json"), "--out", str(tmp_path / "now.json")])
+        calibrate_cli.main(
+            ["--url", w.url, "--rescale", str(tmp_path / "known.json"), "--out", str(tmp_path / "now.json")]
+        )
     finally:
         w.stop()
     now = json.loads((tmp_path / "now.json").read_text())
