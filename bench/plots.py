@@ -8,7 +8,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.report import single_rate  # noqa: E402
 
 METRICS = (
     ("ttft", "TTFT (ms)", "slo_ttft_ms"),
@@ -83,7 +82,7 @@ def plot_attainment(report: dict, path: str) -> None:
     from a sweep, or its attainment when it ran at one rate (which measures no goodput)."""
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     names = list(report["policies"])
-    one_rate = single_rate(report)
+    one_rate = all(e.get("goodput_method") == "single_rate" for e in report["policies"].values())
     for name in names:
         runs = report["policies"][name]["runs"]
         ax.plot([r["rate_rps"] for r in runs], [r["slo_attainment"] for r in runs], marker="o", label=name)
