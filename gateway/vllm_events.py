@@ -33,14 +33,7 @@ REMOVED_FIELDS = ("block_hashes", "medium")
 # Extra keys that change no block hash in kvgate's chain or are about placement, not content.
 NEUTRAL_KEYS = {
     "type",
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
+    *STORED_FIELDS,
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
