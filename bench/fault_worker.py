@@ -9,6 +9,7 @@ hangs for a while. Only a prompt's first chunk is looked at, so generated tokens
 import sys
 import time
 
+from gateway.procs import Proc, free_port
 from workers import cli
 from workers.executors.batch import SeqChunk
 
@@ -36,6 +37,14 @@ class FaultyExecutor:
         if FREEZE in tokens:
             time.sleep(FREEZE_S)
         return self.inner.execute(chunks)
+
+
+def start(name: str, model: str, log_dir: str | None = None, extra: tuple[str, ...] = ()) -> Proc:
+    """Start a sim-executor fault worker `name` on a free port (not waited for): the one way the
+    tests start it."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.fault_worker", "--model", model, "--executor", "sim"]
+    return Proc(name, [*argv, "--port", str(port), "--worker-id", name, *extra], port, log_dir)
 
 
 def main(argv: list[str]) -> None:

@@ -9,34 +9,18 @@ a live HTTP server.
 import concurrent.futures as cf
 import json
 import signal
-import sys
 
 import httpx
 import pytest
 
 from bench import fault_worker as fw
-from gateway.procs import Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from gateway.procs import Proc, Worker, start_gateway, stop_all, wait_for
 
 MODEL = "smollm2-135m"
 
 
 def start_fault_worker(name: str, log_dir: str, extra: tuple[str, ...] = ()) -> Proc:
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "bench.fault_worker",
-        "--model",
-        MODEL,
-        "--executor",
-        "sim",
-        "--port",
-        str(port),
-        "--worker-id",
-        name,
-        *extra,
-    ]
-    return Proc(name, argv, port, log_dir)
+    return fw.start(name, MODEL, log_dir, extra)
 
 
 def slow_profile(tmp_path, base_ms: float = 20.0) -> str:

@@ -10,7 +10,6 @@ import concurrent.futures as cf
 import json
 import signal
 import socket
-import sys
 import time
 
 import httpx
@@ -24,22 +23,7 @@ TOKEN = "hardening-token"
 
 
 def start_fault_worker(name: str, extra: tuple[str, ...] = ()) -> Proc:
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "bench.fault_worker",
-        "--model",
-        MODEL,
-        "--executor",
-        "sim",
-        "--port",
-        str(port),
-        "--worker-id",
-        name,
-        *extra,
-    ]
-    return Proc(name, argv, port).wait_ready(timeout=180)
+    return fw.start(name, MODEL, extra=extra).wait_ready(timeout=180)
 
 
 def slow_profile(tmp_path, base_ms: float = 20.0) -> str:
