@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for issue 14 on an H200: kernel/graph correctness, then the offline tables for
 # the Llama-3.2-1B and Llama-3-8B shapes. Usage (device tool, repo root, carry .devcarry .whl):
-#   bash experiments/h200_fast_path.sh [tests|quicktests] [1b] [hf] [8b] [attn] [serve]
+#   bash experiments/h200_fast_path.sh [tests|quicktests] [1b] [hf] [8b] [hostcopy] [attn] [serve]
+# (hostcopy is issue 22's pinned host <-> device copy-back rate on the 8B shape)
 # JSON and logs land in $OUT (PNGs are removed there: the device returns 8 files at most; each
 # benchmark's plot is redrawn from its JSON).
 set -u
@@ -33,6 +34,10 @@ if want 8b; then
   [ -d /tmp/m8b ] || python3 -m bench.random_model --tokenizer-dir .devcarry --init-device cuda --layers 32 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 /tmp/m8b >/dev/null 2>&1
   timeout 200 python3 -m bench.engine_throughput --model /tmp/m8b --device cuda --num-blocks 40000 --out $OUT/et-8b.json 2>&1 | log | grep -E "roofline|Error" | tail -3
   timeout 200 python3 -m bench.decode_step --model /tmp/m8b --paths graphs --out $OUT/decode-8b.json 2>&1 | log | grep -E "batch .*:|Error"
+fi
+if want hostcopy; then
+  [ -d /tmp/m8b ] || python3 -m bench.random_model --tokenizer-dir .devcarry --init-device cuda --layers 32 --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128 /tmp/m8b >/dev/null 2>&1
+  timeout 150 python3 -m bench.host_copy --model /tmp/m8b --device cuda --blocks 1,4,16,64,256 --out $OUT/host_copy_h200_llama8b.json 2>&1 | log | tail -8
 fi
 if want attn; then
   timeout 150 python3 -m bench.attention_kernels --out $OUT/attention-kernels.json 2>&1 | log | tail -2

@@ -15,6 +15,9 @@
 # libuct_cuda links only the driver (libcuda, libnvidia-ml), so the cu12 wheel runs beside the
 # image's cu130 torch.
 #
+# Or compress it (7.4 MB; then one call carries it with the rest):
+#   mkdir -p .nixlx && tar -C .nixl -cJf .nixlx/nixl.tar.xz . && echo /.nixlx/ >> .git/info/exclude
+#   carry [".nixlx", ".whl", ".devcarry"]   bash experiments/h200_nixl.sh stage run
 # Run (device tool, repo root). One call when `du -shc .nixl .whl .devcarry` plus the tracked tree
 # stays under 64 MiB:    carry [".nixl", ".whl", ".devcarry"]   bash experiments/h200_nixl.sh stage run
 # else two calls on the same warm machine (what a call stages under /tmp stays until it goes back):
@@ -28,7 +31,9 @@ OUT=${OUT:-/tmp/out}
 ARGS=" $* "
 want() { [[ "$ARGS" == *" $1 "* ]]; }
 if want stage; then
-  rm -rf /tmp/nixl && cp -r .nixl /tmp/nixl && du -sh /tmp/nixl
+  rm -rf /tmp/nixl && mkdir -p /tmp/nixl
+  if [ -f .nixlx/nixl.tar.xz ]; then tar -C /tmp/nixl -xJf .nixlx/nixl.tar.xz; else cp -r .nixl/. /tmp/nixl; fi
+  du -sh /tmp/nixl
 fi
 if want run; then
   [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
