@@ -43,7 +43,12 @@ class ServerEngine:
         """The KVSnapshot now: everything here runs on this process's event loop."""
         t = self.link.translator if self.link is not None else None
         done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(KVSnapshot(self.worker_id, self.events.last_seq, sorted(t.resident) if t is not None else []))
+        seq = self.events.last_seq
+        done.set_result(
+            KVSnapshot(self.worker_id, seq, sorted(t.resident), t.tiers())
+            if t is not None
+            else KVSnapshot(self.worker_id, seq, [])
+        )
         return done
 
     def state(self) -> dict:
@@ -63,7 +68,7 @@ class LogSink:
     def apply(self, changes: list) -> bool:
         """One batch of the subscriber's changes: the bridge's step, published at once."""
         for c in changes:
-            self.log.append(c.kind, c.hashes)
+            self.log.append(c.kind, c.hashes, medium=c.medium)
         self.log.publish()
         return True
 

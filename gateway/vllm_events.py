@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from workers.kv.events import DEVICE, DISK, HOST
+
 END_SEQ = b"\xff" * 8
 STORED_TAG, REMOVED_TAG, CLEARED_TAG = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 # The array form's fields, in order after the tag (vLLM's BlockStored / BlockRemoved order).
@@ -30,6 +32,9 @@ STORED_FIELDS = (
     "extra_keys",
 )
 REMOVED_FIELDS = ("block_hashes", "medium")
+# vLLM's `medium` (kv_events.MEDIUM_*: GPU, CPU from its offloading connector, STORAGE from its
+# file and object tiers), lower-cased, as kvgate's tier; nil (older vLLM, SGLang) is the device.
+MEDIA = {"gpu": DEVICE, "cpu": HOST, "storage": DISK, "disk": DISK}
 # Extra keys that change no block hash in kvgate's chain or are about placement, not content.
 NEUTRAL_KEYS = {
     "type",
@@ -69,12 +74,14 @@ class Stored:
     salt: str | None = None
     full_attention: bool = True
     unknown: tuple[str, ...] = ()
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True)
 class Removed:
     hashes: tuple[EngineHash, ...]
     group: int = 0
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ def decode_event(e: object) -> Event:
     if tag == STORED_TAG:
         return _stored(e)
     if tag == REMOVED_TAG:
-        return Removed(_hashes(e.get("block_hashes")), _group(e))
+        return Removed(_hashes(e.get("block_hashes")), _group(e), _medium(e))
     if tag == CLEARED_TAG:
         return Cleared()
     raise BadBatch(f"unknown event type {str(tag)[:40]!r}")
@@ -154,6 +161,8 @@ def decode_event(e: object) -> Event:
 def _stored(e: dict) -> Stored:
     hashes, tokens, size = _hashes(e.get("block_hashes")), e.get("token_ids"), e.get("block_size")
     parent = e.get("parent_block_hash")
+    if size == 0 and tokens == [] and parent is None:  # vLLM's offloading placeholder: hashes alone
+        return Stored(hashes, None, (), 0, _group(e), medium=_medium(e))
     if type(size) is not int or size < 1:
         raise BadBatch("BlockStored.block_size must be a positive int")
     if (
@@ -182,7 +191,19 @@ def _stored(e: dict) -> Stored:
         salt=salt or None,
         full_attention=kind in (None, "full_attention"),
         unknown=tuple(sorted(k for k in e if k not in NEUTRAL_KEYS)),
+        medium=_medium(e),
     )
+
+
+def _medium(e: dict) -> str:
+    """kvgate's tier for an event's `medium`; an unknown one is kept as given, lower-cased (the
+    translator leaves its blocks out)."""
+    m = e.get("medium")
+    if m is None:
+        return DEVICE
+    if not isinstance(m, str):
+        raise BadBatch("medium must be a string or nil")
+    return MEDIA.get(m.lower(), m.lower())
 
 
 def _hashes(v: object) -> tuple[EngineHash, ...]:

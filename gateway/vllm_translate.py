@@ -9,14 +9,19 @@ out, as are blocks whose engine hash covers more than tokens and a cache salt (L
 multimodal inputs, prompt embeddings, non-full-attention groups): no kvgate hash names them.
 
 The same engine block may be stored more than once (two physical copies of one prefix), so
-engine blocks are counted; a kvgate hash is resident while any engine block that yields it is.
-`apply` returns only the transitions: hashes that became resident or stopped being so.
+engine blocks are counted per tier; a kvgate hash is resident in a tier while any engine block
+there yields it. `apply` returns only the transitions: hashes that became resident in a tier or
+stopped being so. Tiers are events' `medium` (vllm_events.MEDIA: vLLM's offloading connector
+stores a device block's copy in CPU memory as medium CPU, our `host`); a block's chain is the
+same in every tier, so a child stored in one tier continues its parent seen in any. A placeholder
+without token ids (vLLM offloads a block it has no metadata for) has no kvgate hash and is left
+out, as are blocks of a medium kvgate has no tier for.
 """
 
 from dataclasses import dataclass, field
 
 from gateway.vllm_events import Cleared, EngineHash, Event, Removed, Stored
-from workers.kv.events import CLEARED, REMOVED, STORED
+from workers.kv.events import CLEARED, DEVICE, MEDIA, REMOVED, STORED
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 
 
@@ -26,6 +31,7 @@ class Change:
 
     kind: str
     hashes: tuple[int, ...] = ()
+    medium: str = DEVICE
 
 
 @dataclass
@@ -47,14 +53,22 @@ class Translator:
 
     def reset(self) -> None:
         """Forget everything: the engine's cache is unknown from here on."""
-        self._ours: dict[tuple[int, EngineHash], tuple[int, ...]] = {}
-        self._refs: dict[tuple[int, EngineHash], int] = {}
-        self._count: dict[int, int] = {}
+        self._ours: dict[tuple[int, EngineHash], tuple[int, ...]] = {}  # (group, engine hash) -> ours
+        self._refs: dict[tuple[str, int, EngineHash], int] = {}  # (medium, group, engine hash) -> copies
+        self._count: dict[tuple[str, int], int] = {}  # (medium, kvgate hash) -> engine blocks yielding it
 
     @property
     def resident(self) -> set[int]:
-        """Every kvgate hash resident now."""
-        return set(self._count)
+        """Every kvgate hash resident on the device now."""
+        return self.tier(DEVICE)
+
+    def tier(self, medium: str) -> set[int]:
+        """Every kvgate hash resident in tier `medium` now."""
+        return {h for m, h in self._count if m == medium}
+
+    def tiers(self) -> dict[str, list[int]]:
+        """The tiers below the device, by medium (a snapshot's `tiers`)."""
+        return {m: sorted(self.tier(m)) for m in MEDIA if m != DEVICE and self.tier(m)}
 
     def apply(self, events: tuple[Event, ...] | list[Event]) -> list[Change]:
         out: list[Change] = []
@@ -62,11 +76,11 @@ class Translator:
             if isinstance(ev, Stored):
                 added = self._stored(ev)
                 if added:
-                    out.append(Change(STORED, tuple(added)))
+                    out.append(Change(STORED, tuple(added), ev.medium))
             elif isinstance(ev, Removed):
                 gone = self._removed(ev)
                 if gone:
-                    out.append(Change(REMOVED, tuple(gone)))
+                    out.append(Change(REMOVED, tuple(gone), ev.medium))
             elif isinstance(ev, Cleared):
                 self.reset()
                 out.append(Change(CLEARED))
@@ -74,6 +88,10 @@ class Translator:
 
     def _skip(self, ev: Stored) -> str | None:
         """Why `ev`'s blocks have no kvgate hash, or None."""
+        if ev.medium not in MEDIA:
+            return f"medium {ev.medium[:40]}"
+        if not ev.token_ids:
+            return "no token ids"
         if ev.lora:
             return "lora"
         if not ev.full_attention:
@@ -104,19 +122,19 @@ class Translator:
         per = ev.block_size // self.block_size
         added: list[int] = []
         for i, h in enumerate(ev.hashes):
-            key = (ev.group, h)
+            key = (ev.medium, ev.group, h)
             n = self._refs.get(key, 0)
             self._refs[key] = n + 1
             if n == 0:
-                mine = self._ours[key] = tuple(ours[i * per : (i + 1) * per])
-                added += self._hold(mine)
+                mine = self._ours[ev.group, h] = tuple(ours[i * per : (i + 1) * per])
+                added += self._hold(ev.medium, mine)
         self.stats.stored_blocks += len(ev.hashes)
         return added
 
     def _removed(self, ev: Removed) -> list[int]:
         gone: list[int] = []
         for h in ev.hashes:
-            key = (ev.group, h)
+            key = (ev.medium, ev.group, h)
             n = self._refs.get(key)
             if n is None:
                 continue
@@ -125,20 +143,23 @@ class Translator:
                 self._refs[key] = n - 1
                 continue
             del self._refs[key]
-            for ours in self._ours.pop(key):
-                c = self._count[ours] - 1
+            mine = self._ours[ev.group, h]
+            if not any((m, ev.group, h) in self._refs for m in MEDIA):
+                del self._ours[ev.group, h]
+            for ours in mine:
+                c = self._count[ev.medium, ours] - 1
                 if c:
-                    self._count[ours] = c
+                    self._count[ev.medium, ours] = c
                 else:
-                    del self._count[ours]
+                    del self._count[ev.medium, ours]
                     gone.append(ours)
         return gone
 
-    def _hold(self, hashes: tuple[int, ...]) -> list[int]:
+    def _hold(self, medium: str, hashes: tuple[int, ...]) -> list[int]:
         fresh = []
         for h in hashes:
-            c = self._count.get(h, 0)
-            self._count[h] = c + 1
+            c = self._count.get((medium, h), 0)
+            self._count[medium, h] = c + 1
             if c == 0:
                 fresh.append(h)
         return fresh

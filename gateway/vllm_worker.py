@@ -81,7 +81,7 @@ class IndexSink:
         """`changes` are vllm_translate.Change; False when the index dropped this worker."""
         if self.paused():
             return True
-        events = [KVEvent(self.seq + i + 1, c.kind, c.hashes) for i, c in enumerate(changes)]
+        events = [KVEvent(self.seq + i + 1, c.kind, c.hashes, medium=c.medium) for i, c in enumerate(changes)]
         self.seq += len(changes)
         return self.index.apply(EventBatch(self.wid, events, self.seq)) != RESYNC
 

@@ -6,9 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.vllm_events import BadBatch, Cleared, Removed, Stored, decode_frames, decode_payload, decode_replay
-from gateway.vllm_translate import Translator
+from gateway.index import ResidencyIndex
+from gateway.vllm_translate import Change, Translator
+from gateway.vllm_worker import IndexSink
 from tests import vllm_data as vd
-from workers.kv.events import CLEARED, REMOVED, STORED
+from workers.kv.events import CLEARED, DEVICE, DISK, HOST, REMOVED, STORED
 
 
 def decoded_replay():
@@ -230,3 +232,52 @@ def test_array_events_with_fields_past_the_known_ones_are_left_out():
     assert t.resident == set() and t.stats.reasons == {"unknown fields field 9": 1}
     t.apply(decode_payload(1, vd.payload([known + [None]])).events)
     assert t.resident == set(vd.ours(tokens))
+
+
+@pytest.mark.parametrize(
+    "medium, ours", [("GPU", DEVICE), (None, DEVICE), ("CPU", HOST), ("cpu", HOST), ("STORAGE", DISK), ("disk", DISK)]
+)
+def test_an_events_medium_is_kvgates_tier(medium, ours):
+    """vLLM names its tiers GPU, CPU (the offloading connector) and STORAGE (file and object tiers)."""
+    tokens = list(range(32))
+    batch = decode_payload(
+        0, vd.payload([vd.stored([1], tokens, medium=medium), {**vd.removed([1]), "medium": medium}])
+    )
+    assert [e.medium for e in batch.events] == [ours, ours]
+
+
+def test_offloaded_copies_are_their_own_tier_and_outlive_the_device_copy():
+    """vLLM's offloading connector stores a device block's copy in CPU memory: the same engine
+    hash, medium CPU. Evicting the device copy leaves the host one; a child offloaded later
+    continues the chain of a parent seen in either tier."""
+    t = Translator(vd.MODEL, 16)
+    tokens = tuple(range(300, 396))
+    gpu = t.apply([Stored((1, 2), None, tokens[:64], 32)])
+    cpu = t.apply([Stored((1, 2), None, tokens[:64], 32, medium=HOST)])
+    assert gpu == [Change(STORED, gpu[0].hashes, DEVICE)] and cpu == [Change(STORED, gpu[0].hashes, HOST)]
+    gone = t.apply([Removed((1, 2))])
+    assert gone == [Change(REMOVED, gpu[0].hashes, DEVICE)] and t.resident == set()
+    child = t.apply([Stored((3,), 2, tokens[64:], 32, medium=HOST)])
+    assert child[0].hashes == tuple(vd.ours(list(tokens))[4:]), "the parent's chain, from the host copy"
+    assert t.tiers() == {HOST: sorted(vd.ours(list(tokens)))}
+    assert t.apply([Removed((3,), medium=HOST)]) == [Change(REMOVED, child[0].hashes, HOST)]
+
+
+def test_placeholders_and_unknown_media_are_left_out():
+    """A placeholder (vLLM offloads a block it has no token ids for) decodes, and is skipped."""
+    t = Translator(vd.MODEL, 16)
+    placeholder = {**vd.stored([7], [], block_size=0), "medium": "CPU"}
+    [ev] = decode_payload(0, vd.payload([placeholder])).events
+    assert t.apply([ev]) == [] and t.stats.reasons == {"no token ids": 1}
+    [ev] = decode_payload(0, vd.payload([vd.stored([8], list(range(32)), medium="TAPE")])).events
+    assert t.apply([ev]) == [] and t.stats.reasons["medium tape"] == 1
+
+
+def test_the_index_keeps_an_engines_host_tier():
+    index, t = ResidencyIndex(), Translator(vd.MODEL, 16)
+    sink = IndexSink(index, "vllm@x", lambda: False)
+    sink.reset()
+    tokens = tuple(range(64))
+    sink.apply(t.apply([Stored((1,), None, tokens[:32], 32), Stored((1,), None, tokens[:32], 32, medium=HOST)]))
+    sink.apply(t.apply([Removed((1,))]))
+    assert index.num_blocks("vllm@x") == 0 and index.num_blocks("vllm@x", HOST) == 2
