@@ -16,10 +16,12 @@ P/D: with `roles` giving workers the "prefill" and "decode" roles, a policy may 
 request to a pair. As the gateway does, the decode request goes to D at once and D holds it
 (as `Engine._admit_pending` does) until its prompt's full blocks are resident or `pd_wait_s`
 has passed (then D computes them itself: a fallback); a prefill leg (max_tokens=1, not a
-client record) goes to P, and when P finishes it the blocks travel for transfer_latency_s +
-blocks x block_size x kv_bytes_per_token / (transfer_gbps * 1e9) s (a transport's measured link,
-bench/transfer_model.py) and are written into D's
-pool by the real `import_payload`, published as stored events like any cached block.
+client record) goes to P. P exports its blocks in batches as its prefill steps compute them,
+by the engine's own rule (`export_span`, `export_batch_blocks`; 0: all at the end), and each
+batch travels over P's link (workers/kv/transfer_time.py: a fixed cost of transfer_latency_s,
+then its bytes at transfer_gbps after P's earlier batches; a transport's measured link,
+bench/transfer_model.py), overlapping the rest of the prefill. A batch that lands is written
+into D's pool by the real `import_payload`, published as stored events like any cached block.
 """
 
 import gc
@@ -29,6 +31,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 from bench.report import tpot_ms
 from bench.sim_worker import SimConfig, SimWorker
@@ -38,7 +41,9 @@ from gateway.index import ResidencyIndex
 from policies.api import DEFAULT_TIER_CREDITS, FleetView, Policy, RequestView, TierCredits, WorkerView
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventBatch, KVEvent
+from workers.export_batch import export_span
 from workers.kv.hashing import block_hash, seed_hash
+from workers.kv.transfer_time import Link
 from workers.pending import PendingKV
 from workers.request import Request
 from workers.sampling_params import SamplingParams
@@ -90,7 +95,11 @@ class FleetSim:
         self.events_processed = 0
         # per D: decode requests waiting for their KV (their timeout is a KV_TIMEOUT event)
         self.held = [PendingKV(w.kv) for w in self.workers]
-        self.transfers: dict[int, tuple[Request, int, list[int]]] = {}  # event seq -> (decode request, D, hashes)
+        self.link = Link(cfg.transfer_latency_s, cfg.transfer_gbps)
+        self.wire_free = [0.0] * cfg.workers  # per P: when its link has sent the batches queued on it
+        self.now = 0.0  # the virtual time of the event being handled
+        # event seq -> (decode request, D, first block, hashes, parent) of a batch in transit
+        self.transfers: dict[int, tuple[Request, int, int, list[int], int | None]] = {}
         self.timeouts: dict[int, str] = {}
         self.prefill_of: dict[str, int] = {}  # decode request id -> P
         self.pd_routed = self.pd_arrived = self.pd_fallbacks = 0
@@ -106,6 +115,7 @@ class FleetSim:
             self.cfg.kv_bytes_per_token,
         )
         self.index.reset(w.worker_id, [], 0)
+        w.scheduler.exporter = lambda req, final: self._export(req, final, i)
         w.events.subscribe(lambda events: self.unindexed.setdefault(w.worker_id, []).extend(events))
         return w
 
@@ -182,6 +192,7 @@ class FleetSim:
                 arrival=now,
             )
             leg.block_hashes = list(req.block_hashes)  # P's commits extend its own copy
+            leg.export = partial(self._send, req, i, p)
             self.live[leg.request_id] = (leg, p)
             self.in_flight[p] += 1
             self._refresh(p)
@@ -222,26 +233,31 @@ class FleetSim:
             self.pd_arrived += 1
             self.workers[d].inbox.append(req)
 
-    def _prefilled(self, leg: Request, now: float) -> None:
-        """P finished a prefill leg: send its full prompt blocks to D, as `Engine._export` does
-        (the leg computed them all, so all are registered)."""
-        rid = leg.request_id.removesuffix(PREFILL_SUFFIX)
-        req, d = self.live.get(rid, (None, 0))
-        if req is None or rid not in self.held[d] or leg.num_tokens <= leg.num_prompt:
+    def _export(self, leg: Request, final: bool, p: int) -> None:
+        """P's scheduler after a step of a prefill leg: `Engine._export`'s batches, by its rule."""
+        span = export_span(leg, self.cfg.sim.block_size, self.cfg.sim.export_batch_blocks, final)
+        if span is not None:
+            leg.num_exported = span[1]
+            leg.export(leg, *span)
+
+    def _send(self, req: Request, d: int, p: int, leg: Request, start: int, end: int) -> None:
+        """Put blocks [start, end) of the leg's prompt on P's link to D, unless D gave up on them."""
+        if req.request_id not in self.held[d]:
             return
         B = self.cfg.sim.block_size
-        hashes = leg.block_hashes[: leg.num_prompt // B]
-        size = len(hashes) * B * self.cfg.kv_bytes_per_token
-        self._push(now + self.cfg.transfer_latency_s + size / (self.cfg.transfer_gbps * 1e9), TRANSFER, d)
-        self.transfers[self.seq] = (req, d, hashes)
+        hashes = leg.block_hashes[start:end]
+        lands = self.link.lands_s(self.now, self.wire_free[p], len(hashes) * B * self.cfg.kv_bytes_per_token)
+        self.wire_free[p] = lands
+        self._push(lands, TRANSFER, d)
+        self.transfers[self.seq] = (req, d, start, hashes, leg.block_hashes[start - 1] if start else None)
 
-    def _import(self, req: Request, d: int, hashes: list[int], now: float) -> None:
+    def _import(self, req: Request, d: int, start: int, hashes: list[int], parent: int | None, now: float) -> None:
         if req.request_id not in self.held[d]:
             return
         w, B = self.workers[d], self.cfg.sim.block_size
-        tokens = [req.prompt_ids[k * B : (k + 1) * B] for k in range(len(hashes))]
+        tokens = [req.prompt_ids[k * B : (k + 1) * B] for k in range(start, start + len(hashes))]
         spec = executor_spec(self.cfg.sim.model_id, B, w.executor)
-        import_payload(w.pool, w.executor, KVPayload(spec, hashes, tokens, None, b""))
+        import_payload(w.pool, w.executor, KVPayload(spec, hashes, tokens, parent, b""))
         w.events.publish()
         self._admit_if_resident(req, d, now)
 
@@ -286,7 +302,6 @@ class FleetSim:
         self.in_flight[i] -= 1
         self._refresh(i)
         if req.request_id.endswith(PREFILL_SUFFIX):
-            self._prefilled(req, now)
             return
         p = self.prefill_of.pop(req.request_id, None)
         out = req.num_tokens - req.num_prompt
@@ -361,6 +376,7 @@ class FleetSim:
             if t > deadline:
                 break
             self.events_processed += 1
+            self.now = t
             if kind == POLL:
                 self.workers[i].sync(t)
                 self.base[i] = self._view(self.workers[i])

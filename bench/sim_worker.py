@@ -55,6 +55,7 @@ class SimConfig:
     fast_forward: bool = True
     host_blocks: int = 0  # the host tier (--host-kv-gb's blocks); 0: evicted blocks are dropped
     host_gbps: float = 20.0  # copy-back rate, host -> device (GB/s, 1e9 bytes)
+    export_batch_blocks: int = 16  # P/D export batch mid-prefill (the worker's --kv-export-batch-blocks)
 
 
 def output_token(chunk: SeqChunk) -> int:
@@ -298,4 +299,5 @@ class SimWorker:
             **step_means(self.recent),
             kv_bytes_per_token=self.kv_bytes_per_token,
             max_model_len=self.cfg.max_model_len,
+            export_batch_blocks=self.cfg.export_batch_blocks,
         )

@@ -207,6 +207,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--transfer-profile", default=DEFAULT_PROFILE, help="a bench/transfer_payload.py result")
     p.add_argument(
+        "--export-batch-blocks",
+        type=int,
+        default=16,
+        help="prefill workers ship a prompt's blocks mid-prefill in batches of at least this many, "
+        "overlapping the transfer with the prefill (the worker's --kv-export-batch-blocks); 0: one "
+        "transfer after the prefill",
+    )
+    p.add_argument(
         "--views-with-cost",
         action="store_true",
         help="give policies the cost model (the gateway does not: it sends step_ms only)",
@@ -231,6 +239,7 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         fast_forward=not args.no_fast_forward,
         host_blocks=args.host_kv_blocks,
         host_gbps=args.host_kv_gbps,
+        export_batch_blocks=args.export_batch_blocks,
     )
     profile = load_profile(args.profile) if args.profile else {}
     cost = CostModel.from_json(profile) if profile else CostModel()

@@ -116,6 +116,7 @@ def worker_view(
         cost=cost or (CostModel.from_json(state.cost_model) if state.cost_model else None),
         kv_bytes_per_token=state.kv_bytes_per_token,
         transfer_gbps=transfer_gbps,
+        export_batch_blocks=state.export_batch_blocks,
         url=url,
     )
 

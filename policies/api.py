@@ -92,6 +92,7 @@ class WorkerView:
     cost: CostModel | None = None
     transfer_gbps: float = 1.0
     kv_bytes_per_token: int = 0
+    export_batch_blocks: int = 0  # as a prefill worker: its export batch (workers/export_batch.py)
     url: str = ""
 
     @property

@@ -9,13 +9,21 @@ could serve it alone (mixed or decode) lacks at least `min_uncached_tokens` prom
 from dataclasses import dataclass
 
 from policies.api import DECODE, MIXED, PREFILL, FleetView, RequestView, Route, WorkerView
-from policies.predict import cached_tokens, hit_tokens, import_ttft_tpot_ms, transfer_ms, ttft_ms, uncached_tokens
+from policies.predict import (
+    cached_tokens,
+    exposed_transfer_ms,
+    hit_tokens,
+    import_ttft_tpot_ms,
+    ttft_ms,
+    uncached_tokens,
+)
 
 
 @dataclass(frozen=True)
 class Pair:
     """A prefill worker and a decode worker for one request, with the predicted TTFT (P's
-    queue and prefill, the transfer of what D lacks, D's last partial block) and TPOT on D."""
+    queue and prefill, what the transfer of what D lacks adds after it, D's last partial
+    block) and TPOT on D."""
 
     prefill: WorkerView
     decode: WorkerView
@@ -59,21 +67,15 @@ class PdDecider:
     def pairs(self, req: RequestView, fleet: FleetView) -> list[Pair]:
         """Each decode worker D with its fastest prefill worker P.
 
-        The transfer time depends on P only through its link speed and KV size, so per such
-        class only the P with the smallest TTFT can be best: pairs cost O(classes x decode),
-        not O(prefill x decode).
-        """
-        fastest: dict[tuple[float, int], tuple[float, str, WorkerView]] = {}
-        for p in fleet.by_role(PREFILL):
-            entry = (ttft_ms(req, p), p.worker_id, p)
-            link = (p.transfer_gbps, p.kv_bytes_per_token)
-            if link not in fastest or entry[:2] < fastest[link][:2]:
-                fastest[link] = entry
+        What the transfer adds depends on P's own prefill time (its export batches overlap
+        it), not only on its link, so every (P, D) is priced: each P's TTFT once, then a
+        closed form per pair."""
+        heads = [(ttft_ms(req, p), p) for p in fleet.by_role(PREFILL)]
         out = []
         for d in fleet.by_role(DECODE):
             tail, tpot = import_ttft_tpot_ms(req, d)
             ttft, p = min(
-                ((t + transfer_ms(req, p, d) + tail, p) for t, _, p in fastest.values()),
+                ((t + exposed_transfer_ms(req, p, d) + tail, p) for t, p in heads),
                 key=lambda c: (c[0], c[1].worker_id),
             )
             out.append(Pair(p, d, ttft, tpot))
@@ -96,7 +98,7 @@ class PdDecider:
         for d in servers:
             if d is not holder and held - cached_tokens(req, d) >= self.min_uncached_tokens:
                 tail, tpot = import_ttft_tpot_ms(req, d)
-                out.append(Pair(holder, d, head + transfer_ms(req, holder, d) + tail, tpot))
+                out.append(Pair(holder, d, head + exposed_transfer_ms(req, holder, d) + tail, tpot))
         return out
 
     def best_pair(self, req: RequestView, fleet: FleetView) -> Pair | None:

@@ -12,6 +12,7 @@ import math
 
 from policies.api import RequestView, WorkerView
 from workers.kv.cost_model import CostModel
+from workers.kv.transfer_time import exposed, num_batches
 
 DEFAULT_COST = CostModel()
 
@@ -165,6 +166,34 @@ def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
     return size / (gbps * 1e6) if gbps > 0 else math.inf
 
 
+def own_prefill_ms(req: RequestView, w: WorkerView) -> float:
+    """Time of the steps that prefill `req`'s own uncached tokens on `w` (the queue ahead left
+    out): the span over which a prefill worker's export batches leave."""
+    model, pscale, dscale = _model(w)
+    own, ctx = uncached_tokens(req, w), cached_tokens(req, w)
+    chunk = max(1, w.max_batched_tokens - w.running)
+    per_step = model.base_ms + model.decode_seq_ms * w.running + model.decode_kv_token_ms * w.kv_tokens
+    return dscale * math.ceil(own / chunk) * per_step + pscale * (
+        model.prefill_token_ms * own + model.prefill_attn_ms * own * (ctx + own / 2) / 1000.0
+    )
+
+
+def exposed_transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
+    """What moving the blocks `d` lacks from `p` adds to TTFT once `p`'s prefill is done: `p`
+    exports in batches of `export_batch_blocks` as its steps compute them, so the transfer
+    overlaps the prefill and only what is left of it adds (`transfer_time.exposed`; all of it
+    when `p` ships one payload at the end). Blocks `p` had cached leave with the first batch."""
+    wire = transfer_ms(req, p, d)
+    if not 0 < wire < math.inf:
+        return wire
+    full = len(req.block_hashes)
+    held, hit = min(full, d.matched_blocks), min(full, hit_blocks(req, p))
+    computed = full - max(held, hit)
+    chunk = max(1, p.max_batched_tokens - p.running)
+    batches = num_batches(full - hit, chunk, p.block_size, p.export_batch_blocks)
+    return exposed(own_prefill_ms(req, p), wire, wire * computed / (full - held), batches, 0.0)
+
+
 def import_ttft_ms(req: RequestView, d: WorkerView) -> float:
     """Time for `d`, once it holds every full block of `req`, to compute the partial last block
     and emit the first token (P/D admits the request as an ordinary prefix-cache hit)."""
@@ -180,7 +209,7 @@ def import_ttft_tpot_ms(req: RequestView, d: WorkerView) -> tuple[float, float]:
 
 def pd_ttft_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
     """TTFT of `req` prefilled on `p` and decoded on `d`."""
-    return ttft_ms(req, p) + transfer_ms(req, p, d) + import_ttft_ms(req, d)
+    return ttft_ms(req, p) + exposed_transfer_ms(req, p, d) + import_ttft_ms(req, d)
 
 
 def _model(w: WorkerView) -> tuple[CostModel, float, float]:

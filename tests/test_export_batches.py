@@ -2,9 +2,12 @@
 in batches of at least `export_batch_blocks` as they are computed, as one unbroken chain."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.sim_engine import drain, sim_engine
 from workers.kv.hashing import block_hashes
+from workers.kv.transfer_time import num_batches
 from workers.sampling_params import SamplingParams
 
 
@@ -40,3 +43,12 @@ def test_batches_follow_prefill_steps_and_form_one_chain(batch, sizes):
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     assert [p for _, p in calls] == [None] + [hashes[s - 1] for s in starts[1:]], "each batch continues the last"
     assert eng.pool.num_free == eng.pool.num_blocks, "every exported block was let go"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(4, 250), st.integers(0, 40))
+def test_the_timing_model_counts_the_batches_the_engine_makes(prompt_len, batch):
+    """workers/kv/transfer_time.num_batches, which the predictor prices a transfer by, agrees
+    with the engine's own export calls (32-token steps, 4-token blocks; prompts the pool holds)."""
+    calls, _, _ = exported(batch, prompt_len)
+    assert len(calls) == num_batches(prompt_len // 4, 32, 4, batch)

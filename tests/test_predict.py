@@ -189,3 +189,18 @@ def test_a_request_behind_a_full_batch_waits_for_a_place_in_it():
     behind = worker("behind", running=4, in_flight=4 + 40, max_num_seqs=4)  # sent, not yet reported
     assert SloGoodput().route(r, fleet(behind)).reject
     assert SloGoodput().route(r, fleet(behind, room)).worker == "room"
+
+
+def test_a_prefill_worker_exporting_in_batches_hides_part_of_the_transfer():
+    """6000 tokens in 2048-token steps (3 batches of 16+ blocks): the transfer overlaps the
+    prefill, so it adds less than all of it and at least its last batch's share; a worker that
+    ships one payload after the prefill (export batch 0, as older workers report) adds all."""
+    r = req(6000)
+    d = worker("d", role=DECODE, kv_bytes_per_token=131072, transfer_gbps=1.0)
+    whole = worker("p", role=PREFILL, kv_bytes_per_token=131072, transfer_gbps=1.0)
+    batched = worker("p", role=PREFILL, kv_bytes_per_token=131072, transfer_gbps=1.0, export_batch_blocks=16)
+    wire = predict.transfer_ms(r, whole, d)
+    assert predict.exposed_transfer_ms(r, whole, d) == wire
+    assert wire / 3 <= predict.exposed_transfer_ms(r, batched, d) < wire
+    assert predict.pd_ttft_ms(r, batched, d) < predict.pd_ttft_ms(r, whole, d)
+    assert predict.pd_ttft_ms(r, batched, d) >= predict.ttft_ms(r, batched) + predict.import_ttft_ms(r, d)

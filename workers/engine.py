@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from workers.detokenizer import Detokenizer
 from workers.executors.batch import Executor, step_work
+from workers.export_batch import export_span
 from workers.inflight import InFlight, SyncLaunch, advance, chunks_of
 from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel
@@ -399,16 +400,14 @@ class Engine:
                 log.exception("could not deliver %d outputs", len(batch))
 
     def _export(self, req: Request, final: bool) -> None:
-        """Hand the request's full prompt blocks not handed yet to its exporter, as a chain
-        continuing the last block it got. Mid-prefill (not `final`) only a batch of at least
-        `export_batch_blocks`: block-batch pipelining, whose transfer overlaps the prefill of
-        later blocks, pays where a batch's bytes outweigh a transfer's fixed cost."""
+        """Hand the request's full prompt blocks not handed yet to its exporter, in the batches
+        `export_span` makes of them (block-batch pipelining: their transfer overlaps the prefill
+        of later blocks)."""
         B = self.config.block_size
-        n = min(req.num_prompt // B, req.num_registered // B, len(req.block_hashes))
-        start = req.num_exported
-        batch = self.config.export_batch_blocks
-        if n <= start or (not final and (batch <= 0 or n - start < batch)):
+        span = export_span(req, B, self.config.export_batch_blocks, final)
+        if span is None:
             return
+        start, n = span
         t0 = time.perf_counter()
         ids = [b.block_id for b in req.blocks[start:n]]
         tokens = [req.token_ids[i * B : (i + 1) * B] for i in range(start, n)]
@@ -582,4 +581,5 @@ class Engine:
             pending_kv=len(self._pending),
             engine_calls_s=self.stats.calls_s,
             max_model_len=self.max_model_len,
+            export_batch_blocks=c.export_batch_blocks,
         )

@@ -39,6 +39,7 @@ class WorkerState:
     pending_kv: int = 0  # P/D decode requests waiting for their blocks
     engine_calls_s: float = 0.0
     max_model_len: int | None = None
+    export_batch_blocks: int = 0  # P/D: blocks per export batch mid-prefill (0: one transfer after it)
 
     def to_json(self) -> dict:
         return asdict(self)
