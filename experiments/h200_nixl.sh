@@ -8,6 +8,10 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d /tmp/nixlwhl nixl-cu12==1.5.1
 #   python3 experiments/nixl_slim.py /tmp/nixlwhl/nixl_cu12-*.whl .nixl   # 68 MB wheel -> ~30 MiB
+#   # UCX's CUDA memory hooks (libucm_cuda) dlopen libcudart.so.12, which the cu130 image lacks;
+#   # without it UCX takes VRAM for host memory and registration fails (NIXL_ERR_BACKEND):
+#   python3 -m pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d /tmp/rt \
+#       "nvidia-cuda-runtime-cu12==12.8.*" && unzip -j /tmp/rt/*.whl '*/libcudart.so.12' -d .nixl/nixl_cu12.libs
 #   mkdir -p .devcarry && cp ~/.cache/kvgate/smollm2-135m/tokenizer* .devcarry/
 #   .whl: kvgate's pure-Python needs the image lacks (starlette, uvicorn, httpx, httpcore, h11, anyio,
 #   prometheus-client, opentelemetry-api/-sdk/-semantic-conventions, redis, msgpack, pyzmq ...),
@@ -37,7 +41,7 @@ if want stage; then
 fi
 if want run; then
   [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/nixl:/tmp/site:$PWD
+  export PYTHONPATH=/tmp/nixl:/tmp/site:$PWD LD_LIBRARY_PATH=/tmp/nixl/nixl_cu12.libs:${LD_LIBRARY_PATH:-}
   python3 -c "import nixl_cu12, torch; print('nixl', nixl_cu12.__file__, 'torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee $OUT/run.log
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_nixl_agent.py > $OUT/nixl_tests.log 2>&1
   tail -3 $OUT/nixl_tests.log
