@@ -54,7 +54,7 @@ def test_write_lands_in_the_granted_blocks_of_another_process():
         agent = NixlAgent("writer", src)
         peer = CacheLayout.from_json(q_layout.get(timeout=60))
         local, remote = [1, 2, 3, 7, 0], [5, 6, 7, 11, 19]
-        moved = agent.write(peer, local, remote, timeout_s=30)
+        moved = agent.write(peer, local, remote, time.monotonic() + 30)
         q_done.put("done")
         got = torch.frombuffer(bytearray(q_result.get(timeout=60)), dtype=torch.float32).view(SHAPE)
         assert moved == len(local) * 3 * 2 * 4 * 2 * 8 * 4
@@ -86,7 +86,19 @@ def test_write_to_a_dead_peer_fails_in_bounded_time(connected):
     q_go.put("die")
     proc.join(30)
     with pytest.raises(NixlError):
-        agent.write(peer, [0, 1], [0, 1], timeout_s=5)
+        agent.write(peer, [0, 1], [0, 1], time.monotonic() + 5)
+
+
+@needs_nixl
+def test_nothing_is_posted_into_a_reservation_past_its_writing_window():
+    """A grant whose window has passed (the decode side may have let its blocks go) gets no
+    WRITE: the error says nothing is in flight, so the decode side may free the blocks at once."""
+    agent = NixlAgent("late", torch.zeros(SHAPE))
+    peer = CacheLayout(**{**agent.layout.to_json(), "agent": "never-connected"})
+    with pytest.raises(NixlError, match="too old") as e:
+        agent.write(peer, [0], [0], time.monotonic())
+    assert e.value.settled
+    assert "never-connected" not in agent._peers, "not even connected"
 
 
 @needs_nixl
@@ -94,7 +106,7 @@ def test_a_mismatched_layout_is_refused_before_any_write():
     agent = NixlAgent("solo", torch.zeros(SHAPE))
     other = CacheLayout(**{**agent.layout.to_json(), "agent": "x", "slice_bytes": 4})
     with pytest.raises(NixlError, match="does not match"):
-        agent.write(other, [0], [0], timeout_s=1)
+        agent.write(other, [0], [0], time.monotonic() + 1)
 
 
 def test_a_grant_is_checked_against_the_payload_and_the_peers_cache():

@@ -4,7 +4,8 @@ Through the gateway with `--kv-transport nixl` on both workers: greedy output eq
 worker's, the blocks arrive by NIXL (the decode worker's HTTP import stays unused), a prompt
 longer than one prefill step is shipped in batches, no blocks leak on either side, and a
 prefill worker killed mid-transfer leaves the decode worker recomputing (the fallback), with
-its reservation let go, not hanging.
+its reservation quarantined for a lifetime (a WRITE might still land) and then let go, not
+hanging.
 """
 
 import json
@@ -155,6 +156,9 @@ def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, t
         assert not dying.alive, "the prefill worker died in its transfer"
         d = f["d"]
         wait_for(lambda: d.state()["kv_transfer"]["nixl"]["expired"] == 1, timeout=30, what="reservation expired")
+        assert not drained(d), "the granted blocks are quarantined: a WRITE may still land in them"
+        nixl = wait_for(lambda: (n := d.state()["kv_transfer"]["nixl"])["quarantine_ends"] == 1 and n, timeout=60)
+        assert nixl["quarantined"] == 0
         wait_for(lambda: drained(d), what="decode worker drained")
     finally:
         stop_all([gw, dying])

@@ -16,6 +16,16 @@ A reservation whose commit does not come in time is let go, so a prefill worker 
 mid-transfer costs the decode side only a recompute; a sender whose write fails falls back to
 HTTP. Whoever holds the fleet token and the metadata can write into the registered cache, as
 with any RDMA peer: the metadata is served to token holders only.
+
+A WRITE cannot be taken back: NIXL has no abort, and releasing a transfer in progress may leave
+its bytes in flight. So a block the peer may still write into is never freed for reuse:
+  - the writer posts its WRITE only while the grant is young (before half its life, counted
+    from when it asked) and gives up at that same deadline, reporting whether its transfer is
+    settled (done or failed: nothing in flight) or may still be landing;
+  - the decode side quarantines the fresh blocks of a reservation that expired, or whose
+    writer reports an unsettled failure: they stay held, never published (and kept
+    progressing, so a late WRITE can end), until a settled commit comes or another lifetime
+    has passed: a block is reused no sooner than 1.5 lifetimes after its writer stopped.
 """
 
 import asyncio
@@ -59,7 +69,12 @@ def nixl_module():
 
 
 class NixlError(RuntimeError):
-    pass
+    """A failed WRITE; `settled` when nothing of it can still be in flight (it never started, or
+    NIXL reported its end), else its bytes may land later."""
+
+    def __init__(self, message: str, settled: bool = True):
+        super().__init__(message)
+        self.settled = settled
 
 
 @dataclass(frozen=True)
@@ -178,9 +193,11 @@ class NixlAgent:
             except Exception as e:  # a peer that is gone may not disconnect cleanly
                 log.debug("forgetting NIXL peer %s: %r", agent, e)
 
-    def write(self, peer: CacheLayout, local: list[int], remote: list[int], timeout_s: float) -> int:
-        """WRITE our blocks `local` into the peer's blocks `remote`; returns the bytes moved.
-        Blocking (run it on a thread); raises NixlError on a failed or timed-out transfer."""
+    def write(self, peer: CacheLayout, local: list[int], remote: list[int], deadline: float) -> int:
+        """WRITE our blocks `local` into the peer's blocks `remote` by `deadline` (monotonic);
+        returns the bytes moved. Blocking (run it on a thread); raises NixlError on a failed or
+        timed-out transfer, and without posting anything once the deadline has passed (the
+        peer's reservation may be gone: its blocks are no longer ours to write)."""
         mine = self.layout
         if (peer.num_slices, peer.slice_bytes) != (mine.num_slices, mine.slice_bytes):
             raise NixlError(
@@ -189,6 +206,8 @@ class NixlAgent:
             )
         if not local:
             return 0
+        if time.monotonic() >= deadline:
+            raise NixlError(f"the reservation at {peer.agent} is too old to write into")
         ls, rs, lens = block_runs(local, remote)
         try:
             self.connect(peer)
@@ -197,21 +216,23 @@ class NixlAgent:
             handle = self.agent.initialize_xfer("WRITE", src, dst, peer.agent)
         except Exception as e:  # the bindings raise their own errors (an unreachable peer: NIXL_ERR_BACKEND)
             raise NixlError(f"cannot start a NIXL WRITE to {peer.agent}: {e!r}") from e
+        state = "PROC"
         try:
             state = self.agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
             while state == "PROC" and time.monotonic() < deadline:
                 time.sleep(0.0002)
                 state = self.agent.check_xfer_state(handle)
         except Exception as e:
-            raise NixlError(f"NIXL WRITE to {peer.agent} failed: {e!r}") from e
+            raise NixlError(f"NIXL WRITE to {peer.agent} failed: {e!r}", settled=False) from e
         finally:
             try:
-                handle.release()  # cancels a transfer still in progress
+                handle.release()  # tries to cancel a transfer in progress; its bytes may still land
             except Exception as e:
                 log.warning("NIXL could not release a WRITE to %s: %r", peer.agent, e)
+        if state == "PROC":
+            raise NixlError(f"NIXL WRITE to {peer.agent} timed out", settled=False)
         if state != "DONE":
-            raise NixlError(f"NIXL WRITE to {peer.agent} ended {state if state != 'PROC' else 'timed out'}")
+            raise NixlError(f"NIXL WRITE to {peer.agent} ended {state}")
         return len(local) * mine.num_slices * mine.slice_bytes
 
 
@@ -261,10 +282,20 @@ class Grant:
 
 @dataclass
 class Held:
-    """A reservation waiting for its commit; `timer` lets it go when none comes."""
+    """A reservation waiting for its commit; `timer` quarantines it when none comes."""
 
     payload: KVPayload
     res: Reservation
+    timer: asyncio.TimerHandle
+    ttl_s: float
+
+
+@dataclass
+class Quarantined:
+    """Fresh blocks of a reservation that a WRITE may still land in: held, never published,
+    until the writer reports its transfer settled or `timer` ends the wait."""
+
+    blocks: list
     timer: asyncio.TimerHandle
 
 
@@ -275,12 +306,14 @@ class NixlTransfer:
         self.service = service
         self.agent = agent
         self.reservations: dict[str, Held] = {}
+        self.quarantined: dict[str, Quarantined] = {}
         self._peers: dict[str, CacheLayout] = {}  # decode worker URL -> its layout
         self._without_nixl: dict[str, float] = {}  # decode worker URL -> when to ask it again
         self._progressing: threading.Thread | None = None
         self._progress_lock = threading.Lock()
         self.committed = 0  # reservations published
-        self.expired = 0  # reservations let go without a commit
+        self.expired = 0  # reservations quarantined without a commit
+        self.quarantine_ends = 0  # quarantines that ended by their time limit, not a settled commit
         self.fallbacks = 0  # sends that failed here and went to HTTP
 
     @classmethod
@@ -322,18 +355,22 @@ class NixlTransfer:
         rid = uuid.uuid4().hex
         ttl = RESERVE_BASE_S + len(res.fresh) * self.service.spec.block_bytes() / (RESERVE_MIN_GBPS * 1e9)
         timer = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
-        self.reservations[rid] = Held(payload, res, timer)
+        self.reservations[rid] = Held(payload, res, timer, ttl)
+        self._keep_progressing()
+        return Grant(rid, self.agent.name, res.fresh_ids, res.positions, ttl)
+
+    def _keep_progressing(self) -> None:
         with self._progress_lock:
             if self._progressing is None:
                 self._progressing = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
                 self._progressing.start()
-        return Grant(rid, self.agent.name, res.fresh_ids, res.positions, ttl)
 
     def _progress_loop(self) -> None:
-        """Progress the agent while any reservation waits for its WRITE, then stop (no idle cost)."""
+        """Progress the agent while any reservation waits for its WRITE or any quarantine for a
+        late one, then stop (no idle cost)."""
         while True:
             with self._progress_lock:
-                if not self.reservations:
+                if not self.reservations and not self.quarantined:
                     self._progressing = None
                     return
             try:
@@ -346,29 +383,60 @@ class NixlTransfer:
         held = self.reservations.pop(rid, None)
         if held is not None:
             self.expired += 1
-            log.warning("KV reservation %s expired without a commit: %d blocks let go", rid, len(held.res.blocks))
-            eng = self.service.engine
-            eng.release(held.res.blocks)
+            log.warning("KV reservation %s expired without a commit: its blocks are quarantined", rid)
+            self._quarantine(rid, held)
+
+    def _quarantine(self, rid: str, held: Held) -> None:
+        """Let go of the reservation's blocks but the fresh ones, which its WRITE may still land
+        in: those are held for another lifetime, or until a settled commit for `rid`."""
+        fresh = {id(b) for b in held.res.fresh}
+        self.service.engine.release([b for b in held.res.blocks if id(b) not in fresh])
+        timer = asyncio.get_running_loop().call_later(held.ttl_s, self._end_quarantine, rid)
+        self.quarantined[rid] = Quarantined(list(held.res.fresh), timer)
+        self._keep_progressing()
+
+    def _end_quarantine(self, rid: str) -> None:
+        q = self.quarantined.pop(rid, None)
+        if q is not None:
+            self.quarantine_ends += 1
+            log.warning("KV reservation %s: no settled commit; its %d blocks go back to the pool", rid, len(q.blocks))
+            self.service.engine.release(q.blocks)
+
+    def _settled(self, rid: str) -> Response:
+        """A commit for a quarantined reservation that says its WRITE is over: let the blocks go
+        (unpublished: the request they were for fell back long ago)."""
+        q = self.quarantined.pop(rid)
+        q.timer.cancel()
+        self.service.engine.release(q.blocks)
+        return JSONResponse(error_body("the KV reservation had expired", code="kv_reservation_gone"), status_code=409)
 
     async def commit_endpoint(self, request: Request) -> Response:
-        """POST /kv/nixl/commit {id, ok}: publish the written blocks, or let them go."""
+        """POST /kv/nixl/commit {id, ok, settled}: publish the written blocks, or let them go;
+        a failed WRITE that may still be landing (`settled` false or absent) is quarantined, and a
+        settled commit of an expired reservation ends its quarantine."""
         if not self.service.authorised(request):
             return _forbidden()
         try:
             body = json.loads(await read_body(request, 4096))
             rid, ok = body["id"], body["ok"]
-            if not isinstance(rid, str) or not isinstance(ok, bool):
-                raise TypeError("'id' is a string and 'ok' a boolean")
+            settled = body.get("settled", ok)
+            if not isinstance(rid, str) or not isinstance(ok, bool) or not isinstance(settled, bool):
+                raise TypeError("'id' is a string, 'ok' and 'settled' booleans")
         except (BodyTooLarge, ValueError, KeyError, TypeError) as e:
             return JSONResponse(error_body(f"bad KV commit: {e!r}", code="bad_kv_transfer"), status_code=400)
         held = self.reservations.pop(rid, None)
         if held is None:
+            if settled and rid in self.quarantined:
+                return self._settled(rid)
             return JSONResponse(
                 error_body("no such KV reservation (expired or committed)", code="kv_reservation_gone"), status_code=409
             )
         held.timer.cancel()
         eng = self.service.engine
         if not ok:
+            if not settled:
+                self._quarantine(rid, held)
+                return JSONResponse({"quarantined": len(held.res.fresh)})
             eng.release(held.res.blocks)
             return JSONResponse({"released": len(held.res.blocks)})
         imported, present = await asyncio.wrap_future(eng.publish_kv(held.payload, held.res))
@@ -401,6 +469,7 @@ class NixlTransfer:
             return False
         try:
             peer = await self._peer(client, url, headers)
+            asked = time.monotonic()  # the grant's clock started after this
             r = await client.post(
                 base + "/kv/nixl/reserve",
                 content=header,
@@ -416,20 +485,23 @@ class NixlTransfer:
             log.warning("NIXL reservation at %s failed: %r", url, e)
             self.fallbacks += 1
             return False
-        ok = False
+        ok, settled = False, True
         try:
             src = grant.sources(local_ids, peer)
             t0 = time.perf_counter()
-            nbytes = await asyncio.to_thread(self.agent.write, peer, src, grant.blocks, grant.ttl_s / 2)
+            deadline = asked + grant.ttl_s / 2
+            nbytes = await asyncio.to_thread(self.agent.write, peer, src, grant.blocks, deadline)
             self.service.sent_seconds += time.perf_counter() - t0
             self.service.sent_bytes += nbytes
             ok = True
         except NixlError as e:
             log.warning("NIXL write to %s failed: %s", url, e)
+            settled = e.settled
             self.agent.forget(peer.agent)
             self._peers.pop(url, None)
         try:
-            r = await client.post(base + "/kv/nixl/commit", json={"id": grant.id, "ok": ok}, headers=headers)
+            body = {"id": grant.id, "ok": ok, "settled": settled}
+            r = await client.post(base + "/kv/nixl/commit", json=body, headers=headers)
             r.raise_for_status()
         except httpx.HTTPError as e:
             log.warning("NIXL commit at %s failed: %r", url, e)
@@ -444,6 +516,9 @@ class NixlTransfer:
             "reservations": len(self.reservations),
             "committed": self.committed,
             "expired": self.expired,
+            "quarantined": len(self.quarantined),
+            "quarantined_blocks": sum(len(q.blocks) for q in self.quarantined.values()),
+            "quarantine_ends": self.quarantine_ends,
             "fallbacks": self.fallbacks,
         }
 

@@ -1,0 +1,186 @@
+"""A NIXL WRITE cannot be taken back, so a decode worker never frees for reuse a block that a
+WRITE may still land in (workers/transfer_nixl.py). In one process, with fake agents (the bytes'
+landing is a callback) and a real engine holding the decode side's blocks: a reservation that
+expires during a slow WRITE, a writer that fails without knowing whether its bytes are still
+in flight, and one that never answers. Each time: no block is reused while it may be written,
+nothing unproven is published, and every block is back in the pool at the end."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import httpx
+from starlette.applications import Starlette
+
+from tests.sim_engine import sim_engine
+from workers import transfer_nixl
+from workers.kv.hashing import block_hashes
+from workers.transfer import encode_header
+from workers.transfer_http import TransferService
+from workers.transfer_nixl import CacheLayout, NixlError, NixlTransfer
+
+TOKEN = "quarantine-token"
+TTL_S = 1.0  # a reservation's lifetime here: the checks inside it have half of it to spare
+PROMPT = list(range(10, 22))  # 3 blocks of 4 tokens
+HEADERS = {"x-kvgate-token": TOKEN}
+
+
+class FakeAgent:
+    """The NIXL agent's surface that NixlTransfer uses; `write` runs `on_write` on its thread."""
+
+    def __init__(self, name: str, num_blocks: int, on_write=None):
+        self.name = name
+        self.layout = CacheLayout(name, "", "DRAM", 0, 0, num_blocks, 2, 8)
+        self.on_write = on_write
+
+    def progress(self) -> None:
+        pass
+
+    def forget(self, agent: str) -> None:
+        pass
+
+    def write(self, peer: CacheLayout, local: list[int], remote: list[int], deadline: float) -> int:
+        return self.on_write(remote)
+
+
+class Pair:
+    """A decode worker's NIXL side (a real engine's pool) behind an in-process ASGI client, and
+    a prefill worker's NIXL side whose WRITE is `on_write(granted block ids)`."""
+
+    def __init__(self, on_write):
+        self.engine = sim_engine(num_blocks=16, block_size=4)
+        self.engine.start()
+        self.service = TransferService(self.engine, "m", TOKEN)
+        self.decode = self.service.nixl = NixlTransfer(self.service, FakeAgent("d", 16))
+        writer_service = SimpleNamespace(token=TOKEN, sent_seconds=0.0, sent_bytes=0)
+        self.prefill = NixlTransfer(writer_service, FakeAgent("p", 16, on_write))
+        app = Starlette(routes=self.service.routes())
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d")
+        hashes = block_hashes(PROMPT, 4, self.engine.kv_seed)
+        self.header = encode_header(self.service.spec, hashes, [PROMPT[i : i + 4] for i in (0, 4, 8)], None)
+
+    def pool(self, fn):
+        """`fn(pool)` on the engine thread."""
+        return self.engine.call(lambda: fn(self.engine.pool)).result(timeout=10)
+
+    def held_unpublished(self, block_ids: list[int]) -> bool:
+        return self.pool(lambda p: all(p.blocks[b].ref_count > 0 and p.blocks[b].hash is None for b in block_ids))
+
+    def grab_every_free_block(self) -> list[int]:
+        """What a new allocation could get now (and give back at once)."""
+
+        def grab(p):
+            blocks = p.allocate(p.num_free)
+            p.free(blocks)
+            return [b.block_id for b in blocks]
+
+        return self.pool(grab)
+
+    def whole(self) -> bool:
+        """Every block back in the pool and none published (nothing was ever proven written)."""
+        return self.pool(lambda p: p.num_free == p.num_blocks and not p.resident_hashes())
+
+    def close(self) -> None:
+        self.engine.stop()
+
+
+def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_reservation_expiring_during_a_slow_write_is_not_reused_until_the_write_settles(monkeypatch):
+    """The WRITE outlives the reservation: the decode side quarantines the granted blocks, so
+    neither a new allocation gets them nor the cache serves them while the bytes land; the
+    writer's late commit ends the quarantine (its answer sends the writer to HTTP)."""
+    monkeypatch.setattr(transfer_nixl, "RESERVE_BASE_S", TTL_S)
+    seen = {}
+
+    def slow_write(remote: list[int]) -> int:
+        wait_until(lambda: pair.decode.expired == 1, "the reservation to expire")
+        seen["reusable"] = set(pair.grab_every_free_block()) & set(remote)
+        seen["held"] = pair.held_unpublished(remote)  # as the late bytes land
+        return len(remote) * 16
+
+    pair = Pair(slow_write)
+    try:
+        ok = asyncio.run(pair.prefill.send(pair.client, "http://d", pair.header, [0, 1, 2], {}))
+        assert not ok and pair.prefill.fallbacks == 1, "a late commit is refused: the sender falls back"
+        assert seen == {"reusable": set(), "held": True}
+        stats = pair.decode.stats()
+        assert (stats["expired"], stats["quarantined"], stats["quarantine_ends"], stats["committed"]) == (1, 0, 0, 0)
+        assert pair.whole()
+    finally:
+        pair.close()
+
+
+def test_an_unsettled_failure_is_quarantined_until_its_time_runs_out(monkeypatch):
+    """A writer that timed out with its WRITE possibly still in flight says so: the decode side
+    keeps the granted blocks for another lifetime before they can be reused."""
+    monkeypatch.setattr(transfer_nixl, "RESERVE_BASE_S", TTL_S)
+
+    def lost_write(remote: list[int]) -> int:
+        seen.extend(remote)
+        raise NixlError("timed out", settled=False)
+
+    seen: list[int] = []
+    pair = Pair(lost_write)
+
+    async def run() -> None:
+        assert not await pair.prefill.send(pair.client, "http://d", pair.header, [0, 1, 2], {})
+        assert pair.decode.stats()["quarantined_blocks"] == 3 and pair.held_unpublished(seen)
+        assert not set(pair.grab_every_free_block()) & set(seen)
+        while pair.decode.quarantined and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    deadline = time.monotonic() + 30
+
+    try:
+        asyncio.run(run())
+        assert pair.decode.stats()["quarantine_ends"] == 1 and pair.whole() and pair.decode.expired == 0
+    finally:
+        pair.close()
+
+
+def test_a_settled_failure_frees_at_once_and_a_silent_writer_after_two_lifetimes(monkeypatch):
+    """`settled`: nothing can land, so the blocks go back now. A writer that never commits (it
+    died) leaves the reservation to expire and then to run out its quarantine."""
+    monkeypatch.setattr(transfer_nixl, "RESERVE_BASE_S", TTL_S)
+
+    def failed_write(remote: list[int]) -> int:
+        raise NixlError("ended ERR")
+
+    pair = Pair(failed_write)
+    try:
+        assert not asyncio.run(pair.prefill.send(pair.client, "http://d", pair.header, [0, 1, 2], {}))
+        assert pair.decode.stats()["quarantined"] == 0 and pair.whole()
+
+        async def reserve_and_vanish() -> list[int]:
+            r = await pair.client.post("/kv/nixl/reserve", content=pair.header, headers=HEADERS)
+            await asyncio.sleep(1.5 * TTL_S)  # past the lifetime, inside the quarantine
+            blocks = r.json()["blocks"]
+            assert pair.decode.expired == 1 and pair.held_unpublished(blocks)
+            while pair.decode.quarantined and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return blocks
+
+        deadline = time.monotonic() + 30
+        asyncio.run(reserve_and_vanish())
+        assert pair.decode.stats()["quarantine_ends"] == 1 and pair.whole()
+    finally:
+        pair.close()
+
+
+def test_a_commit_must_say_settled_as_a_boolean():
+    pair = Pair(lambda remote: 0)
+    try:
+
+        async def commit(body: dict) -> int:
+            return (await pair.client.post("/kv/nixl/commit", json=body, headers=HEADERS)).status_code
+
+        assert asyncio.run(commit({"id": "x", "ok": False, "settled": "yes"})) == 400
+        assert asyncio.run(commit({"id": "x", "ok": False, "settled": True})) == 409
+    finally:
+        pair.close()
