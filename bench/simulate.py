@@ -50,6 +50,8 @@ def run_one(
     out.update(rate_rps=rate, wall_s=wall, events=sim.events_processed)
     if fleet.roles:
         out.update(pd_routed=sim.pd_routed, pd_kv_arrived=sim.pd_arrived, pd_fallbacks=sim.pd_fallbacks)
+        pd = [r["ttft_ms"] for r in records if r["prefill_worker"] is not None and r["error"] is None]
+        out.update(rep.percentiles(pd, "pd_ttft"))  # the disaggregated requests alone
     if not quiet:
         print(
             f"  {label}: {rep.run_line(out)}; {out['requests']} requests in {wall:.1f} s wall",

@@ -237,3 +237,11 @@ def test_the_predictor_prices_a_pair_as_the_simulator_runs_it(gbps, batch):
     [rec] = sim.run([BenchRequest(0, 0.0, prompt, 4)], 1.0)
     assert rec["prefill_worker"] == "w000"
     assert predicted == pytest.approx(rec["ttft_ms"], rel=0.01)
+
+
+def test_a_run_reports_the_disaggregated_requests_ttft_apart():
+    wl = WorkloadConfig(name="long-doc-qa", rate=2, duration_s=10, seed=1)
+    fleet = FleetConfig(workers=2, roles=("prefill", "decode"), slo_ttft_ms=5000, slo_tpot_ms=200)
+    out = simulate.run_one("slo_goodput", {"pd_min_uncached_tokens": 64}, 2, wl, fleet, quiet=True)
+    assert out["pd_routed"] >= 5
+    assert out["ttft_p50_ms"] <= out["pd_ttft_p50_ms"] <= out["pd_ttft_p99_ms"], "pairs pay a transfer"
