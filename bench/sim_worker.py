@@ -16,7 +16,10 @@ engine would drain it at the next step. The result is identical to stepping one 
 (tests/test_simulate.py and tests/test_one_lifecycle.py check that), only far fewer events.
 
 The host tier, when on, is the block pool's own (workers/kv/host_pool.py): blocks spill and
-load back as on a real worker, and a step that loads blocks back takes their copy time longer.
+load back as on a real worker. Copies back run one after another on a copy engine beside the
+steps, each taking its bytes at `host_gbps`: the request that waits for one is set aside by the
+scheduler until it is done, as on the engine, and other requests step meanwhile. Copies out
+overlap the steps and cost nothing.
 
 Output token ids: a constant per request (from its seed), never in any prompt; what matters
 for the cache is only that each request's output blocks hash uniquely.
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from workers.executors.batch import SeqChunk, step_work
 from workers.executors.sim import SimExecutor
 from workers.inflight import advance, chunks_of
-from workers.kv.block_pool import BlockPool
+from workers.kv.block_pool import BlockPool, Load
 from workers.kv.cost_model import CostModel, StepWork
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
@@ -113,14 +116,17 @@ class SimWorker:
         self.recent: deque[StepRecord] = deque(maxlen=MEANS_OVER)  # ended steps, as /state reads them
         self.plan_log: StepRecord | None = None  # the step in progress, logged when it ends
         self.before: dict = {}  # the load as the step in progress began
+        self.copying: list[tuple[float, list[Load]]] = []  # (when done, loads), in issue order
+        self.copy_free_at = 0.0  # when the copy engine has finished what it was handed
+        self.copy_wait = False  # idle until a copy back is done: an arrival wakes it
 
     # arrivals and events
 
     def submit(self, req: Request, now: float) -> float | None:
         """Queue `req`; returns a new time for this worker's next event, if it changed."""
         self.inbox.append(req)
-        if not self.busy:
-            self.busy = True
+        if not self.busy or self.copy_wait:
+            self.busy, self.copy_wait = True, False
             return now
         if self.seg_len:
             cut = 1 + bisect_left(self.seg_ends, now, 0, self.seg_len - 1)
@@ -157,14 +163,20 @@ class SimWorker:
             self.scheduler.add(req)
         self.inbox.clear()
         self.seg_len = self.seg_done = 0
+        self.copy_wait = False
         while self.scheduler.has_work():
+            self._land_copies(now)
             if self.cfg.fast_forward and self._plan_segment(now):
                 return self.seg_ends[self.seg_len - 1]
             plan = self.scheduler.schedule()
+            self._copy_back(now)
             for req in plan.evicted:
                 self.on_finish(req, now)
             if plan.scheduled:
                 return self._launch(plan, now)
+            if self.copying:
+                self.copy_wait = True
+                return self.copying[0][0]
         self.busy = False
         return None
 
@@ -174,7 +186,7 @@ class SimWorker:
         tokens are drawn now and written over the placeholders when the step lands."""
         chunks = chunks_of(plan)
         work = step_work(chunks)
-        ms = self.executor.cost.work_ms(work) + self._copy_back_ms()
+        ms = self.executor.cost.work_ms(work)
         self.sampled = [self.executor.token(c) if c.sample else None for c in chunks]
         advance(plan, self.cfg.max_model_len)
         self.plan, self.plan_log = plan, StepRecord(ms, work, ms)
@@ -189,11 +201,21 @@ class SimWorker:
             if s.finish_reason is not None:
                 self.on_finish(s.req, now)
 
-    def _copy_back_ms(self) -> float:
-        """The host tier's copies queued since the last step: copies back (host -> device) run
-        before the step and add to its time; copies out overlap the step and cost nothing."""
+    def _copy_back(self, now: float) -> None:
+        """Hand the copies the schedule queued to the copy engine: the copies back, after what it
+        is still copying, take their bytes at `host_gbps`; their loads are done when they end."""
+        loads = self.pool.take_loads()
         blocks = sum(len(b.block_ids) for b in self.pool.take_copies() if b.direction == SWAP_IN)
-        return blocks * self.cfg.block_size * self.kv_bytes_per_token / (self.cfg.host_gbps * 1e6)
+        if loads:
+            s = blocks * self.cfg.block_size * self.kv_bytes_per_token / (self.cfg.host_gbps * 1e9)
+            self.copy_free_at = max(now, self.copy_free_at) + s
+            self.copying.append((self.copy_free_at, loads))
+
+    def _land_copies(self, now: float) -> None:
+        """Mark done the loads whose copies have ended by `now` (the scheduler lands them)."""
+        while self.copying and self.copying[0][0] <= now:
+            for load in self.copying.pop(0)[1]:
+                load.done = True
 
     # decode segments
 
@@ -201,7 +223,7 @@ class SimWorker:
         """Decode steps until the first running request finishes (noting which ones finish
         then); 0 if the next step is not a pure decode of every running request."""
         s = self.scheduler
-        if s.waiting or not s.running or len(s.running) > s.max_batched_tokens:
+        if s.waiting or s.loading or not s.running or len(s.running) > s.max_batched_tokens:
             return 0
         left, max_len = [], self.cfg.max_model_len
         for r in s.running:
@@ -275,7 +297,7 @@ class SimWorker:
         s = self.scheduler
         return {
             "free_blocks": self.pool.num_free,
-            "waiting": len(s.waiting),
+            "waiting": len(s.waiting) + len(s.loading),
             "running": len(s.running),
             "queued_prefill_tokens": s.queued_prefill_tokens,
             "kv_tokens": sum(r.num_computed for r in s.running),

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
@@ -18,6 +18,7 @@ from workers.kv.hashing import block_hashes
 from workers.kv.host_pool import SWAP_IN, SWAP_OUT, HostPool
 from workers.model_store import load_tokenizer, resolve
 from workers.sampling_params import SamplingParams
+from tests.sim_engine import SlowCopies, sim_engine
 
 B = 2
 
@@ -32,11 +33,18 @@ def test_an_evicted_block_spills_to_host_and_loads_back_into_a_fresh_block():
     a = pool.allocate(1)
     pool.register(a, [11], [(1, 2)], None)
     pool.free(a)
-    pool.allocate(2)  # evicts block 0 (hash 11)
+    taken = pool.allocate(2)  # evicts block 0 (hash 11)
     assert pool.lookup(11, (1, 2)) is None and pool.host_hashes() == [11]
     [batch] = pool.take_copies()
     assert (batch.direction, batch.block_ids, batch.slots) == (SWAP_OUT, [0], [0])
-    assert pool.load_prefix([11], [9, 9], 0, None) == [], "tokens are re-checked: a collision is a miss"
+    pool.free(taken)
+    assert pool.load_prefix([11], [9, 9], 0, None) is None, "tokens are re-checked: a collision is a miss"
+    load = pool.load_prefix([11], [1, 2], 0, None)
+    assert load is not None and load.slots == [0]
+    assert pool.lookup(11, (1, 2)) is None, "a block being copied back is no hit before it lands"
+    load.done = True
+    pool.land(load)
+    assert pool.lookup(11, (1, 2)) is load.blocks[0]
 
 
 def test_load_prefix_stops_where_the_device_has_no_room():
@@ -46,10 +54,32 @@ def test_load_prefix_stops_where_the_device_has_no_room():
     pool.free(blocks)
     held = pool.allocate(3)  # all three spill
     pool.free(held[:1])
-    loaded = pool.load_prefix([1, 2, 3], [1, 1, 2, 2, 3, 3], 0, None)
-    assert [b.hash for b in loaded] == [1]
+    load = pool.load_prefix([1, 2, 3], [1, 1, 2, 2, 3, 3], 0, None)
+    assert load is not None and load.hashes == [1]
     copies = pool.take_copies()
     assert [c.direction for c in copies] == [SWAP_OUT, SWAP_IN]
+
+
+def test_a_slot_being_copied_back_is_never_reused():
+    """LRU passes over pinned slots; a tier whose every slot is pinned keeps nothing new, and a
+    clear frees a pinned slot only once its copy is done."""
+    pool = host_pool(2, 1)
+    a = pool.allocate(1)
+    pool.register(a, [11], [(1, 2)], None)
+    pool.free(a)
+    pool.free(pool.allocate(2))  # 11 spills into the only slot
+    load = pool.load_prefix([11], [1, 2], 0, None)
+    assert load is not None
+    b = pool.allocate(1)
+    pool.register(b, [12], [(3, 4)], None)
+    pool.free(b)
+    pool.allocate(1)  # 12 is evicted from the device and cannot have the pinned slot
+    assert pool.host_hashes() == [11]
+    pool.clear_cache()
+    assert pool.host.num_free == 0 and pool.host.num_draining == 1
+    load.done = True
+    pool.land(load)
+    assert pool.host.num_free == 1 and pool.lookup(11, (1, 2)) is None, "a load cut by a clear is never cached"
 
 
 def replay(events, medium: str) -> set[int]:
@@ -68,25 +98,40 @@ def replay(events, medium: str) -> set[int]:
 
 @settings(max_examples=500, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from(["alloc", "free", "reg", "load", "clear"]), st.integers(0, 6)), max_size=80),
-    st.integers(0, 5),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["alloc", "free", "reg", "cache", "load", "land", "abort", "clear"]), st.integers(0, 6)
+        ),
+        max_size=80,
+    ),
+    st.integers(0, 3),
+)
+@example(  # a slot being copied back from, wanted by LRU for a block evicted meanwhile
+    [("cache", 0), ("alloc", 6), ("free", 6), ("load", 0), ("cache", 0), ("alloc", 5), ("land", 0)], 1
 )
 def test_tiers_keep_totals_and_never_serve_a_block_whose_slot_was_reused(ops, num_slots):
-    """A shadow of every device block's and host slot's bytes follows the queued copies; a block
-    loaded from host must then hold its hash's tokens, and both tiers' counts add up."""
+    """A shadow of every device block's and host slot's bytes follows the copies: copies out at
+    once, a copy back as late as it may run (when its load lands), so a slot reused meanwhile
+    would show. A landed block must hold its hash's tokens, a block being copied back is never
+    a hit, and both tiers' counts add up with loads in flight and loads whose request ended."""
     pool = host_pool(6, num_slots)
     device: dict[int, tuple] = {}
     host: dict[int, tuple] = {}
     held: list = []
+    loading: list = []  # loads in flight, their request waiting
+    released: list = []  # loads in flight, their request gone
     made: dict[int, tuple] = {}  # every hash registered so far -> its tokens
 
     def flush() -> None:
         for batch in pool.take_copies():
-            for bid, slot in zip(batch.block_ids, batch.slots):
-                if batch.direction == SWAP_OUT:
+            if batch.direction == SWAP_OUT:
+                for bid, slot in zip(batch.block_ids, batch.slots):
                     host[slot] = device.get(bid)
-                else:
-                    device[bid] = host.get(slot)
+
+    def copy_back(load) -> None:
+        for b, slot in zip(load.blocks, load.slots):
+            device[b.block_id] = host.get(slot)
+        load.done = True
 
     for op, n in ops:
         if op == "alloc" and pool.can_allocate(n):
@@ -105,20 +150,51 @@ def test_tiers_keep_totals_and_never_serve_a_block_whose_slot_was_reused(ops, nu
             made[h] = (h, n)
             device[b.block_id] = made[h]
             pool.register([b], [h], [made[h]], None)
+        elif op == "cache" and pool.can_allocate(1):  # a block filled and let go: cached, evictable
+            [b] = pool.allocate(1)
+            flush()
+            h = len(made) + 1
+            made[h] = device[b.block_id] = (h, n)
+            pool.register([b], [h], [made[h]], None)
+            pool.free([b])
         elif op == "load" and made:
             h = list(made)[n % len(made)]
-            loaded = pool.load_prefix([h], list(made[h]), 0, None)
+            load = pool.load_prefix([h], list(made[h]), 0, None)
             flush()
-            for b in loaded:
+            if load is not None:
+                assert pool.lookup(h, made[h]) not in load.blocks, "no hit on a block being copied back"
+                loading.append(load)
+        elif op == "land" and (loading or released):
+            load = (loading + released)[n % len(loading + released)]
+            copy_back(load)
+            if load in released:
+                released.remove(load)
+                pool.land_released()
+            else:
+                loading.remove(load)
+                pool.land(load)
+                held += load.blocks
+            for b, h in zip(load.blocks, load.hashes):
                 assert device[b.block_id] == made[h], "a block came back with other bytes"
-            held += loaded
+        elif op == "abort" and loading:
+            load = loading.pop(n % len(loading))
+            pool.release(load)
+            released.append(load)
         elif op == "clear":
             pool.clear_cache()
             flush()
-        assert pool.num_free + len({b.block_id for b in held}) == pool.num_blocks
-        assert pool.host.num_free + len(pool.host) == num_slots
+        in_use = {b.block_id for b in held} | {b.block_id for ld in loading + released for b in ld.blocks}
+        assert pool.num_free + len(in_use) == pool.num_blocks
+        assert pool.host.num_free + len(pool.host) + pool.host.num_draining == num_slots
+    for load in loading + released:
+        copy_back(load)
+        if load in loading:
+            pool.land(load)
+            held += load.blocks
+    pool.land_released()
     pool.free(held)
-    assert pool.num_free == pool.num_blocks, "device blocks return to the total"
+    assert pool.num_free == pool.num_blocks and not pool.releasing, "device blocks return to the total"
+    assert pool.host.num_free + len(pool.host) == num_slots and not pool.host.num_draining
     assert len({e.slot for e in pool.host._entries.values()}) == len(pool.host), "one entry per slot"
     events = pool.events.after(0).events
     assert replay(events, "device") == set(pool.resident_hashes())
@@ -184,3 +260,71 @@ def test_round_trip_through_host_matches_transformers(model_path):
     for h, t in zip(hashes, chunks):
         assert torch.equal(runner.read_blocks([engine.pool.lookup(h, t).block_id]), before[h])
     assert first == again == hf_greedy(model_path, tuple(a))
+
+
+# A copy back that takes several steps: the request waits for it, nothing else does
+
+COPY_STEPS = 3
+
+
+class SlowCopyRunner(SlowCopies, TorchRunner):
+    def launch(self, chunks):
+        self.tick()
+        return super().launch(chunks)
+
+
+def wait_for_copy_back(engine: Engine, a: list[int], b: list[int], c: list[int]) -> tuple[dict, list]:
+    """A runs; B's prefill evicts A's blocks to host; C decodes while A runs again and waits for
+    its blocks to come back. Returns each request's tokens and number of cached tokens, and per
+    step that ended with A still waiting, the requests it gave a token to."""
+    outs: dict[str, list] = {}
+
+    def submit(rid: str, prompt: list[int], n: int) -> None:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        engine.submit(rid, prompt, params, outs.setdefault(rid, []).append, detokenize=False)
+
+    for rid, prompt in (("a", a), ("b", b)):
+        submit(rid, prompt, NEW)
+        while engine.has_work():
+            engine.step()
+    submit("c", c, 3 * NEW)
+    engine.step()
+    submit("a2", a, NEW)
+    waited = []
+    while engine.has_work():
+        stepped = [o.request_id for o in engine.step() if o.token_ids]
+        if engine.scheduler.loading:
+            waited.append(stepped)
+    tokens = {rid: ([t for o in got for t in o.token_ids], got[-1].num_cached) for rid, got in outs.items()}
+    return tokens, waited
+
+
+def check_waited(engine: Engine, tokens: dict, waited: list, a: list[int]) -> None:
+    assert len(waited) >= COPY_STEPS, "A waited for its copy back"
+    assert all(stepped == ["c"] for stepped in waited), "C got a token every step A waited, A none"
+    B = engine.config.block_size
+    assert tokens["a2"] == (tokens["a"][0], (len(a) - 1) // B * B), "A's prefix came back whole, same tokens"
+    assert engine.stats.host_loaded_blocks > 0 and engine.pool.num_free == engine.pool.num_blocks
+    host = engine.pool.host
+    assert host.num_free + len(host) == host.num_slots and not engine.pool.releasing
+
+
+def test_a_request_waiting_for_its_copy_back_holds_up_nothing_else():
+    engine = sim_engine(num_blocks=16, block_size=4, copy_steps=COPY_STEPS, host_blocks=32)
+    a, b, c = list(range(3, 24)), list(range(100, 157)), list(range(200, 204))
+    tokens, waited = wait_for_copy_back(engine, a, b, c)
+    check_waited(engine, tokens, waited, a)
+
+
+def test_copy_back_overlapping_other_requests_keeps_greedy_output(model_path):
+    """The same on a real model: A's and C's tokens are transformers' greedy ones."""
+    tok = load_tokenizer(model_path)
+    a = tok.encode("The quick brown fox jumps over the lazy dog while the cache keeps every block it can. " * 3)[:21]
+    b = tok.encode("Paged attention splits the key value cache into blocks that a scheduler hands out. " * 3)[:57]
+    c = tok.encode("A gateway routes each request to the worker that holds its prefix.")[:8]
+    runner = SlowCopyRunner(model_path, 16, 4, copy_steps=COPY_STEPS)
+    engine = Engine(runner, tok, EngineConfig("m", 4, 16, 64, 8, host_blocks=32))
+    tokens, waited = wait_for_copy_back(engine, a, b, c)
+    check_waited(engine, tokens, waited, a)
+    assert tokens["a"][0] == hf_greedy(model_path, tuple(a))
+    assert tokens["c"][0][:NEW] == hf_greedy(model_path, tuple(c))

@@ -218,3 +218,37 @@ def test_a_waiting_prefix_hit_queues_only_its_uncached_tokens():
     assert eng.scheduler.queued_prefill_tokens == 3 + 35, "the hit's 32 cached tokens are not queued work"
     drain(eng)
     assert eng.scheduler.queued_prefill_tokens == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 12), st.booleans(), st.integers(0, 6)), min_size=1, max_size=25
+    ),
+    st.integers(8, 30),
+    st.integers(1, 40),
+    st.integers(1, 4),
+)
+def test_any_mix_with_slow_copies_back_drains_with_both_tiers_free(reqs, num_blocks, host_blocks, copy_steps):
+    """With a host tier whose copies back take several steps: requests that wait for theirs,
+    are aborted while waiting, finish or are preempted all give every block back in both tiers."""
+    eng = sim_engine(
+        num_blocks=num_blocks, block_size=4, max_batched_tokens=16, copy_steps=copy_steps, host_blocks=host_blocks
+    )
+    outs = {}
+    prompts = [list(range(10 * g, 10 * g + 21)) for g in range(4)]  # 5 full blocks each, a few shared ways
+    for i, (group, mt, abort, delay) in enumerate(reqs):
+        eng.submit(f"r{i}", prompts[group] + [900 + i], SamplingParams(max_tokens=mt, ignore_eos=True), collect(outs))
+        for _ in range(delay):
+            eng.step()
+        if abort:
+            eng.abort(f"r{i}")
+    drain(eng)
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.pool.releasing
+    host = eng.pool.host
+    assert host.num_free + len(host) == host.num_slots and not host.num_draining
+    assert not eng.scheduler.loading and not eng._copying
+    for i, (_, mt, abort, _) in enumerate(reqs):
+        last = outs[f"r{i}"][-1]
+        assert last.finish_reason in (("abort", "length") if abort else ("length",))
+        assert abort or last.num_output == mt or 22 + mt > num_blocks * 4, "only a request larger than the pool is cut"

@@ -22,7 +22,7 @@ from workers.detokenizer import Detokenizer
 from workers.executors.batch import Executor, step_work
 from workers.export_batch import export_span
 from workers.inflight import InFlight, SyncLaunch, advance, chunks_of
-from workers.kv.block_pool import BlockPool
+from workers.kv.block_pool import BlockPool, Load
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventLog, KVSnapshot
 from workers.kv.hashing import seed_hash
@@ -122,6 +122,7 @@ class Engine:
         self._wake = threading.Event()
         self._requests: dict[str, tuple[Request, Detokenizer | None, Callable]] = {}
         self._pending = PendingKV(self.kv)
+        self._copying: list[tuple[list, list[Load]]] = []  # (executor handles, the loads they carry)
         self._outbox: list[tuple[Callable, RequestOutput]] = []
         self.deliver: Callable[[list[tuple[Callable, RequestOutput]]], None] = call_sinks
         self._thread: threading.Thread | None = None
@@ -269,8 +270,12 @@ class Engine:
         self._drain_inbox()
         if self._pending:
             self._admit_pending()
+        if self._copying:
+            self._poll_copies()
         plan = self.scheduler.schedule()
         self._copy_blocks()
+        if not plan.scheduled and self._inflight is None and self._copying:
+            self._poll_copies(wait=True)  # nothing runs until a copy back lands: wait, do not spin
         self.stats.preemptions += len(plan.preempted)
         outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
         launched = self._launch(plan, start, outputs) if plan.scheduled else None
@@ -295,10 +300,25 @@ class Engine:
 
     def _copy_blocks(self) -> None:
         """Hand the host tier's queued copies to the executor (before the step or the KV import
-        that could overwrite an evicted block or read a reloaded one)."""
-        out, back = run_copies(self.pool.take_copies(), self.executor)
-        self.stats.host_stored_blocks += out
-        self.stats.host_loaded_blocks += back
+        that could overwrite an evicted block); the copies back may still run after this, and
+        their loads are done when the executor says their copies are."""
+        loads = self.pool.take_loads()
+        run = run_copies(self.pool.take_copies(), self.executor)
+        self.stats.host_stored_blocks += run.out
+        self.stats.host_loaded_blocks += run.back
+        if loads:
+            self._copying.append((run.handles, loads))
+
+    def _poll_copies(self, wait: bool = False) -> None:
+        """Mark done the loads whose copies have completed, oldest first (`wait`: for the oldest)."""
+        while self._copying:
+            handles, loads = self._copying[0]
+            if not all(self.executor.copy_done(h, wait) for h in handles):
+                return
+            for load in loads:
+                load.done = True
+            self._copying.pop(0)
+            wait = False
 
     def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
         """Hand the plan to the executor and count its tokens as launched; if the executor raises,
@@ -565,7 +585,7 @@ class Engine:
             block_size=c.block_size,
             total_blocks=self.pool.num_blocks,
             free_blocks=self.pool.num_free,
-            waiting=len(s.waiting),
+            waiting=len(s.waiting) + len(s.loading),
             host_blocks=c.host_blocks,
             host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
             running=len(s.running),

@@ -36,8 +36,8 @@ class KVCacheManager:
 
     def match_prefix(self, req: Request) -> int:
         """Take the longest cached prefix (never the whole prompt), on from the device into the
-        host tier (those blocks' copy-back is queued for before the next step); returns the
-        tokens it covers."""
+        host tier (those blocks' copy back is queued: `req.load`, and the request must not run
+        before it lands); returns the tokens it covers."""
         assert not req.blocks and req.num_computed == 0
         if not self.enable_prefix_caching:
             return 0
@@ -45,7 +45,9 @@ class KVCacheManager:
         req.blocks = self.pool.touch_prefix(hashes, req.token_ids)
         n = len(req.blocks)
         if n < len(hashes) and self.pool.host is not None:
-            req.blocks += self.pool.load_prefix(hashes[n:], req.token_ids, n, hashes[n - 1] if n else None)
+            req.load = self.pool.load_prefix(hashes[n:], req.token_ids, n, hashes[n - 1] if n else None)
+            if req.load is not None:
+                req.blocks += req.load.blocks
         req.block_ids = [b.block_id for b in req.blocks]
         req.num_computed = req.num_registered = len(req.blocks) * self.block_size
         return req.num_computed
@@ -91,7 +93,23 @@ class KVCacheManager:
         self.pool.register(req.blocks[first:full], hashes[first:full], tokens, parent)
         req.num_registered = full * B
 
+    def land(self, req: Request) -> None:
+        """The request's copy back is done: its loaded blocks join the prefix cache, and it lets
+        go of its whole prefix, to take it again as an ordinary prefix hit when admitted (as a
+        P/D decode request does after its import): a queued request holds no blocks."""
+        assert req.load is not None
+        self.pool.land(req.load)
+        req.load = None
+        self.free(req)
+
     def free(self, req: Request) -> None:
-        self.pool.free(req.blocks)
+        """Let go of the request's blocks; those a copy back is still writing are released to
+        the pool, which frees them when it is done."""
+        load, req.load = req.load, None
+        if load is None:
+            self.pool.free(req.blocks)
+        else:
+            self.pool.free(req.blocks[: len(req.blocks) - len(load.blocks)])
+            self.pool.release(load)
         req.blocks, req.block_ids = [], []
         req.num_computed = req.num_registered = 0

@@ -4,7 +4,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workers.kv.block_pool import Block
+from workers.kv.block_pool import Block, Load
 from workers.sampling_params import SamplingParams
 
 WAITING, RUNNING, FINISHING, FINISHED = "waiting", "running", "finishing", "finished"
@@ -36,6 +36,7 @@ class Request:
     cache_salt: str | None = None  # folded into the block-hash seed: salts never share blocks
     unresolved: int = 0  # trailing tokens sampled by launched steps, not read yet (workers/inflight.py)
     sample_row: int = -1  # this request's row among the last launched step's sampled tokens
+    load: Load | None = None  # its prefix's copy back from the host tier, until it lands
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -6,6 +6,12 @@ in FCFS order, each taking at most what is left of `max_batched_tokens`. When th
 out of blocks a running request is preempted by recompute, newest first, so KV exhaustion
 never crashes and never deadlocks. After a step, `update_from_output` commits the blocks it
 filled, appends its tokens, checks each for a stop and finishes those that stopped.
+
+A waiting request whose prefix hit runs into the host tier is set aside (`loading`) while its
+blocks are copied back: the request waits, nothing else does. Whoever runs the copies marks its
+`Load` done (the engine when the executor's copy has completed, the simulator when its virtual
+copy time has passed); the next `schedule` lands it (its blocks enter the prefix cache) and
+puts the request back at the head of the queue, to be admitted as an ordinary prefix hit.
 """
 
 import time
@@ -69,6 +75,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # set aside until their copy back lands, in queue order
         # the P/D exporter, for a request that has one: `exporter(req, final)` after each commit
         # (final=False) and as it stops, before its blocks are freed (final=True)
         self.exporter: Callable[[Request, bool], None] | None = None
@@ -78,16 +85,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._copying()
 
     @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed: the prefill work queued on this worker. A waiting
         request counts only what its cached prefix did not cover when it was queued, so a queue
         of prefix hits (or of P/D requests whose blocks were imported) reads as the work it is."""
-        return sum(r.queued_tokens for r in self.waiting) + sum(
-            r.num_remaining for r in self.running if r.is_prefilling
-        )
+        queued = sum(r.queued_tokens for r in self.waiting) + sum(r.queued_tokens for r in self.loading)
+        return queued + sum(r.num_remaining for r in self.running if r.is_prefilling)
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is and free its blocks at once."""
@@ -102,6 +108,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.loading:
+            self.loading.remove(req)
         req.status, req.finish_reason = FINISHED, reason
         self.kv.free(req)
 
@@ -160,6 +168,8 @@ class Scheduler:
         plan.preempted.append(req)
 
     def schedule(self) -> StepPlan:
+        if self._copying():
+            self._land_loads()
         plan = StepPlan()
         budget = self.max_batched_tokens
         decodes, prefills = [], []
@@ -188,7 +198,7 @@ class Scheduler:
                 if r is not req and r.status == RUNNING and all(r is not s for s, _ in plan.scheduled)
             ]
             if not victims:
-                if len(self.running) == 1 and not plan.scheduled:
+                if len(self.running) == 1 and not plan.scheduled and not self._copying():
                     self.finish(req, "length")
                     plan.evicted.append(req)
                 else:
@@ -197,6 +207,22 @@ class Scheduler:
             self._preempt(victims[-1], plan)
         return True
 
+    def _copying(self) -> bool:
+        """Whether copies back hold blocks: a request that finds the pool short then waits for
+        them, where it would otherwise be too long for the pool."""
+        return bool(self.loading) or self.kv.pool.releasing
+
+    def _land_loads(self) -> None:
+        """Requests whose copy back is done return to the head of the queue, in their order, their
+        loaded blocks now cached (freed, to be hit at admission: right after this unless the
+        step is full); released loads that are done free their blocks."""
+        self.kv.pool.land_released()
+        done = [r for r in self.loading if r.load is not None and r.load.done]
+        for req in done:
+            self.kv.land(req)
+            self.loading.remove(req)
+        self.waiting.extendleft(reversed(done))
+
     def _admit(self, plan: StepPlan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -204,9 +230,12 @@ class Scheduler:
                 cached = self.kv.match_prefix(req)
                 if req.num_cached < 0:
                     req.num_cached = cached
+                if req.load is not None:  # its host blocks are on their way back: it waits for them
+                    self.loading.append(self.waiting.popleft())
+                    continue
             n = min(req.num_remaining, budget)
             if not self.kv.allocate_slots(req, n):
-                if not self.running and not plan.scheduled:
+                if not self.running and not plan.scheduled and not self._copying():
                     self.finish(req, "length")
                     plan.evicted.append(req)
                     continue

@@ -78,6 +78,11 @@ class Executor(Protocol):
         """Copy device blocks into host slots, block_ids[i] -> slots[i], before any later step."""
         ...
 
-    def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
-        """Copy host slots into device blocks, slots[i] -> block_ids[i], before any later step."""
+    def swap_in(self, block_ids: list[int], slots: list[int]) -> object | None:
+        """Start copying host slots into device blocks, slots[i] -> block_ids[i], after every
+        copy and step handed over before it; a handle for `copy_done`, or None when it is done."""
+        ...
+
+    def copy_done(self, handle: object, wait: bool = False) -> bool:
+        """Whether the copy behind a `swap_in` handle has completed (`wait`: block until it has)."""
         ...

@@ -73,3 +73,7 @@ class SimExecutor:
 
     def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
         return None
+
+    @staticmethod
+    def copy_done(handle: object, wait: bool = False) -> bool:
+        return True

@@ -13,6 +13,7 @@ gather attention path: the reference the fidelity tests hold against HF.
 import json
 import time
 from array import array
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,30 +235,54 @@ class TorchRunner:
             dtype=self.dtype,
             pin_memory=self.device.type == "cuda",
         )
+        self.copy_stream: torch.cuda.Stream | None = None
 
     def swap_out(self, block_ids: list[int], slots: list[int]) -> None:
         """Copy device blocks into host slots (block_ids[i] -> slots[i]): one gather on the
         device, then one asynchronous copy per run of consecutive slots, in the step stream's
         order (a later step that overwrites the blocks runs after it)."""
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        ids = self._tensor([block_ids[i] for i in order])
+        ids = to_device([block_ids[i] for i in order], torch.long, self.device)
         with torch.inference_mode():
             gathered = self.kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
             for first, start, n in _runs([slots[i] for i in order]):
                 self.host_cache[start : start + n].copy_(gathered[first : first + n], non_blocking=True)
 
-    def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
-        """Copy host slots back into device blocks (slots[i] -> block_ids[i]), one asynchronous
-        copy per run of consecutive slots, then one scatter, in the step stream's order."""
+    def swap_in(self, block_ids: list[int], slots: list[int]) -> "torch.cuda.Event | None":
+        """Copy host slots back into device blocks (slots[i] -> block_ids[i]): one asynchronous
+        copy per run of consecutive slots, then one scatter. On CUDA they run on a copy stream
+        that first waits for everything queued so far (copies out of the blocks reused here) and
+        then overlaps the steps queued after; the returned event marks their end. Every tensor
+        they use is made on that stream, so the allocator reuses none of it before they end."""
         order = sorted(range(len(slots)), key=slots.__getitem__)
         sorted_slots = [slots[i] for i in order]
-        with torch.inference_mode():
+        cuda = self.device.type == "cuda"
+        stream = self._copy_stream() if cuda else None
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
             parts = [
                 self.host_cache[start : start + n].to(self.device, non_blocking=True)
                 for _, start, n in _runs(sorted_slots)
             ]
             kv = torch.cat(parts).permute(1, 2, 0, 3, 4, 5)
-            self.kv_cache.index_copy_(2, self._tensor([block_ids[i] for i in order]), kv)
+            self.kv_cache.index_copy_(2, to_device([block_ids[i] for i in order], torch.long, self.device), kv)
+            if stream is None:
+                return None
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def _copy_stream(self) -> "torch.cuda.Stream":
+        """The stream copies back run on, made to wait for the work queued on the step stream."""
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(self.device)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self.copy_stream
+
+    @staticmethod
+    def copy_done(handle: "torch.cuda.Event", wait: bool = False) -> bool:
+        if wait:
+            handle.synchronize()
+        return handle.query()
 
     @staticmethod
     def to_bytes(kv: Tensor) -> bytes:

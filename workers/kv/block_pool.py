@@ -13,7 +13,9 @@ With a host tier (`host`), a cached block evicted from the device is stored ther
 instead of vanishing, and a prefix hit that runs on into host-resident blocks takes fresh device
 blocks for them and copies them back (`load_prefix`). The copies are queued in order and leave
 in batches through `take_copies`: the engine hands them to its executor before the next step,
-which is the first that could overwrite an evicted block or read a reloaded one.
+which is the first that could overwrite an evicted block. A copy back may take several steps:
+its blocks (a `Load`) stay held and out of the prefix cache, and the host slots it reads stay
+pinned, until it is done (`land`): only then can a step read them or another request hit them.
 """
 
 from collections import OrderedDict
@@ -32,6 +34,19 @@ class Block:
     token_ids: tuple[int, ...] = field(default=())
 
 
+@dataclass(eq=False)
+class Load:
+    """A copy back from the host tier: fresh device blocks (held, not yet in the prefix cache)
+    that host `slots` are copied into, with the hashes and tokens they get once `done`."""
+
+    blocks: list[Block]
+    hashes: list[int]
+    tokens: list[tuple[int, ...]]
+    parent: int | None
+    slots: list[int]
+    done: bool = False
+
+
 class BlockPool:
     """Ref-counted blocks, an O(1) free list, and the hash -> block prefix-cache map."""
 
@@ -39,6 +54,9 @@ class BlockPool:
         self.block_size = block_size
         self.host = host
         self._copies: list[tuple[str, int, int]] = []  # (direction, block id, host slot), in order
+        self._loads: list[Load] = []  # loads whose copies are queued, not yet taken
+        self._released: list[Load] = []  # loads whose request ended before they were done
+        self._flying: dict[int, Load] = {}  # every load not landed yet, by id
         self.num_blocks = num_blocks
         self.blocks: list[Block] = []  # the blocks used so far; block i is blocks[i]
         self.events = events
@@ -135,14 +153,14 @@ class BlockPool:
         slots = self.host.store([(h, toks) for _, h, toks in spilled])
         self._copies += [(SWAP_OUT, bid, slot) for (bid, _, _), slot in zip(spilled, slots) if slot is not None]
 
-    def load_prefix(self, hashes: list[int], token_ids: list[int], start: int, parent: int | None) -> list[Block]:
+    def load_prefix(self, hashes: list[int], token_ids: list[int], start: int, parent: int | None) -> Load | None:
         """Continue a prefix hit from block `start` (hashes[0] is block start's) into the host
         tier: fresh device blocks (ref 1) for the leading host-resident blocks whose tokens
-        match, their copy-back queued and their hashes registered. Stops early where the device
-        pool has no room, or where making room dropped a needed entry from the host tier."""
+        match, their host slots pinned and their copy back queued; the blocks enter the prefix
+        cache when the load lands. Stops early where the device pool has no room."""
         host, B = self.host, self.block_size
         if host is None:
-            return []
+            return None
         entries = []
         for i, h in enumerate(hashes):
             entry = host.lookup(h, tuple(token_ids[(start + i) * B : (start + i + 1) * B]))
@@ -150,21 +168,51 @@ class BlockPool:
                 break
             host.touch(entry)
             entries.append(entry)
-        n = min(len(entries), self.num_free)
-        if not n:
-            return []
-        fresh = self.allocate(n)
-        live = next((i for i, e in enumerate(entries[:n]) if host.lookup(e.hash, e.token_ids) is not e), n)
-        self.free(fresh[live:])
-        fresh, entries = fresh[:live], entries[:live]
-        self._copies += [(SWAP_IN, b.block_id, e.slot) for b, e in zip(fresh, entries)]
-        self.register(fresh, [e.hash for e in entries], [e.token_ids for e in entries], parent)
-        return fresh
+        entries = entries[: self.num_free]
+        if not entries:
+            return None
+        slots = [e.slot for e in entries]
+        host.pin(slots)  # before allocating: what it spills cannot drop them
+        fresh = self.allocate(len(entries))
+        self._copies += [(SWAP_IN, b.block_id, slot) for b, slot in zip(fresh, slots)]
+        load = Load(fresh, [e.hash for e in entries], [e.token_ids for e in entries], parent, slots)
+        self._loads.append(load)
+        self._flying[id(load)] = load
+        return load
 
     def take_copies(self) -> list[CopyBatch]:
         """The queued host copies, as batches in order; the queue is emptied."""
         copies, self._copies = self._copies, []
         return batches(copies)
+
+    def take_loads(self) -> list[Load]:
+        """The loads whose copies `take_copies` has handed out since the last call."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def land(self, load: Load) -> None:
+        """A done load's blocks enter the prefix cache (they stay held) and its slots are unpinned."""
+        assert load.done and self.host is not None
+        del self._flying[id(load)]
+        self.host.unpin(load.slots)
+        self.register(load.blocks, load.hashes, load.tokens, load.parent)
+
+    def release(self, load: Load) -> None:
+        """Its request ended: the blocks are freed once the copy into them is done."""
+        self._released.append(load)
+        self.land_released()
+
+    def land_released(self) -> None:
+        """Land and free the released loads that are done."""
+        for load in [ld for ld in self._released if ld.done]:
+            self._released.remove(load)
+            self.land(load)
+            self.free(load.blocks)
+
+    @property
+    def releasing(self) -> bool:
+        """Whether released loads still hold blocks."""
+        return bool(self._released)
 
     def _evict(self, block: Block) -> int:
         h = block.hash
@@ -225,6 +273,8 @@ class BlockPool:
         returns how many device blocks."""
         if self.host is not None:
             self.host.clear()
+        for load in self._flying.values():  # copies of K/V from before: they never enter the cache
+            load.hashes, load.tokens = [], []
         evicted = []
         while self._free_cached:
             bid, _ = self._free_cached.popitem(last=False)
