@@ -1,9 +1,14 @@
 """The worker registry: who is up, how loaded, and (embedded mode) tailing their KV events.
 
-Each worker gets two background tasks. The poller GETs `/state` every `interval` seconds and
-is the health check: one failed poll (refused, or no answer within `timeout`) takes the
-worker out of the candidate set and drops its residency, so a dead worker is gone within
-`interval + timeout` (< 2 s by default); the next good poll brings it back. A worker that
+Each worker gets two background tasks. The poller GETs `/state` whenever the worker's state is
+`interval` seconds old and is the health check: one failed poll (refused, or no answer within
+`timeout`) takes the worker out of the candidate set and drops its residency, so a dead
+worker is gone within `interval + timeout` (< 2 s by default); the next good poll brings it
+back. The tailer's `/kv/events` answers carry the worker's state too, so while they come the
+poller has nothing to do; an idle worker (nothing waiting or running, nothing sent to it
+since) is polled only once its long poll is overdue. That is most of the gateway's idle CPU:
+one request per worker per long poll instead of two polls a second. A dead idle worker breaks
+its long poll at once; a frozen one is out after the long poll's timeout (~3 s). A worker that
 answers is still out of service while its state says its engine thread is not running, it
 is draining, or its engine has made no progress on its work for more than `stall_s` seconds
 (a frozen engine behind a live HTTP server); a worker reporting a stall is polled again as
@@ -53,8 +58,10 @@ class Worker:
     epoch: int = 0
     in_flight: int = 0
     shared_in_flight: int = 0
-    sent_since_poll: int = 0  # requests this gateway sent and finished since the last good poll
+    sent_since_poll: int = 0  # requests this gateway sent and finished since its last state
     done_since_poll: int = 0
+    state_at: float = 0.0  # time.monotonic() of its last state, polled or riding on KV events
+    state_rides: bool = False  # its last /kv/events answer carried its state
     redis_residency: bool = False
     kind: str = "kvgate"
     hash_ratio: int = 1  # index blocks per block of the worker's own size
@@ -121,9 +128,9 @@ def worker_view(
     )
 
 
-def _view(state: dict, url: str) -> WorkerView:
-    """The view from a polled /state body."""
-    return worker_view(WorkerState.from_json(state), url, _transfer_gbps(state))
+def _view(state: dict, url: str, cost: CostModel | None = None) -> WorkerView:
+    """The view from a polled /state body; `cost`: its cost model already parsed."""
+    return worker_view(WorkerState.from_json(state), url, _transfer_gbps(state), cost)
 
 
 DRAINING = "it is draining"
@@ -146,6 +153,16 @@ def _transfer_gbps(state: dict) -> float:
     """The worker's measured export rate, else what its transport typically reaches."""
     kv = state.get("kv_transfer") or {}
     return kv.get("gbps") or TRANSPORT_GBPS.get(kv.get("transport", "http"), TRANSPORT_GBPS["http"])
+
+
+def _idle(w: Worker) -> bool:
+    """Whether `w` holds no request now, as far as its last state and this gateway's own traffic
+    since then tell: what it reported waiting or running, plus what was sent to it since, less
+    what finished since, is nothing, and nothing is in flight on it. A request reaching it from
+    elsewhere shows in its next KV-event answer (its prefill stores blocks)."""
+    s = w.state
+    held = s.get("waiting", 0) + s.get("running", 0) + w.sent_since_poll - w.done_since_poll
+    return w.healthy and w.out is None and held <= 0 and not (w.in_flight or w.shared_in_flight)
 
 
 def with_fields(base: WorkerView, **changes) -> WorkerView:
@@ -233,8 +250,14 @@ class Fleet:
     # health and load
 
     async def _poll(self, w: Worker) -> None:
+        tried = 0.0
         while True:
-            started = time.monotonic()
+            now = time.monotonic()
+            wait = self.next_poll_s(w, now - max(w.state_at, tried))
+            if wait > 0.0:
+                await asyncio.sleep(min(wait, self.interval))  # a request sent to it may end its idleness
+                continue
+            tried = now
             try:
                 self._up(w, await self.get(w.url + "/state", self.timeout))
             except Refused as e:
@@ -245,13 +268,17 @@ class Fleet:
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 w.probe_failures += 1
                 self._down(w, f"/state failed: {e!r}")
-            await asyncio.sleep(self.next_poll_s(w, time.monotonic() - started))
 
-    def next_poll_s(self, w: Worker, spent: float) -> float:
-        """Seconds until `w`'s next poll: the rest of the interval, or less when its engine's
-        stall would pass `stall_s` before then, so a frozen engine is out at `stall_s` plus a
-        poll, not plus a whole interval."""
-        wait = self.interval - spent
+    def next_poll_s(self, w: Worker, age: float) -> float:
+        """Seconds until `w`'s next poll, `age` seconds after its last state came (or its last
+        poll was tried): the rest of the interval; for an idle worker whose KV-event answers
+        carry its state, the rest of a long poll and its timeout (those answers come at least
+        that often); less when its engine's stall would pass `stall_s` before then, so a frozen
+        engine is out at `stall_s` plus a poll, not plus a whole interval."""
+        period = self.interval
+        if w.state_rides and _idle(w):
+            period = max(period, LONG_POLL_S + self.timeout)
+        wait = period - age
         stall = (w.state.get("engine_stall_s") or 0.0) if w.healthy and w.out is None else 0.0
         if stall > 0.0:
             wait = min(wait, self.stall_s - stall + STALL_POLL_MARGIN_S)
@@ -285,9 +312,11 @@ class Fleet:
                 log.warning("worker %s at %s is out of service: %s", wid, w.url, out)
                 if out != DRAINING:
                     self._lose(w, out)
+        cost = w.base.cost if w.base is not None and state.get("cost_model") == w.state.get("cost_model") else None
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.sent_since_poll = w.done_since_poll = 0
-        w.base = _view(state, w.url)
+        w.state_at = time.monotonic()
+        w.base = _view(state, w.url, cost)
 
     def _down(self, w: Worker, why: str) -> None:
         if w.healthy:
@@ -321,6 +350,7 @@ class Fleet:
     async def _tail(self, w: Worker) -> None:
         while True:
             if not w.healthy or w.redis_residency or not w.worker_id:
+                w.state_rides = False
                 await asyncio.sleep(self.interval / 5)
                 continue
             epoch, wid = w.epoch, w.worker_id
@@ -338,11 +368,16 @@ class Fleet:
             if self._current(w, wid, epoch) and snap.worker_id == wid:
                 self.index.reset(wid, snap.hashes, snap.seq, snap.tiers)
             return
-        body = await self.get(w.url + "/kv/events", self.timeout + LONG_POLL_S, {"after": seq, "timeout": LONG_POLL_S})
+        params = {"after": seq, "timeout": LONG_POLL_S, "state": 1}
+        body = await self.get(w.url + "/kv/events", self.timeout + LONG_POLL_S, params)
         batch = EventBatch.from_json(body)
         if self._current(w, wid, epoch) and not w.redis_residency:
             if batch.worker_id != wid or self.index.apply(batch) == RESYNC:
                 self.index.drop(wid)
+            state = body.get("state")
+            w.state_rides = isinstance(state, dict)
+            if isinstance(state, dict):
+                self._up(w, state)
 
     def _current(self, w: Worker, wid: str, epoch: int) -> bool:
         """Whether an answer fetched as of (`wid`, `epoch`) may still be applied."""

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from gateway.fleet import DRAINING, Fleet, out_of_service
+from gateway.fleet import DRAINING, LONG_POLL_S, Fleet, out_of_service
 from gateway.index import ResidencyIndex
 
 STATE = {"worker_id": "w", "model": "m"}
@@ -39,3 +39,31 @@ def test_a_stalling_worker_is_polled_again_as_its_stall_passes_the_limit():
     assert fleet.next_poll_s(w, 0.0) == 0.5
     fleet._up(w, {**STATE, "engine_stall_s": 1.3})
     assert abs(fleet.next_poll_s(w, 0.0) - 0.25) < 1e-9
+
+
+def test_an_idle_worker_whose_kv_event_answers_carry_its_state_is_polled_once_a_long_poll():
+    fleet = Fleet(ResidencyIndex(), interval=0.5, timeout=1.0)
+    w = fleet.add("http://w")
+    fleet._up(w, {**STATE, "waiting": 0, "running": 0})
+    assert fleet.next_poll_s(w, 0.0) == 0.5  # no state on its KV-event answers (yet): polled as ever
+    w.state_rides = True
+    assert fleet.next_poll_s(w, 0.0) == LONG_POLL_S + 1.0
+    fleet.begin(w)  # a request sent to it: polled at the interval while it may hold it
+    assert fleet.next_poll_s(w, 0.0) == 0.5
+    fleet._up(w, {**STATE, "waiting": 0, "running": 1})
+    fleet.end(w)  # what it reported running has finished, as far as this gateway knows
+    assert fleet.next_poll_s(w, 0.0) == LONG_POLL_S + 1.0
+    fleet._up(w, {**STATE, "waiting": 1, "running": 1})  # work from elsewhere
+    assert fleet.next_poll_s(w, 0.0) == 0.5
+
+
+def test_a_state_with_the_same_cost_model_keeps_its_parsed_cost_model():
+    fleet = Fleet(ResidencyIndex())
+    w = fleet.add("http://w")
+    cost = {"base_ms": 5.0, "decode_batch_ms": [1.0, 2.0]}
+    fleet._up(w, {**STATE, "cost_model": cost})
+    parsed = w.base.cost
+    fleet._up(w, {**STATE, "cost_model": dict(cost), "running": 1})
+    assert w.base.cost is parsed and w.base.running == 1
+    fleet._up(w, {**STATE, "cost_model": {**cost, "base_ms": 6.0}})
+    assert w.base.cost.base_ms == 6.0

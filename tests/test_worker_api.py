@@ -136,6 +136,16 @@ def test_kv_events_long_poll_and_snapshot_agree_with_hashes(worker):
     assert set(expected) <= set(snap["hashes"]) and snap["seq"] >= got["last_seq"]
 
 
+def test_kv_events_carry_the_state_when_asked(worker):
+    """`state=1`: the answer carries the /state body, so a tailing gateway needs no poll."""
+    seq = worker.internal("/kv/snapshot").json()["seq"]
+    plain = worker.internal(f"/kv/events?after={seq}").json()
+    got = worker.internal(f"/kv/events?after={seq}&state=1").json()
+    assert "state" not in plain
+    assert got["state"]["worker_id"] == "api" and got["state"]["total_blocks"] == 64
+    assert got["state"]["engine_alive"] is True and got["state"].keys() == worker.state().keys()
+
+
 def test_client_disconnect_aborts_and_frees_blocks(worker):
     with httpx.stream(
         "POST",

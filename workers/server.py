@@ -547,16 +547,18 @@ class WorkerServer:
         it has gone without completing a step while it has work, and whether the worker drains."""
         if refused := self._refused(request):
             return refused
-        return JSONResponse(
-            {
-                **self.engine.state().to_json(),
-                "kv_transfer": self.transfer.stats(),
-                "engine_alive": self.engine.alive,
-                "engine_stall_s": self.engine.stall_s(),
-                "draining": self.draining,
-                "in_flight": self.in_flight,
-            }
-        )
+        return JSONResponse(self.state_body())
+
+    def state_body(self) -> dict:
+        """The /state body (also what rides on a `/kv/events?state=1` answer)."""
+        return {
+            **self.engine.state().to_json(),
+            "kv_transfer": self.transfer.stats(),
+            "engine_alive": self.engine.alive,
+            "engine_stall_s": self.engine.stall_s(),
+            "draining": self.draining,
+            "in_flight": self.in_flight,
+        }
 
     async def steps(self, request: Request) -> Response:
         """The engine's step log after step `after`: each step's number, times and work
@@ -571,6 +573,9 @@ class WorkerServer:
         return JSONResponse({"last": last, "steps": steps})
 
     async def kv_events(self, request: Request) -> Response:
+        """KV events after `after`, waiting up to `timeout` seconds for one; with `state=1` the
+        answer carries the /state body as of its sending, so a gateway tailing the events needs
+        no separate /state poll while the answers keep coming (gateway/fleet.py)."""
         if refused := self._refused(request):
             return refused
         try:
@@ -589,7 +594,10 @@ class WorkerServer:
                 await asyncio.wait_for(self._kv_changed.wait(), deadline - loop.time())
             except asyncio.TimeoutError:
                 break
-        return JSONResponse(events.after(after).to_json())
+        body = events.after(after).to_json()
+        if request.query_params.get("state") == "1":
+            body["state"] = self.state_body()
+        return JSONResponse(body)
 
     async def kv_reset(self, request: Request) -> Response:
         """Drop every cached-but-free block (after a weight reload); internal, token-protected."""
