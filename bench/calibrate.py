@@ -110,9 +110,9 @@ class Probe:
             await asyncio.sleep(0.05)
 
     async def decode(self, batch: int, prefix: list[int], tokens: int) -> list[dict]:
-        """b streams after a cached prefix: the steps where all b decode and the clients' median
-        gap (past the first two, which may hold the other streams' prefills); and the step where
-        one more request (a quarter of the prefix more) joins them."""
+        """b streams after a cached prefix: the steps where all b decode and the median over
+        streams of each one's mean gap (past the first two, which may hold the other streams'
+        prefills); and the step where one more request (a quarter of the prefix more) joins them."""
         mark = await self.mark()
         streams = [asyncio.create_task(self.one(prefix + self.prompt(DECODE_SUFFIX), tokens)) for _ in range(batch)]
         await self.until_decoding(batch, streams)
@@ -120,7 +120,10 @@ class Probe:
         recs = await asyncio.gather(*streams)
         steps = await self.steps(mark)
         dec = [s for s in steps if s.work.prefill_tokens == 0 and s.work.decode_seqs == batch]
-        gaps = [g for r in recs for g in sorted(r["itl_ms"][2:])[:-1]]  # less the step the joining request was in
+        # Each stream's mean gap (less the step the joining request was in): a client reading many
+        # streams at once sees some tokens arrive together (gaps near 0) and the next late, which
+        # a median of single gaps takes for the step time; a stream's mean is its step period.
+        gaps = [float(np.mean(g)) for r in recs if (g := sorted(r["itl_ms"][2:])[:-1])]
         if not dec or not gaps:
             print(
                 f"  {self.url}: no step decoded all {batch} streams at once; batch {batch} not measured "

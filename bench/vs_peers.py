@@ -350,7 +350,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--model", default="smollm2-135m", help="the sim workers' tokenizer; prompts go as its text")
     p.add_argument("--num-blocks", type=int, default=1024)
-    p.add_argument("--profile", default="bench/profiles/h200-llama8b-kvgate.json")
+    p.add_argument("--profile", default="bench/profiles/h200-llama8b-kvgate-eager.json")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--low-rate", type=float, default=2.0, help="rate of the overhead measurement (0: skip it)")

@@ -49,7 +49,7 @@ class TierCredits:
         )
 
 
-# Llama-3-8B on one H200: prefill 0.0104 ms/token (bench/profiles/h200-llama8b-kvgate.json), 128 KiB
+# Llama-3-8B on one H200: prefill 0.0104 ms/token (bench/profiles/h200-llama8b-kvgate-eager.json), 128 KiB
 # of KV per token copied back at 50 GB/s (pinned PCIe Gen5; bench/host_copy.py --device cuda measures
 # it): host credit 0.75. On this CPU host with SmolLM2, bench/results/host_copy_cpu_smollm2.json: 0.99.
 DEFAULT_TIER_CREDITS = TierCredits.for_rates(50.0, 131072, 0.0104)

@@ -42,7 +42,7 @@ def test_fast_forward_is_exact_with_a_measured_profile(name):
     """slo_goodput rescales its cost model by the step times the polls read: those must be the
     steps that have ended, in both modes, as in the engine's /state (a poll mid-step reads the
     steps before it, whether the step is one of a decode segment or not)."""
-    cost = CostModel.load("bench/profiles/h200-llama8b-kvgate.json")
+    cost = CostModel.load("bench/profiles/h200-llama8b-kvgate-eager.json")
     wl = WorkloadConfig(name=name, rate=40, duration_s=10, seed=3)
 
     def records(ff):

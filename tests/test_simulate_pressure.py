@@ -16,7 +16,7 @@ from bench.workloads import WorkloadConfig, generate
 from policies.registry import load_policy
 from workers.kv.cost_model import CostModel
 
-COST = CostModel.load("bench/profiles/h200-llama8b-kvgate.json")
+COST = CostModel.load("bench/profiles/h200-llama8b-kvgate-eager.json")
 SLO = (2000.0, 100.0)
 WORKERS = 4
 SHAPES = ("multi-turn", "shared-prefix", "long-doc-qa", "skewed")
