@@ -109,9 +109,10 @@ class ChunkInputs:
 
 
 def chunk_inputs(chunks: list[SeqChunk], block_size: int) -> ChunkInputs:
+    """Per chunk a few array extends; the slots (one per token) in one vectorised pass after."""
     b = block_size
     width = max((-(-(c.start_pos + len(c.token_ids)) // b) for c in chunks), default=0)
-    ids, pos, slots, lens, cu, tables = (array("i") for _ in range(6))
+    ids, pos, lens, cu, tables = (array("i") for _ in range(5))
     pad = [0] * width
     cu.append(0)
     longest = 0
@@ -121,13 +122,23 @@ def chunk_inputs(chunks: list[SeqChunk], block_size: int) -> ChunkInputs:
         row = c.block_table[: -(-end // b)]
         ids.extend(c.token_ids)
         pos.extend(range(start, end))
-        slots.extend(row[p // b] * b + p % b for p in range(start, end))
         lens.append(end)
         cu.append(cu[-1] + n)
         tables.extend(row)
         tables.extend(pad[: width - len(row)])
         longest = max(longest, n)
-    return ChunkInputs(ids, pos, slots, lens, cu, tables, width, longest)
+    return ChunkInputs(ids, pos, slots_of(pos, cu, tables, width, b), lens, cu, tables, width, longest)
+
+
+def slots_of(pos: array, cu: array, tables: array, width: int, block_size: int) -> array:
+    """slot = table[row][p // B] * B + p % B for every token, row the chunk it belongs to."""
+    if not pos:
+        return array("i")
+    p = torch.frombuffer(pos, dtype=torch.int32).long()
+    rows = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.frombuffer(cu, dtype=torch.int32).diff())
+    table = torch.frombuffer(tables, dtype=torch.int32)
+    slots = (table[rows * width + p // block_size].long() * block_size + p % block_size).int()
+    return array("i", slots.numpy().tobytes())
 
 
 def kernel_inputs(chunks: list[SeqChunk], block_size: int, staging: Staging) -> tuple[Tensor, Tensor, KernelBatch]:
