@@ -26,8 +26,8 @@ Output: one report per workload (`<out stem>-<workload>.json` with attainment-vs
 goodput plots, as `kvgate bench serve` writes), and `--out` with every router's goodput per
 workload, the ratio of kvgate's best to the best peer's, the overhead table, the simulator's
 goodput for each kvgate policy at the same rates against the real fleet's
-(`simulator_fidelity`; `--fidelity-only` adds it to an existing report), and a PNG of goodput
-bars next to it.
+(`simulator_fidelity`, `bench/peer_fidelity.py`: as measured and rescaled to each run's own worker
+steps; `--fidelity-only` adds it to an existing report), and a PNG of goodput bars next to it.
 """
 
 import argparse
@@ -44,14 +44,11 @@ from pathlib import Path
 import httpx
 
 from bench import report as rep
-from bench.fleet_sim import FleetConfig
 from bench.loadgen import run_rate
-from bench.sim_worker import SimConfig
-from bench.simulate import run_one as sim_one
+from bench.peer_fidelity import add_fidelity, step_mark, step_speed
 from bench.workloads import WorkloadConfig
 from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all, wait_for
 from workers.internal_auth import TOKEN_HEADER
-from workers.kv.cost_model import CostModel
 from workers.model_store import load_tokenizer, served_name
 
 PEERS = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
@@ -141,6 +138,7 @@ class Bench:
     def measure(self, urls: list[str], wl: WorkloadConfig, pid: int | None) -> dict:
         """One rate against `urls`: the summary, with the router's CPU seconds per request."""
         self.reset()
+        marks = [step_mark(w.url, self.token) for w in self.workers]
         before = cpu_s(pid) if pid else 0.0
         records = asyncio.run(
             run_rate(urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout, text=self.text)
@@ -153,6 +151,7 @@ class Bench:
             records=records,
             rejected=sum(1 for r in records if (r["error"] or "").startswith("http 429")),
             router_cpu_s_per_request=(cpu_s(pid) - before) / max(1, len(records)) if pid else None,
+            step_speed=step_speed(self.args.profile, [(w.url, m) for w, m in zip(self.workers, marks)], self.token),
         )
         return run
 
@@ -237,42 +236,6 @@ def summarize_all(reports: dict[str, dict], labels: list[str]) -> dict:
     return out
 
 
-def fidelity(summary_path: str) -> dict:
-    """The simulator's goodput for each kvgate policy on each workload of a finished run (same
-    fleet, profile, pool, SLOs, seeded workload and swept rates), against the real fleet's:
-    per policy the simulated goodput, the real one and their ratio."""
-    summary = json.loads(Path(summary_path).read_text())
-    profile = json.loads(Path(summary["profile"]).read_text())
-    fleet = FleetConfig(
-        workers=summary["workers"],
-        sim=SimConfig(num_blocks=summary["num_blocks"]),
-        cost=CostModel.from_json(profile),
-        slo_ttft_ms=summary["slo_ttft_ms"],
-        slo_tpot_ms=summary["slo_tpot_ms"],
-        views_with_cost=True,
-        request_overhead_ms=profile.get("request_overhead_ms", 0.0),
-    )
-    out = {}
-    for wl, name in summary["reports"].items():
-        report = json.loads((Path(summary_path).parent / name).read_text())
-        cfg = WorkloadConfig(name=wl, duration_s=summary["duration_s"], seed=0)
-        for label, entry in report["policies"].items():
-            if not label.startswith("kvgate-"):
-                continue
-            runs = [
-                sim_one(label.removeprefix("kvgate-"), {}, r["rate_rps"], cfg, fleet, quiet=True) for r in entry["runs"]
-            ]
-            simulated, _ = rep.goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs])
-            real = entry["goodput_rps"]
-            out.setdefault(wl, {})[label] = {
-                "simulated_goodput_rps": simulated,
-                "real_goodput_rps": real,
-                "ratio": simulated / real if real else None,
-                "attainment": [(r["rate_rps"], r["slo_attainment"]) for r in runs],
-            }
-    return out
-
-
 def plot_summary(summary: dict, path: str) -> None:
     import matplotlib
 
@@ -287,7 +250,7 @@ def plot_summary(summary: dict, path: str) -> None:
     width = 0.8 / max(1, len(labels))
     for i, label in enumerate(labels):
         xs = [j + i * width for j in range(len(workloads))]
-        ys = [summary[w]["goodput_rps"].get(label, 0.0) for w in workloads]
+        ys = [summary[w]["goodput_rps"].get(label) or 0.0 for w in workloads]
         ax.bar(xs, ys, width, label=label)
         for x, y in zip(xs, ys):
             ax.text(x, y, f"{y:.3g}", ha="center", va="bottom", fontsize=7)
@@ -444,16 +407,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_fidelity(args.out)
     print(f"wrote {args.out} and its plots", file=sys.stderr)
-
-
-def add_fidelity(path: str) -> None:
-    out = json.loads(Path(path).read_text())
-    out["simulator_fidelity"] = fidelity(path)
-    Path(path).write_text(json.dumps(rep._clean(out), indent=1))
-    print(
-        json.dumps({w: {k: v["ratio"] for k, v in s.items()} for w, s in out["simulator_fidelity"].items()}, indent=1),
-        file=sys.stderr,
-    )
 
 
 if __name__ == "__main__":
