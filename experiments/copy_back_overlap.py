@@ -1,9 +1,11 @@
 """Issue 22 on a GPU: a copy back from the host tier runs beside the steps, not inside them.
 
 Two parts, one JSON:
-1. Engine: A runs, B's prefill evicts A's blocks to host, C decodes while A runs again; A's
-   tokens must equal its first run's, C's those of C alone (greedy), and A must have waited in
-   the scheduler's `loading` for at least one step while C stepped.
+1. Engine: A runs, B's prefill evicts A's blocks to host, C decodes while A runs again: the
+   blocks back from host must hold A's first K/V bit for bit, A's tokens equal those of the same
+   prefix hit from device blocks (bf16 on a GPU: a prefix hit need not give the tokens of a full
+   prefill), C's those of C alone, and A must have waited in the scheduler's `loading` for at
+   least one step while C stepped.
 2. Runner: decode steps timed alone, with a copy back of N blocks in flight on the copy stream,
    and after one (serial, as before the copy stream); plus the copy's own time.
 
@@ -45,7 +47,10 @@ def engine_part(model: str, device: str, block: int) -> dict:
         TorchRunner(model, 64, block, device=device), tok, EngineConfig("m", block, 64, 512, 8, host_blocks=256)
     )
     first = run_alone(engine, "a", a, 8)
+    hashes = engine.pool.resident_hashes()
+    before = {h: engine.read_blocks([engine.pool._by_hash[h]]).clone() for h in hashes}
     run_alone(engine, "b", b, 2)
+    spilled = [h for h in hashes if h not in engine.pool._by_hash and h in engine.pool.host]
     outs: dict[str, list] = {"c": [], "a2": []}
     engine.submit("c", c, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), outs["c"].append)
     engine.step()
@@ -57,11 +62,18 @@ def engine_part(model: str, device: str, block: int) -> dict:
             waited += 1
             c_during += "c" in stepped
     again = [t for o in outs["a2"] for t in o.token_ids]
+    back = [h for h in spilled if h in engine.pool._by_hash]
+    same_kv = all(torch.equal(engine.read_blocks([engine.pool._by_hash[h]]), before[h]) for h in back)
     c_tokens = [t for o in outs["c"] for t in o.token_ids]
     alone = Engine(TorchRunner(model, 64, block, device=device), tok, EngineConfig("m", block, 64, 512, 8))
     c_ref = run_alone(alone, "c", c, 40)
+    run_alone(alone, "a", a, 8)
+    device_hit = run_alone(alone, "a2", a, 8)  # the same prefix hit from device blocks
     return {
-        "a_tokens_equal": again == first,
+        "blocks_back_from_host": len(back),
+        "kv_bitwise_equal_after_round_trip": same_kv,
+        "a_tokens_equal_first_run": again == first,
+        "a_tokens_equal_device_prefix_hit": again == device_hit,
         "c_tokens_equal": c_tokens == c_ref,
         "cached_tokens": outs["a2"][-1].num_cached,
         "steps_a_waited": waited,
