@@ -28,7 +28,7 @@ from bench.transfer_model import load as load_link
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate, resolve_rates
 from gateway.server import build_policy, parse_policy_args
-from policies.api import DEFAULT_TIER_CREDITS, TierCredits
+from policies.api import TierCredits
 from policies.registry import BUILTIN_POLICIES, load_policy
 from workers.cli_help import HelpFormatter
 from workers.kv.cost_model import CostModel
@@ -175,8 +175,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-kv-credit",
         type=float,
-        help="the router's credit for a matched host-tier block (gateway --host-kv-credit; "
-        "default: 1 - copy-back/prefill time from --host-kv-gbps and the cost model)",
+        help="the router's credit for a matched host-tier block (gateway --host-kv-credit; default "
+        "1.0: its copy back runs beside the steps; its time, from --host-kv-gbps, delays only its request)",
     )
     p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
     p.add_argument(
@@ -265,15 +265,17 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         drain_s=args.drain_s,
         views_with_cost=args.views_with_cost,
         request_overhead_ms=overhead,
-        tier_credits=tier_credits(args, cost),
+        tier_credits=tier_credits(args),
     )
 
 
-def tier_credits(args: argparse.Namespace, cost: CostModel) -> TierCredits:
-    """The router's tier credits: --host-kv-credit, else what copy-back and prefill rates give."""
-    if args.host_kv_credit is not None:
-        return TierCredits(args.host_kv_credit, DEFAULT_TIER_CREDITS.disk)
-    return TierCredits.for_rates(args.host_kv_gbps, args.kv_bytes_per_token, cost.prefill_token_ms)
+def tier_credits(args: argparse.Namespace) -> TierCredits:
+    """The router's tier credits: a host block's copy-back time from --host-kv-gbps, its credit
+    --host-kv-credit (default 1.0: the copy runs beside the steps and saves the whole prefill)."""
+    credits = TierCredits.for_rates(args.host_kv_gbps, args.kv_bytes_per_token)
+    if args.host_kv_credit is None:
+        return credits
+    return TierCredits(args.host_kv_credit, credits.disk, credits.host_copy_token_ms)
 
 
 def parse_roles(spec: str | None, workers: int) -> tuple[str, ...] | None:

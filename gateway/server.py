@@ -186,7 +186,7 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TIER_CREDITS.host,
         metavar="C",
         help="what a matched block in a worker's host tier is worth, in device blocks (its copy back "
-        "costs the rest of its prefill)",
+        "runs beside the worker's steps: it saves the whole prefill and delays only its own request)",
     )
     g.add_argument(
         "--disk-kv-credit",
@@ -302,7 +302,7 @@ def build(args: argparse.Namespace) -> Gateway:
         breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s),
         token=args.internal_token,
         kinds={vllm_worker.KIND: vllm_kind(args)},
-        tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit),
+        tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit, DEFAULT_TIER_CREDITS.host_copy_token_ms),
     )
     for spec in args.worker:
         add_worker(fleet, spec)

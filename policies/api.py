@@ -29,30 +29,29 @@ class RequestView:
 
 @dataclass(frozen=True)
 class TierCredits:
-    """What a matched block saves, in device blocks, by the tier it lies in: a host or disk block
-    is copied back before the prefill that uses it, so it saves that prefill less the copy.
-    `host`: 1 - copy-back time / prefill time (`for_rates`); `disk`: Dynamo's credit for its
-    disk tier (kvgate has no disk tier yet)."""
+    """What a matched block saves, in device blocks of prefill, by the tier it lies in, and what
+    a host block costs the request that uses it. A host block is copied back beside the worker's
+    steps (workers/scheduler.py: the request waits for it, nothing else does), so it saves its
+    whole prefill (`host` 1.0) and delays only its own request, by `host_copy_token_ms` per token
+    where the copy outlasts that request's wait in the queue (`predict.ttft_tpot_ms`). `disk`:
+    Dynamo's credit for its disk tier (kvgate has no disk tier yet). A lower `host` makes routing
+    prefer device hits regardless of load."""
 
-    host: float = 0.75
+    host: float = 1.0
     disk: float = 0.25
+    host_copy_token_ms: float = 0.0
 
     @staticmethod
-    def for_rates(
-        copy_gbps: float, kv_bytes_per_token: int, prefill_token_ms: float, disk: float = 0.25
-    ) -> "TierCredits":
-        """The host credit of a worker that copies back at `copy_gbps` (GB/s) and prefills at
-        `prefill_token_ms` per token: a block's copy and its prefill both scale with its tokens."""
-        copy_token_ms = kv_bytes_per_token / (copy_gbps * 1e6)
-        return TierCredits(
-            round(max(0.0, 1.0 - copy_token_ms / prefill_token_ms), 3) if prefill_token_ms > 0 else 0.0, disk
-        )
+    def for_rates(copy_gbps: float, kv_bytes_per_token: int, disk: float = 0.25) -> "TierCredits":
+        """The credits of a worker that copies back at `copy_gbps` (GB/s): a host block saves its
+        whole prefill, and its request waits `kv_bytes_per_token / copy rate` per token for it."""
+        return TierCredits(1.0, disk, kv_bytes_per_token / (copy_gbps * 1e6) if copy_gbps > 0 else 0.0)
 
 
-# Llama-3-8B on one H200: prefill 0.0104 ms/token (bench/profiles/h200-llama8b-kvgate-eager.json), 128 KiB
-# of KV per token copied back at 50 GB/s (pinned PCIe Gen5; bench/host_copy.py --device cuda measures
-# it): host credit 0.75. On this CPU host with SmolLM2, bench/results/host_copy_cpu_smollm2.json: 0.99.
-DEFAULT_TIER_CREDITS = TierCredits.for_rates(50.0, 131072, 0.0104)
+# Llama-3-8B on one H200: 128 KiB of KV per token copied back at 50 GB/s (pinned PCIe Gen5;
+# bench/host_copy.py --device cuda measures it), 0.0026 ms a token beside 0.0104 ms of prefill
+# (bench/profiles/h200-llama8b-kvgate-eager.json).
+DEFAULT_TIER_CREDITS = TierCredits.for_rates(50.0, 131072)
 
 
 @dataclass(frozen=True)

@@ -29,18 +29,32 @@ def hit_tokens(req: RequestView, w: WorkerView) -> int:
     return hit_blocks(req, w) * w.block_size
 
 
-def cached_tokens(req: RequestView, w: WorkerView) -> int:
-    """Prompt tokens `w`'s cache saves it computing, for scoring: `hit_blocks`, a block in a slower
-    tier counted as its tier's credit of a block (`TierCredits`: its prefill less the copy back).
-    Every policy's hit goes through here, so all credit alike."""
+def tier_blocks(req: RequestView, w: WorkerView) -> tuple[int, int, int]:
+    """`hit_blocks`, and how many of them lie in the host and the disk tier. The blocks cut past
+    the limit are the chain's tail, where the slower tiers lie."""
     n = hit_blocks(req, w)
     if not (w.matched_host_blocks or w.matched_disk_blocks):
-        return n * w.block_size
-    cut = w.matched_blocks - n  # blocks past the limit: the chain's tail, where slower tiers lie
+        return n, 0, 0
+    cut = w.matched_blocks - n
     disk = max(0, w.matched_disk_blocks - cut)
     host = max(0, w.matched_host_blocks - max(0, cut - w.matched_disk_blocks))
+    return n, host, disk
+
+
+def cached_tokens(req: RequestView, w: WorkerView) -> int:
+    """Prompt tokens `w`'s cache saves it computing, for scoring: `hit_blocks`, a block in a slower
+    tier counted as its tier's credit of a block (`TierCredits`). Every policy's hit goes
+    through here, so all credit alike."""
+    n, host, disk = tier_blocks(req, w)
+    if not (host or disk):
+        return n * w.block_size
     c = w.tier_credits
     return round((n - host - disk + c.host * host + c.disk * disk) * w.block_size)
+
+
+def copy_back_ms(req: RequestView, w: WorkerView) -> float:
+    """How long `req`'s host blocks take to come back on `w` before its prefill may start."""
+    return tier_blocks(req, w)[1] * w.block_size * w.tier_credits.host_copy_token_ms
 
 
 def uncached_tokens(req: RequestView, w: WorkerView) -> int:
@@ -84,7 +98,9 @@ def ttft_tpot_ms(
 
     The queue ahead is `queued_tokens`, made of at least one request; prefill runs in chunks of
     the token budget left after one token per running decode, and each step also pays for the
-    running decodes. The queue's chunks share `req`'s first decode steps."""
+    running decodes. A copy back of host blocks runs while the queue drains (the queue's share of
+    the time is its share of the tokens); only what outlasts the queue delays the prefill. The
+    queue's chunks share `req`'s first decode steps."""
     model, pscale, dscale = _model(w)
     n, hit, waiting, running = req.num_tokens, cached_tokens(req, w), w.waiting, w.running
     lacking = max(1, n - hit)
@@ -101,6 +117,8 @@ def ttft_tpot_ms(
         + pscale * (model.prefill_token_ms * (queued + own))
         + pscale * (model.prefill_attn_ms * attn / 1000.0)
     )
+    if w.matched_host_blocks:  # its prefill starts once both the queue ahead and its copy back are done
+        ttft += max(0.0, copy_back_ms(req, w) - ttft * queued / (queued + own))
     out = max(1, req.max_tokens)
     ttft += slot_wait_ms(w, running, waiting + unseen, out, model, dscale)
     shared = min(queued, chunk * out)
