@@ -14,6 +14,9 @@ with a plain-text 503. So each connection here is a `ClientConnection`:
 - beyond `max_connections` open connections, a new one is answered with an OpenAI-shaped 503
   and `Retry-After` (then closed) instead of being served, well before file descriptors run out.
 
+Each request's scope also offers the server's own `send` (the `RAW_SEND` extension), so a
+stream's events can skip the middlewares' send wrappers (gateway/proxy.py `PassThrough`).
+
 (SIGTERM drains the gateway through `workers.drain.DrainingServer`, with `Admission` as what
 drains: new requests get 503 `draining` + `Retry-After` while the ones it holds finish.)
 """
@@ -28,6 +31,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from workers.protocol import error_body
 
 HEADER, BODY = "header", "body"
+RAW_SEND = "kvgate.send"  # the scope extension whose "send" is the server's own
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class ClientConnection(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        self.cycle.scope.setdefault("extensions", {})[RAW_SEND] = {"send": self.cycle.send}
         self.head_bytes = 0
         self._guard(BODY, self.limits.body_timeout_s)
 

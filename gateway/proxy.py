@@ -26,6 +26,7 @@ import aiohttp
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from gateway.http_server import RAW_SEND
 from gateway.record import RequestRecord
 from workers.protocol import TTFT_HEADER
 
@@ -265,22 +266,27 @@ async def relay(
     if cut:
         yield head[:cut]
     partial = head[cut:]
+    loop = asyncio.get_running_loop()
     try:
-        while True:
-            async with asyncio.timeout(idle_timeout):
+        # one timer for the whole stream, armed only while a read waits: entering a fresh
+        # `asyncio.timeout` per event cost more than the rest of passing the event on
+        async with asyncio.timeout(None) as idle:
+            while True:
+                idle.reschedule(loop.time() + idle_timeout)
                 chunk = await resp.content.readany()
-            if not chunk:
-                break
-            if partial:
-                chunk, partial = partial + chunk, b""
-            if not chunk.endswith(b"\n\n"):
-                cut = chunk.rfind(b"\n\n") + 2
-                chunk, partial = chunk[:cut], chunk[cut:]
+                idle.reschedule(None)
                 if not chunk:
-                    continue
-            chunk = tap.feed(chunk)
-            if chunk:
-                yield chunk
+                    break
+                if partial:
+                    chunk, partial = partial + chunk, b""
+                if not chunk.endswith(b"\n\n"):
+                    cut = chunk.rfind(b"\n\n") + 2
+                    chunk, partial = chunk[:cut], chunk[cut:]
+                    if not chunk:
+                        continue
+                chunk = tap.feed(chunk)
+                if chunk:
+                    yield chunk
         if partial:
             yield partial
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
@@ -299,7 +305,13 @@ async def relay(
 class PassThrough(StreamingResponse):
     """A streamed upstream response that is closed, and `on_close` run, however the stream
     ends: finished, failed, cancelled by a client disconnect, or never started because the
-    client was gone before the first byte."""
+    client was gone before the first byte.
+
+    Lean on purpose, as it runs once per streamed token: instead of starlette's task group
+    (anyio, ~0.1 ms a response) one plain task watches for the client's disconnect and cancels
+    the stream; and the events go straight to the server's own `send` when it offers it
+    (`RAW_SEND`, gateway/http_server.py), past the middlewares' wrappers, which only look at a
+    response's start and end (those still go through them)."""
 
     def __init__(
         self,
@@ -313,12 +325,31 @@ class PassThrough(StreamingResponse):
         self.on_close: list[Callable[[], None]] = [on_close]
 
     async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "an ASGI app runs in a task"
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, task))
+        body = scope.get("extensions", {}).get(RAW_SEND, {}).get("send", send)
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await body({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # not the client's disconnect: the server's own cancellation
+            task.uncancel()  # the client left: the stream ends here, as starlette's would
         finally:
+            watcher.cancel()
             close_upstream(self.upstream)
             for callback in self.on_close:
                 callback()
+
+
+async def _cancel_on_disconnect(receive, task: asyncio.Task) -> None:
+    """Cancel `task` when its client disconnects (the request body is read by then)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    task.cancel()
 
 
 def sse_error(message: str, type_: str = "server_error", code: str = "worker_failed") -> bytes:
