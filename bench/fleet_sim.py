@@ -80,10 +80,13 @@ class FleetSim:
         self.index = ResidencyIndex()
         self.unindexed: dict[str, list[KVEvent]] = {}  # worker id -> events not yet applied
         self.workers = [self._worker(i) for i in range(cfg.workers)]
+        self.position = {w.worker_id: i for i, w in enumerate(self.workers)}
+        self.link = Link(cfg.transfer_latency_s, cfg.transfer_gbps)
+        self.wire_free = [0.0] * cfg.workers  # per P: when its link has sent the batches queued on it
+        self.now = 0.0  # the virtual time of the event being handled
         self.base = [self._view(w) for w in self.workers]
         self.current = list(self.base)
         self.matched: list[dict[tuple[int, int, int], WorkerView]] = [{} for _ in self.workers]
-        self.position = {w.worker_id: i for i, w in enumerate(self.workers)}
         self.hasher = ChainHasher(cfg.sim.block_size, self.seed)
         self.in_flight = [0] * cfg.workers
         self.version = [0] * cfg.workers
@@ -95,9 +98,6 @@ class FleetSim:
         self.events_processed = 0
         # per D: decode requests waiting for their KV (their timeout is a KV_TIMEOUT event)
         self.held = [PendingKV(w.kv) for w in self.workers]
-        self.link = Link(cfg.transfer_latency_s, cfg.transfer_gbps)
-        self.wire_free = [0.0] * cfg.workers  # per P: when its link has sent the batches queued on it
-        self.now = 0.0  # the virtual time of the event being handled
         # event seq -> (decode request, D, first block, hashes, parent) of a batch in transit
         self.transfers: dict[int, tuple[Request, int, int, list[int], int | None]] = {}
         self.timeouts: dict[int, str] = {}
@@ -130,9 +130,14 @@ class FleetSim:
         return self.cfg.roles[i] if self.cfg.roles else "mixed"
 
     def _view(self, w: SimWorker) -> WorkerView:
-        """What a poll of w's /state gives the router, built as the gateway builds it."""
+        """What a poll of w's /state gives the router, built as the gateway builds it: with the
+        bytes still queued on its link, as its `kv_transfer.backlog_bytes` reads."""
+        wire_left = max(0.0, self.wire_free[self.position[w.worker_id]] - self.now)
         return worker_view(
-            w.state(), transfer_gbps=self.cfg.transfer_gbps, cost=self.cfg.cost if self.cfg.views_with_cost else None
+            w.state(),
+            transfer_gbps=self.cfg.transfer_gbps,
+            cost=self.cfg.cost if self.cfg.views_with_cost else None,
+            export_backlog_bytes=int(wire_left * self.cfg.transfer_gbps * 1e9),
         )
 
     def _push(self, t: float, kind: int, i: int) -> None:

@@ -96,10 +96,15 @@ TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0, "nixl": 3.5}
 
 
 def worker_view(
-    state: WorkerState, url: str = "", transfer_gbps: float = TRANSPORT_GBPS["http"], cost: CostModel | None = None
+    state: WorkerState,
+    url: str = "",
+    transfer_gbps: float = TRANSPORT_GBPS["http"],
+    cost: CostModel | None = None,
+    export_backlog_bytes: int = 0,
 ) -> WorkerView:
     """The policies' picture of a worker from its /state: the one builder, for the gateway's
-    polls and the fleet simulator's. `cost`, when given, stands for the worker's own profile."""
+    polls and the fleet simulator's. `cost`, when given, stands for the worker's own profile;
+    the transfer fields come from the server's `kv_transfer` (the simulator's link)."""
     return WorkerView(
         worker_id=state.worker_id,
         role=state.role,
@@ -124,13 +129,15 @@ def worker_view(
         kv_bytes_per_token=state.kv_bytes_per_token,
         transfer_gbps=transfer_gbps,
         export_batch_blocks=state.export_batch_blocks,
+        export_backlog_bytes=export_backlog_bytes,
         url=url,
     )
 
 
 def _view(state: dict, url: str, cost: CostModel | None = None) -> WorkerView:
     """The view from a polled /state body; `cost`: its cost model already parsed."""
-    return worker_view(WorkerState.from_json(state), url, _transfer_gbps(state), cost)
+    backlog = int((state.get("kv_transfer") or {}).get("backlog_bytes") or 0)
+    return worker_view(WorkerState.from_json(state), url, _transfer_gbps(state), cost, backlog)
 
 
 DRAINING = "it is draining"

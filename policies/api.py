@@ -92,6 +92,7 @@ class WorkerView:
     transfer_gbps: float = 1.0
     kv_bytes_per_token: int = 0
     export_batch_blocks: int = 0  # as a prefill worker: its export batch (workers/export_batch.py)
+    export_backlog_bytes: int = 0  # exports handed to its link and not sent yet
     url: str = ""
 
     @property

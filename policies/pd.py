@@ -75,7 +75,7 @@ class PdDecider:
         for d in fleet.by_role(DECODE):
             tail, tpot = import_ttft_tpot_ms(req, d)
             ttft, p = min(
-                ((t + exposed_transfer_ms(req, p, d) + tail, p) for t, p in heads),
+                ((t + exposed_transfer_ms(req, p, d, t) + tail, p) for t, p in heads),
                 key=lambda c: (c[0], c[1].worker_id),
             )
             out.append(Pair(p, d, ttft, tpot))
@@ -98,7 +98,7 @@ class PdDecider:
         for d in servers:
             if d is not holder and held - cached_tokens(req, d) >= self.min_uncached_tokens:
                 tail, tpot = import_ttft_tpot_ms(req, d)
-                out.append(Pair(holder, d, head + exposed_transfer_ms(req, holder, d) + tail, tpot))
+                out.append(Pair(holder, d, head + exposed_transfer_ms(req, holder, d, head) + tail, tpot))
         return out
 
     def best_pair(self, req: RequestView, fleet: FleetView) -> Pair | None:

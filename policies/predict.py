@@ -10,7 +10,7 @@ per-token estimate.
 
 import math
 
-from policies.api import RequestView, WorkerView
+from policies.api import PREFILL, RequestView, WorkerView
 from workers.kv.cost_model import CostModel
 from workers.kv.transfer_time import exposed, num_batches
 
@@ -196,11 +196,14 @@ def own_prefill_ms(req: RequestView, w: WorkerView) -> float:
     )
 
 
-def exposed_transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
+def exposed_transfer_ms(req: RequestView, p: WorkerView, d: WorkerView, ttft_p: float | None = None) -> float:
     """What moving the blocks `d` lacks from `p` adds to TTFT once `p`'s prefill is done: `p`
     exports in batches of `export_batch_blocks` as its steps compute them, so the transfer
     overlaps the prefill and only what is left of it adds (`transfer_time.exposed`; all of it
-    when `p` ships one payload at the end). Blocks `p` had cached leave with the first batch."""
+    when `p` ships one payload at the end). Blocks `p` had cached leave with the first batch.
+    The link first carries what is ahead on it: `p`'s exports not sent yet and, on a prefill
+    worker, the legs queued before this one; a saturated link shows here, not in the prefill.
+    `ttft_p` is `ttft_ms(req, p)` when the caller has it."""
     wire = transfer_ms(req, p, d)
     if not 0 < wire < math.inf:
         return wire
@@ -209,7 +212,13 @@ def exposed_transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float
     computed = full - max(held, hit)
     chunk = max(1, p.max_batched_tokens - p.running)
     batches = num_batches(full - hit, chunk, p.block_size, p.export_batch_blocks)
-    return exposed(own_prefill_ms(req, p), wire, wire * computed / (full - held), batches, 0.0)
+    prefill = own_prefill_ms(req, p)
+    ahead = p.export_backlog_bytes + (queued_tokens(req, p) if p.role == PREFILL else 0) * max(
+        p.kv_bytes_per_token, d.kv_bytes_per_token
+    )
+    starts = (ttft_ms(req, p) if ttft_p is None else ttft_p) - prefill
+    backlog = ahead / (min(p.transfer_gbps, d.transfer_gbps) * 1e6) - starts
+    return exposed(prefill, wire, wire * computed / (full - held), batches, 0.0, backlog)
 
 
 def import_ttft_ms(req: RequestView, d: WorkerView) -> float:
@@ -227,7 +236,8 @@ def import_ttft_tpot_ms(req: RequestView, d: WorkerView) -> tuple[float, float]:
 
 def pd_ttft_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
     """TTFT of `req` prefilled on `p` and decoded on `d`."""
-    return ttft_ms(req, p) + exposed_transfer_ms(req, p, d) + import_ttft_ms(req, d)
+    head = ttft_ms(req, p)
+    return head + exposed_transfer_ms(req, p, d, head) + import_ttft_ms(req, d)
 
 
 def _model(w: WorkerView) -> tuple[CostModel, float, float]:

@@ -204,3 +204,30 @@ def test_a_prefill_worker_exporting_in_batches_hides_part_of_the_transfer():
     assert wire / 3 <= predict.exposed_transfer_ms(r, batched, d) < wire
     assert predict.pd_ttft_ms(r, batched, d) < predict.pd_ttft_ms(r, whole, d)
     assert predict.pd_ttft_ms(r, batched, d) >= predict.ttft_ms(r, batched) + predict.import_ttft_ms(r, d)
+
+
+def test_what_is_queued_on_a_prefill_workers_link_delays_the_transfer():
+    """A prefill worker's link first carries its exports not sent yet and the legs queued
+    ahead: on a slow link that backlog, less the time until this prefill starts, is waited
+    out; on a fast one it has drained before this prefill ends and adds nothing."""
+    r = req(6000)
+    d = worker("d", role=DECODE, kv_bytes_per_token=131072, transfer_gbps=1.0)
+
+    def prefill(gbps: float, **kw) -> WorkerView:
+        return worker("p", role=PREFILL, kv_bytes_per_token=131072, transfer_gbps=gbps, export_batch_blocks=16, **kw)
+
+    queued = {"waiting": 4, "queued_prefill_tokens": 20000}
+    idle, busy = prefill(1.0), prefill(1.0, **queued)
+    ahead_ms = 20000 * 131072 / 1e6
+    starts_ms = predict.ttft_ms(r, busy) - predict.own_prefill_ms(r, busy)
+    wire = predict.transfer_ms(r, busy, d)
+    assert predict.exposed_transfer_ms(r, busy, d) == pytest.approx(
+        ahead_ms - starts_ms + wire - predict.own_prefill_ms(r, busy)
+    )
+    assert predict.exposed_transfer_ms(r, busy, d) > predict.exposed_transfer_ms(r, idle, d)
+    sending = prefill(1.0, export_backlog_bytes=2 * 10**9)
+    assert predict.exposed_transfer_ms(r, sending, d) == pytest.approx(2000 + wire - predict.own_prefill_ms(r, idle))
+    fast_d = worker("d", role=DECODE, kv_bytes_per_token=131072, transfer_gbps=100.0)
+    assert predict.exposed_transfer_ms(r, prefill(100.0, **queued), fast_d) == predict.exposed_transfer_ms(
+        r, prefill(100.0), fast_d
+    )

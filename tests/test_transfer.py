@@ -111,3 +111,41 @@ def test_a_failed_kv_write_is_a_500_and_leaks_nothing():
         state = client.get("/state", headers={"x-kvgate-token": "t"}).json()
     assert eng.pool.num_free == 16 and not eng.events.after(0).events
     assert state["engine_calls_s"] >= 0
+
+
+def test_exports_not_sent_yet_count_as_the_links_backlog():
+    """`kv_transfer.backlog_bytes` (what the predictor puts ahead of a new export on this link)
+    is the K/V bytes of the exports handed over and not finished, sent or failed."""
+    import asyncio
+
+    from workers.transfer_http import TransferService
+
+    eng = sim_engine()
+    svc = TransferService(eng, "m", "token")
+    svc.spec = SPEC
+    gates: list[asyncio.Event] = []
+
+    async def send(*args, **kwargs) -> bool:
+        gate = asyncio.Event()
+        gates.append(gate)
+        await gate.wait()
+        if gate is gates[1]:
+            raise RuntimeError("the peer went away")
+        return True
+
+    svc.send = send
+
+    async def run() -> list[int]:
+        seen = []
+        for n in (3, 5):
+            svc._start_send("http://d", list(range(n)), [[0] * 4] * n, [], None)
+        await asyncio.sleep(0)
+        seen.append(svc.stats()["backlog_bytes"])
+        for gate in gates:
+            gate.set()
+            await asyncio.sleep(0.01)
+            seen.append(svc.backlog_bytes)
+        return seen
+
+    assert asyncio.run(run()) == [8 * SPEC.block_bytes(), 5 * SPEC.block_bytes(), 0]
+    assert svc.sending == 0 and svc.failures == 1

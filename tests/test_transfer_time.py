@@ -11,21 +11,22 @@ times = st.floats(0.0, 10.0, allow_nan=False)
 positive = st.floats(1e-3, 10.0, allow_nan=False)
 
 
-def replay(prefill: float, wire: float, computed: float, m: int, latency: float) -> float:
+def replay(prefill: float, wire: float, computed: float, m: int, latency: float, backlog: float = 0.0) -> float:
     """`Link.lands_s` over the batches `exposed` describes: m batches ready at k/m of the
-    prefill, the computed wire spread evenly, the rest with the first; minus the prefill."""
+    prefill, the computed wire spread evenly, the rest with the first, on a link busy until
+    `backlog`; minus the prefill."""
     link = Link(latency, 1e-9)  # 1 byte takes 1 time unit
-    lands = 0.0
+    lands = backlog
     for k in range(1, m + 1):
         size = computed / m + (wire - computed if k == 1 else 0.0)
         lands = link.lands_s(prefill * k / m, lands, size)
     return lands - prefill
 
 
-@given(times, positive, st.floats(0.0, 1.0), st.integers(1, 64), times)
-def test_the_closed_form_is_the_batch_by_batch_link(prefill, wire, share, m, latency):
-    assert exposed(prefill, wire, wire * share, m, latency) == pytest.approx(
-        replay(prefill, wire, wire * share, m, latency), rel=1e-9, abs=1e-9
+@given(times, positive, st.floats(0.0, 1.0), st.integers(1, 64), times, times)
+def test_the_closed_form_is_the_batch_by_batch_link(prefill, wire, share, m, latency, backlog):
+    assert exposed(prefill, wire, wire * share, m, latency, backlog) == pytest.approx(
+        replay(prefill, wire, wire * share, m, latency, backlog), rel=1e-9, abs=1e-9
     )
 
 

@@ -38,6 +38,7 @@ class TransferService:
         self.sent_seconds = 0.0
         self.failures = 0
         self.sending = 0  # exports between a finished prefill and the end of their POST
+        self.backlog_bytes = 0  # their K/V bytes: what is ahead of a new export on this link
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
         self.tracing = WorkerTracing()  # the server's, once it sets it
         self.nixl = self._start_nixl(engine.worker_id) if transport == "nixl" else None
@@ -88,16 +89,19 @@ class TransferService:
         parent: int | None = None,
     ) -> None:
         """Counted from here, on the loop, so a draining worker waits for the export too."""
+        nbytes = len(hashes) * self.spec.block_bytes()
         self.sending += 1
+        self.backlog_bytes += nbytes
         headers: dict[str, str] = {}
         export_span = self.tracing.export_span(span, url, len(hashes), sum(map(len, tokens)), headers)
         task = background(self.send(url, hashes, tokens, held, cache_salt, headers, parent))
-        task.add_done_callback(self._sent)
+        task.add_done_callback(lambda t: self._sent(t, nbytes))
         if export_span is not None:
             task.add_done_callback(lambda t: export_span.end())
 
-    def _sent(self, task: asyncio.Task) -> None:
+    def _sent(self, task: asyncio.Task, nbytes: int) -> None:
         self.sending -= 1
+        self.backlog_bytes -= nbytes
         if not task.cancelled() and task.exception() is not None:
             self.failures += 1
             log.warning("KV export failed: %r", task.exception())
@@ -245,6 +249,7 @@ class TransferService:
             "sent_seconds": self.sent_seconds,
             "gbps": self.sent_bytes / self.sent_seconds / 1e9 if self.sent_seconds else None,
             "failures": self.failures,
+            "backlog_bytes": self.backlog_bytes,
             "received_seconds": self.received_seconds,
             **({"nixl": self.nixl.stats()} if self.nixl is not None else {}),
         }

@@ -41,14 +41,18 @@ def num_batches(blocks: int, chunk: int, block_size: int, batch_blocks: int) -> 
     return math.ceil(steps / per)
 
 
-def exposed(prefill: float, wire: float, computed_wire: float, batches: int, latency: float) -> float:
+def exposed(
+    prefill: float, wire: float, computed_wire: float, batches: int, latency: float, backlog: float = 0.0
+) -> float:
     """How long after a prefill taking `prefill` its last batch lands (times in any one unit): `Link.lands_s` over
     `batches` batches ready at even intervals of the prefill, the last as it ends. The blocks
     computed during it (`computed_wire` of the `wire` total) are spread evenly over the
-    batches; the rest (blocks the prefill worker had cached) go with the first. In closed form:
-    the chain of batches is longest from the first batch or from the last, as the batches in
-    between are alike. Why: a routing decision prices every pair, it cannot replay the batches.
+    batches; the rest (blocks the prefill worker had cached) go with the first. The link is busy
+    with earlier transfers for `backlog` after the prefill starts. In closed form: the chain of
+    batches is longest from the first batch or from the last, as the batches in between are
+    alike, or from the backlog. Why: a routing decision prices every pair, it cannot replay the
+    batches.
     """
     m = max(1, batches)
     computed = min(max(0.0, computed_wire), wire)
-    return latency + max(computed / m, wire - prefill * (m - 1) / m)
+    return max(latency + max(computed / m, wire - prefill * (m - 1) / m), backlog + wire - prefill)
