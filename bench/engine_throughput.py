@@ -18,7 +18,7 @@ from pathlib import Path
 from workers.engine import Engine, EngineConfig
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.sampling_params import SamplingParams
-from workers.step_stats import StepRecord
+from workers.step_stats import StepRecord, StepStats
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,6 +39,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kernels", action="store_true", help="the gather + SDPA path even on CUDA")
     p.add_argument("--hf-generate", action="store_true", help="also time HF generate on the same prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--warmup-seqs",
+        type=int,
+        default=64,
+        help="sequences of the same shape run untimed first, as nano-vllm's bench warms up (0: none)",
+    )
     p.add_argument("--out", default="bench/results/engine_throughput.json")
     return p
 
@@ -221,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     seqs = workload(args)
     engine = build_engine(args, seqs)
+    if args.warmup_seqs:
+        warm = argparse.Namespace(**{**vars(args), "num_seqs": args.warmup_seqs, "seed": args.seed + 1})
+        run(engine, [(p, min(n, 64)) for p, n in workload(warm)])
+        engine.stats = StepStats()  # the timed run's step log and counts alone
+        engine.pool.clear_cache()
     result = run(engine, seqs)
     runner = engine.executor
     result["path"] = {"kernels": runner.kernels, "cuda_graphs": runner.graphs is not None}
