@@ -1,10 +1,12 @@
 """Host KV tier: copy-out and copy-back rates of the torch executor, against prefill of the same
-blocks, on one device; the host tier's routing credit follows from them.
+blocks, on one device.
 
 For each batch of n blocks: `swap_out` (device -> host slots) and `swap_in` (host -> device
 blocks) as the engine issues them, timed to completion (CUDA: synchronised), and a prefill of
-the n blocks' tokens in one step. A matched host block saves its prefill less its copy back:
-credit = 1 - copy-back ms / prefill ms per block (policies.api.TierCredits). JSON and PNG out.
+the n blocks' tokens in one step. `host_credit` = 1 - copy-back ms / prefill ms per block: what
+a host hit would save were its copy to hold the step. The engine runs the copy beside the steps
+instead, so the router credits a host block whole and charges the copy time (the rate measured
+here, policies.api.TierCredits.for_rates) to its own request's TTFT. JSON and PNG out.
 """
 
 import argparse

@@ -9,8 +9,9 @@ Two parts, one JSON:
 2. Runner: decode steps timed alone, with a copy back of N blocks in flight on the copy stream,
    and after one (serial, as before the copy stream); plus the copy's own time.
 
-Usage (device tool, repo root, carry .devcarry):
-  PYTHONPATH=. python3 experiments/copy_back_overlap.py --out $OUT/copy_back_overlap.json
+Usage (device tool, repo root, carry .devcarry); the PNG is drawn beside the JSON:
+  PYTHONPATH=. python3 experiments/copy_back_overlap.py --tokenizer-dir .devcarry --init-device cuda \
+    --out $OUT/copy_back_overlap_h200_1b.json
 """
 
 import argparse
@@ -144,6 +145,33 @@ def runner_part(model: str, device: str, block: int, copy_blocks: int, batch: in
     }
 
 
+def plot(result: dict, path: str) -> None:
+    """The runner part as bars: k decode steps alone, with the copy back beside them, and the
+    copy waited for before them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = result["runner"]
+    bars = {
+        f"{r['steps']} decode steps": r["step_ms_alone"] * r["steps"],
+        "the same steps,\ncopy back beside": r["k_steps_with_copy_beside_ms"],
+        "copy back, then\nthe steps (serial)": r["k_steps_then_copy_serial_ms"],
+    }
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(list(bars), list(bars.values()), color=["#888", "#2a7", "#c44"])
+    ax.set_ylabel("ms")
+    mib = r["copy_bytes"] / 2**20
+    ax.set_title(
+        f"{result['device']}: copy back of {mib:.0f} MiB ({r['copy_gbps']:.0f} GB/s)\n"
+        f"beside {r['steps']} decode steps of {r['decode_batch']} seqs",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     add_args(p)
@@ -169,6 +197,7 @@ def main() -> None:
         }
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
+    plot(result, str(Path(args.out).with_suffix(".png")))
 
 
 if __name__ == "__main__":
