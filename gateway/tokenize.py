@@ -3,7 +3,8 @@
 The gateway runs the workers' own `parse_request` with the model's own tokenizer (and chat
 template) and the shared `workers.kv.hashing` chain, so its hashes name the very blocks the
 workers cache. Long prompts are tokenized in a thread so they never stall the event loop;
-short ones inline, where a thread hop would cost more than the work.
+short ones inline, where a thread hop would cost more than the work. A prompt's text is
+tokenized once per distinct prefix (`gateway.prefix_tokens`).
 """
 
 import asyncio
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.passthrough import parse_whole
+from gateway.prefix_tokens import PrefixTokenizer
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 from workers.model_store import load_tokenizer, served_name
 from workers.protocol import ParsedRequest, parse_request, token_chars
@@ -45,7 +47,8 @@ class ModelTokenizer:
 
     def __init__(self, name: str, tokenizer, block_size: int):
         self.name = name
-        self.tokenizer = tokenizer
+        self.tokenizer = PrefixTokenizer(tokenizer)
+        log.info("model %r: prompt prefix token cache %s", name, "on" if self.tokenizer.enabled else "off")
         self.block_size = block_size
         self.seed = seed_hash(name, block_size)
         token_chars(tokenizer)  # the prompt-length bound's vocabulary scan, done at load, not on a request

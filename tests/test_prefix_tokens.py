@@ -1,0 +1,95 @@
+"""The gateway's prefix token cache: ids always equal the tokenizer's own; cached when it can."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from gateway.prefix_tokens import PrefixTokenizer
+from workers.model_store import load_tokenizer
+
+WORDS = [
+    "the",
+    "cache",
+    "Über",
+    "naïve",
+    "42",
+    "3.14",
+    "!",
+    "?",
+    "—",
+    "\n",
+    "  ",
+    "\t",
+    "'s",
+    "日本",
+    "🙂",
+    "<|im_start|>",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_tokenizer("smollm2-135m")
+
+
+def texts():
+    word = st.sampled_from(WORDS).map(lambda w: w + " ") | st.sampled_from(WORDS)
+    return st.lists(word, min_size=1, max_size=400).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix=texts(), tails=st.lists(texts(), min_size=1, max_size=3), special=st.booleans())
+def test_ids_equal_the_tokenizers_on_shared_prefixes(smollm2, prefix, tails, special):
+    cached = PrefixTokenizer(smollm2, chunk_chars=64)
+    for tail in tails:
+        text = prefix + tail
+        assert cached.encode(text, special) == smollm2.encode(text, add_special_tokens=special)
+
+
+def test_a_shared_prefix_is_tokenized_once(smollm2):
+    cached = PrefixTokenizer(smollm2, chunk_chars=128)
+    assert cached.enabled
+    prefix = " ".join(f"word{i} and some more text, {i * 7}." for i in range(300))
+    for q in ("What is first?", "What is last?", "And in between?"):
+        assert cached.encode(prefix + " " + q) == smollm2.encode(prefix + " " + q)
+    assert cached.hits > 1.8 * len(prefix)  # the second and third prompts read it from the cache
+    assert cached.misses < 1.3 * len(prefix)
+
+
+def test_chunks_stay_within_the_bound(smollm2):
+    cached = PrefixTokenizer(smollm2, chunk_chars=32, max_chunks=10)
+    for i in range(20):
+        text = f"prompt {i} " + "lorem ipsum dolor sit amet " * 20
+        assert cached.encode(text) == smollm2.encode(text)
+    assert len(cached._chunks) <= 10
+
+
+def test_a_tokenizer_that_does_not_split_words_gets_no_cache():
+    """No pre-tokenizer: BPE merges may cross spaces (here they do), so a prefix's tokens may
+    depend on what follows it; the cache stays off and the ids are the tokenizer's."""
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    corpus = ["the cache holds the prefix of the prompt " * 3, "naive Uber 42 3.14 and more words here"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    assert any(" " in t.strip() for t in fast.get_vocab())  # merges across a space exist
+    cached = PrefixTokenizer(fast, chunk_chars=16)
+    text = "the cache holds " * 40 + "naive"
+    assert not cached.enabled
+    assert cached.encode(text) == fast.encode(text)
+
+
+def test_sentencepiece_style_metaspace_splits_at_spaces():
+    """Metaspace turns each space into the next word's '▁' and starts a piece there, so the
+    cut rule holds and the cache is on; ids equal the tokenizer's."""
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    corpus = ["the cache holds the prefix of the prompt " * 3, "naïve Über 42 3.14 and more words here"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    cached = PrefixTokenizer(fast, chunk_chars=16)
+    assert cached.enabled
+    for tail in ("naïve", " more words", "42"):
+        text = "the cache holds " * 40 + tail
+        assert cached.encode(text) == fast.encode(text)
