@@ -4,7 +4,7 @@ The gateway runs the workers' own `parse_request` with the model's own tokenizer
 template) and the shared `workers.kv.hashing` chain, so its hashes name the very blocks the
 workers cache. Long prompts are tokenized in a thread so they never stall the event loop;
 short ones inline, where a thread hop would cost more than the work. A prompt's text is
-tokenized once per distinct prefix (`gateway.prefix_tokens`).
+tokenized once per distinct prefix (`workers.prefix_tokens`).
 """
 
 import asyncio
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.passthrough import parse_whole
-from gateway.prefix_tokens import PrefixTokenizer
+from workers.prefix_tokens import PrefixTokenizer
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 from workers.model_store import load_tokenizer, served_name
 from workers.protocol import ParsedRequest, parse_request, token_chars

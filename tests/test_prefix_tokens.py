@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from gateway.prefix_tokens import PrefixTokenizer
+from workers.prefix_tokens import PrefixTokenizer
 from workers.model_store import load_tokenizer
 
 WORDS = [

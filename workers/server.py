@@ -25,6 +25,7 @@ from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
 from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx
 from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
+from workers.prefix_tokens import PrefixTokenizer
 from workers.protocol import (
     TTFT_HEADER,
     ParsedRequest,
@@ -156,6 +157,8 @@ class WorkerServer:
         self.transfer = TransferService(engine, served_model, internal_token, kv_transport)
         self.model = served_model
         self.vocab_size = vocab_size
+        # prompts are tokenized once per distinct prefix; the engine keeps the plain tokenizer
+        self.prompt_tokenizer = PrefixTokenizer(engine.tokenizer) if engine.tokenizer is not None else None
         self.metrics = WorkerMetrics(engine, served_model)
         self.tracing = tracing or WorkerTracing()
         self.transfer.tracing = self.tracing
@@ -246,7 +249,7 @@ class WorkerServer:
             )
         try:
             parsed = await asyncio.to_thread(
-                parse_request, body, kind, self.engine.tokenizer, self.engine.max_model_len, self.vocab_size
+                parse_request, body, kind, self.prompt_tokenizer, self.engine.max_model_len, self.vocab_size
             )
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
@@ -284,7 +287,7 @@ class WorkerServer:
         if isinstance(body, Response):
             return body
         try:
-            ids, strs = await asyncio.to_thread(tokenize_body, body, self.engine.tokenizer, self.engine.max_model_len)
+            ids, strs = await asyncio.to_thread(tokenize_body, body, self.prompt_tokenizer, self.engine.max_model_len)
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
         return JSONResponse(
