@@ -316,13 +316,22 @@ def test_a_request_waiting_for_its_copy_back_holds_up_nothing_else():
     check_waited(engine, tokens, waited, a)
 
 
-def test_copy_back_overlapping_other_requests_keeps_greedy_output(model_path):
-    """The same on a real model: A's and C's tokens are transformers' greedy ones."""
+class SlowCopyOverlapRunner(SlowCopyRunner):
+    """The runner's own launch/collect overlapped on CPU (the next step planned before this
+    one's tokens are read, as on CUDA)."""
+
+    overlaps = True
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_copy_back_overlapping_other_requests_keeps_greedy_output(model_path, overlap):
+    """The same on a real model, stepped one at a time or overlapped: A's and C's tokens are
+    transformers' greedy ones."""
     tok = load_tokenizer(model_path)
     a = tok.encode("The quick brown fox jumps over the lazy dog while the cache keeps every block it can. " * 3)[:21]
     b = tok.encode("Paged attention splits the key value cache into blocks that a scheduler hands out. " * 3)[:57]
     c = tok.encode("A gateway routes each request to the worker that holds its prefix.")[:8]
-    runner = SlowCopyRunner(model_path, 16, 4, copy_steps=COPY_STEPS)
+    runner = (SlowCopyOverlapRunner if overlap else SlowCopyRunner)(model_path, 16, 4, copy_steps=COPY_STEPS)
     engine = Engine(runner, tok, EngineConfig("m", 4, 16, 64, 8, host_blocks=32))
     tokens, waited = wait_for_copy_back(engine, a, b, c)
     check_waited(engine, tokens, waited, a)
