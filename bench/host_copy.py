@@ -6,7 +6,7 @@ blocks) as the engine issues them, timed to completion (CUDA: synchronised), and
 the n blocks' tokens in one step. `host_credit` = 1 - copy-back ms / prefill ms per block: what
 a host hit would save were its copy to hold the step. The engine runs the copy beside the steps
 instead, so the router credits a host block whole and charges the copy time (the rate measured
-here, policies.api.TierCredits.for_rates) to its own request's TTFT. JSON and PNG out.
+here: gateway --host-kv-gbps) to its own request's TTFT. JSON and PNG out.
 """
 
 import argparse

@@ -28,7 +28,7 @@ from bench.transfer_model import load as load_link
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate, resolve_rates
 from gateway.server import build_policy, parse_policy_args
-from policies.api import TierCredits
+from policies.api import DEFAULT_TIER_CREDITS, TierCredits
 from policies.registry import BUILTIN_POLICIES, load_policy
 from workers.cli_help import HelpFormatter
 from workers.kv.cost_model import CostModel
@@ -270,12 +270,10 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
 
 
 def tier_credits(args: argparse.Namespace) -> TierCredits:
-    """The router's tier credits: a host block's copy-back time from --host-kv-gbps, its credit
-    --host-kv-credit (default 1.0: the copy runs beside the steps and saves the whole prefill)."""
-    credits = TierCredits.for_rates(args.host_kv_gbps, args.kv_bytes_per_token)
-    if args.host_kv_credit is None:
-        return credits
-    return TierCredits(args.host_kv_credit, credits.disk, credits.host_copy_token_ms)
+    """The router's tier credits: a host block's credit --host-kv-credit (default 1.0: the copy runs
+    beside the steps and saves the whole prefill), its copy back at --host-kv-gbps."""
+    host = 1.0 if args.host_kv_credit is None else args.host_kv_credit
+    return TierCredits(host, DEFAULT_TIER_CREDITS.disk, args.host_kv_gbps)
 
 
 def parse_roles(spec: str | None, workers: int) -> tuple[str, ...] | None:

@@ -189,6 +189,15 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
         "runs beside the worker's steps: it saves the whole prefill and delays only its own request)",
     )
     g.add_argument(
+        "--host-kv-gbps",
+        type=float,
+        default=DEFAULT_TIER_CREDITS.host_gbps,
+        metavar="G",
+        help="how fast a worker copies its host tier back to the device (GB/s): a host hit's copy, its "
+        "bytes from the worker's KV bytes per token, delays that request's predicted TTFT where it "
+        "outlasts the queue ahead",
+    )
+    g.add_argument(
         "--disk-kv-credit",
         type=float,
         default=DEFAULT_TIER_CREDITS.disk,
@@ -302,7 +311,7 @@ def build(args: argparse.Namespace) -> Gateway:
         breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s),
         token=args.internal_token,
         kinds={vllm_worker.KIND: vllm_kind(args)},
-        tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit, DEFAULT_TIER_CREDITS.host_copy_token_ms),
+        tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit, args.host_kv_gbps),
     )
     for spec in args.worker:
         add_worker(fleet, spec)

@@ -29,29 +29,21 @@ class RequestView:
 
 @dataclass(frozen=True)
 class TierCredits:
-    """What a matched block saves, in device blocks of prefill, by the tier it lies in, and what
-    a host block costs the request that uses it. A host block is copied back beside the worker's
-    steps (workers/scheduler.py: the request waits for it, nothing else does), so it saves its
-    whole prefill (`host` 1.0) and delays only its own request, by `host_copy_token_ms` per token
-    where the copy outlasts that request's wait in the queue (`predict.ttft_tpot_ms`). `disk`:
-    Dynamo's credit for its disk tier (kvgate has no disk tier yet). A lower `host` makes routing
-    prefer device hits regardless of load."""
+    """What a matched block saves, in device blocks of prefill, by the tier it lies in, and how
+    fast a host block comes back. A host block is copied back beside the worker's steps
+    (workers/scheduler.py: the request waits for it, nothing else does), so it saves its whole
+    prefill (`host` 1.0) and delays only its own request, by its bytes (the worker's
+    `kv_bytes_per_token`) at `host_gbps` where the copy outlasts that request's wait in the queue
+    (`predict.ttft_tpot_ms`). `disk`: Dynamo's credit for its disk tier (kvgate has no disk tier
+    yet). A lower `host` makes routing prefer device hits whatever the load."""
 
     host: float = 1.0
     disk: float = 0.25
-    host_copy_token_ms: float = 0.0
-
-    @staticmethod
-    def for_rates(copy_gbps: float, kv_bytes_per_token: int, disk: float = 0.25) -> "TierCredits":
-        """The credits of a worker that copies back at `copy_gbps` (GB/s): a host block saves its
-        whole prefill, and its request waits `kv_bytes_per_token / copy rate` per token for it."""
-        return TierCredits(1.0, disk, kv_bytes_per_token / (copy_gbps * 1e6) if copy_gbps > 0 else 0.0)
+    # pinned host -> device on one H200: 44-48 GB/s from 16 blocks (bench/results/host_copy_h200_llama8b.json)
+    host_gbps: float = 50.0
 
 
-# Llama-3-8B on one H200: 128 KiB of KV per token copied back at 50 GB/s (pinned PCIe Gen5;
-# bench/host_copy.py --device cuda measures it), 0.0026 ms a token beside 0.0104 ms of prefill
-# (bench/profiles/h200-llama8b-kvgate-eager.json).
-DEFAULT_TIER_CREDITS = TierCredits.for_rates(50.0, 131072)
+DEFAULT_TIER_CREDITS = TierCredits()
 
 
 @dataclass(frozen=True)

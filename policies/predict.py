@@ -53,8 +53,9 @@ def cached_tokens(req: RequestView, w: WorkerView) -> int:
 
 
 def copy_back_ms(req: RequestView, w: WorkerView) -> float:
-    """How long `req`'s host blocks take to come back on `w` before its prefill may start."""
-    return tier_blocks(req, w)[1] * w.block_size * w.tier_credits.host_copy_token_ms
+    """How long `req`'s host blocks take to come back on `w` before its prefill may start (0 where
+    `w` does not say how many bytes a token's K/V takes)."""
+    return tier_blocks(req, w)[1] * w.block_size * w.kv_bytes_per_token / (w.tier_credits.host_gbps * 1e6)
 
 
 def uncached_tokens(req: RequestView, w: WorkerView) -> int:

@@ -122,17 +122,18 @@ def test_the_last_block_cut_from_a_match_is_taken_from_its_slowest_tier():
 
 
 def test_a_host_block_saves_its_whole_prefill_and_its_copy_time_delays_only_its_own_request():
-    """Copy-back at 50 GB/s of 128 KiB per token: 0.0026 ms a token. On an idle worker the copy of
+    """Copy-back at 50 GB/s of 128 KiB per token: 2.6 us a token. On an idle worker the copy of
     40 host blocks outlasts the (empty) queue and adds to the TTFT; behind a long queue it is
     hidden; the hit's compute credit is whole either way."""
-    credits = TierCredits.for_rates(50.0, 131072)
-    assert (credits.host, credits.host_copy_token_ms) == (1.0, 131072 / 50e6)
+    credits = TierCredits(host_gbps=50.0)
     r = req(64 * 16)
-    idle = worker("w", matched_blocks=40, matched_host_blocks=40, tier_credits=credits)
-    on_device = worker("w", matched_blocks=40)
-    copy = 40 * 16 * credits.host_copy_token_ms
+    kv = dict(kv_bytes_per_token=131072)
+    idle = worker("w", matched_blocks=40, matched_host_blocks=40, tier_credits=credits, **kv)
+    on_device = worker("w", matched_blocks=40, **kv)
+    copy = 40 * 16 * 131072 / 50e6
     assert predict.cached_tokens(r, idle) == predict.cached_tokens(r, on_device) == 40 * 16
+    assert predict.copy_back_ms(r, idle) == pytest.approx(copy)
     assert predict.ttft_ms(r, idle) - predict.ttft_ms(r, on_device) == pytest.approx(copy, rel=0.05)
-    busy = dict(queued_prefill_tokens=20000, waiting=4)
+    busy = dict(queued_prefill_tokens=20000, waiting=4, **kv)
     host_busy = worker("w", matched_blocks=40, matched_host_blocks=40, tier_credits=credits, **busy)
     assert predict.ttft_ms(r, host_busy) == predict.ttft_ms(r, worker("w", matched_blocks=40, **busy))
