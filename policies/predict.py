@@ -174,6 +174,21 @@ def kv_demand_tokens(req: RequestView, w: WorkerView, lacking: int, unseen: int)
     return (w.total_blocks - w.free_blocks) * w.block_size + queued + lacking
 
 
+def pool_share(req: RequestView, w: WorkerView) -> float:
+    """The share of `w`'s free KV room `req`'s uncached prompt would take, in [0, 1): its
+    tokens over themselves plus the free blocks (cached-but-free count as free) left after
+    the prompts queued ahead (`queued_tokens`, unseen ones included). What a copy of a prefix
+    costs the worker it lands on; measured against free room, not the whole pool, since a
+    copy into a nearly full pool evicts or preempts, and net of the queue since a polled view
+    is stale: counting only reported free blocks sent a burst of new sessions to the worker
+    that looked emptiest. 0 where the pool size is unknown."""
+    if w.total_blocks <= 0:
+        return 0.0
+    own = uncached_tokens(req, w)
+    room = max(0, w.free_blocks * w.block_size - queued_tokens(req, w))
+    return own / (own + room)
+
+
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:
     """Time to move the full blocks `d` lacks from `p` to `d`. `transfer_gbps` is in gigabytes
     (1e9 bytes) per second over the slower end of the link; unknown KV size means free."""

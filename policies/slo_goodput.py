@@ -5,7 +5,11 @@ Goodput is a fleet-wide quantity. A cache hit is compute saved, but only as much
 prefill it skips: on a fast GPU a 512-token shared system prompt is a few milliseconds, less
 than the headroom a busier worker lacks, so a new chat session goes where there is room and
 every worker warms up; a 2048-token document is worth more than a few requests of imbalance,
-so it stays where it is cached until that worker's predicted TTFT or TPOT would miss. A KV
+so it stays where it is cached until that worker's predicted TTFT or TPOT would miss. A hit
+also saves KV pool room, which on a fast GPU is worth far more than its prefill: a second copy
+of a 2048-token prefix takes an eighth of a 16k-token pool, and copies spread over the fleet
+crowd out running requests until every pool is full and requests that would meet their SLOs
+are refused. A KV
 pool that cannot hold what is queued ahead plus the request preempts running requests, which
 recompute their whole context: past that point admissions feed a thrash that drags every
 request on the worker past its SLO. A request predicted to miss only steals capacity from
@@ -15,7 +19,7 @@ ones that would not, so rejecting it early (with the reason) is what keeps goodp
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.pd import PdDecider
-from policies.predict import cached_tokens, hit_tokens, pool_slack, prefill_work_ms, ttft_tpot_ms
+from policies.predict import cached_tokens, hit_tokens, pool_share, pool_slack, prefill_work_ms, ttft_tpot_ms
 
 
 class SloGoodput:
@@ -23,8 +27,10 @@ class SloGoodput:
     `slack_ttft / slo_ttft` and `slack_tpot / slo_tpot` (>= 0: it meets its SLOs). A candidate
     is admissible when its headroom is >= 0 and its KV pool holds the request after what is
     queued ahead (`predict.pool_slack` >= 0). Among admissible candidates with headroom >=
-    `margin` (else among all admissible ones) it takes the lowest `prefill work / slo_ttft -
-    headroom`: cache hits and spare room traded in one unit. With none admissible it rejects.
+    `margin` (else among all admissible ones) it takes the lowest `prefill work / slo_ttft +
+    pool share - headroom` (`predict.pool_share`: the share of the worker's free KV pool the
+    uncached prompt takes): cache hits, pool room and spare time traded in one unit. With none
+    admissible it rejects.
     A positive `margin` demands that much spare headroom first, a buffer against prediction
     error. SLOs come from the request, else from `ttft_ms` / `tpot_ms`.
 
@@ -99,7 +105,10 @@ class SloGoodput:
             for t, o, p, d in candidates
             for h in (_headroom(t, o, slo_ttft, slo_tpot),)
         ]
-        scores = [(k, prefill_work_ms(req, p or d) / slo_ttft - h) if k < 2 else (2, -h) for k, h, _, _, p, d in scored]
+        scores = [
+            (k, prefill_work_ms(req, p or d) / slo_ttft + pool_share(req, d) - h) if k < 2 else (2, -h)
+            for k, h, _, _, p, d in scored
+        ]
         return cheapest(request_key(req), scored, scores, name=lambda c: _name(c[4], c[5]))
 
     def holder_full(self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float) -> bool:

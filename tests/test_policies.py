@@ -18,6 +18,7 @@ from policies.registry import BUILTIN_POLICIES, load_policy
 from policies.round_robin import RoundRobin
 from policies.slo_goodput import SloGoodput
 from tests.views import COST, fleet, req, worker
+from workers.kv.cost_model import CostModel
 
 STATELESS = (LeastLoad, PrefixAffinity, KvCost, SloGoodput)
 PD_AWARE = (PrefixAffinity, KvCost, SloGoodput)
@@ -137,6 +138,25 @@ def test_slo_goodput_never_overflows_a_kv_pool():
     assert SloGoodput().route(r, fleet(full, roomy)).worker == "roomy"
     route = SloGoodput().route(r, fleet(full))
     assert route.worker is None and "KV pool" in route.reject
+
+
+def test_slo_goodput_keeps_a_prefix_where_a_copy_would_crowd_another_pool():
+    """On a fast GPU a 2048-token prefix is ~20 ms of prefill, next to nothing against a 2 s
+    TTFT SLO, but a second copy of it takes a large share of another worker's free KV pool:
+    with pools too small for every prefix, copies crowd out running requests and the pool
+    check rejects requests that would have met their SLOs. So the request stays on the
+    holder though a quieter worker has more headroom, and goes there when the holder's free
+    pool is what the copy would take."""
+    fast = CostModel.load("bench/profiles/h200-llama8b-kvgate-eager.json")
+    r = req(2176, slo_ttft_ms=2000, slo_tpot_ms=100)
+    pool = dict(cost=fast, total_blocks=1024)
+    holder = worker("holder", matched_blocks=128, running=24, kv_tokens=24 * 2300, free_blocks=300, **pool)
+    quiet = worker("quiet", running=8, kv_tokens=8 * 2300, free_blocks=400, **pool)
+    assert SloGoodput().route(r, fleet(holder, quiet)).worker == "holder"
+    assert predict.pool_share(r, holder) < predict.pool_share(r, quiet)
+    roomy = with_fields(quiet, free_blocks=1000)
+    crowded = with_fields(holder, free_blocks=20)
+    assert SloGoodput().route(r, fleet(crowded, roomy)).worker == "quiet"
 
 
 def test_slo_goodput_headroom_is_the_tighter_of_the_two_slos():
