@@ -20,7 +20,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from starlette.requests import Request
@@ -124,9 +124,9 @@ class Proxy:
         `client` given the wait is abandoned (`ClientGone`, upstream connection closed, the
         worker aborts) as soon as that client disconnects; likewise when `lost` resolves.
         """
-        deadline = time.monotonic() + self.first_byte_timeout
         try:
-            return await _race(self.session.post(url + path, data=body, headers=headers), deadline, client, lost)
+            async with Watch(self.first_byte_timeout, client, lost):
+                return await self.session.post(url + path, data=body, headers=headers)
         except (aiohttp.ClientError, OSError) as e:
             raise ConnectFailed(f"{type(e).__name__}: {e}") from e
 
@@ -152,22 +152,22 @@ class Proxy:
         """Read a stream up to and including its first token event (or an error event, or
         `[DONE]`): what was read so far, which nobody has seen yet. Raises `UpstreamError` (the
         stream is still the caller's to retry elsewhere) or `ClientGone`."""
-        deadline = started + self.first_byte_timeout
         head, partial = b"", b""
-        while tap.ttft is None:
-            try:
-                chunk = await _race(resp.content.readany(), deadline, client, lost)
-            except (aiohttp.ClientError, OSError) as e:
-                raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
-            if not chunk:  # a whole stream ends with an event ([DONE]) that would have committed it
-                raise UpstreamFailed("the stream ended before its first token")
-            partial += chunk
-            whole = partial.rfind(b"\n\n") + 2
-            if whole:
-                events, partial = partial[:whole], partial[whole:]
-                if b'"error"' in events and any(code in events for code in ENGINE_GONE):
-                    raise StreamFailed(events.decode(errors="replace").strip()[:300])
-                head += tap.feed(events)
+        async with Watch(started + self.first_byte_timeout - time.monotonic(), client, lost):
+            while tap.ttft is None:
+                try:
+                    chunk = await resp.content.readany()
+                except (aiohttp.ClientError, OSError) as e:
+                    raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
+                if not chunk:  # a whole stream ends with an event ([DONE]) that would have committed it
+                    raise UpstreamFailed("the stream ended before its first token")
+                partial += chunk
+                whole = partial.rfind(b"\n\n") + 2
+                if whole:
+                    events, partial = partial[:whole], partial[whole:]
+                    if b'"error"' in events and any(code in events for code in ENGINE_GONE):
+                        raise StreamFailed(events.decode(errors="replace").strip()[:300])
+                    head += tap.feed(events)
         return head + partial
 
 
@@ -366,28 +366,54 @@ def close_upstream(resp: aiohttp.ClientResponse) -> None:
         resp.close()
 
 
-async def _race(aw: Awaitable, deadline: float, client: Request | None, lost: asyncio.Future | None):
-    """`await aw` until `deadline` (monotonic), unless the client disconnects first
-    (`ClientGone`) or `lost` resolves (`WorkerLost`); past the deadline, `UpstreamTimeout`.
-    Whatever is abandoned is cancelled, which closes its upstream connection."""
-    task = asyncio.ensure_future(aw)
-    gone = asyncio.ensure_future(_wait_disconnect(client)) if client is not None else None
-    waiters = {task} | ({gone} if gone else set()) | ({lost} if lost is not None else set())
-    try:
-        done, _ = await asyncio.wait(
-            waiters, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
-        )
-        if task in done:
-            return task.result()
-        if gone is not None and gone in done:
-            raise ClientGone()
-        if lost is not None and lost in done:
-            raise WorkerLost(f"the worker was taken out: {lost.result()}")
-        raise UpstreamTimeout("the worker did not answer in time")
-    finally:
-        task.cancel()
-        if gone is not None:
-            gone.cancel()
+class Watch:
+    """`async with Watch(seconds, client, lost)`: what waits inside is cut short, by cancelling
+    the task, when the client disconnects (`ClientGone`) or `lost` resolves (`WorkerLost`);
+    past `seconds`, `UpstreamTimeout`. Whatever is abandoned is cancelled, which closes its
+    upstream connection. One task (the disconnect watch) per use and none per read: racing
+    each read as a task of its own cost more than the read."""
+
+    def __init__(self, seconds: float, client: Request | None, lost: asyncio.Future | None):
+        self.timeout = asyncio.timeout(max(0.0, seconds))
+        self.client, self.lost = client, lost
+        self.why: UpstreamError | ClientGone | None = None
+        self.active = False
+
+    async def __aenter__(self) -> "Watch":
+        task = asyncio.current_task()
+        assert task is not None, "a watch runs in a task"
+        self.task, self.active = task, True
+        await self.timeout.__aenter__()
+        if self.lost is not None:
+            self.lost.add_done_callback(self._lost)
+        self.gone = asyncio.ensure_future(self._gone(self.client)) if self.client is not None else None
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.active = False  # a callback already scheduled must not cancel what runs next
+        if self.lost is not None:
+            self.lost.remove_done_callback(self._lost)
+        if self.gone is not None:
+            self.gone.cancel()
+        try:
+            await self.timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError:
+            raise UpstreamTimeout("the worker did not answer in time") from None
+        if exc_type is asyncio.CancelledError and self.why is not None:
+            self.task.uncancel()
+            raise self.why from None
+
+    def _stop(self, why: UpstreamError | ClientGone) -> None:
+        if self.active and self.why is None:
+            self.why = why
+            self.task.cancel()
+
+    def _lost(self, lost: asyncio.Future) -> None:
+        self._stop(WorkerLost(f"the worker was taken out: {lost.result()}"))
+
+    async def _gone(self, client: Request) -> None:
+        await _wait_disconnect(client)
+        self._stop(ClientGone())
 
 
 async def _wait_disconnect(request: Request) -> None:
