@@ -6,9 +6,10 @@ Each worker gets two background tasks. The poller GETs `/state` whenever the wor
 worker is gone within `interval + timeout` (< 2 s by default); the next good poll brings it
 back. The tailer's `/kv/events` answers carry the worker's state too, so while they come the
 poller has nothing to do; an idle worker (nothing waiting or running, nothing sent to it
-since) is polled only once its long poll is overdue. That is most of the gateway's idle CPU:
-one request per worker per long poll instead of two polls a second. A dead idle worker breaks
-its long poll at once; a frozen one is out after the long poll's timeout (~3 s). A worker that
+since) is polled only once its long poll is overdue. That was most of the gateway's idle CPU:
+now one request per worker per 5 s long poll instead of two polls a second. A dead idle worker
+breaks its long poll at once; a frozen one, which nothing is sent to, is out after the long
+poll's timeout (~6 s); one that is sent a request is polled within the interval again. A worker that
 answers is still out of service while its state says its engine thread is not running, it
 is draining, or its engine has made no progress on its work for more than `stall_s` seconds
 (a frozen engine behind a live HTTP server); a worker reporting a stall is polled again as
@@ -40,7 +41,7 @@ from workers.kv.worker_state import WorkerState
 
 log = logging.getLogger("kvgate.gateway")
 
-LONG_POLL_S = 2.0
+LONG_POLL_S = 5.0  # an idle worker's /kv/events answers (with its state) come this often
 STALL_POLL_MARGIN_S = 0.05
 
 
@@ -363,6 +364,8 @@ class Fleet:
             epoch, wid = w.epoch, w.worker_id
             try:
                 await self._tail_once(w, wid, epoch)
+                if w.out is not None:  # a draining worker answers at once: ask it again after the interval
+                    await asyncio.sleep(self.interval)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 if w.epoch == epoch and isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError)):
                     self._down(w, f"/kv/events failed: {e!r}")

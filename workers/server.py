@@ -47,6 +47,7 @@ from workers.transfer_http import TransferService
 
 log = logging.getLogger("kvgate.worker")
 RETRY_AFTER_S = 1
+LONG_POLL_SLICE_S = 0.5  # a /kv/events long poll looks at the drain flag this often
 SHOWN_ID = re.compile(r"[!-~]{1,128}")  # a client's x-request-id we echo: printable ASCII, no spaces
 FAILURES = {  # RequestOutput.error -> (HTTP status, message)
     ENGINE_ERROR: (500, "the engine failed while running this request"),
@@ -576,7 +577,7 @@ class WorkerServer:
         return JSONResponse({"last": last, "steps": steps})
 
     async def kv_events(self, request: Request) -> Response:
-        """KV events after `after`, waiting up to `timeout` seconds for one; with `state=1` the
+        """KV events after `after`, waiting up to `timeout` seconds for one (not while draining); with `state=1` the
         answer carries the /state body as of its sending, so a gateway tailing the events needs
         no separate /state poll while the answers keep coming (gateway/fleet.py)."""
         if refused := self._refused(request):
@@ -589,14 +590,14 @@ class WorkerServer:
         events = self.engine.events
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while events.last_seq <= after and loop.time() < deadline:
+        while events.last_seq <= after and not self.draining and loop.time() < deadline:
             self._kv_changed.clear()
             if events.last_seq > after:
                 break
-            try:
-                await asyncio.wait_for(self._kv_changed.wait(), deadline - loop.time())
+            try:  # in slices: a draining worker's long polls end at once and do not hold up its exit
+                await asyncio.wait_for(self._kv_changed.wait(), min(deadline - loop.time(), LONG_POLL_SLICE_S))
             except asyncio.TimeoutError:
-                break
+                pass
         body = events.after(after).to_json()
         if request.query_params.get("state") == "1":
             body["state"] = self.state_body()
