@@ -69,8 +69,10 @@ def ensure_venv(package: str, venv_dir: Path) -> Path:
 
 
 def peer_argv(name: str, venv: Path, port: int, urls: list[str]) -> list[str]:
-    """The command line that starts peer `name` in front of `urls`."""
+    """The command line that starts peer `name` in front of `urls`, its metrics on a free port
+    of their own (both default to 29000, which another run on the machine may hold)."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", PEER_POLICY]
+    common += ["--prometheus-port", str(free_port())]
     if name == "sglang-router":
         return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
     return [str(venv / "bin" / "vllm-router"), *common]
