@@ -268,8 +268,8 @@ async def relay(
     partial = head[cut:]
     loop = asyncio.get_running_loop()
     try:
-        # one timer for the whole stream, armed only while a read waits: entering a fresh
-        # `asyncio.timeout` per event cost more than the rest of passing the event on
+        # one timer for the whole stream, armed only while a read waits: a fresh
+        # `asyncio.timeout` per event cost about as much as reading the event
         async with asyncio.timeout(None) as idle:
             while True:
                 idle.reschedule(loop.time() + idle_timeout)
@@ -370,8 +370,8 @@ class Watch:
     """`async with Watch(seconds, client, lost)`: what waits inside is cut short, by cancelling
     the task, when the client disconnects (`ClientGone`) or `lost` resolves (`WorkerLost`);
     past `seconds`, `UpstreamTimeout`. Whatever is abandoned is cancelled, which closes its
-    upstream connection. One task (the disconnect watch) per use and none per read: racing
-    each read as a task of its own cost more than the read."""
+    upstream connection. One task (the disconnect watch) per use and none per read, where
+    racing each read cost two tasks and an `asyncio.wait`."""
 
     def __init__(self, seconds: float, client: Request | None, lost: asyncio.Future | None):
         self.timeout = asyncio.timeout(max(0.0, seconds))
