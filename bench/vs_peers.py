@@ -54,6 +54,7 @@ from workers.model_store import load_tokenizer, served_name
 PEERS = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
 PEER_POLICY = "cache_aware"
 TICKS = os.sysconf("SC_CLK_TCK")
+SETTLE_S = 3.0  # a router's start-up work (first polls, snapshots) is over before its CPU is counted
 
 
 def ensure_venv(package: str, venv_dir: Path) -> Path:
@@ -201,6 +202,7 @@ class Bench:
         out = {"direct": {"ttft_p50_ms": direct["ttft_p50_ms"], "ttft_p90_ms": direct["ttft_p90_ms"]}}
         for label in labels:
             router = self.start_router(label, urls)
+            time.sleep(SETTLE_S)
             try:
                 run = self.measure([router.url], wl, router.popen.pid)
             finally:
