@@ -119,7 +119,7 @@ async def send(
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    continue  # read the stream to its end, as OpenAI's clients do, so the connection is reused
                 obj = json.loads(data)
                 if "error" in obj:
                     rec["error"] = f"stream error: {obj['error'].get('message', obj['error'])}"
