@@ -58,42 +58,47 @@ class PrefixTokenizer:
         """The token ids of `text`, equal to the tokenizer's `encode`."""
         if not self.enabled or self._backend is None or len(text) < 2 * self.chunk_chars:
             return self._tok.encode(text, add_special_tokens=add_special_tokens)
-        ids, start, parent = self._cached(text, add_special_tokens)
+        cuts = self.cuts(text)
+        ids, used, parent = self._cached(text, cuts, add_special_tokens)
+        start = cuts[used - 1] if used else 0
         rest = self._backend.encode(text[start:], add_special_tokens=add_special_tokens and start == 0)
-        self._store(text, start, parent, add_special_tokens, rest.ids, rest.offsets)
+        self._store(text, cuts[used:], start, parent, add_special_tokens, rest.ids, rest.offsets)
         self.hits += start
         self.misses += len(text) - start
         return ids + rest.ids
 
-    def cuts(self, text: str, start: int = 0) -> list[int]:
-        """The chunk ends of `text` from `start` (each a space after a non-space, at least
-        `chunk_chars` after the previous), short of the text's end."""
-        out, pos = [], start + self.chunk_chars
+    def cuts(self, text: str) -> list[int]:
+        """The chunk ends of `text` (each a space after a non-space, at least `chunk_chars`
+        after the previous), short of the text's end."""
+        out, pos = [], self.chunk_chars
         while pos < len(text) - 1 and (m := _CUT.search(text, pos - 1)):
             out.append(m.start(1))
             pos = m.start(1) + self.chunk_chars
         return out
 
-    def _cached(self, text: str, special: bool) -> tuple[list[int], int, int]:
-        """(token ids, characters covered, last chunk id) of the longest cached prefix."""
+    def _cached(self, text: str, cuts: list[int], special: bool) -> tuple[list[int], int, int]:
+        """(token ids, how many of `cuts` they cover, last chunk id) of the longest cached prefix."""
         ids: list[int] = []
-        start, parent = 0, 0
+        start, parent, used = 0, 0, 0
         with self._lock:
-            for end in self.cuts(text):
-                chunk = self._chunks.get((parent, special, text[start:end]))
+            for end in cuts:
+                key = (parent, special, text[start:end])
+                chunk = self._chunks.get(key)
                 if chunk is None:
                     break
-                self._chunks.move_to_end((parent, special, text[start:end]))
+                self._chunks.move_to_end(key)
                 ids.extend(chunk.ids)
-                start, parent = end, chunk.id
-        return ids, start, parent
+                start, parent, used = end, chunk.id, used + 1
+        return ids, used, parent
 
-    def _store(self, text: str, start: int, parent: int, special: bool, ids: list[int], offsets) -> None:
-        """Cache the chunks of text[start:] whose tokens `ids` (with character `offsets`
-        relative to `start`) split cleanly at each cut; stop at the first that does not."""
+    def _store(
+        self, text: str, cuts: list[int], start: int, parent: int, special: bool, ids: list[int], offsets
+    ) -> None:
+        """Cache the chunks of text[start:] ending at `cuts` whose tokens `ids` (with character
+        `offsets` relative to `start`) split cleanly at each cut; stop at the first that does not."""
         i, chunk_start = 0, start
         new = []
-        for end in self.cuts(text, start):
+        for end in cuts:
             e = end - start
             j = i
             while j < len(ids) and offsets[j][0] < e:
