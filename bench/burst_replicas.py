@@ -23,8 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.procs import TEST_TOKEN, Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
-from workers.internal_auth import TOKEN_HEADER
+from gateway.procs import Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
 
 MODEL = "smollm2-135m"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -55,11 +54,6 @@ def split(workers: list[str], routed: list[str]) -> list[int]:
     return sorted((counts.get(w, 0) for w in workers), reverse=True)
 
 
-def reset(workers: list[Worker]) -> None:
-    for w in workers:
-        httpx.post(w.url + "/kv/reset", headers={TOKEN_HEADER: TEST_TOKEN}, timeout=30).raise_for_status()
-
-
 def run(args: argparse.Namespace) -> dict:
     logs = args.log_dir
     server = wait_redis(start_redis(log_dir=logs))
@@ -84,7 +78,8 @@ def run(args: argparse.Namespace) -> dict:
             prefix = text(rng, args.prefix_words)
             row = {"round": r}
             for mode, urls in (("one", [a]), ("two", [a, b])):
-                reset(workers)
+                for w in workers:
+                    w.reset_cache()
                 time.sleep(0.3)  # the resets' removals reach both replicas
                 routed = asyncio.run(burst(urls, f"{prefix} {mode}", args.burst, args.window_ms, args.max_tokens))
                 row[mode] = split(ids, routed)

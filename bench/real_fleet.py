@@ -100,7 +100,7 @@ def run_fleet(spec: str, args: argparse.Namespace, rates: list[float]) -> tuple[
     try:
         for rate in rates:
             for w in procs[:-1]:
-                httpx.post(w.url + "/kv/reset", headers={"x-kvgate-token": token}, timeout=30).raise_for_status()
+                w.reset_cache()
             records = asyncio.run(
                 run_rate([procs[-1].url], from_args(args, rate), args.model, slo, timeout=args.timeout)
             )

@@ -48,7 +48,6 @@ from bench.loadgen import run_rate
 from bench.peer_fidelity import add_fidelity, step_mark, step_speed
 from bench.workloads import WorkloadConfig
 from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all, wait_for
-from workers.internal_auth import TOKEN_HEADER
 from workers.model_store import load_tokenizer, served_name
 
 PEERS = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
@@ -136,7 +135,7 @@ class Bench:
 
     def reset(self) -> None:
         for w in self.workers:
-            httpx.post(w.url + "/kv/reset", headers={TOKEN_HEADER: self.token}, timeout=30).raise_for_status()
+            w.reset_cache()
 
     def measure(self, urls: list[str], wl: WorkloadConfig, pid: int | None) -> dict:
         """One rate against `urls`: the summary, with the router's CPU seconds per request."""

@@ -78,6 +78,12 @@ class Proc:
     def state(self) -> dict:
         return self.internal("/state").json()
 
+    def reset_cache(self) -> None:
+        """Empty a worker's prefix cache (POST /kv/reset with its internal token), so a benchmark
+        run starts cold."""
+        headers = {TOKEN_HEADER: self.token} if self.token else None
+        httpx.post(self.url + "/kv/reset", headers=headers, timeout=30).raise_for_status()
+
     @property
     def alive(self) -> bool:
         return self.popen.poll() is None
