@@ -3,7 +3,7 @@
 Two gateways (`slo_goodput` disaggregating long prompts over a prefill/decode pair and a mixed
 worker; `prefix_affinity` over two mixed workers) and four sim workers, scraped every second
 by Prometheus with kvgate's recording rules and alerts (their `for:` cut to 0 s). A bounded
-client load runs through both gateways; one worker is SIGKILLed half-way. Then every panel
+client load runs through both gateways; one worker is SIGKILLed half-way, mid-stream. Then every panel
 query of grafana/dashboards/kvgate.json is evaluated over the run as Grafana would send it and
 judged: it returns data, ratios stay in 0..1, latencies are sane; the error panels show the
 kill; the gateway's TTFT and end-to-end quantiles match the client's own within a histogram
@@ -17,8 +17,8 @@ import asyncio
 import json
 import random
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,11 +62,17 @@ def body(rng: random.Random, long_share: float, stream: bool) -> dict:
     }
 
 
-async def one(session: aiohttp.ClientSession, name: str, url: str, b: dict) -> Sent:
+async def one(
+    session: aiohttp.ClientSession, name: str, url: str, b: dict, routed: Callable[[str], None] | None = None
+) -> Sent:
+    """One completion through a gateway, timed as the client sees it; `routed` is told the
+    worker the gateway chose, as soon as the response starts."""
     s = Sent(name, b["stream"], 0, time.monotonic())
     try:
         async with session.post(url + "/v1/completions", json=b) as r:
             s.status = r.status
+            if routed:
+                routed(r.headers.get("x-kvgate-worker", ""))
             if not b["stream"]:
                 await r.read()
             else:
@@ -99,6 +105,35 @@ async def drive(gateways: dict[str, tuple[str, float, float]], until: float, con
         )
     )
     return sent
+
+
+async def kill_mid_stream(url: str, victim: str, kill: Callable[[], None], at: float, tries: int = 8) -> tuple[float, list[Sent]]:
+    """At `at` (monotonic), open long streaming requests through the gateway one at a time until
+    one streams from `victim`, then kill it: the kill always breaks a request in flight, which
+    the error panels must show (a kill between requests would leave nothing to count, since the
+    gateway drops a dead worker as its long poll breaks). Returns the kill's wall time and the
+    requests, each read to its end."""
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    rng = random.Random(7)
+    on_victim = asyncio.Event()
+
+    def routed(worker: str) -> None:
+        if worker == victim:
+            on_victim.set()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        tasks = []
+        for _ in range(tries):
+            b = body(rng, 0.0, True) | {"max_tokens": 1000}
+            tasks.append(asyncio.create_task(one(session, "gw-pa", url, b, routed)))
+            try:
+                await asyncio.wait_for(on_victim.wait(), 1.0)
+                break
+            except asyncio.TimeoutError:
+                continue
+        await asyncio.to_thread(kill)
+        killed = time.time()
+        return killed, list(await asyncio.gather(*tasks))
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -184,14 +219,17 @@ def run(duration_s: float = 30.0, kill_at_s: float = 12.0, concurrency: int = 3,
         prom.wait_scraped(["kvgate-gateway", "kvgate-worker"])
         time.sleep(2)  # a few scrapes of the idle fleet: every counter's 0 is in the TSDB
         start, t0 = time.time(), time.monotonic()
-        kill = threading.Timer(kill_at_s, fleet.workers["m1"].kill)
-        kill.start()
         gws = {"gw-pd": (fleet.gateways["gw-pd"].url, 0.5, 0.35), "gw-pa": (fleet.gateways["gw-pa"].url, 1.0, 0.0)}
-        sent = asyncio.run(drive(gws, t0 + duration_s, concurrency))
-        kill.join()
+
+        async def load() -> tuple[float, list[Sent]]:
+            killing = kill_mid_stream(gws["gw-pa"][0], "m1", fleet.workers["m1"].kill, t0 + kill_at_s)
+            sent, (killed, broken) = await asyncio.gather(drive(gws, t0 + duration_s, concurrency), killing)
+            return killed, sent + broken
+
+        killed, sent = asyncio.run(load())
         time.sleep(4)  # the last requests' scrapes and rule evaluations
         end = time.time()
-        report = evaluate(prom, sent, start, start + kill_at_s, end, fleet.gateways["gw-pa"].url)
+        report = evaluate(prom, sent, start, killed, end, fleet.gateways["gw-pa"].url)
         report["load"] = load_summary(sent, duration_s)
         return report
     finally:

@@ -158,14 +158,22 @@ def test_one_trace_crosses_the_gateway_both_pd_legs_and_the_kv_transfer(traced_f
         "kv_export",
         "kv_import",
     }
-    wait_for(
-        lambda: (
-            wanted <= {s.name for s in collector.spans if s.trace_id.hex() == CLIENT_TRACE}
-            and sum(s.kind == s.SPAN_KIND_SERVER and s.trace_id.hex() != CLIENT_TRACE for s in collector.spans) >= 1
-        ),
-        timeout=20,
-        what="every span of the trace",
-    )
+
+    def complete() -> bool:
+        """Every span named, the rejected request's, and both workers' request spans under the
+        gateway's CLIENT spans: a worker ends its request span after the stream's last byte, so
+        it may be exported after everything below it."""
+        traced = [s for s in collector.spans if s.trace_id.hex() == CLIENT_TRACE]
+        clients = {s.span_id for s in traced if s.name in ("upstream", "prefill_leg")}
+        served = {s.parent_span_id for s in traced if s.kind == s.SPAN_KIND_SERVER}
+        return (
+            wanted <= {s.name for s in traced}
+            and len(clients) == 2
+            and clients <= served
+            and any(s.kind == s.SPAN_KIND_SERVER and s.trace_id.hex() != CLIENT_TRACE for s in collector.spans)
+        )
+
+    wait_for(complete, timeout=20, what="every span of the trace")
     traced = [s for s in collector.spans if s.trace_id.hex() == CLIENT_TRACE]
     by_id = {s.span_id: s for s in traced}
     service = collector.service
