@@ -383,7 +383,8 @@ def plot(report: dict, path: str) -> None:
         ax.axvline(w["killed"] - w["start"], color="red", linestyle=":", linewidth=1)
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=7)
-        ax.legend(fontsize=5, loc="upper left", ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=5, loc="upper left", ncol=2)
     for ax in list(axes.flat)[len(titles) :]:
         ax.axis("off")
     fig.suptitle("kvgate dashboard panels from a real Prometheus run (red: worker m1 SIGKILLed; x: seconds)")
