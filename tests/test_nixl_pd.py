@@ -3,9 +3,9 @@
 Through the gateway with `--kv-transport nixl` on both workers: greedy output equals a mixed
 worker's, the blocks arrive by NIXL (the decode worker's HTTP import stays unused), a prompt
 longer than one prefill step is shipped in batches, no blocks leak on either side, and a
-prefill worker killed mid-transfer leaves the decode worker recomputing (the fallback), with
-its reservation quarantined for a lifetime (a WRITE might still land) and then let go, not
-hanging.
+prefill worker killed mid-WRITE leaves the decode worker recomputing (the fallback), with
+its reservation quarantined (a WRITE might still land) for the configured bound and then let
+go, not hanging.
 """
 
 import json
@@ -28,6 +28,7 @@ pytestmark = [
 ]
 SECRET = ("--internal-token", "nixl-pd-token")
 NIXL = ("--kv-transport", "nixl")
+QUARANTINE = ("--nixl-quarantine-s", "3")
 PD = ("--pd-min-uncached-tokens", "64", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000")
 
 
@@ -46,7 +47,7 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
     d = Worker(
         "torch",
         "nx-d",
-        extra=("--role", "decode", *SECRET, *NIXL),
+        extra=("--role", "decode", *SECRET, *NIXL, *QUARANTINE),
         model=model,
         log_dir=logs,
         redis=f"redis://127.0.0.1:{server.port}/0",
@@ -155,10 +156,15 @@ def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, t
         assert headers["x-kvgate-worker"] == "nx-d" and got == want and cached == 0
         assert not dying.alive, "the prefill worker died in its transfer"
         d = f["d"]
-        wait_for(lambda: d.state()["kv_transfer"]["nixl"]["expired"] == 1, timeout=30, what="reservation expired")
-        assert not drained(d), "the granted blocks are quarantined: a WRITE may still land in them"
-        nixl = wait_for(lambda: (n := d.state()["kv_transfer"]["nixl"])["quarantine_ends"] == 1 and n, timeout=60)
-        assert nixl["quarantined"] == 0
+        expired = wait_for(lambda: (n := d.state()["kv_transfer"]["nixl"])["expired"] == 1 and n, timeout=30)
+        assert expired["quarantined_blocks"] > 0, "the granted blocks are held: the WRITE may still land in them"
+        assert expired["quarantine_releases"] == {"completed": 0, "timed_out": 0}
+        nixl = wait_for(
+            lambda: (n := d.state()["kv_transfer"]["nixl"])["quarantine_releases"]["timed_out"] == 1 and n,
+            timeout=30,
+            what="the quarantine's bound to pass",
+        )
+        assert nixl["quarantined"] == nixl["quarantined_blocks"] == 0
         wait_for(lambda: drained(d), what="decode worker drained")
     finally:
         stop_all([gw, dying])

@@ -6,6 +6,7 @@ in flight, and one that never answers. Each time: no block is reused while it ma
 nothing unproven is published, and every block is back in the pool at the end."""
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -47,11 +48,11 @@ class Pair:
     """A decode worker's NIXL side (a real engine's pool) behind an in-process ASGI client, and
     a prefill worker's NIXL side whose WRITE is `on_write(granted block ids)`."""
 
-    def __init__(self, on_write):
+    def __init__(self, on_write, quarantine_s: float | None = None):
         self.engine = sim_engine(num_blocks=16, block_size=4)
         self.engine.start()
         self.service = TransferService(self.engine, "m", TOKEN)
-        self.decode = self.service.nixl = NixlTransfer(self.service, FakeAgent("d", 16))
+        self.decode = self.service.nixl = NixlTransfer(self.service, FakeAgent("d", 16), quarantine_s)
         writer_service = SimpleNamespace(token=TOKEN, sent_seconds=0.0, sent_bytes=0)
         self.prefill = NixlTransfer(writer_service, FakeAgent("p", 16, on_write))
         app = Starlette(routes=self.service.routes())
@@ -110,7 +111,8 @@ def test_a_reservation_expiring_during_a_slow_write_is_not_reused_until_the_writ
         assert not ok and pair.prefill.fallbacks == 1, "a late commit is refused: the sender falls back"
         assert seen == {"reusable": set(), "held": True}
         stats = pair.decode.stats()
-        assert (stats["expired"], stats["quarantined"], stats["quarantine_ends"], stats["committed"]) == (1, 0, 0, 0)
+        assert (stats["expired"], stats["quarantined"], stats["committed"]) == (1, 0, 0)
+        assert stats["quarantine_releases"] == {"completed": 1, "timed_out": 0}
         assert pair.whole()
     finally:
         pair.close()
@@ -139,7 +141,8 @@ def test_an_unsettled_failure_is_quarantined_until_its_time_runs_out(monkeypatch
 
     try:
         asyncio.run(run())
-        assert pair.decode.stats()["quarantine_ends"] == 1 and pair.whole() and pair.decode.expired == 0
+        assert pair.decode.stats()["quarantine_releases"] == {"completed": 0, "timed_out": 1}
+        assert pair.whole() and pair.decode.expired == 0
     finally:
         pair.close()
 
@@ -168,8 +171,51 @@ def test_a_settled_failure_frees_at_once_and_a_silent_writer_after_two_lifetimes
 
         deadline = time.monotonic() + 30
         asyncio.run(reserve_and_vanish())
-        assert pair.decode.stats()["quarantine_ends"] == 1 and pair.whole()
+        assert pair.decode.stats()["quarantine_releases"]["timed_out"] == 1 and pair.whole()
     finally:
+        pair.close()
+
+
+def test_a_writer_hung_mid_write_holds_its_blocks_no_longer_than_the_quarantine_bound(monkeypatch):
+    """The WRITE never completes and its writer never commits (it died, or hangs): the
+    reservation expires, its blocks are quarantined for the configured bound (not another
+    lifetime), then return to the pool as `timed_out`; the writer's commit, when it finally
+    comes, is refused, so it falls back and nothing it wrote is published."""
+    monkeypatch.setattr(transfer_nixl, "RESERVE_BASE_S", 0.2)
+    bound = 0.3
+    unblock = threading.Event()
+    granted: list[int] = []
+
+    def hung_write(remote: list[int]) -> int:
+        granted.extend(remote)
+        unblock.wait(30)
+        raise NixlError("timed out", settled=False)
+
+    pair = Pair(hung_write, quarantine_s=bound)
+
+    async def until(predicate) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+
+    async def run() -> bool:
+        sender = asyncio.create_task(pair.prefill.send(pair.client, "http://d", pair.header, [0, 1, 2], {}))
+        await until(lambda: pair.decode.quarantined)
+        (q,) = pair.decode.quarantined.values()
+        assert q.timer.when() - asyncio.get_running_loop().time() <= bound, "the bound, not another lifetime"
+        assert pair.held_unpublished(granted) and not set(pair.grab_every_free_block()) & set(granted)
+        await until(lambda: not pair.decode.quarantined)
+        assert pair.decode.stats()["quarantine_releases"] == {"completed": 0, "timed_out": 1}
+        assert pair.whole(), "the blocks are back while the WRITE still hangs"
+        unblock.set()
+        return await sender
+
+    try:
+        assert not asyncio.run(run()) and pair.prefill.fallbacks == 1
+        assert pair.decode.stats()["quarantine_releases"]["completed"] == 0 and pair.whole()
+    finally:
+        unblock.set()
         pair.close()
 
 

@@ -117,6 +117,14 @@ def parser() -> argparse.ArgumentParser:
         "both fall back to HTTP",
     )
     p.add_argument(
+        "--nixl-quarantine-s",
+        type=float,
+        default=None,
+        help="NIXL decode side: how long blocks that a failed or expired WRITE may still land in "
+        "stay out of the pool before they are reused (default: the reservation's lifetime, "
+        "5 s plus its bytes at 0.2 GB/s)",
+    )
+    p.add_argument(
         "--kv-export-batch-blocks",
         type=int,
         default=16,
@@ -202,6 +210,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("kvgate worker: --host-kv-gb must be >= 0")
     if args.kv_export_batch_blocks < 0:
         raise SystemExit("kvgate worker: --kv-export-batch-blocks must be >= 0")
+    if args.nixl_quarantine_s is not None and args.nixl_quarantine_s <= 0:
+        raise SystemExit("kvgate worker: --nixl-quarantine-s must be > 0")
     if args.max_queued_requests < 0 or args.stall_timeout_s <= 0 or args.drain_timeout_s < 0:
         raise SystemExit(
             "kvgate worker: --max-queued-requests and --drain-timeout-s must be >= 0, --stall-timeout-s > 0"
@@ -248,6 +258,7 @@ def build_server(args) -> WorkerServer:
         args.max_queued_requests,
         args.stall_timeout_s,
         tracing,
+        args.nixl_quarantine_s,
     )
 
 

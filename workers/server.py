@@ -149,13 +149,14 @@ class WorkerServer:
         max_queued_requests: int = 1024,
         stall_timeout_s: float = 5.0,
         tracing: WorkerTracing | None = None,
+        nixl_quarantine_s: float | None = None,
     ):
         self.engine = engine
         self.max_in_flight = engine.config.max_num_seqs + max_queued_requests
         self.stall_timeout_s = stall_timeout_s
         self.draining = False  # set on SIGTERM (workers/drain.py)
         self.in_flight = 0  # requests handed to the engine and not finished
-        self.transfer = TransferService(engine, served_model, internal_token, kv_transport)
+        self.transfer = TransferService(engine, served_model, internal_token, kv_transport, nixl_quarantine_s)
         self.model = served_model
         self.vocab_size = vocab_size
         # prompts are tokenized once per distinct prefix; the engine keeps the plain tokenizer

@@ -28,7 +28,14 @@ CHUNK = 1 << 20
 
 
 class TransferService:
-    def __init__(self, engine, served_model: str, token: str | None, transport: str = "http"):
+    def __init__(
+        self,
+        engine,
+        served_model: str,
+        token: str | None,
+        transport: str = "http",
+        nixl_quarantine_s: float | None = None,
+    ):
         self.engine = engine
         self.token = token
         self.transport = transport
@@ -41,15 +48,15 @@ class TransferService:
         self.backlog_bytes = 0  # their K/V bytes: what is ahead of a new export on this link
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
         self.tracing = WorkerTracing()  # the server's, once it sets it
-        self.nixl = self._start_nixl(engine.worker_id) if transport == "nixl" else None
+        self.nixl = self._start_nixl(engine.worker_id, nixl_quarantine_s) if transport == "nixl" else None
 
-    def _start_nixl(self, worker_id: str):
+    def _start_nixl(self, worker_id: str, quarantine_s: float | None):
         """The NIXL side of this worker (workers/transfer_nixl.py), or None, with HTTP in its
         place, where NIXL cannot run (not installed, no KV tensor: the sim executor)."""
         from workers.transfer_nixl import NixlError, NixlTransfer
 
         try:
-            return NixlTransfer.start(self, worker_id)
+            return NixlTransfer.start(self, worker_id, quarantine_s)
         except NixlError as e:
             log.warning("--kv-transport nixl unavailable, using http: %s", e)
             self.transport = "http"

@@ -24,8 +24,11 @@ its bytes in flight. So a block the peer may still write into is never freed for
     settled (done or failed: nothing in flight) or may still be landing;
   - the decode side quarantines the fresh blocks of a reservation that expired, or whose
     writer reports an unsettled failure: they stay held, never published (and kept
-    progressing, so a late WRITE can end), until a settled commit comes or another lifetime
-    has passed: a block is reused no sooner than 1.5 lifetimes after its writer stopped.
+    progressing, so a late WRITE can end), until a settled commit comes (released
+    `completed`) or the quarantine's bound has passed (`timed_out`): another lifetime by
+    default, so a block is reused no sooner than 1.5 lifetimes after its writer stopped, or
+    `--nixl-quarantine-s`. A writer that dies mid-WRITE so holds its blocks at most one
+    lifetime plus the bound.
 """
 
 import asyncio
@@ -56,6 +59,7 @@ RESERVE_MIN_GBPS = 0.2
 MAX_HEADER_BYTES = 64 << 20
 PROGRESS_S = 0.0005  # a target's progress period while it holds reservations
 NO_NIXL_RECHECK_S = 60.0  # a peer without /kv/nixl gets HTTP straight away for this long
+QUARANTINE_OUTCOMES = ("completed", "timed_out")  # a settled commit came / the bound passed
 
 
 def nixl_module():
@@ -300,11 +304,13 @@ class Quarantined:
 
 
 class NixlTransfer:
-    """Both sides of NIXL P/D for one worker, beside its HTTP TransferService (`service`)."""
+    """Both sides of NIXL P/D for one worker, beside its HTTP TransferService (`service`).
+    `quarantine_s` bounds a quarantine (None: the reservation's own lifetime)."""
 
-    def __init__(self, service, agent: NixlAgent):
+    def __init__(self, service, agent: NixlAgent, quarantine_s: float | None = None):
         self.service = service
         self.agent = agent
+        self.quarantine_s = quarantine_s
         self.reservations: dict[str, Held] = {}
         self.quarantined: dict[str, Quarantined] = {}
         self._peers: dict[str, CacheLayout] = {}  # decode worker URL -> its layout
@@ -313,16 +319,16 @@ class NixlTransfer:
         self._progress_lock = threading.Lock()
         self.committed = 0  # reservations published
         self.expired = 0  # reservations quarantined without a commit
-        self.quarantine_ends = 0  # quarantines that ended by their time limit, not a settled commit
+        self.quarantine_releases = dict.fromkeys(QUARANTINE_OUTCOMES, 0)  # quarantines ended, by how
         self.fallbacks = 0  # sends that failed here and went to HTTP
 
     @classmethod
-    def start(cls, service, worker_id: str) -> "NixlTransfer":
+    def start(cls, service, worker_id: str, quarantine_s: float | None = None) -> "NixlTransfer":
         """Register the executor's KV cache with a fresh agent; raises NixlError when it cannot."""
         kv_cache = service.engine.kv_cache_tensor()
         if kv_cache is None:
             raise NixlError("this executor has no KV cache tensor to register")
-        return cls(service, NixlAgent(f"kvgate-{worker_id}-{uuid.uuid4().hex[:8]}", kv_cache))
+        return cls(service, NixlAgent(f"kvgate-{worker_id}-{uuid.uuid4().hex[:8]}", kv_cache), quarantine_s)
 
     # -- decode side ------------------------------------------------------------------------
 
@@ -388,17 +394,18 @@ class NixlTransfer:
 
     def _quarantine(self, rid: str, held: Held) -> None:
         """Let go of the reservation's blocks but the fresh ones, which its WRITE may still land
-        in: those are held for another lifetime, or until a settled commit for `rid`."""
+        in: those are held for the quarantine's bound, or until a settled commit for `rid`."""
         fresh = {id(b) for b in held.res.fresh}
         self.service.engine.release([b for b in held.res.blocks if id(b) not in fresh])
-        timer = asyncio.get_running_loop().call_later(held.ttl_s, self._end_quarantine, rid)
+        bound = held.ttl_s if self.quarantine_s is None else self.quarantine_s
+        timer = asyncio.get_running_loop().call_later(bound, self._end_quarantine, rid)
         self.quarantined[rid] = Quarantined(list(held.res.fresh), timer)
         self._keep_progressing()
 
     def _end_quarantine(self, rid: str) -> None:
         q = self.quarantined.pop(rid, None)
         if q is not None:
-            self.quarantine_ends += 1
+            self.quarantine_releases["timed_out"] += 1
             log.warning("KV reservation %s: no settled commit; its %d blocks go back to the pool", rid, len(q.blocks))
             self.service.engine.release(q.blocks)
 
@@ -407,6 +414,7 @@ class NixlTransfer:
         (unpublished: the request they were for fell back long ago)."""
         q = self.quarantined.pop(rid)
         q.timer.cancel()
+        self.quarantine_releases["completed"] += 1
         self.service.engine.release(q.blocks)
         return JSONResponse(error_body("the KV reservation had expired", code="kv_reservation_gone"), status_code=409)
 
@@ -518,7 +526,7 @@ class NixlTransfer:
             "expired": self.expired,
             "quarantined": len(self.quarantined),
             "quarantined_blocks": sum(len(q.blocks) for q in self.quarantined.values()),
-            "quarantine_ends": self.quarantine_ends,
+            "quarantine_releases": dict(self.quarantine_releases),
             "fallbacks": self.fallbacks,
         }
 
