@@ -107,7 +107,9 @@ async def drive(gateways: dict[str, tuple[str, float, float]], until: float, con
     return sent
 
 
-async def kill_mid_stream(url: str, victim: str, kill: Callable[[], None], at: float, tries: int = 8) -> tuple[float, list[Sent]]:
+async def kill_mid_stream(
+    url: str, victim: str, kill: Callable[[], None], at: float, tries: int = 8
+) -> tuple[float, list[Sent]]:
     """At `at` (monotonic), open long streaming requests through the gateway one at a time until
     one streams from `victim`, then kill it: the kill always breaks a request in flight, which
     the error panels must show (a kill between requests would leave nothing to count, since the

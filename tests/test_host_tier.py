@@ -13,12 +13,13 @@ from transformers import AutoModelForCausalLM
 from workers.engine import Engine, EngineConfig
 from workers.executors.torch_runner import TorchRunner
 from workers.kv.block_pool import BlockPool
-from workers.kv.events import HOST, REMOVED, STORED, EventLog
+from workers.kv.events import HOST, EventLog
 from workers.kv.hashing import block_hashes
 from workers.kv.host_pool import SWAP_IN, SWAP_OUT, HostPool
 from workers.model_store import load_tokenizer, resolve
 from workers.sampling_params import SamplingParams
 from tests.sim_engine import SlowCopies, sim_engine
+from tests.tier_events import replay
 
 B = 2
 
@@ -80,20 +81,6 @@ def test_a_slot_being_copied_back_is_never_reused():
     load.done = True
     pool.land(load)
     assert pool.host.num_free == 1 and pool.lookup(11, (1, 2)) is None, "a load cut by a clear is never cached"
-
-
-def replay(events, medium: str) -> set[int]:
-    held: set[int] = set()
-    for e in events:
-        if e.medium != medium and e.kind != "cleared":
-            continue
-        if e.kind == STORED:
-            held |= set(e.hashes)
-        elif e.kind == REMOVED:
-            held -= set(e.hashes)
-        else:
-            held.clear()
-    return held
 
 
 @settings(max_examples=500, deadline=None)

@@ -55,6 +55,19 @@ def parser() -> argparse.ArgumentParser:
         "hit copies them back instead of recomputing them (default 0: off)",
     )
     p.add_argument(
+        "--disk-kv-gb",
+        type=float,
+        default=0.0,
+        help="disk space for KV blocks under the host tier (needs --host-kv-gb and --disk-kv-dir): "
+        "every block stored in host memory is also written to a file, LRU within this bound, and a "
+        "later prefix hit reads it back off the engine thread (default 0: off)",
+    )
+    p.add_argument(
+        "--disk-kv-dir",
+        help="directory for the disk tier's files: each run writes a directory of its own there, "
+        "removed at shutdown; an earlier run's of the same --worker-id is removed at start",
+    )
+    p.add_argument(
         "--max-batched-tokens",
         type=int,
         default=2048,
@@ -206,8 +219,10 @@ def check_args(args: argparse.Namespace) -> None:
             "kvgate worker: --redis needs --internal-token (or $KVGATE_INTERNAL_TOKEN): "
             "registrations in Redis are signed with it"
         )
-    if args.host_kv_gb < 0:
-        raise SystemExit("kvgate worker: --host-kv-gb must be >= 0")
+    if args.host_kv_gb < 0 or args.disk_kv_gb < 0:
+        raise SystemExit("kvgate worker: --host-kv-gb and --disk-kv-gb must be >= 0")
+    if args.disk_kv_gb > 0 and not (args.host_kv_gb > 0 and args.disk_kv_dir):
+        raise SystemExit("kvgate worker: --disk-kv-gb needs --host-kv-gb (it is written through it) and --disk-kv-dir")
     if args.kv_export_batch_blocks < 0:
         raise SystemExit("kvgate worker: --kv-export-batch-blocks must be >= 0")
     if args.nixl_quarantine_s is not None and args.nixl_quarantine_s <= 0:
@@ -218,8 +233,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
-def host_blocks(gb: float, block_size: int, kv_bytes_per_token: int) -> int:
-    """How many blocks `gb` GiB of host memory holds (0 when off or the blocks carry no bytes)."""
+def tier_blocks(gb: float, block_size: int, kv_bytes_per_token: int) -> int:
+    """How many blocks `gb` GiB of a tier (host memory, disk) holds (0 when off or the blocks carry no bytes)."""
     if gb <= 0 or kv_bytes_per_token <= 0:
         return 0
     return int(gb * 2**30) // (block_size * kv_bytes_per_token)
@@ -240,7 +255,9 @@ def build_server(args) -> WorkerServer:
         role=args.role,
         enable_prefix_caching=not args.no_prefix_caching,
         export_batch_blocks=args.kv_export_batch_blocks,
-        host_blocks=host_blocks(args.host_kv_gb, args.block_size, getattr(executor, "kv_bytes_per_token", 0)),
+        host_blocks=tier_blocks(args.host_kv_gb, args.block_size, getattr(executor, "kv_bytes_per_token", 0)),
+        disk_blocks=tier_blocks(args.disk_kv_gb, args.block_size, getattr(executor, "kv_bytes_per_token", 0)),
+        disk_dir=args.disk_kv_dir or "",
         cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None),
     )
     try:

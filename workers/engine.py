@@ -24,6 +24,8 @@ from workers.export_batch import export_span
 from workers.inflight import InFlight, SyncLaunch, advance, chunks_of
 from workers.kv.block_pool import BlockPool, Load
 from workers.kv.cost_model import CostModel
+from workers.kv.disk_io import DiskIO
+from workers.kv.disk_pool import DiskPool, DiskRead, DiskWrite
 from workers.kv.events import EventLog, KVSnapshot
 from workers.kv.hashing import seed_hash
 from workers.kv.host_pool import HostPool, run_copies
@@ -60,6 +62,8 @@ class EngineConfig:
     cost_model: CostModel | None = None
     export_batch_blocks: int = 16  # P/D: ship prompt blocks mid-prefill once this many are new; 0: at the end
     host_blocks: int = 0  # the host tier's blocks (--host-kv-gb); 0: evicted blocks are dropped
+    disk_blocks: int = 0  # the disk tier's blocks under the host's (--disk-kv-gb); 0: none
+    disk_dir: str = ""  # where the disk tier's files go (--disk-kv-dir)
 
 
 @dataclass(slots=True)
@@ -111,7 +115,9 @@ class Engine:
         host = HostPool(config.host_blocks, self.events) if config.host_blocks > 0 else None
         if host is not None:
             executor.allocate_host_cache(config.host_blocks)
-        self.pool = BlockPool(config.num_blocks, config.block_size, self.events, host)
+        disk = DiskPool(config.disk_blocks, self.events) if host is not None and config.disk_blocks > 0 else None
+        self.disk_io = DiskIO(config.disk_dir, config.worker_id, executor) if disk is not None else None
+        self.pool = BlockPool(config.num_blocks, config.block_size, self.events, host, disk)
         self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size), config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_batched_tokens, config.max_num_seqs, self.max_model_len, executor.eos_token_ids
@@ -270,7 +276,7 @@ class Engine:
         self._drain_inbox()
         if self._pending:
             self._admit_pending()
-        if self._copying:
+        if self._copying or self.disk_io is not None:
             self._poll_copies()
         plan = self.scheduler.schedule()
         self._copy_blocks()
@@ -308,17 +314,35 @@ class Engine:
         self.stats.host_loaded_blocks += run.back
         if loads:
             self._copying.append((run.handles, loads))
+        if self.disk_io is not None:
+            jobs = self.pool.take_disk_jobs()
+            writes = sum(isinstance(j, DiskWrite) for j in jobs)
+            self.disk_io.submit(jobs, self.executor.host_fence() if writes else None)
+            self.stats.disk_stored_blocks += writes
+            self.stats.disk_loaded_blocks += sum(isinstance(j, DiskRead) for j in jobs)
 
     def _poll_copies(self, wait: bool = False) -> None:
-        """Mark done the loads whose copies have completed, oldest first (`wait`: for the oldest)."""
+        """Apply the finished disk jobs, then mark done the loads whose copies and disk reads have
+        completed, oldest first (`wait`: for the oldest)."""
+        self._take_disk_done()
         while self._copying:
             handles, loads = self._copying[0]
             if not all(self.executor.copy_done(h, wait) for h in handles):
                 return
+            while any(load.reads_left for load in loads):
+                if not (wait and self._take_disk_done(wait=True)):
+                    return
             for load in loads:
                 load.done = True
             self._copying.pop(0)
             wait = False
+
+    def _take_disk_done(self, wait: bool = False) -> int:
+        """Apply the disk jobs finished so far (`wait`: at least one, if any is queued); how many."""
+        done = self.disk_io.take_done(wait) if self.disk_io is not None else []
+        for job in done:
+            self.pool.disk_done(job)
+        return len(done)
 
     def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
         """Hand the plan to the executor and count its tokens as launched; if the executor raises,
@@ -487,6 +511,8 @@ class Engine:
         if not self._stopped:
             log.critical("the engine thread has stopped; every request now fails")
         self._fail_all(ENGINE_STOPPED)
+        if self.disk_io is not None:
+            self.disk_io.close()
         for cmd in self._take_inbox():
             if isinstance(cmd, Add):
                 self._outbox.append((cmd.sink, unstarted_failure(cmd.request_id, cmd.prompt_ids, ENGINE_STOPPED)))
@@ -588,6 +614,8 @@ class Engine:
             waiting=len(s.waiting) + len(s.loading),
             host_blocks=c.host_blocks,
             host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
+            disk_blocks=self.pool.disk.num_blocks if self.pool.disk else 0,
+            disk_free_blocks=self.pool.disk.num_free if self.pool.disk else 0,
             running=len(s.running),
             queued_prefill_tokens=s.queued_prefill_tokens,
             kv_tokens=sum(r.num_computed for r in s.running),

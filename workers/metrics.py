@@ -96,6 +96,11 @@ class _EngineCollector:
                 "KV blocks copied back from the host tier for a prefix hit",
                 st.host_loaded_blocks,
             ),
+            "kvgate_worker_disk_kv_stored_blocks": ("KV blocks written to the disk tier", st.disk_stored_blocks),
+            "kvgate_worker_disk_kv_loaded_blocks": (
+                "KV blocks read back from the disk tier for a prefix hit",
+                st.disk_loaded_blocks,
+            ),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=LABELS)
@@ -117,6 +122,8 @@ class _EngineCollector:
                 "Host KV tier blocks holding no block's K/V",
                 s.host_free_blocks,
             ),
+            "kvgate_worker_disk_kv_cache_blocks": ("Blocks of the disk KV tier (0: none)", s.disk_blocks),
+            "kvgate_worker_disk_kv_cache_free_blocks": ("Disk KV tier blocks holding no block", s.disk_free_blocks),
             "kvgate_worker_queued_prefill_tokens": ("Prompt tokens not yet computed", s.queued_prefill_tokens),
             "kvgate_worker_engine_alive": ("1 while the engine thread runs", float(eng.alive)),
             "kvgate_worker_engine_stall_seconds": (

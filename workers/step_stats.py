@@ -57,6 +57,8 @@ class StepStats:
     kv_exported_blocks: int = 0
     host_stored_blocks: int = 0  # copied out to the host tier
     host_loaded_blocks: int = 0  # copied back from it for a prefix hit
+    disk_stored_blocks: int = 0  # written to the disk tier
+    disk_loaded_blocks: int = 0  # read back from it for a prefix hit
     calls_s: float = 0.0  # engine-thread time in `call` functions and exporters: no step ran
     step_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
     step_seconds: float = 0.0  # executor (device) time of all steps

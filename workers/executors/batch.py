@@ -83,6 +83,14 @@ class Executor(Protocol):
         copy and step handed over before it; a handle for `copy_done`, or None when it is done."""
         ...
 
+    def host_fence(self) -> object | None:
+        """A handle for `copy_done` of every copy out handed over so far (None: they are done)."""
+        ...
+
+    def host_bytes(self, slot: int) -> bytes:
+        """A host slot's K/V in the layout `import_blocks` takes for one block (the disk tier)."""
+        ...
+
     def copy_done(self, handle: object, wait: bool = False) -> bool:
         """Whether the copy behind a `swap_in` handle has completed (`wait`: block until it has)."""
         ...

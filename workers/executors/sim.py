@@ -74,6 +74,12 @@ class SimExecutor:
     def swap_in(self, block_ids: list[int], slots: list[int]) -> None:
         return None
 
+    def host_fence(self) -> None:
+        return None
+
+    def host_bytes(self, slot: int) -> bytes:
+        return b""
+
     @staticmethod
     def copy_done(handle: object, wait: bool = False) -> bool:
         return True

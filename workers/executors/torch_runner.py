@@ -271,6 +271,20 @@ class TorchRunner:
             done.record(stream)
         return done
 
+    def host_fence(self) -> "torch.cuda.Event | None":
+        """On CUDA, an event after every copy out queued so far on the step stream (they are
+        asynchronous into pinned memory); on CPU they are done already."""
+        if self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def host_bytes(self, slot: int) -> bytes:
+        """Host slot `slot`'s K/V, [layers, 2, block_size, kv_heads, head_dim]: one block of
+        `import_blocks`' payload layout. Read off the engine thread after `host_fence`."""
+        return self.host_cache[slot].view(torch.uint8).numpy().tobytes()
+
     def _copy_stream(self) -> "torch.cuda.Stream":
         """The stream copies back run on, made to wait for the work queued on the step stream."""
         if self.copy_stream is None:

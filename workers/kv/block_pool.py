@@ -16,14 +16,22 @@ in batches through `take_copies`: the engine hands them to its executor before t
 which is the first that could overwrite an evicted block. A copy back may take several steps:
 its blocks (a `Load`) stay held and out of the prefix cache, and the host slots it reads stay
 pinned, until it is done (`land`): only then can a step read them or another request hit them.
+
+With a disk tier under the host (`disk`, workers/kv/disk_pool.py), every block stored in the
+host is also queued for a file, its host slot pinned until the write is done; a prefix hit runs
+on through host- and disk-resident blocks alike, a disk block read straight into its fresh
+device block. Disk jobs leave in order through `take_disk_jobs` (after `take_copies`: a write
+reads what the copies out put in the host, a read overwrites a block a copy out reads), and
+their results come back through `disk_done`; a load is done once its copies and reads are.
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
 
-from workers.kv.events import CLEARED, HOST, REMOVED, STORED, EventLog
-from workers.kv.host_pool import SWAP_IN, SWAP_OUT, CopyBatch, HostPool, batches
+from workers.kv.disk_pool import DiskDelete, DiskEntry, DiskJob, DiskPool, DiskRead, DiskWrite
+from workers.kv.events import CLEARED, DISK, HOST, REMOVED, STORED, EventLog
+from workers.kv.host_pool import SWAP_IN, SWAP_OUT, CopyBatch, HostEntry, HostPool, batches
 
 
 @dataclass(slots=True)
@@ -36,8 +44,9 @@ class Block:
 
 @dataclass(eq=False)
 class Load:
-    """A copy back from the host tier: fresh device blocks (held, not yet in the prefix cache)
-    that host `slots` are copied into, with the hashes and tokens they get once `done`."""
+    """A copy back from the host and disk tiers: fresh device blocks (held, not yet in the prefix
+    cache) that host `slots` are copied into and `reads_left` disk reads are still to fill, with
+    the hashes and tokens they get once `done`."""
 
     blocks: list[Block]
     hashes: list[int]
@@ -45,14 +54,30 @@ class Load:
     parent: int | None
     slots: list[int]
     done: bool = False
+    reads_left: int = 0
+
+    def cut(self, index: int) -> None:
+        """Block `index` did not come back: it and the blocks after it never enter the cache."""
+        del self.hashes[index:], self.tokens[index:]
 
 
 class BlockPool:
     """Ref-counted blocks, an O(1) free list, and the hash -> block prefix-cache map."""
 
-    def __init__(self, num_blocks: int, block_size: int, events: EventLog, host: HostPool | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        events: EventLog,
+        host: HostPool | None = None,
+        disk: DiskPool | None = None,
+    ):
+        assert disk is None or host is not None, "the disk tier is written through the host tier"
         self.block_size = block_size
         self.host = host
+        self.disk = disk
+        self._to_disk: list[tuple[int, tuple[int, ...], int]] = []  # (hash, tokens, host slot) spilled
+        self._disk_jobs: list[DiskJob] = []  # reads queued by loads, in order
         self._copies: list[tuple[str, int, int]] = []  # (direction, block id, host slot), in order
         self._loads: list[Load] = []  # loads whose copies are queued, not yet taken
         self._released: list[Load] = []  # loads whose request ended before they were done
@@ -85,9 +110,9 @@ class BlockPool:
     def resident_prefix(self, hashes: list[int]) -> int:
         """How many leading `hashes` are cached, by hash alone and taking nothing: an estimate
         of a prefix hit (`touch_prefix` also checks the tokens)."""
-        by_hash, host = self._by_hash, self.host
+        by_hash, host, disk = self._by_hash, self.host, self.disk
         for i, h in enumerate(hashes):
-            if h not in by_hash and (host is None or h not in host):
+            if h not in by_hash and (host is None or h not in host) and (disk is None or h not in disk):
                 return i
         return len(hashes)
 
@@ -152,30 +177,41 @@ class BlockPool:
         assert self.host is not None
         slots = self.host.store([(h, toks) for _, h, toks in spilled])
         self._copies += [(SWAP_OUT, bid, slot) for (bid, _, _), slot in zip(spilled, slots) if slot is not None]
+        if self.disk is not None:
+            self._to_disk += [(h, toks, slot) for (_, h, toks), slot in zip(spilled, slots) if slot is not None]
 
     def load_prefix(self, hashes: list[int], token_ids: list[int], start: int, parent: int | None) -> Load | None:
-        """Continue a prefix hit from block `start` (hashes[0] is block start's) into the host
-        tier: fresh device blocks (ref 1) for the leading host-resident blocks whose tokens
-        match, their host slots pinned and their copy back queued; the blocks enter the prefix
-        cache when the load lands. Stops early where the device pool has no room."""
-        host, B = self.host, self.block_size
+        """Continue a prefix hit from block `start` (hashes[0] is block start's) into the slower
+        tiers: fresh device blocks (ref 1) for the leading host- or disk-resident blocks whose
+        tokens match, their host slots pinned and their copies back and disk reads queued; the
+        blocks enter the prefix cache when the load lands. Stops early where the device pool
+        has no room."""
+        host, disk, B = self.host, self.disk, self.block_size
         if host is None:
             return None
-        entries = []
-        for i, h in enumerate(hashes):
-            entry = host.lookup(h, tuple(token_ids[(start + i) * B : (start + i + 1) * B]))
-            if entry is None:
+        found: list[HostEntry | DiskEntry] = []
+        for i, h in enumerate(hashes[: self.num_free]):
+            tokens = tuple(token_ids[(start + i) * B : (start + i + 1) * B])
+            if (in_host := host.lookup(h, tokens)) is not None:
+                host.touch(in_host)
+                found.append(in_host)
+            elif disk is not None and (on_disk := disk.lookup(h, tokens)) is not None:
+                disk.touch(on_disk)
+                found.append(on_disk)
+            else:
                 break
-            host.touch(entry)
-            entries.append(entry)
-        entries = entries[: self.num_free]
-        if not entries:
+        if not found:
             return None
-        slots = [e.slot for e in entries]
+        slots = [e.slot for e in found if isinstance(e, HostEntry)]
         host.pin(slots)  # before allocating: what it spills cannot drop them
-        fresh = self.allocate(len(entries))
-        self._copies += [(SWAP_IN, b.block_id, slot) for b, slot in zip(fresh, slots)]
-        load = Load(fresh, [e.hash for e in entries], [e.token_ids for e in entries], parent, slots)
+        fresh = self.allocate(len(found))
+        load = Load(fresh, [e.hash for e in found], [e.token_ids for e in found], parent, slots)
+        for i, (b, e) in enumerate(zip(fresh, found)):
+            if isinstance(e, HostEntry):
+                self._copies.append((SWAP_IN, b.block_id, e.slot))
+            else:
+                self._disk_jobs.append(DiskRead(e, b.block_id, load, i))
+                load.reads_left += 1
         self._loads.append(load)
         self._flying[id(load)] = load
         return load
@@ -184,6 +220,35 @@ class BlockPool:
         """The queued host copies, as batches in order; the queue is emptied."""
         copies, self._copies = self._copies, []
         return batches(copies)
+
+    def take_disk_jobs(self) -> list[DiskJob]:
+        """The disk jobs queued since the last call, in order (after `take_copies`): the reads of
+        loads, then the writes of the blocks spilled to host since (their host slots pinned until
+        `disk_done`) and the deletes of the files that the writes push out of the tier."""
+        jobs, self._disk_jobs = self._disk_jobs, []
+        spilled, self._to_disk = self._to_disk, []
+        host, disk = self.host, self.disk
+        if disk is None or host is None or not spilled:
+            return jobs
+        # a block stored and pushed out of the host by a later one before now is not written
+        live = [(h, t, slot) for h, t, slot in spilled if (e := host.lookup(h, t)) is not None and e.slot == slot]
+        made, dropped = disk.store([(h, t) for h, t, _ in live])
+        writes = [DiskWrite(entry, slot) for entry, (_, _, slot) in zip(made, live) if entry is not None]
+        host.pin([w.slot for w in writes])
+        return jobs + writes + [DiskDelete(e) for e in dropped]
+
+    def disk_done(self, job: DiskJob) -> None:
+        """Apply a finished disk job: a write lets its host slot go (a failed one drops its entry),
+        a read counts toward its load (a failed one cuts the load there)."""
+        if isinstance(job, DiskWrite):
+            assert self.host is not None and self.disk is not None
+            self.host.unpin([job.slot])
+            if not job.ok and self.disk.discard(job.entry):
+                self._disk_jobs.append(DiskDelete(job.entry))
+        elif isinstance(job, DiskRead):
+            job.load.reads_left -= 1
+            if not job.ok:
+                job.load.cut(job.index)
 
     def take_loads(self) -> list[Load]:
         """The loads whose copies `take_copies` has handed out since the last call."""
@@ -264,15 +329,24 @@ class BlockPool:
     def host_hashes(self) -> list[int]:
         return [] if self.host is None else self.host.hashes()
 
+    def disk_hashes(self) -> list[int]:
+        return [] if self.disk is None else self.disk.hashes()
+
     def tier_hashes(self) -> dict[str, list[int]]:
         """The hashes of the tiers below the device, by medium (a snapshot's `tiers`)."""
-        return {} if self.host is None else {HOST: self.host.hashes()}
+        tiers = {} if self.host is None else {HOST: self.host.hashes()}
+        if self.disk is not None:
+            tiers[DISK] = self.disk.hashes()
+        return tiers
 
     def clear_cache(self) -> int:
-        """Forget every cached-but-free block and the host tier (e.g. after a weight reload);
+        """Forget every cached-but-free block and the slower tiers (e.g. after a weight reload);
         returns how many device blocks."""
         if self.host is not None:
             self.host.clear()
+        if self.disk is not None:
+            self._to_disk = []
+            self._disk_jobs += [DiskDelete(e) for e in self.disk.clear()]
         for load in self._flying.values():  # copies of K/V from before: they never enter the cache
             load.hashes, load.tokens = [], []
         evicted = []

@@ -18,6 +18,8 @@ class WorkerState:
     free_blocks: int = 0
     host_blocks: int = 0  # the host tier's size (0: none)
     host_free_blocks: int = 0
+    disk_blocks: int = 0  # the disk tier's size (0: none)
+    disk_free_blocks: int = 0
     waiting: int = 0
     running: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens not computed yet (a waiting hit counts its miss)
