@@ -16,14 +16,17 @@ is draining, or its engine has made no progress on its work for more than `stall
 its stall would pass `stall_s`, so a frozen engine is out at about `stall_s` plus one poll's
 round trip (< 2 s by default). Losing a worker resolves its `lost` future, so
 requests waiting on it give up at once and are retried elsewhere. The tailer
-long-polls `/kv/events` into the residency index, resyncing from `/kv/snapshot` whenever the
-index asks; while Redis carries a worker's events (see redis_state) its tailer idles.
+follows the worker's `/kv/events` stream (one response, a line per batch of events with the
+state, a heartbeat line each long poll) into the residency index, resyncing from
+`/kv/snapshot` whenever the index asks; while Redis carries a worker's events (see
+redis_state) its tailer idles.
 Routing reads only in-memory fields, never the network. The HTTP client is aiohttp, as for
 the proxy: with 64 workers polled twice a second the control plane alone makes ~130 requests
 per second.
 """
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +45,7 @@ from workers.kv.worker_state import WorkerState
 log = logging.getLogger("kvgate.gateway")
 
 LONG_POLL_S = 5.0  # an idle worker's /kv/events answers (with its state) come this often
+LINE_BYTES = 1 << 22  # read buffer of a /kv/events stream: a line is a whole batch of events
 STALL_POLL_MARGIN_S = 0.05
 
 
@@ -185,6 +189,17 @@ class Refused(aiohttp.ClientError):
     """A worker refused a control-plane call: the gateway lacks the fleet's internal token."""
 
 
+def _check(r: aiohttp.ClientResponse) -> None:
+    """Raise Refused for a worker that wants another internal token, ClientResponseError for
+    any other error status."""
+    if r.status == 403:
+        raise Refused(
+            f"{r.url} refuses the gateway (403): the worker has an internal token; "
+            "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)"
+        )
+    r.raise_for_status()
+
+
 class Fleet:
     """`token`: the fleet's internal token, sent on every control-plane call (workers refuse
     /state, /kv/events and /kv/snapshot without it when they have one). `kinds`: worker kinds
@@ -297,12 +312,7 @@ class Fleet:
         asyncio.TimeoutError past `timeout` seconds, ValueError for a body that is not JSON."""
         assert self.session is not None, "Fleet.start opens the session before any poll"
         async with self.session.get(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            if r.status == 403:
-                raise Refused(
-                    f"{url} refuses the gateway (403): the worker has an internal token; "
-                    "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)"
-                )
-            r.raise_for_status()
+            _check(r)
             return await r.json(content_type=None)
 
     def _up(self, w: Worker, state: dict) -> None:
@@ -372,22 +382,38 @@ class Fleet:
                 await asyncio.sleep(self.interval)
 
     async def _tail_once(self, w: Worker, wid: str, epoch: int) -> None:
+        """Resync from a snapshot, or follow the worker's stream of event batches (each with its
+        state) until it ends, the index needs a resync, or the worker changes. A line is due at
+        least every long poll, so a silence past that and `timeout` is a failure."""
         seq = self.index.seq(wid)
         if seq is None:
             snap = KVSnapshot.from_json(await self.get(w.url + "/kv/snapshot", self.timeout + LONG_POLL_S))
             if self._current(w, wid, epoch) and snap.worker_id == wid:
                 self.index.reset(wid, snap.hashes, snap.seq, snap.tiers)
             return
-        params = {"after": seq, "timeout": LONG_POLL_S, "state": 1}
-        body = await self.get(w.url + "/kv/events", self.timeout + LONG_POLL_S, params)
+        assert self.session is not None, "Fleet.start opens the session before any tail"
+        params = {"after": seq, "timeout": LONG_POLL_S, "state": 1, "stream": 1}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout + LONG_POLL_S)
+        async with self.session.get(w.url + "/kv/events", params=params, timeout=timeout, read_bufsize=LINE_BYTES) as r:
+            _check(r)
+            async for line in r.content:
+                if not self._apply_line(w, wid, epoch, json.loads(line)):
+                    return
+
+    def _apply_line(self, w: Worker, wid: str, epoch: int, body: dict) -> bool:
+        """Apply one batch of `w`'s events and the state riding on it; False when the stream
+        should end (the worker changed, Redis carries it now, or the index needs a resync)."""
         batch = EventBatch.from_json(body)
-        if self._current(w, wid, epoch) and not w.redis_residency:
-            if batch.worker_id != wid or self.index.apply(batch) == RESYNC:
-                self.index.drop(wid)
-            state = body.get("state")
-            w.state_rides = isinstance(state, dict)
-            if isinstance(state, dict):
-                self._up(w, state)
+        if not self._current(w, wid, epoch) or w.redis_residency:
+            return False
+        if batch.worker_id != wid or self.index.apply(batch) == RESYNC:
+            self.index.drop(wid)
+            return False
+        state = body.get("state")
+        w.state_rides = isinstance(state, dict)
+        if isinstance(state, dict):
+            self._up(w, state)
+        return True
 
     def _current(self, w: Worker, wid: str, epoch: int) -> bool:
         """Whether an answer fetched as of (`wid`, `epoch`) may still be applied."""

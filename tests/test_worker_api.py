@@ -146,6 +146,35 @@ def test_kv_events_carry_the_state_when_asked(worker):
     assert got["state"]["engine_alive"] is True and got["state"].keys() == worker.state().keys()
 
 
+def test_kv_events_stream_a_line_per_batch_with_heartbeats(worker):
+    """`stream=1`: one response, a JSON line per batch of events (each with the state), and a
+    heartbeat line (no events) each `timeout` while nothing happens."""
+    seq = worker.internal("/kv/snapshot").json()["seq"]
+    lines: list[dict] = []
+    ids = list(range(3000, 3040))
+
+    def follow() -> None:
+        url = worker.url + f"/kv/events?after={seq}&timeout=0.3&state=1&stream=1"
+        with httpx.stream("GET", url, headers=INTERNAL, timeout=15) as r:
+            assert r.headers["content-type"].startswith("application/x-ndjson")
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+                if any(e["kind"] == "stored" for b in lines for e in b["events"]) and not lines[-1]["events"]:
+                    return
+
+    t = threading.Thread(target=follow)
+    t.start()
+    post(worker, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1})
+    t.join(20)
+    assert not t.is_alive()
+    events = [e for b in lines for e in b["events"]]
+    assert [e["seq"] for e in events] == list(range(seq + 1, seq + 1 + len(events))), "each event once, in order"
+    stored = [h for e in events if e["kind"] == "stored" for h in e["hashes"]]
+    assert stored[:2] == block_hashes(ids, 16, seed_hash(MODEL, 16))
+    assert all(b["state"]["worker_id"] == "api" for b in lines) and lines[-1]["events"] == []
+    assert worker.internal(f"/kv/events?after={seq}&stream=1").status_code == 400, "a stream needs a heartbeat"
+
+
 def test_client_disconnect_aborts_and_frees_blocks(worker):
     with httpx.stream(
         "POST",

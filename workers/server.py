@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
@@ -578,9 +578,13 @@ class WorkerServer:
         return JSONResponse({"last": last, "steps": steps})
 
     async def kv_events(self, request: Request) -> Response:
-        """KV events after `after`, waiting up to `timeout` seconds for one (not while draining); with `state=1` the
-        answer carries the /state body as of its sending, so a gateway tailing the events needs
-        no separate /state poll while the answers keep coming (gateway/fleet.py)."""
+        """KV events after `after`, waiting up to `timeout` seconds for one (not while draining);
+        with `state=1` the answer carries the /state body as of its sending, so a gateway tailing
+        the events needs no separate /state poll while the answers keep coming (gateway/fleet.py).
+        With `stream=1` the answers go on as NDJSON lines on one response, each sent as soon as
+        there are events or `timeout` seconds passed without any, until the worker drains or
+        the client leaves: a long poll per batch cost the gateway an HTTP exchange per engine
+        step per worker, most of its control-plane CPU under load."""
         if refused := self._refused(request):
             return refused
         try:
@@ -588,6 +592,16 @@ class WorkerServer:
             timeout = min(float(request.query_params.get("timeout", "0")), 30.0)
         except ValueError:
             return error(400, "'after' must be an integer and 'timeout' a number of seconds")
+        with_state = request.query_params.get("state") == "1"
+        if request.query_params.get("stream") == "1":
+            if timeout <= 0.0:
+                return error(400, "a stream of KV events needs a 'timeout' (its heartbeat) above 0")
+            return StreamingResponse(self._event_lines(after, timeout, with_state), media_type="application/x-ndjson")
+        await self._wait_events(after, timeout)
+        return JSONResponse(self._events_body(after, with_state))
+
+    async def _wait_events(self, after: int, timeout: float) -> None:
+        """Until an event past `after` is logged, `timeout` seconds pass or the worker drains."""
         events = self.engine.events
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -599,10 +613,25 @@ class WorkerServer:
                 await asyncio.wait_for(self._kv_changed.wait(), min(deadline - loop.time(), LONG_POLL_SLICE_S))
             except asyncio.TimeoutError:
                 pass
-        body = events.after(after).to_json()
-        if request.query_params.get("state") == "1":
+
+    def _events_body(self, after: int, with_state: bool) -> dict:
+        body = self.engine.events.after(after).to_json()
+        if with_state:
             body["state"] = self.state_body()
-        return JSONResponse(body)
+        return body
+
+    async def _event_lines(self, after: int, timeout: float, with_state: bool) -> AsyncIterator[bytes]:
+        """The `stream=1` answers: one JSON line per batch (or heartbeat), until draining."""
+        while True:
+            await self._wait_events(after, timeout)
+            body = self._events_body(after, with_state)
+            yield json.dumps(body, separators=(",", ":")).encode() + b"\n"
+            if self.draining:
+                return
+            if body["events"]:
+                after = body["events"][-1]["seq"]
+            elif body["gap"]:  # the client resyncs from a snapshot; do not repeat the gap
+                after = body["last_seq"]
 
     async def kv_reset(self, request: Request) -> Response:
         """Drop every cached-but-free block (after a weight reload); internal, token-protected."""
