@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from gateway.http_server import RAW_SEND
+from gateway.idle_watch import IdleWatch
 from gateway.record import RequestRecord
 from workers.protocol import TTFT_HEADER
 
@@ -266,15 +267,12 @@ async def relay(
     if cut:
         yield head[:cut]
     partial = head[cut:]
-    loop = asyncio.get_running_loop()
     try:
-        # one timer for the whole stream, armed only while a read waits: a fresh
-        # `asyncio.timeout` per event cost about as much as reading the event
-        async with asyncio.timeout(None) as idle:
+        with IdleWatch(idle_timeout) as idle:
             while True:
-                idle.reschedule(loop.time() + idle_timeout)
+                idle.waiting()
                 chunk = await resp.content.readany()
-                idle.reschedule(None)
+                idle.got()
                 if not chunk:
                     break
                 if partial:
