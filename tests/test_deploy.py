@@ -62,6 +62,7 @@ def test_rules_use_only_exported_metrics():
         "KvgateIndexLag",
         "KvgateKVCacheExhausted",
         "KvgateErrorRateHigh",
+        "KvgateNixlWritesTimingOut",
     }
 
 

@@ -9,6 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.sim_engine import drain, sim_engine
 from workers.metrics import WorkerMetrics
 from workers.sampling_params import SamplingParams
+from workers.transfer_http import TransferService
+from workers.transfer_metrics import TransferCollector
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,7 +23,9 @@ def exported_names() -> set[str]:
     eng = sim_engine()
     eng.submit("r", [3, 4, 5], SamplingParams(max_tokens=2), lambda o: None)
     drain(eng)
-    texts = [WorkerMetrics(eng).render()[0].decode(), GatewayMetrics(Fleet(ResidencyIndex())).render()[0].decode()]
+    worker = WorkerMetrics(eng)
+    worker.registry.register(TransferCollector(TransferService(eng, "m", None), "m"))
+    texts = [worker.render()[0].decode(), GatewayMetrics(Fleet(ResidencyIndex())).render()[0].decode()]
     names = set()
     for text in texts:
         for fam in text_string_to_metric_families(text):

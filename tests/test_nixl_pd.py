@@ -19,6 +19,7 @@ from gateway.procs import Proc, Worker, free_port, start_gateway, start_redis, s
 from tests.nixl_fault_worker import DIE_ENV
 from workers.kv import redis_schema as rs
 from tests.test_gateway_pd import ask, prompt
+from tests.test_metrics import samples
 from workers.transfer import KVSpec, encode_header
 from workers.transfer_nixl import nixl_module
 
@@ -107,6 +108,11 @@ def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):
         wait_for(lambda: drained(w), what=f"{w.name} drained")
     p, d = f["p"].state()["kv_transfer"], f["d"].state()["kv_transfer"]
     assert p["sent_bytes"] > 0 and p["failures"] == 0 and p["nixl"]["fallbacks"] == 0
+    assert p["sent_by_transport"]["nixl"]["bytes"] == p["sent_bytes"], "every byte went by NIXL"
+    text = httpx.get(f["p"].url + "/metrics").text
+    assert samples(text, "kvgate_worker_kv_sent_bytes_total", transport="nixl") == [p["sent_bytes"]]
+    assert samples(text, "kvgate_worker_kv_sent_bytes_total", transport="http") == [0.0]
+    assert samples(text, "kvgate_worker_kv_export_backlog_bytes") == [0.0], "nothing left to send"
     assert d["received_seconds"] == before["kv_transfer"]["received_seconds"], "nothing came by HTTP"
     assert d["nixl"]["reservations"] == 0 and d["nixl"]["expired"] == 0
     committed = d["nixl"]["committed"] - before["kv_transfer"]["nixl"]["committed"]
@@ -166,6 +172,9 @@ def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, t
         )
         assert nixl["quarantined"] == nixl["quarantined_blocks"] == 0
         wait_for(lambda: drained(d), what="decode worker drained")
+        text = httpx.get(d.url + "/metrics").text
+        assert samples(text, "kvgate_worker_kv_quarantine_releases_total", outcome="timed_out") == [1.0]
+        assert samples(text, "kvgate_worker_kv_quarantined_blocks") == [0.0]
     finally:
         stop_all([gw, dying])
 

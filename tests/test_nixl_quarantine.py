@@ -14,10 +14,13 @@ import httpx
 from starlette.applications import Starlette
 
 from tests.sim_engine import sim_engine
+from tests.test_metrics import samples
 from workers import transfer_nixl
 from workers.kv.hashing import block_hashes
 from workers.transfer import encode_header
+from workers.metrics import WorkerMetrics
 from workers.transfer_http import TransferService
+from workers.transfer_metrics import TransferCollector
 from workers.transfer_nixl import CacheLayout, NixlError, NixlTransfer
 
 TOKEN = "quarantine-token"
@@ -53,7 +56,7 @@ class Pair:
         self.engine.start()
         self.service = TransferService(self.engine, "m", TOKEN)
         self.decode = self.service.nixl = NixlTransfer(self.service, FakeAgent("d", 16), quarantine_s)
-        writer_service = SimpleNamespace(token=TOKEN, sent_seconds=0.0, sent_bytes=0)
+        writer_service = SimpleNamespace(token=TOKEN, count_sent=lambda *sent: None)
         self.prefill = NixlTransfer(writer_service, FakeAgent("p", 16, on_write))
         app = Starlette(routes=self.service.routes())
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d")
@@ -76,6 +79,13 @@ class Pair:
             return [b.block_id for b in blocks]
 
         return self.pool(grab)
+
+    def metric(self, name: str, **labels) -> float:
+        """One sample of the decode worker's /metrics for its transfers."""
+        metrics = WorkerMetrics(self.engine)
+        metrics.registry.register(TransferCollector(self.service, "m"))
+        (value,) = samples(metrics.render()[0].decode(), name, **labels)
+        return value
 
     def whole(self) -> bool:
         """Every block back in the pool and none published (nothing was ever proven written)."""
@@ -205,8 +215,12 @@ def test_a_writer_hung_mid_write_holds_its_blocks_no_longer_than_the_quarantine_
         (q,) = pair.decode.quarantined.values()
         assert q.timer.when() - asyncio.get_running_loop().time() <= bound, "the bound, not another lifetime"
         assert pair.held_unpublished(granted) and not set(pair.grab_every_free_block()) & set(granted)
+        assert pair.metric("kvgate_worker_kv_quarantined_blocks") == len(granted) == 3
         await until(lambda: not pair.decode.quarantined)
         assert pair.decode.stats()["quarantine_releases"] == {"completed": 0, "timed_out": 1}
+        assert pair.metric("kvgate_worker_kv_quarantined_blocks") == 0
+        releases = "kvgate_worker_kv_quarantine_releases_total"
+        assert (pair.metric(releases, outcome="timed_out"), pair.metric(releases, outcome="completed")) == (1, 0)
         assert pair.whole(), "the blocks are back while the WRITE still hangs"
         unblock.set()
         return await sender

@@ -44,6 +44,7 @@ from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
 from workers.tracing import WorkerTracing
 from workers.transfer_http import TransferService
+from workers.transfer_metrics import TransferCollector
 
 log = logging.getLogger("kvgate.worker")
 RETRY_AFTER_S = 1
@@ -162,6 +163,7 @@ class WorkerServer:
         # prompts are tokenized once per distinct prefix; the engine keeps the plain tokenizer
         self.prompt_tokenizer = PrefixTokenizer(engine.tokenizer) if engine.tokenizer is not None else None
         self.metrics = WorkerMetrics(engine, served_model)
+        self.metrics.registry.register(TransferCollector(self.transfer, served_model))
         self.tracing = tracing or WorkerTracing()
         self.transfer.tracing = self.tracing
         self.publisher = None  # a workers.redis_publisher.RedisPublisher when --redis is given

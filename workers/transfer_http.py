@@ -25,6 +25,7 @@ from workers.transfer import KVPayload, decode, encode_header
 
 log = logging.getLogger("kvgate.transfer")
 CHUNK = 1 << 20
+TRANSPORTS = ("http", "ipc", "nixl")
 
 
 class TransferService:
@@ -41,8 +42,8 @@ class TransferService:
         self.transport = transport
         self.spec = engine.kv_spec(served_model)
         self.client: httpx.AsyncClient | None = None
-        self.sent_bytes = 0
-        self.sent_seconds = 0.0
+        self.sent_bytes = dict.fromkeys(TRANSPORTS, 0)  # exports' bytes and seconds, by the transport that moved them
+        self.sent_seconds = dict.fromkeys(TRANSPORTS, 0.0)
         self.failures = 0
         self.sending = 0  # exports between a finished prefill and the end of their POST
         self.backlog_bytes = 0  # their K/V bytes: what is ahead of a new export on this link
@@ -61,6 +62,10 @@ class TransferService:
             log.warning("--kv-transport nixl unavailable, using http: %s", e)
             self.transport = "http"
             return None
+
+    def count_sent(self, transport: str, nbytes: int, seconds: float) -> None:
+        self.sent_bytes[transport] += nbytes
+        self.sent_seconds[transport] += seconds
 
     def routes(self) -> list[Route]:
         """The internal KV endpoints: `/kv/import`, and with NIXL `/kv/nixl{,/reserve,/commit}`."""
@@ -141,17 +146,20 @@ class TransferService:
         if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
 
-            if await self._post(url, [header, share(kv)], "application/x-kvgate-ipc", kv.nbytes, headers):
+            if await self._post(url, [header, share(kv)], "ipc", kv.nbytes, headers):
                 return True
         if not isinstance(kv, bytes):
             kv = await asyncio.to_thread(self.engine.kv_bytes, kv)
         view = memoryview(kv)
         pieces = [header] + [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)]
-        return await self._post(url, pieces, "application/octet-stream", len(kv), headers)
+        return await self._post(url, pieces, "http", len(kv), headers)
 
     async def _post(
-        self, url: str, pieces: list, ctype: str, nbytes: int, headers: dict[str, str] | None = None
+        self, url: str, pieces: list, transport: str, nbytes: int, headers: dict[str, str] | None = None
     ) -> bool:
+        """POST `pieces` to `/kv/import`: the bytes (`http`) or an IPC handle (`ipc`)."""
+        ctype = "application/x-kvgate-ipc" if transport == "ipc" else "application/octet-stream"
+
         async def body():
             for piece in pieces:
                 yield bytes(piece)
@@ -169,8 +177,7 @@ class TransferService:
             detail = e.response.text[:300] if isinstance(e, httpx.HTTPStatusError) else ""
             log.warning("KV export (%s) to %s failed: %s %s", ctype, url, e, detail)
             return False
-        self.sent_seconds += time.perf_counter() - t0
-        self.sent_bytes += nbytes
+        self.count_sent(transport, nbytes, time.perf_counter() - t0)
         return True
 
     def _client(self) -> httpx.AsyncClient:
@@ -252,9 +259,12 @@ class TransferService:
     def stats(self) -> dict:
         return {
             "transport": self.transport,
-            "sent_bytes": self.sent_bytes,
-            "sent_seconds": self.sent_seconds,
-            "gbps": self.sent_bytes / self.sent_seconds / 1e9 if self.sent_seconds else None,
+            "sent_bytes": (nbytes := sum(self.sent_bytes.values())),
+            "sent_seconds": (seconds := sum(self.sent_seconds.values())),
+            "gbps": nbytes / seconds / 1e9 if seconds else None,
+            "sent_by_transport": {
+                t: {"bytes": self.sent_bytes[t], "seconds": self.sent_seconds[t]} for t in TRANSPORTS
+            },
             "failures": self.failures,
             "backlog_bytes": self.backlog_bytes,
             "received_seconds": self.received_seconds,

@@ -499,8 +499,7 @@ class NixlTransfer:
             t0 = time.perf_counter()
             deadline = asked + grant.ttl_s / 2
             nbytes = await asyncio.to_thread(self.agent.write, peer, src, grant.blocks, deadline)
-            self.service.sent_seconds += time.perf_counter() - t0
-            self.service.sent_bytes += nbytes
+            self.service.count_sent("nixl", nbytes, time.perf_counter() - t0)
             ok = True
         except NixlError as e:
             log.warning("NIXL write to %s failed: %s", url, e)
