@@ -25,15 +25,16 @@ from gateway.procs import Worker
 TOKEN = "bench-token"
 
 
-def leg(url: str, ids: list[int], max_tokens: int, kv: dict) -> float:
-    """Send one leg; returns seconds to its first streamed token."""
+def leg(url: str, ids: list[int], max_tokens: int, kv: dict, headers: dict[str, str] | None = None) -> float:
+    """Send one leg (with `headers` besides the internal token); returns seconds to its first
+    streamed token."""
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     t0 = time.perf_counter()
     with httpx.stream(
         "POST",
         url + "/v1/completions",
         timeout=600,
-        headers=internal_headers(TOKEN),
+        headers={**internal_headers(TOKEN), **(headers or {})},
         json={
             "model": model,
             "prompt": ids,

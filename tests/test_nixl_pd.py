@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from bench.export_overlap import SPAN_FLUSH_MS, traced_leg
 from gateway.procs import Proc, Worker, free_port, start_gateway, start_redis, stop_all, wait_for, wait_redis
 from tests.nixl_fault_worker import DIE_ENV
 from workers.kv import redis_schema as rs
@@ -44,7 +45,12 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
     model = str(tiny_llama)
     server = wait_redis(start_redis(log_dir=logs))
     batches = ("--max-batched-tokens", "64", "--kv-export-batch-blocks", "4")  # a batch of 4 blocks a step
-    p = Worker("torch", "nx-p", extra=("--role", "prefill", *batches, *SECRET, *NIXL), model=model, log_dir=logs)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", SPAN_FLUSH_MS)
+        traced = ("--trace", "console")  # its spans show when its exports began
+        p = Worker(
+            "torch", "nx-p", extra=("--role", "prefill", *batches, *traced, *SECRET, *NIXL), model=model, log_dir=logs
+        )
     d = Worker(
         "torch",
         "nx-d",
@@ -117,6 +123,15 @@ def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):
     assert d["nixl"]["reservations"] == 0 and d["nixl"]["expired"] == 0
     committed = d["nixl"]["committed"] - before["kv_transfer"]["nixl"]["committed"]
     assert committed >= 199 // 64 + 332 // 64, "blocks went in batches as 64-token prefill steps computed them"
+
+
+def test_the_first_batch_is_exported_before_the_prefill_ends(nixl_fleet):
+    """Block-batch pipelining on real workers, read from the prefill worker's own spans: the
+    first batch's `kv_export` begins before the last `prefill_chunk` completes."""
+    f = nixl_fleet
+    tl, _ = traced_leg(f["p"], f["d"], prompt(1000, 5))  # 16 steps of 64 tokens, a batch of 4 blocks each
+    assert len(tl.chunks) == 16 and len(tl.exports) > 1
+    assert tl.overlaps, (tl.exports[0], tl.chunks[-1])
 
 
 def dying_worker(model, role: str, step: str, log_dir: str) -> Proc:
