@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from workers.kv.block_pool import BlockPool
-from workers.kv.disk_io import DiskIO, decode, encode
+from workers.kv.disk_io import DiskIO, decode, header
 from workers.kv.disk_pool import DiskDelete, DiskPool, DiskRead, DiskWrite
 from workers.kv.events import DISK, HOST, REMOVED, STORED, EventLog
 from workers.kv.host_pool import SWAP_OUT, HostPool
@@ -108,13 +108,13 @@ def test_a_failed_read_cuts_the_load_and_a_failed_write_drops_the_entry():
 
 
 def test_files_hold_hash_and_tokens_and_the_io_thread_cleans_up(tmp_path):
-    data = encode(-5, (1, 2, 70000), b"kv")
+    data = bytearray(header(-5, (1, 2, 70000)) + b"kv")
     assert decode(data, -5, (1, 2, 70000)) == b"kv"
     assert decode(data, -5, (1, 2, 3)) is None and decode(data, 4, (1, 2, 70000)) is None
     assert decode(data[:10], -5, (1, 2, 70000)) is None
     stale = tmp_path / "kvgate-w_1-1-0123abcd"
     stale.mkdir()
-    (stale / "1-1.kv").write_bytes(encode(1, (1, 1), b""))
+    (stale / "1-1.kv").write_bytes(header(1, (1, 1)))
     other = tmp_path / "kvgate-w_1-2-1-0123abcd"  # worker w/1-2's
     other.mkdir()
 

@@ -87,7 +87,7 @@ class Executor(Protocol):
         """A handle for `copy_done` of every copy out handed over so far (None: they are done)."""
         ...
 
-    def host_bytes(self, slot: int) -> bytes:
+    def host_bytes(self, slot: int) -> bytes | memoryview:
         """A host slot's K/V in the layout `import_blocks` takes for one block (the disk tier)."""
         ...
 

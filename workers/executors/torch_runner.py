@@ -280,10 +280,11 @@ class TorchRunner:
         done.record(torch.cuda.current_stream(self.device))
         return done
 
-    def host_bytes(self, slot: int) -> bytes:
+    def host_bytes(self, slot: int) -> memoryview:
         """Host slot `slot`'s K/V, [layers, 2, block_size, kv_heads, head_dim]: one block of
-        `import_blocks`' payload layout. Read off the engine thread after `host_fence`."""
-        return self.host_cache[slot].view(torch.uint8).numpy().tobytes()
+        `import_blocks`' payload layout, as a view of the slot (read off the engine thread after
+        `host_fence`, while the slot is pinned)."""
+        return memoryview(self.host_cache[slot].view(torch.uint8).reshape(-1).numpy())
 
     def _copy_stream(self) -> "torch.cuda.Stream":
         """The stream copies back run on, made to wait for the work queued on the step stream."""

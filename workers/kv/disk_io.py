@@ -30,12 +30,14 @@ MAGIC = b"KVGD1\n"
 HEADER = struct.Struct("<6sQI")  # magic, hash (64 bits), number of tokens; then int64 tokens, K/V
 
 
-def encode(h: int, tokens: tuple[int, ...], kv: bytes) -> bytes:
-    return HEADER.pack(MAGIC, h & (2**64 - 1), len(tokens)) + struct.pack(f"<{len(tokens)}q", *tokens) + kv
+def header(h: int, tokens: tuple[int, ...]) -> bytes:
+    """What a block's file holds before its K/V bytes."""
+    return HEADER.pack(MAGIC, h & (2**64 - 1), len(tokens)) + struct.pack(f"<{len(tokens)}q", *tokens)
 
 
-def decode(data: bytes, h: int, tokens: tuple[int, ...]) -> bytes | None:
-    """The K/V bytes of a file's `data` if it holds block `h` with `tokens`, else None."""
+def decode(data: bytearray, h: int, tokens: tuple[int, ...]) -> memoryview | None:
+    """The K/V bytes of a file's `data` if it holds block `h` with `tokens`, else None (a view:
+    the bytes go into the device block without another copy)."""
     if len(data) < HEADER.size:
         return None
     magic, got, n = HEADER.unpack_from(data)
@@ -44,7 +46,15 @@ def decode(data: bytes, h: int, tokens: tuple[int, ...]) -> bytes | None:
         return None
     if struct.unpack_from(f"<{n}q", data, HEADER.size) != tokens:
         return None
-    return data[end:]
+    return memoryview(data)[end:]
+
+
+def read(path: Path) -> bytearray:
+    """A file's bytes, read into one writable buffer."""
+    with open(path, "rb", buffering=0) as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)
+    return data
 
 
 def run_dir_prefix(worker_id: str) -> str:
@@ -111,9 +121,11 @@ class DiskIO:
     def _run(self, job: DiskJob) -> None:
         path = self.dir / job.entry.name
         if isinstance(job, DiskWrite):
-            path.write_bytes(encode(job.entry.hash, job.entry.token_ids, self.executor.host_bytes(job.slot)))
+            with open(path, "wb") as f:
+                f.write(header(job.entry.hash, job.entry.token_ids))
+                f.write(self.executor.host_bytes(job.slot))
         elif isinstance(job, DiskRead):
-            kv = decode(path.read_bytes(), job.entry.hash, job.entry.token_ids) if path.exists() else None
+            kv = decode(read(path), job.entry.hash, job.entry.token_ids) if path.exists() else None
             if kv is None:
                 log.warning("disk tier: %s does not hold its block; it is recomputed", path)
                 return
