@@ -19,7 +19,11 @@ The host tier, when on, is the block pool's own (workers/kv/host_pool.py): block
 load back as on a real worker. Copies back run one after another on a copy engine beside the
 steps, each taking its bytes at `host_gbps`: the request that waits for one is set aside by the
 scheduler until it is done, as on the engine, and other requests step meanwhile. Copies out
-overlap the steps and cost nothing.
+overlap the steps and cost nothing. The disk tier under it, when on, is the pool's too
+(workers/kv/disk_pool.py): its reads run one after another on a disk beside the copy engine, each
+taking a block's bytes at `disk_gbps`, and a load is done once both its copies and its reads
+are. Its writes overlap and cost nothing, as copies out do (on a worker they share the I/O
+thread with the reads: this is the simulator's optimism).
 
 Output token ids: a constant per request (from its seed), never in any prompt; what matters
 for the cache is only that each request's output blocks hash uniquely.
@@ -35,6 +39,7 @@ from workers.executors.sim import SimExecutor
 from workers.inflight import advance, chunks_of
 from workers.kv.block_pool import BlockPool, Load
 from workers.kv.cost_model import CostModel, StepWork
+from workers.kv.disk_pool import DiskPool, DiskRead
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
 from workers.kv.host_pool import SWAP_IN, HostPool
@@ -58,6 +63,8 @@ class SimConfig:
     fast_forward: bool = True
     host_blocks: int = 0  # the host tier (--host-kv-gb's blocks); 0: evicted blocks are dropped
     host_gbps: float = 20.0  # copy-back rate, host -> device (GB/s, 1e9 bytes)
+    disk_blocks: int = 0  # the disk tier under the host's (--disk-kv-gb's blocks); 0: none
+    disk_gbps: float = 0.5  # read-back rate, block file -> device (GB/s, 1e9 bytes)
     export_batch_blocks: int = 16  # P/D export batch mid-prefill (the worker's --kv-export-batch-blocks)
 
 
@@ -98,7 +105,8 @@ class SimWorker:
         self.cfg = cfg
         self.events = EventLog(worker_id)
         host = HostPool(cfg.host_blocks, self.events) if cfg.host_blocks > 0 else None
-        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events, host)
+        disk = DiskPool(cfg.disk_blocks, self.events) if host is not None and cfg.disk_blocks > 0 else None
+        self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events, host, disk)
         self.kv = KVCacheManager(self.pool, seed_hash(cfg.model_id, cfg.block_size))
         self.scheduler = Scheduler(self.kv, cfg.max_batched_tokens, cfg.max_num_seqs, cfg.max_model_len)
         self.executor = sim_executor(cost, cfg.max_model_len)
@@ -118,6 +126,7 @@ class SimWorker:
         self.before: dict = {}  # the load as the step in progress began
         self.copying: list[tuple[float, list[Load]]] = []  # (when done, loads), in issue order
         self.copy_free_at = 0.0  # when the copy engine has finished what it was handed
+        self.disk_free_at = 0.0  # when the disk has finished the jobs it was handed
         self.copy_wait = False  # idle until a copy back is done: an arrival wakes it
 
     # arrivals and events
@@ -206,10 +215,26 @@ class SimWorker:
         is still copying, take their bytes at `host_gbps`; their loads are done when they end."""
         loads = self.pool.take_loads()
         blocks = sum(len(b.block_ids) for b in self.pool.take_copies() if b.direction == SWAP_IN)
+        read = self._disk_jobs(now)
         if loads:
             s = blocks * self.cfg.block_size * self.kv_bytes_per_token / (self.cfg.host_gbps * 1e9)
             self.copy_free_at = max(now, self.copy_free_at) + s
-            self.copying.append((self.copy_free_at, loads))
+            self.copying.append((max(self.copy_free_at, read), loads))
+
+    def _disk_jobs(self, now: float) -> float:
+        """Run the disk jobs the schedule queued: each read takes a block's bytes at `disk_gbps`
+        after what the disk is still reading; returns when the last one ends (`now` without
+        one). Every job's result applies at once: a write's host slot is let go at once."""
+        jobs = self.pool.take_disk_jobs()
+        reads = sum(isinstance(job, DiskRead) for job in jobs)
+        for job in jobs:
+            job.ok = True
+            self.pool.disk_done(job)
+        if not reads:
+            return now
+        s = reads * self.cfg.block_size * self.kv_bytes_per_token / (self.cfg.disk_gbps * 1e9)
+        self.disk_free_at = max(now, self.disk_free_at) + s
+        return self.disk_free_at
 
     def _land_copies(self, now: float) -> None:
         """Mark done the loads whose copies have ended by `now` (the scheduler lands them)."""
@@ -315,6 +340,8 @@ class SimWorker:
             total_blocks=self.pool.num_blocks,
             host_blocks=self.cfg.host_blocks,
             host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
+            disk_blocks=self.cfg.disk_blocks if self.pool.disk else 0,
+            disk_free_blocks=self.pool.disk.num_free if self.pool.disk else 0,
             **(self.before if self.plan is not None else self._load()),
             max_batched_tokens=s.max_batched_tokens,
             max_num_seqs=s.max_num_seqs,

@@ -178,6 +178,24 @@ def parser() -> argparse.ArgumentParser:
         help="the router's credit for a matched host-tier block (gateway --host-kv-credit; default "
         "1.0: its copy back runs beside the steps; its time, from --host-kv-gbps, delays only its request)",
     )
+    p.add_argument(
+        "--disk-kv-blocks",
+        type=int,
+        default=0,
+        help="each worker's disk KV tier in blocks, under its host tier (a worker's --disk-kv-gb); default 0: none",
+    )
+    p.add_argument(
+        "--disk-kv-gbps",
+        type=float,
+        default=DEFAULT_TIER_CREDITS.disk_gbps,
+        help="the disk tier's rate in GB/s, for a block's write and its read back (gateway --disk-kv-gbps)",
+    )
+    p.add_argument(
+        "--disk-kv-credit",
+        type=float,
+        default=DEFAULT_TIER_CREDITS.disk,
+        help="the router's credit for a matched disk-tier block (gateway --disk-kv-credit)",
+    )
     p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
     p.add_argument(
         "--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival"
@@ -241,6 +259,8 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         fast_forward=not args.no_fast_forward,
         host_blocks=args.host_kv_blocks,
         host_gbps=args.host_kv_gbps,
+        disk_blocks=args.disk_kv_blocks,
+        disk_gbps=args.disk_kv_gbps,
         export_batch_blocks=args.export_batch_blocks,
     )
     profile = load_profile(args.profile) if args.profile else {}
@@ -271,9 +291,10 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
 
 def tier_credits(args: argparse.Namespace) -> TierCredits:
     """The router's tier credits: a host block's credit --host-kv-credit (default 1.0: the copy runs
-    beside the steps and saves the whole prefill), its copy back at --host-kv-gbps."""
+    beside the steps and saves the whole prefill), its copy back at --host-kv-gbps; a disk block's
+    --disk-kv-credit, its read back at --disk-kv-gbps."""
     host = 1.0 if args.host_kv_credit is None else args.host_kv_credit
-    return TierCredits(host, DEFAULT_TIER_CREDITS.disk, args.host_kv_gbps)
+    return TierCredits(host, args.disk_kv_credit, args.host_kv_gbps, args.disk_kv_gbps)
 
 
 def parse_roles(spec: str | None, workers: int) -> tuple[str, ...] | None:

@@ -202,7 +202,16 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TIER_CREDITS.disk,
         metavar="C",
-        help="what a matched block in a worker's disk tier is worth, in device blocks",
+        help="what a matched block in a worker's disk tier is worth, in device blocks (its read back "
+        "runs beside the worker's steps, as a host block's copy does)",
+    )
+    g.add_argument(
+        "--disk-kv-gbps",
+        type=float,
+        default=DEFAULT_TIER_CREDITS.disk_gbps,
+        metavar="G",
+        help="how fast a worker reads its disk tier back to the device (GB/s): a disk hit's read "
+        "delays that request's predicted TTFT where it outlasts the queue ahead",
     )
     g.add_argument(
         "--engine-stall-s",
@@ -311,7 +320,7 @@ def build(args: argparse.Namespace) -> Gateway:
         breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown_s),
         token=args.internal_token,
         kinds={vllm_worker.KIND: vllm_kind(args)},
-        tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit, args.host_kv_gbps),
+        tier_credits=TierCredits(args.host_kv_credit, args.disk_kv_credit, args.host_kv_gbps, args.disk_kv_gbps),
     )
     for spec in args.worker:
         add_worker(fleet, spec)

@@ -30,17 +30,20 @@ class RequestView:
 @dataclass(frozen=True)
 class TierCredits:
     """What a matched block saves, in device blocks of prefill, by the tier it lies in, and how
-    fast a host block comes back. A host block is copied back beside the worker's steps
-    (workers/scheduler.py: the request waits for it, nothing else does), so it saves its whole
-    prefill (`host` 1.0) and delays only its own request, by its bytes (the worker's
-    `kv_bytes_per_token`) at `host_gbps` where the copy outlasts that request's wait in the queue
-    (`predict.ttft_tpot_ms`). `disk`: Dynamo's credit for its disk tier (kvgate has no disk tier
-    yet). A lower `host` makes routing prefer device hits whatever the load."""
+    fast a block of each slower tier comes back. A host block is copied back, and a disk block
+    read back, beside the worker's steps (workers/scheduler.py: the request waits for it, nothing
+    else does), so it saves its whole prefill (`host`, `disk` 1.0) and delays only its own
+    request, by its bytes (the worker's `kv_bytes_per_token`) at `host_gbps` or `disk_gbps`
+    where the copy outlasts that request's wait in the queue (`predict.ttft_tpot_ms`). A lower
+    credit makes routing prefer faster tiers' hits whatever the load."""
 
     host: float = 1.0
-    disk: float = 0.25
+    disk: float = 1.0
     # pinned host -> device on one H200: 44-48 GB/s from 16 blocks (bench/results/host_copy_h200_llama8b.json)
     host_gbps: float = 50.0
+    # block file -> device block through the worker's disk thread, page cache dropped, on a CPU VM:
+    # 0.44-0.62 GB/s over three runs (bench/results/disk_copy_cpu.json); measure yours: bench/disk_copy.py
+    disk_gbps: float = 0.5
 
 
 DEFAULT_TIER_CREDITS = TierCredits()

@@ -53,9 +53,11 @@ def cached_tokens(req: RequestView, w: WorkerView) -> int:
 
 
 def copy_back_ms(req: RequestView, w: WorkerView) -> float:
-    """How long `req`'s host blocks take to come back on `w` before its prefill may start (0 where
-    `w` does not say how many bytes a token's K/V takes)."""
-    return tier_blocks(req, w)[1] * w.block_size * w.kv_bytes_per_token / (w.tier_credits.host_gbps * 1e6)
+    """How long `req`'s host and disk blocks take to come back on `w` before its prefill may start
+    (0 where `w` does not say how many bytes a token's K/V takes)."""
+    _, host, disk = tier_blocks(req, w)
+    c = w.tier_credits
+    return w.block_size * w.kv_bytes_per_token * (host / c.host_gbps + disk / c.disk_gbps) / 1e6
 
 
 def uncached_tokens(req: RequestView, w: WorkerView) -> int:
@@ -118,7 +120,7 @@ def ttft_tpot_ms(
         + pscale * (model.prefill_token_ms * (queued + own))
         + pscale * (model.prefill_attn_ms * attn / 1000.0)
     )
-    if w.matched_host_blocks:  # its prefill starts once both the queue ahead and its copy back are done
+    if w.matched_host_blocks or w.matched_disk_blocks:  # its prefill waits for the queue and its copy back
         ttft += max(0.0, copy_back_ms(req, w) - ttft * queued / (queued + own))
     out = max(1, req.max_tokens)
     ttft += slot_wait_ms(w, running, waiting + unseen, out, model, dscale)

@@ -137,3 +137,17 @@ def test_a_host_block_saves_its_whole_prefill_and_its_copy_time_delays_only_its_
     busy = dict(queued_prefill_tokens=20000, waiting=4, **kv)
     host_busy = worker("w", matched_blocks=40, matched_host_blocks=40, tier_credits=credits, **busy)
     assert predict.ttft_ms(r, host_busy) == predict.ttft_ms(r, worker("w", matched_blocks=40, **busy))
+
+
+def test_a_disk_block_is_read_back_at_the_disk_rate_and_delays_only_its_own_request():
+    """20 disk blocks at 2 GB/s and 20 host blocks at 50 GB/s of 128 KiB per token: both reads
+    delay an idle worker's TTFT, the disk's 25 times as long a block; the compute credit is whole."""
+    credits = TierCredits(host_gbps=50.0, disk_gbps=2.0)
+    r = req(64 * 16)
+    kv = dict(kv_bytes_per_token=131072)
+    both = worker("w", matched_blocks=40, matched_host_blocks=20, matched_disk_blocks=20, tier_credits=credits, **kv)
+    on_device = worker("w", matched_blocks=40, **kv)
+    copy = 20 * 16 * 131072 * (1 / 50e6 + 1 / 2e6)
+    assert predict.cached_tokens(r, both) == predict.cached_tokens(r, on_device) == 40 * 16
+    assert predict.copy_back_ms(r, both) == pytest.approx(copy)
+    assert predict.ttft_ms(r, both) - predict.ttft_ms(r, on_device) == pytest.approx(copy, rel=0.05)
