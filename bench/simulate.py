@@ -188,7 +188,7 @@ def parser() -> argparse.ArgumentParser:
         "--disk-kv-gbps",
         type=float,
         default=DEFAULT_TIER_CREDITS.disk_gbps,
-        help="the disk tier's rate in GB/s, for a block's write and its read back (gateway --disk-kv-gbps)",
+        help="the disk tier's read-back rate in GB/s, file -> device (gateway --disk-kv-gbps)",
     )
     p.add_argument(
         "--disk-kv-credit",
