@@ -143,7 +143,7 @@ def test_files_hold_hash_and_tokens_and_the_io_thread_cleans_up(tmp_path):
         done += io.take_done(wait=True)
     assert done == jobs and [j.ok for j in jobs] == [True, True, True, False], "in order: read after write"
     assert ex.written == [([2], bytes([3]))]
-    io.submit([DiskWrite(entry, 1)], None)
+    io.submit([DiskWrite(entry, 1)] * 100, None)
     io.close()
     assert not io.dir.exists() and list(Path(tmp_path).iterdir()) == [other], "a run's files go at shutdown"
 

@@ -85,6 +85,7 @@ class DiskIO:
         self._lock = threading.Lock()
         self._finished = threading.Condition(self._lock)
         self._queued = 0  # jobs handed over and not yet finished
+        self._closing = False  # jobs still queued are skipped: their files are about to go
         self._thread = threading.Thread(target=self._loop, name="kv-disk", daemon=True)
         self._thread.start()
 
@@ -110,7 +111,8 @@ class DiskIO:
                 self.executor.copy_done(fence, True)
             for job in jobs:
                 try:
-                    self._run(job)
+                    if not self._closing:
+                        self._run(job)
                 except Exception:
                     log.exception("disk tier: %s of %s failed", type(job).__name__, job.entry.name)
                 with self._lock:
@@ -135,7 +137,8 @@ class DiskIO:
         job.ok = True
 
     def close(self) -> None:
-        """Stop the thread after the jobs handed over, and remove this run's files."""
+        """Stop the thread (the jobs still queued are skipped) and remove this run's files."""
+        self._closing = True
         self._jobs.put(None)
         self._thread.join(timeout=30)
         shutil.rmtree(self.dir, ignore_errors=True)
