@@ -2,8 +2,9 @@
 WRITE may still land in (workers/transfer_nixl.py). In one process, with fake agents (the bytes'
 landing is a callback) and a real engine holding the decode side's blocks: a reservation that
 expires during a slow WRITE, a writer that fails without knowing whether its bytes are still
-in flight, and one that never answers. Each time: no block is reused while it may be written,
-nothing unproven is published, and every block is back in the pool at the end."""
+in flight (its export then goes by HTTP), one that hangs mid-WRITE, and one that never answers.
+Each time: no block is reused while it may be written, nothing unproven is published, and
+every block is back in the pool once the quarantine's bound has passed."""
 
 import asyncio
 import threading
@@ -230,6 +231,50 @@ def test_a_writer_hung_mid_write_holds_its_blocks_no_longer_than_the_quarantine_
         assert pair.decode.stats()["quarantine_releases"]["completed"] == 0 and pair.whole()
     finally:
         unblock.set()
+        pair.close()
+
+
+def test_a_write_that_never_completes_falls_back_to_http_into_other_blocks(monkeypatch):
+    """The WRITE never completes (its writer gives up, unsettled): the decode side quarantines
+    the granted blocks, the export goes by HTTP instead and lands in other blocks, which are
+    published; after the bound the quarantined ones return. Nothing leaks on either side."""
+    monkeypatch.setattr(transfer_nixl, "RESERVE_BASE_S", TTL_S)
+    granted: list[int] = []
+
+    def lost_write(remote: list[int]) -> int:
+        granted.extend(remote)
+        raise NixlError("timed out", settled=False)
+
+    pair = Pair(lost_write, quarantine_s=0.3)
+    prefill = sim_engine(num_blocks=16, block_size=4)
+    prefill.start()
+    sender = TransferService(prefill, "m", TOKEN)
+    sender.nixl = NixlTransfer(sender, FakeAgent("p", 16, lost_write))
+    sender.client = pair.client
+    hashes = block_hashes(PROMPT, 4, pair.engine.kv_seed)
+
+    def published(p) -> dict[int, int]:
+        return {b.hash: b.block_id for b in p.blocks if b.hash is not None}
+
+    async def run() -> None:
+        held = prefill.call(lambda: prefill.pool.allocate(3)).result(timeout=10)
+        tokens = [PROMPT[i : i + 4] for i in (0, 4, 8)]
+        assert await sender.send("http://d", hashes, tokens, held), "the blocks arrived by HTTP"
+        assert sender.nixl.fallbacks == 1 and pair.decode.stats()["quarantined_blocks"] == 3
+        landed = pair.pool(published)
+        assert set(landed) == set(hashes) and not set(landed.values()) & set(granted)
+        assert pair.held_unpublished(granted)
+        deadline = time.monotonic() + 30
+        while pair.decode.quarantined and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(run())
+        assert pair.decode.stats()["quarantine_releases"] == {"completed": 0, "timed_out": 1}
+        assert pair.pool(lambda p: p.num_free == p.num_blocks and set(p.resident_hashes()) == set(hashes))
+        assert prefill.call(lambda: prefill.pool.num_free).result(timeout=10) == 16
+    finally:
+        prefill.stop()
         pair.close()
 
 
