@@ -21,6 +21,18 @@ log = logging.getLogger("kvgate.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
+def error(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An OpenAI-shaped error response."""
+    return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
+
+
 class BodyTooLarge(Exception):
     """The request body is larger than the server takes (a 413)."""
 

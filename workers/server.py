@@ -12,8 +12,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -22,23 +21,22 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
-from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx
+from workers.control_routes import ControlRoutes
+from workers.job import Choices, Job
+from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx, error
 from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
 from workers.prefix_tokens import PrefixTokenizer
 from workers.protocol import (
     TTFT_HEADER,
     ParsedRequest,
-    chat_logprobs,
     choice,
     chunk,
-    completion_logprobs,
     error_body,
     full_response,
     new_id,
     parse_request,
     tokenize_body,
-    usage,
 )
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
@@ -48,7 +46,6 @@ from workers.transfer_metrics import TransferCollector
 
 log = logging.getLogger("kvgate.worker")
 RETRY_AFTER_S = 1
-LONG_POLL_SLICE_S = 0.5  # a /kv/events long poll looks at the drain flag this often
 SHOWN_ID = re.compile(r"[!-~]{1,128}")  # a client's x-request-id we echo: printable ASCII, no spaces
 FAILURES = {  # RequestOutput.error -> (HTTP status, message)
     ENGINE_ERROR: (500, "the engine failed while running this request"),
@@ -56,85 +53,10 @@ FAILURES = {  # RequestOutput.error -> (HTTP status, message)
 }
 
 
-def error(
-    status: int,
-    message: str,
-    type_: str = "invalid_request_error",
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
-
-
 def failure(out: RequestOutput) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body of a request the engine failed."""
     status, message = FAILURES.get(out.error, FAILURES[ENGINE_ERROR])
     return status, error_body(message, "server_error", out.error)
-
-
-@dataclass
-class Job:
-    """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries.
-    Each of its choices is an engine request of its own (`engine_key`), timed by its own clock
-    for the metrics; `outputs` receives (choice index, output). `span` traces choice 0 (None
-    while tracing is off)."""
-
-    key: str
-    shown: str
-    parsed: ParsedRequest
-    outputs: asyncio.Queue
-    clocks: list[RequestClock]
-    span: object = None
-
-    def engine_key(self, choice: int) -> str:
-        return self.key if self.parsed.num_choices == 1 else f"{self.key}-{choice}"
-
-
-@dataclass
-class Choices:
-    """What a request's choices have produced so far, and how each must be reported."""
-
-    parsed: ParsedRequest
-    decode: Callable[[int], str]
-    last: dict[int, RequestOutput] = field(default_factory=dict)
-    offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs' text offset per choice
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == self.parsed.num_choices
-
-    @property
-    def finished(self) -> list[int]:
-        return [i for i, out in self.last.items() if out.finish_reason is not None]
-
-    def add(self, i: int, out: RequestOutput) -> None:
-        self.last[i] = out
-
-    def echo(self, i: int) -> str:
-        texts = self.parsed.echo_texts
-        return texts[i // self.parsed.n] if texts else ""
-
-    def logprobs(self, i: int, entries: list | None) -> dict | None:
-        """The choice's `logprobs` object for these tokens (None when not asked for)."""
-        if self.parsed.params.logprobs is None or entries is None:
-            return None
-        if self.parsed.kind == "chat":
-            return chat_logprobs(entries, self.decode)
-        offset = self.offsets.get(i, len(self.echo(i)))
-        body = completion_logprobs(entries, self.decode, offset)
-        self.offsets[i] = offset + sum(map(len, body["tokens"]))
-        return body
-
-    def usage(self) -> dict:
-        """Every prompt's tokens once (counted and cached by its first completion), every
-        completion's tokens."""
-        firsts = [self.last[i] for i in range(0, self.parsed.num_choices, self.parsed.n)]
-        return usage(
-            sum(o.num_prompt for o in firsts),
-            sum(o.num_output for o in self.last.values()),
-            sum(o.num_cached for o in firsts),
-        )
 
 
 class WorkerServer:
@@ -168,6 +90,7 @@ class WorkerServer:
         self.transfer.tracing = self.tracing
         self.publisher = None  # a workers.redis_publisher.RedisPublisher when --redis is given
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.control = ControlRoutes(self)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -178,12 +101,8 @@ class WorkerServer:
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health),
                 Route("/metrics", self.prometheus),
-                Route("/state", self.state),
-                Route("/steps", self.steps),
-                Route("/kv/events", self.kv_events),
-                Route("/kv/snapshot", self.kv_snapshot),
+                *self.control.routes(),
                 *self.transfer.routes(),
-                Route("/kv/reset", self.kv_reset, methods=["POST"]),
             ],
             lifespan=self._lifespan,
             middleware=[Middleware(CloseOn5xx)],
@@ -192,9 +111,7 @@ class WorkerServer:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
-        loop = asyncio.get_running_loop()
-        self._kv_changed = asyncio.Event()
-        self.engine.events.subscribe(lambda events: loop.call_soon_threadsafe(self._kv_changed.set))
+        self.control.start(asyncio.get_running_loop())
         if self.publisher is not None:
             await self.publisher.start()
         yield
@@ -536,119 +453,6 @@ class WorkerServer:
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
-
-    def _refused(self, request: Request) -> Response | None:
-        """403 for an internal read without the token, when this worker has one (the gateway
-        and tools send it; workers/internal_auth.py says why)."""
-        if self.transfer.token and not self.transfer.authorised(request):
-            return error(
-                403,
-                f"{request.url.path} is internal: it needs the fleet's internal token",
-                "permission_error",
-                "forbidden",
-            )
-        return None
-
-    async def state(self, request: Request) -> Response:
-        """Load as of the last step, plus liveness now: whether the engine thread runs, how long
-        it has gone without completing a step while it has work, and whether the worker drains."""
-        if refused := self._refused(request):
-            return refused
-        return JSONResponse(self.state_body())
-
-    def state_body(self) -> dict:
-        """The /state body (also what rides on a `/kv/events?state=1` answer)."""
-        return {
-            **self.engine.state().to_json(),
-            "kv_transfer": self.transfer.stats(),
-            "engine_alive": self.engine.alive,
-            "engine_stall_s": self.engine.stall_s(),
-            "draining": self.draining,
-            "in_flight": self.in_flight,
-        }
-
-    async def steps(self, request: Request) -> Response:
-        """The engine's step log after step `after`: each step's number, times and work
-        (`StepRecord.to_json`)."""
-        if refused := self._refused(request):
-            return refused
-        try:
-            after = int(request.query_params.get("after", "0"))
-        except ValueError:
-            return error(400, "'after' must be an integer")
-        last, steps = await asyncio.wrap_future(self.engine.step_log(after))
-        return JSONResponse({"last": last, "steps": steps})
-
-    async def kv_events(self, request: Request) -> Response:
-        """KV events after `after`, waiting up to `timeout` seconds for one (not while draining);
-        with `state=1` the answer carries the /state body as of its sending, so a gateway tailing
-        the events needs no separate /state poll while the answers keep coming (gateway/fleet.py).
-        With `stream=1` the answers go on as NDJSON lines on one response, each sent as soon as
-        there are events or `timeout` seconds passed without any, until the worker drains or
-        the client leaves: a long poll per batch cost the gateway an HTTP exchange per engine
-        step per worker, most of its control-plane CPU under load."""
-        if refused := self._refused(request):
-            return refused
-        try:
-            after = int(request.query_params.get("after", "0"))
-            timeout = min(float(request.query_params.get("timeout", "0")), 30.0)
-        except ValueError:
-            return error(400, "'after' must be an integer and 'timeout' a number of seconds")
-        with_state = request.query_params.get("state") == "1"
-        if request.query_params.get("stream") == "1":
-            if timeout <= 0.0:
-                return error(400, "a stream of KV events needs a 'timeout' (its heartbeat) above 0")
-            return StreamingResponse(self._event_lines(after, timeout, with_state), media_type="application/x-ndjson")
-        await self._wait_events(after, timeout)
-        return JSONResponse(self._events_body(after, with_state))
-
-    async def _wait_events(self, after: int, timeout: float) -> None:
-        """Until an event past `after` is logged, `timeout` seconds pass or the worker drains."""
-        events = self.engine.events
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while events.last_seq <= after and not self.draining and loop.time() < deadline:
-            self._kv_changed.clear()
-            if events.last_seq > after:
-                break
-            try:  # in slices: a draining worker's long polls end at once and do not hold up its exit
-                await asyncio.wait_for(self._kv_changed.wait(), min(deadline - loop.time(), LONG_POLL_SLICE_S))
-            except asyncio.TimeoutError:
-                pass
-
-    def _events_body(self, after: int, with_state: bool) -> dict:
-        body = self.engine.events.after(after).to_json()
-        if with_state:
-            body["state"] = self.state_body()
-        return body
-
-    async def _event_lines(self, after: int, timeout: float, with_state: bool) -> AsyncIterator[bytes]:
-        """The `stream=1` answers: one JSON line per batch (or heartbeat), until draining."""
-        while True:
-            await self._wait_events(after, timeout)
-            body = self._events_body(after, with_state)
-            yield json.dumps(body, separators=(",", ":")).encode() + b"\n"
-            if self.draining:
-                return
-            if body["events"]:
-                after = body["events"][-1]["seq"]
-            elif body["gap"]:  # the client resyncs from a snapshot; do not repeat the gap
-                after = body["last_seq"]
-
-    async def kv_reset(self, request: Request) -> Response:
-        """Drop every cached-but-free block (after a weight reload); internal, token-protected."""
-        if not self.transfer.authorised(request):
-            return error(
-                403, "resetting the prefix cache needs the fleet's internal token", "permission_error", "forbidden"
-            )
-        evicted = await asyncio.wrap_future(self.engine.clear_cache())
-        return JSONResponse({"evicted": evicted})
-
-    async def kv_snapshot(self, request: Request) -> Response:
-        if refused := self._refused(request):
-            return refused
-        snap = await asyncio.wrap_future(self.engine.kv_snapshot())
-        return JSONResponse(snap.to_json() | {"block_size": self.engine.config.block_size})
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -1,0 +1,74 @@
+"""One admitted request in the worker's HTTP server: its engine requests (one per choice) and
+what its choices have produced, shaped the OpenAI way."""
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workers.metrics import RequestClock
+from workers.outputs import RequestOutput
+from workers.protocol import ParsedRequest, chat_logprobs, completion_logprobs, usage
+
+
+@dataclass
+class Job:
+    """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries.
+    Each of its choices is an engine request of its own (`engine_key`), timed by its own clock
+    for the metrics; `outputs` receives (choice index, output). `span` traces choice 0 (None
+    while tracing is off)."""
+
+    key: str
+    shown: str
+    parsed: ParsedRequest
+    outputs: asyncio.Queue
+    clocks: list[RequestClock]
+    span: object = None
+
+    def engine_key(self, choice: int) -> str:
+        return self.key if self.parsed.num_choices == 1 else f"{self.key}-{choice}"
+
+
+@dataclass
+class Choices:
+    """What a request's choices have produced so far, and how each must be reported."""
+
+    parsed: ParsedRequest
+    decode: Callable[[int], str]
+    last: dict[int, RequestOutput] = field(default_factory=dict)
+    offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs' text offset per choice
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.parsed.num_choices
+
+    @property
+    def finished(self) -> list[int]:
+        return [i for i, out in self.last.items() if out.finish_reason is not None]
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        self.last[i] = out
+
+    def echo(self, i: int) -> str:
+        texts = self.parsed.echo_texts
+        return texts[i // self.parsed.n] if texts else ""
+
+    def logprobs(self, i: int, entries: list | None) -> dict | None:
+        """The choice's `logprobs` object for these tokens (None when not asked for)."""
+        if self.parsed.params.logprobs is None or entries is None:
+            return None
+        if self.parsed.kind == "chat":
+            return chat_logprobs(entries, self.decode)
+        offset = self.offsets.get(i, len(self.echo(i)))
+        body = completion_logprobs(entries, self.decode, offset)
+        self.offsets[i] = offset + sum(map(len, body["tokens"]))
+        return body
+
+    def usage(self) -> dict:
+        """Every prompt's tokens once (counted and cached by its first completion), every
+        completion's tokens."""
+        firsts = [self.last[i] for i in range(0, self.parsed.num_choices, self.parsed.n)]
+        return usage(
+            sum(o.num_prompt for o in firsts),
+            sum(o.num_output for o in self.last.values()),
+            sum(o.num_cached for o in firsts),
+        )
