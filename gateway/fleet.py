@@ -36,6 +36,7 @@ import aiohttp
 
 from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
+from gateway.proxy import UPSTREAM_KEEPALIVE_S
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
 from workers.kv.cost_model import CostModel
 from workers.internal_auth import internal_headers
@@ -250,7 +251,8 @@ class Fleet:
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), headers=internal_headers(self.token)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            headers=internal_headers(self.token),
         )
         self._started = True
         for w in self.workers.values():

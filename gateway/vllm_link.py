@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from gateway.proxy import UPSTREAM_KEEPALIVE_S
 from gateway.vllm_metrics import (
     BadAnswer,
     EventSource,
@@ -87,7 +88,7 @@ class VllmLink:
     async def run(self) -> None:
         """Poll and follow until cancelled. The HTTP session is the link's own: the fleet's sends
         kvgate's internal token, which a vLLM server has no use for."""
-        self.http = aiohttp.ClientSession()
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S))
         try:
             while True:
                 t0 = time.monotonic()

@@ -181,7 +181,9 @@ class TransferService:
         return True
 
     def _client(self) -> httpx.AsyncClient:
-        self.client = self.client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0))
+        # idle connections end before the peer's 5 s keep-alive does (see gateway/proxy.py)
+        limits = httpx.Limits(keepalive_expiry=4.0)
+        self.client = self.client or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0), limits=limits)
         return self.client
 
     def authorised(self, request: Request) -> bool:
