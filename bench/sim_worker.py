@@ -23,7 +23,9 @@ overlap the steps and cost nothing. The disk tier under it, when on, is the pool
 (workers/kv/disk_pool.py): its reads run one after another on a disk beside the copy engine, each
 taking a block's bytes at `disk_gbps`, and a load is done once both its copies and its reads
 are. Its writes overlap and cost nothing, as copies out do (on a worker they share the I/O
-thread with the reads: this is the simulator's optimism).
+thread with the reads: this is the simulator's optimism). How much of a slow-tier hit is loaded
+rather than recomputed is the worker's own choice (workers/kv/read_back.py, from the same cost
+model and rates) unless `load_every_hit`.
 
 Output token ids: a constant per request (from its seed), never in any prompt; what matters
 for the cache is only that each request's output blocks hash uniquely.
@@ -43,6 +45,7 @@ from workers.kv.disk_pool import DiskPool, DiskRead
 from workers.kv.events import EventLog
 from workers.kv.hashing import seed_hash
 from workers.kv.host_pool import SWAP_IN, HostPool
+from workers.kv.read_back import ReadBack
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
 from workers.request import Request
@@ -65,6 +68,7 @@ class SimConfig:
     host_gbps: float = 20.0  # copy-back rate, host -> device (GB/s, 1e9 bytes)
     disk_blocks: int = 0  # the disk tier under the host's (--disk-kv-gb's blocks); 0: none
     disk_gbps: float = 0.5  # read-back rate, block file -> device (GB/s, 1e9 bytes)
+    load_every_hit: bool = False  # copy back every slow-tier hit (else: workers/kv/read_back.py's choice)
     export_batch_blocks: int = 16  # P/D export batch mid-prefill (the worker's --kv-export-batch-blocks)
 
 
@@ -107,7 +111,14 @@ class SimWorker:
         host = HostPool(cfg.host_blocks, self.events) if cfg.host_blocks > 0 else None
         disk = DiskPool(cfg.disk_blocks, self.events) if host is not None and cfg.disk_blocks > 0 else None
         self.pool = BlockPool(cfg.num_blocks, cfg.block_size, self.events, host, disk)
-        self.kv = KVCacheManager(self.pool, seed_hash(cfg.model_id, cfg.block_size))
+        read_back = (
+            None
+            if host is None or cfg.load_every_hit
+            else ReadBack(
+                cost, cfg.block_size, kv_bytes_per_token, cfg.max_batched_tokens, cfg.host_gbps, cfg.disk_gbps
+            )
+        )
+        self.kv = KVCacheManager(self.pool, seed_hash(cfg.model_id, cfg.block_size), read_back=read_back)
         self.scheduler = Scheduler(self.kv, cfg.max_batched_tokens, cfg.max_num_seqs, cfg.max_model_len)
         self.executor = sim_executor(cost, cfg.max_model_len)
         self.on_finish = on_finish

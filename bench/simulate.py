@@ -196,6 +196,12 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIER_CREDITS.disk,
         help="the router's credit for a matched disk-tier block (gateway --disk-kv-credit)",
     )
+    p.add_argument(
+        "--kv-load-every-hit",
+        action="store_true",
+        help="workers copy back every host and disk hit, even where recomputing it would be faster "
+        "(the worker's --kv-load-every-hit; default: the read-or-recompute choice)",
+    )
     p.add_argument("--poll-ms", type=float, default=500.0, help="how often the router polls /state (gateway default)")
     p.add_argument(
         "--drain-s", type=float, default=120.0, help="virtual seconds to let requests finish after the last arrival"
@@ -261,6 +267,7 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
         host_gbps=args.host_kv_gbps,
         disk_blocks=args.disk_kv_blocks,
         disk_gbps=args.disk_kv_gbps,
+        load_every_hit=args.kv_load_every_hit,
         export_batch_blocks=args.export_batch_blocks,
     )
     profile = load_profile(args.profile) if args.profile else {}

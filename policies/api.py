@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from workers.kv.cost_model import CostModel
+from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
 
@@ -39,11 +40,8 @@ class TierCredits:
 
     host: float = 1.0
     disk: float = 1.0
-    # pinned host -> device on one H200: 44-48 GB/s from 16 blocks (bench/results/host_copy_h200_llama8b.json)
-    host_gbps: float = 50.0
-    # block file -> device block through the worker's disk thread, page cache dropped, on a CPU VM:
-    # 0.44-0.62 GB/s over three runs (bench/results/disk_copy_cpu.json); measure yours: bench/disk_copy.py
-    disk_gbps: float = 0.5
+    host_gbps: float = HOST_GBPS  # the measurements behind both: workers/kv/read_back.py
+    disk_gbps: float = DISK_GBPS
 
 
 DEFAULT_TIER_CREDITS = TierCredits()

@@ -12,6 +12,7 @@ import math
 
 from policies.api import PREFILL, RequestView, WorkerView
 from workers.kv.cost_model import CostModel
+from workers.kv.read_back import copy_ms
 from workers.kv.transfer_time import exposed, num_batches
 
 DEFAULT_COST = CostModel()
@@ -57,7 +58,7 @@ def copy_back_ms(req: RequestView, w: WorkerView) -> float:
     (0 where `w` does not say how many bytes a token's K/V takes)."""
     _, host, disk = tier_blocks(req, w)
     c = w.tier_credits
-    return w.block_size * w.kv_bytes_per_token * (host / c.host_gbps + disk / c.disk_gbps) / 1e6
+    return copy_ms(host, disk, w.block_size * w.kv_bytes_per_token, c.host_gbps, c.disk_gbps)
 
 
 def uncached_tokens(req: RequestView, w: WorkerView) -> int:

@@ -14,6 +14,7 @@ from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer
 from workers.engine import Engine, EngineConfig
 from workers.kv.cost_model import CostModel
+from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 from workers.listen import listen
 from workers.logs import add_log_args, setup_logging
 from workers.model_store import load_tokenizer, resolve, served_name
@@ -66,6 +67,25 @@ def parser() -> argparse.ArgumentParser:
         "--disk-kv-dir",
         help="directory for the disk tier's files: each run writes a directory of its own there, "
         "removed at shutdown; an earlier run's of the same --worker-id is removed at start",
+    )
+    p.add_argument(
+        "--host-kv-gbps",
+        type=float,
+        default=HOST_GBPS,
+        help="host -> device copy rate in GB/s: with a cost model (--sim-profile, or the sim "
+        "executor's) a prefix hit in the host or disk tier is copied back only as far as that "
+        "is faster than recomputing it (the gateway's --host-kv-gbps)",
+    )
+    p.add_argument(
+        "--disk-kv-gbps",
+        type=float,
+        default=DISK_GBPS,
+        help="file -> device read rate in GB/s, for the same choice (the gateway's --disk-kv-gbps)",
+    )
+    p.add_argument(
+        "--kv-load-every-hit",
+        action="store_true",
+        help="copy back every host and disk hit, even where recomputing it would be faster",
     )
     p.add_argument(
         "--max-batched-tokens",
@@ -221,6 +241,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.host_kv_gb < 0 or args.disk_kv_gb < 0:
         raise SystemExit("kvgate worker: --host-kv-gb and --disk-kv-gb must be >= 0")
+    if args.host_kv_gbps <= 0 or args.disk_kv_gbps <= 0:
+        raise SystemExit("kvgate worker: --host-kv-gbps and --disk-kv-gbps must be > 0")
     if args.disk_kv_gb > 0 and not (args.host_kv_gb > 0 and args.disk_kv_dir):
         raise SystemExit("kvgate worker: --disk-kv-gb needs --host-kv-gb (it is written through it) and --disk-kv-dir")
     if args.kv_export_batch_blocks < 0:
@@ -258,6 +280,9 @@ def build_server(args) -> WorkerServer:
         host_blocks=tier_blocks(args.host_kv_gb, args.block_size, getattr(executor, "kv_bytes_per_token", 0)),
         disk_blocks=tier_blocks(args.disk_kv_gb, args.block_size, getattr(executor, "kv_bytes_per_token", 0)),
         disk_dir=args.disk_kv_dir or "",
+        host_gbps=args.host_kv_gbps,
+        disk_gbps=args.disk_kv_gbps,
+        load_every_hit=args.kv_load_every_hit,
         cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None),
     )
     try:

@@ -28,6 +28,7 @@ from workers.kv.disk_io import DiskIO
 from workers.kv.disk_pool import DiskPool, DiskRead, DiskWrite
 from workers.kv.events import EventLog, KVSnapshot
 from workers.kv.hashing import seed_hash
+from workers.kv.read_back import DISK_GBPS, HOST_GBPS, ReadBack
 from workers.kv.host_pool import HostPool, run_copies
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
@@ -64,6 +65,9 @@ class EngineConfig:
     host_blocks: int = 0  # the host tier's blocks (--host-kv-gb); 0: evicted blocks are dropped
     disk_blocks: int = 0  # the disk tier's blocks under the host's (--disk-kv-gb); 0: none
     disk_dir: str = ""  # where the disk tier's files go (--disk-kv-dir)
+    host_gbps: float = HOST_GBPS  # host -> device copy rate (--host-kv-gbps): read or recompute
+    disk_gbps: float = DISK_GBPS  # file -> device read rate (--disk-kv-gbps): read or recompute
+    load_every_hit: bool = False  # copy back every slow-tier hit, even where recomputing is faster
 
 
 @dataclass(slots=True)
@@ -118,7 +122,9 @@ class Engine:
         disk = DiskPool(config.disk_blocks, self.events) if host is not None and config.disk_blocks > 0 else None
         self.disk_io = DiskIO(config.disk_dir, config.worker_id, executor) if disk is not None else None
         self.pool = BlockPool(config.num_blocks, config.block_size, self.events, host, disk)
-        self.kv = KVCacheManager(self.pool, seed_hash(config.model_id, config.block_size), config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.pool, seed_hash(config.model_id, config.block_size), config.enable_prefix_caching, self._read_back()
+        )
         self.scheduler = Scheduler(
             self.kv, config.max_batched_tokens, config.max_num_seqs, self.max_model_len, executor.eos_token_ids
         )
@@ -137,6 +143,16 @@ class Engine:
         self._submit_lock = threading.Lock()
         self._beat = time.monotonic()
         self._snapshot = self._make_state()
+
+    def _read_back(self) -> ReadBack | None:
+        """The read-or-recompute choice for slow-tier hits: it needs a host tier and the
+        worker's cost model (--sim-profile, or the sim executor's); without one, or with
+        `load_every_hit`, every hit is copied back."""
+        c = self.config
+        if self.pool.host is None or c.cost_model is None or c.load_every_hit:
+            return None
+        kv_bytes = getattr(self.executor, "kv_bytes_per_token", 0)
+        return ReadBack(c.cost_model, c.block_size, kv_bytes, c.max_batched_tokens, c.host_gbps, c.disk_gbps)
 
     @property
     def executor(self) -> Executor:

@@ -7,15 +7,21 @@ are hashed and published), `free` when it finishes, is aborted or is preempted.
 
 from workers.kv.block_pool import BlockPool
 from workers.kv.hashing import block_hash, salted_seed
+from workers.kv.read_back import ReadBack
 from workers.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, seed: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, pool: BlockPool, seed: int, enable_prefix_caching: bool = True, read_back: ReadBack | None = None
+    ):
+        """`read_back` decides how much of a slow-tier hit to copy back rather than recompute;
+        without it every such hit is copied back."""
         self.pool = pool
         self.block_size = pool.block_size
         self.seed = seed
         self.enable_prefix_caching = enable_prefix_caching
+        self.read_back = read_back
 
     def _hashes(self, req: Request, n_blocks: int) -> list[int]:
         """The request's chain, extended to at least `n_blocks` hashes (it may hold more: read
@@ -36,8 +42,9 @@ class KVCacheManager:
 
     def match_prefix(self, req: Request) -> int:
         """Take the longest cached prefix (never the whole prompt), on from the device into the
-        host tier (those blocks' copy back is queued: `req.load`, and the request must not run
-        before it lands); returns the tokens it covers."""
+        host and disk tiers as far as `read_back` finds copying cheaper than recomputing (those
+        blocks' copy back is queued: `req.load`, and the request must not run before it lands);
+        returns the tokens it covers."""
         assert not req.blocks and req.num_computed == 0
         if not self.enable_prefix_caching:
             return 0
@@ -45,7 +52,9 @@ class KVCacheManager:
         req.blocks = self.pool.touch_prefix(hashes, req.token_ids)
         n = len(req.blocks)
         if n < len(hashes) and self.pool.host is not None:
-            req.load = self.pool.load_prefix(hashes[n:], req.token_ids, n, hashes[n - 1] if n else None)
+            rb, tokens = self.read_back, req.num_tokens
+            choose = None if rb is None else lambda runs: rb.blocks(runs, n, tokens)
+            req.load = self.pool.load_prefix(hashes[n:], req.token_ids, n, hashes[n - 1] if n else None, choose)
             if req.load is not None:
                 req.blocks += req.load.blocks
         req.block_ids = [b.block_id for b in req.blocks]

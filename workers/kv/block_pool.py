@@ -26,6 +26,7 @@ their results come back through `disk_done`; a load is done once its copies and 
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -59,6 +60,18 @@ class Load:
     def cut(self, index: int) -> None:
         """Block `index` did not come back: it and the blocks after it never enter the cache."""
         del self.hashes[index:], self.tokens[index:]
+
+
+def tier_runs(entries: list[HostEntry | DiskEntry]) -> list[tuple[str, int]]:
+    """Slow-tier entries in chain order as (tier, count) runs of one tier each."""
+    runs: list[tuple[str, int]] = []
+    for e in entries:
+        tier = HOST if isinstance(e, HostEntry) else DISK
+        if runs and runs[-1][0] == tier:
+            runs[-1] = (tier, runs[-1][1] + 1)
+        else:
+            runs.append((tier, 1))
+    return runs
 
 
 class BlockPool:
@@ -180,28 +193,43 @@ class BlockPool:
         if self.disk is not None:
             self._to_disk += [(h, toks, slot) for (_, h, toks), slot in zip(spilled, slots) if slot is not None]
 
-    def load_prefix(self, hashes: list[int], token_ids: list[int], start: int, parent: int | None) -> Load | None:
+    def load_prefix(
+        self,
+        hashes: list[int],
+        token_ids: list[int],
+        start: int,
+        parent: int | None,
+        choose: Callable[[list[tuple[str, int]]], int] | None = None,
+    ) -> Load | None:
         """Continue a prefix hit from block `start` (hashes[0] is block start's) into the slower
         tiers: fresh device blocks (ref 1) for the leading host- or disk-resident blocks whose
         tokens match, their host slots pinned and their copies back and disk reads queued; the
         blocks enter the prefix cache when the load lands. Stops early where the device pool
-        has no room."""
+        has no room, and where `choose` (given the found blocks as runs of one tier, it says how
+        many to load: workers/kv/read_back.py) cuts it; the blocks cut are left in their tiers
+        untouched, to be recomputed."""
         host, disk, B = self.host, self.disk, self.block_size
         if host is None:
             return None
         found: list[HostEntry | DiskEntry] = []
         for i, h in enumerate(hashes[: self.num_free]):
             tokens = tuple(token_ids[(start + i) * B : (start + i + 1) * B])
-            if (in_host := host.lookup(h, tokens)) is not None:
-                host.touch(in_host)
-                found.append(in_host)
-            elif disk is not None and (on_disk := disk.lookup(h, tokens)) is not None:
-                disk.touch(on_disk)
-                found.append(on_disk)
-            else:
+            entry: HostEntry | DiskEntry | None = host.lookup(h, tokens)
+            if entry is None and disk is not None:
+                entry = disk.lookup(h, tokens)
+            if entry is None:
                 break
+            found.append(entry)
+        if found and choose is not None:
+            del found[choose(tier_runs(found)) :]
         if not found:
             return None
+        for e in found:
+            if isinstance(e, HostEntry):
+                host.touch(e)
+            else:
+                assert disk is not None
+                disk.touch(e)
         slots = [e.slot for e in found if isinstance(e, HostEntry)]
         host.pin(slots)  # before allocating: what it spills cannot drop them
         fresh = self.allocate(len(found))

@@ -1,0 +1,90 @@
+"""Read or recompute (workers/kv/read_back.py): a worker copies back only the part of a host or
+disk hit that comes back faster than it would be recomputed; the blocks it leaves stay in their
+tier untouched; a worker's engine and the simulator's take the same choice."""
+
+from bench.report import summarize
+from tests.test_simulate_tiers import run
+from workers.engine import Engine, EngineConfig
+from workers.executors.sim import SimExecutor
+from workers.kv.block_pool import BlockPool
+from workers.kv.cost_model import CostModel
+from workers.kv.disk_pool import DiskPool, DiskRead
+from workers.kv.events import DISK, HOST, EventLog
+from workers.kv.host_pool import HostPool
+from workers.kv.read_back import ReadBack, copy_ms
+
+COST = CostModel()  # 16 tokens prefill in ~1.3 ms
+LLAMA8B = 131072  # KV bytes per token: a 16-token block is 2 MiB, 4.2 ms at 0.5 GB/s
+
+
+def choice(host_gbps: float = 50.0, disk_gbps: float = 0.5, kv_bytes: int = LLAMA8B) -> ReadBack:
+    return ReadBack(COST, 16, kv_bytes, 2048, host_gbps, disk_gbps)
+
+
+def test_copy_time_is_the_blocks_bytes_at_each_tiers_rate():
+    assert copy_ms(2, 1, 1e6, 50.0, 0.5) == 2 * 1e6 / 50e6 + 1e6 / 0.5e6
+
+
+def test_a_fast_tier_is_loaded_and_a_slow_one_recomputed():
+    rb = choice()
+    assert rb.blocks([(HOST, 8)], 0, 1024) == 8
+    assert rb.blocks([(DISK, 8)], 0, 1024) == 0, "4.2 ms a block to read, ~1.3 ms to recompute"
+    assert rb.blocks([(HOST, 4), (DISK, 8)], 2, 1024) == 4, "the host run, not the disk run after it"
+    assert rb.blocks([(HOST, 4), (DISK, 1), (HOST, 40)], 0, 1024) == 45, "one slow block is worth it for 40 fast ones"
+    assert choice(disk_gbps=20.0).blocks([(HOST, 4), (DISK, 8)], 0, 1024) == 12
+    assert choice(host_gbps=0.1).blocks([(HOST, 8)], 0, 1024) == 0, "a slow host link: recompute"
+
+
+def test_blocks_without_bytes_are_always_loaded():
+    assert choice(kv_bytes=0).blocks([(DISK, 8)], 0, 1024) == 8
+
+
+def test_the_pool_loads_the_chosen_part_and_leaves_the_rest_in_its_tier_untouched():
+    log = EventLog("w")
+    host, disk = HostPool(4, log), DiskPool(4, log)
+    pool = BlockPool(8, 2, log, host, disk)
+    host.store([(11, (1, 1))])
+    disk.store([(12, (2, 2)), (13, (3, 3))])
+    seen = []
+
+    def keep_host(runs: list[tuple[str, int]]) -> int:
+        seen.append(runs)
+        return 1
+
+    load = pool.load_prefix([11, 12, 13], [1, 1, 2, 2, 3, 3, 4], 0, None, keep_host)
+    assert seen == [[(HOST, 1), (DISK, 2)]]
+    assert load is not None and load.hashes == [11] and len(load.blocks) == 1 and load.reads_left == 0
+    assert not any(isinstance(j, DiskRead) for j in pool.take_disk_jobs()), "nothing read from disk"
+    assert disk.hashes() == [12, 13], "the disk's LRU order is as it was"
+    assert pool.load_prefix([12], [2, 2, 9], 1, 11, lambda runs: 0) is None
+    assert pool.num_free == 7
+
+
+def test_a_worker_engine_chooses_with_its_cost_model_and_rates():
+    def engine(**kw) -> Engine:
+        ex = SimExecutor(COST, 1000, (), 4096, kv_bytes_per_token=LLAMA8B)
+        return Engine(ex, None, EngineConfig("m", num_blocks=64, host_blocks=16, cost_model=COST, **kw))
+
+    rb = engine().kv.read_back
+    assert rb == ReadBack(COST, 16, LLAMA8B, 2048, 50.0, 0.5)
+    assert engine(load_every_hit=True).kv.read_back is None
+    assert engine(disk_gbps=4.0).kv.read_back.disk_gbps == 4.0
+
+
+def test_on_a_slow_disk_the_choice_keeps_the_slo_that_reading_every_hit_loses():
+    """The disk tier's workload of test_simulate_tiers at 0.5 GB/s: reading every disk hit back
+    costs 4.2 ms a block where a recompute costs ~1.3; the choice recomputes them."""
+    attained = {}
+    for every in (True, False):
+        _, records = run(num_blocks=200, host_blocks=100, disk_blocks=600, disk_gbps=0.5, load_every_hit=every)
+        assert all(r["error"] is None for r in records)
+        attained[every] = summarize(records, 1000, 30)["slo_attainment"]
+    assert attained[False] >= attained[True] and attained[False] > 0.95, attained
+
+
+def test_where_reading_back_is_faster_the_choice_loads_everything_as_before():
+    out = {}
+    for every in (True, False):
+        _, records = run(num_blocks=200, host_blocks=100, disk_blocks=600, disk_gbps=2.0, load_every_hit=every)
+        out[every] = records
+    assert out[True] == out[False]
