@@ -12,7 +12,8 @@ import math
 
 from policies.api import PREFILL, RequestView, WorkerView
 from workers.kv.cost_model import CostModel
-from workers.kv.read_back import copy_ms
+from workers.kv.events import DISK, HOST
+from workers.kv.read_back import ReadBack, all_pay, copy_ms
 from workers.kv.transfer_time import exposed, num_batches
 
 DEFAULT_COST = CostModel()
@@ -26,20 +27,34 @@ def hit_blocks(req: RequestView, w: WorkerView) -> int:
 
 
 def hit_tokens(req: RequestView, w: WorkerView) -> int:
-    """Prompt tokens `w` will report as cached: what a route predicts, exact whatever the tier."""
-    return hit_blocks(req, w) * w.block_size
+    """Prompt tokens `w` will report as cached: what a route predicts, whatever the tier (less
+    the slow-tier blocks it recomputes: `tier_blocks`)."""
+    return tier_blocks(req, w)[0] * w.block_size
 
 
 def tier_blocks(req: RequestView, w: WorkerView) -> tuple[int, int, int]:
-    """`hit_blocks`, and how many of them lie in the host and the disk tier. The blocks cut past
-    the limit are the chain's tail, where the slower tiers lie."""
+    """The blocks `w` will take from its prefix cache, and how many of them it copies back from
+    the host and the disk tier: `hit_blocks`, the blocks cut past the limit being the chain's
+    tail, where the slower tiers lie (host before disk), less the slow-tier tail the worker
+    recomputes rather than copies back (workers/kv/read_back.py, on `w`'s predicted speed)."""
     n = hit_blocks(req, w)
     if not (w.matched_host_blocks or w.matched_disk_blocks):
         return n, 0, 0
     cut = w.matched_blocks - n
     disk = max(0, w.matched_disk_blocks - cut)
     host = max(0, w.matched_host_blocks - max(0, cut - w.matched_disk_blocks))
-    return n, host, disk
+    if w.kv_bytes_per_token <= 0:
+        return n, host, disk
+    model, pscale, _ = _model(w)
+    c, bytes_ = w.tier_credits, w.block_size * w.kv_bytes_per_token
+    runs = [(tier, k) for tier, k in ((HOST, host), (DISK, disk)) if k]
+    if all_pay(runs, bytes_, pscale * model.prefill_token_ms * w.block_size, c.host_gbps, c.disk_gbps):
+        return n, host, disk
+    rb = ReadBack(
+        model.scaled(pscale), w.block_size, w.kv_bytes_per_token, w.max_batched_tokens, c.host_gbps, c.disk_gbps
+    )
+    loaded = rb.blocks(runs, n - host - disk, req.num_tokens)
+    return n - host - disk + loaded, min(host, loaded), max(0, loaded - host)
 
 
 def cached_tokens(req: RequestView, w: WorkerView) -> int:

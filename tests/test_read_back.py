@@ -2,8 +2,13 @@
 disk hit that comes back faster than it would be recomputed; the blocks it leaves stay in their
 tier untouched; a worker's engine and the simulator's take the same choice."""
 
+import pytest
+
 from bench.report import summarize
+from policies import predict
+from policies.api import TierCredits
 from tests.test_simulate_tiers import run
+from tests.views import req, worker
 from workers.engine import Engine, EngineConfig
 from workers.executors.sim import SimExecutor
 from workers.kv.block_pool import BlockPool
@@ -69,6 +74,18 @@ def test_a_worker_engine_chooses_with_its_cost_model_and_rates():
     assert rb == ReadBack(COST, 16, LLAMA8B, 2048, 50.0, 0.5)
     assert engine(load_every_hit=True).kv.read_back is None
     assert engine(disk_gbps=4.0).kv.read_back.disk_gbps == 4.0
+
+
+def test_the_router_predicts_the_same_choice():
+    """20 host and 20 disk blocks matched: at 2 GB/s the worker reads the disk blocks back, at
+    0.5 GB/s it recomputes them, and the router's hit, credit and copy time say so."""
+    r, kv = req(64 * 16), dict(kv_bytes_per_token=LLAMA8B)
+    for gbps, loaded in ((2.0, 40), (0.5, 20)):
+        credits = TierCredits(host_gbps=50.0, disk_gbps=gbps)
+        w = worker("w", matched_blocks=40, matched_host_blocks=20, matched_disk_blocks=20, tier_credits=credits, **kv)
+        assert predict.tier_blocks(r, w) == (loaded, 20, loaded - 20)
+        assert predict.hit_tokens(r, w) == predict.cached_tokens(r, w) == loaded * 16
+        assert predict.copy_back_ms(r, w) == pytest.approx(copy_ms(20, loaded - 20, 16 * LLAMA8B, 50.0, gbps))
 
 
 def test_on_a_slow_disk_the_choice_keeps_the_slo_that_reading_every_hit_loses():

@@ -28,6 +28,17 @@ def copy_ms(host_blocks: float, disk_blocks: float, block_bytes: float, host_gbp
     return block_bytes * (host_blocks / host_gbps + disk_blocks / disk_gbps) / 1e6
 
 
+def all_pay(
+    runs: Sequence[tuple[str, int]], block_bytes: float, block_token_ms: float, host_gbps: float, disk_gbps: float
+) -> bool:
+    """Whether each block of every tier in `runs` comes back faster than its tokens' prefill
+    alone (`block_token_ms`; attention and the steps' fixed costs only add to a recompute): then
+    the whole hit is loaded, found without pricing a prefill (the router asks of every worker)."""
+    return all(
+        copy_ms(tier != DISK, tier == DISK, block_bytes, host_gbps, disk_gbps) < block_token_ms for tier, _ in runs
+    )
+
+
 @dataclass(frozen=True)
 class ReadBack:
     """A worker's read-or-recompute choice: its cost model and step budget (`chunk`, the
@@ -48,6 +59,8 @@ class ReadBack:
         linearly and the prefill it saves at least linearly (later tokens attend to more), so no
         cut inside a run beats both its ends (up to a step's fixed cost). Ties recompute."""
         B, bytes_ = self.block_size, self.block_size * self.kv_bytes_per_token
+        if all_pay(runs, bytes_, B * self.cost.prefill_token_ms, self.host_gbps, self.disk_gbps):
+            return sum(n for _, n in runs)
         done = start * B
         best_at, best = 0, self.cost.prefill_ms(prompt_tokens - done, done, self.chunk)
         at = host = disk = 0
