@@ -76,3 +76,29 @@ def test_a_malformed_registration_is_a_value_error(body):
 )
 def test_redact_url_hides_the_password(url, shown):
     assert rs.redact_url(url) == shown
+
+
+def record(**changes) -> rs.AgentRecord:
+    layout = {"agent": "kvgate-d-1", "metadata": "bWQ=", "mem": "DRAM", "base": 4096}
+    return replace(rs.AgentRecord("d", "kvgate-d-1", layout), **changes)
+
+
+def test_a_signed_agent_record_survives_the_json_round_trip():
+    signed = record().signed(TOKEN)
+    again = rs.AgentRecord.from_json(json.loads(json.dumps(signed.to_json())))
+    assert again == signed and again.why_invalid(TOKEN) is None
+
+
+def test_an_agent_record_is_invalid_unsigned_forged_or_for_another_agent():
+    assert record().why_invalid(TOKEN) == "unsigned"
+    assert record().signed("other").why_invalid(TOKEN) == "bad signature"
+    moved = {**record().layout, "base": 0}
+    assert replace(record().signed(TOKEN), layout=moved).why_invalid(TOKEN) == "bad signature"
+    other = record(agent="kvgate-d-2").signed(TOKEN)
+    assert other.why_invalid(TOKEN) == "the layout is another agent's"
+
+
+@pytest.mark.parametrize("body", [[], {"agent": "a"}, {"worker_id": "d", "agent": "a", "layout": []}])
+def test_a_malformed_agent_record_is_a_value_error(body):
+    with pytest.raises(ValueError):
+        rs.AgentRecord.from_json(body)

@@ -313,12 +313,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | None = None) -> None:
-    """Publish to Redis if asked, then serve on `sock` (else a socket taken now) until SIGTERM
+    """Publish to Redis if asked (and look NIXL peers' layouts up there), then serve on `sock` (else a socket taken now) until SIGTERM
     has drained the worker."""
     sock = sock or listen(args.host, args.port, "kvgate worker")
     if args.redis:
         from workers.redis_publisher import RedisPublisher
 
+        nixl = server.transfer.nixl
+        if nixl is not None:
+            nixl.peers.use_redis(args.redis, server.model)
         server.publisher = RedisPublisher(
             server.engine,
             args.redis,
@@ -326,6 +329,7 @@ def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | 
             server.model,
             args.internal_token,
             lambda: {**server.engine.state().to_json(), "kv_transfer": server.transfer.stats()},
+            agent=nixl.record(server.engine.worker_id) if nixl is not None else None,
         )
     print(
         f"kvgate worker {server.engine.worker_id} serving {server.model} "

@@ -6,7 +6,8 @@ together, so a reader of set + seq always sees a consistent snapshot). Redis bei
 never blocks the engine: queued events are dropped and, once Redis answers again, the
 worker rewrites its whole set from the block pool and says so with a `snapshot` entry.
 Heartbeats are registrations signed with the fleet's internal token (redis_schema.Registration):
-gateways route only to workers whose registration a token holder signed.
+gateways route only to workers whose registration a token holder signed. A NIXL worker's agent
+record (redis_schema.AgentRecord) rides along, with the heartbeat's TTL, for its P/D peers.
 """
 
 import asyncio
@@ -52,9 +53,12 @@ class RedisPublisher:
         state: Callable[[], dict],
         heartbeat_s: float = 1.0,
         ttl_s: float = 3.0,
+        agent: rs.AgentRecord | None = None,
     ):
         """`state`: what a heartbeat carries (the server's /state body: load, KV transport and
-        NIXL agent metadata), so peers and gateways find it in Redis."""
+        NIXL agent metadata), so peers and gateways find it in Redis. `agent`: this worker's NIXL
+        agent, signed here and kept under its own key as long as the heartbeat, which prefill
+        workers read by the agent name a reservation names."""
         if not token:
             raise ValueError("publishing to redis needs the fleet's internal token to sign registrations")
         self.engine = engine
@@ -65,6 +69,8 @@ class RedisPublisher:
         self.pool = pool
         self.worker_id = engine.worker_id
         self.heartbeat_s, self.ttl_ms = heartbeat_s, int(ttl_s * 1000)
+        self.agent_key = rs.nixl_key(pool, agent.agent) if agent is not None else None
+        self._agent_json = json.dumps(agent.signed(token).to_json()) if agent is not None else ""
         self._queue: deque[KVEvent] = deque()
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -95,6 +101,7 @@ class RedisPublisher:
                     rs.heartbeat_key(self.pool, self.worker_id),
                     *rs.resident_keys(self.pool, self.worker_id),
                     rs.seq_key(self.pool, self.worker_id),
+                    *([self.agent_key] if self.agent_key else []),
                 )
                 p.srem(rs.workers_key(self.pool), self.worker_id)
                 await p.execute()
@@ -200,5 +207,7 @@ class RedisPublisher:
     def _heartbeat(self, p) -> None:
         reg = rs.Registration(self.worker_id, self.advertise_url, self.pool, time.time(), self.state())
         p.set(rs.heartbeat_key(self.pool, self.worker_id), json.dumps(reg.signed(self.token).to_json()), px=self.ttl_ms)
+        if self.agent_key:
+            p.set(self.agent_key, self._agent_json, px=self.ttl_ms)
         p.sadd(rs.POOLS, self.pool)
         p.sadd(rs.workers_key(self.pool), self.worker_id)

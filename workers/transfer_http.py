@@ -274,5 +274,7 @@ class TransferService:
         }
 
     async def close(self) -> None:
+        if self.nixl is not None:
+            await self.nixl.peers.close()
         if self.client:
             await self.client.aclose()

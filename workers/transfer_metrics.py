@@ -1,16 +1,17 @@
-"""Prometheus metrics of a worker's P/D exports and NIXL quarantine (workers/transfer_http.py,
-workers/transfer_nixl.py), beside workers/metrics.py's engine metrics: a module of its own so
+"""Prometheus metrics of a worker's P/D exports, NIXL quarantine and NIXL peer lookups
+(workers/transfer_http.py, workers/transfer_nixl.py, workers/nixl_peers.py), beside workers/metrics.py's engine metrics: a module of its own so
 the gateway, which shares metrics.py's buckets, imports none of the transfer code."""
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from workers.metrics import LABELS
+from workers.nixl_peers import LOOKUP_SOURCES
 from workers.transfer_http import TRANSPORTS, TransferService
 from workers.transfer_nixl import QUARANTINE_OUTCOMES
 
 
 class TransferCollector:
-    """P/D exports and the NIXL quarantine, read from the TransferService at scrape time (on
+    """P/D exports, the NIXL quarantine and peer lookups, read from the TransferService at scrape time (on
     the event loop, where they change). Present on every worker, 0 where unused, so a panel or
     rule over them needs no `or vector(0)`."""
 
@@ -36,6 +37,15 @@ class TransferCollector:
         )
         for outcome in QUARANTINE_OUTCOMES:
             c.add_metric([*self.labels, outcome], releases[outcome])
+        yield c
+        lookups = nixl.peers.lookups if nixl is not None else dict.fromkeys(LOOKUP_SOURCES, 0)
+        c = CounterMetricFamily(
+            "kvgate_worker_nixl_peer_lookups",
+            "NIXL P/D peers' cache layouts found, by source: cache (this worker's), redis, or http (GET /kv/nixl)",
+            labels=[*LABELS, "source"],
+        )
+        for source in LOOKUP_SOURCES:
+            c.add_metric([*self.labels, source], lookups[source])
         yield c
         gauges = {
             "kvgate_worker_kv_export_backlog_bytes": (

@@ -2,13 +2,15 @@
 
 Each worker registers its whole KV cache tensor (CPU or GPU memory) with a NIXL agent (UCX
 backend) at start, and serves the agent's metadata and the cache's layout on `GET /kv/nixl`
-(internal token; also in `/state` and the Redis registration). A transfer takes the same three
-steps as over HTTP (workers/transfer.py), with only the bytes moving out of band:
+(internal token; also in `/state`, and with `--redis` under its agent's key there, which a
+prefill worker reads first: workers/nixl_peers.py). A transfer takes the same three steps as
+over HTTP (workers/transfer.py), with only the bytes moving out of band:
 
   1. reserve (decode side, `POST /kv/nixl/reserve`): the checked KVG1 header, no payload; every
      hash is re-derived from its tokens, then the blocks are held and the fresh ones' ids answered;
-  2. write (prefill side): one NIXL WRITE from its own cache into those blocks, by descriptor
-     (one per layer, K or V, and run of consecutive block ids on both sides);
+  2. write (prefill side): the layout of the agent the grant names (cached, Redis or HTTP), then
+     one NIXL WRITE from its own cache into those blocks, by descriptor (one per layer, K or V,
+     and run of consecutive block ids on both sides);
   3. publish (decode side, `POST /kv/nixl/commit`): the blocks enter the prefix cache, or are
      let go when the write failed.
 
@@ -48,6 +50,9 @@ from starlette.responses import JSONResponse, Response
 from workers.background import background
 from workers.http_guard import BodyTooLarge, read_body
 from workers.internal_auth import TOKEN_HEADER
+from workers.kv.redis_schema import AgentRecord
+from workers.nixl_layout import CacheLayout
+from workers.nixl_peers import PeerLayouts
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
 from workers.transfer import KVPayload, Reservation, decode_header
@@ -79,52 +84,6 @@ class NixlError(RuntimeError):
     def __init__(self, message: str, settled: bool = True):
         super().__init__(message)
         self.settled = settled
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """Where a worker's KV cache lives, for a peer to address its blocks: the cache tensor is
-    [layers, 2, num_blocks, ...] contiguous, so block b of slice s (layer*2 + K/V) starts at
-    base + (s * num_blocks + b) * slice_bytes."""
-
-    agent: str
-    metadata: str  # the agent's NIXL metadata, base64
-    mem: str  # DRAM or VRAM
-    device: int
-    base: int
-    num_blocks: int
-    num_slices: int
-    slice_bytes: int
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "CacheLayout":
-        """Raises ValueError for anything but a layout."""
-        try:
-            layout = cls(
-                str(d["agent"]),
-                str(d["metadata"]),
-                str(d["mem"]),
-                *(int(d[k]) for k in ("device", "base", "num_blocks", "num_slices", "slice_bytes")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not a NIXL cache layout: {e!r}") from None
-        if layout.mem not in ("DRAM", "VRAM") or min(layout.num_blocks, layout.num_slices, layout.slice_bytes) <= 0:
-            raise ValueError("a NIXL cache layout names DRAM or VRAM and has positive sizes")
-        return layout
-
-    def descs(self, runs: list[tuple[int, int]], run_lengths: np.ndarray) -> np.ndarray:
-        """Nx3 (address, length, device) for runs of blocks starting at `runs[i]`, in every slice."""
-        starts = np.asarray(runs, dtype=np.uint64)
-        slices = np.arange(self.num_slices, dtype=np.uint64)[:, None]
-        addr = self.base + (slices * self.num_blocks + starts[None, :]) * self.slice_bytes
-        out = np.empty((addr.size, 3), dtype=np.uint64)
-        out[:, 0] = addr.ravel()
-        out[:, 1] = np.tile(run_lengths.astype(np.uint64) * self.slice_bytes, self.num_slices)
-        out[:, 2] = self.device
-        return out
 
 
 def block_runs(local: list[int], remote: list[int]) -> tuple[list[int], list[int], np.ndarray]:
@@ -313,7 +272,7 @@ class NixlTransfer:
         self.quarantine_s = quarantine_s
         self.reservations: dict[str, Held] = {}
         self.quarantined: dict[str, Quarantined] = {}
-        self._peers: dict[str, CacheLayout] = {}  # decode worker URL -> its layout
+        self.peers = PeerLayouts(service.token, agent.forget)
         self._without_nixl: dict[str, float] = {}  # decode worker URL -> when to ask it again
         self._progressing: threading.Thread | None = None
         self._progress_lock = threading.Lock()
@@ -329,6 +288,10 @@ class NixlTransfer:
         if kv_cache is None:
             raise NixlError("this executor has no KV cache tensor to register")
         return cls(service, NixlAgent(f"kvgate-{worker_id}-{uuid.uuid4().hex[:8]}", kv_cache), quarantine_s)
+
+    def record(self, worker_id: str) -> AgentRecord:
+        """This worker's agent for Redis (unsigned: the publisher signs it)."""
+        return AgentRecord(worker_id, self.agent.name, self.agent.layout.to_json())
 
     # -- decode side ------------------------------------------------------------------------
 
@@ -455,16 +418,6 @@ class NixlTransfer:
 
     # -- prefill side -----------------------------------------------------------------------
 
-    async def _peer(self, client: httpx.AsyncClient, url: str, headers: dict, refresh: bool = False) -> CacheLayout:
-        if refresh or url not in self._peers:
-            r = await client.get(url.rstrip("/") + "/kv/nixl", headers=headers)
-            r.raise_for_status()
-            old = self._peers.get(url)
-            self._peers[url] = CacheLayout.from_json(r.json())
-            if old is not None and old.agent != self._peers[url].agent:
-                self.agent.forget(old.agent)
-        return self._peers[url]
-
     async def send(
         self, client: httpx.AsyncClient, url: str, header: bytes, local_ids: list[int], headers: dict[str, str]
     ) -> bool:
@@ -476,7 +429,6 @@ class NixlTransfer:
             self.fallbacks += 1
             return False
         try:
-            peer = await self._peer(client, url, headers)
             asked = time.monotonic()  # the grant's clock started after this
             r = await client.post(
                 base + "/kv/nixl/reserve",
@@ -485,8 +437,6 @@ class NixlTransfer:
             )
             r.raise_for_status()
             grant = Grant.from_json(r.json())
-            if grant.agent != peer.agent:
-                peer = await self._peer(client, url, headers, refresh=True)
         except (httpx.HTTPError, ValueError) as e:
             if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 404:
                 self._without_nixl[url] = time.monotonic() + NO_NIXL_RECHECK_S  # an HTTP-only peer
@@ -495,17 +445,17 @@ class NixlTransfer:
             return False
         ok, settled = False, True
         try:
+            peer = await self.peers.get(client, url, grant.agent, headers)
             src = grant.sources(local_ids, peer)
             t0 = time.perf_counter()
             deadline = asked + grant.ttl_s / 2
             nbytes = await asyncio.to_thread(self.agent.write, peer, src, grant.blocks, deadline)
             self.service.count_sent("nixl", nbytes, time.perf_counter() - t0)
             ok = True
-        except NixlError as e:
+        except (NixlError, ValueError) as e:  # ValueError: no layout for the agent, nothing written
             log.warning("NIXL write to %s failed: %s", url, e)
-            settled = e.settled
-            self.agent.forget(peer.agent)
-            self._peers.pop(url, None)
+            settled = e.settled if isinstance(e, NixlError) else True
+            self.peers.drop(grant.agent)
         try:
             body = {"id": grant.id, "ok": ok, "settled": settled}
             r = await client.post(base + "/kv/nixl/commit", json=body, headers=headers)
@@ -527,6 +477,7 @@ class NixlTransfer:
             "quarantined_blocks": sum(len(q.blocks) for q in self.quarantined.values()),
             "quarantine_releases": dict(self.quarantine_releases),
             "fallbacks": self.fallbacks,
+            "peer_lookups": dict(self.peers.lookups),
         }
 
 

@@ -11,12 +11,15 @@ served model: their block hashes share a seed, so their residency is comparable.
   kvgate:{pool}:res-host:{worker}  the same for its host tier (res-disk: its disk tier)
   kvgate:{pool}:seq:{worker}       the event seq the set is current to
   kvgate:{pool}:events             stream of KV events, fields w s k h p [m] (see encode_event)
+  kvgate:{pool}:nixl:{agent}       a worker's NIXL agent metadata and cache layout (a signed
+                                   AgentRecord), expires (the heartbeat's TTL), by agent name
   kvgate:replicas                  set of gateway replica ids
   kvgate:inflight:{replica}        hash worker id -> requests that replica has open, expires
   kvgate:ratelimit:{key}:{limit}   a gateway API key's token bucket {tokens, ts}, expires
 
 A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
-whoever can write to Redis but lacks the token cannot point gateways at a server of theirs.
+whoever can write to Redis but lacks the token cannot point gateways at a server of theirs. An
+AgentRecord is signed the same way: nor can they make a prefill worker WRITE into their memory.
 """
 
 import hashlib
@@ -61,6 +64,11 @@ def seq_key(pool: str, worker_id: str) -> str:
 
 def stream_key(pool: str) -> str:
     return f"{PREFIX}:{pool}:events"
+
+
+def nixl_key(pool: str, agent: str) -> str:
+    """A NIXL agent's record: by agent name, which is new at each start of a worker."""
+    return f"{PREFIX}:{pool}:nixl:{agent}"
 
 
 def inflight_key(replica: str) -> str:
@@ -129,22 +137,69 @@ class Registration:
             raise ValueError("a registration's worker_id, url, pool and sig are strings, its state an object")
         return reg
 
-    def _mac(self, token: str) -> str:
-        body = json.dumps(replace(self, sig="").to_json(), sort_keys=True, separators=(",", ":"))
-        return hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
-
     def signed(self, token: str) -> "Registration":
-        return replace(self, sig=self._mac(token))
+        return replace(self, sig=_mac(token, replace(self, sig="").to_json()))
 
     def why_invalid(self, token: str, now: float | None = None) -> str | None:
         """None when `token` signed it recently; else why not (a replayed old heartbeat is stale)."""
         if not self.sig:
             return "unsigned"
-        if not hmac.compare_digest(self.sig.encode(errors="replace"), self._mac(token).encode()):
+        if not _sig_matches(self.sig, token, replace(self, sig="").to_json()):
             return "bad signature"
         if not abs((time.time() if now is None else now) - self.ts) <= MAX_REGISTRATION_AGE_S:
             return "stale"
         return None
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """A worker's NIXL agent: its name and the cache layout a peer WRITEs by (CacheLayout's JSON,
+    the agent's metadata in it), signed by a token holder. It needs no timestamp: an agent name is
+    new at each start and its metadata never changes, so a replayed record is still the truth."""
+
+    worker_id: str
+    agent: str
+    layout: dict
+    sig: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "AgentRecord":
+        """Raises ValueError for a body that is not an agent record."""
+        if not isinstance(d, dict):
+            raise ValueError("an agent record is a JSON object")
+        try:
+            rec = cls(d["worker_id"], d["agent"], d["layout"], d.get("sig", ""))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not an agent record: {e!r}") from None
+        if not all(isinstance(v, str) for v in (rec.worker_id, rec.agent, rec.sig)) or not isinstance(rec.layout, dict):
+            raise ValueError("an agent record's worker_id, agent and sig are strings, its layout an object")
+        return rec
+
+    def signed(self, token: str) -> "AgentRecord":
+        return replace(self, sig=_mac(token, replace(self, sig="").to_json()))
+
+    def why_invalid(self, token: str) -> str | None:
+        """None when `token` signed it and its layout is its own agent's; else why not."""
+        if not self.sig:
+            return "unsigned"
+        if not _sig_matches(self.sig, token, replace(self, sig="").to_json()):
+            return "bad signature"
+        if self.layout.get("agent") != self.agent:
+            return "the layout is another agent's"
+        return None
+
+
+def _mac(token: str, body: dict) -> str:
+    """HMAC-SHA256 over the canonical JSON of `body`."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def _sig_matches(sig: str, token: str, body: dict) -> bool:
+    return hmac.compare_digest(sig.encode(errors="replace"), _mac(token, body).encode())
 
 
 def redact_url(url: str) -> str:
