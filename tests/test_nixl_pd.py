@@ -1,7 +1,9 @@
 """P/D over NIXL between real worker processes on loopback (UCX over TCP and shared memory).
 
 Through the gateway with `--kv-transport nixl` on both workers: greedy output equals a mixed
-worker's, the blocks arrive by NIXL (the decode worker's HTTP import stays unused), a prompt
+worker's, the blocks arrive by NIXL (the decode worker's HTTP import stays unused), the prefill
+worker found the decode worker's agent metadata in Redis (its signed record lives as long as the
+worker, and a restarted worker's new agent is looked up afresh), a prompt
 longer than one prefill step is shipped in batches, no blocks leak on either side, and a
 prefill worker killed mid-WRITE leaves the decode worker recomputing (the fallback), with
 its reservation quarantined (a WRITE might still land) for the configured bound and then let
@@ -45,19 +47,14 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
     model = str(tiny_llama)
     server = wait_redis(start_redis(log_dir=logs))
     batches = ("--max-batched-tokens", "64", "--kv-export-batch-blocks", "4")  # a batch of 4 blocks a step
+    url = f"redis://127.0.0.1:{server.port}/0"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", SPAN_FLUSH_MS)
         traced = ("--trace", "console")  # its spans show when its exports began
-        p = Worker(
-            "torch", "nx-p", extra=("--role", "prefill", *batches, *traced, *SECRET, *NIXL), model=model, log_dir=logs
-        )
+        extra = ("--role", "prefill", *batches, *traced, *SECRET, *NIXL)
+        p = Worker("torch", "nx-p", extra=extra, model=model, log_dir=logs, redis=url)
     d = Worker(
-        "torch",
-        "nx-d",
-        extra=("--role", "decode", *SECRET, *NIXL, *QUARANTINE),
-        model=model,
-        log_dir=logs,
-        redis=f"redis://127.0.0.1:{server.port}/0",
+        "torch", "nx-d", extra=("--role", "decode", *SECRET, *NIXL, *QUARANTINE), model=model, log_dir=logs, redis=url
     )
     m = Worker("torch", "nx-m", extra=SECRET, model=model, log_dir=logs)
     gw = start_gateway([p.url, d.url], "slo_goodput", log_dir=logs, extra=[*SECRET, "--model", model, *PD])
@@ -66,7 +63,7 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
             w.ready()
         gw.wait_ready("/v1/models")
         wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
-        yield {"p": p, "d": d, "m": m, "gw": gw, "model": tiny_llama.name, "redis": server}
+        yield {"p": p, "d": d, "m": m, "gw": gw, "model": tiny_llama.name, "redis": server, "redis_url": url}
     finally:
         stop_all([gw, p, d, m, server])
 
@@ -82,6 +79,9 @@ def test_workers_publish_their_nixl_agent(nixl_fleet):
     beat = wait_for(lambda: r.get(rs.heartbeat_key(nixl_fleet["model"], "nx-d")), what="a heartbeat in redis")
     reg = rs.Registration.from_json(json.loads(beat))
     assert reg.why_invalid(SECRET[1]) is None and reg.state["kv_transfer"]["nixl"]["layout"] == info
+    rec = rs.AgentRecord.from_json(json.loads(r.get(rs.nixl_key(nixl_fleet["model"], info["agent"]))))
+    assert rec.why_invalid(SECRET[1]) is None and rec.worker_id == "nx-d" and rec.layout == info
+    assert 0 < r.pttl(rs.nixl_key(nixl_fleet["model"], info["agent"])) <= 3000, "it expires like the heartbeat"
 
 
 def test_reservations_refuse_strangers_and_bad_transfers(nixl_fleet):
@@ -115,14 +115,22 @@ def test_pd_over_nixl_equals_a_mixed_worker_and_leaks_nothing(nixl_fleet):
     p, d = f["p"].state()["kv_transfer"], f["d"].state()["kv_transfer"]
     assert p["sent_bytes"] > 0 and p["failures"] == 0 and p["nixl"]["fallbacks"] == 0
     assert p["sent_by_transport"]["nixl"]["bytes"] == p["sent_bytes"], "every byte went by NIXL"
+    assert p["nixl"]["peer_lookups"]["redis"] == 1 and p["nixl"]["peer_lookups"]["http"] == 0, "metadata from redis"
+    assert p["nixl"]["peer_lookups"]["cache"] == committed(d, before) - 1, "then from its own cache"
     text = httpx.get(f["p"].url + "/metrics").text
+    assert samples(text, "kvgate_worker_nixl_peer_lookups_total", source="redis") == [1.0]
     assert samples(text, "kvgate_worker_kv_sent_bytes_total", transport="nixl") == [p["sent_bytes"]]
     assert samples(text, "kvgate_worker_kv_sent_bytes_total", transport="http") == [0.0]
     assert samples(text, "kvgate_worker_kv_export_backlog_bytes") == [0.0], "nothing left to send"
     assert d["received_seconds"] == before["kv_transfer"]["received_seconds"], "nothing came by HTTP"
     assert d["nixl"]["reservations"] == 0 and d["nixl"]["expired"] == 0
-    committed = d["nixl"]["committed"] - before["kv_transfer"]["nixl"]["committed"]
-    assert committed >= 199 // 64 + 332 // 64, "blocks went in batches as 64-token prefill steps computed them"
+    assert committed(d, before) >= 199 // 64 + 332 // 64, (
+        "blocks went in batches as 64-token prefill steps computed them"
+    )
+
+
+def committed(d: dict, before: dict) -> int:
+    return d["nixl"]["committed"] - before["kv_transfer"]["nixl"]["committed"]
 
 
 def test_the_first_batch_is_exported_before_the_prefill_ends(nixl_fleet):
@@ -250,3 +258,49 @@ def test_a_peer_without_nixl_gets_the_blocks_over_http(nixl_fleet):
     sends = 2 * 2  # per prompt: 4 blocks after the first 64-token step, the fifth at its end
     assert after["failures"] == before["failures"] and after["nixl"]["fallbacks"] == before["nixl"]["fallbacks"] + sends
     assert m.state()["kv_transfer"]["received_seconds"]["body"] > 0
+
+
+def export(p, url: str, model: str, ids: list[int]) -> None:
+    """A prefill leg on `p` that exports its blocks to the decode worker at `url`."""
+    leg = httpx.post(
+        p.url + "/v1/completions",
+        timeout=120,
+        headers={"x-kvgate-token": SECRET[1]},
+        json={"model": model, "prompt": ids, "max_tokens": 1, "kv_transfer": {"export_to": url}},
+    )
+    assert leg.status_code == 200, leg.text
+
+
+def test_an_agent_record_lives_with_its_worker_and_a_restart_is_looked_up_afresh(nixl_fleet, tiny_llama, tmp_path):
+    """A decode worker's record is in Redis while it runs and gone once it stopped; the same
+    worker restarted (same id, same URL) runs a new agent, which the prefill worker looks up in
+    Redis again rather than writing by the dead agent's metadata."""
+    f, model = nixl_fleet, nixl_fleet["model"]
+    r, port, agents = redis.Redis(port=f["redis"].port), free_port(), []
+    for run in (1, 2):
+        w = Worker(
+            "torch",
+            "nx-r",
+            port=port,
+            extra=("--role", "decode", *SECRET, *NIXL),
+            model=str(tiny_llama),
+            log_dir=str(tmp_path),
+            redis=f["redis_url"],
+        )
+        try:
+            w.ready()
+            agent = w.state()["kv_transfer"]["nixl"]["agent"]
+            key = rs.nixl_key(model, agent)
+            wait_for(lambda: r.exists(key), what="the agent record in redis")
+            before = f["p"].state()["kv_transfer"]["nixl"]["peer_lookups"]
+            ids = prompt(80, 40 + run)
+            export(f["p"], w.url, model, ids)
+            wait_for(lambda: ask(w.url, model, ids, max_tokens=1)[2] == 64, timeout=30, what="the blocks arrived")
+            after = f["p"].state()["kv_transfer"]["nixl"]["peer_lookups"]
+            assert (after["redis"] - before["redis"], after["http"] - before["http"]) == (1, 0)
+            assert w.state()["kv_transfer"]["nixl"]["committed"] >= 1, "they came by NIXL"
+        finally:
+            w.stop()
+        assert not r.exists(key), "deregistered at shutdown"
+        agents.append(agent)
+    assert agents[0] != agents[1]
