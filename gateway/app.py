@@ -29,14 +29,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import pd, vllm_worker
+from gateway import pd
 from gateway.accounting import Accounting
-from gateway.admission import DRAINING, Admission, Refusal
-from gateway.auth import Access, Guard, api_key, retry_after, too_many_tokens
+from gateway.admission import DRAINING, Admission
+from gateway.auth import Access, Guard
 from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
+from gateway.intake import ApiError, Intake, refused
 from gateway.metrics import GatewayMetrics
-from gateway.passthrough import internal_field
 from gateway.proxy import (
     ClientGone,
     ConnectFailed,
@@ -47,7 +47,6 @@ from gateway.proxy import (
     UpstreamFailed,
     UpstreamTimeout,
     WorkerBusy,
-    ask_usage,
     close_upstream,
     relay,
     whole_answer,
@@ -61,34 +60,11 @@ from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
 from policies.predict import cached_tokens
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
-from workers.protocol import check_request, error_body, new_id
-from workers.sampling_params import InvalidRequest
-from workers.strict_json import loads
+from workers.protocol import error_body, new_id
 
 log = logging.getLogger("kvgate.gateway")
 
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
-
-
-class ApiError(Exception):
-    """An error answered to the client as an OpenAI error object with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        retry_after: int | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.type, self.code, self.param = status, type_, code, param
-        self.retry_after = retry_after
-
-
-def refused(r: Refusal) -> ApiError:
-    return ApiError(r.status, r.message, "server_error", r.code, retry_after=r.retry_after_s)
 
 
 class Gateway:
@@ -123,11 +99,11 @@ class Gateway:
         self.policy = policy
         self.proxy = proxy or Proxy()
         self.redis = redis
-        self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
         self.metrics = GatewayMetrics(fleet, policy.name)
         self.account = Accounting(self.metrics, fleet, policy.name, access_log, fleet_summary_s)
         self.access = access or Access()
         self.access.register(self.metrics.registry)
+        self.intake = Intake(fleet, tokenizers, self.access, slo_ttft_ms, slo_tpot_ms)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -213,11 +189,11 @@ class Gateway:
         try:
             raw = await read_body(request, self.max_body_bytes)
             with trace.phase("tokenize"):
-                model, prep, view, raw = await self.prepare(request, raw, kind, rec)
+                model, prep, view, raw = await self.intake.prepare(request, raw, kind, rec)
             trace.set(model=model, prompt_tokens=view.num_tokens)
             rec.model, rec.prompt_tokens = model, view.num_tokens
             rec.slo_ttft_ms, rec.slo_tpot_ms = view.slo_ttft_ms, view.slo_tpot_ms
-            await self.admit_tokens(request, view)
+            await self.intake.admit_tokens(request, view)
             resp = await self.dispatch(request, kind, raw, model, prep, view, rec)
         except BodyTooLarge as e:
             resp = self.error(ApiError(413, str(e), code="request_too_large"))
@@ -238,83 +214,6 @@ class Gateway:
             rec.status = resp.status_code
             self.account.finish(rec)
         return resp
-
-    async def prepare(
-        self, request: Request, raw: bytes, kind: str, rec: RequestRecord
-    ) -> tuple[str, Prepared | None, RequestView, bytes]:
-        """Body -> (model, tokenized request, the policy's request view, the body to forward:
-        with the tenant's cache_salt, and a stream's usage asked for); raises ApiError."""
-        try:
-            body = loads(raw)
-        except InvalidRequest as e:
-            raise ApiError(400, str(e), code=e.code, param=e.param)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        if (field := internal_field(body)) is not None:
-            raise ApiError(
-                400, f"'{field}' is internal to the fleet: clients may not set it", param=field, code="internal_field"
-            )
-        if self.access.apply_cache_salt(api_key(request.scope), body):
-            raw = json.dumps(body).encode()
-        models = self.fleet.models()
-        model = self.resolve_model(body.get("model"), models)
-        tok = await self.tokenizers.get(model)
-        prep = None
-        whole = {w.kind for w in self.fleet.candidates(model)} == {vllm_worker.KIND}  # gateway/passthrough.py
-        try:
-            if tok is not None:
-                prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole)
-            elif not whole:
-                check_request(body, kind)
-        except InvalidRequest as e:
-            raise ApiError(400, str(e), code=e.code, param=e.param)
-        rec.stream = body.get("stream") is True
-        if ask_usage(body):  # the stream's usage event is the gateway's count of its tokens
-            rec.hide_usage, raw = True, json.dumps(body).encode()
-        return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rec.request_id), raw
-
-    async def admit_tokens(self, request: Request, view: RequestView) -> None:
-        """Charge the request's key for its prompt and max_tokens; a 429 when the key's
-        tokens-per-minute budget is spent."""
-        key = api_key(request.scope)
-        tokens = view.num_tokens + view.max_tokens
-        wait = await self.access.admit_tokens(key, tokens)
-        if wait and key is not None:
-            raise ApiError(
-                429,
-                too_many_tokens(key, tokens, wait),
-                "rate_limit_error",
-                "rate_limit_exceeded",
-                retry_after=retry_after(wait),
-            )
-
-    def resolve_model(self, model: object, models: dict[str, int]) -> str:
-        """The served model a request names (required, as in OpenAI's schema)."""
-        if model is None:
-            raise ApiError(400, "'model' is required (GET /v1/models lists the served ones)", param="model")
-        if not models:
-            raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
-        if not isinstance(model, str):
-            raise ApiError(400, "'model' must be a string", param="model")
-        if model not in models:
-            raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
-        return model
-
-    def request_view(
-        self, request: Request, body: dict, kind: str, model: str, prep: Prepared | None, size: int, rid: str
-    ) -> RequestView:
-        h = request.headers
-        session = h.get("x-session-id") or body.get("user")
-        return RequestView(
-            request_id=rid,
-            num_tokens=prep.num_tokens if prep else size // 4,
-            block_hashes=tuple(prep.hashes) if prep else (),
-            max_tokens=prep.max_tokens if prep else 16,
-            slo_ttft_ms=_slo(h, "x-slo-ttft-ms", self.slo_ttft_ms),
-            slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
-            session_id=str(session) if session is not None else None,
-            model=model,
-        )
 
     def decide(
         self, view: RequestView, model: str, exclude: set[str]
@@ -579,16 +478,3 @@ def header_text(text: str, limit: int = 300) -> str:
 
 def _model_card(model: str, max_model_len: int) -> dict:
     return {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "max_model_len": max_model_len}
-
-
-def _slo(headers, name: str, default: float | None) -> float | None:
-    v = headers.get(name)
-    if v is None:
-        return default
-    try:
-        ms = float(v)
-    except ValueError:
-        ms = -1.0
-    if not ms > 0:
-        raise ApiError(400, f"header {name} must be a positive number of milliseconds", param=name)
-    return ms

@@ -1,0 +1,143 @@
+"""The gateway's intake of a request: its body parsed and checked as a worker would, its model
+resolved, its prompt tokenized and hashed, its key charged for tokens, and the policy's
+`RequestView` of it. Anything wrong is an `ApiError`, answered in OpenAI's shape."""
+
+import json
+
+from starlette.requests import Request
+
+from gateway import vllm_worker
+from gateway.admission import Refusal
+from gateway.auth import Access, api_key, retry_after, too_many_tokens
+from gateway.fleet import Fleet
+from gateway.passthrough import internal_field
+from gateway.proxy import ask_usage
+from gateway.record import RequestRecord
+from gateway.tokenize import Prepared, Tokenizers
+from policies.api import RequestView
+from policies.candidates import NO_WORKERS
+from workers.protocol import check_request
+from workers.sampling_params import InvalidRequest
+from workers.strict_json import loads
+
+
+class ApiError(Exception):
+    """An error answered to the client as an OpenAI error object with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.type, self.code, self.param = status, type_, code, param
+        self.retry_after = retry_after
+
+
+def refused(r: Refusal) -> ApiError:
+    return ApiError(r.status, r.message, "server_error", r.code, retry_after=r.retry_after_s)
+
+
+class Intake:
+    """What the gateway reads a request with: the fleet (served models), the tokenizers, the
+    access rules (cache salt, token budgets) and the default SLOs."""
+
+    def __init__(
+        self, fleet: Fleet, tokenizers: Tokenizers, access: Access, slo_ttft_ms: float | None, slo_tpot_ms: float | None
+    ):
+        self.fleet, self.tokenizers, self.access = fleet, tokenizers, access
+        self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+
+    async def prepare(
+        self, request: Request, raw: bytes, kind: str, rec: RequestRecord
+    ) -> tuple[str, Prepared | None, RequestView, bytes]:
+        """Body -> (model, tokenized request, the policy's request view, the body to forward:
+        with the tenant's cache_salt, and a stream's usage asked for); raises ApiError."""
+        try:
+            body = loads(raw)
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), code=e.code, param=e.param)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        if (field := internal_field(body)) is not None:
+            raise ApiError(
+                400, f"'{field}' is internal to the fleet: clients may not set it", param=field, code="internal_field"
+            )
+        if self.access.apply_cache_salt(api_key(request.scope), body):
+            raw = json.dumps(body).encode()
+        models = self.fleet.models()
+        model = self.resolve_model(body.get("model"), models)
+        tok = await self.tokenizers.get(model)
+        prep = None
+        whole = {w.kind for w in self.fleet.candidates(model)} == {vllm_worker.KIND}  # gateway/passthrough.py
+        try:
+            if tok is not None:
+                prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole)
+            elif not whole:
+                check_request(body, kind)
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), code=e.code, param=e.param)
+        rec.stream = body.get("stream") is True
+        if ask_usage(body):  # the stream's usage event is the gateway's count of its tokens
+            rec.hide_usage, raw = True, json.dumps(body).encode()
+        return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rec.request_id), raw
+
+    async def admit_tokens(self, request: Request, view: RequestView) -> None:
+        """Charge the request's key for its prompt and max_tokens; a 429 when the key's
+        tokens-per-minute budget is spent."""
+        key = api_key(request.scope)
+        tokens = view.num_tokens + view.max_tokens
+        wait = await self.access.admit_tokens(key, tokens)
+        if wait and key is not None:
+            raise ApiError(
+                429,
+                too_many_tokens(key, tokens, wait),
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                retry_after=retry_after(wait),
+            )
+
+    def resolve_model(self, model: object, models: dict[str, int]) -> str:
+        """The served model a request names (required, as in OpenAI's schema)."""
+        if model is None:
+            raise ApiError(400, "'model' is required (GET /v1/models lists the served ones)", param="model")
+        if not models:
+            raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers")
+        if not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        if model not in models:
+            raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        return model
+
+    def request_view(
+        self, request: Request, body: dict, kind: str, model: str, prep: Prepared | None, size: int, rid: str
+    ) -> RequestView:
+        h = request.headers
+        session = h.get("x-session-id") or body.get("user")
+        return RequestView(
+            request_id=rid,
+            num_tokens=prep.num_tokens if prep else size // 4,
+            block_hashes=tuple(prep.hashes) if prep else (),
+            max_tokens=prep.max_tokens if prep else 16,
+            slo_ttft_ms=_slo(h, "x-slo-ttft-ms", self.slo_ttft_ms),
+            slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
+            session_id=str(session) if session is not None else None,
+            model=model,
+        )
+
+
+def _slo(headers, name: str, default: float | None) -> float | None:
+    v = headers.get(name)
+    if v is None:
+        return default
+    try:
+        ms = float(v)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0:
+        raise ApiError(400, f"header {name} must be a positive number of milliseconds", param=name)
+    return ms
