@@ -59,6 +59,7 @@ from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
 from policies.predict import cached_tokens
+from workers.internal_auth import internal_headers
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
 from workers.protocol import error_body, new_id
 
@@ -103,7 +104,7 @@ class Gateway:
         self.account = Accounting(self.metrics, fleet, policy.name, access_log, fleet_summary_s)
         self.access = access or Access()
         self.access.register(self.metrics.registry)
-        self.intake = Intake(fleet, tokenizers, self.access, slo_ttft_ms, slo_tpot_ms)
+        self.intake = Intake(fleet, tokenizers, self.access, slo_ttft_ms, slo_tpot_ms, bool(internal_token))
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -267,6 +268,8 @@ class Gateway:
         """Decide and forward; a worker that fails before the answer is committed costs a
         retry elsewhere (after a backoff), up to `retry.max_retries` of them."""
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
+        if rec.ids_sent:  # kv_prompt_ids is internal, as kv_transfer is
+            headers.update(internal_headers(self.internal_token))
         trace = rec.trace
         exclude: set[str] = set()
         failure: UpstreamError | None = None

@@ -45,6 +45,7 @@ from workers.kv.worker_state import WorkerState
 
 log = logging.getLogger("kvgate.gateway")
 
+KVGATE = "kvgate"  # the kind of kvgate's own workers (others: gateway/vllm_worker.py)
 LONG_POLL_S = 5.0  # an idle worker's /kv/events answers (with its state) come this often
 LINE_BYTES = 1 << 22  # read buffer of a /kv/events stream: a line is a whole batch of events
 STALL_POLL_MARGIN_S = 0.05
@@ -69,7 +70,7 @@ class Worker:
     state_at: float = 0.0  # time.monotonic() of its last state, polled or riding on KV events
     state_rides: bool = False  # its last /kv/events answer carried its state
     redis_residency: bool = False
-    kind: str = "kvgate"
+    kind: str = KVGATE
     hash_ratio: int = 1  # index blocks per block of the worker's own size
     base: WorkerView | None = None
     tasks: list = field(default_factory=list)
@@ -231,12 +232,12 @@ class Fleet:
         self._started = False
         self.on_change: Callable[[Worker, int], None] | None = None  # in-flight +1/-1, for sharing
 
-    def add(self, url: str, static: bool = True, kind: str = "kvgate") -> Worker:
+    def add(self, url: str, static: bool = True, kind: str = KVGATE) -> Worker:
         url = url.rstrip("/")
         w = self.workers.get(url)
         if w is None:
             w = self.workers[url] = Worker(
-                url, static, breaker=Breaker(self.breaker), kind=kind if kind in self.kinds else "kvgate"
+                url, static, breaker=Breaker(self.breaker), kind=kind if kind in self.kinds else KVGATE
             )
             if self._started:
                 self._spawn(w)

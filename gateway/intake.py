@@ -9,13 +9,15 @@ from starlette.requests import Request
 from gateway import vllm_worker
 from gateway.admission import Refusal
 from gateway.auth import Access, api_key, retry_after, too_many_tokens
-from gateway.fleet import Fleet
+from gateway.fleet import KVGATE, Fleet
 from gateway.passthrough import internal_field
 from gateway.proxy import ask_usage
 from gateway.record import RequestRecord
 from gateway.tokenize import Prepared, Tokenizers
 from policies.api import RequestView
 from policies.candidates import NO_WORKERS
+from workers.given_ids import FIELD as GIVEN_IDS
+from workers.given_ids import field_value, has_text
 from workers.protocol import check_request
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
@@ -47,16 +49,24 @@ class Intake:
     access rules (cache salt, token budgets) and the default SLOs."""
 
     def __init__(
-        self, fleet: Fleet, tokenizers: Tokenizers, access: Access, slo_ttft_ms: float | None, slo_tpot_ms: float | None
+        self,
+        fleet: Fleet,
+        tokenizers: Tokenizers,
+        access: Access,
+        slo_ttft_ms: float | None,
+        slo_tpot_ms: float | None,
+        send_ids: bool = False,
     ):
         self.fleet, self.tokenizers, self.access = fleet, tokenizers, access
         self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+        self.send_ids = send_ids  # the gateway has the fleet's token, which kv_prompt_ids needs
 
     async def prepare(
         self, request: Request, raw: bytes, kind: str, rec: RequestRecord
     ) -> tuple[str, Prepared | None, RequestView, bytes]:
         """Body -> (model, tokenized request, the policy's request view, the body to forward:
-        with the tenant's cache_salt, and a stream's usage asked for); raises ApiError."""
+        with the tenant's cache_salt, a stream's usage asked for, and for a fleet of kvgate
+        workers the prompts' ids, `kv_prompt_ids`); raises ApiError."""
         try:
             body = loads(raw)
         except InvalidRequest as e:
@@ -73,7 +83,8 @@ class Intake:
         model = self.resolve_model(body.get("model"), models)
         tok = await self.tokenizers.get(model)
         prep = None
-        whole = {w.kind for w in self.fleet.candidates(model)} == {vllm_worker.KIND}  # gateway/passthrough.py
+        kinds = {w.kind for w in self.fleet.candidates(model)}
+        whole = kinds == {vllm_worker.KIND}  # gateway/passthrough.py
         try:
             if tok is not None:
                 prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole)
@@ -82,9 +93,13 @@ class Intake:
         except InvalidRequest as e:
             raise ApiError(400, str(e), code=e.code, param=e.param)
         rec.stream = body.get("stream") is True
-        if ask_usage(body):  # the stream's usage event is the gateway's count of its tokens
-            rec.hide_usage, raw = True, json.dumps(body).encode()
-        return model, prep, self.request_view(request, body, kind, model, prep, len(raw), rec.request_id), raw
+        view = self.request_view(request, body, kind, model, prep, len(raw), rec.request_id)
+        changed = rec.hide_usage = ask_usage(body)  # the stream's usage event is the gateway's count of its tokens
+        ours = self.send_ids and kinds == {KVGATE}
+        if ours and prep is not None and tok is not None and tok.fingerprint and has_text(body, kind):
+            body[GIVEN_IDS] = field_value(tok.fingerprint, prep.parsed.prompts)  # the worker need not tokenize again
+            changed = rec.ids_sent = True
+        return model, prep, view, json.dumps(body).encode() if changed else raw
 
     async def admit_tokens(self, request: Request, view: RequestView) -> None:
         """Charge the request's key for its prompt and max_tokens; a 429 when the key's

@@ -8,17 +8,19 @@ and every field it knows are checked here), routes by the first prompt's blocks,
 all prompts and completions against the client's token budget.
 
 Fields that steer the workers' internals are refused from clients whatever the fleet:
-kvgate's `kv_transfer` (P/D legs), vLLM's `kv_transfer_params` (its disaggregation: which host
+kvgate's `kv_transfer` (P/D legs) and `kv_prompt_ids` (the gateway's own tokenization of the
+prompts, workers/given_ids.py), vLLM's `kv_transfer_params` (its disaggregation: which host
 a worker pulls KV from or pushes it to) and `vllm_xargs.kv_cache_report_mode` (re-announces
 cached blocks as stored, which would inflate the gateway's reference counts).
 """
 
+from workers.given_ids import FIELD as GIVEN_IDS
 from workers.protocol import IMPLEMENTED, NOOP_VALUES, ParsedRequest, parse_request
 
 
 def internal_field(body: dict) -> str | None:
     """The internal field a client's body sets, if any."""
-    for name in ("kv_transfer", "kv_transfer_params"):
+    for name in ("kv_transfer", "kv_transfer_params", GIVEN_IDS):
         if name in body:
             return name
     xargs = body.get("vllm_xargs")

@@ -30,6 +30,7 @@ class RequestRecord:
     code: str | None = None
     stream: bool = False
     hide_usage: bool = False  # usage was asked of the worker by the gateway, not the client
+    ids_sent: bool = False  # the prompts' ids went to the worker (kv_prompt_ids), with the fleet's token
     prompt_tokens: int | None = None
     predicted_cached: int | None = None
     cached_tokens: int | None = None

@@ -22,7 +22,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.fleet import Fleet
+from gateway.fleet import KVGATE, Fleet
 from gateway.index import RESYNC, ResidencyIndex
 from workers.kv import redis_schema as rs
 from workers.kv.events import MEDIA, EventBatch
@@ -176,7 +176,7 @@ class RedisState:
                     self.fleet.remove(reg.url)
                 self.index.drop(wid)
         for reg in live.values():
-            self.fleet.add(reg.url, static=False, kind=str(reg.state.get("kind", "kvgate")))
+            self.fleet.add(reg.url, static=False, kind=str(reg.state.get("kind", KVGATE)))
         self.registered = live
 
     async def _registrations(self, r: aioredis.Redis) -> dict[str, rs.Registration]:

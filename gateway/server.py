@@ -83,8 +83,9 @@ def parser() -> argparse.ArgumentParser:
         "--internal-token",
         default=os.environ.get("KVGATE_INTERNAL_TOKEN"),
         help="the fleet's shared secret (default: $KVGATE_INTERNAL_TOKEN): verifies workers' "
-        "registrations in Redis, and is sent to workers on P/D legs (only there); without "
-        "it requests are never disaggregated",
+        "registrations in Redis, and is sent to kvgate workers on P/D legs and with the prompts' "
+        "token ids (kv_prompt_ids, so they need not tokenize again); without it requests are "
+        "never disaggregated and workers tokenize every prompt themselves",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
     p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO for requests without x-slo-ttft-ms")

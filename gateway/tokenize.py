@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.passthrough import parse_whole
+from workers.given_ids import fingerprint
 from workers.prefix_tokens import PrefixTokenizer
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 from workers.model_store import load_tokenizer, served_name
@@ -48,6 +49,7 @@ class ModelTokenizer:
     def __init__(self, name: str, tokenizer, block_size: int):
         self.name = name
         self.tokenizer = PrefixTokenizer(tokenizer)
+        self.fingerprint = fingerprint(tokenizer)  # a worker with the same takes the gateway's ids
         log.info("model %r: prompt prefix token cache %s", name, "on" if self.tokenizer.enabled else "off")
         self.block_size = block_size
         self.seed = seed_hash(name, block_size)

@@ -190,6 +190,13 @@ class WorkerMetrics:
             "kvgate_worker_requests_rejected", "Requests refused with a 503, by reason", [*LABELS, "reason"], registry=r
         )
         self.rejected = {reason: rejected.labels(*labels, reason) for reason in REJECT_REASONS}
+        tokenized = Counter(
+            "kvgate_worker_prompts_tokenized",
+            "Text prompts by who tokenized them: the gateway (its ids used here) or this worker",
+            [*LABELS, "by"],
+            registry=r,
+        )
+        self.tokenized = {by: tokenized.labels(*labels, by) for by in ("gateway", "worker")}
 
     def observe(self, out: RequestOutput, clock: RequestClock) -> None:
         """Account one output of a request: latencies as its tokens arrive, the rest at its end."""

@@ -95,12 +95,19 @@ def error_body(
 
 
 def parse_request(
-    body: object, kind: str, tokenizer, max_model_len: int, vocab_size: int | None = None
+    body: object,
+    kind: str,
+    tokenizer,
+    max_model_len: int,
+    vocab_size: int | None = None,
+    given: list[list[int]] | None = None,
 ) -> ParsedRequest:
     """Validate an OpenAI completions/chat body into token ids and sampling parameters.
 
     Fields are checked before the prompt is tokenized, and a prompt that must be too long for
-    `max_model_len` is refused before it is tokenized whole (`surely_too_long`)."""
+    `max_model_len` is refused before it is tokenized whole (`surely_too_long`). `given`: the
+    prompts' ids as the gateway tokenized them with this very tokenizer (workers/given_ids.py),
+    used instead of tokenizing again."""
     body = _object(body, kind)
     stream, include_usage, return_token_ids = _options(body)
     asked = _max_tokens(body, kind)
@@ -108,8 +115,16 @@ def parse_request(
     params = sampling_params(body, asked or 1, vocab_size, kind)
     kv, salt = _kv_transfer(body), _cache_salt(body)
     prompts, texts = [], []
-    for prompt in _prompts(body, kind, vocab_size):
-        ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len)
+    checked = _prompts(body, kind, vocab_size)
+    if given is not None and len(given) != len(checked):
+        raise InvalidRequest(f"'kv_prompt_ids' holds {len(given)} prompts; the request {len(checked)}", "kv_prompt_ids")
+    for i, prompt in enumerate(checked):
+        own_ids = kind != "chat" and isinstance(prompt, list)  # a client's own token ids stay its own
+        if given is not None and not own_ids:
+            ids, text = given[i], prompt if isinstance(prompt, str) else None
+            _check_context(len(ids), 1, max_model_len)
+        else:
+            ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len)
         prompts.append(ids)
         texts.append(text)
     if asked is None:

@@ -23,6 +23,8 @@ from starlette.routing import Route
 from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
 from workers.control_routes import ControlRoutes
 from workers.job import Choices, Job
+from workers.given_ids import FIELD as GIVEN_IDS
+from workers.given_ids import fingerprint, given_prompts, has_text
 from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx, error
 from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
@@ -84,6 +86,7 @@ class WorkerServer:
         self.vocab_size = vocab_size
         # prompts are tokenized once per distinct prefix; the engine keeps the plain tokenizer
         self.prompt_tokenizer = PrefixTokenizer(engine.tokenizer) if engine.tokenizer is not None else None
+        self.tokenizer_id = fingerprint(engine.tokenizer) if engine.tokenizer is not None else None
         self.metrics = WorkerMetrics(engine, served_model)
         self.metrics.registry.register(TransferCollector(self.transfer, served_model))
         self.tracing = tracing or WorkerTracing()
@@ -160,20 +163,29 @@ class WorkerServer:
         body = await self._body(request)
         if isinstance(body, Response):
             return body
-        if body.get("kv_transfer") is not None and not self.transfer.authorised(request):
-            return error(
-                403,
-                "'kv_transfer' is internal: it needs the fleet's internal token",
-                "permission_error",
-                "forbidden",
-                "kv_transfer",
-            )
+        trusted = self.transfer.authorised(request)
+        for name in ("kv_transfer", GIVEN_IDS):
+            # ids a worker without a token cannot trust: it tokenizes the prompts itself
+            if body.get(name) is not None and not trusted and (name == "kv_transfer" or self.transfer.token):
+                return error(
+                    403,
+                    f"'{name}' is internal: it needs the fleet's internal token",
+                    "permission_error",
+                    "forbidden",
+                    name,
+                )
+        tok, max_len = self.prompt_tokenizer, self.engine.max_model_len
         try:
-            parsed = await asyncio.to_thread(
-                parse_request, body, kind, self.prompt_tokenizer, self.engine.max_model_len, self.vocab_size
-            )
+            value = body.pop(GIVEN_IDS, None)
+            given = given_prompts(value, self.tokenizer_id, self.vocab_size) if trusted and value is not None else None
+            if given is None:  # tokenizing: off the event loop
+                parsed = await asyncio.to_thread(parse_request, body, kind, tok, max_len, self.vocab_size)
+            else:  # nothing to tokenize: a thread hop would cost more than the checks
+                parsed = parse_request(body, kind, tok, max_len, self.vocab_size, given)
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
+        if has_text(body, kind):
+            self.metrics.tokenized["gateway" if given is not None else "worker"].inc()
         if parsed.params.logprobs is not None and not self.engine.computes_logprobs:
             return error(
                 400,
