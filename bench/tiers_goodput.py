@@ -12,6 +12,7 @@ command) and a PNG of grouped bars out.
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 
@@ -51,7 +52,11 @@ def plot(report: dict, path: str) -> None:
 
     settings = list(report["settings"])
     colour = {v: f"C{i}" for i, v in enumerate(dict.fromkeys(v for s in settings for v in report["settings"][s]))}
-    fig, axes = plt.subplots(1, len(settings), figsize=(3.2 * len(settings), 4.2), squeeze=False)
+    cols = min(4, len(settings))
+    rows = -(-len(settings) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(settings) :]:
+        ax.set_axis_off()
     for ax, setting in zip(axes.flat, settings):
         variants = report["settings"][setting]
         names = list(variants)
@@ -61,8 +66,9 @@ def plot(report: dict, path: str) -> None:
             ax.text(i, goodput[i], f"hit {variants[n]['cached_token_ratio']:.2f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(setting, fontsize=9)
-    axes.flat[0].set_ylabel("goodput (req/s at 90% SLO attainment)")
-    fig.suptitle(report["title"], fontsize=9)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("goodput (req/s at 90% SLO attainment)")
+    fig.suptitle("\n".join(textwrap.wrap(report["title"], 40 * cols)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
