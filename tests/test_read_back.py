@@ -17,6 +17,7 @@ from workers.kv.disk_pool import DiskPool, DiskRead
 from workers.kv.events import DISK, HOST, EventLog
 from workers.kv.host_pool import HostPool
 from workers.kv.read_back import ReadBack, copy_ms
+from workers.sampling_params import SamplingParams
 
 COST = CostModel()  # 16 tokens prefill in ~1.3 ms
 LLAMA8B = 131072  # KV bytes per token: a 16-token block is 2 MiB, 4.2 ms at 0.5 GB/s
@@ -74,6 +75,34 @@ def test_a_worker_engine_chooses_with_its_cost_model_and_rates():
     assert rb == ReadBack(COST, 16, LLAMA8B, 2048, 50.0, 0.5)
     assert engine(load_every_hit=True).kv.read_back is None
     assert engine(disk_gbps=4.0).kv.read_back.disk_gbps == 4.0
+
+
+def cached_on_return(**config) -> int:
+    """Prompt A runs, B evicts its blocks to the host tier, A comes again: the tokens A's second
+    run reports cached, on an engine stepped by hand (sim executor, the worker's cost model)."""
+    engine = Engine(
+        SimExecutor(COST, 1000, (), 4096, wait=lambda s: None, kv_bytes_per_token=LLAMA8B),
+        None,
+        EngineConfig("m", num_blocks=8, max_batched_tokens=256, host_blocks=16, cost_model=COST, **config),
+    )
+    cached: dict[str, int] = {}
+
+    def sink(out) -> None:
+        cached[out.request_id] = out.num_cached
+
+    a, b = list(range(100, 149)), list(range(300, 413))  # 3 full blocks + 1 token; 7 + 1
+    for rid, prompt in (("a", a), ("b", b), ("a-again", a)):
+        engine.submit(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), sink, detokenize=False)
+        while engine.has_work():
+            engine.step()
+    assert len(engine.pool.host) > 0
+    return cached["a-again"]
+
+
+def test_an_engine_recomputes_what_its_host_link_is_too_slow_to_copy_back():
+    assert cached_on_return() == 48, "at 50 GB/s the 3 blocks come back"
+    assert cached_on_return(host_gbps=0.01) == 0, "at 10 MB/s they are recomputed"
+    assert cached_on_return(host_gbps=0.01, load_every_hit=True) == 48
 
 
 def test_the_router_predicts_the_same_choice():
