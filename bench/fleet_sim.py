@@ -124,6 +124,9 @@ class FleetSim:
         worker: the index reads the same as when fed event by event, for less work."""
         for wid, events in self.unindexed.items():
             self.index.apply(EventBatch(wid, events, events[-1].seq))
+            i = self.position[wid]
+            self.base[i] = self._resident(self.base[i])
+            self._refresh(i)
         self.unindexed.clear()
 
     def _role(self, i: int) -> str:
@@ -139,6 +142,10 @@ class FleetSim:
             cost=self.cfg.cost if self.cfg.views_with_cost else None,
             export_backlog_bytes=int(wire_left * self.cfg.transfer_gbps * 1e9),
         )
+
+    def _resident(self, view: WorkerView) -> WorkerView:
+        """`view` with the blocks the index holds for its worker, as `Fleet.views` adds them."""
+        return with_fields(view, resident_blocks=self.index.num_blocks(view.worker_id))
 
     def _push(self, t: float, kind: int, i: int) -> None:
         self.seq += 1
@@ -384,7 +391,7 @@ class FleetSim:
             self.now = t
             if kind == POLL:
                 self.workers[i].sync(t)
-                self.base[i] = self._view(self.workers[i])
+                self.base[i] = self._resident(self._view(self.workers[i]))
                 self._refresh(i)
                 self._push(t + self.cfg.poll_s, POLL, i)
             elif kind == DELIVER:

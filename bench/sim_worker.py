@@ -333,6 +333,7 @@ class SimWorker:
         s = self.scheduler
         return {
             "free_blocks": self.pool.num_free,
+            "shared_blocks": self.pool.num_shared,
             "waiting": len(s.waiting) + len(s.loading),
             "running": len(s.running),
             "queued_prefill_tokens": s.queued_prefill_tokens,

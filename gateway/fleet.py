@@ -119,6 +119,7 @@ def worker_view(
         waiting=state.waiting,
         running=state.running,
         free_blocks=state.free_blocks,
+        shared_blocks=state.shared_blocks,
         total_blocks=state.total_blocks,
         queued_prefill_tokens=state.queued_prefill_tokens,
         kv_tokens=state.kv_tokens,
@@ -437,14 +438,19 @@ class Fleet:
         self, workers: list[Worker], matches: dict[str, int], slow: dict[str, tuple[int, int]] | None = None
     ) -> tuple[WorkerView, ...]:
         """The policy's picture of `workers`: last polled load, matched prefix (with `slow`, the
-        index's `slow_blocks`: how much of it is in host and disk tiers), in-flight."""
+        index's `slow_blocks`: how much of it is in host and disk tiers), in-flight, and the
+        blocks the index holds for it (live, where a poll is up to `interval` old)."""
         out = []
         for w in workers:
             flight = w.in_flight + w.shared_in_flight
             m = matches.get(w.worker_id, 0) // w.hash_ratio
+            resident = self.index.num_blocks(w.worker_id) // w.hash_ratio
             base = w.base
             assert base is not None, "only available workers (polled, so with a view) are candidates"
-            view = with_fields(base, matched_blocks=m, in_flight=flight) if m or flight else base
+            if m or flight or resident != base.resident_blocks:
+                view = with_fields(base, matched_blocks=m, in_flight=flight, resident_blocks=resident)
+            else:
+                view = base
             if slow and w.worker_id in slow:
                 host, disk = slow[w.worker_id]
                 view = with_fields(

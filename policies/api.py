@@ -68,6 +68,8 @@ class WorkerView:
     running: int = 0
     in_flight: int = 0
     free_blocks: int = 0
+    shared_blocks: int = 0  # of the blocks in use, those two or more requests read (a prefix they share)
+    resident_blocks: int = 0  # blocks holding cached K/V, in use or free (the gateway's residency index)
     total_blocks: int = 0
     queued_prefill_tokens: int = 0
     kv_tokens: int = 0

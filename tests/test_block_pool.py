@@ -118,6 +118,7 @@ def test_pool_invariants_under_random_operations(ops):
             next_hash += 1
         list(log.after(0).events)
         assert pool.num_free + len({b.block_id for b in held}) == pool.num_blocks
+        assert pool.num_shared == sum(b.ref_count >= 2 for b in pool.blocks)
     for e in log.after(0).events:
         if e.kind == STORED:
             resident |= set(e.hashes)
@@ -126,6 +127,22 @@ def test_pool_invariants_under_random_operations(ops):
         else:
             resident.clear()
     assert resident == set(pool.resident_hashes()), "replaying events gives the pool's residency"
+
+
+def test_shared_blocks_are_those_two_or_more_requests_read():
+    """What a worker reports as `shared_blocks`: a prefix its requests share stays in use while
+    any of them runs, so finishing one request frees only its private blocks."""
+    pool = BlockPool(8, 2, EventLog("w"))
+    a = pool.allocate(3)
+    pool.register(a[:2], [1, 2], [(1, 1), (2, 2)], None)
+    b = pool.touch_prefix([1, 2], [1, 1, 2, 2]) + pool.allocate(1)
+    assert pool.num_shared == 2
+    pool.hold([a[2].block_id])
+    assert pool.num_shared == 3
+    pool.free(a)
+    assert pool.num_shared == 0 and pool.num_free == 8 - 4
+    pool.free(b)
+    assert pool.num_shared == 0
 
 
 def test_touch_prefix_stops_at_a_hash_hit_with_other_tokens():

@@ -627,6 +627,7 @@ class Engine:
             block_size=c.block_size,
             total_blocks=self.pool.num_blocks,
             free_blocks=self.pool.num_free,
+            shared_blocks=self.pool.num_shared,
             waiting=len(s.waiting) + len(s.loading),
             host_blocks=c.host_blocks,
             host_free_blocks=self.pool.host.num_free if self.pool.host else 0,

@@ -101,6 +101,7 @@ class BlockPool:
         self._free_plain: OrderedDict[int, None] = OrderedDict()  # freed, never hashed or cleared
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[int, int] = {}
+        self.num_shared = 0  # blocks in use by two or more references (a prefix its requests share)
 
     @property
     def num_free(self) -> int:
@@ -118,6 +119,8 @@ class BlockPool:
         """Take a reference on a cached block (a prefix hit)."""
         if block.ref_count == 0:
             del self._free_cached[block.block_id]
+        elif block.ref_count == 1:
+            self.num_shared += 1
         block.ref_count += 1
 
     def resident_prefix(self, hashes: list[int]) -> int:
@@ -147,6 +150,8 @@ class BlockPool:
         for block in found:
             if block.ref_count == 0:
                 del cached[block.block_id]
+            elif block.ref_count == 1:
+                self.num_shared += 1
             block.ref_count += 1
         return found
 
@@ -156,6 +161,7 @@ class BlockPool:
         held = [self.blocks[i] for i in block_ids]
         for block in held:
             assert block.ref_count > 0, f"block {block.block_id} is not in use"
+            self.num_shared += block.ref_count == 1
             block.ref_count += 1
         return held
 
@@ -320,6 +326,7 @@ class BlockPool:
         for block in reversed(blocks):
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block.block_id} freed twice"
+            self.num_shared -= block.ref_count == 1
             if block.ref_count == 0:
                 if block.hash is None:
                     plain[block.block_id] = None

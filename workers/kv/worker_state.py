@@ -16,6 +16,7 @@ class WorkerState:
     block_size: int = 16
     total_blocks: int = 0
     free_blocks: int = 0
+    shared_blocks: int = 0  # blocks in use by two or more requests (a prefix they share)
     host_blocks: int = 0  # the host tier's size (0: none)
     host_free_blocks: int = 0
     disk_blocks: int = 0  # the disk tier's size (0: none)
