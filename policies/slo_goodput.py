@@ -18,7 +18,7 @@ ones that would not, so rejecting it early (with the reason) is what keeps goodp
 
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
-from policies.pd import PdDecider
+from policies.pd import Pair, PdDecider
 from policies.predict import (
     cached_tokens,
     copy_share,
@@ -94,10 +94,10 @@ class SloGoodput:
             (*self.ttft_tpot_ms(req, w), None, w) for w in servers
         ]
         if split:
-            candidates += [(c.ttft_ms, c.tpot_ms, c.prefill, c.decode) for c in self.pd.pairs(req, fleet)]
+            candidates += [self.pair(req, c) for c in self.pd.pairs(req, fleet)]
         tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)
         if self.warm_prefixes and not split and self.holder_full(req, candidates, slo_ttft, slo_tpot):
-            warm = [(c.ttft_ms, c.tpot_ms, c.prefill, c.decode) for c in self.pd.warm_pairs(req, mixed)]
+            warm = [self.pair(req, c) for c in self.pd.warm_pairs(req, mixed)]
             if warm:
                 tier, headroom, ttft, tpot, p, d = self.best(req, candidates + warm, slo_ttft, slo_tpot)
         if tier == 2:
@@ -146,6 +146,12 @@ class SloGoodput:
         """`predict.ttft_tpot_ms`, the TTFT with the wait for KV blocks under `wait_for_pool`."""
         ttft, tpot = ttft_tpot_ms(req, w)
         return (ttft + pool_wait_ms(req, w), tpot) if self.wait_for_pool else (ttft, tpot)
+
+    def pair(self, req: RequestView, c: Pair) -> tuple[float, float, WorkerView | None, WorkerView]:
+        """A P/D candidate as (ttft, tpot, P, D); under `wait_for_pool` its TTFT includes the
+        waits for KV blocks on both: P for the prompt it computes, D for the blocks it imports."""
+        wait = pool_wait_ms(req, c.prefill) + pool_wait_ms(req, c.decode) if self.wait_for_pool else 0.0
+        return c.ttft_ms + wait, c.tpot_ms, c.prefill, c.decode
 
     def pool_terms(self, req: RequestView, d: WorkerView, held: int) -> float:
         """What placing the prompt on `d` costs its KV pool, in headroom units (see the class)."""

@@ -12,7 +12,7 @@ from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView,
 from policies.candidates import stable_hash
 from policies.kv_cost import KvCost
 from policies.least_load import LeastLoad
-from policies.pd import PdDecider
+from policies.pd import Pair, PdDecider
 from policies.prefix_affinity import PrefixAffinity
 from policies.registry import BUILTIN_POLICIES, load_policy
 from policies.round_robin import RoundRobin
@@ -192,6 +192,18 @@ def test_slo_goodput_waiting_for_pools_places_a_cold_prefix_where_least_is_cache
     assert SloGoodput(wait_for_pool=True).route(r, fleet(full, empty)).worker == "empty"
     holder = with_fields(full, matched_blocks=128, running=24, kv_tokens=24 * 2300, free_blocks=20)
     assert SloGoodput(wait_for_pool=True).route(r, fleet(holder, empty)).worker == "full"
+
+
+def test_slo_goodput_waiting_for_pools_times_both_ends_of_a_pd_pair():
+    """A P/D pair waits for blocks on both workers: P for the prompt it computes, D for the
+    blocks it imports (warm pairs without it copied hot prefixes into full pools)."""
+    r = req(2048, max_tokens=128)
+    pinned = worker("p", running=20, kv_tokens=40_000, total_blocks=1024, free_blocks=0, shared_blocks=950)
+    roomy = worker("d", total_blocks=1024, free_blocks=1024)
+    pair = Pair(pinned, roomy, 100.0, 20.0)
+    assert SloGoodput().pair(r, pair)[0] == 100.0
+    ttft = SloGoodput(wait_for_pool=True).pair(r, pair)[0]
+    assert ttft == pytest.approx(100.0 + predict.pool_wait_ms(r, pinned)) and ttft > 1000
 
 
 def test_slo_goodput_headroom_is_the_tighter_of_the_two_slos():
