@@ -69,7 +69,8 @@ class FleetConfig:
     transfer_gbps: float = 20.0  # GB/s (1e9 bytes)
     transfer_latency_s: float = 0.0  # fixed cost per transfer (reserve, commit, handshakes)
     pd_wait_s: float = 5.0  # the gateway's default KV wait on the decode worker
-    tier_credits: TierCredits = DEFAULT_TIER_CREDITS  # the router's credit per tier (gateway --host-kv-credit)
+    # the router's credit per tier (gateway --host-kv-credit); sim workers publish their own rates
+    tier_credits: TierCredits = DEFAULT_TIER_CREDITS
 
 
 class FleetSim:
@@ -141,6 +142,7 @@ class FleetSim:
             transfer_gbps=self.cfg.transfer_gbps,
             cost=self.cfg.cost if self.cfg.views_with_cost else None,
             export_backlog_bytes=int(wire_left * self.cfg.transfer_gbps * 1e9),
+            tiers=self.cfg.tier_credits,
         )
 
     def _resident(self, view: WorkerView) -> WorkerView:
@@ -296,7 +298,6 @@ class FleetSim:
                     in_flight=self.in_flight[i],
                     matched_host_blocks=host,
                     matched_disk_blocks=disk,
-                    tier_credits=self.cfg.tier_credits,
                 )
             out[i] = v
         return tuple(out)

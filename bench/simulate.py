@@ -298,8 +298,8 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
 
 def tier_credits(args: argparse.Namespace) -> TierCredits:
     """The router's tier credits: a host block's credit --host-kv-credit (default 1.0: the copy runs
-    beside the steps and saves the whole prefill), its copy back at --host-kv-gbps; a disk block's
-    --disk-kv-credit, its read back at --disk-kv-gbps."""
+    beside the steps and saves the whole prefill); a disk block's --disk-kv-credit. The rates are
+    the sim workers' (--host-kv-gbps, --disk-kv-gbps), which they publish in their state."""
     host = 1.0 if args.host_kv_credit is None else args.host_kv_credit
     return TierCredits(host, args.disk_kv_credit, args.host_kv_gbps, args.disk_kv_gbps)
 

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -102,16 +102,33 @@ class Worker:
 TRANSPORT_GBPS = {"http": 0.4, "ipc": 20.0, "nixl": 3.5}
 
 
+def tier_rates(state: WorkerState, tiers: TierCredits) -> TierCredits:
+    """The tier credits a worker's view carries: the gateway's `tiers`, with the copy-back rates
+    and `load_every_hit` the worker publishes in its /state in place of the gateway's flags (a
+    worker that publishes none, e.g. vLLM, keeps them): the router predicts each worker's
+    read-or-recompute choice on the rates that worker decides with."""
+    if state.host_gbps is None and state.disk_gbps is None and not state.load_every_hit:
+        return tiers
+    return replace(
+        tiers,
+        host_gbps=state.host_gbps or tiers.host_gbps,
+        disk_gbps=state.disk_gbps or tiers.disk_gbps,
+        load_every_hit=state.load_every_hit,
+    )
+
+
 def worker_view(
     state: WorkerState,
     url: str = "",
     transfer_gbps: float = TRANSPORT_GBPS["http"],
     cost: CostModel | None = None,
     export_backlog_bytes: int = 0,
+    tiers: TierCredits = DEFAULT_TIER_CREDITS,
 ) -> WorkerView:
     """The policies' picture of a worker from its /state: the one builder, for the gateway's
     polls and the fleet simulator's. `cost`, when given, stands for the worker's own profile;
-    the transfer fields come from the server's `kv_transfer` (the simulator's link)."""
+    the transfer fields come from the server's `kv_transfer` (the simulator's link); `tiers`
+    are the router's tier credits and fallback rates (`tier_rates`)."""
     return WorkerView(
         worker_id=state.worker_id,
         role=state.role,
@@ -138,14 +155,15 @@ def worker_view(
         transfer_gbps=transfer_gbps,
         export_batch_blocks=state.export_batch_blocks,
         export_backlog_bytes=export_backlog_bytes,
+        tier_credits=tier_rates(state, tiers),
         url=url,
     )
 
 
-def _view(state: dict, url: str, cost: CostModel | None = None) -> WorkerView:
+def _view(state: dict, url: str, tiers: TierCredits, cost: CostModel | None = None) -> WorkerView:
     """The view from a polled /state body; `cost`: its cost model already parsed."""
     backlog = int((state.get("kv_transfer") or {}).get("backlog_bytes") or 0)
-    return worker_view(WorkerState.from_json(state), url, _transfer_gbps(state), cost, backlog)
+    return worker_view(WorkerState.from_json(state), url, _transfer_gbps(state), cost, backlog, tiers)
 
 
 DRAINING = "it is draining"
@@ -207,7 +225,8 @@ class Fleet:
     """`token`: the fleet's internal token, sent on every control-plane call (workers refuse
     /state, /kv/events and /kv/snapshot without it when they have one). `kinds`: worker kinds
     other than kvgate's own, by name (gateway/vllm_worker.py). `tier_credits`: what a matched
-    block in a worker's host or disk tier is worth to the policies (policies.api.TierCredits)."""
+    block in a worker's host or disk tier is worth to the policies, and the tier rates for workers
+    that do not publish their own (policies.api.TierCredits, `tier_rates`)."""
 
     def __init__(
         self,
@@ -338,7 +357,7 @@ class Fleet:
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.sent_since_poll = w.done_since_poll = 0
         w.state_at = time.monotonic()
-        w.base = _view(state, w.url, cost)
+        w.base = _view(state, w.url, self.tier_credits, cost)
 
     def _down(self, w: Worker, why: str) -> None:
         if w.healthy:
@@ -457,7 +476,6 @@ class Fleet:
                     view,
                     matched_host_blocks=host // w.hash_ratio,
                     matched_disk_blocks=disk // w.hash_ratio,
-                    tier_credits=self.tier_credits,
                 )
             out.append(view)
         return tuple(out)

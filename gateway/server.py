@@ -194,9 +194,10 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TIER_CREDITS.host_gbps,
         metavar="G",
-        help="how fast a worker copies its host tier back to the device (GB/s): a host hit's copy, its "
-        "bytes from the worker's KV bytes per token, delays that request's predicted TTFT where it "
-        "outlasts the queue ahead",
+        help="how fast a worker copies its host tier back to the device (GB/s), for workers whose /state "
+        "does not say (vLLM's): kvgate workers publish their own --host-kv-gbps, which wins. A host hit's "
+        "copy, its bytes from the worker's KV bytes per token, delays that request's predicted TTFT where "
+        "it outlasts the queue ahead",
     )
     g.add_argument(
         "--disk-kv-credit",
@@ -211,7 +212,8 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TIER_CREDITS.disk_gbps,
         metavar="G",
-        help="how fast a worker reads its disk tier back to the device (GB/s): a disk hit's read "
+        help="how fast a worker reads its disk tier back to the device (GB/s), for workers whose /state "
+        "does not say: kvgate workers publish their own --disk-kv-gbps, which wins. A disk hit's read "
         "delays that request's predicted TTFT where it outlasts the queue ahead",
     )
     g.add_argument(

@@ -36,12 +36,15 @@ class TierCredits:
     else does), so it saves its whole prefill (`host`, `disk` 1.0) and delays only its own
     request, by its bytes (the worker's `kv_bytes_per_token`) at `host_gbps` or `disk_gbps`
     where the copy outlasts that request's wait in the queue (`predict.ttft_tpot_ms`). A lower
-    credit makes routing prefer faster tiers' hits whatever the load."""
+    credit makes routing prefer faster tiers' hits whatever the load. The credits are the
+    gateway's; the rates and `load_every_hit` are each worker's own, as its /state publishes
+    them (`gateway.fleet.tier_rates`), the gateway's flags standing in where it does not."""
 
     host: float = 1.0
     disk: float = 1.0
     host_gbps: float = HOST_GBPS  # the measurements behind both: workers/kv/read_back.py
     disk_gbps: float = DISK_GBPS
+    load_every_hit: bool = False  # the worker copies back every slow-tier hit, never recomputes
 
 
 DEFAULT_TIER_CREDITS = TierCredits()

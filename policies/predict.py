@@ -36,17 +36,19 @@ def tier_blocks(req: RequestView, w: WorkerView) -> tuple[int, int, int]:
     """The blocks `w` will take from its prefix cache, and how many of them it copies back from
     the host and the disk tier: `hit_blocks`, the blocks cut past the limit being the chain's
     tail, where the slower tiers lie (host before disk), less the slow-tier tail the worker
-    recomputes rather than copies back (workers/kv/read_back.py, on `w`'s predicted speed)."""
+    recomputes rather than copies back (workers/kv/read_back.py, on `w`'s predicted speed and its
+    own tier rates), none where it loads every hit."""
     n = hit_blocks(req, w)
     if not (w.matched_host_blocks or w.matched_disk_blocks):
         return n, 0, 0
     cut = w.matched_blocks - n
     disk = max(0, w.matched_disk_blocks - cut)
     host = max(0, w.matched_host_blocks - max(0, cut - w.matched_disk_blocks))
-    if w.kv_bytes_per_token <= 0:
+    c = w.tier_credits
+    if w.kv_bytes_per_token <= 0 or c.load_every_hit:
         return n, host, disk
     model, pscale, _ = _model(w)
-    c, bytes_ = w.tier_credits, w.block_size * w.kv_bytes_per_token
+    bytes_ = w.block_size * w.kv_bytes_per_token
     runs = [(tier, k) for tier, k in ((HOST, host), (DISK, disk)) if k]
     if all_pay(runs, bytes_, pscale * model.prefill_token_ms * w.block_size, c.host_gbps, c.disk_gbps):
         return n, host, disk

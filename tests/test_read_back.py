@@ -5,8 +5,9 @@ tier untouched; a worker's engine and the simulator's take the same choice."""
 import pytest
 
 from bench.report import summarize
+from gateway.fleet import with_fields, worker_view
 from policies import predict
-from policies.api import TierCredits
+from policies.api import TierCredits, WorkerView
 from tests.test_simulate_tiers import run
 from tests.views import req, worker
 from workers.engine import Engine, EngineConfig
@@ -17,6 +18,7 @@ from workers.kv.disk_pool import DiskPool, DiskRead
 from workers.kv.events import DISK, HOST, EventLog
 from workers.kv.host_pool import HostPool
 from workers.kv.read_back import ReadBack, copy_ms
+from workers.kv.worker_state import WorkerState
 from workers.sampling_params import SamplingParams
 
 COST = CostModel()  # 16 tokens prefill in ~1.3 ms
@@ -115,6 +117,31 @@ def test_the_router_predicts_the_same_choice():
         assert predict.tier_blocks(r, w) == (loaded, 20, loaded - 20)
         assert predict.hit_tokens(r, w) == predict.cached_tokens(r, w) == loaded * 16
         assert predict.copy_back_ms(r, w) == pytest.approx(copy_ms(20, loaded - 20, 16 * LLAMA8B, 50.0, gbps))
+
+
+def published(**rates) -> WorkerView:
+    """A worker's view as the gateway builds it from its /state (its JSON round trip), with the
+    same 20 host and 20 disk blocks matched, the gateway's fallback disk rate 2 GB/s."""
+    state = WorkerState.from_json(WorkerState("w", kv_bytes_per_token=LLAMA8B, **rates).to_json())
+    view = worker_view(state, tiers=TierCredits(host_gbps=50.0, disk_gbps=2.0))
+    return with_fields(view, matched_blocks=40, matched_host_blocks=20, matched_disk_blocks=20)
+
+
+def test_the_router_predicts_each_worker_on_the_rates_it_publishes():
+    """The same match on a worker that publishes a 2 GB/s disk and one that publishes 0.5 GB/s:
+    the first is predicted to read its disk blocks back, the second to recompute them; a worker
+    that publishes no rates (vLLM) is predicted on the gateway's, one that loads every hit never cuts."""
+    r = req(64 * 16)
+    fast, slow = published(host_gbps=50.0, disk_gbps=2.0), published(host_gbps=50.0, disk_gbps=0.5)
+    assert (fast.tier_credits.disk_gbps, slow.tier_credits.disk_gbps) == (2.0, 0.5)
+    assert predict.tier_blocks(r, fast) == (40, 20, 20) and predict.tier_blocks(r, slow) == (20, 20, 0)
+    assert predict.cached_tokens(r, fast) == 640 and predict.cached_tokens(r, slow) == 320
+    assert predict.copy_back_ms(r, fast) == pytest.approx(copy_ms(20, 20, 16 * LLAMA8B, 50.0, 2.0))
+    assert predict.copy_back_ms(r, slow) == pytest.approx(copy_ms(20, 0, 16 * LLAMA8B, 50.0, 0.5))
+    assert predict.tier_blocks(r, published()) == (40, 20, 20), "no rates published: the gateway's 2 GB/s"
+    every = published(host_gbps=50.0, disk_gbps=0.5, load_every_hit=True)
+    assert predict.tier_blocks(r, every) == (40, 20, 20)
+    assert predict.copy_back_ms(r, every) == pytest.approx(copy_ms(20, 20, 16 * LLAMA8B, 50.0, 0.5))
 
 
 def test_on_a_slow_disk_the_choice_keeps_the_slo_that_reading_every_hit_loses():

@@ -74,13 +74,14 @@ def parser() -> argparse.ArgumentParser:
         default=HOST_GBPS,
         help="host -> device copy rate in GB/s: with a cost model (--sim-profile, or the sim "
         "executor's) a prefix hit in the host or disk tier is copied back only as far as that "
-        "is faster than recomputing it (the gateway's --host-kv-gbps)",
+        "is faster than recomputing it; published in /state, where the gateway reads it to predict "
+        "the same choice",
     )
     p.add_argument(
         "--disk-kv-gbps",
         type=float,
         default=DISK_GBPS,
-        help="file -> device read rate in GB/s, for the same choice (the gateway's --disk-kv-gbps)",
+        help="file -> device read rate in GB/s, for the same choice (published in /state, as --host-kv-gbps)",
     )
     p.add_argument(
         "--kv-load-every-hit",

@@ -633,6 +633,9 @@ class Engine:
             host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
             disk_blocks=self.pool.disk.num_blocks if self.pool.disk else 0,
             disk_free_blocks=self.pool.disk.num_free if self.pool.disk else 0,
+            host_gbps=c.host_gbps,
+            disk_gbps=c.disk_gbps,
+            load_every_hit=c.load_every_hit or c.cost_model is None,  # as `_read_back` decides
             running=len(s.running),
             queued_prefill_tokens=s.queued_prefill_tokens,
             kv_tokens=sum(r.num_computed for r in s.running),

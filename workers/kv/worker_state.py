@@ -21,6 +21,9 @@ class WorkerState:
     host_free_blocks: int = 0
     disk_blocks: int = 0  # the disk tier's size (0: none)
     disk_free_blocks: int = 0
+    host_gbps: float | None = None  # its host -> device copy rate (--host-kv-gbps); None: not published
+    disk_gbps: float | None = None  # its file -> device read rate (--disk-kv-gbps)
+    load_every_hit: bool = False  # it copies back every slow-tier hit (--kv-load-every-hit)
     waiting: int = 0
     running: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens not computed yet (a waiting hit counts its miss)
