@@ -19,6 +19,7 @@ from workers.kv.events import DISK, HOST, EventLog
 from workers.kv.host_pool import HostPool
 from workers.kv.read_back import ReadBack, copy_ms
 from workers.kv.worker_state import WorkerState
+from workers.request import Request
 from workers.sampling_params import SamplingParams
 
 COST = CostModel()  # 16 tokens prefill in ~1.3 ms
@@ -79,26 +80,49 @@ def test_a_worker_engine_chooses_with_its_cost_model_and_rates():
     assert engine(disk_gbps=4.0).kv.read_back.disk_gbps == 4.0
 
 
-def cached_on_return(**config) -> int:
-    """Prompt A runs, B evicts its blocks to the host tier, A comes again: the tokens A's second
-    run reports cached, on an engine stepped by hand (sim executor, the worker's cost model)."""
-    engine = Engine(
-        SimExecutor(COST, 1000, (), 4096, wait=lambda s: None, kv_bytes_per_token=LLAMA8B),
-        None,
-        EngineConfig("m", num_blocks=8, max_batched_tokens=256, host_blocks=16, cost_model=COST, **config),
-    )
+A, B = list(range(100, 149)), list(range(300, 413))  # 3 full blocks + 1 token; 7 + 1
+
+
+def run_on(engine: Engine, *prompts: tuple[str, list[int]]) -> dict[str, int]:
+    """Run `prompts` one after another on an engine stepped by hand: the tokens each reports cached."""
     cached: dict[str, int] = {}
 
     def sink(out) -> None:
         cached[out.request_id] = out.num_cached
 
-    a, b = list(range(100, 149)), list(range(300, 413))  # 3 full blocks + 1 token; 7 + 1
-    for rid, prompt in (("a", a), ("b", b), ("a-again", a)):
+    for rid, prompt in prompts:
         engine.submit(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True), sink, detokenize=False)
         while engine.has_work():
             engine.step()
+    return cached
+
+
+def spilled(**config) -> Engine:
+    """An engine (sim executor, the worker's cost model) on which prompt A ran and B then evicted
+    A's blocks to the host tier."""
+    engine = Engine(
+        SimExecutor(COST, 1000, (), 4096, wait=lambda s: None, kv_bytes_per_token=LLAMA8B),
+        None,
+        EngineConfig("m", num_blocks=8, max_batched_tokens=256, host_blocks=16, cost_model=COST, **config),
+    )
+    run_on(engine, ("a", A), ("b", B))
     assert len(engine.pool.host) > 0
-    return cached["a-again"]
+    return engine
+
+
+def cached_on_return(**config) -> int:
+    """The tokens A reports cached when it comes again after B spilled it to the host tier."""
+    return run_on(spilled(**config), ("a-again", A))["a-again"]
+
+
+def test_a_queued_hit_counts_the_slow_tier_blocks_its_worker_will_recompute_as_work():
+    """A waiting for its turn after its blocks went to the host tier: its queued prefill is its
+    last token's block alone where its worker copies the rest back (50 GB/s), the whole prompt
+    where the worker will recompute it (10 MB/s), as the state's queued_prefill_tokens reads."""
+    for gbps, every, queued in ((50.0, False, 1), (0.01, False, 49), (0.01, True, 1)):
+        s = spilled(host_gbps=gbps, load_every_hit=every).scheduler
+        s.add(Request("a-again", A, SamplingParams(max_tokens=1)))
+        assert s.queued_prefill_tokens == queued, (gbps, every)
 
 
 def test_an_engine_recomputes_what_its_host_link_is_too_slow_to_copy_back():

@@ -62,10 +62,16 @@ class KVCacheManager:
         return req.num_computed
 
     def uncached_estimate(self, req: Request) -> int:
-        """Tokens `req` would compute if admitted now: what its cached prefix does not cover."""
+        """Tokens `req` would compute if admitted now: what its cached prefix does not cover,
+        less the slow-tier part of it that `read_back` would recompute (as `match_prefix` takes
+        it), so a worker's queued prefill reads as the work it will do."""
         if not self.enable_prefix_caching or req.blocks:
             return req.num_tokens - req.num_computed
-        return req.num_tokens - self.pool.resident_prefix(self._prefix_hashes(req)) * self.block_size
+        device, runs = self.pool.resident_prefix(self._prefix_hashes(req))
+        slow = sum(n for _, n in runs)
+        if runs and self.read_back is not None:
+            slow = self.read_back.blocks(runs, device, req.num_tokens)
+        return req.num_tokens - (device + slow) * self.block_size
 
     def prefix_resident(self, req: Request) -> bool:
         """Whether every block a prefix hit could cover for `req` is in the cache now."""

@@ -123,14 +123,22 @@ class BlockPool:
             self.num_shared += 1
         block.ref_count += 1
 
-    def resident_prefix(self, hashes: list[int]) -> int:
-        """How many leading `hashes` are cached, by hash alone and taking nothing: an estimate
-        of a prefix hit (`touch_prefix` also checks the tokens)."""
+    def resident_prefix(self, hashes: list[int]) -> tuple[int, list[tuple[str, int]]]:
+        """How many leading `hashes` are cached on the device, and the slow-tier blocks that
+        follow them as (tier, count) runs, by hash alone and taking nothing: an estimate of a
+        prefix hit as `touch_prefix` and `load_prefix` take it (they also check the tokens)."""
         by_hash, host, disk = self._by_hash, self.host, self.disk
-        for i, h in enumerate(hashes):
-            if h not in by_hash and (host is None or h not in host) and (disk is None or h not in disk):
-                return i
-        return len(hashes)
+        n = next((i for i, h in enumerate(hashes) if h not in by_hash), len(hashes))
+        runs: list[tuple[str, int]] = []
+        for h in hashes[n:]:
+            tier = HOST if host is not None and h in host else DISK if disk is not None and h in disk else None
+            if tier is None:
+                break
+            if runs and runs[-1][0] == tier:
+                runs[-1] = (tier, runs[-1][1] + 1)
+            else:
+                runs.append((tier, 1))
+        return n, runs
 
     def touch_prefix(self, hashes: list[int], token_ids: list[int]) -> list[Block]:
         """`lookup` and `touch` along a chain until the first miss: the cached blocks of the
