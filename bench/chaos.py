@@ -19,7 +19,8 @@ Scenarios:
   SIGSTOPped or SIGKILLed.
 
 Writes the JSON report and, next to it, a PNG timeline per scenario (outcomes per second,
-kills marked, gateway RSS).
+kills marked, gateway RSS). The fleet and its probes: bench/chaos_fleet.py; the summary,
+headline and plot: bench/chaos_report.py.
 """
 
 import argparse
@@ -31,18 +32,16 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from bench import chaos_client as cc
+from bench.chaos_fleet import Fleet, Sampler, healthy, leaks, rss_mb, start_fleet
+from bench.chaos_report import headline, plot, rss_growth, summary
 from gateway.procs import (
     TEST_TOKEN,
     Proc,
-    Worker,
     free_port,
     start_gateway,
     start_redis,
@@ -53,148 +52,6 @@ from gateway.procs import (
 from workers.internal_auth import internal_headers
 
 UNBOUNDED = ["--max-queue-per-worker", "1000000", "--max-pending", "1000000"]
-
-
-@dataclass
-class Fleet:
-    """Workers on fixed ports (a restart takes the same one) and their gateway."""
-
-    workers: list[Worker]
-    ports: list[int]
-    extra: list[str]
-    logs: str
-    redis: str | None = None
-    gateway: Proc | None = None
-    events: list[tuple[float, str, str]] = field(default_factory=list)
-
-    def restart(self, i: int) -> None:
-        self.workers[i] = Worker(
-            worker_id=f"w{i}", port=self.ports[i], redis=self.redis, extra=self.extra, log_dir=self.logs
-        ).ready(120)
-
-    def procs(self) -> list[Proc]:
-        return [p for p in [self.gateway, *self.workers] if p is not None]
-
-
-def start_fleet(
-    args: argparse.Namespace, logs: str, extra: list[str], redis: str | None = None, gateway_extra: list[str] = ()
-) -> Fleet:
-    ports = [free_port() for _ in range(args.workers)]
-    workers = [Worker(worker_id=f"w{i}", port=p, redis=redis, extra=extra, log_dir=logs) for i, p in enumerate(ports)]
-    fleet = Fleet(workers, ports, extra, logs, redis)
-    try:
-        for w in workers:
-            w.ready(120)
-        fleet.gateway = start_gateway(
-            [] if redis else [w.url for w in workers],
-            args.policy,
-            redis=redis,
-            log_dir=logs,
-            extra=[*args.gateway_arg, *gateway_extra],
-        )
-        fleet.gateway.wait_ready("/v1/models", timeout=120)
-        wait_for(lambda: healthy(fleet.gateway) == len(workers), timeout=30, what="every worker healthy")
-    except BaseException:
-        stop_all(fleet.procs())
-        raise
-    return fleet
-
-
-def healthy(gateway: Proc) -> int:
-    try:
-        return httpx.get(gateway.url + "/health", timeout=5).json()["healthy"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return -1
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024.0
-    return 0.0
-
-
-class Sampler(threading.Thread):
-    """Calls `probe()` every `interval` seconds into (t, value) samples until stopped."""
-
-    def __init__(self, probe, t0: float, interval: float = 0.5):
-        super().__init__(daemon=True)
-        self.probe, self.t0, self.interval = probe, t0, interval
-        self.samples: list[tuple[float, float]] = []
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(self.interval):
-            try:
-                self.samples.append((time.monotonic() - self.t0, self.probe()))
-            except (OSError, httpx.HTTPError, ValueError, KeyError):
-                pass
-
-    def stop(self) -> list[tuple[float, float]]:
-        self.done.set()
-        self.join()
-        return self.samples
-
-
-def leaks(fleet: Fleet) -> dict:
-    """Blocks held and requests left on each worker, and requests the gateway still holds,
-    once the fleet has settled."""
-
-    def settled():
-        states = [
-            httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers
-        ]
-        idle = all(s["running"] == s["waiting"] == 0 and s["free_blocks"] == s["total_blocks"] for s in states)
-        return states if idle else None
-
-    try:
-        states = wait_for(settled, timeout=20, interval=0.2, what="the workers to settle")
-    except TimeoutError:
-        states = [
-            httpx.get(w.url + "/state", timeout=5, headers=internal_headers(TEST_TOKEN)).json() for w in fleet.workers
-        ]
-    pending = httpx.get(fleet.gateway.url + "/health", timeout=5).json()["pending"]
-    return {
-        "leaked_blocks": sum(s["total_blocks"] - s["free_blocks"] for s in states),
-        "requests_left_on_workers": sum(s["running"] + s["waiting"] for s in states),
-        "requests_left_at_gateway": pending,
-    }
-
-
-def summary(outcomes: list[cc.Outcome], span_s: float) -> dict:
-    ok = [o for o in outcomes if o.result == cc.OK]
-    lat = np.array([o.latency_ms for o in ok]) if ok else np.zeros(0)
-    ttft = np.array([o.ttft_ms for o in ok if o.ttft_ms is not None])
-
-    def pct(a: np.ndarray, p: float) -> float | None:
-        return float(np.percentile(a, p)) if a.size else None
-
-    dirt = sorted({o.detail for o in outcomes if o.result in (cc.DIRTY, cc.LOST)})[:10]
-    errors = Counter(
-        o.detail.split(" retry-after")[0].split(" after ")[0] for o in outcomes if o.result in (cc.REFUSED, cc.CLEAN)
-    )
-    return {
-        "requests": len(outcomes),
-        **cc.counts(outcomes),
-        "span_s": span_s,
-        "uncommitted_errors": sum(cc.uncommitted(o) for o in outcomes),
-        "ok_per_s": len(ok) / span_s if span_s else 0.0,
-        "admitted_latency_p50_ms": pct(lat, 50),
-        "admitted_latency_p99_ms": pct(lat, 99),
-        "admitted_ttft_p50_ms": pct(ttft, 50),
-        "admitted_ttft_p99_ms": pct(ttft, 99),
-        "dirty_examples": dirt,
-        "error_codes": dict(errors),
-        "per_second": cc.per_second(outcomes, span_s),
-    }
-
-
-def rss_growth(samples: list[tuple[float, float]], span_s: float) -> dict:
-    """The gateway's RSS once warm (after a fifth of the run) against its last sample."""
-    warm = [mb for t, mb in samples if t >= span_s / 5]
-    if len(warm) < 2:
-        return {"rss_warm_mb": None, "rss_end_mb": None, "rss_growth_mb": None}
-    return {"rss_warm_mb": warm[0], "rss_end_mb": warm[-1], "rss_growth_mb": warm[-1] - warm[0]}
 
 
 def worker_extra(args: argparse.Namespace, profile: dict | None = None) -> list[str]:
@@ -404,64 +261,6 @@ def _quietly(url: str, marker: int) -> None:
 SCENARIOS = {"soak": run_soak, "redis": run_redis, "overload": run_overload, "liveness": run_liveness}
 
 
-def plot(report: dict, path: str) -> None:
-    """One timeline panel per run: outcomes per second, kills and restarts marked; gateway RSS
-    (soak, redis) or the deepest worker queue (overload) on the right axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(name, run) for name, run in report["scenarios"].items() if "per_second" in run]
-    for variant in ("admission", "unbounded"):
-        if variant in report["scenarios"].get("overload", {}):
-            panels.append(
-                (
-                    f"overload x{report['scenarios']['overload']['factor']:g}, {variant}",
-                    report["scenarios"]["overload"][variant],
-                )
-            )
-    liveness = report["scenarios"].get("liveness")
-    rows = len(panels) + (liveness is not None)
-    fig, axes = plt.subplots(rows, 1, figsize=(11, 3.2 * rows), squeeze=False)
-    if liveness is not None:
-        ax = axes[-1, 0]
-        for i, r in enumerate(liveness.values()):
-            if isinstance(r, dict):
-                ax.scatter([i] * len(r["seconds"]), r["seconds"], color="tab:blue")
-        names = [k for k, v in liveness.items() if isinstance(v, dict)]
-        ax.set_xticks(range(len(names)), names)
-        ax.axhline(2.0, color="k", linestyle="--", linewidth=1)
-        ax.set_ylabel("seconds to out of service")
-        ax.set_title("liveness: fault to the gateway taking the worker out (dashed: 2 s)")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-    colors = {cc.OK: "tab:green", cc.REFUSED: "tab:orange", cc.CLEAN: "tab:blue", cc.DIRTY: "tab:red", cc.LOST: "black"}
-    for ax, (name, run) in zip(axes[:, 0], panels):
-        for k, series in run["per_second"].items():
-            if any(series):
-                ax.plot(range(len(series)), series, label=f"{k} ({sum(series)})", color=colors[k])
-        for t, kind, _ in run.get("events", ()):
-            ax.axvline(
-                t, color="red" if kind == "kill" else "green", linestyle="-" if kind == "kill" else ":", linewidth=1
-            )
-        ax.set_ylabel("requests / s")
-        ax.set_title(name)
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
-        right = run.get("rss_mb") or run.get("worker_waiting")
-        if right:
-            twin = ax.twinx()
-            twin.plot([t for t, _ in right], [v for _, v in right], color="gray", linewidth=1)
-            twin.set_ylabel("gateway RSS (MB)" if run.get("rss_mb") else "max worker queue")
-            twin.set_ylim(0, 1.15 * max(v for _, v in right) + 1)
-    if panels:
-        axes[len(panels) - 1, 0].set_xlabel("seconds (red: SIGKILL, green dotted: restarted)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -523,24 +322,6 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).write_text(json.dumps(report, indent=1))
     plot(report, str(Path(args.out).with_suffix(".png")))
     return report
-
-
-def headline(run: dict) -> str:
-    keys = (
-        "requests",
-        *cc.OUTCOMES,
-        "leaked_blocks",
-        "rss_growth_mb",
-        "admitted_latency_p50_ms",
-        "admitted_latency_p99_ms",
-        "capacity_rps",
-        "max_s",
-    )
-    parts = [f"{k}={run[k]:.4g}" if isinstance(run.get(k), float) else f"{k}={run[k]}" for k in keys if k in run]
-    for name, sub in run.items():
-        if isinstance(sub, dict) and name != "per_second" and name != "error_codes":
-            parts.append(f"[{name}: {headline(sub)}]")
-    return ", ".join(parts)
 
 
 if __name__ == "__main__":
