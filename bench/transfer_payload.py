@@ -105,7 +105,8 @@ class Sender:
         return r.status_code == 200 and r.json()["imported"] > 0
 
     async def _nixl(self, header: bytes, ids: list[int]) -> bool:
-        from workers.transfer_nixl import NixlAgent, NixlTransfer
+        from workers.nixl_agent import NixlAgent
+        from workers.transfer_nixl import NixlTransfer
 
         if self.nixl is None:
             self.nixl = NixlTransfer(self, NixlAgent("bench-sender", self.cache))

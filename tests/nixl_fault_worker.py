@@ -14,7 +14,8 @@ import signal
 import sys
 
 from workers import cli
-from workers.transfer_nixl import NixlAgent, NixlTransfer
+from workers.nixl_agent import NixlAgent
+from workers.transfer_nixl import NixlTransfer
 
 DIE_ENV = "KVGATE_TEST_NIXL_DIE"
 

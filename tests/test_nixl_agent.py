@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from workers.transfer_nixl import CacheLayout, Grant, NixlAgent, NixlError, block_runs, nixl_module
+from workers.nixl_agent import NixlAgent, NixlError, block_runs, nixl_module
+from workers.nixl_layout import CacheLayout
+from workers.transfer_nixl import Grant
 
 needs_nixl = pytest.mark.skipif(nixl_module() is None, reason="NIXL is not installed: pip install 'kvgate[nixl]'")
 SHAPE = (3, 2, 20, 4, 2, 8)  # layers, K/V, blocks, block_size, kv_heads, head_dim

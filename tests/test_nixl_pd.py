@@ -24,7 +24,7 @@ from workers.kv import redis_schema as rs
 from tests.test_gateway_pd import ask, prompt
 from tests.test_metrics import samples
 from workers.transfer import KVSpec, encode_header
-from workers.transfer_nixl import nixl_module
+from workers.nixl_agent import nixl_module
 
 pytestmark = [
     pytest.mark.slow,

@@ -22,7 +22,9 @@ from workers.transfer import encode_header
 from workers.metrics import WorkerMetrics
 from workers.transfer_http import TransferService
 from workers.transfer_metrics import TransferCollector
-from workers.transfer_nixl import CacheLayout, NixlError, NixlTransfer
+from workers.nixl_agent import NixlError
+from workers.nixl_layout import CacheLayout
+from workers.transfer_nixl import NixlTransfer
 
 TOKEN = "quarantine-token"
 TTL_S = 1.0  # a reservation's lifetime here: the checks inside it have half of it to spare

@@ -54,7 +54,8 @@ class TransferService:
     def _start_nixl(self, worker_id: str, quarantine_s: float | None):
         """The NIXL side of this worker (workers/transfer_nixl.py), or None, with HTTP in its
         place, where NIXL cannot run (not installed, no KV tensor: the sim executor)."""
-        from workers.transfer_nixl import NixlError, NixlTransfer
+        from workers.nixl_agent import NixlError
+        from workers.transfer_nixl import NixlTransfer
 
         try:
             return NixlTransfer.start(self, worker_id, quarantine_s)
