@@ -3,6 +3,7 @@ through to files by hash, LRU within the tier, and a prefix hit reads them back 
 blocks. Residency, copies and file jobs are checked against a shadow of the bytes under random
 operations; the I/O thread keeps order, re-checks tokens and cleans up its files."""
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import example, given, settings
@@ -14,6 +15,7 @@ from workers.kv.disk_pool import DiskDelete, DiskPool, DiskRead, DiskWrite
 from workers.kv.events import DISK, HOST, REMOVED, STORED, EventLog
 from workers.kv.host_pool import SWAP_OUT, HostPool
 from tests.tier_events import replay
+from tests.tier_shadow import TierShadow
 
 B = 2
 
@@ -28,6 +30,55 @@ def cache(pool: BlockPool, h: int) -> None:
     [b] = pool.allocate(1)
     pool.register([b], [h], [(h, h)], None)
     pool.free([b])
+
+
+@dataclass
+class DiskShadow(TierShadow):
+    """The shadow with files: disk jobs run in order when `run_io` runs them, and a copy back
+    from host waits for its load's reads."""
+
+    files: dict[str, tuple] = field(default_factory=dict)
+    jobs: list = field(default_factory=list)  # disk jobs handed over, not run yet
+    swap_in: dict[int, int] = field(default_factory=dict)  # device block -> host slot, copies back not run yet
+
+    def flush(self) -> None:
+        for batch in self.pool.take_copies():
+            for bid, slot in zip(batch.block_ids, batch.slots):
+                if batch.direction == SWAP_OUT:
+                    self.host[slot] = self.device.get(bid)
+                else:
+                    self.swap_in[bid] = slot
+        self.jobs.extend(self.pool.take_disk_jobs())
+
+    def run_io(self, n: int) -> None:
+        for job in self.jobs[:n]:
+            name = job.entry.name
+            if isinstance(job, DiskWrite):
+                self.files[name] = (job.entry.hash, job.entry.token_ids, self.host.get(job.slot))
+            elif isinstance(job, DiskRead):
+                got = self.files.get(name)
+                if got is None or got[:2] != (job.entry.hash, job.entry.token_ids):
+                    self.pool.disk_done(job)
+                    continue
+                self.device[job.block_id] = got[2]
+            else:
+                self.files.pop(name, None)
+            job.ok = True
+            self.pool.disk_done(job)
+        del self.jobs[:n]
+        self.flush()
+
+    def copy_back(self, load) -> None:
+        self.run_io(len(self.jobs))
+        assert load.reads_left == 0
+        for b in load.blocks:
+            if b.block_id in self.swap_in:
+                self.device[b.block_id] = self.host.get(self.swap_in.pop(b.block_id))
+        load.done = True
+
+    def drain(self) -> None:
+        super().drain()
+        self.run_io(len(self.jobs))
 
 
 def test_the_disk_tier_is_lru_and_announces_its_changes():
@@ -175,112 +226,45 @@ def test_three_tiers_keep_totals_and_never_serve_a_stale_block(ops, num_slots, n
     cached again after a clear with other bytes (new weights): a landed block must hold its
     hash's bytes of now, whichever tier it came back from; every tier's count adds up."""
     pool = tiers(6, num_slots, num_files)
-    device: dict[int, tuple] = {}
-    host: dict[int, tuple] = {}
-    files: dict[str, tuple] = {}
-    jobs: list = []  # disk jobs handed over, not run yet
-    swap_in: dict[int, int] = {}  # device block -> host slot, copies back not run yet
-    held: list = []
-    loading: list = []
-    released: list = []
-    epoch = [0]  # bumped by a clear: the bytes a hash's block holds from then on differ
-
-    def flush() -> None:
-        for batch in pool.take_copies():
-            for bid, slot in zip(batch.block_ids, batch.slots):
-                if batch.direction == SWAP_OUT:
-                    host[slot] = device.get(bid)
-                else:
-                    swap_in[bid] = slot
-        jobs.extend(pool.take_disk_jobs())
-
-    def run_io(n: int) -> None:
-        for job in jobs[:n]:
-            name = job.entry.name
-            if isinstance(job, DiskWrite):
-                files[name] = (job.entry.hash, job.entry.token_ids, host.get(job.slot))
-            elif isinstance(job, DiskRead):
-                got = files.get(name)
-                if got is None or got[:2] != (job.entry.hash, job.entry.token_ids):
-                    pool.disk_done(job)
-                    continue
-                device[job.block_id] = got[2]
-            else:
-                files.pop(name, None)
-            job.ok = True
-            pool.disk_done(job)
-        del jobs[:n]
-        flush()
-
-    def copy_back(load) -> None:
-        run_io(len(jobs))
-        assert load.reads_left == 0
-        for b in load.blocks:
-            if b.block_id in swap_in:
-                device[b.block_id] = host.get(swap_in.pop(b.block_id))
-        load.done = True
+    s = DiskShadow(pool, num_slots)
+    epoch = 0  # bumped by a clear: the bytes a hash's block holds from then on differ
 
     for op, n in ops:
         h = n % 4 + 1  # few hashes: each is cached, evicted and cached again many times
-        if op == "alloc" and pool.can_allocate(n):
-            new = pool.allocate(n)
-            flush()
-            for b in new:
-                device[b.block_id] = ("garbage", b.block_id)
-            held += new
-        elif op == "free" and held:
-            k = min(len(held), n + 1)
-            pool.free(held[:k])
-            held = held[k:]
+        if op == "alloc":
+            s.alloc(n)
+        elif op == "free":
+            s.free(n)
         elif op == "cache" and pool.can_allocate(1) and pool.lookup(h, (h, h)) is None:
             [b] = pool.allocate(1)
-            flush()
-            device[b.block_id] = (h, epoch[0])
+            s.flush()
+            s.device[b.block_id] = (h, epoch)
             pool.register([b], [h], [(h, h)], None)
             pool.free([b])
         elif op == "load" and pool.lookup(h, (h, h)) is None:
             load = pool.load_prefix([h], [h, h], 0, None)
-            flush()
+            s.flush()
             if load is not None:
-                loading.append(load)
-        elif op == "land" and (loading or released):
-            load = (loading + released)[n % len(loading + released)]
-            copy_back(load)
-            if load in released:
-                released.remove(load)
-                pool.land_released()
-            else:
-                loading.remove(load)
-                pool.land(load)
-                held += load.blocks
+                s.loading.append(load)
+        elif op == "land" and (s.loading or s.released):
+            load = s.land(n)
             for b, lh in zip(load.blocks, load.hashes):
-                assert device[b.block_id] == (lh, epoch[0]), "a block came back with other bytes"
-        elif op == "abort" and loading:
-            load = loading.pop(n % len(loading))
-            pool.release(load)
-            released.append(load)
+                assert s.device[b.block_id] == (lh, epoch), "a block came back with other bytes"
+        elif op == "abort":
+            s.abort(n)
         elif op == "clear":
             pool.clear_cache()
-            flush()
-            if not any(b.hash for b in held):  # blocks in use keep their hash through a clear
-                epoch[0] += 1
+            s.flush()
+            if not any(b.hash for b in s.held):  # blocks in use keep their hash through a clear
+                epoch += 1
         elif op == "io":
-            run_io(n + 1)
-        in_use = {b.block_id for b in held} | {b.block_id for ld in loading + released for b in ld.blocks}
-        assert pool.num_free + len(in_use) == pool.num_blocks
-        assert pool.host.num_free + len(pool.host) + pool.host.num_draining == num_slots
+            s.run_io(n + 1)
+        s.check_totals()
         assert len(pool.disk) <= num_files
-    for load in loading + released:
-        copy_back(load)
-        if load in loading:
-            pool.land(load)
-            held += load.blocks
-    pool.land_released()
-    pool.free(held)
-    run_io(len(jobs))
+    s.drain()
     assert pool.num_free == pool.num_blocks and not pool.releasing, "device blocks return to the total"
     assert pool.host.num_free + len(pool.host) == num_slots and not pool.host.num_draining, "no slot stays pinned"
-    assert set(files) == {e.name for e in pool.disk._entries.values()}, "a file for every disk entry, no other"
+    assert set(s.files) == {e.name for e in pool.disk._entries.values()}, "a file for every disk entry, no other"
     events = pool.events.after(0).events
     assert replay(events, "device") == set(pool.resident_hashes())
     assert replay(events, HOST) == set(pool.host_hashes())

@@ -19,6 +19,7 @@ from workers.kv.host_pool import SWAP_IN, SWAP_OUT, HostPool
 from workers.model_store import load_tokenizer, resolve
 from workers.sampling_params import SamplingParams
 from tests.sim_engine import SlowCopies, sim_engine
+from tests.tier_shadow import TierShadow
 from tests.tier_events import replay
 
 B = 2
@@ -102,84 +103,45 @@ def test_tiers_keep_totals_and_never_serve_a_block_whose_slot_was_reused(ops, nu
     would show. A landed block must hold its hash's tokens, a block being copied back is never
     a hit, and both tiers' counts add up with loads in flight and loads whose request ended."""
     pool = host_pool(6, num_slots)
-    device: dict[int, tuple] = {}
-    host: dict[int, tuple] = {}
-    held: list = []
-    loading: list = []  # loads in flight, their request waiting
-    released: list = []  # loads in flight, their request gone
+    s = TierShadow(pool, num_slots)
     made: dict[int, tuple] = {}  # every hash registered so far -> its tokens
 
-    def flush() -> None:
-        for batch in pool.take_copies():
-            if batch.direction == SWAP_OUT:
-                for bid, slot in zip(batch.block_ids, batch.slots):
-                    host[slot] = device.get(bid)
-
-    def copy_back(load) -> None:
-        for b, slot in zip(load.blocks, load.slots):
-            device[b.block_id] = host.get(slot)
-        load.done = True
-
     for op, n in ops:
-        if op == "alloc" and pool.can_allocate(n):
-            new = pool.allocate(n)
-            flush()
-            for b in new:
-                device[b.block_id] = ("garbage", b.block_id)  # a step writes other K/V there
-            held += new
-        elif op == "free" and held:
-            k = min(len(held), n + 1)
-            pool.free(held[:k])
-            held = held[k:]
-        elif op == "reg" and held and held[n % len(held)].hash is None:  # a block is filled once
-            b = held[n % len(held)]
+        if op == "alloc":
+            s.alloc(n)
+        elif op == "free":
+            s.free(n)
+        elif op == "reg" and s.held and s.held[n % len(s.held)].hash is None:  # a block is filled once
+            b = s.held[n % len(s.held)]
             h = len(made) + 1
             made[h] = (h, n)
-            device[b.block_id] = made[h]
+            s.device[b.block_id] = made[h]
             pool.register([b], [h], [made[h]], None)
         elif op == "cache" and pool.can_allocate(1):  # a block filled and let go: cached, evictable
             [b] = pool.allocate(1)
-            flush()
+            s.flush()
             h = len(made) + 1
-            made[h] = device[b.block_id] = (h, n)
+            made[h] = s.device[b.block_id] = (h, n)
             pool.register([b], [h], [made[h]], None)
             pool.free([b])
         elif op == "load" and made:
             h = list(made)[n % len(made)]
             load = pool.load_prefix([h], list(made[h]), 0, None)
-            flush()
+            s.flush()
             if load is not None:
                 assert pool.lookup(h, made[h]) not in load.blocks, "no hit on a block being copied back"
-                loading.append(load)
-        elif op == "land" and (loading or released):
-            load = (loading + released)[n % len(loading + released)]
-            copy_back(load)
-            if load in released:
-                released.remove(load)
-                pool.land_released()
-            else:
-                loading.remove(load)
-                pool.land(load)
-                held += load.blocks
+                s.loading.append(load)
+        elif op == "land" and (s.loading or s.released):
+            load = s.land(n)
             for b, h in zip(load.blocks, load.hashes):
-                assert device[b.block_id] == made[h], "a block came back with other bytes"
-        elif op == "abort" and loading:
-            load = loading.pop(n % len(loading))
-            pool.release(load)
-            released.append(load)
+                assert s.device[b.block_id] == made[h], "a block came back with other bytes"
+        elif op == "abort":
+            s.abort(n)
         elif op == "clear":
             pool.clear_cache()
-            flush()
-        in_use = {b.block_id for b in held} | {b.block_id for ld in loading + released for b in ld.blocks}
-        assert pool.num_free + len(in_use) == pool.num_blocks
-        assert pool.host.num_free + len(pool.host) + pool.host.num_draining == num_slots
-    for load in loading + released:
-        copy_back(load)
-        if load in loading:
-            pool.land(load)
-            held += load.blocks
-    pool.land_released()
-    pool.free(held)
+            s.flush()
+        s.check_totals()
+    s.drain()
     assert pool.num_free == pool.num_blocks and not pool.releasing, "device blocks return to the total"
     assert pool.host.num_free + len(pool.host) == num_slots and not pool.host.num_draining
     assert len({e.slot for e in pool.host._entries.values()}) == len(pool.host), "one entry per slot"
