@@ -8,6 +8,7 @@ import pytest
 
 from bench import report as rep
 from bench.plots import plot_report
+from tests.sim_report import ENTRY_METRICS, two_policy_sim
 
 
 def rec(ttft, e2e, out=11, prompt=100, cached=50, error=None, arrival=0.0, worker="w0"):
@@ -67,26 +68,22 @@ def test_goodput_interpolates_between_passing_and_failing_rates():
     assert rep.goodput([(1, 0.9), (2, 0.2)]) == (1, "interpolated")
 
 
-def test_build_write_and_plot(tmp_path):
-    runs = {
+def sweep() -> dict:
+    """Policies a and b at 1, 2 and 4 req/s, each run's TTFT growing with its rate."""
+    return {
         name: [
             {"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
             for r in (1, 2, 4)
         ]
         for name in ("a", "b")
     }
+
+
+def test_build_write_and_plot(tmp_path):
+    runs = sweep()
     report = rep.build(runs, {"title": "t", "slo_ttft_ms": 300, "slo_tpot_ms": 50})
     for e in report["policies"].values():
-        for key in (
-            "goodput_rps",
-            "slo_attainment",
-            "ttft_p50_ms",
-            "ttft_p90_ms",
-            "tpot_p50_ms",
-            "tpot_p90_ms",
-            "cached_token_ratio",
-            "throughput_tok_s",
-        ):
+        for key in ENTRY_METRICS:
             assert key in e
     assert report["reference_rate_rps"] == 1
     assert report["policies"]["a"]["goodput_rps"] == pytest.approx(1 + 0.1 / 0.25)
@@ -180,13 +177,7 @@ def test_bench_serve_against_a_url_where_every_request_fails_still_reports(tmp_p
 
 
 def test_a_sweep_reports_goodput_and_names_the_policy_column(capsys):
-    runs = {
-        name: [
-            {"rate_rps": r, **rep.summarize([rec(50 * r * k, 50 * r * k + 100) for k in range(1, 5)], 300, 50)}
-            for r in (1, 2, 4)
-        ]
-        for name in ("a", "b")
-    }
+    runs = sweep()
     rep.print_table(rep.build(runs, {"kind": "simulate"}), sys.stderr)
     err = capsys.readouterr().err
     assert err.startswith("goodput from the sweep; the other columns at 1 req/s")
@@ -194,36 +185,8 @@ def test_a_sweep_reports_goodput_and_names_the_policy_column(capsys):
 
 
 def test_simulate_where_a_policy_rejects_everything_still_reports(tmp_path, capsys):
-    from bench import simulate
-
-    out = tmp_path / "sim.json"
-    simulate.main(
-        [
-            "--workers",
-            "2",
-            "--policies",
-            "slo_goodput,round_robin",
-            "--workload",
-            "random",
-            "--input-len",
-            "64",
-            "--output-len",
-            "8",
-            "--rate",
-            "5",
-            "--duration",
-            "2",
-            "--jobs",
-            "1",
-            "--slo-ttft-ms",
-            "0.001",
-            "--slo-tpot-ms",
-            "0.001",
-            "--out",
-            str(out),
-        ]
-    )
-    entry = json.loads(out.read_text())["policies"]["slo_goodput"]
+    report = two_policy_sim(tmp_path / "sim.json", 2, "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001")
+    entry = report["policies"]["slo_goodput"]
     assert entry["errors"] == entry["runs"][0]["requests"] > 0 and entry["error_kinds"] == {"rejected": entry["errors"]}
     err = capsys.readouterr().err
     assert "attainment at 5 req/s" in err and "slo_goodput: " in err and "requests failed at 5 req/s" in err

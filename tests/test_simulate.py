@@ -13,6 +13,7 @@ from bench.workloads import WorkloadConfig, generate
 from policies.registry import BUILTIN_POLICIES, load_policy
 from workers.kv.cost_model import CostModel
 from workers.kv.hashing import block_hashes
+from tests.sim_report import ENTRY_METRICS, two_policy_sim
 
 
 def run(policy="prefix_affinity", workers=4, wl=None, **sim):
@@ -186,16 +187,7 @@ def test_cli_sweep_writes_report_and_plots(tmp_path):
     assert report["reference_rate_rps"] == 5
     for name in ("round_robin", "kv_cost"):
         e = report["policies"][name]
-        for key in (
-            "goodput_rps",
-            "slo_attainment",
-            "ttft_p50_ms",
-            "ttft_p90_ms",
-            "tpot_p50_ms",
-            "tpot_p90_ms",
-            "cached_token_ratio",
-            "throughput_tok_s",
-        ):
+        for key in ENTRY_METRICS:
             assert isinstance(e[key], float), key
         assert [r["rate_rps"] for r in e["runs"]] == [5, 80]
     assert all((tmp_path / p.split("/")[-1]).exists() for p in report["plots"])
@@ -242,33 +234,8 @@ def test_policy_args_reach_the_policies_that_take_them(tmp_path, monkeypatch):
     real = simulate.load_policy
     monkeypatch.setattr(simulate, "load_policy", lambda spec, **kw: built.append((spec, kw)) or real(spec, **kw))
     out = tmp_path / "args.json"
-    simulate.main(
-        [
-            "--workers",
-            "2",
-            "--policies",
-            "slo_goodput,round_robin",
-            "--workload",
-            "random",
-            "--input-len",
-            "64",
-            "--output-len",
-            "8",
-            "--rate",
-            "5",
-            "--duration",
-            "3",
-            "--jobs",
-            "1",
-            "--policy-arg",
-            "pd_min_uncached_tokens=256",
-            "--policy-arg",
-            "tpot_ms=80.5",
-            "--out",
-            str(out),
-        ]
-    )
-    args = json.loads(out.read_text())["policy_args"]
+    report = two_policy_sim(out, 3, "--policy-arg", "pd_min_uncached_tokens=256", "--policy-arg", "tpot_ms=80.5")
+    args = report["policy_args"]
     assert args == {"slo_goodput": {"pd_min_uncached_tokens": 256, "tpot_ms": 80.5}, "round_robin": {}}
     assert ("slo_goodput", args["slo_goodput"]) in built and ("round_robin", {}) in built
     with pytest.raises(SystemExit, match="no policy of round_robin takes --policy-arg typo"):
