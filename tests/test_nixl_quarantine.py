@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 from starlette.applications import Starlette
 
+from gateway.procs import wait_for
 from tests.sim_engine import sim_engine
 from tests.test_metrics import samples
 from workers import transfer_nixl
@@ -98,13 +99,6 @@ class Pair:
         self.engine.stop()
 
 
-def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_a_reservation_expiring_during_a_slow_write_is_not_reused_until_the_write_settles(monkeypatch):
     """The WRITE outlives the reservation: the decode side quarantines the granted blocks, so
     neither a new allocation gets them nor the cache serves them while the bytes land; the
@@ -113,7 +107,7 @@ def test_a_reservation_expiring_during_a_slow_write_is_not_reused_until_the_writ
     seen = {}
 
     def slow_write(remote: list[int]) -> int:
-        wait_until(lambda: pair.decode.expired == 1, "the reservation to expire")
+        wait_for(lambda: pair.decode.expired == 1, timeout=10.0, interval=0.01, what="the reservation to expire")
         seen["reusable"] = set(pair.grab_every_free_block()) & set(remote)
         seen["held"] = pair.held_unpublished(remote)  # as the late bytes land
         return len(remote) * 16

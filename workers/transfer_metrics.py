@@ -20,33 +20,43 @@ class TransferCollector:
 
     def collect(self):
         t, nixl = self.transfer, self.transfer.nixl
-        sent = {
-            "kvgate_worker_kv_sent_bytes": ("K/V bytes exported to decode workers, by transport", t.sent_bytes),
-            "kvgate_worker_kv_sent_seconds": ("Seconds exports spent moving K/V, by transport", t.sent_seconds),
-        }
-        for name, (doc, by_transport) in sent.items():
-            c = CounterMetricFamily(name, doc, labels=[*LABELS, "transport"])
-            for transport in TRANSPORTS:
-                c.add_metric([*self.labels, transport], by_transport[transport])
-            yield c
         releases = nixl.quarantine_releases if nixl is not None else dict.fromkeys(QUARANTINE_OUTCOMES, 0)
-        c = CounterMetricFamily(
-            "kvgate_worker_kv_quarantine_releases",
-            "NIXL quarantines ended: completed (the writer said its WRITE is over) or timed_out (the bound passed)",
-            labels=[*LABELS, "outcome"],
-        )
-        for outcome in QUARANTINE_OUTCOMES:
-            c.add_metric([*self.labels, outcome], releases[outcome])
-        yield c
         lookups = nixl.peers.lookups if nixl is not None else dict.fromkeys(LOOKUP_SOURCES, 0)
-        c = CounterMetricFamily(
-            "kvgate_worker_nixl_peer_lookups",
-            "NIXL P/D peers' cache layouts found, by source: cache (this worker's), redis, or http (GET /kv/nixl)",
-            labels=[*LABELS, "source"],
+        counters = (
+            (
+                "kvgate_worker_kv_sent_bytes",
+                "K/V bytes exported to decode workers, by transport",
+                "transport",
+                TRANSPORTS,
+                t.sent_bytes,
+            ),
+            (
+                "kvgate_worker_kv_sent_seconds",
+                "Seconds exports spent moving K/V, by transport",
+                "transport",
+                TRANSPORTS,
+                t.sent_seconds,
+            ),
+            (
+                "kvgate_worker_kv_quarantine_releases",
+                "NIXL quarantines ended: completed (the writer said its WRITE is over) or timed_out (the bound passed)",
+                "outcome",
+                QUARANTINE_OUTCOMES,
+                releases,
+            ),
+            (
+                "kvgate_worker_nixl_peer_lookups",
+                "NIXL P/D peers' cache layouts found, by source: cache (this worker's), redis, or http (GET /kv/nixl)",
+                "source",
+                LOOKUP_SOURCES,
+                lookups,
+            ),
         )
-        for source in LOOKUP_SOURCES:
-            c.add_metric([*self.labels, source], lookups[source])
-        yield c
+        for name, doc, label, keys, values in counters:
+            c = CounterMetricFamily(name, doc, labels=[*LABELS, label])
+            for key in keys:
+                c.add_metric([*self.labels, key], values[key])
+            yield c
         gauges = {
             "kvgate_worker_kv_export_backlog_bytes": (
                 "K/V bytes of exports handed over and not yet sent: the queue ahead of a new export",
