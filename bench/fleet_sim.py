@@ -36,7 +36,7 @@ from functools import partial
 from bench.report import tpot_ms
 from bench.sim_worker import SimConfig, SimWorker
 from bench.workloads import BenchRequest
-from gateway.fleet import with_fields, worker_view
+from gateway.worker_view import with_fields, worker_view
 from gateway.index import ResidencyIndex
 from policies.api import DEFAULT_TIER_CREDITS, FleetView, Policy, RequestView, TierCredits, WorkerView
 from workers.kv.cost_model import CostModel

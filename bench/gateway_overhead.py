@@ -113,7 +113,8 @@ async def throughput(urls: list[str], concurrency: int, duration: float) -> floa
 def decision_times(num_workers: int = 64, prompt_tokens: int = 8192, n: int = 2000) -> dict:
     """Gateway.decide (index.match + fleet views + policy.route) with a populated fleet, in a
     process whose garbage collector is set up as `kvgate gateway` sets its own once started."""
-    from gateway.fleet import Fleet, _view
+    from gateway.fleet import Fleet
+    from gateway.worker_view import view_of_state
     from gateway.app import Gateway
     from gateway.index import ResidencyIndex
     from gateway.server import settle_gc
@@ -148,7 +149,7 @@ def decision_times(num_workers: int = 64, prompt_tokens: int = 8192, n: int = 20
             "total_blocks": 8192,
             "free_blocks": rng.randrange(8192),
         }
-        w.base = _view(w.state, w.url)
+        w.base = view_of_state(w.state, w.url, fleet.tier_credits)
         w.in_flight = rng.randrange(8)
         held = [h for d in rng.sample(docs, 4) for h in d[: rng.randrange(len(d))]]
         fleet.index.reset(w.worker_id, held, 0)

@@ -38,7 +38,7 @@ class TierCredits:
     where the copy outlasts that request's wait in the queue (`predict.ttft_tpot_ms`). A lower
     credit makes routing prefer faster tiers' hits whatever the load. The credits are the
     gateway's; the rates and `load_every_hit` are each worker's own, as its /state publishes
-    them (`gateway.fleet.tier_rates`), the gateway's flags standing in where it does not."""
+    them (`gateway.worker_view.tier_rates`), the gateway's flags standing in where it does not."""
 
     host: float = 1.0
     disk: float = 1.0

@@ -6,7 +6,7 @@ from importlib.metadata import EntryPoint
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gateway.fleet import with_fields
+from gateway.worker_view import with_fields
 from policies import predict, registry, slo_goodput
 from policies.api import DECODE, MIXED, PREFILL, FleetView, Policy, RequestView, Route, WorkerView
 from policies.candidates import stable_hash

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.fleet import worker_view
+from gateway.worker_view import worker_view
 from policies import predict
 from policies.api import DECODE, PREFILL, WorkerView
 from policies.slo_goodput import SloGoodput

@@ -5,7 +5,7 @@ tier untouched; a worker's engine and the simulator's take the same choice."""
 import pytest
 
 from bench.report import summarize
-from gateway.fleet import with_fields, worker_view
+from gateway.worker_view import with_fields, worker_view
 from policies import predict
 from policies.api import TierCredits, WorkerView
 from tests.test_simulate_tiers import run
