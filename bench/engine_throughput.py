@@ -45,6 +45,12 @@ def parser() -> argparse.ArgumentParser:
         default=64,
         help="sequences of the same shape run untimed first, as nano-vllm's bench warms up (0: none)",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs of the workload in this process (cache cleared between); the median one is reported",
+    )
     p.add_argument("--out", default="bench/results/engine_throughput.json")
     return p
 
@@ -85,6 +91,7 @@ def build_engine(args, seqs) -> Engine:
 
 
 def run(engine: Engine, seqs) -> dict:
+    started = time.time()
     timeline: list[tuple[float, int]] = []
     done = [0]
     for i, (prompt, n) in enumerate(seqs):
@@ -111,6 +118,7 @@ def run(engine: Engine, seqs) -> dict:
     out_tokens = sum(n for _, n in seqs)
     in_tokens = sum(len(p) for p, _ in seqs)
     return {
+        "started_unix": started,
         "seconds": elapsed,
         "output_tokens": out_tokens,
         "input_tokens": in_tokens,
@@ -139,6 +147,58 @@ def step_split(log: list[StepRecord]) -> dict:
                 "seconds": sum(s.wall_ms for s in steps) / 1000,
             }
     return out
+
+
+def device_split(runner) -> dict:
+    """The CUDA steps' device time split where their inputs were complete (TorchRunner.timings):
+    decode graph replays and other steps apart, so a run slowed by the host waiting shows as
+    `waited_ms`, and one slowed on the device as `computed_ms`."""
+    out = {}
+    for kind, rows in (
+        ("replays", [t for t in runner.timings if t.replayed]),
+        ("other", [t for t in runner.timings if not t.replayed]),
+    ):
+        if rows:
+            out[kind] = {
+                "steps": len(rows),
+                "waited_ms_mean": sum(t.waited_ms for t in rows) / len(rows),
+                "computed_ms_mean": sum(t.computed_ms for t in rows) / len(rows),
+                "computed_ms_sorted_deciles": [
+                    sorted(t.computed_ms for t in rows)[min(len(rows) - 1, len(rows) * k // 10)] for k in range(11)
+                ],
+            }
+    return out
+
+
+def timed_runs(args, engine: Engine, seqs) -> dict:
+    """`args.repeats` timed runs; the median run (by tok/s) with every run's summary beside it."""
+    runs = []
+    for _ in range(args.repeats):
+        engine.stats = StepStats()
+        engine.pool.clear_cache()
+        timings = getattr(engine.executor, "timings", None)
+        if timings is not None:
+            timings.clear()
+        result = run(engine, seqs)
+        if timings is not None:
+            result["device_split"] = device_split(engine.executor)
+        runs.append(result)
+        split = result.get("device_split", {}).get("replays", {})
+        print(
+            f"run {len(runs)}: {result['output_tok_s']:.0f} output tok/s in {result['seconds']:.2f} s"
+            + (
+                f"; replays waited {split['waited_ms_mean']:.3f} + computed {split['computed_ms_mean']:.3f} ms"
+                if split
+                else ""
+            ),
+            file=sys.stderr,
+        )
+    median = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
+    if len(runs) > 1:
+        median["runs"] = [
+            {k: r[k] for k in ("started_unix", "seconds", "output_tok_s", "device_split") if k in r} for r in runs
+        ]
+    return median
 
 
 def roofline(engine: Engine, result: dict) -> dict:
@@ -212,15 +272,36 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     t, tok = zip(*result["timeline"]) if result["timeline"] else ((), ())
-    fig, ax = plt.subplots(figsize=(7, 4))
+    runs = result.get("runs", [])
+    fig, axes = plt.subplots(1, 2 if runs else 1, figsize=(12 if runs else 7, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot(t, tok)
     ax.set_xlabel("seconds")
     ax.set_ylabel("output tokens generated")
     ax.set_title(
         f"{result['config']['model']} on {result['config']['device']}: {result['output_tok_s']:.1f} output tok/s"
     )
+    if runs:
+        plot_runs(axes[0][1], runs)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def plot_runs(ax, runs: list[dict]) -> None:
+    """Each timed run's tok/s, with its decode replays' device time split (waited / computed)."""
+    xs = range(1, len(runs) + 1)
+    ax.bar(xs, [r["output_tok_s"] for r in runs], color="tab:blue", label="output tok/s")
+    ax.set_xlabel("run")
+    ax.set_ylabel("output tok/s")
+    split = [r.get("device_split", {}).get("replays") for r in runs]
+    if all(split):
+        ms = ax.twinx()
+        ms.plot(xs, [s["waited_ms_mean"] for s in split], "o-", color="tab:red", label="replay waited ms")
+        ms.plot(xs, [s["computed_ms_mean"] for s in split], "s-", color="tab:green", label="replay computed ms")
+        ms.set_ylabel("ms per decode replay")
+        ms.set_ylim(bottom=0)
+        ms.legend(loc="lower right")
+    ax.set_title("timed runs in one process")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,9 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.warmup_seqs:
         warm = argparse.Namespace(**{**vars(args), "num_seqs": args.warmup_seqs, "seed": args.seed + 1})
         run(engine, [(p, min(n, 64)) for p, n in workload(warm)])
-        engine.stats = StepStats()  # the timed run's step log and counts alone
-        engine.pool.clear_cache()
-    result = run(engine, seqs)
+    result = timed_runs(args, engine, seqs)
     runner = engine.executor
     result["path"] = {"kernels": runner.kernels, "cuda_graphs": runner.graphs is not None}
     if runner.graphs is not None:

@@ -11,6 +11,7 @@ gather attention path: the reference the fidelity tests hold against HF.
 """
 
 import json
+from collections import deque
 import time
 from array import array
 from contextlib import nullcontext
@@ -51,6 +52,19 @@ class Launched:
     events: tuple | None
     host_ms: float
     logprobs: tuple | list | None = None
+    replayed: bool = False  # a decode graph replay
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTiming:
+    """One CUDA step's device time, split where its inputs were complete on the device: `waited`
+    covers the input copies and any time the device idled for the host to queue them, `computed`
+    the forward, sampling and token copy. Steps waiting on the host show as `waited`, not as a
+    slower forward."""
+
+    replayed: bool
+    waited_ms: float
+    computed_ms: float
 
 
 class TorchRunner:
@@ -106,6 +120,7 @@ class TorchRunner:
         self.staging = Staging(self.device) if self.kernels else None
         self._last_sampled: Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        self.timings: deque[DeviceTiming] = deque(maxlen=1 << 16)  # the latest CUDA steps' device time
         if self.kernels and cuda:
             self.warmup()
         if self.kernels and cuda and not enforce_eager:
@@ -129,12 +144,12 @@ class TorchRunner:
         t0 = time.perf_counter()
         sampled = [i for i, c in enumerate(chunks) if c.sample]
         cuda = self.device.type == "cuda"
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if cuda else None
         host = None
         with torch.inference_mode():
             if events:
                 events[0].record()
-            logits = self._logits(chunks, sampled)
+            logits = self._logits(chunks, sampled, events[1] if events else None)
             params = [chunks[i].params for i in sampled]
             tokens = (
                 None if logits is None else sample_tensor(logits, params, [chunks[i].output_index for i in sampled])
@@ -146,16 +161,25 @@ class TorchRunner:
                 if tokens is not None:
                     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                     host.copy_(tokens, non_blocking=True)
-                events[1].record()
+                events[2].record()
         self._last_sampled = tokens
-        return Launched(tokens, host, sampled, len(chunks), events, (time.perf_counter() - t0) * 1000, logprobs)
+        return Launched(
+            tokens,
+            host,
+            sampled,
+            len(chunks),
+            events,
+            (time.perf_counter() - t0) * 1000,
+            logprobs,
+            self._replays(chunks),
+        )
 
     def collect(self, step: Launched) -> tuple[list[int | None], float]:
         """A launched step's tokens (one entry per chunk, None where it did not sample) and its
         device time in ms; waits for the device to finish that step."""
         results: list[int | None] = [None] * step.num_chunks
         if step.events is not None:
-            step.events[1].synchronize()
+            step.events[2].synchronize()
         if step.tokens is not None:
             values = (step.tokens if step.host_tokens is None else step.host_tokens).tolist()
             for i, token in zip(step.rows, values):
@@ -163,7 +187,10 @@ class TorchRunner:
         step.logprobs = _host_logprobs(step, results)
         if step.events is None:
             return results, step.host_ms
-        return results, step.events[0].elapsed_time(step.events[1])
+        start, ready, end = step.events
+        waited, computed = start.elapsed_time(ready), ready.elapsed_time(end)
+        self.timings.append(DeviceTiming(step.replayed, waited, computed))
+        return results, waited + computed
 
     def warmup(self) -> None:
         """Run one step of each kind the kernels specialise on (long and short prefill chunks,
@@ -183,17 +210,23 @@ class TorchRunner:
         self.kv_cache.zero_()
         torch.cuda.synchronize(self.device)
 
-    def _logits(self, chunks: list[SeqChunk], sampled: list[int]) -> Tensor | None:
-        """Logits of the sampled rows: a graph replay for decode steps it covers, else eager."""
+    def _replays(self, chunks: list[SeqChunk]) -> bool:
+        """Whether this step is a decode graph replay (decode steps a captured batch size covers)."""
+        return self.graphs is not None and len(chunks) <= self.graphs.max_num_seqs and is_decode(chunks)
+
+    def _logits(self, chunks: list[SeqChunk], sampled: list[int], ready: "torch.cuda.Event | None") -> Tensor | None:
+        """Logits of the sampled rows: a graph replay for decode steps it covers, else eager.
+        `ready` is recorded once the step's inputs are on the device, just before the forward."""
         ends = _chunk_ends(chunks)
         patch = [(ends[i], c.prev_sample) for i, c in enumerate(chunks) if c.prev_sample >= 0]
-        if self.graphs is not None and len(chunks) <= self.graphs.max_num_seqs and is_decode(chunks):
-            return self.graphs.run(decode_inputs(chunks, self.block_size), lambda ids: self._fill(ids, patch))
+        if self._replays(chunks):
+            assert self.graphs is not None
+            return self.graphs.run(decode_inputs(chunks, self.block_size), lambda ids: self._fill(ids, patch, ready))
         if self.staging is not None:
             input_ids, positions, batch = kernel_inputs(chunks, self.block_size, self.staging)
         else:
             input_ids, positions, batch = self._prepare(chunks)
-        self._fill(input_ids, patch)
+        self._fill(input_ids, patch, ready)
         hidden = self.model(input_ids, positions, batch)
         if not sampled:
             return None
@@ -201,12 +234,15 @@ class TorchRunner:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[to_device([ends[i] for i in sampled], torch.long, self.device)])
 
-    def _fill(self, input_ids: Tensor, patch: list[tuple[int, int]]) -> None:
-        """Write the previous launch's sampled tokens into the rows whose input was a placeholder."""
+    def _fill(self, input_ids: Tensor, patch: list[tuple[int, int]], ready: "torch.cuda.Event | None" = None) -> None:
+        """Write the previous launch's sampled tokens into the rows whose input was a placeholder;
+        then record `ready`: the step's inputs are complete on the device."""
         if patch:
             rows, src = zip(*patch)
             index = to_device(list(rows), torch.long, self.device)
             input_ids[index] = self._last_sampled[to_device(list(src), torch.long, self.device)].to(input_ids.dtype)
+        if ready is not None:
+            ready.record()
 
     def _decode_logits(self, input_ids: Tensor, positions: Tensor, batch) -> Tensor:
         """The decode graphs' body: every row samples."""
