@@ -74,7 +74,7 @@ def fidelity(summary_path: str) -> dict:
     profile = json.loads(Path(summary["profile"]).read_text())
     out = {}
     for wl, name in summary["reports"].items():
-        report = json.loads((Path(summary_path).parent / name).read_text())
+        report = rep.read_json(Path(summary_path).parent / name)
         cfg = WorkloadConfig(name=wl, duration_s=summary["duration_s"], seed=0)
         for label, entry in report["policies"].items():
             if not label.startswith("kvgate-"):

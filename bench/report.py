@@ -11,10 +11,12 @@ continuously between them. A run at a single rate measures no goodput: its repor
 "attainment at R" and leaves goodput null.
 """
 
+import gzip
 import json
 import math
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
@@ -194,6 +196,18 @@ def _clean(x):
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     return x
+
+
+def read_json(path: str | Path) -> dict:
+    """A report, from `path` or, where only that exists, its gzipped `path.gz` (bench/results
+    keeps reports over 100 KB gzipped)."""
+    p = Path(path)
+    if p.suffix != ".gz" and not p.exists() and p.with_name(p.name + ".gz").exists():
+        p = p.with_name(p.name + ".gz")
+    if p.suffix == ".gz":
+        with gzip.open(p, "rt") as f:
+            return json.load(f)
+    return json.loads(p.read_text())
 
 
 def write_json(path: str, report: dict) -> None:

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench.report import read_json
+
 
 def compare(pairs: dict[str, tuple[dict, dict]]) -> dict:
     """{workload: {policy: {device_*, host_*}}} from (device only, with host tier) reports."""
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--title", default="host KV tier: simulated goodput")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    pairs = {w: (json.loads(Path(d).read_text()), json.loads(Path(h).read_text())) for w, d, h in args.pair}
+    pairs = {w: (read_json(d), read_json(h)) for w, d, h in args.pair}
     report = {
         "kind": "tier_compare",
         "title": args.title,

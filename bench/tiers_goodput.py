@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from bench.report import read_json
+
 
 def entry(report: dict, policy: str) -> tuple[str, dict]:
     """The report's result for `policy`, or its only one (a real fleet's is named by the fleet)."""
@@ -30,7 +32,7 @@ def table(rows: list[tuple[str, str, str]], policy: str) -> dict:
     """{setting: {variant: {goodput_rps, cached_token_ratio, ..., input, command}}}, in row order."""
     out: dict[str, dict] = {}
     for setting, variant, path in rows:
-        report = json.loads(Path(path).read_text())
+        report = read_json(path)
         name, r = entry(report, policy)
         out.setdefault(setting, {})[variant] = {
             "goodput_rps": r["goodput_rps"],
