@@ -10,10 +10,11 @@ the host's share of a real decode step; on the H200 it must stay well under the 
 
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine, EngineConfig, freeze_startup_heap
 from workers.executors.kernel_inputs import decode_inputs, is_decode
 from workers.executors.sim import SimExecutor
 from workers.kv.cost_model import CostModel
@@ -36,6 +37,22 @@ class FreeOverlapping(SimExecutor):
         return handle
 
 
+class GcPauses:
+    """Collections per generation, their total and longest pause, while attached."""
+
+    def __init__(self):
+        self.count, self.ms, self.longest, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._t0) * 1000
+        self.count[info["generation"]] += 1
+        self.ms[info["generation"]] += ms
+        self.longest = max(self.longest, ms)
+
+
 class Tok:
     eos_token_id = None
 
@@ -49,6 +66,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=600)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--freeze", action="store_true", help="gc.freeze() before the timed steps, as the worker does")
     p.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     a = p.parse_args()
     ex = FreeOverlapping(CostModel(), 49152, wait=lambda s: None)
@@ -64,17 +82,25 @@ def main() -> None:
         )
     while eng.stats.generated_tokens < a.seqs:  # every prompt prefilled
         eng.step()
+    if a.freeze:
+        freeze_startup_heap()
     prof = cProfile.Profile() if a.profile else None
     if prof:
         prof.enable()
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
     t0 = time.perf_counter()
     for _ in range(a.steps):
         eng.step()
     ms = (time.perf_counter() - t0) * 1000 / a.steps
+    gc.callbacks.remove(pauses)
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats(a.sort).print_stats(30)
-    print(f"{a.seqs} decoding sequences: {ms:.3f} ms host per engine step")
+    print(
+        f"{a.seqs} decoding sequences: {ms:.3f} ms host per engine step; gc collections per generation "
+        f"{pauses.count}, {[round(x, 1) for x in pauses.ms]} ms, longest {pauses.longest:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

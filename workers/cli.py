@@ -12,7 +12,7 @@ import uvicorn
 
 from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine, EngineConfig, freeze_startup_heap
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 from workers.listen import listen
@@ -338,6 +338,7 @@ def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | 
         flush=True,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    freeze_startup_heap()
     config = uvicorn.Config(
         server.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )

@@ -43,7 +43,8 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_num_seqs)
         self.max_blocks = max_blocks
         n = self.sizes[-1]
-        self.vectors = torch.zeros(4, n, dtype=torch.int32, device=device)  # ids, positions, slots, lens
+        # ids, positions, slots, lens, and the last step's sampled row each input token is (or -1)
+        self.vectors = torch.zeros(5, n, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.staging = Staging(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -53,7 +54,7 @@ class DecodeGraphs:
         self._capture(forward, num_splits)
 
     def _batch(self, bs: int, num_splits: Callable[[int], int | None]) -> KernelBatch:
-        ids, pos, slots, lens = self.vectors[:, :bs].unbind(0)
+        ids, pos, slots, lens, _ = self.vectors[:, :bs].unbind(0)
         return KernelBatch(slots, bs, self.tables[:bs], lens, num_splits=num_splits(bs))
 
     def _capture(self, forward, num_splits) -> None:
@@ -88,18 +89,29 @@ class DecodeGraphs:
     def max_num_seqs(self) -> int:
         return self.sizes[-1]
 
-    def run(self, d: DecodeInputs, fill_ids: Callable[[Tensor], None]) -> Tensor:
-        """Logits [n, vocab] of a decode step of n <= max_num_seqs sequences; `fill_ids` may
-        write device-side token ids into the input buffer before the replay."""
+    def run(self, d: DecodeInputs, fill_ids: Callable[[Tensor, Tensor], None]) -> Tensor:
+        """Logits [n, vocab] of a decode step of n <= max_num_seqs sequences, from one copy of
+        its inputs; `fill_ids(ids, sample_src)` writes the previous step's sampled tokens into
+        the input ids on the device before the replay."""
         n = d.num_seqs
         bs = next(b for b in self.sizes if b >= n)
         zeros, skip = array("i", [0]) * (bs - n), array("i", [-1]) * (bs - n)
         dev = self.staging.upload(
-            d.token_ids + zeros + d.positions + zeros + d.slots + skip + d.context_lens + zeros + d.tables
+            d.token_ids
+            + zeros
+            + d.positions
+            + zeros
+            + d.slots
+            + skip
+            + d.context_lens
+            + zeros
+            + d.sample_src
+            + skip
+            + d.tables
         )
-        self.vectors[:, :bs].copy_(dev[: 4 * bs].view(4, bs))
+        self.vectors[:, :bs].copy_(dev[: 5 * bs].view(5, bs))
         if d.width:
-            self.tables[:n, : d.width].copy_(dev[4 * bs :].view(n, d.width))
-        fill_ids(self.vectors[0])
+            self.tables[:n, : d.width].copy_(dev[5 * bs :].view(n, d.width))
+        fill_ids(self.vectors[0, :bs], self.vectors[4, :bs])
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

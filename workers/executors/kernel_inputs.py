@@ -52,6 +52,7 @@ class DecodeInputs:
     context_lens: array
     tables: array  # [n, width] row-major
     width: int
+    sample_src: array  # per row: the last step's sampled row its input token is, or -1 (workers/inflight.py)
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +92,7 @@ def decode_inputs(chunks: list[SeqChunk], block_size: int) -> DecodeInputs:
         context_lens=array("i", [p + 1 for p in pos]),
         tables=tables,
         width=width,
+        sample_src=array("i", [c.prev_sample for c in chunks]),
     )
 
 

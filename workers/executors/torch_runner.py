@@ -221,7 +221,9 @@ class TorchRunner:
         patch = [(ends[i], c.prev_sample) for i, c in enumerate(chunks) if c.prev_sample >= 0]
         if self._replays(chunks):
             assert self.graphs is not None
-            return self.graphs.run(decode_inputs(chunks, self.block_size), lambda ids: self._fill(ids, patch, ready))
+            return self.graphs.run(
+                decode_inputs(chunks, self.block_size), lambda ids, src: self._fill_rows(ids, src, bool(patch), ready)
+            )
         if self.staging is not None:
             input_ids, positions, batch = kernel_inputs(chunks, self.block_size, self.staging)
         else:
@@ -241,6 +243,16 @@ class TorchRunner:
             rows, src = zip(*patch)
             index = to_device(list(rows), torch.long, self.device)
             input_ids[index] = self._last_sampled[to_device(list(src), torch.long, self.device)].to(input_ids.dtype)
+        if ready is not None:
+            ready.record()
+
+    def _fill_rows(self, input_ids: Tensor, src: Tensor, any_row: bool, ready: "torch.cuda.Event | None") -> None:
+        """`_fill` for a graph replay, whose rows' sources (`src`, -1: none) came up with its
+        inputs: a gather and a select on the device, no index tensors built per step."""
+        if any_row:
+            assert self._last_sampled is not None
+            taken = self._last_sampled.index_select(0, src.clamp(min=0)).to(input_ids.dtype)
+            input_ids.copy_(torch.where(src >= 0, taken, input_ids))
         if ready is not None:
             ready.record()
 
