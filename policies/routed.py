@@ -1,0 +1,68 @@
+"""What a router has sent where, before the workers' KV events show it.
+
+The residency index learns a prompt's blocks from the worker's events once its prefill has
+committed them; a request for the same prefix that arrives meanwhile finds no holder and is
+placed as cold, onto whichever worker looks emptiest: a second copy of the prefix from the
+start. A router that counts its own sends (as sglang's and vllm's cache_aware keep a tree of
+what they sent) sees the holder at once.
+"""
+
+from collections import Counter, deque
+from dataclasses import replace
+
+from policies.api import FleetView, RequestView, WorkerView
+
+
+class RoutedPrefixes:
+    """The full blocks of the prompts routed in the last `window_s` seconds, each held by the
+    worker first sent it. `recall` raises a worker's `matched_blocks` to what it was sent of a
+    prompt no worker's index match shows yet; `pending_blocks` is how many distinct blocks a
+    worker was sent first in the window. The window is a few polls: by then the prefill has
+    run and its events have arrived."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self.first: dict[int, tuple[str, float]] = {}  # block hash -> (worker, when first sent)
+        self.sent: deque[tuple[float, tuple[int, ...]]] = deque()
+        self.pending: Counter[str] = Counter()
+
+    def recall(self, req: RequestView, fleet: FleetView) -> FleetView:
+        """`fleet` with each worker's match raised to the blocks of `req` it was sent first,
+        while the index shows none of the prompt anywhere: once it shows some, it knows better
+        (a worker may have evicted what it was sent)."""
+        self.expire(fleet.now)
+        if any(w.matched_blocks for w in fleet.workers):
+            return fleet
+        sent: dict[str, int] = {}
+        for n, h in enumerate(req.block_hashes, 1):
+            entry = self.first.get(h)
+            if entry is None:
+                break
+            sent[entry[0]] = n
+        if not sent:
+            return fleet
+        return replace(fleet, workers=tuple(_raised(w, sent.get(w.worker_id, 0)) for w in fleet.workers))
+
+    def remember(self, req: RequestView, w: WorkerView, now: float) -> None:
+        """Record that `req` was sent to `w` at `now` (its full blocks but the last one, which
+        the worker never takes from its cache)."""
+        hashes = req.block_hashes[: max(0, req.num_tokens - 1) // w.block_size]
+        new = tuple(h for h in hashes if h not in self.first)
+        for h in new:
+            self.first[h] = (w.worker_id, now)
+        self.pending[w.worker_id] += len(new)
+        self.sent.append((now, new))
+
+    def pending_blocks(self, worker_id: str) -> int:
+        return self.pending[worker_id]
+
+    def expire(self, now: float) -> None:
+        while self.sent and self.sent[0][0] < now - self.window_s:
+            _, hashes = self.sent.popleft()
+            for h in hashes:
+                worker_id, _ = self.first.pop(h)
+                self.pending[worker_id] -= 1
+
+
+def _raised(w: WorkerView, blocks: int) -> WorkerView:
+    return replace(w, matched_blocks=blocks) if blocks > w.matched_blocks else w
