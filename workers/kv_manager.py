@@ -5,6 +5,7 @@ The engine calls these around every step: `match_prefix` when a request is first
 are hashed and published), `free` when it finishes, is aborted or is preempted.
 """
 
+from array import array
 from workers.kv.block_pool import BlockPool
 from workers.kv.hashing import block_hash, salted_seed
 from workers.kv.read_back import ReadBack
@@ -57,7 +58,7 @@ class KVCacheManager:
             req.load = self.pool.load_prefix(hashes[n:], req.token_ids, n, hashes[n - 1] if n else None, choose)
             if req.load is not None:
                 req.blocks += req.load.blocks
-        req.block_ids = [b.block_id for b in req.blocks]
+        req.block_ids = array("i", [b.block_id for b in req.blocks])
         req.num_computed = req.num_registered = len(req.blocks) * self.block_size
         return req.num_computed
 
@@ -126,5 +127,5 @@ class KVCacheManager:
         else:
             self.pool.free(req.blocks[: len(req.blocks) - len(load.blocks)])
             self.pool.release(load)
-        req.blocks, req.block_ids = [], []
+        req.blocks, req.block_ids = [], array("i")
         req.num_computed = req.num_registered = 0

@@ -1,6 +1,7 @@
 """A request as the engine tracks it: plain data that the scheduler and KV manager mutate."""
 
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ class Request:
     num_computed: int = 0
     num_cached: int = -1
     blocks: list[Block] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)  # blocks' ids, kept beside them for the step's tables
+    block_ids: array = field(default_factory=lambda: array("i"))  # blocks' ids beside them: the steps' table rows
     block_hashes: list[int] = field(default_factory=list)
     num_registered: int = 0
     queued_tokens: int = 0  # the prefill work it adds while waiting (set when queued)

@@ -1,6 +1,7 @@
 """What the scheduler hands an executor each step: plain data, tensorised once by the executor."""
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 from workers.kv.cost_model import StepWork
@@ -19,7 +20,7 @@ class SeqChunk:
 
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    block_table: Sequence[int]  # the request's own int32 array (lists in tests)
     sample: bool
     params: SamplingParams
     output_index: int = 0

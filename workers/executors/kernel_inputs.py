@@ -84,7 +84,8 @@ def decode_inputs(chunks: list[SeqChunk], block_size: int) -> DecodeInputs:
     width = max(used, default=0)
     tables = array("i", bytes(4 * n * width))
     for r, (c, k) in enumerate(zip(chunks, used)):
-        tables[r * width : r * width + k] = array("i", c.block_table[:k])
+        row = c.block_table[:k]  # a request's table is an int32 array: the slice copies as bytes
+        tables[r * width : r * width + k] = row if isinstance(row, array) else array("i", row)
     return DecodeInputs(
         token_ids=array("i", [c.token_ids[0] for c in chunks]),
         positions=pos,

@@ -378,7 +378,7 @@ class TorchRunner:
         for chunk in chunks:
             row, n = len(input_ids), len(chunk.token_ids)
             end = chunk.start_pos + n
-            table = chunk.block_table[: (end + b - 1) // b]
+            table = list(chunk.block_table[: (end + b - 1) // b])
             input_ids += chunk.token_ids
             positions += range(chunk.start_pos, end)
             slots += [table[p // b] * b + p % b for p in range(chunk.start_pos, end)]
