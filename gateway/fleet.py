@@ -75,6 +75,7 @@ class Worker:
     tasks: list = field(default_factory=list)
     breaker: Breaker = field(default_factory=Breaker)
     lost: asyncio.Future | None = None
+    nap: asyncio.Future | None = None  # its poller's long wait (`Fleet._nap`), cut short by a request
 
     @property
     def available(self) -> bool:
@@ -120,6 +121,22 @@ def _idle(w: Worker) -> bool:
     s = w.state
     held = s.get("waiting", 0) + s.get("running", 0) + w.sent_since_poll - w.done_since_poll
     return w.healthy and w.out is None and held <= 0 and not (w.in_flight or w.shared_in_flight)
+
+
+def _less_held(base: WorkerView, ended: int) -> dict[str, int]:
+    """`base`'s waiting and running less `ended` requests (running ones first) that its state
+    counted and that have ended since. A state is up to a poll old, an idle worker's up to a
+    long poll: without this a request that had ended kept its worker looking busy, and new
+    ones queued behind a running one while other workers stood idle."""
+    if ended <= 0:
+        return {}
+    running = max(0, base.running - ended)
+    return {"running": running, "waiting": max(0, base.waiting - (ended - (base.running - running)))}
+
+
+def _settle(f: asyncio.Future) -> None:
+    if not f.done():
+        f.set_result(None)
 
 
 class Refused(aiohttp.ClientError):
@@ -217,7 +234,7 @@ class Fleet:
             now = time.monotonic()
             wait = self.next_poll_s(w, now - max(w.state_at, tried))
             if wait > 0.0:
-                await asyncio.sleep(min(wait, self.interval))  # a request sent to it may end its idleness
+                await self._nap(w, wait)
                 continue
             tried = now
             try:
@@ -230,6 +247,21 @@ class Fleet:
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 w.probe_failures += 1
                 self._down(w, f"/state failed: {e!r}")
+
+    async def _nap(self, w: Worker, seconds: float) -> None:
+        """Wait `seconds` for `w`'s next poll; a long wait (an idle worker's) ends an interval
+        after a request is sent to it (`begin`), which ends its idleness. Waking each interval
+        to check instead was a third of an idle gateway's CPU."""
+        if seconds <= self.interval:
+            await asyncio.sleep(seconds)
+            return
+        nap = w.nap = asyncio.get_running_loop().create_future()
+        timer = asyncio.get_running_loop().call_later(seconds, _settle, nap)
+        try:
+            await nap
+        finally:
+            timer.cancel()
+            w.nap = None
 
     def next_poll_s(self, w: Worker, age: float) -> float:
         """Seconds until `w`'s next poll, `age` seconds after its last state came (or its last
@@ -274,6 +306,8 @@ class Fleet:
         w.sent_since_poll = w.done_since_poll = 0
         w.state_at = time.monotonic()
         w.base = view_of_state(state, w.url, self.tier_credits, cost)
+        if w.nap is not None and (state.get("engine_stall_s") or not _idle(w)):
+            _settle(w.nap)  # its next poll is due sooner: the poller works out when
 
     def _down(self, w: Worker, why: str) -> None:
         if w.healthy:
@@ -372,18 +406,22 @@ class Fleet:
     def views(
         self, workers: list[Worker], matches: dict[str, int], slow: dict[str, tuple[int, int]] | None = None
     ) -> tuple[WorkerView, ...]:
-        """The policy's picture of `workers`: last polled load, matched prefix (with `slow`, the
-        index's `slow_blocks`: how much of it is in host and disk tiers), in-flight, and the
-        blocks the index holds for it (live, where a poll is up to `interval` old)."""
+        """The policy's picture of `workers`: last polled load less what has ended since,
+        matched prefix (with `slow`, the index's `slow_blocks`: how much of it is in host and
+        disk tiers), in-flight, and the blocks the index holds for it (live, where a poll is up
+        to `interval` old)."""
         out = []
         for w in workers:
             flight = w.in_flight + w.shared_in_flight
             m = matches.get(w.worker_id, 0) // w.hash_ratio
             resident = self.index.num_blocks(w.worker_id) // w.hash_ratio
+            ended = w.done_since_poll - w.sent_since_poll
             base = w.base
             assert base is not None, "only available workers (polled, so with a view) are candidates"
-            if m or flight or resident != base.resident_blocks:
-                view = with_fields(base, matched_blocks=m, in_flight=flight, resident_blocks=resident)
+            if m or flight or ended > 0 or resident != base.resident_blocks:
+                view = with_fields(
+                    base, matched_blocks=m, in_flight=flight, resident_blocks=resident, **_less_held(base, ended)
+                )
             else:
                 view = base
             if slow and w.worker_id in slow:
@@ -410,8 +448,16 @@ class Fleet:
         (through `on_change`) at another replica, must see it."""
         w.in_flight += 1
         w.sent_since_poll += 1
+        self.busy(w)
         if self.on_change is not None:
             self.on_change(w, 1)
+
+    def busy(self, w: Worker) -> None:
+        """`w` was sent a request (by this gateway or another): a poller waiting out its idle
+        long poll polls it an interval from now instead, as it polls a busy worker."""
+        if w.nap is not None:
+            asyncio.get_running_loop().call_later(self.interval, _settle, w.nap)
+            w.nap = None
 
     def end(self, w: Worker) -> None:
         w.in_flight -= 1

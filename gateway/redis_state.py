@@ -314,6 +314,8 @@ class RedisState:
         w = self.fleet.by_id(wid)
         if w is not None:
             w.shared_in_flight = max(0, w.shared_in_flight + int(delta))
+            if int(delta) > 0:
+                self.fleet.busy(w)
 
     async def _inflight_loop(self, r: aioredis.Redis) -> None:
         mine = rs.inflight_key(self.replica)
