@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 import time
+from array import array
 from pathlib import Path
 
 from workers.executors.batch import SeqChunk
@@ -65,7 +66,8 @@ def time_batch(runner, n: int, args, profile: bool = False) -> dict:
     rng = random.Random(args.seed)
     b = args.block_size
     per_seq = -(-(args.context + 2 * args.steps + 8) // b)
-    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
+    # int32 arrays, as the engine hands a request's table (Request.block_ids)
+    tables = [array("i", range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
     prompts = [[rng.randrange(1000) for _ in range(args.context)] for _ in range(n)]
     chunk = max(1, 8192 // args.context)
     last: list[int] = []
@@ -102,7 +104,7 @@ def time_batch(runner, n: int, args, profile: bool = False) -> dict:
     return row
 
 
-def overlapped(runner, tables: list[list[int]], pos: list[int], args) -> float:
+def overlapped(runner, tables: list[array], pos: list[int], args) -> float:
     """Median ms between step completions when each step is launched before the previous one's
     tokens are read (as the engine runs on CUDA): input tokens filled on the device."""
     from workers.inflight import PLACEHOLDER
