@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.procs import Worker, start_gateway, start_redis, stop_all, wait_for, wait_redis
+from gateway.procs import Worker, start_gateway, start_redis, stop_all, wait_redis
 
 MODEL = "smollm2-135m"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
             w.ready()
         for g in gateways:
             g.wait_ready("/v1/models")
-            wait_for(lambda: httpx.get(g.url + "/health").json()["healthy"] == args.workers, timeout=30, what="fleet")
+            g.wait_healthy(args.workers, timeout=30, what="fleet")
         ids = [w.worker_id for w in workers]
         a, b = (g.url for g in gateways)
         for r in range(args.rounds):

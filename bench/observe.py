@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import httpx
 import yaml
 
 from bench.prom import RATIO_UNITS, RULES, Prom, panel_queries, quick_rules, start_prometheus, values_of
 from gateway.metrics import LATENCY_BUCKETS
-from gateway.procs import Worker, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, start_gateway, stop_all
 
 MODEL = "smollm2-135m"
 SECRET = ("--internal-token", "observe-fleet-token")
@@ -208,7 +207,7 @@ def run(duration_s: float = 30.0, kill_at_s: float = 12.0, concurrency: int = 3,
             g.wait_ready()
         for name, n in (("gw-pd", 3), ("gw-pa", 2)):
             g = fleet.gateways[name]
-            wait_for(lambda: httpx.get(g.url + "/health").json()["healthy"] == n, what=f"{name} fleet")
+            g.wait_healthy(n, what=f"{name} fleet")
         rules = quick_rules(RULES, Path(logs) / "rules.yml")
         prom_proc, prom = start_prometheus(
             {

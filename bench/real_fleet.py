@@ -22,12 +22,11 @@ import secrets
 import sys
 import time
 
-import httpx
 
 from bench import report as rep
 from bench.loadgen import run_rate
 from bench.workloads import add_args, from_args
-from gateway.procs import Worker, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, start_gateway, stop_all
 
 
 def parse_fleet(spec: str) -> tuple[str, str, list[str]]:
@@ -79,11 +78,7 @@ def start_fleet(label: str, policy: str, roles: list[str], args: argparse.Namesp
         )
         procs.append(gateway)
         gateway.wait_ready(timeout=120)
-        wait_for(
-            lambda: httpx.get(gateway.url + "/health").json()["healthy"] == len(workers),
-            timeout=30,
-            what=f"the gateway to see {len(workers)} healthy workers",
-        )
+        gateway.wait_healthy(len(workers), timeout=30, what=f"the gateway to see {len(workers)} healthy workers")
     except BaseException:
         stop_all(procs)
         raise

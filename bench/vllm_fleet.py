@@ -170,7 +170,7 @@ def latency_only(args: argparse.Namespace, argv: list[str]) -> None:
         )
         procs.append(gw)
         gw.wait_ready(timeout=120)
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, 60, what="2 vLLM workers")
+        gw.wait_healthy(2, 60, what="2 vLLM workers")
         report["added_latency"] = added_latency(servers[0].url, gw.url, args.latency_requests)
     finally:
         stop_all(procs)
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
             gw = start_gateway(specs, policy, name=f"gateway-{policy}", log_dir=args.log_dir)
             try:
                 gw.wait_ready(timeout=120)
-                wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, 60, what="2 vLLM workers")
+                gw.wait_healthy(2, 60, what="2 vLLM workers")
                 series[policy] = sweep(policy, [gw.url], servers, args, rates, gw.url)
                 if policy == "round_robin":
                     latency = added_latency(servers[0].url, gw.url, args.latency_requests)

@@ -41,13 +41,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 from bench import report as rep
 from bench.loadgen import run_rate
 from bench.peer_fidelity import add_fidelity, step_mark, step_speed
 from bench.workloads import WorkloadConfig
-from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all, wait_for
+from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all
 from workers.model_store import load_tokenizer, served_name
 
 PEERS = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
@@ -121,11 +120,7 @@ class Bench:
                 ],
             )
             proc.wait_ready(timeout=120)
-            wait_for(
-                lambda: httpx.get(proc.url + "/health").json()["healthy"] == len(urls),
-                timeout=30,
-                what=f"{label} to see every worker",
-            )
+            proc.wait_healthy(len(urls), timeout=30, what=f"{label} to see every worker")
             return proc
         venv = ensure_venv(PEERS[label], Path(a.venv_dir) / f".venv-{label}")
         port = free_port()

@@ -105,6 +105,23 @@ class Proc:
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not ready on {self.url}{path} after {timeout}s:\n{self.log_tail()}")
 
+    def healthy(self) -> int:
+        """How many workers a gateway counts healthy (GET /health)."""
+        return httpx.get(self.url + "/health", timeout=10).json()["healthy"]
+
+    def wait_healthy(self, n: int, timeout: float = 30.0, what: str | None = None) -> "Proc":
+        """Wait until a gateway counts `n` healthy workers."""
+        wait_for(lambda: self.healthy() == n, timeout, what=what or f"{self.name}: {n} healthy workers")
+        return self
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` on GET /metrics whose labels include `labels`."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
     def signal(self, sig: int) -> None:
         try:
             os.killpg(self.popen.pid, sig)

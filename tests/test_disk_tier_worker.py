@@ -73,11 +73,6 @@ def complete(url: str, prompt: str, model: str = MODEL, max_tokens: int = 2) -> 
     return r.json()
 
 
-def metric(w: Worker, name: str) -> float:
-    text = httpx.get(w.url + "/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 def test_a_sim_worker_spills_to_disk_publishes_the_tier_and_hits_from_it(tmp_path):
     """Host holds 16 blocks, each of 6 prompts about 10: the first prompt's blocks end up on disk only,
     in /kv/snapshot and Redis' disk set, and come back as a hit. A stale run directory of the same
@@ -107,7 +102,7 @@ def test_a_sim_worker_spills_to_disk_publishes_the_tier_and_hits_from_it(tmp_pat
         assert {int(h) for h in r.smembers(rs.resident_key(MODEL, "d0", DISK))} == set(snap["tiers"][DISK])
         again = complete(w.url, prompts[0])
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 8
-        assert metric(w, "kvgate_worker_disk_kv_loaded_blocks_total") > 0, "blocks came back from disk"
+        assert w.metric("kvgate_worker_disk_kv_loaded_blocks_total") > 0, "blocks came back from disk"
         run_dirs = list(disk.iterdir())
         assert len(run_dirs) == 1 and any(run_dirs[0].iterdir())
     finally:
@@ -130,7 +125,7 @@ def test_a_torch_worker_gives_the_same_greedy_output_after_a_disk_round_trip(tin
         assert all(f["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for f in first[:1])
         again = complete(w.url, prompts[0], name, 8)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 8
-        assert metric(w, "kvgate_worker_disk_kv_loaded_blocks_total") > 0, "blocks came back from disk"
+        assert w.metric("kvgate_worker_disk_kv_loaded_blocks_total") > 0, "blocks came back from disk"
         assert again["choices"][0]["text"] == first[0]["choices"][0]["text"]
     finally:
         stop_all([w])

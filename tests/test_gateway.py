@@ -45,7 +45,7 @@ def procs(tmp_path_factory):
             g.wait_ready("/v1/models")
             if name != "dead":
                 n = 3 if name == "kill" else 4
-                wait_for(lambda: httpx.get(g.url + "/health").json()["healthy"] == n, what=f"{name}: {n} workers")
+                g.wait_healthy(n, what=f"{name}: {n} workers")
         yield {"workers": workers, "doomed": doomed, **gateways}
     finally:
         stop_all(list(gateways.values()) + workers + doomed)
@@ -253,7 +253,7 @@ def test_worker_killed_mid_stream_fails_only_that_stream(procs):
     assert tail[-1] == "[DONE]" and "error" in json.loads(tail[-2])
     assert json.loads(tail[-2])["error"]["code"] == "worker_failed"
     assert survivor[-1] == "[DONE]" and json.loads(survivor[-2])["choices"][0]["finish_reason"] == "length"
-    wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, timeout=30, what="the victim to leave")
+    gw.wait_healthy(2, timeout=30, what="the victim to leave")
     for _ in range(6):
         r = httpx.post(gw.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.headers["x-kvgate-worker"] != victim.worker_id

@@ -45,21 +45,6 @@ def stream(url: str, prompt, max_tokens: int = 4, timeout: float = 60) -> tuple[
         return r.status_code, dict(r.headers), [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
 
 
-def metric(url: str, name: str, **labels) -> float:
-    """Sum of a gateway metric's samples whose labels include `labels`."""
-    total = 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def healthy(gateway: Proc) -> int:
-    return httpx.get(gateway.url + "/health").json()["healthy"]
-
-
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory):
     """Fault workers f0, f1 behind two round-robin gateways: "live" with default liveness, and
@@ -99,7 +84,7 @@ def procs(tmp_path_factory):
         procs += list(gateways.values())
         for g in gateways.values():
             g.wait_ready("/v1/models")
-            wait_for(lambda: healthy(g) == 2, what="2 healthy workers")
+            g.wait_healthy(2, what="2 healthy workers")
         yield {"faulty": faulty, **gateways, "logs": logs}
     finally:
         stop_all(procs)
@@ -129,8 +114,8 @@ def test_frozen_engine_is_taken_out_and_its_waiting_requests_retried(procs):
     for status, headers, events in streamed:
         assert status == 200 and headers["x-kvgate-worker"] == "f1"
         assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    assert metric(gw.url, "kvgate_gateway_retries_total", stage="lost") >= 1
-    wait_for(lambda: healthy(gw) == 2, timeout=10, what="f0 back in service")
+    assert gw.metric("kvgate_gateway_retries_total", stage="lost") >= 1
+    gw.wait_healthy(2, timeout=10, what="f0 back in service")
 
 
 def test_dead_engine_is_taken_out(procs):
@@ -142,11 +127,11 @@ def test_dead_engine_is_taken_out(procs):
     )
     try:
         gw.wait_ready("/v1/models")
-        wait_for(lambda: healthy(gw) == 2, what="2 healthy workers")
+        gw.wait_healthy(2, what="2 healthy workers")
         with cf.ThreadPoolExecutor(1) as pool:
             pool.submit(complete, doomed.url, [fw.DIE, 1, 2], 1, timeout=5)
             wait_for(lambda: doomed.state()["engine_alive"] is False, what="the engine to die")
-        wait_for(lambda: healthy(gw) == 1, timeout=10, what="the dead engine to leave the candidates")
+        gw.wait_healthy(1, timeout=10, what="the dead engine to leave the candidates")
         answers = [complete(gw.url, [30 + i, 31]) for i in range(4)]
         assert all(r.status_code == 200 and r.headers["x-kvgate-worker"] == "f1" for r in answers)
     finally:
@@ -157,7 +142,7 @@ def busy_worker(gw: Proc, workers: list[Proc]) -> Proc:
     """The one of `workers` the gateway has a request open on."""
 
     def find():
-        return next((w for w in workers if metric(gw.url, "kvgate_gateway_in_flight", worker=w.name)), None)
+        return next((w for w in workers if gw.metric("kvgate_gateway_in_flight", worker=w.name)), None)
 
     return wait_for(find, what="a worker holding the request")
 
@@ -177,7 +162,7 @@ def test_worker_killed_before_the_first_token_is_retried(tmp_path, streaming):
             w.ready()
         gw = start_gateway([w.url for w in workers], "round_robin", name="gw-kill", log_dir=logs)
         gw.wait_ready("/v1/models")
-        wait_for(lambda: healthy(gw) == 2, what="2 healthy workers")
+        gw.wait_healthy(2, what="2 healthy workers")
         call = stream if streaming else complete
         with cf.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(call, gw.url, list(range(100, 500)), 3)
@@ -209,8 +194,8 @@ def test_frozen_worker_times_out_and_its_breaker_opens(procs):
     for a in answers:
         status, headers = (a.status_code, a.headers) if isinstance(a, httpx.Response) else a[:2]
         assert status == 200 and headers["x-kvgate-worker"] == "f1"
-    assert metric(gw.url, "kvgate_gateway_retries_total", stage="timeout") == 2
-    assert metric(gw.url, "kvgate_gateway_upstream_failures_total", worker="f0") == 2
+    assert gw.metric("kvgate_gateway_retries_total", stage="timeout") == 2
+    assert gw.metric("kvgate_gateway_upstream_failures_total", worker="f0") == 2
     served = wait_for(
         lambda: complete(gw.url, [50, 51]).headers["x-kvgate-worker"] == "f0",
         timeout=20,
@@ -252,12 +237,12 @@ def test_a_request_goes_to_at_most_max_retries_more_workers(tmp_path):
             extra=["--health-interval", "60", "--max-retries", "2", "--breaker-failures", "100"],
         )
         gw.wait_ready("/v1/models")
-        wait_for(lambda: healthy(gw) == 4, what="4 healthy workers")
+        gw.wait_healthy(4, what="4 healthy workers")
         for w in workers:
             w.kill()
         r = complete(gw.url, [1, 2, 3])
-        assert metric(gw.url, "kvgate_gateway_upstream_failures_total") == 3
-        assert metric(gw.url, "kvgate_gateway_retries_total") == 2
+        assert gw.metric("kvgate_gateway_upstream_failures_total") == 3
+        assert gw.metric("kvgate_gateway_retries_total") == 2
         assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed", r.text
         assert r.headers["retry-after"] == "1"
     finally:
@@ -273,7 +258,7 @@ def test_sigterm_drains_the_gateway(tmp_path):
     try:
         worker.ready()
         gw.wait_ready("/v1/models")
-        wait_for(lambda: healthy(gw) == 1, what="1 healthy worker")
+        gw.wait_healthy(1, what="1 healthy worker")
         body = {"model": MODEL, "prompt": [7, 8], "max_tokens": 60, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as s:
             lines = s.iter_lines()

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.procs import Worker, start_gateway, stop_all, wait_for
-from tests.test_gateway_faults import healthy, metric, slow_profile
+from tests.test_gateway_faults import slow_profile
 
 MODEL = "smollm2-135m"
 LONG = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -48,7 +48,7 @@ def procs(tmp_path_factory):
         worker.ready()
         for g in gateways.values():
             g.wait_ready("/v1/models")
-            wait_for(lambda: healthy(g) == 1, what="the worker")
+            g.wait_healthy(1, what="the worker")
         yield {"worker": worker, **gateways}
     finally:
         stop_all([*gateways.values(), worker])
@@ -77,13 +77,13 @@ def test_a_full_worker_queue_is_answered_503_with_retry_after(procs):
         next(ln for ln in lines if ln.startswith("data: "))
         with cf.ThreadPoolExecutor(2) as pool:
             queued = [pool.submit(complete, gw.url) for _ in range(2)]
-            wait_for(lambda: metric(gw.url, "kvgate_gateway_in_flight") == 3, what="2 queued requests")
+            wait_for(lambda: gw.metric("kvgate_gateway_in_flight") == 3, what="2 queued requests")
             r = complete(gw.url)
             assert_refused(r, 503, "overloaded")
             assert r.headers["retry-after"] == "2"
             running.close()
             assert all(f.result().status_code == 200 for f in queued)
-    assert metric(gw.url, "kvgate_gateway_refused_total", reason="worker_queues_full") == 1
+    assert gw.metric("kvgate_gateway_refused_total", reason="worker_queues_full") == 1
     assert complete(gw.url).status_code == 200
 
 
@@ -99,7 +99,7 @@ def test_the_gateway_holds_at_most_max_pending_requests(procs):
             running.close()
             assert queued.result().status_code == 200
     wait_for(lambda: httpx.get(gw.url + "/health").json()["pending"] == 0, what="the requests to end")
-    assert metric(gw.url, "kvgate_gateway_refused_total", reason="overloaded") == 1
+    assert gw.metric("kvgate_gateway_refused_total", reason="overloaded") == 1
     assert complete(gw.url).status_code == 200
 
 
@@ -150,11 +150,11 @@ def test_a_trickling_body_gets_408_and_is_closed(procs):
         )
         answer = read_all(s)
     assert answer.startswith(b"HTTP/1.1 408")
-    url = procs["slow"].url
-    assert complete(url).status_code == 200
+    gw = procs["slow"]
+    assert complete(gw.url).status_code == 200
     # the request the gateway had started on is a client gone (499), not an internal error
-    assert metric(url, "kvgate_gateway_requests_total", status="499") == 1
-    assert metric(url, "kvgate_gateway_requests_total", status="500") == 0
+    assert gw.metric("kvgate_gateway_requests_total", status="499") == 1
+    assert gw.metric("kvgate_gateway_requests_total", status="500") == 0
 
 
 def test_connections_beyond_the_cap_get_503_not_a_reset(procs):

@@ -42,7 +42,7 @@ def pd_fleet(tiny_llama, tmp_path_factory):
         for w in (p, d, m):
             w.ready()
         gw.wait_ready("/v1/models")
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
+        gw.wait_healthy(2, what="2 workers")
         yield {"p": p, "d": d, "m": m, "gw": gw, "model": tiny_llama.name}
     finally:
         stop_all([gw, p, d, m])

@@ -6,8 +6,7 @@ import copy
 import httpx
 import pytest
 
-from gateway.procs import Worker, start_gateway, stop_all, wait_for
-from tests.test_gateway_faults import metric
+from gateway.procs import Worker, start_gateway, stop_all
 from workers.given_ids import FIELD, field_value, fingerprint, given_prompts
 from workers.model_store import load_tokenizer
 from workers.protocol import parse_request
@@ -78,7 +77,7 @@ def fleet():
     try:
         w.ready()
         g.wait_ready()
-        wait_for(lambda: httpx.get(g.url + "/health").json()["healthy"] == 1, what="the worker")
+        g.wait_healthy(1, what="the worker")
         yield w, g
     finally:
         stop_all([g, w])
@@ -93,7 +92,7 @@ def test_through_the_gateway_the_worker_takes_its_ids_and_answers_the_same(fleet
         return r.json()
 
     def counts():
-        return {by: metric(w.url, "kvgate_worker_prompts_tokenized_total", by=by) for by in ("gateway", "worker")}
+        return {by: w.metric("kvgate_worker_prompts_tokenized_total", by=by) for by in ("gateway", "worker")}
 
     text = {"prompt": "The gateway tokenizes this prompt once, " * 8, "max_tokens": 12, "temperature": 0}
     chat = {"messages": [{"role": "user", "content": "Say something about caches."}], "max_tokens": 8}
@@ -127,6 +126,6 @@ def test_a_worker_without_a_token_ignores_the_ids_and_tokenizes():
         r = httpx.post(w.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(load_tokenizer(MODEL).encode("hi there"))
-        assert metric(w.url, "kvgate_worker_prompts_tokenized_total", by="worker") == 1
+        assert w.metric("kvgate_worker_prompts_tokenized_total", by="worker") == 1
     finally:
         stop_all([w])

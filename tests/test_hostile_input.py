@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.fuzz_bodies import bodies
-from gateway.procs import Worker, free_port, start_gateway, stop_all, wait_for
+from gateway.procs import Worker, free_port, start_gateway, stop_all
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.model_store import served_name
 
@@ -36,7 +36,7 @@ def fleet(tmp_path_factory):
         worker.ready()
         gw.wait_ready("/v1/models")
         dead.wait_ready("/metrics")
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 1, what="gateway sees the worker")
+        gw.wait_healthy(1, what="gateway sees the worker")
         yield {"worker": worker, "gw": gw, "dead": dead}
     finally:
         stop_all([gw, dead, worker])

@@ -62,7 +62,7 @@ def nixl_fleet(tiny_llama, tmp_path_factory):
         for w in (p, d, m):
             w.ready()
         gw.wait_ready("/v1/models")
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
+        gw.wait_healthy(2, what="2 workers")
         yield {"p": p, "d": d, "m": m, "gw": gw, "model": tiny_llama.name, "redis": server, "redis_url": url}
     finally:
         stop_all([gw, p, d, m, server])
@@ -178,7 +178,7 @@ def test_prefill_worker_dying_mid_transfer_falls_back_to_recompute(nixl_fleet, t
     try:
         dying.wait_ready(timeout=180)
         gw.wait_ready("/v1/models")
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
+        gw.wait_healthy(2, what="2 workers")
         ids = prompt(250, 99)
         _, want, _ = ask(f["m"].url, f["model"], ids)
         headers, got, cached = ask(gw.url, f["model"], ids)

@@ -44,11 +44,7 @@ def cluster(tmp_path_factory):
             p.ready()
         for g in gateways:
             g.wait_ready("/v1/models")
-            wait_for(
-                lambda: httpx.get(g.url + "/health").json()["healthy"] == 4,
-                timeout=20,
-                what="4 workers discovered through redis",
-            )
+            g.wait_healthy(4, timeout=20, what="4 workers discovered through redis")
         box = {"redis": server, "url": url, "workers": workers, "gateways": gateways, "logs": logs}
         yield box
     finally:

@@ -74,11 +74,7 @@ def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
         for w in workers:
             w.ready()
         gateway.wait_ready("/v1/models")
-        wait_for(
-            lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 2,
-            timeout=20,
-            what="2 workers discovered through redis",
-        )
+        gateway.wait_healthy(2, timeout=20, what="2 workers discovered through redis")
         with Traffic(gateway.url) as traffic:
             wait_for(lambda: traffic.ok >= 20, timeout=30, what="traffic before the outage")
             for _ in range(2):
@@ -104,7 +100,7 @@ def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
         assert traffic.failures == [], (
             f"{len(traffic.failures)} failed of {traffic.ok + len(traffic.failures)}: {traffic.failures[:5]}"
         )
-        assert httpx.get(gateway.url + "/health").json()["healthy"] == 2
+        assert gateway.healthy() == 2
     finally:
         stop_all(procs + [server])
 

@@ -91,11 +91,7 @@ def cluster(tmp_path_factory):
         worker.ready()
         evil.ready()
         gateway.wait_ready("/v1/models")
-        wait_for(
-            lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 1,
-            timeout=20,
-            what="the worker discovered through TLS redis",
-        )
+        gateway.wait_healthy(1, timeout=20, what="the worker discovered through TLS redis")
         yield {"url": url, "worker": worker, "evil": evil, "gateway": gateway, "procs": procs}
     finally:
         stop_all(procs[1:] + procs[:1])
@@ -127,7 +123,7 @@ def requests_served(worker: Worker) -> float:
 def assert_no_prompt_reaches(cluster, what: str) -> None:
     g = cluster["gateway"]
     time.sleep(1.5)  # three registry refreshes and /state polls: a forged worker would be up by now
-    assert httpx.get(g.url + "/health").json()["healthy"] == 1, f"{what}: the forged worker joined"
+    assert g.healthy() == 1, f"{what}: the forged worker joined"
     for i in range(8):
         r = httpx.post(
             g.url + "/v1/completions",

@@ -125,7 +125,7 @@ def traced_fleet(monkeypatch, tmp_path):
         p.ready()
         d.ready()
         gateway.wait_ready()
-        wait_for(lambda: httpx.get(gateway.url + "/health").json()["healthy"] == 2, what="2 workers")
+        gateway.wait_healthy(2, what="2 workers")
         yield gateway, collector
     finally:
         stop_all([gateway, p, d])

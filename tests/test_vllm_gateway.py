@@ -60,7 +60,7 @@ def gateway(fake: Proc, tmp_path, policy: str = "prefix_affinity", extra: tuple 
     tmp_path.mkdir(parents=True, exist_ok=True)
     gw = start_gateway([f"vllm:{fake.url}"], policy, extra=list(extra), log_dir=str(tmp_path))
     gw.wait_ready(timeout=60)
-    wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 1, 30, what="the fake vLLM up")
+    gw.wait_healthy(1, 30, what="the fake vLLM up")
     return gw
 
 
@@ -79,22 +79,17 @@ def predicted(gw: Proc, body: dict | None = None) -> int:
     return int(r.headers["x-kvgate-predicted-cached-tokens"])
 
 
-def metric(gw: Proc, name: str) -> float:
-    lines = [x for x in httpx.get(gw.url + "/metrics").text.splitlines() if x.startswith(name + "{")]
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
-
-
 def test_residency_follows_the_events_and_a_restart_drops_it_until_resynced(fake, tmp_path):
     gw = gateway(fake, tmp_path, extra=("--internal-token", "fleet-secret"))
     try:
         control(fake, publish=blocks(2))
         wait_for(lambda: predicted(gw) == 64, 30, what="the stored blocks in the index")
-        assert metric(gw, "kvgate_gateway_resident_blocks") == 4  # 2 vLLM blocks = 4 of the gateway's
+        assert gw.metric("kvgate_gateway_resident_blocks") == 4  # 2 vLLM blocks = 4 of the gateway's
         control(fake, restart=True)  # process_start_time_seconds changes, numbering starts again
         wait_for(lambda: predicted(gw) == 0, 30, what="the restarted server's residency dropped")
         control(fake, publish=blocks(1))
         wait_for(lambda: predicted(gw) == 32, 30, what="the new process's events followed")
-        assert metric(gw, "kvgate_gateway_vllm_event_resyncs_total") >= 2
+        assert gw.metric("kvgate_gateway_vllm_event_resyncs_total") >= 2
         assert control(fake)["saw_token"] is False  # the fleet's secret is for kvgate's workers only
     finally:
         gw.stop()
@@ -106,10 +101,10 @@ def test_an_unhealthy_server_is_out_with_its_residency_and_comes_back_resynced(f
         control(fake, publish=blocks(2))
         wait_for(lambda: predicted(gw) == 64, 30, what="the stored blocks in the index")
         control(fake, health=503)
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 0, 30, what="the server out")
-        assert metric(gw, "kvgate_gateway_resident_blocks") == 0
+        gw.wait_healthy(0, 30, what="the server out")
+        assert gw.metric("kvgate_gateway_resident_blocks") == 0
         control(fake, health=200)
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 1, 30, what="the server back")
+        gw.wait_healthy(1, 30, what="the server back")
         wait_for(lambda: predicted(gw) == 64, 30, what="its residency replayed")
     finally:
         gw.stop()
@@ -119,9 +114,10 @@ def test_no_decision_waits_on_a_replay_that_never_answers(fake, tmp_path):
     control(fake, replay="stuck", publish=blocks(2))
     gw = gateway(fake, tmp_path)
     try:
-        for _ in range(5):  # routed cache-blind at once while the subscriber waits for its replay
-            assert predicted(gw) == 0
-        assert metric(gw, "kvgate_gateway_vllm_event_batches_total") == 0
+        for i in range(5):  # routed cache-blind at once while the subscriber waits for its replay
+            # (distinct prompts: the router remembers what it just sent, which is not the index)
+            assert predicted(gw, {"model": vd.MODEL, "prompt": f"{i} {PROMPT}", "max_tokens": 1}) == 0
+        assert gw.metric("kvgate_gateway_vllm_event_batches_total") == 0
         control(fake, replay="ok")
         wait_for(lambda: predicted(gw) == 64, 60, what="the replay once it answers")
     finally:
@@ -166,8 +162,8 @@ def test_a_gateway_block_size_that_does_not_divide_vllms_routes_cache_blind_and_
     gw = gateway(fake, tmp_path, extra=("--block-size", "64"))
     try:
         control(fake, publish=blocks(2))
-        wait_for(lambda: metric(gw, "kvgate_gateway_vllm_event_batches_total") == 2, 30, what="the batches")
-        assert predicted(gw) == 0 and metric(gw, "kvgate_gateway_resident_blocks") == 0
+        wait_for(lambda: gw.metric("kvgate_gateway_vllm_event_batches_total") == 2, 30, what="the batches")
+        assert predicted(gw) == 0 and gw.metric("kvgate_gateway_resident_blocks") == 0
         assert "which the gateway's --block-size 64 does not divide" in gw.log_tail(20_000)
     finally:
         gw.stop()
@@ -191,13 +187,13 @@ def test_through_a_bridge_a_restart_empties_the_residency_in_redis_until_resynce
         gw = start_gateway([], "prefix_affinity", redis=url, log_dir=str(tmp_path))
         procs.append(gw)
         gw.wait_ready(timeout=60)
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 1, 30, what="the server via redis")
+        gw.wait_healthy(1, 30, what="the server via redis")
         control(fake, publish=blocks(2))
         wait_for(lambda: predicted(gw) == 64, 30, what="the residency through redis")
         control(fake, restart=True)
         wait_for(lambda: predicted(gw) == 0, 30, what="the restarted server's set emptied")
         control(fake, publish=blocks(1))
         wait_for(lambda: predicted(gw) == 32, 30, what="the new process's events through redis")
-        assert metric(gw, "kvgate_gateway_vllm_event_batches_total") == 0  # none over ZMQ
+        assert gw.metric("kvgate_gateway_vllm_event_batches_total") == 0  # none over ZMQ
     finally:
         stop_all(procs)

@@ -54,7 +54,7 @@ def fleet(tmp_path_factory):
         procs += [pa, rr]
         for g in (pa, rr):
             g.wait_ready(timeout=60)
-            wait_for(lambda g=g: httpx.get(g.url + "/health").json()["healthy"] == 2, 60, what="2 vLLM workers up")
+            g.wait_healthy(2, 60, what="2 vLLM workers up")
         yield {"servers": servers, "pa": pa, "rr": rr, "logs": logs}
     finally:
         stop_all(procs)
@@ -174,7 +174,7 @@ def test_redis_bridge_gives_two_gateway_replicas_the_same_decision(fleet):
         procs += gws
         for g in gws:
             g.wait_ready(timeout=60)
-            wait_for(lambda g=g: httpx.get(g.url + "/health").json()["healthy"] == 2, 60, what="2 workers via redis")
+            g.wait_healthy(2, 60, what="2 workers via redis")
         prefix = text(5, 250)
         first, _, _ = routed(gws[0], {"prompt": f"{prefix} first"})
         for i in range(4):
@@ -207,10 +207,10 @@ def test_a_killed_and_restarted_worker_is_resynced(fleet):
     assert worker == wid(b) and predicted == actual > 0
     b.signal(signal.SIGKILL)
     b.popen.wait()
-    wait_for(lambda: httpx.get(pa.url + "/health").json()["healthy"] == 1, 30, what="the killed worker out")
+    pa.wait_healthy(1, 30, what="the killed worker out")
     assert resident(pa).get(wid(b), 0) == 0
     b.restart().ready()
-    wait_for(lambda: httpx.get(pa.url + "/health").json()["healthy"] == 2, 60, what="the worker back")
+    pa.wait_healthy(2, 60, what="the worker back")
     settle(pa)
     assert resident(pa).get(wid(b), 0) == 0  # its cache died with it, and so did what the gateway knew
     post(b.url, {"prompt": f"{prefix} seed again"})

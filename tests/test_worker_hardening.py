@@ -293,7 +293,7 @@ def test_gateway_pd_legs_carry_the_internal_token():
     try:
         p.ready(), d.ready()
         gw.wait_ready("/v1/models")
-        wait_for(lambda: httpx.get(gw.url + "/health").json()["healthy"] == 2, what="2 workers")
+        gw.wait_healthy(2, what="2 workers")
         ids = [(i * 31) % 3000 + 100 for i in range(300)]
         r = complete(gw.url, ids, 4, timeout=60)
         assert len(token_ids(r)) == 4 and r.headers["x-kvgate-prefill-worker"] == "hp"
