@@ -1,5 +1,7 @@
 """Prefix affinity: follow the longest cached prefix, unless that worker is overloaded."""
 
+from dataclasses import replace
+
 from policies.api import FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
 from policies.pd import PdDecider
@@ -46,12 +48,18 @@ class PrefixAffinity:
         self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
-        if self.routed is not None:
-            fleet = self.routed.recall(req, fleet)
-        route = self.choose(req, fleet)
-        if self.routed is not None and route.worker is not None:
-            sent = route.prefill or route.worker
-            self.routed.remember(req, next(w for w in fleet.workers if w.worker_id == sent), fleet.now)
+        """The routed memory steers the choice; the prediction stays the index's, so predicted
+        cached tokens keep meaning what the worker is known to hold (the memory only guesses
+        that an earlier prompt's prefill will have committed by the time this one runs)."""
+        if self.routed is None:
+            return self.choose(req, fleet)
+        route = self.choose(req, self.routed.recall(req, fleet))
+        if route.worker is not None and route.prefill is None:
+            sent = next(w for w in fleet.workers if w.worker_id == route.worker)
+            route = replace(route, predicted_cached_tokens=hit_tokens(req, sent))
+        if route.worker is not None:
+            sent_id = route.prefill or route.worker
+            self.routed.remember(req, next(w for w in fleet.workers if w.worker_id == sent_id), fleet.now)
         return route
 
     def choose(self, req: RequestView, fleet: FleetView) -> Route:
