@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from workers.engine import Engine, EngineConfig, freeze_startup_heap
+from workers.engine import Engine, EngineConfig
+from workers.startup_heap import settle_gc
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.sampling_params import SamplingParams
 from workers.step_stats import StepRecord, StepStats
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.warmup_seqs:
         warm = argparse.Namespace(**{**vars(args), "num_seqs": args.warmup_seqs, "seed": args.seed + 1})
         run(engine, [(p, min(n, 64)) for p, n in workload(warm)])
-    freeze_startup_heap()
+    settle_gc()
     result = timed_runs(args, engine, seqs)
     runner = engine.executor
     result["path"] = {"kernels": runner.kernels, "cuda_graphs": runner.graphs is not None}

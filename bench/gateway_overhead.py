@@ -117,7 +117,7 @@ def decision_times(num_workers: int = 64, prompt_tokens: int = 8192, n: int = 20
     from gateway.worker_view import view_of_state
     from gateway.app import Gateway
     from gateway.index import ResidencyIndex
-    from gateway.server import settle_gc
+    from workers.startup_heap import settle_gc
     from gateway.tokenize import Tokenizers
     from policies.api import RequestView
     from policies.registry import BUILTIN_POLICIES, load_policy

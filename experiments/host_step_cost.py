@@ -14,7 +14,8 @@ import gc
 import pstats
 import time
 
-from workers.engine import Engine, EngineConfig, freeze_startup_heap
+from workers.engine import Engine, EngineConfig
+from workers.startup_heap import settle_gc
 from workers.executors.kernel_inputs import decode_inputs, is_decode
 from workers.executors.sim import SimExecutor
 from workers.kv.cost_model import CostModel
@@ -66,7 +67,12 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=600)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--freeze", action="store_true", help="gc.freeze() before the timed steps, as the worker does")
+    p.add_argument("--gc-threshold", type=int, default=0, help="generation-0 threshold (0: Python's)")
+    p.add_argument(
+        "--freeze",
+        action="store_true",
+        help="workers.startup_heap.settle_gc() before the timed steps, as the worker does",
+    )
     p.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     a = p.parse_args()
     ex = FreeOverlapping(CostModel(), 49152, wait=lambda s: None)
@@ -83,7 +89,9 @@ def main() -> None:
     while eng.stats.generated_tokens < a.seqs:  # every prompt prefilled
         eng.step()
     if a.freeze:
-        freeze_startup_heap()
+        settle_gc()
+    if a.gc_threshold:
+        gc.set_threshold(a.gc_threshold, 10, 10)  # after --freeze: overrides its threshold
     prof = cProfile.Profile() if a.profile else None
     if prof:
         prof.enable()

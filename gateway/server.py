@@ -2,7 +2,6 @@
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import socket
@@ -35,8 +34,7 @@ from workers.listen import listen
 from workers.logs import add_log_args, setup_logging
 from workers.telemetry import add_trace_args
 from workers.kv.redis_schema import redact_url
-
-GC_THRESHOLDS = (10_000, 10, 10)
+from workers.startup_heap import settle_gc
 
 
 def parser() -> argparse.ArgumentParser:
@@ -443,26 +441,8 @@ def parse_policy_args(items: list[str], prog: str) -> dict:
     return kwargs
 
 
-def settle_gc() -> None:
-    """Hide what startup built from the cyclic garbage collector, and collect young objects less
-    often.
-
-    After startup the gateway holds ~200k tracked objects (starlette, aiohttp, prometheus, the
-    tokenizers) that live as long as the process; every full collection walked them all, a
-    pause of ~100 ms every several thousand requests, landing on whichever request or routing
-    decision happened to allocate. Frozen, they are never walked again. Serving leaves ~25
-    objects per request in reference cycles that only a collection frees (client responses and
-    streams): at the default threshold of 700 a ~0.5 ms collection ran every ~20 requests, so more than 1% of
-    routing decisions could double; at `GC_THRESHOLDS` one runs every few hundred requests (~5 ms,
-    less total time), rare enough to stay out of the decisions' p99.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-
-
 def settle_gc_after_startup(app: Starlette) -> None:
-    """Run `settle_gc` once `app`'s lifespan has started, when the default tokenizers are loaded.
+    """Run `settle_gc` (workers.startup_heap) once `app`'s lifespan has started, when the default tokenizers are loaded.
     It is done here rather than in the app because it is a decision for the whole process, which
     only the process's entry point may make (tests run several gateways in one process)."""
     startup = app.router.lifespan_context

@@ -12,7 +12,8 @@ import uvicorn
 
 from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer
-from workers.engine import Engine, EngineConfig, freeze_startup_heap
+from workers.engine import Engine, EngineConfig
+from workers.startup_heap import settle_gc
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 from workers.listen import listen
@@ -338,7 +339,7 @@ def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | 
         flush=True,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    freeze_startup_heap()
+    settle_gc()
     config = uvicorn.Config(
         server.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )

@@ -10,7 +10,6 @@ every request in flight and the engine goes on; if the thread itself ends, every
 flight and every later `submit` fails (`engine_stopped`).
 """
 
-import gc
 import logging
 import queue
 import threading
@@ -49,16 +48,6 @@ log = logging.getLogger("kvgate.engine")
 
 class EngineStopped(RuntimeError):
     """`submit` on an engine whose thread has ended."""
-
-
-def freeze_startup_heap() -> None:
-    """Take every object alive now (model, tokenizer, block pool, imported modules) out of the
-    cyclic collector's scans, as vLLM does after start-up: a full collection then walks only
-    what requests made since, a ~5 ms pause where it was ~110 ms with a 256-sequence batch
-    running (experiments/host_step_cost.py), long enough to leave the device idle for dozens of
-    decode steps. Call once per serving process, when start-up is done."""
-    gc.collect()
-    gc.freeze()
 
 
 @dataclass
