@@ -1,7 +1,7 @@
 """Per-request traces of one simulated run at vs_peers' configuration, and the capacity bound of
 a shared-prefix fleet (issue 16, point 7).
 
-    python experiments/sim_traces.py trace POLICY RATE WORKLOAD [key=value ...] [--out FILE]
+    python experiments/sim_traces.py trace POLICY RATE WORKLOAD [key=value ...] [--option=value ...] [--out FILE]
     python experiments/sim_traces.py bound RATE [cap]
 
 `trace` wraps the policy and the fleet simulator: per request, when it came, its group or
@@ -42,17 +42,19 @@ class GroupPinned:
         return Route(reject="in-flight cap") if w.in_flight >= self.cap else Route(worker=w.worker_id)
 
 
-def simulate(policy, workload: str, rate: float) -> tuple[list[dict], dict, FleetSim]:
-    args = parser().parse_args(VS_PEERS.split() + ["--workload", workload, "--rate", str(rate), "--out", "-"])
+def simulate(policy, workload: str, rate: float, extra: tuple[str, ...] = ()) -> tuple[list[dict], dict, FleetSim]:
+    """One run; `extra` are more `kvgate simulate` options (e.g. --seed 5 --duration 20)."""
+    args = parser().parse_args(VS_PEERS.split() + ["--workload", workload, "--rate", str(rate), "--out", "-", *extra])
     fleet = fleet_config(args)
     wl = from_args(args, rate)
     sim = FleetSim(policy, fleet)
     routes: dict[str, dict] = {}
+    by_time: dict[float, dict] = {}  # refusals' records carry no request id, only their arrival
     decide = policy.route
 
     def traced(req: RequestView, view: FleetView) -> Route:
         r = decide(req, view)
-        routes[req.request_id] = dict(
+        routes[req.request_id] = by_time[view.now] = dict(
             t=view.now,
             group=req.session_id,
             worker=r.worker,
@@ -87,7 +89,7 @@ def simulate(policy, workload: str, rate: float) -> tuple[list[dict], dict, Flee
     sim._finished = record
     records = sim.run(generate(wl.with_rate(rate)), wl.duration_s)
     for r in records:
-        r.update(routes.get(r.get("request_id", ""), {}))
+        r.update(routes.get(r.get("request_id", ""), by_time.get(r["arrival_s"], {})))
     return records, summarize(records, fleet.slo_ttft_ms, fleet.slo_tpot_ms), sim
 
 
@@ -97,8 +99,9 @@ def met(r: dict) -> bool:
 
 def trace(policy: str, rate: float, workload: str, items: list[str]) -> None:
     out = next((items[i + 1] for i, a in enumerate(items) if a == "--out"), None)
-    kwargs = {k: json.loads(v) for k, v in (a.split("=", 1) for a in items if "=" in a)}
-    records, summary, _ = simulate(load_policy(policy, **kwargs), workload, rate)
+    kwargs = {k: json.loads(v) for k, v in (a.split("=", 1) for a in items if "=" in a and not a.startswith("--"))}
+    extra = [a.split("=", 1) for a in items if a.startswith("--") and "=" in a]
+    records, summary, _ = simulate(load_policy(policy, **kwargs), workload, rate, tuple(x for kv in extra for x in kv))
     print(f"{policy} {kwargs} {workload} @ {rate:g} req/s: attainment {summary['slo_attainment']:.3f}")
     per: dict[str, Counter] = defaultdict(Counter)
     groups: dict[str, Counter] = defaultdict(Counter)

@@ -1,7 +1,5 @@
 """Prefix affinity: follow the longest cached prefix, unless that worker is overloaded."""
 
-from dataclasses import replace
-
 from policies.api import FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key, route_to, serving_workers
 from policies.pd import PdDecider
@@ -48,19 +46,7 @@ class PrefixAffinity:
         self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
-        """The routed memory steers the choice; the prediction stays the index's, so predicted
-        cached tokens keep meaning what the worker is known to hold (the memory only guesses
-        that an earlier prompt's prefill will have committed by the time this one runs)."""
-        if self.routed is None:
-            return self.choose(req, fleet)
-        route = self.choose(req, self.routed.recall(req, fleet))
-        if route.worker is not None and route.prefill is None:
-            sent = next(w for w in fleet.workers if w.worker_id == route.worker)
-            route = replace(route, predicted_cached_tokens=hit_tokens(req, sent))
-        if route.worker is not None:
-            sent_id = route.prefill or route.worker
-            self.routed.remember(req, next(w for w in fleet.workers if w.worker_id == sent_id), fleet.now)
-        return route
+        return self.routed.route(self.choose, req, fleet) if self.routed else self.choose(req, fleet)
 
     def choose(self, req: RequestView, fleet: FleetView) -> Route:
         pair = self.pd.best_pair(req, fleet)

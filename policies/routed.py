@@ -8,9 +8,11 @@ what they sent) sees the holder at once.
 """
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import replace
 
-from policies.api import FleetView, RequestView, WorkerView
+from policies.api import FleetView, RequestView, Route, WorkerView
+from policies.predict import hit_tokens
 
 
 class RoutedPrefixes:
@@ -25,6 +27,21 @@ class RoutedPrefixes:
         self.first: dict[int, tuple[str, float]] = {}  # block hash -> (worker, when first sent)
         self.sent: deque[tuple[float, tuple[int, ...]]] = deque()
         self.pending: Counter[str] = Counter()
+
+    def route(self, choose: Callable[[RequestView, FleetView], Route], req: RequestView, fleet: FleetView) -> Route:
+        """`choose`'s route for `req` among `fleet` as recalled, remembered where it sends the
+        prompt (the prefill worker of a P/D pair). The memory steers the choice; a single
+        worker's predicted cached tokens stay the index's, so they keep meaning what the worker
+        is known to hold (the memory only guesses that an earlier prompt's prefill will have
+        committed by the time this one runs)."""
+        route = choose(req, self.recall(req, fleet))
+        worker = route.worker
+        if worker is None:
+            return route
+        if route.prefill is None:
+            route = replace(route, predicted_cached_tokens=hit_tokens(req, _worker(fleet, worker)))
+        self.remember(req, _worker(fleet, route.prefill or worker), fleet.now)
+        return route
 
     def recall(self, req: RequestView, fleet: FleetView) -> FleetView:
         """`fleet` with each worker's match raised to the blocks of `req` it was sent first,
@@ -62,6 +79,10 @@ class RoutedPrefixes:
             for h in hashes:
                 worker_id, _ = self.first.pop(h)
                 self.pending[worker_id] -= 1
+
+
+def _worker(fleet: FleetView, worker_id: str) -> WorkerView:
+    return next(w for w in fleet.workers if w.worker_id == worker_id)
 
 
 def _raised(w: WorkerView, blocks: int) -> WorkerView:

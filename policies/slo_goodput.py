@@ -19,13 +19,14 @@ ones that would not, so rejecting it early (with the reason) is what keeps goodp
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.pd import Pair, PdDecider
+from policies.routed import RoutedPrefixes
 from policies.predict import (
     cached_tokens,
     copy_share,
     hit_tokens,
     pool_cost,
     pool_share,
-    pool_slack,
+    pool_queue_wait_ms,
     pool_wait_ms,
     prefill_work_ms,
     ttft_tpot_ms,
@@ -34,15 +35,24 @@ from policies.predict import (
 
 class SloGoodput:
     """Predicts TTFT and TPOT per candidate and its headroom, the smaller of
-    `slack_ttft / slo_ttft` and `slack_tpot / slo_tpot` (>= 0: it meets its SLOs). A candidate
-    is admissible when its headroom is >= 0 and its KV pool holds the request after what is
-    queued ahead (`predict.pool_slack` >= 0). Among admissible candidates with headroom >=
-    `margin` (else among all admissible ones) it takes the lowest `prefill work / slo_ttft +
+    `slack_ttft / slo_ttft` and `slack_tpot / slo_tpot` (>= 0: it meets its SLOs); a candidate
+    is admissible when its headroom is >= 0. The TTFT includes the wait for a turn in the KV
+    pool (`predict.pool_queue_wait_ms`): a full pool frees blocks as its running requests end,
+    so it refuses only what would wait past its SLO. Among admissible candidates with headroom
+    >= `margin` (else among all admissible ones) it takes the lowest `prefill work / slo_ttft +
     pool share - headroom` (`predict.pool_share`: the share of the worker's free KV pool the
     uncached prompt takes): cache hits, pool room and spare time traded in one unit. With none
     admissible it rejects.
     A positive `margin` demands that much spare headroom first, a buffer against prediction
     error. SLOs come from the request, else from `ttft_ms` / `tpot_ms`.
+
+    What this router sent counts as cached where it went for `routed_window_s`
+    (`policies.routed`, as in `prefix_affinity`; 0 turns that off): a prefix's second request
+    follows its first before the workers' KV events show it, and a prompt no worker holds goes,
+    among the candidates of the best tier, to the one sent the fewest new blocks in that window,
+    as cache_aware sends it to its smallest tree. Placed by the score alone, prefixes arriving
+    between polls landed five on one worker and three on another, whose full pools then refused
+    their readers.
 
     P/D (`policies.pd`): when the request is worth splitting, each decode worker paired with its
     fastest prefill worker is a candidate beside the mixed workers, scored alike; otherwise
@@ -51,17 +61,14 @@ class SloGoodput:
     worker (`PdDecider.warm_pairs`) compete too: a hot prefix spreads by KV import, not by
     recomputing it cold (`warm_prefixes=False` turns that off).
 
-    `wait_for_pool` (off by default): a full pool is a wait, not a refusal. A worker's TTFT
-    includes the wait for KV blocks its running requests free (`predict.pool_wait_ms`), a
-    candidate is admissible when its headroom is >= 0, and the pool terms are the prompt's
-    long-run cost to the pool (`predict.pool_cost`, dearer as the pool fills with cached
-    prefixes) plus the share that copies what another worker holds (`predict.copy_share`).
-    In the simulator at bench/vs_peers.py's configuration it serves more below capacity
-    (goodput, mean of 4 seeds: shared-prefix 35.0 -> 40.1 req/s, multi-turn 18.1 -> 20.4,
-    skewed 23.2 -> 23.1) but past it admits requests that then miss (tests/test_simulate_pressure
-    at 2x and 5x its capacity: 0.5-0.8 of the admitted meet their SLOs, against >= 0.85 with the
-    refusal): between polls a full pool's requests look like a few private tokens each, while
-    each holds its whole output to the end.
+    `wait_for_pool` (off by default): the TTFT includes `predict.pool_wait_ms` instead (the
+    blocks the running requests free, the queue's outputs left out), and the pool terms are the
+    prompt's long-run cost to the pool (`predict.pool_cost`, dearer as the pool fills with
+    cached prefixes) plus the share that copies what another worker holds
+    (`predict.copy_share`). Past capacity it admits requests that then miss
+    (tests/test_simulate_pressure at 2x and 5x: 0.5-0.8 of the admitted meet their SLOs):
+    between polls a full pool's requests look like a few private tokens each, while each holds
+    its whole output to the end.
     """
 
     name = "slo_goodput"
@@ -74,7 +81,9 @@ class SloGoodput:
         margin: float = 0.0,
         warm_prefixes: bool = True,
         wait_for_pool: bool = False,
+        routed_window_s: float = 1.0,
     ) -> None:
+        self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None
         self.ttft_ms = ttft_ms
         self.tpot_ms = tpot_ms
         self.margin = margin
@@ -83,6 +92,9 @@ class SloGoodput:
         self.wait_for_pool = wait_for_pool
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
+        return self.routed.route(self.choose, req, fleet) if self.routed else self.choose(req, fleet)
+
+    def choose(self, req: RequestView, fleet: FleetView) -> Route:
         slo_ttft = req.slo_ttft_ms or self.ttft_ms
         slo_tpot = req.slo_tpot_ms or self.tpot_ms
         mixed, decode = fleet.by_role(MIXED), fleet.by_role(DECODE)
@@ -101,9 +113,8 @@ class SloGoodput:
             if warm:
                 tier, headroom, ttft, tpot, p, d = self.best(req, candidates + warm, slo_ttft, slo_tpot)
         if tier == 2:
-            why = "the SLOs" if headroom < 0 else "the SLOs with the KV pool it would overflow"
             return Route(
-                reject=f"no {'P/D pair or ' if split else ''}worker meets {why} "
+                reject=f"no {'P/D pair or ' if split else ''}worker meets the SLOs "
                 f"(ttft {slo_ttft:.0f} ms, tpot {slo_tpot:.0f} ms): best is "
                 f"{_name(p, d)} at ttft {ttft:.0f} ms, tpot {tpot:.1f} ms",
                 info={"headroom": headroom},
@@ -125,32 +136,46 @@ class SloGoodput:
         """(tier, headroom, ttft, tpot, P, D) of the best of `candidates`, given as
         (ttft, tpot, P, D)."""
         scored = [
-            (self.tier(req, h, d), h, t, o, p, d)
-            for t, o, p, d in candidates
-            for h in (_headroom(t, o, slo_ttft, slo_tpot),)
+            (self.tier(h), h, t, o, p, d) for t, o, p, d in candidates for h in (_headroom(t, o, slo_ttft, slo_tpot),)
         ]
         held = max(cached_tokens(req, w) for c in candidates for w in c[2:] if w is not None)
         scores = [
-            (k, prefill_work_ms(req, p or d) / slo_ttft + self.pool_terms(req, d, held) - h) if k < 2 else (2, -h)
+            (k, self.sent_share(d, held), prefill_work_ms(req, p or d) / slo_ttft + self.pool_terms(req, d, held) - h)
+            if k < 2
+            else (2, 0.0, -h)
             for k, h, _, _, p, d in scored
         ]
         return cheapest(request_key(req), scored, scores, name=lambda c: _name(c[4], c[5]))
 
+    def sent_share(self, d: WorkerView, held: int) -> float:
+        """For a prompt no worker holds: the share of `d`'s pool this router sent new prefixes
+        into within its window (0 without one)."""
+        if self.routed is None or held or d.total_blocks <= 0:
+            return 0.0
+        return self.routed.pending_blocks(d.worker_id) / d.total_blocks
+
     def holder_full(self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float) -> bool:
         """Whether the worker holding the most of the prompt cannot take it (predicted to miss
-        its SLOs, or to overflow its pool): then another worker may be warmed from it."""
+        its SLOs): then another worker may be warmed from it."""
         t, o, _, holder = min(candidates, key=lambda c: (-cached_tokens(req, c[3]), c[3].worker_id))
-        return bool(holder.matched_blocks) and self.tier(req, _headroom(t, o, slo_ttft, slo_tpot), holder) == 2
+        return bool(holder.matched_blocks) and self.tier(_headroom(t, o, slo_ttft, slo_tpot)) == 2
 
     def ttft_tpot_ms(self, req: RequestView, w: WorkerView) -> tuple[float, float]:
-        """`predict.ttft_tpot_ms`, the TTFT with the wait for KV blocks under `wait_for_pool`."""
+        """`predict.ttft_tpot_ms`, the TTFT with the wait for a turn in the KV pool."""
         ttft, tpot = ttft_tpot_ms(req, w)
-        return (ttft + pool_wait_ms(req, w), tpot) if self.wait_for_pool else (ttft, tpot)
+        return ttft + self.pool_wait_ms(req, w), tpot
+
+    def pool_wait_ms(self, req: RequestView, w: WorkerView) -> float:
+        """`predict.pool_wait_ms` under `wait_for_pool`, else `predict.pool_queue_wait_ms`."""
+        return pool_wait_ms(req, w) if self.wait_for_pool else pool_queue_wait_ms(req, w)
 
     def pair(self, req: RequestView, c: Pair) -> tuple[float, float, WorkerView | None, WorkerView]:
-        """A P/D candidate as (ttft, tpot, P, D); under `wait_for_pool` its TTFT includes the
-        waits for KV blocks on both: P for the prompt it computes, D for the blocks it imports."""
-        wait = pool_wait_ms(req, c.prefill) + pool_wait_ms(req, c.decode) if self.wait_for_pool else 0.0
+        """A P/D candidate as (ttft, tpot, P, D). Its TTFT includes D's wait for the KV pool: D
+        holds the request to its end, so it waits its turn as a single worker would (warm pairs
+        without it copied hot prefixes into full pools). P holds the prompt only while it
+        computes it, behind the queue the pair's TTFT counts; under `wait_for_pool` it waits for
+        the blocks its running requests free too."""
+        wait = (pool_wait_ms(req, c.prefill) if self.wait_for_pool else 0.0) + self.pool_wait_ms(req, c.decode)
         return c.ttft_ms + wait, c.tpot_ms, c.prefill, c.decode
 
     def pool_terms(self, req: RequestView, d: WorkerView, held: int) -> float:
@@ -159,11 +184,9 @@ class SloGoodput:
             return pool_cost(req, d) + copy_share(req, d, held)
         return pool_share(req, d)
 
-    def tier(self, req: RequestView, headroom: float, d: WorkerView) -> int:
-        """0: admissible with headroom >= `margin`; 1: admissible; 2: predicted to miss, or
-        (unless `wait_for_pool`) to overflow `d`'s KV pool (a preemption thrash would make it
-        miss)."""
-        if headroom < 0 or (not self.wait_for_pool and pool_slack(req, d) < 0):
+    def tier(self, headroom: float) -> int:
+        """0: admissible with headroom >= `margin`; 1: admissible; 2: predicted to miss."""
+        if headroom < 0:
             return 2
         return 0 if headroom >= self.margin else 1
 

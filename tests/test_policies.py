@@ -126,18 +126,25 @@ def test_slo_goodput_spreads_new_sessions_whose_hit_is_a_short_shared_prompt():
     assert SloGoodput().route(r, fleet(quiet, worker("idle"))).worker == "holder"
 
 
-def test_slo_goodput_never_overflows_a_kv_pool():
-    """A holder whose pool cannot take the request after what is queued ahead is passed over;
-    with no pool that can, the request is rejected (a preemption thrash would miss anyway)."""
-    r = req(2048, slo_ttft_ms=1000, slo_tpot_ms=50)
-    full = worker(
-        "full", matched_blocks=120, running=10, total_blocks=1024, free_blocks=10, waiting=1, queued_prefill_tokens=512
-    )
-    roomy = worker("roomy", running=10, total_blocks=1024, free_blocks=900)
-    assert predict.pool_slack(r, full) < 0 <= predict.pool_slack(r, roomy)
-    assert SloGoodput().route(r, fleet(full, roomy)).worker == "roomy"
-    route = SloGoodput().route(r, fleet(full))
-    assert route.worker is None and "KV pool" in route.reject
+def test_slo_goodput_waits_for_a_full_pool_that_frees_in_time_and_refuses_one_that_does_not():
+    """A full pool is a wait, not a refusal: the holder's running requests end and free their
+    blocks well within the TTFT SLO, so it keeps the request rather than copy the prefix into
+    another full pool (refusing it, slo_goodput shed a third of the shared-prefix requests
+    full pools served within SLO). A pool its shared prefixes pin frees little as its requests
+    end: the request goes where there is room, and with none it is rejected."""
+    fast = CostModel.load("bench/profiles/h200-llama8b-kvgate-eager.json")
+    r = req(2176, max_tokens=128, slo_ttft_ms=2000, slo_tpot_ms=100)
+    pool = dict(cost=fast, total_blocks=1024, free_blocks=10, running=30, kv_tokens=30 * 2300, in_flight=36)
+    full = worker("full", matched_blocks=128, shared_blocks=128, waiting=1, **pool)
+    other = worker("other", shared_blocks=128, **pool)
+    route = SloGoodput().route(r, fleet(full, other))
+    assert route.worker == "full" and 0 < predict.pool_queue_wait_ms(r, full) < route.predicted_ttft_ms < 2000
+    pinned = with_fields(full, shared_blocks=1000)
+    roomy = worker("roomy", running=10, total_blocks=1024, free_blocks=900, cost=fast)
+    assert SloGoodput().route(r, fleet(pinned, other)).worker is None  # a copy waits its turn too
+    assert SloGoodput().route(r, fleet(pinned, other, roomy)).worker == "roomy"
+    route = SloGoodput().route(r, fleet(pinned))
+    assert route.worker is None and route.reject.startswith("no worker meets the SLOs")
 
 
 def test_slo_goodput_keeps_a_prefix_where_a_copy_would_crowd_another_pool():
@@ -194,15 +201,17 @@ def test_slo_goodput_waiting_for_pools_places_a_cold_prefix_where_least_is_cache
     assert SloGoodput(wait_for_pool=True).route(r, fleet(holder, empty)).worker == "full"
 
 
-def test_slo_goodput_waiting_for_pools_times_both_ends_of_a_pd_pair():
-    """A P/D pair waits for blocks on both workers: P for the prompt it computes, D for the
-    blocks it imports (warm pairs without it copied hot prefixes into full pools)."""
+def test_slo_goodput_times_the_pools_of_a_pd_pair():
+    """A P/D pair's decode worker holds the request to its end, so it waits its turn in D's pool
+    (warm pairs without it copied hot prefixes into full pools); P holds the prompt only while
+    it computes it. With `wait_for_pool` both wait for the blocks their running requests free."""
     r = req(2048, max_tokens=128)
     pinned = worker("p", running=20, kv_tokens=40_000, total_blocks=1024, free_blocks=0, shared_blocks=950)
     roomy = worker("d", total_blocks=1024, free_blocks=1024)
-    pair = Pair(pinned, roomy, 100.0, 20.0)
-    assert SloGoodput().pair(r, pair)[0] == 100.0
-    ttft = SloGoodput(wait_for_pool=True).pair(r, pair)[0]
+    assert SloGoodput().pair(r, Pair(pinned, roomy, 100.0, 20.0))[0] == 100.0
+    ttft = SloGoodput().pair(r, Pair(roomy, pinned, 100.0, 20.0))[0]
+    assert ttft == pytest.approx(100.0 + predict.pool_queue_wait_ms(r, pinned)) and ttft > 1000
+    ttft = SloGoodput(wait_for_pool=True).pair(r, Pair(pinned, roomy, 100.0, 20.0))[0]
     assert ttft == pytest.approx(100.0 + predict.pool_wait_ms(r, pinned)) and ttft > 1000
 
 
@@ -317,6 +326,8 @@ def test_a_full_holder_warms_another_mixed_worker_by_kv_import():
         matched_blocks=250,
         total_blocks=1024,
         free_blocks=0,
+        running=20,
+        in_flight=40,
         waiting=2,
         queued_prefill_tokens=1024,
         kv_bytes_per_token=36_864,
@@ -333,7 +344,7 @@ def test_a_full_holder_warms_another_mixed_worker_by_kv_import():
         predicted_tpot_ms=predict.tpot_ms(r, roomy),
         info=SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)).info,
     )
-    ok = with_fields(full, free_blocks=1024, waiting=0, queued_prefill_tokens=0)
+    ok = with_fields(full, free_blocks=1024, running=0, in_flight=0, waiting=0, queued_prefill_tokens=0)
     assert SloGoodput().route(r, fleet(ok, roomy)).worker == "holder"
 
 

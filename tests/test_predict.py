@@ -209,6 +209,27 @@ def test_a_full_pool_delays_the_first_token_by_what_its_running_requests_free():
     assert 0 < wait["full"] < 4 * predict.POOL_WAIT_SAFETY * step < wait["deeper"] < wait["pinned"]
 
 
+def test_a_request_waits_its_turn_in_a_full_pool_counting_every_request_in_flight():
+    """The pool as the batch: nothing while it holds every request in flight with its whole
+    output; past that (a pool its 20 running requests fill, the 21st waits for the first to
+    end), requests start one per life / fits, so the wait grows with the requests
+    the gateways sent that a poll does not show yet, and is far longer where shared prefixes
+    pin the pool. Free blocks at the last poll do not make room for those sent since."""
+    r = req(256, max_tokens=128)
+    pool = dict(total_blocks=1024, running=20, kv_tokens=20 * 2300)
+    roomy = worker("roomy", free_blocks=800, **pool)
+    full = worker("full", free_blocks=0, **pool)
+    sent = worker("sent", free_blocks=200, in_flight=60, **pool)
+    more = worker("more", free_blocks=200, in_flight=90, **pool)
+    pinned = worker("pinned", free_blocks=0, shared_blocks=950, **pool)
+    wait = {w.worker_id: predict.pool_queue_wait_ms(r, w) for w in (roomy, full, sent, more, pinned)}
+    life = 128 * COST.decode_ms(20, 20 * 2300)
+    assert wait["roomy"] == 0
+    assert 0 < wait["full"] < 0.1 * predict.POOL_QUEUE_SAFETY * life  # the first of 20 to end
+    assert wait["full"] < wait["sent"] < wait["more"] < wait["pinned"]
+    assert wait["pinned"] > 4 * predict.POOL_QUEUE_SAFETY * life
+
+
 def test_a_prefill_worker_exporting_in_batches_hides_part_of_the_transfer():
     """6000 tokens in 2048-token steps (3 batches of 16+ blocks): the transfer overlaps the
     prefill, so it adds less than all of it and at least its last batch's share; a worker that
