@@ -147,7 +147,8 @@ class FleetSim:
 
     def _resident(self, view: WorkerView) -> WorkerView:
         """`view` with the blocks the index holds for its worker, as `Fleet.views` adds them."""
-        return with_fields(view, resident_blocks=self.index.num_blocks(view.worker_id))
+        wid = view.worker_id
+        return with_fields(view, resident_blocks=self.index.num_blocks(wid), residency_epoch=self.index.epoch(wid))
 
     def _push(self, t: float, kind: int, i: int) -> None:
         self.seq += 1

@@ -305,7 +305,9 @@ class Fleet:
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.sent_since_poll = w.done_since_poll = 0
         w.state_at = time.monotonic()
-        w.base = view_of_state(state, w.url, self.tier_credits, cost)
+        w.base = with_fields(
+            view_of_state(state, w.url, self.tier_credits, cost), residency_epoch=self.index.epoch(w.worker_id)
+        )
         if w.nap is not None and (state.get("engine_stall_s") or not _idle(w)):
             _settle(w.nap)  # its next poll is due sooner: the poller works out when
 
@@ -415,12 +417,18 @@ class Fleet:
             flight = w.in_flight + w.shared_in_flight
             m = matches.get(w.worker_id, 0) // w.hash_ratio
             resident = self.index.num_blocks(w.worker_id) // w.hash_ratio
+            epoch = self.index.epoch(w.worker_id)
             ended = w.done_since_poll - w.sent_since_poll
             base = w.base
             assert base is not None, "only available workers (polled, so with a view) are candidates"
-            if m or flight or ended > 0 or resident != base.resident_blocks:
+            if m or flight or ended > 0 or resident != base.resident_blocks or epoch != base.residency_epoch:
                 view = with_fields(
-                    base, matched_blocks=m, in_flight=flight, resident_blocks=resident, **_less_held(base, ended)
+                    base,
+                    matched_blocks=m,
+                    in_flight=flight,
+                    resident_blocks=resident,
+                    residency_epoch=epoch,
+                    **_less_held(base, ended),
                 )
             else:
                 view = base

@@ -28,6 +28,12 @@ class ResidencyIndex:
         self._seq: dict[str, int] = {}
         self._bit: dict[str, int] = {}
         self._ids: list[str] = []  # worker id by bit; "" for a free bit
+        self._epoch: dict[str, int] = {}  # how often a worker's residency was replaced or dropped
+
+    def epoch(self, worker_id: str) -> int:
+        """How often `worker_id`'s residency was replaced (a cleared cache, a resync after a gap
+        or a restart) or dropped: what a router remembers of a worker is stale once it moves."""
+        return self._epoch.get(worker_id, 0)
 
     def seq(self, worker_id: str) -> int | None:
         """The last event applied for `worker_id`; None when it has never been synced."""
@@ -65,6 +71,7 @@ class ResidencyIndex:
 
     def drop(self, worker_id: str) -> None:
         """Forget a worker entirely (it left the fleet or must be resynced)."""
+        self._epoch[worker_id] = self._epoch.get(worker_id, 0) + 1
         held = self._held.pop(worker_id, None)
         slow = self._slow_held.pop(worker_id, {})
         self._seq.pop(worker_id, None)

@@ -73,6 +73,7 @@ class WorkerView:
     free_blocks: int = 0
     shared_blocks: int = 0  # of the blocks in use, those two or more requests read (a prefix they share)
     resident_blocks: int = 0  # blocks holding cached K/V, in use or free (the gateway's residency index)
+    residency_epoch: int = 0  # moves when the index replaces or drops its residency (cleared, resynced)
     total_blocks: int = 0
     queued_prefill_tokens: int = 0
     kv_tokens: int = 0

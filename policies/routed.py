@@ -20,11 +20,13 @@ class RoutedPrefixes:
     worker first sent it. `recall` raises a worker's `matched_blocks` to what it was sent of a
     prompt no worker's index match shows yet; `pending_blocks` is how many distinct blocks a
     worker was sent first in the window. The window is a few polls: by then the prefill has
-    run and its events have arrived."""
+    run and its events have arrived. A worker whose residency the index has replaced since
+    (`residency_epoch`: its cache cleared, a resync, a restart) holds none of what it was sent."""
 
     def __init__(self, window_s: float = 1.0) -> None:
         self.window_s = window_s
-        self.first: dict[int, tuple[str, float]] = {}  # block hash -> (worker, when first sent)
+        # block hash -> (worker, its residency epoch then, when first sent)
+        self.first: dict[int, tuple[str, int, float]] = {}
         self.sent: deque[tuple[float, tuple[int, ...]]] = deque()
         self.pending: Counter[str] = Counter()
 
@@ -50,10 +52,11 @@ class RoutedPrefixes:
         self.expire(fleet.now)
         if any(w.matched_blocks for w in fleet.workers):
             return fleet
+        epochs = {w.worker_id: w.residency_epoch for w in fleet.workers}
         sent: dict[str, int] = {}
         for n, h in enumerate(req.block_hashes, 1):
             entry = self.first.get(h)
-            if entry is None:
+            if entry is None or epochs.get(entry[0]) != entry[1]:  # its cache was cleared since
                 break
             sent[entry[0]] = n
         if not sent:
@@ -66,7 +69,7 @@ class RoutedPrefixes:
         hashes = req.block_hashes[: max(0, req.num_tokens - 1) // w.block_size]
         new = tuple(h for h in hashes if h not in self.first)
         for h in new:
-            self.first[h] = (w.worker_id, now)
+            self.first[h] = (w.worker_id, w.residency_epoch, now)
         self.pending[w.worker_id] += len(new)
         self.sent.append((now, new))
 
@@ -77,7 +80,7 @@ class RoutedPrefixes:
         while self.sent and self.sent[0][0] < now - self.window_s:
             _, hashes = self.sent.popleft()
             for h in hashes:
-                worker_id, _ = self.first.pop(h)
+                worker_id, _, _ = self.first.pop(h)
                 self.pending[worker_id] -= 1
 
 
