@@ -54,13 +54,6 @@ class GcPauses:
         self.longest = max(self.longest, ms)
 
 
-class Tok:
-    eos_token_id = None
-
-    def decode(self, ids, **kw):
-        return ""
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", type=int, default=256)

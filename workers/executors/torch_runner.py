@@ -11,9 +11,9 @@ gather attention path: the reference the fidelity tests hold against HF.
 """
 
 import json
-from collections import deque
 import time
 from array import array
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
