@@ -6,6 +6,7 @@ of 2000 ms TTFT and 100 ms TPOT, 15 s of seeded arrivals. slo_goodput waits for 
 
 import json
 from collections import Counter
+from pathlib import Path
 
 from bench.fleet_sim import FleetConfig, FleetSim
 from bench.report import summarize
@@ -14,7 +15,7 @@ from bench.workloads import WorkloadConfig, generate
 from policies.registry import load_policy
 from workers.kv.cost_model import CostModel
 
-PROFILE = json.load(open("bench/profiles/h200-llama8b-kvgate-eager.json"))
+PROFILE = json.loads(Path("bench/profiles/h200-llama8b-kvgate-eager.json").read_text())
 SLO = (2000.0, 100.0)
 CACHE_AWARE = "bench.peer_policies:CacheAware"
 
