@@ -149,7 +149,8 @@ class TorchRunner:
         with torch.inference_mode():
             if events:
                 events[0].record()
-            logits = self._logits(chunks, sampled, events[1] if events else None)
+            replays = self._replays(chunks)
+            logits = self._logits(chunks, sampled, events[1] if events else None, replays)
             params = [chunks[i].params for i in sampled]
             tokens = (
                 None if logits is None else sample_tensor(logits, params, [chunks[i].output_index for i in sampled])
@@ -171,7 +172,7 @@ class TorchRunner:
             events,
             (time.perf_counter() - t0) * 1000,
             logprobs,
-            self._replays(chunks),
+            replays,
         )
 
     def collect(self, step: Launched) -> tuple[list[int | None], float]:
@@ -214,16 +215,19 @@ class TorchRunner:
         """Whether this step is a decode graph replay (decode steps a captured batch size covers)."""
         return self.graphs is not None and len(chunks) <= self.graphs.max_num_seqs and is_decode(chunks)
 
-    def _logits(self, chunks: list[SeqChunk], sampled: list[int], ready: "torch.cuda.Event | None") -> Tensor | None:
-        """Logits of the sampled rows: a graph replay for decode steps it covers, else eager.
-        `ready` is recorded once the step's inputs are on the device, just before the forward."""
+    def _logits(
+        self, chunks: list[SeqChunk], sampled: list[int], ready: "torch.cuda.Event | None", replays: bool
+    ) -> Tensor | None:
+        """Logits of the sampled rows: a graph replay for a decode step it covers (`replays`),
+        else eager. `ready` is recorded once the step's inputs are on the device, just before
+        the forward."""
+        if replays:
+            assert self.graphs is not None
+            d = decode_inputs(chunks, self.block_size)
+            any_row = max(d.sample_src, default=-1) >= 0
+            return self.graphs.run(d, lambda ids, src: self._fill_rows(ids, src, any_row, ready))
         ends = _chunk_ends(chunks)
         patch = [(ends[i], c.prev_sample) for i, c in enumerate(chunks) if c.prev_sample >= 0]
-        if self._replays(chunks):
-            assert self.graphs is not None
-            return self.graphs.run(
-                decode_inputs(chunks, self.block_size), lambda ids, src: self._fill_rows(ids, src, bool(patch), ready)
-            )
         if self.staging is not None:
             input_ids, positions, batch = kernel_inputs(chunks, self.block_size, self.staging)
         else:
