@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from workers.engine import Engine, EngineConfig
-from workers.startup_heap import settle_gc
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.sampling_params import SamplingParams
+from workers.startup_heap import settle_gc
 from workers.step_stats import StepRecord, StepStats
 
 
@@ -160,13 +160,12 @@ def device_split(runner) -> dict:
         ("other", [t for t in runner.timings if not t.replayed]),
     ):
         if rows:
+            computed = sorted(t.computed_ms for t in rows)
             out[kind] = {
                 "steps": len(rows),
                 "waited_ms_mean": sum(t.waited_ms for t in rows) / len(rows),
-                "computed_ms_mean": sum(t.computed_ms for t in rows) / len(rows),
-                "computed_ms_sorted_deciles": [
-                    sorted(t.computed_ms for t in rows)[min(len(rows) - 1, len(rows) * k // 10)] for k in range(11)
-                ],
+                "computed_ms_mean": sum(computed) / len(rows),
+                "computed_ms_sorted_deciles": [computed[min(len(rows) - 1, len(rows) * k // 10)] for k in range(11)],
             }
     return out
 

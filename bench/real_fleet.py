@@ -22,7 +22,6 @@ import secrets
 import sys
 import time
 
-
 from bench import report as rep
 from bench.loadgen import run_rate
 from bench.workloads import add_args, from_args

@@ -41,7 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from bench import report as rep
 from bench.loadgen import run_rate
 from bench.peer_fidelity import add_fidelity, step_mark, step_speed
