@@ -6,6 +6,7 @@ so nothing outlives a test even when it fails; output goes to a log file whose t
 when a process does not come up.
 """
 
+import asyncio
 import os
 import random
 import signal
@@ -257,4 +258,15 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
         if value:
             return value
         time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def wait_until(predicate, timeout: float = 30.0, interval: float = 0.01, what: str = "condition"):
+    """`wait_for` inside an event loop: the loop runs between polls."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")

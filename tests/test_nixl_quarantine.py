@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import httpx
 from starlette.applications import Starlette
 
-from gateway.procs import wait_for
+from gateway.procs import wait_for, wait_until
 from tests.sim_engine import sim_engine
 from tests.test_metrics import samples
 from workers import transfer_nixl
@@ -200,20 +200,14 @@ def test_a_writer_hung_mid_write_holds_its_blocks_no_longer_than_the_quarantine_
 
     pair = Pair(hung_write, quarantine_s=bound)
 
-    async def until(predicate) -> None:
-        deadline = time.monotonic() + 30
-        while not predicate():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
-
     async def run() -> bool:
         sender = asyncio.create_task(pair.prefill.send(pair.client, "http://d", pair.header, [0, 1, 2], {}))
-        await until(lambda: pair.decode.quarantined)
+        await wait_until(lambda: pair.decode.quarantined)
         (q,) = pair.decode.quarantined.values()
         assert q.timer.when() - asyncio.get_running_loop().time() <= bound, "the bound, not another lifetime"
         assert pair.held_unpublished(granted) and not set(pair.grab_every_free_block()) & set(granted)
         assert pair.metric("kvgate_worker_kv_quarantined_blocks") == len(granted) == 3
-        await until(lambda: not pair.decode.quarantined)
+        await wait_until(lambda: not pair.decode.quarantined)
         assert pair.decode.stats()["quarantine_releases"] == {"completed": 0, "timed_out": 1}
         assert pair.metric("kvgate_worker_kv_quarantined_blocks") == 0
         releases = "kvgate_worker_kv_quarantine_releases_total"

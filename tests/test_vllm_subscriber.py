@@ -3,6 +3,7 @@ replay on start, a gap filled by replay, a gap the publisher can no longer fill,
 both bind directions, and no replay endpoint at all."""
 
 import asyncio
+import functools
 import time
 from collections import deque
 
@@ -14,7 +15,7 @@ from gateway.vllm_subscriber import Subscriber
 from gateway.vllm_translate import Translator
 from gateway.vllm_worker import IndexSink
 from tests import vllm_data as vd
-from gateway.procs import free_port
+from gateway.procs import free_port, wait_until
 
 WID = "vllm@test"
 
@@ -65,11 +66,7 @@ def block(i: int) -> tuple[dict, list[int]]:
     return vd.stored([i], tokens), tokens
 
 
-async def until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+until = functools.partial(wait_until, timeout=10.0)
 
 
 def resident(index: ResidencyIndex) -> int:
