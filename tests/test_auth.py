@@ -310,7 +310,8 @@ def test_cache_headers_can_be_hidden_from_clients(fleet):
     ],
 )
 def test_bad_gateway_flags_are_start_up_errors(monkeypatch, argv, why):
-    from gateway.server import build, parser
+    from gateway.cli_args import parser
+    from gateway.server import build
 
     monkeypatch.delenv("KVGATE_INTERNAL_TOKEN", raising=False)
     with pytest.raises(SystemExit, match=why):

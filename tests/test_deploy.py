@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from bench.prom import PrometheusMissing, ensure_prometheus
-from gateway.server import parser as gateway_parser
+from gateway.cli_args import parser as gateway_parser
 from tests.test_grafana import exported_names
 from workers.cli import parser as worker_parser
 
