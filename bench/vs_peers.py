@@ -15,7 +15,8 @@ alone in front of the fleet; before each rate every worker's prefix cache is emp
 /kv/reset`), so each rate starts cold with the same seeded requests. Per router and workload
 the rates run in ascending order and stop at the first one below 90% SLO attainment; when every
 rate passes, the rate grows by half until one fails (`--max-extra` times), so every goodput is
-found, not bounded.
+found, not bounded; `--refine` bisections between the last passing and the first failing rate
+then narrow the interpolation.
 
 Then (or only, with `--workloads ""`), at `--low-rate` with 256-token prompts and short answers: what each router adds to TTFT
 over sending straight to the workers (client-side round robin), and the router process's CPU
@@ -152,26 +153,38 @@ class Bench:
         return run
 
     def sweep(self, label: str, router: Proc, wl: WorkloadConfig) -> list[dict]:
-        """Ascending rates until attainment drops below the target; past the list, +50% steps."""
+        """Ascending rates until attainment drops below the target; past the list, +50% steps;
+        then `--refine` bisections between the last rate that passed and the first that failed,
+        so goodput is interpolated over a gap of a fraction of the grid's step (the knee is
+        steep: across a whole step, one run's noise moved it by 10-20%)."""
         a, runs = self.args, []
         rates = [float(r) for r in a.rates.split(",")]
         extra = 0
         while rates:
-            rate = rates.pop(0)
-            run = self.measure([router.url], wl.with_rate(rate), router.popen.pid)
+            run = self.run_rate(label, router, wl, rates.pop(0))
             runs.append(run)
-            print(
-                f"  {label} {wl.name} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, "
-                f"ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, errors {run['errors']}",
-                file=sys.stderr,
-                flush=True,
-            )
             if run["slo_attainment"] < rep.TARGET:
                 break
             if not rates and extra < a.max_extra:
                 extra += 1
-                rates.append(round(rate * 1.5, 1))
-        return runs
+                rates.append(round(run["rate_rps"] * 1.5, 1))
+        for _ in range(a.refine):
+            bracket = knee(runs)
+            if bracket is None:
+                break
+            runs.append(self.run_rate(label, router, wl, round(sum(bracket) / 2, 1)))
+        return sorted(runs, key=lambda r: r["rate_rps"])
+
+    def run_rate(self, label: str, router: Proc, wl: WorkloadConfig, rate: float) -> dict:
+        """`measure` at one rate through `router`, with a progress line."""
+        run = self.measure([router.url], wl.with_rate(rate), router.popen.pid)
+        print(
+            f"  {label} {wl.name} {rate:g} req/s: attainment {run['slo_attainment']:.3f}, "
+            f"ttft p50 {run['ttft_p50_ms'] or 0:.0f} ms, errors {run['errors']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return run
 
     def overhead(self, labels: list[str], urls: list[str]) -> dict:
         """`overhead_once` `--overhead-repeat` times; per router the median of each figure, and
@@ -208,6 +221,18 @@ class Bench:
                 "cpu_ms_per_request": 1000.0 * run["router_cpu_s_per_request"],
             }
         return out
+
+
+def knee(runs: list[dict], min_gap: float = 1.0) -> tuple[float, float] | None:
+    """(the highest passing rate, the lowest failing rate above it) when both exist and are
+    more than `min_gap` req/s apart, else None."""
+    passed = [r["rate_rps"] for r in runs if r["slo_attainment"] >= rep.TARGET]
+    if not passed:
+        return None
+    above = [r["rate_rps"] for r in runs if r["rate_rps"] > max(passed)]
+    if not above or min(above) - max(passed) <= min_gap:
+        return None
+    return max(passed), min(above)
 
 
 def labels_of(args: argparse.Namespace) -> list[str]:
@@ -306,6 +331,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="sglang-router,vllm-router")
     p.add_argument("--rates", default="8,12,16,20,24", help="ascending request rates (req/s)")
     p.add_argument("--max-extra", type=int, default=3, help="+50%% rates past the list while all pass")
+    p.add_argument("--refine", type=int, default=1, help="bisections between the last passing and first failing rate")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--model", default="smollm2-135m", help="the sim workers' tokenizer; prompts go as its text")

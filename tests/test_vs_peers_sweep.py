@@ -1,0 +1,61 @@
+"""bench.vs_peers' rate sweep: ascending rates until one fails, +50% steps past the list, then
+bisections between the last passing and first failing rate (run against a stand-in for the
+fleet whose attainment is a step at a known knee)."""
+
+import argparse
+import types
+
+from bench import vs_peers
+from bench.vs_peers import Bench, knee
+
+
+def _bench(rates: str, max_extra: int, refine: int, capacity: float) -> tuple[Bench, list[float]]:
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(rates=rates, max_extra=max_extra, refine=refine)
+    asked: list[float] = []
+
+    def measure(self, urls, wl, pid):
+        asked.append(wl.rate)
+        return {
+            "rate_rps": wl.rate,
+            "slo_attainment": 1.0 if wl.rate <= capacity else 0.5,
+            "ttft_p50_ms": 1.0,
+            "errors": 0,
+        }
+
+    bench.measure = types.MethodType(measure, bench)
+    return bench, asked
+
+
+def _sweep(bench: Bench) -> list[dict]:
+    router = types.SimpleNamespace(url="http://x", popen=types.SimpleNamespace(pid=1))
+    return bench.sweep("kvgate-x", router, vs_peers.WorkloadConfig(name="random", duration_s=1.0))
+
+
+def test_bisects_between_the_last_pass_and_the_first_fail():
+    bench, asked = _bench("8,14,20", max_extra=2, refine=2, capacity=16.0)
+    runs = _sweep(bench)
+    assert asked == [8.0, 14.0, 20.0, 17.0, 15.5]
+    assert [r["rate_rps"] for r in runs] == sorted(asked)
+    assert knee(runs) == (15.5, 17.0)
+
+
+def test_extra_rates_then_bisection_when_every_listed_rate_passes():
+    bench, asked = _bench("8,14", max_extra=2, refine=1, capacity=25.0)
+    _sweep(bench)
+    assert asked == [8.0, 14.0, 21.0, 31.5, 26.2]
+
+
+def test_no_bisection_without_a_failing_rate_or_with_refine_zero():
+    bench, asked = _bench("8,14", max_extra=0, refine=3, capacity=100.0)
+    _sweep(bench)
+    assert asked == [8.0, 14.0]
+    bench, asked = _bench("8,14,20", max_extra=0, refine=0, capacity=10.0)
+    _sweep(bench)
+    assert asked == [8.0, 14.0]
+
+
+def test_knee_needs_a_pass_below_a_fail_more_than_min_gap_apart():
+    assert knee([{"rate_rps": 8.0, "slo_attainment": 0.5}]) is None
+    assert knee([{"rate_rps": 8.0, "slo_attainment": 0.95}, {"rate_rps": 8.5, "slo_attainment": 0.2}]) is None
+    assert knee([{"rate_rps": 8.0, "slo_attainment": 0.95}, {"rate_rps": 12.0, "slo_attainment": 0.2}]) == (8.0, 12.0)
