@@ -8,7 +8,9 @@ The fleet: `--workers` `kvgate worker --executor sim` processes with the `--prof
 and `--num-blocks` KV blocks each (too few for the working set, so routing decides what stays
 cached). The routers: kvgate with each of `--policies`, sglang-router and vllm-router with
 `cache_aware`. Prompts go as text (sglang-router takes no token ids): the seeded workloads'
-token ids decoded by the workers' tokenizer, so equal prefixes are equal text. The peers are
+token ids written as words the workers' tokenizer reads back to one token each
+(`bench.prompt_text`), so equal prefixes are equal text and every prompt is as long as the
+simulator's. The peers are
 installed from PyPI into venvs of their own beside the repository (`../.venv-sglang-router`,
 `../.venv-vllm-router`; created when missing, never part of the repository). Each router runs
 alone in front of the fleet; before each rate every worker's prefix cache is emptied (`POST
@@ -45,6 +47,7 @@ from pathlib import Path
 from bench import report as rep
 from bench.loadgen import run_rate
 from bench.peer_fidelity import add_fidelity, step_mark, step_speed
+from bench.prompt_text import as_text
 from bench.workloads import WorkloadConfig
 from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all
 from workers.model_store import load_tokenizer, served_name
@@ -89,8 +92,7 @@ class Bench:
         self.token = secrets.token_hex(16)
         self.slo = (args.slo_ttft_ms, args.slo_tpot_ms)
         self.workers: list[Worker] = []
-        tokenizer = load_tokenizer(args.model)
-        self.text = lambda ids: tokenizer.decode(ids)
+        self.text = as_text(load_tokenizer(args.model))
 
     def start_fleet(self) -> list[str]:
         a = self.args
