@@ -187,68 +187,14 @@ def pool_share(req: RequestView, w: WorkerView) -> float:
     return own / (own + room)
 
 
-def pool_cost(req: RequestView, w: WorkerView) -> float:
-    """What `req`'s uncached prompt costs `w`'s KV pool in the long run: its share of the whole
-    pool, weighed up to three times as the pool fills with cached K/V (`resident_blocks`, the
-    gateway's live index): into an empty pool a new prefix costs little, into a full one it
-    evicts prefixes other requests would hit. A cold prefix thus goes where the least is
-    cached, as sglang's cache_aware sends it to the worker with the smallest tree; measured on
-    load alone, prefixes arriving between polls piled onto one worker, whose pool then could
-    not hold them and the requests reading them. Against the whole pool, unlike `pool_share`:
-    a holder's free room is what its running requests leave for a moment, and counting a
-    hit's few tokens against it sent requests to copy their prefix elsewhere until copies
-    filled every pool. 0 where the pool size is unknown."""
-    if w.total_blocks <= 0:
-        return 0.0
-    return uncached_tokens(req, w) / (w.total_blocks * w.block_size) * (1 + 2 * w.resident_blocks / w.total_blocks)
-
-
-def copy_share(req: RequestView, w: WorkerView, held: int) -> float:
-    """The share of `w`'s pool that would copy what another worker holds of the prompt (`held`
-    tokens at most): a second copy of a prefix costs the fleet its room twice, for as long as
-    both are read. 0 where the pool size is unknown."""
-    if w.total_blocks <= 0:
-        return 0.0
-    return max(0, held - cached_tokens(req, w)) / (w.total_blocks * w.block_size)
-
-
-# The wait leaves out the preemptions a full pool causes (a running request that cannot grow is
-# recomputed): in the simulator, behind full pools (skewed, 26 req/s), requests waited about
-# twice what it predicts.
-POOL_WAIT_SAFETY = 2.0
-
-
-def pool_wait_ms(req: RequestView, w: WorkerView) -> float:
-    """Time `req` waits for KV blocks on `w` when its uncached prompt and the prompts queued
-    ahead (`queued_tokens`) overflow the pool: a worker admits a prompt only once its blocks
-    are free, and the running requests free theirs as they finish (`POOL_WAIT_SAFETY` times
-    this estimate).
-
-    The running requests are guessed to finish evenly over one life (`req.max_tokens` decode
-    steps of the running batch; their lengths guessed to be this one's, as in `slot_wait_ms`),
-    each freeing its private blocks (those in use less the ones two or more requests share,
-    `shared_blocks`: a shared prefix stays while others read it) while the others' outputs grow
-    by a token a step. After s steps that frees (b*s + s^2/2) / out tokens per running request,
-    b its private prompt (its share of the private blocks less the half of `out` it holds on
-    average); the wait is the s where that reaches the overflow. Nothing while the pool holds
-    it all, with nothing running (the queue terms count the queue), or where the pool size is
-    unknown."""
-    model, _, dscale = _model(w)
-    pool = w.total_blocks * w.block_size
-    overflow = (w.total_blocks - w.free_blocks) * w.block_size + queued_tokens(req, w) + uncached_tokens(req, w) - pool
-    if w.total_blocks <= 0 or overflow <= 0 or w.running <= 0:
-        return 0.0
-    out = max(1, req.max_tokens)
-    b = (w.total_blocks - w.free_blocks - w.shared_blocks) * w.block_size / w.running - out / 2
-    steps = -b + math.sqrt(b * b + 2 * out * overflow / w.running)
-    return POOL_WAIT_SAFETY * steps * dscale * model.decode_ms(w.running, w.kv_tokens)
-
-
 # The wait leaves out the preemptions of a pool admitted to the brim (the newest running request
 # that cannot grow is recomputed, and waits again). In the simulator at vs_peers' configuration
 # on shared-prefix, admitted requests waited about the unscaled estimate at 56 req/s (median),
 # 2.6x it at 150 req/s where 10-20 requests sent to the worker were not in its last poll; at 5x
 # capacity 0.79 / 0.84 / 0.90 of the admitted met their SLOs with a factor of 1.5 / 1.75 / 2.
+# At capacity it is pessimistic (multi-turn, 20-24 req/s: requests it predicted 2-5 s away met
+# their SLOs when admitted anyway); 1.0 gains multi-turn ~1.3 req/s of goodput but leaves 0.81 of
+# the admitted within SLO on skewed at 5x, and no field of the view told the two loads apart.
 POOL_QUEUE_SAFETY = 2.0
 
 

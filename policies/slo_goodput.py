@@ -22,12 +22,9 @@ from policies.pd import Pair, PdDecider
 from policies.routed import RoutedPrefixes
 from policies.predict import (
     cached_tokens,
-    copy_share,
     hit_tokens,
-    pool_cost,
-    pool_share,
     pool_queue_wait_ms,
-    pool_wait_ms,
+    pool_share,
     prefill_work_ms,
     ttft_tpot_ms,
 )
@@ -61,14 +58,10 @@ class SloGoodput:
     worker (`PdDecider.warm_pairs`) compete too: a hot prefix spreads by KV import, not by
     recomputing it cold (`warm_prefixes=False` turns that off).
 
-    `wait_for_pool` (off by default): the TTFT includes `predict.pool_wait_ms` instead (the
-    blocks the running requests free, the queue's outputs left out), and the pool terms are the
-    prompt's long-run cost to the pool (`predict.pool_cost`, dearer as the pool fills with
-    cached prefixes) plus the share that copies what another worker holds
-    (`predict.copy_share`). Past capacity it admits requests that then miss
-    (tests/test_simulate_pressure at 2x and 5x: 0.5-0.8 of the admitted meet their SLOs):
-    between polls a full pool's requests look like a few private tokens each, while each holds
-    its whole output to the end.
+    One wait for a full pool: an opt-in `wait_for_pool` (the blocks the running requests free,
+    the queue's outputs left out; each prompt priced by its long-run cost to the pool) served
+    multi-turn and skewed better below capacity and admitted requests that then missed past it
+    (0.58-0.65 of the admitted within SLO at 5x); its pricing alone gained nothing. Dropped.
     """
 
     name = "slo_goodput"
@@ -80,7 +73,6 @@ class SloGoodput:
         pd_min_uncached_tokens: int = 512,
         margin: float = 0.0,
         warm_prefixes: bool = True,
-        wait_for_pool: bool = False,
         routed_window_s: float = 1.0,
     ) -> None:
         self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None
@@ -89,7 +81,6 @@ class SloGoodput:
         self.margin = margin
         self.pd = PdDecider(pd_min_uncached_tokens)
         self.warm_prefixes = warm_prefixes
-        self.wait_for_pool = wait_for_pool
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         return self.routed.route(self.choose, req, fleet) if self.routed else self.choose(req, fleet)
@@ -140,7 +131,7 @@ class SloGoodput:
         ]
         held = max(cached_tokens(req, w) for c in candidates for w in c[2:] if w is not None)
         scores = [
-            (k, self.sent_share(d, held), prefill_work_ms(req, p or d) / slo_ttft + self.pool_terms(req, d, held) - h)
+            (k, self.sent_share(d, held), prefill_work_ms(req, p or d) / slo_ttft + pool_share(req, d) - h)
             if k < 2
             else (2, 0.0, -h)
             for k, h, _, _, p, d in scored
@@ -163,26 +154,14 @@ class SloGoodput:
     def ttft_tpot_ms(self, req: RequestView, w: WorkerView) -> tuple[float, float]:
         """`predict.ttft_tpot_ms`, the TTFT with the wait for a turn in the KV pool."""
         ttft, tpot = ttft_tpot_ms(req, w)
-        return ttft + self.pool_wait_ms(req, w), tpot
-
-    def pool_wait_ms(self, req: RequestView, w: WorkerView) -> float:
-        """`predict.pool_wait_ms` under `wait_for_pool`, else `predict.pool_queue_wait_ms`."""
-        return pool_wait_ms(req, w) if self.wait_for_pool else pool_queue_wait_ms(req, w)
+        return ttft + pool_queue_wait_ms(req, w), tpot
 
     def pair(self, req: RequestView, c: Pair) -> tuple[float, float, WorkerView | None, WorkerView]:
         """A P/D candidate as (ttft, tpot, P, D). Its TTFT includes D's wait for the KV pool: D
         holds the request to its end, so it waits its turn as a single worker would (warm pairs
         without it copied hot prefixes into full pools). P holds the prompt only while it
-        computes it, behind the queue the pair's TTFT counts; under `wait_for_pool` it waits for
-        the blocks its running requests free too."""
-        wait = (pool_wait_ms(req, c.prefill) if self.wait_for_pool else 0.0) + self.pool_wait_ms(req, c.decode)
-        return c.ttft_ms + wait, c.tpot_ms, c.prefill, c.decode
-
-    def pool_terms(self, req: RequestView, d: WorkerView, held: int) -> float:
-        """What placing the prompt on `d` costs its KV pool, in headroom units (see the class)."""
-        if self.wait_for_pool:
-            return pool_cost(req, d) + copy_share(req, d, held)
-        return pool_share(req, d)
+        computes it, behind the queue the pair's TTFT counts."""
+        return c.ttft_ms + pool_queue_wait_ms(req, c.decode), c.tpot_ms, c.prefill, c.decode
 
     def tier(self, headroom: float) -> int:
         """0: admissible with headroom >= `margin`; 1: admissible; 2: predicted to miss."""

@@ -166,53 +166,16 @@ def test_slo_goodput_keeps_a_prefix_where_a_copy_would_crowd_another_pool():
     assert SloGoodput().route(r, fleet(crowded, roomy)).worker == "quiet"
 
 
-def test_slo_goodput_can_wait_for_a_full_pool_that_frees_in_time():
-    """With `wait_for_pool` a full pool is a wait, not a refusal: a holder whose running
-    requests free the overflow within a few steps keeps the request the default refuses. A pool
-    its shared prefixes pin frees little as its requests finish: the wait misses the TTFT, the
-    request goes elsewhere, and with nowhere else it is rejected."""
-    r = req(2048, slo_ttft_ms=1000, slo_tpot_ms=50)
-    full = worker(
-        "full", matched_blocks=120, running=10, total_blocks=1024, free_blocks=10, waiting=1, queued_prefill_tokens=512
-    )
-    roomy = worker("roomy", running=10, total_blocks=1024, free_blocks=900)
-    assert SloGoodput().route(r, fleet(full, roomy)).worker == "roomy"
-    route = SloGoodput(wait_for_pool=True).route(r, fleet(full, roomy))
-    assert route.worker == "full" and predict.ttft_ms(r, full) < route.predicted_ttft_ms < 1000
-    pinned = with_fields(full, shared_blocks=1000)
-    assert SloGoodput(wait_for_pool=True).route(r, fleet(pinned, roomy)).worker == "roomy"
-    route = SloGoodput(wait_for_pool=True).route(r, fleet(pinned))
-    assert route.worker is None and route.reject.startswith("no worker meets the SLOs")
-
-
-def test_slo_goodput_waiting_for_pools_places_a_cold_prefix_where_least_is_cached():
-    """With `wait_for_pool` a prefix no worker holds goes where the least is cached, though
-    the other worker is a little less busy; a prefix one worker holds stays there though that
-    worker is the fuller, as long as it meets the SLOs (a copy would cost the fleet its room
-    twice)."""
-    fast = CostModel.load("bench/profiles/h200-llama8b-kvgate-eager.json")
-    r = req(2176, slo_ttft_ms=2000, slo_tpot_ms=100)
-    pool = dict(cost=fast, total_blocks=1024, free_blocks=600)
-    full = worker("full", running=4, kv_tokens=4 * 2300, resident_blocks=900, **pool)
-    empty = worker("empty", running=6, kv_tokens=6 * 2300, resident_blocks=100, **pool)
-    assert SloGoodput().route(r, fleet(full, empty)).worker == "full"
-    assert SloGoodput(wait_for_pool=True).route(r, fleet(full, empty)).worker == "empty"
-    holder = with_fields(full, matched_blocks=128, running=24, kv_tokens=24 * 2300, free_blocks=20)
-    assert SloGoodput(wait_for_pool=True).route(r, fleet(holder, empty)).worker == "full"
-
-
 def test_slo_goodput_times_the_pools_of_a_pd_pair():
     """A P/D pair's decode worker holds the request to its end, so it waits its turn in D's pool
     (warm pairs without it copied hot prefixes into full pools); P holds the prompt only while
-    it computes it. With `wait_for_pool` both wait for the blocks their running requests free."""
+    it computes it."""
     r = req(2048, max_tokens=128)
     pinned = worker("p", running=20, kv_tokens=40_000, total_blocks=1024, free_blocks=0, shared_blocks=950)
     roomy = worker("d", total_blocks=1024, free_blocks=1024)
     assert SloGoodput().pair(r, Pair(pinned, roomy, 100.0, 20.0))[0] == 100.0
     ttft = SloGoodput().pair(r, Pair(roomy, pinned, 100.0, 20.0))[0]
     assert ttft == pytest.approx(100.0 + predict.pool_queue_wait_ms(r, pinned)) and ttft > 1000
-    ttft = SloGoodput(wait_for_pool=True).pair(r, Pair(pinned, roomy, 100.0, 20.0))[0]
-    assert ttft == pytest.approx(100.0 + predict.pool_wait_ms(r, pinned)) and ttft > 1000
 
 
 def test_slo_goodput_headroom_is_the_tighter_of_the_two_slos():

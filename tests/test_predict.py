@@ -191,24 +191,6 @@ def test_a_request_behind_a_full_batch_waits_for_a_place_in_it():
     assert SloGoodput().route(r, fleet(behind, room)).worker == "room"
 
 
-def test_a_full_pool_delays_the_first_token_by_what_its_running_requests_free():
-    """A prompt that overflows the pool waits for blocks: nothing while it fits or while
-    nothing runs to free any, a few steps where the running requests' private blocks cover
-    the overflow, and far longer where shared prefixes pin the pool (they stay while others
-    read them). The wait grows with the overflow."""
-    r = req(256, max_tokens=128)
-    pool = dict(total_blocks=1024, running=20, kv_tokens=20 * 2300)
-    roomy = worker("roomy", free_blocks=200, **pool)
-    full = worker("full", free_blocks=0, **pool)
-    deeper = worker("deeper", free_blocks=0, waiting=4, queued_prefill_tokens=1024, **pool)
-    pinned = worker("pinned", free_blocks=0, shared_blocks=950, **pool)
-    idle = worker("idle", free_blocks=0, total_blocks=1024)
-    wait = {w.worker_id: predict.pool_wait_ms(r, w) for w in (roomy, full, deeper, pinned, idle)}
-    step = COST.decode_ms(20, 20 * 2300)
-    assert wait["roomy"] == wait["idle"] == 0
-    assert 0 < wait["full"] < 4 * predict.POOL_WAIT_SAFETY * step < wait["deeper"] < wait["pinned"]
-
-
 def test_a_request_waits_its_turn_in_a_full_pool_counting_every_request_in_flight():
     """The pool as the batch: nothing while it holds every request in flight with its whole
     output; past that (a pool its 20 running requests fill, the 21st waits for the first to
