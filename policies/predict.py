@@ -192,15 +192,24 @@ def pool_share(req: RequestView, w: WorkerView) -> float:
 # on shared-prefix, admitted requests waited about the unscaled estimate at 56 req/s (median),
 # 2.6x it at 150 req/s where 10-20 requests sent to the worker were not in its last poll; at 5x
 # capacity 0.79 / 0.84 / 0.90 of the admitted met their SLOs with a factor of 1.5 / 1.75 / 2.
-# At capacity it is pessimistic (multi-turn, 20-24 req/s: requests it predicted 2-5 s away met
-# their SLOs when admitted anyway); 1.0 gains multi-turn ~1.3 req/s of goodput but leaves 0.81 of
-# the admitted within SLO on skewed at 5x, and no field of the view told the two loads apart.
+# At capacity the same factor is pessimistic (multi-turn, 20-24 req/s: requests predicted 2-5 s
+# away met their SLOs when admitted anyway): `pool_queue_safety` scales it by how over-committed
+# the fleet is.
 POOL_QUEUE_SAFETY = 2.0
 
 
-def pool_queue_wait_ms(req: RequestView, w: WorkerView) -> float:
+def pool_queue_safety(refused_share: float) -> float:
+    """The factor on `pool_queue_wait_ms` for a router that refused `refused_share` of its recent
+    requests: 1 with none refused, `POOL_QUEUE_SAFETY` from half refused (2x capacity refuses
+    ~0.3-0.4, 5x ~0.6). No field of a polled view told capacity from overload apart (the
+    worker's queue, its share of the batch: at 5x on shared-prefix 0.77-0.81 of the admitted met
+    their SLOs), while the router's own refusals grow with the overload whatever the rate."""
+    return 1.0 + min(1.0, 2.0 * refused_share) * (POOL_QUEUE_SAFETY - 1.0)
+
+
+def pool_queue_wait_ms(req: RequestView, w: WorkerView, safety: float = POOL_QUEUE_SAFETY) -> float:
     """Time `req` waits on `w` for its turn in the KV pool, counting every request over its
-    whole life (`POOL_QUEUE_SAFETY` times this estimate).
+    whole life (`safety` times this estimate).
 
     Nothing while the pool holds the blocks in use, the running requests' outputs still to
     grow (half of `req.max_tokens` each, on average), and the queued prompts and `req`'s with
@@ -230,7 +239,7 @@ def pool_queue_wait_ms(req: RequestView, w: WorkerView) -> float:
     if ahead <= fits:
         return 0.0
     life = out * dscale * model.decode_ms(max(1, w.running), w.kv_tokens)
-    return POOL_QUEUE_SAFETY * (ahead - fits) * life / fits
+    return safety * (ahead - fits) * life / fits
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:

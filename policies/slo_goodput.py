@@ -19,10 +19,12 @@ ones that would not, so rejecting it early (with the reason) is what keeps goodp
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.pd import Pair, PdDecider
+from policies.refusals import RecentRefusals
 from policies.routed import RoutedPrefixes
 from policies.predict import (
     cached_tokens,
     hit_tokens,
+    pool_queue_safety,
     pool_queue_wait_ms,
     pool_share,
     prefill_work_ms,
@@ -35,7 +37,10 @@ class SloGoodput:
     `slack_ttft / slo_ttft` and `slack_tpot / slo_tpot` (>= 0: it meets its SLOs); a candidate
     is admissible when its headroom is >= 0. The TTFT includes the wait for a turn in the KV
     pool (`predict.pool_queue_wait_ms`): a full pool frees blocks as its running requests end,
-    so it refuses only what would wait past its SLO. Among admissible candidates with headroom
+    so it refuses only what would wait past its SLO. That wait is scaled by how much of its
+    traffic the router refused in the last `refusal_window_s` (`predict.pool_queue_safety`):
+    about as predicted at capacity, doubled far past it, where a polled view is staler than the
+    pool it describes. Among admissible candidates with headroom
     >= `margin` (else among all admissible ones) it takes the lowest `prefill work / slo_ttft +
     pool share - headroom` (`predict.pool_share`: the share of the worker's free KV pool the
     uncached prompt takes): cache hits, pool room and spare time traded in one unit. With none
@@ -74,6 +79,7 @@ class SloGoodput:
         margin: float = 0.0,
         warm_prefixes: bool = True,
         routed_window_s: float = 1.0,
+        refusal_window_s: float = 5.0,
     ) -> None:
         self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None
         self.ttft_ms = ttft_ms
@@ -81,9 +87,14 @@ class SloGoodput:
         self.margin = margin
         self.pd = PdDecider(pd_min_uncached_tokens)
         self.warm_prefixes = warm_prefixes
+        self.refusals = RecentRefusals(refusal_window_s)
+        self.safety = pool_queue_safety(0.0)
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
-        return self.routed.route(self.choose, req, fleet) if self.routed else self.choose(req, fleet)
+        self.safety = pool_queue_safety(self.refusals.share(fleet.now))
+        route = self.routed.route(self.choose, req, fleet) if self.routed else self.choose(req, fleet)
+        self.refusals.record(fleet.now, route.reject is not None)
+        return route
 
     def choose(self, req: RequestView, fleet: FleetView) -> Route:
         slo_ttft = req.slo_ttft_ms or self.ttft_ms
@@ -154,14 +165,14 @@ class SloGoodput:
     def ttft_tpot_ms(self, req: RequestView, w: WorkerView) -> tuple[float, float]:
         """`predict.ttft_tpot_ms`, the TTFT with the wait for a turn in the KV pool."""
         ttft, tpot = ttft_tpot_ms(req, w)
-        return ttft + pool_queue_wait_ms(req, w), tpot
+        return ttft + pool_queue_wait_ms(req, w, self.safety), tpot
 
     def pair(self, req: RequestView, c: Pair) -> tuple[float, float, WorkerView | None, WorkerView]:
         """A P/D candidate as (ttft, tpot, P, D). Its TTFT includes D's wait for the KV pool: D
         holds the request to its end, so it waits its turn as a single worker would (warm pairs
         without it copied hot prefixes into full pools). P holds the prompt only while it
         computes it, behind the queue the pair's TTFT counts."""
-        return c.ttft_ms + pool_queue_wait_ms(req, c.decode), c.tpot_ms, c.prefill, c.decode
+        return c.ttft_ms + pool_queue_wait_ms(req, c.decode, self.safety), c.tpot_ms, c.prefill, c.decode
 
     def tier(self, headroom: float) -> int:
         """0: admissible with headroom >= `margin`; 1: admissible; 2: predicted to miss."""

@@ -138,7 +138,7 @@ def test_slo_goodput_waits_for_a_full_pool_that_frees_in_time_and_refuses_one_th
     full = worker("full", matched_blocks=128, shared_blocks=128, waiting=1, **pool)
     other = worker("other", shared_blocks=128, **pool)
     route = SloGoodput().route(r, fleet(full, other))
-    assert route.worker == "full" and 0 < predict.pool_queue_wait_ms(r, full) < route.predicted_ttft_ms < 2000
+    assert route.worker == "full" and 0 < predict.pool_queue_wait_ms(r, full, 1.0) < route.predicted_ttft_ms < 2000
     pinned = with_fields(full, shared_blocks=1000)
     roomy = worker("roomy", running=10, total_blocks=1024, free_blocks=900, cost=fast)
     assert SloGoodput().route(r, fleet(pinned, other)).worker is None  # a copy waits its turn too
@@ -175,7 +175,7 @@ def test_slo_goodput_times_the_pools_of_a_pd_pair():
     roomy = worker("d", total_blocks=1024, free_blocks=1024)
     assert SloGoodput().pair(r, Pair(pinned, roomy, 100.0, 20.0))[0] == 100.0
     ttft = SloGoodput().pair(r, Pair(roomy, pinned, 100.0, 20.0))[0]
-    assert ttft == pytest.approx(100.0 + predict.pool_queue_wait_ms(r, pinned)) and ttft > 1000
+    assert ttft == pytest.approx(100.0 + predict.pool_queue_wait_ms(r, pinned, 1.0)) and ttft > 1000
 
 
 def test_slo_goodput_headroom_is_the_tighter_of_the_two_slos():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.worker_view import worker_view
+from gateway.worker_view import with_fields, worker_view
 from policies import predict
-from policies.api import DECODE, PREFILL, WorkerView
+from policies.api import DECODE, PREFILL, FleetView, WorkerView
 from policies.slo_goodput import SloGoodput
 from tests.views import COST, fleet, req, worker
 from workers.engine import Engine, EngineConfig
@@ -210,6 +210,27 @@ def test_a_request_waits_its_turn_in_a_full_pool_counting_every_request_in_fligh
     assert 0 < wait["full"] < 0.1 * predict.POOL_QUEUE_SAFETY * life  # the first of 20 to end
     assert wait["full"] < wait["sent"] < wait["more"] < wait["pinned"]
     assert wait["pinned"] > 4 * predict.POOL_QUEUE_SAFETY * life
+
+
+def test_the_pool_wait_is_scaled_by_the_share_of_recent_requests_refused():
+    """At capacity (nothing refused) the wait is as predicted; from half the traffic refused on
+    (5x capacity refuses ~0.6) it is `POOL_QUEUE_SAFETY` times that, and in between it grows
+    with the share. slo_goodput counts its own refusals over a window of seconds."""
+    r = req(256, max_tokens=128)
+    full = worker("full", free_blocks=0, total_blocks=1024, running=20, kv_tokens=20 * 2300, in_flight=36)
+    base = predict.pool_queue_wait_ms(r, full, 1.0)
+    assert predict.ttft_ms(r, full) + base < 2000 < predict.ttft_ms(r, full) + predict.POOL_QUEUE_SAFETY * base
+    assert predict.pool_queue_wait_ms(r, full) == pytest.approx(predict.POOL_QUEUE_SAFETY * base)
+    assert predict.pool_queue_safety(0.0) == 1.0
+    assert 1.0 < predict.pool_queue_safety(0.2) < predict.pool_queue_safety(0.4) < predict.POOL_QUEUE_SAFETY
+    assert predict.pool_queue_safety(0.5) == predict.pool_queue_safety(0.9) == predict.POOL_QUEUE_SAFETY
+    policy = SloGoodput(ttft_ms=2000, tpot_ms=100, refusal_window_s=5.0)
+    assert policy.route(r, FleetView((full,), now=0.0)).worker == "full"  # nothing refused yet: a wait under the SLO
+    assert policy.ttft_tpot_ms(r, full)[0] == pytest.approx(predict.ttft_ms(r, full) + base)
+    for t in range(4):  # a crowd the fleet refuses: the wait doubles, and it refuses
+        policy.route(req(256, max_tokens=128), FleetView((with_fields(full, in_flight=400),), now=1.0 + t))
+    assert policy.route(r, FleetView((full,), now=5.0)).reject
+    assert policy.route(r, FleetView((full,), now=12.0)).worker == "full"  # out of the window
 
 
 def test_a_prefill_worker_exporting_in_batches_hides_part_of_the_transfer():
