@@ -30,10 +30,11 @@ TEST_TOKEN = "kvgate-test-internal-token"  # the fleet secret of workers and gat
 def free_port() -> int:
     """A loopback port that binds now, picked below the kernel's ephemeral range: a port the
     kernel hands out (bind to 0) may be handed again to an outgoing connection before the
-    child process binds it, and ports below the range are never handed out that way."""
-    low = ephemeral_low()
+    child process binds it, and ports below the range are never handed out that way.
+    `KVGATE_PORTS=LOW-HIGH` narrows the pick, for processes sharing a host by port ranges."""
+    low, high = port_range()
     while True:
-        port = random.randrange(10000, low)
+        port = random.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -47,6 +48,15 @@ def _token(argv: list[str], env: dict[str, str]) -> str | None:
     if "--internal-token" in argv:
         return argv[argv.index("--internal-token") + 1]
     return env.get(TOKEN_ENV)
+
+
+def port_range() -> tuple[int, int]:
+    """Where `free_port` picks: `KVGATE_PORTS` (inclusive), else 10000 up to the ephemeral range."""
+    given = os.environ.get("KVGATE_PORTS", "")
+    if given:
+        low, high = (int(n) for n in given.split("-"))
+        return low, high + 1
+    return 10000, ephemeral_low()
 
 
 def ephemeral_low() -> int:
