@@ -41,6 +41,7 @@ from gateway.proxy import (
     ClientGone,
     ConnectFailed,
     PassThrough,
+    Relay,
     Proxy,
     StreamTap,
     UpstreamError,
@@ -48,7 +49,6 @@ from gateway.proxy import (
     UpstreamTimeout,
     WorkerBusy,
     close_upstream,
-    relay,
     whole_answer,
 )
 from gateway.record import PREFILL, RequestRecord
@@ -432,7 +432,7 @@ class Gateway:
             self.account.finish(rec)
 
         headers["cache-control"] = "no-cache"
-        return PassThrough(relay(resp, tap, head, self.proxy.idle_timeout, failed), resp, closed, headers)
+        return PassThrough(resp, Relay(tap, head), self.proxy.idle_timeout, failed, closed, headers)
 
     async def models(self, request: Request) -> Response:
         data = [_model_card(m, n) for m, n in sorted(self.fleet.models().items())]

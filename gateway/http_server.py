@@ -14,8 +14,9 @@ with a plain-text 503. So each connection here is a `ClientConnection`:
 - beyond `max_connections` open connections, a new one is answered with an OpenAI-shaped 503
   and `Retry-After` (then closed) instead of being served, well before file descriptors run out.
 
-Each request's scope also offers the server's own `send` (the `RAW_SEND` extension), so a
-stream's events can skip the middlewares' send wrappers (gateway/proxy.py `PassThrough`).
+Each request's scope also offers a `RawBody` (the `RAW_SEND` extension), so a stream's events
+can be written to the client's transport as they arrive, past the middlewares' send wrappers
+and uvicorn's `send` (gateway/proxy.py `PassThrough`).
 
 (SIGTERM drains the gateway through `workers.drain.DrainingServer`, with `Admission` as what
 drains: new requests get 503 `draining` + `Retry-After` while the ones it holds finish.)
@@ -26,12 +27,12 @@ import json
 import resource
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from workers.protocol import error_body
 
 HEADER, BODY = "header", "body"
-RAW_SEND = "kvgate.send"  # the scope extension whose "send" is the server's own
+RAW_SEND = "kvgate.send"  # the scope extension whose "body" is the request's `RawBody`
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,30 @@ def over_capacity(retry_after: int):
     return app
 
 
+class RawBody:
+    """A started response's body written straight to the client's transport, with the chunked
+    framing uvicorn's `send` gives a response that has no content-length (as a stream has):
+    for a stream's events, which need none of `send`'s checks and no await. Its start and end
+    still go through `send`. Nothing is written to a client that is gone."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle):
+        self.cycle = cycle
+
+    def write(self, body: bytes) -> bool:
+        """Write `body` now; False when the client's buffer is full (wait on `drain`)."""
+        cycle = self.cycle
+        if body and not cycle.disconnected:
+            assert cycle.chunked_encoding and cycle.response_started and not cycle.response_complete
+            cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        return not cycle.flow.write_paused
+
+    async def drain(self) -> None:
+        """Until the client's buffer has room again (or the client is gone)."""
+        await self.cycle.flow.drain()
+
+
 class ClientConnection(HttpToolsProtocol):
     """uvicorn's httptools protocol with head/body deadlines, a head size cap and the connection
     cap (`limits` is set on the subclass `protocol_class` makes). httptools (llhttp, in C) parses
@@ -134,7 +159,7 @@ class ClientConnection(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
-        self.cycle.scope.setdefault("extensions", {})[RAW_SEND] = {"send": self.cycle.send}
+        self.cycle.scope.setdefault("extensions", {})[RAW_SEND] = {"body": RawBody(self.cycle)}
         self.head_bytes = 0
         self._guard(BODY, self.limits.body_timeout_s)
 

@@ -1,11 +1,11 @@
 """Forwarding one request to one worker: pooled connections, pass-through streams, failures.
 
-The client is aiohttp: on this path it costs about a quarter of httpx's CPU per request
-(0.2 vs 0.7 ms measured against a zero-cost worker), which is most of what the gateway adds.
-Upstream responses are returned once their head has arrived, so a stream's events reach the
-client as the worker writes them. Closing an upstream response early closes its connection,
-which is how a client's disconnect reaches the worker (the worker aborts a request whose
-client went away).
+The client is the gateway's own (gateway/upstream.py: an asyncio protocol, httptools), where
+aiohttp's reader cost a future and a task wakeup per streamed event. Upstream responses are
+returned once their head has arrived; a committed stream's events are then written to the
+client from the upstream connection's `data_received`, as the worker writes them. Closing an
+upstream response early closes its connection, which is how a client's disconnect reaches the
+worker (the worker aborts a request whose client went away).
 
 Every wait on a worker is bounded: connecting (`connect_timeout`), the answer's first byte
 (`first_byte_timeout`: a non-streaming answer comes whole, so this bounds the whole request;
@@ -20,15 +20,14 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-import aiohttp
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
 
-from gateway.http_server import RAW_SEND
-from gateway.idle_watch import IdleWatch
+from gateway.http_server import RAW_SEND, RawBody
 from gateway.record import RequestRecord
+from gateway.upstream import Pool, Upstream
 from workers.protocol import TTFT_HEADER
 
 DONE = b"data: [DONE]\n\n"
@@ -96,24 +95,12 @@ class ClientGone(Exception):
 
 class Proxy:
     def __init__(self, connect_timeout: float = 2.0, first_byte_timeout: float = 120.0, idle_timeout: float = 30.0):
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
+        self.pool = Pool(connect_timeout, UPSTREAM_KEEPALIVE_S)
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
-        self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """Made on first use: an aiohttp session belongs to the event loop it is made in."""
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S, ttl_dns_cache=None)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self.timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
-            )
-        return self._session
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        self.pool.close()
 
     async def open(
         self,
@@ -123,7 +110,7 @@ class Proxy:
         headers: dict[str, str],
         client: Request | None = None,
         lost: asyncio.Future | None = None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Upstream:
         """Send the request and wait for the response head (the body stays unread).
 
         A non-streaming worker answers only when the whole completion is done, so with
@@ -132,24 +119,24 @@ class Proxy:
         """
         try:
             async with Watch(self.first_byte_timeout, client, lost):
-                return await self.session.post(url + path, data=body, headers=headers)
-        except (aiohttp.ClientError, OSError) as e:
+                return await self.pool.post(url, path, body, headers)
+        except OSError as e:  # refused, reset, a connect timeout
             raise ConnectFailed(f"{type(e).__name__}: {e}") from e
 
-    async def read(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def read(self, resp: Upstream) -> bytes:
         """The whole body of a response whose head has arrived; its connection goes back to the
         pool, or is closed if the body could not be read."""
         try:
             async with asyncio.timeout(self.idle_timeout):  # the answer has started: no need to watch `lost`
-                return await resp.read()
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                return await resp.read_all()
+        except OSError as e:  # TimeoutError too
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
         finally:
             close_upstream(resp)
 
     async def first_token(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: Upstream,
         tap: "StreamTap",
         client: Request | None,
         lost: asyncio.Future | None,
@@ -162,8 +149,8 @@ class Proxy:
         async with Watch(started + self.first_byte_timeout - time.monotonic(), client, lost):
             while tap.ttft is None:
                 try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientError, OSError) as e:
+                    chunk = await resp.read_some()
+                except OSError as e:
                     raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
                 if not chunk:  # a whole stream ends with an event ([DONE]) that would have committed it
                     raise UpstreamFailed("the stream ended before its first token")
@@ -257,85 +244,81 @@ def cached_tokens(body: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
-async def relay(
-    resp: aiohttp.ClientResponse, tap: StreamTap, head: bytes, idle_timeout: float, on_error: Callable[[Exception], str]
-) -> AsyncIterator[bytes]:
-    """Pass an SSE stream through as it arrives, starting with `head` (what `first_token` read,
-    already fed to `tap`).
+class Relay:
+    """The sink of a committed stream (`Upstream.pipe`): whole SSE events, read by `tap` in
+    passing, go on to the client as they arrive, starting with `head` (what `first_token` read,
+    already fed to `tap`). Only a trailing partial event is held back until its end arrives,
+    so that if the worker dies or falls silent the client gets whole events, then a clean
+    error event and `[DONE]`."""
 
-    Only a trailing partial event is held back until its end arrives, so that if the worker
-    dies, or says nothing for `idle_timeout` seconds, the client gets whole events followed by
-    a clean error event and `[DONE]`. `on_error` is told about the failure and returns the
-    message to send.
-    """
-    cut = head.rfind(b"\n\n") + 2
-    if cut:
-        yield head[:cut]
-    partial = head[cut:]
-    try:
-        with IdleWatch(idle_timeout) as idle:
-            while True:
-                idle.waiting()
-                chunk = await resp.content.readany()
-                idle.got()
-                if not chunk:
-                    break
-                if partial:
-                    chunk, partial = partial + chunk, b""
-                if not chunk.endswith(b"\n\n"):
-                    cut = chunk.rfind(b"\n\n") + 2
-                    chunk, partial = chunk[:cut], chunk[cut:]
-                    if not chunk:
-                        continue
-                chunk = tap.feed(chunk)
-                if chunk:
-                    yield chunk
-        if partial:
-            yield partial
-    except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        silent = isinstance(e, TimeoutError)
-        message = on_error(
-            UpstreamTimeout(f"no event for {idle_timeout:g} s")
-            if silent
-            else UpstreamFailed(f"{type(e).__name__}: {e}")
-        )
-        yield sse_error(message)
-        yield DONE
-    finally:
-        close_upstream(resp)
+    def __init__(self, tap: StreamTap, head: bytes):
+        self.tap = tap
+        cut = head.rfind(b"\n\n") + 2
+        self.head, self.partial = head[:cut], head[cut:]
+        self.write: Callable[[bytes], bool] = _nowhere
+
+    def start(self, write: Callable[[bytes], bool]) -> None:
+        self.write = write
+        write(self.head)
+
+    def __call__(self, chunk: bytes) -> bool:
+        """Take what arrived; False when the client cannot take more for now."""
+        if self.partial:
+            chunk, self.partial = self.partial + chunk, b""
+        if not chunk.endswith(b"\n\n"):
+            cut = chunk.rfind(b"\n\n") + 2
+            chunk, self.partial = chunk[:cut], chunk[cut:]
+            if not chunk:
+                return True
+        chunk = self.tap.feed(chunk)
+        return self.write(chunk) if chunk else True
+
+    def end(self) -> None:
+        """The stream ended whole: what is held back goes too."""
+        if self.partial:
+            self.write(self.partial)
 
 
-class PassThrough(StreamingResponse):
-    """A streamed upstream response that is closed, and `on_close` run, however the stream
-    ends: finished, failed, cancelled by a client disconnect, or never started because the
-    client was gone before the first byte.
+def _nowhere(chunk: bytes) -> bool:
+    raise RuntimeError("a relay writes only once started")
 
-    Lean on purpose, as it runs once per streamed token: instead of starlette's task group
-    (anyio, ~0.1 ms a response) one plain task watches for the client's disconnect and cancels
-    the stream; and the events go straight to the server's own `send` when it offers it
-    (`RAW_SEND`, gateway/http_server.py), past the middlewares' wrappers, which only look at a
-    response's start and end (those still go through them)."""
+
+class PassThrough(Response):
+    """A committed upstream stream relayed to the client: its events are written to the
+    client's transport from the upstream connection's `data_received` (`RawBody`, past uvicorn's
+    `send` and the middlewares' wrappers, which only look at a response's start and end, and
+    those still go through them), so an event costs no task wakeup. The upstream response is
+    closed, and `on_close` run, however the stream ends: finished, failed (`on_error` is told
+    and returns the message of the error event sent), cancelled by a client disconnect, or never
+    started because the client was gone before the first byte.
+
+    One plain task watches for the client's disconnect and cancels the stream, instead of
+    starlette's task group (anyio, ~0.1 ms a response)."""
+
+    media_type = "text/event-stream"
 
     def __init__(
         self,
-        content: AsyncIterator[bytes],
-        upstream: aiohttp.ClientResponse,
+        upstream: Upstream,
+        relay: Relay,
+        idle_timeout: float,
+        on_error: Callable[[Exception], str],
         on_close: Callable[[], None],
         headers: dict[str, str],
     ):
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.upstream = upstream
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)
+        self.upstream, self.relay, self.idle_timeout, self.on_error = upstream, relay, idle_timeout, on_error
         self.on_close: list[Callable[[], None]] = [on_close]
 
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()
         assert task is not None, "an ASGI app runs in a task"
         watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, task))
-        body = scope.get("extensions", {}).get(RAW_SEND, {}).get("send", send)
+        body: RawBody = scope["extensions"][RAW_SEND]["body"]
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await body({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self.relay_upstream(body)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled():
@@ -346,6 +329,20 @@ class PassThrough(StreamingResponse):
             close_upstream(self.upstream)
             for callback in self.on_close:
                 callback()
+
+    async def relay_upstream(self, body: RawBody) -> None:
+        self.relay.start(body.write)
+        try:
+            await self.upstream.pipe(self.relay, body.drain, self.idle_timeout)
+            self.relay.end()
+        except OSError as e:  # TimeoutError too
+            silent = isinstance(e, TimeoutError)
+            message = self.on_error(
+                UpstreamTimeout(f"no event for {self.idle_timeout:g} s")
+                if silent
+                else UpstreamFailed(f"{type(e).__name__}: {e}")
+            )
+            body.write(sse_error(message) + DONE)
 
 
 async def _cancel_on_disconnect(receive, task: asyncio.Task) -> None:
@@ -360,13 +357,10 @@ def sse_error(message: str, type_: str = "server_error", code: str = "worker_fai
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def close_upstream(resp: aiohttp.ClientResponse) -> None:
+def close_upstream(resp: Upstream) -> None:
     """Give a wholly read response's connection back to the pool; close any other (the worker
     sees the disconnect and aborts the request). Synchronous, so a cancelled task still does it."""
-    if resp.content.at_eof():
-        resp.release()
-    else:
-        resp.close()
+    resp.release()
 
 
 class Watch:

@@ -8,21 +8,16 @@ import pytest
 from gateway.proxy import Proxy, StreamFailed, StreamTap, UpstreamFailed, UpstreamTimeout, WorkerLost
 
 
-class FakeContent:
+class FakeResponse:
     def __init__(self, chunks: list[bytes], then_hang: bool = False):
         self.chunks, self.then_hang = list(chunks), then_hang
 
-    async def readany(self) -> bytes:
+    async def read_some(self) -> bytes:
         if self.chunks:
             return self.chunks.pop(0)
         if self.then_hang:
             await asyncio.sleep(3600)
         return b""
-
-
-class FakeResponse:
-    def __init__(self, chunks: list[bytes], then_hang: bool = False):
-        self.content = FakeContent(chunks, then_hang)
 
 
 def event(obj) -> bytes:

@@ -1,0 +1,115 @@
+"""The gateway's own upstream client (gateway/upstream.py) and the stream relay on it
+(gateway/proxy.py), against a real worker stand-in process that misbehaves on cue
+(tests/scripted_upstream.py): a stream cut mid-way, a stream gone silent, a stream the
+gateway closes early, keep-alive connections reused and dropped once the server closed them."""
+
+import asyncio
+import sys
+
+import httpx
+import pytest
+import uvloop
+
+from gateway.procs import Proc, free_port, stop_all, wait_for
+from gateway.proxy import DONE, PassThrough, Proxy, Relay, StreamTap, UpstreamFailed, UpstreamTimeout, close_upstream
+
+EVENT = b'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    port = free_port()
+    proc = Proc(
+        "scripted", [sys.executable, "tests/scripted_upstream.py", str(port)], port, str(tmp_path_factory.mktemp("up"))
+    )
+    try:
+        yield proc.wait_ready()
+    finally:
+        stop_all([proc])
+
+
+def counts(upstream: Proc) -> dict:
+    return httpx.get(upstream.url + "/log").json()
+
+
+class Client:
+    """The client side of a relayed stream, as `RawBody` offers it: what was written to it."""
+
+    def __init__(self):
+        self.got = b""
+
+    def write(self, body: bytes) -> bool:
+        self.got += body
+        return True
+
+    async def drain(self) -> None:
+        pass
+
+
+def relay(url: str, path: str, idle_timeout: float = 30.0) -> tuple[bytes, list[Exception]]:
+    """Open a stream on `path`, read it to its first token, relay the rest: (what the client
+    got, the failures `on_error` was told about)."""
+    failures: list[Exception] = []
+
+    def failed(e: Exception) -> str:
+        failures.append(e)
+        return "it failed"
+
+    async def run() -> bytes:
+        proxy = Proxy(idle_timeout=idle_timeout)
+        resp = await proxy.open(url, path, b"{}", {"content-type": "application/json"})
+        tap = StreamTap("completion", 0.0)
+        head = await proxy.first_token(resp, tap, None, None, 0.0)
+        passing = PassThrough(resp, Relay(tap, head), idle_timeout, failed, lambda: None, {})
+        client = Client()
+        try:
+            await passing.relay_upstream(client)  # type: ignore[arg-type]
+        finally:
+            close_upstream(resp)
+        return client.got
+
+    return uvloop.run(run()), failures
+
+
+def test_a_stream_cut_mid_way_ends_with_its_whole_events_then_an_error_event(upstream):
+    got, failures = relay(upstream.url, "/drop")
+    assert got.startswith(EVENT + EVENT) and got.endswith(DONE)
+    assert b'"message": "it failed"' in got[2 * len(EVENT) :]
+    assert len(failures) == 1 and type(failures[0]) is UpstreamFailed
+
+
+def test_a_stream_gone_silent_ends_with_an_error_event_after_the_idle_timeout(upstream):
+    got, failures = relay(upstream.url, "/hang", idle_timeout=0.3)
+    assert got.startswith(EVENT) and got.endswith(DONE)
+    assert len(failures) == 1 and isinstance(failures[0], UpstreamTimeout)
+
+
+def test_a_stream_closed_before_its_end_closes_the_workers_connection(upstream):
+    before = counts(upstream)["hang_closed"]
+
+    async def run() -> None:
+        proxy = Proxy()
+        resp = await proxy.open(upstream.url, "/hang", b"{}", {})
+        assert await proxy.first_token(resp, StreamTap("completion", 0.0), None, None, 0.0) == EVENT
+        close_upstream(resp)  # what a client's disconnect does to its stream
+
+    uvloop.run(run())
+    wait_for(lambda: counts(upstream)["hang_closed"] == before + 1, timeout=10, what="the worker to see it closed")
+
+
+def test_keep_alive_connections_are_reused_until_the_server_closes_them(upstream):
+    before = counts(upstream)["whole_connections"]
+
+    async def run() -> list[bytes]:
+        proxy = Proxy()
+        bodies = []
+        for pause in (0.0, 0.0, 0.6):  # the server closes a connection idle for 0.3 s
+            await asyncio.sleep(pause)
+            resp = await proxy.open(upstream.url, "/whole", b"{}", {})
+            bodies.append(await proxy.read(resp))
+        await proxy.close()
+        return bodies
+
+    bodies = uvloop.run(run())
+    assert bodies == [b'{"usage":{"completion_tokens":1}}'] * 3
+    assert counts(upstream)["whole_connections"] == before + 2  # the first reused once, then a fresh one
