@@ -249,12 +249,13 @@ class Relay:
     passing, go on to the client as they arrive, starting with `head` (what `first_token` read,
     already fed to `tap`). Only a trailing partial event is held back until its end arrives,
     so that if the worker dies or falls silent the client gets whole events, then a clean
-    error event and `[DONE]`."""
+    error event and `[DONE]`; and a final `[DONE]`, to go with the response's end in one write
+    (one fewer write and wakeup of the client a stream)."""
 
     def __init__(self, tap: StreamTap, head: bytes):
         self.tap = tap
         cut = head.rfind(b"\n\n") + 2
-        self.head, self.partial = head[:cut], head[cut:]
+        self.head, self.partial, self.done = head[:cut], head[cut:], b""
         self.write: Callable[[bytes], bool] = _nowhere
 
     def start(self, write: Callable[[bytes], bool]) -> None:
@@ -271,12 +272,13 @@ class Relay:
             if not chunk:
                 return True
         chunk = self.tap.feed(chunk)
+        if chunk.endswith(DONE):
+            chunk, self.done = chunk[: -len(DONE)], DONE
         return self.write(chunk) if chunk else True
 
-    def end(self) -> None:
-        """The stream ended whole: what is held back goes too."""
-        if self.partial:
-            self.write(self.partial)
+    def end(self) -> bytes:
+        """The stream ended whole: what was held back, to be sent with the response's end."""
+        return self.done + self.partial
 
 
 def _nowhere(chunk: bytes) -> bool:
@@ -318,8 +320,8 @@ class PassThrough(Response):
         body: RawBody = scope["extensions"][RAW_SEND]["body"]
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await self.relay_upstream(body)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            last = await self.relay_upstream(body)
+            await send({"type": "http.response.body", "body": last, "more_body": False})
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled():
                 raise  # not the client's disconnect: the server's own cancellation
@@ -330,11 +332,13 @@ class PassThrough(Response):
             for callback in self.on_close:
                 callback()
 
-    async def relay_upstream(self, body: RawBody) -> None:
+    async def relay_upstream(self, body: RawBody) -> bytes:
+        """Relay the stream to its end; returns what goes with the response's end: what the
+        relay held back, or an error event and `[DONE]` if the worker failed."""
         self.relay.start(body.write)
         try:
             await self.upstream.pipe(self.relay, body.drain, self.idle_timeout)
-            self.relay.end()
+            return self.relay.end()
         except OSError as e:  # TimeoutError too
             silent = isinstance(e, TimeoutError)
             message = self.on_error(
@@ -342,7 +346,7 @@ class PassThrough(Response):
                 if silent
                 else UpstreamFailed(f"{type(e).__name__}: {e}")
             )
-            body.write(sse_error(message) + DONE)
+            return sse_error(message) + DONE
 
 
 async def _cancel_on_disconnect(receive, task: asyncio.Task) -> None:

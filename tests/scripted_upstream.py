@@ -1,7 +1,7 @@
 """A worker stand-in for tests/test_upstream.py that misbehaves on cue, run as its own process:
-`python tests/scripted_upstream.py PORT`. Paths: POST /whole (a JSON answer kept alive, the
-connection closed by the server after 0.3 s idle, as uvicorn does after its 5 s), POST /drop
-(a stream cut after two events), POST /hang (a stream silent after one event; its connection's
+`python tests/scripted_upstream.py PORT`. Paths: POST /stream (a whole stream), POST /whole
+(a JSON answer kept alive, the connection closed by the server after 0.3 s idle, as uvicorn
+does after its 5 s), POST /drop (a stream cut after two events), POST /hang (a stream silent after one event; its connection's
 closing is counted), GET /log (the counts as JSON), GET /health."""
 
 import asyncio
@@ -47,6 +47,9 @@ class Conn(asyncio.Protocol):
                 counts["whole_connections"] += 1
             self.transport.write(answer("200 OK", b'{"usage":{"completion_tokens":1}}'))
             self.idle = asyncio.get_running_loop().call_later(IDLE_CLOSE_S, self.transport.close)
+        elif path == "/stream":
+            self.transport.write(STREAM_HEAD + chunk(EVENT) + chunk(EVENT))
+            self.transport.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif path == "/drop":
             self.transport.write(STREAM_HEAD + chunk(EVENT) + chunk(EVENT))
             asyncio.get_running_loop().call_later(0.05, self.transport.abort)

@@ -63,12 +63,17 @@ def relay(url: str, path: str, idle_timeout: float = 30.0) -> tuple[bytes, list[
         passing = PassThrough(resp, Relay(tap, head), idle_timeout, failed, lambda: None, {})
         client = Client()
         try:
-            await passing.relay_upstream(client)  # type: ignore[arg-type]
+            last = await passing.relay_upstream(client)  # type: ignore[arg-type]
+            client.got += last
         finally:
             close_upstream(resp)
         return client.got
 
     return uvloop.run(run()), failures
+
+
+def test_a_whole_stream_passes_through_as_it_came(upstream):
+    assert relay(upstream.url, "/stream") == (EVENT + EVENT + DONE, [])
 
 
 def test_a_stream_cut_mid_way_ends_with_its_whole_events_then_an_error_event(upstream):
