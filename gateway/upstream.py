@@ -4,7 +4,9 @@ responses parsed by httptools (llhttp, in C), and a streamed body pushed from `d
 Why not aiohttp, as before: a relayed stream paid aiohttp's reader for every event (its
 parser's Python side, a StreamReader, a future, a task wakeup, a read timer) and a request
 paid its ClientSession machinery; here an event runs one callback that writes it on to the
-client (`Upstream.pipe`), and a request is one write of a head built in a line.
+client (`Upstream.pipe`), and a request is one write of a head built in a line. Measured
+(experiments/gateway_cpu.py, A/B against aiohttp, 3 rounds): 8.1 -> 6.9 ms of gateway CPU
+per 16-token streamed request.
 
 The rules aiohttp's connector kept, kept: a connection is reused only after a whole response
 that allows keep-alive, and only within `keepalive_s` of its last use (under the workers' own

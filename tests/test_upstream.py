@@ -63,7 +63,7 @@ def relay(url: str, path: str, idle_timeout: float = 30.0) -> tuple[bytes, list[
         passing = PassThrough(resp, Relay(tap, head), idle_timeout, failed, lambda: None, {})
         client = Client()
         try:
-            last = await passing.relay_upstream(client)  # type: ignore[arg-type]
+            last = await passing.relay_upstream(client)  # a RawBody in duck type
             client.got += last
         finally:
             close_upstream(resp)
