@@ -66,6 +66,7 @@ class Upstream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.pool.forget(self)
         if not getattr(self, "complete", True):
             self._fail(ConnectionResetError(f"the worker closed the connection{f': {exc}' if exc else ''}"))
 
@@ -145,17 +146,22 @@ class Upstream(asyncio.Protocol):
             while not self.complete:
                 await self._wait()
                 if self.blocked:
-                    assert self.transport is not None
-                    self.transport.pause_reading()
-                    await drain()
-                    self.blocked = False
-                    self.last_data = self.loop.time()
-                    if self.body:
-                        sink(self.read_buffered())
-                    self.transport.resume_reading()
+                    await self._unblock(sink, drain)
         finally:
             self.idle_handle.cancel()
             self.sink = None
+
+    async def _unblock(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable]) -> None:
+        """Stop reading until the sink's reader has room, and has taken what came meanwhile."""
+        assert self.transport is not None
+        if not self.closed:
+            self.transport.pause_reading()
+        while self.blocked:
+            await drain()
+            self.last_data = self.loop.time()
+            self.blocked = bool(self.body) and not sink(self.read_buffered())
+        if not self.closed:
+            self.transport.resume_reading()
 
     def _idle(self, idle_s: float) -> None:
         due = self.last_data + idle_s
@@ -210,6 +216,14 @@ class Pool:
     def put(self, conn: Upstream) -> None:
         conn.used_at = time.monotonic()
         self.idle.setdefault(conn.key, []).append(conn)
+
+    def forget(self, conn: Upstream) -> None:
+        """Drop a connection that closed while idle in the pool."""
+        conns = self.idle.get(conn.key)
+        if conns and conn in conns:
+            conns.remove(conn)
+            if not conns:
+                del self.idle[conn.key]
 
     def close(self) -> None:
         for conns in self.idle.values():

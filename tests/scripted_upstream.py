@@ -1,5 +1,6 @@
 """A worker stand-in for tests/test_upstream.py that misbehaves on cue, run as its own process:
-`python tests/scripted_upstream.py PORT`. Paths: POST /stream (a whole stream), POST /whole
+`python tests/scripted_upstream.py PORT`. Paths: POST /stream (a whole stream), POST /slow (20
+events 5 ms apart), POST /whole
 (a JSON answer kept alive, the connection closed by the server after 0.3 s idle, as uvicorn
 does after its 5 s), POST /drop (a stream cut after two events), POST /hang (a stream silent after one event; its connection's
 closing is counted), GET /log (the counts as JSON), GET /health."""
@@ -11,6 +12,7 @@ import sys
 import httptools
 
 IDLE_CLOSE_S = 0.3
+DONE = b"data: [DONE]\n\n"
 EVENT = b'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
 counts = {"whole_connections": 0, "hang_closed": 0}
 
@@ -50,6 +52,11 @@ class Conn(asyncio.Protocol):
         elif path == "/stream":
             self.transport.write(STREAM_HEAD + chunk(EVENT) + chunk(EVENT))
             self.transport.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        elif path == "/slow":
+            self.transport.write(STREAM_HEAD + chunk(EVENT))
+            for i in range(1, 20):
+                asyncio.get_running_loop().call_later(0.005 * i, self.transport.write, chunk(EVENT))
+            asyncio.get_running_loop().call_later(0.2, self.transport.write, chunk(DONE) + b"0\r\n\r\n")
         elif path == "/drop":
             self.transport.write(STREAM_HEAD + chunk(EVENT) + chunk(EVENT))
             asyncio.get_running_loop().call_later(0.05, self.transport.abort)

@@ -33,23 +33,28 @@ def counts(upstream: Proc) -> dict:
 
 
 class Client:
-    """The client side of a relayed stream, as `RawBody` offers it: what was written to it."""
+    """The client side of a relayed stream, as `RawBody` offers it: what was written to it;
+    a `slow` one says it is full after every write until it has drained."""
 
-    def __init__(self):
-        self.got = b""
+    def __init__(self, slow: bool = False):
+        self.got, self.slow, self.drains = b"", slow, 0
 
     def write(self, body: bytes) -> bool:
         self.got += body
-        return True
+        return not self.slow
 
     async def drain(self) -> None:
-        pass
+        self.drains += 1
+        await asyncio.sleep(0.01)
 
 
-def relay(url: str, path: str, idle_timeout: float = 30.0) -> tuple[bytes, list[Exception]]:
+def relay(
+    url: str, path: str, idle_timeout: float = 30.0, client: Client | None = None
+) -> tuple[bytes, list[Exception]]:
     """Open a stream on `path`, read it to its first token, relay the rest: (what the client
     got, the failures `on_error` was told about)."""
     failures: list[Exception] = []
+    client = client or Client()
 
     def failed(e: Exception) -> str:
         failures.append(e)
@@ -61,7 +66,6 @@ def relay(url: str, path: str, idle_timeout: float = 30.0) -> tuple[bytes, list[
         tap = StreamTap("completion", 0.0)
         head = await proxy.first_token(resp, tap, None, None, 0.0)
         passing = PassThrough(resp, Relay(tap, head), idle_timeout, failed, lambda: None, {})
-        client = Client()
         try:
             last = await passing.relay_upstream(client)  # a RawBody in duck type
             client.got += last
@@ -74,6 +78,12 @@ def relay(url: str, path: str, idle_timeout: float = 30.0) -> tuple[bytes, list[
 
 def test_a_whole_stream_passes_through_as_it_came(upstream):
     assert relay(upstream.url, "/stream") == (EVENT + EVENT + DONE, [])
+
+
+def test_a_slow_client_pauses_the_stream_and_loses_nothing(upstream):
+    slow = Client(slow=True)
+    assert relay(upstream.url, "/slow", client=slow) == (EVENT * 20 + DONE, [])
+    assert slow.drains >= 2  # reading stopped for room more than once, and went on each time
 
 
 def test_a_stream_cut_mid_way_ends_with_its_whole_events_then_an_error_event(upstream):
