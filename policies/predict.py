@@ -172,17 +172,18 @@ def prefill_work_ms(req: RequestView, w: WorkerView) -> float:
     return pscale * (model.prefill_token_ms * own + model.prefill_attn_ms * own * (ctx + own / 2) / 1000.0)
 
 
-def pool_share(req: RequestView, w: WorkerView) -> float:
+def pool_share(req: RequestView, w: WorkerView, own: int | None = None) -> float:
     """The share of `w`'s free KV room `req`'s uncached prompt would take, in [0, 1): its
     tokens over themselves plus the free blocks (cached-but-free count as free) left after
     the prompts queued ahead (`queued_tokens`, unseen ones included). What a copy of a prefix
     costs the worker it lands on; measured against free room, not the whole pool, since a
     copy into a nearly full pool evicts or preempts, and net of the queue since a polled view
     is stale: counting only reported free blocks sent a burst of new sessions to the worker
-    that looked emptiest. 0 where the pool size is unknown."""
+    that looked emptiest. `own` stands in for the uncached prompt where some of it is paid
+    for elsewhere. 0 where the pool size is unknown."""
     if w.total_blocks <= 0:
         return 0.0
-    own = uncached_tokens(req, w)
+    own = uncached_tokens(req, w) if own is None else own
     room = max(0, w.free_blocks * w.block_size - queued_tokens(req, w))
     return own / (own + room)
 
@@ -224,22 +225,32 @@ def pool_queue_wait_ms(req: RequestView, w: WorkerView, safety: float = POOL_QUE
     pool size is unknown."""
     if w.total_blocks <= 0:
         return 0.0
-    model, _, dscale = _model(w)
     bs, out = w.block_size, max(1, req.max_tokens)
-    own = uncached_tokens(req, w)
     queued = w.waiting + unseen_requests(w)
     used = (w.total_blocks - w.free_blocks) * bs + w.running * out / 2
-    if used + queued_tokens(req, w) + (queued + 1) * out + own <= w.total_blocks * bs:
+    if used + queued_tokens(req, w) + (queued + 1) * out + uncached_tokens(req, w) <= w.total_blocks * bs:
         return 0.0
-    room = (w.total_blocks - w.shared_blocks) * bs
-    private = (w.total_blocks - w.free_blocks - w.shared_blocks) * bs
-    per = max(own + out / 2, private / w.running if w.running else 0.0)
-    fits = max(1.0, room / per)
+    fits, life = pool_batch(req, w)
     ahead = max(w.running + w.waiting, w.in_flight) + 1
     if ahead <= fits:
         return 0.0
-    life = out * dscale * model.decode_ms(max(1, w.running), w.kv_tokens)
     return safety * (ahead - fits) * life / fits
+
+
+def pool_batch(req: RequestView, w: WorkerView, alike: bool = False) -> tuple[float, float]:
+    """(fits, life): how many requests like `req` `w`'s KV pool holds at once (the pool less
+    the blocks shared prefixes pin, over the larger of `req`'s own footprint, its uncached
+    prompt and half its output, and a running request's private blocks; `alike`: over `req`'s
+    alone, as if every request were like it), and how long one lives (`max_tokens` decode
+    steps of the running batch), in ms. Needs `total_blocks`."""
+    model, _, dscale = _model(w)
+    bs, out = w.block_size, max(1, req.max_tokens)
+    room = (w.total_blocks - w.shared_blocks) * bs
+    private = (w.total_blocks - w.free_blocks - w.shared_blocks) * bs
+    per = uncached_tokens(req, w) + out / 2
+    if w.running and not alike:
+        per = max(per, private / w.running)
+    return max(1.0, room / per), out * dscale * model.decode_ms(max(1, w.running), w.kv_tokens)
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:

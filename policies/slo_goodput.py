@@ -21,6 +21,7 @@ from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.pd import Pair, PdDecider
 from policies.refusals import RecentRefusals
 from policies.routed import RoutedPrefixes
+from policies.warming import PrefixWarmer
 from policies.predict import (
     cached_tokens,
     hit_tokens,
@@ -29,6 +30,7 @@ from policies.predict import (
     pool_share,
     prefill_work_ms,
     ttft_tpot_ms,
+    uncached_tokens,
 )
 
 
@@ -58,10 +60,14 @@ class SloGoodput:
 
     P/D (`policies.pd`): when the request is worth splitting, each decode worker paired with its
     fastest prefill worker is a candidate beside the mixed workers, scored alike; otherwise
-    decode workers prefill for themselves as single candidates. When the worker holding the
-    most of a prompt cannot take it, pairs that ship that prefix from it to another mixed
-    worker (`PdDecider.warm_pairs`) compete too: a hot prefix spreads by KV import, not by
-    recomputing it cold (`warm_prefixes=False` turns that off).
+    decode workers prefill for themselves as single candidates. When the prefix the worker
+    holding the most of a prompt holds has outgrown it (`policies.warming.PrefixWarmer`: the
+    holder's predicted headroom below `warm_below`, or the prefix's demand over `warm_load` of
+    what its holders serve, counted over `warm_window_s`), pairs that ship the prefix
+    from it to another mixed worker (`PdDecider.warm_pairs`) compete too, each paying for
+    only what the request adds to the copy: a hot prefix spreads by KV import ahead of the
+    holder's miss instead of being recomputed cold after it (`warm_prefixes=False` turns that
+    off).
 
     One wait for a full pool: an opt-in `wait_for_pool` (the blocks the running requests free,
     the queue's outputs left out; each prompt priced by its long-run cost to the pool) served
@@ -80,13 +86,16 @@ class SloGoodput:
         warm_prefixes: bool = True,
         routed_window_s: float = 1.0,
         refusal_window_s: float = 5.0,
+        warm_below: float = 0.5,
+        warm_load: float = 0.8,
+        warm_window_s: float = 5.0,
     ) -> None:
         self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None
         self.ttft_ms = ttft_ms
         self.tpot_ms = tpot_ms
         self.margin = margin
         self.pd = PdDecider(pd_min_uncached_tokens)
-        self.warm_prefixes = warm_prefixes
+        self.warmer = PrefixWarmer(warm_window_s, warm_below, warm_load) if warm_prefixes else None
         self.refusals = RecentRefusals(refusal_window_s)
         self.safety = pool_queue_safety(0.0)
 
@@ -110,7 +119,11 @@ class SloGoodput:
         if split:
             candidates += [self.pair(req, c) for c in self.pd.pairs(req, fleet)]
         tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)
-        if self.warm_prefixes and not split and self.holder_full(req, candidates, slo_ttft, slo_tpot):
+        if (
+            self.warmer
+            and not split
+            and self.warmer.outgrown(req, *self.holder(req, candidates, slo_ttft, slo_tpot), servers, fleet.now)
+        ):
             warm = [self.pair(req, c) for c in self.pd.warm_pairs(req, mixed)]
             if warm:
                 tier, headroom, ttft, tpot, p, d = self.best(req, candidates + warm, slo_ttft, slo_tpot)
@@ -142,7 +155,11 @@ class SloGoodput:
         ]
         held = max(cached_tokens(req, w) for c in candidates for w in c[2:] if w is not None)
         scores = [
-            (k, self.sent_share(d, held), prefill_work_ms(req, p or d) / slo_ttft + pool_share(req, d) - h)
+            (
+                k,
+                self.sent_share(d, held),
+                prefill_work_ms(req, p or d) / slo_ttft + self.pool_terms(req, p, d) - h,
+            )
             if k < 2
             else (2, 0.0, -h)
             for k, h, _, _, p, d in scored
@@ -156,11 +173,13 @@ class SloGoodput:
             return 0.0
         return self.routed.pending_blocks(d.worker_id) / d.total_blocks
 
-    def holder_full(self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float) -> bool:
-        """Whether the worker holding the most of the prompt cannot take it (predicted to miss
-        its SLOs): then another worker may be warmed from it."""
+    def holder(
+        self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float
+    ) -> tuple[WorkerView, float]:
+        """The worker holding the most of the prompt, and its predicted headroom for it: the
+        worker another may be warmed from."""
         t, o, _, holder = min(candidates, key=lambda c: (-cached_tokens(req, c[3]), c[3].worker_id))
-        return bool(holder.matched_blocks) and self.tier(_headroom(t, o, slo_ttft, slo_tpot)) == 2
+        return holder, _headroom(t, o, slo_ttft, slo_tpot)
 
     def ttft_tpot_ms(self, req: RequestView, w: WorkerView) -> tuple[float, float]:
         """`predict.ttft_tpot_ms`, the TTFT with the wait for a turn in the KV pool."""
@@ -171,8 +190,20 @@ class SloGoodput:
         """A P/D candidate as (ttft, tpot, P, D). Its TTFT includes D's wait for the KV pool: D
         holds the request to its end, so it waits its turn as a single worker would (warm pairs
         without it copied hot prefixes into full pools). P holds the prompt only while it
-        computes it, behind the queue the pair's TTFT counts."""
-        return c.ttft_ms + pool_queue_wait_ms(req, c.decode, self.safety), c.tpot_ms, c.prefill, c.decode
+        computes it, behind the queue the pair's TTFT counts. A warm pair's P is a mixed worker,
+        the prefix's holder, admitting requests in turn: its prefill waits for a turn in that pool
+        as any request there would (without it, warm pairs from a holder whose pool was full were
+        predicted at ~50 ms and took ~1 s, while a cold copy elsewhere took 21 ms)."""
+        head = pool_queue_wait_ms(req, c.prefill, self.safety) if c.prefill.role == MIXED else 0.0
+        tail = pool_queue_wait_ms(req, c.decode, self.safety)
+        return c.ttft_ms + head + tail, c.tpot_ms, c.prefill, c.decode
+
+    def pool_terms(self, req: RequestView, p: WorkerView | None, d: WorkerView) -> float:
+        """What placing the prompt on `d` costs its KV pool, in headroom units (see the class);
+        a warm pair (`p` a mixed worker) pays for what the prompt adds to the prefix it copies."""
+        if p is not None and p.role == MIXED:
+            return pool_share(req, d, uncached_tokens(req, p))
+        return pool_share(req, d)
 
     def tier(self, headroom: float) -> int:
         """0: admissible with headroom >= `margin`; 1: admissible; 2: predicted to miss."""

@@ -168,12 +168,16 @@ def test_slo_goodput_keeps_a_prefix_where_a_copy_would_crowd_another_pool():
 
 def test_slo_goodput_times_the_pools_of_a_pd_pair():
     """A P/D pair's decode worker holds the request to its end, so it waits its turn in D's pool
-    (warm pairs without it copied hot prefixes into full pools); P holds the prompt only while
-    it computes it."""
+    (warm pairs without it copied hot prefixes into full pools); a prefill worker P holds the
+    prompt only while it computes it, but a warm pair's P, a mixed worker, admits its prefill
+    in turn with its own requests."""
     r = req(2048, max_tokens=128)
     pinned = worker("p", running=20, kv_tokens=40_000, total_blocks=1024, free_blocks=0, shared_blocks=950)
+    prefill = with_fields(pinned, role=PREFILL)
     roomy = worker("d", total_blocks=1024, free_blocks=1024)
-    assert SloGoodput().pair(r, Pair(pinned, roomy, 100.0, 20.0))[0] == 100.0
+    assert SloGoodput().pair(r, Pair(prefill, roomy, 100.0, 20.0))[0] == 100.0
+    ttft = SloGoodput().pair(r, Pair(pinned, roomy, 100.0, 20.0))[0]
+    assert ttft == pytest.approx(100.0 + predict.pool_queue_wait_ms(r, pinned, 1.0)) and ttft > 1000
     ttft = SloGoodput().pair(r, Pair(roomy, pinned, 100.0, 20.0))[0]
     assert ttft == pytest.approx(100.0 + predict.pool_queue_wait_ms(r, pinned, 1.0)) and ttft > 1000
 
@@ -279,36 +283,57 @@ def test_cache_policies_disaggregate_through_the_shared_decider(cls):
     assert PdDecider(1024).best_pair(req(4096), fleet(worker("m"), worker("d", role=DECODE))) is None
 
 
-def test_a_full_holder_warms_another_mixed_worker_by_kv_import():
-    """The holder of a long prefix whose pool cannot take the request ships the prefix to the
-    worker with room (a pair of two mixed workers) instead of that worker recomputing it; a
-    holder that can take the request keeps it, and `warm_prefixes=False` recomputes."""
-    r = req(4096, slo_ttft_ms=1000, slo_tpot_ms=50)
-    full = worker(
-        "holder",
-        matched_blocks=250,
-        total_blocks=1024,
-        free_blocks=0,
-        running=20,
-        in_flight=40,
-        waiting=2,
-        queued_prefill_tokens=1024,
-        kv_bytes_per_token=36_864,
-        transfer_gbps=25.0,
-    )
-    roomy = worker("roomy", total_blocks=1024, free_blocks=1024, kv_bytes_per_token=36_864, transfer_gbps=25.0)
-    route = SloGoodput().route(r, fleet(full, roomy))
+def test_a_holder_that_cannot_take_a_request_warms_a_worker_that_would_recompute_too_slowly():
+    """A holder whose decode batch would miss the TPOT SLO but which admits at once ships the
+    prefix to the worker with room (a pair of two mixed workers) where that worker's cold
+    prefill would miss the TTFT SLO; `warm_prefixes=False` finds no worker. A holder whose
+    pool is full admits the pair's prefill only in its turn, so there the roomy worker
+    recomputes (in the simulator such pairs took ~1 s where a cold copy took 21 ms); a holder
+    that can take the request keeps it."""
+    r = req(4096, slo_ttft_ms=300, slo_tpot_ms=40)
+    link = dict(total_blocks=4096, kv_bytes_per_token=36_864, transfer_gbps=25.0)
+    busy = worker("holder", matched_blocks=250, free_blocks=2048, running=120, kv_tokens=120 * 4200, **link)
+    roomy = worker("roomy", free_blocks=4096, **link)
+    assert predict.tpot_ms(r, busy) > 40 and predict.ttft_ms(r, roomy) > 300
+    route = SloGoodput().route(r, fleet(busy, roomy))
     assert (route.prefill, route.worker) == ("holder", "roomy")
     assert route.predicted_cached_tokens == 250 * 16
-    assert SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)) == Route(
+    assert SloGoodput(warm_prefixes=False).route(r, fleet(busy, roomy)).reject
+    full = with_fields(busy, free_blocks=0, running=80, kv_tokens=80 * 4200, in_flight=120, waiting=40)
+    slow = req(4096, slo_ttft_ms=1000, slo_tpot_ms=50)
+    assert SloGoodput().route(slow, fleet(full, roomy)) == Route(
         worker="roomy",
         predicted_cached_tokens=0,
-        predicted_ttft_ms=predict.ttft_ms(r, roomy),
-        predicted_tpot_ms=predict.tpot_ms(r, roomy),
-        info=SloGoodput(warm_prefixes=False).route(r, fleet(full, roomy)).info,
+        predicted_ttft_ms=predict.ttft_ms(slow, roomy),
+        predicted_tpot_ms=predict.tpot_ms(slow, roomy),
+        info=SloGoodput().route(slow, fleet(full, roomy)).info,
     )
-    ok = with_fields(full, free_blocks=1024, running=0, in_flight=0, waiting=0, queued_prefill_tokens=0)
+    ok = with_fields(busy, running=0, kv_tokens=0)
     assert SloGoodput().route(r, fleet(ok, roomy)).worker == "holder"
+
+
+def test_a_hot_prefix_warms_a_second_worker_before_its_holder_misses():
+    """A holder predicted to meet the SLOs keeps its prefix's requests while their demand is
+    light; the request whose arrival takes the prefix's demand (requests in the last 5 s x a
+    request's life on the holder) past `warm_load` of what the holder's pool holds ships the
+    prefix to a worker with room by KV import, ahead of any predicted miss. A predicted miss
+    was the only trigger before: the holder kept every request. The demand expires with its
+    window."""
+    r = req(2176, max_tokens=512)
+    link = dict(total_blocks=1024, kv_bytes_per_token=36_864, transfer_gbps=25.0)
+    holder = worker("holder", matched_blocks=128, free_blocks=500, shared_blocks=128, running=16, **link)
+    roomy = worker("roomy", free_blocks=1024, **link)
+    load = 0.8
+    policy = SloGoodput(routed_window_s=0, warm_load=load)
+    fits, life_ms = predict.pool_batch(r, holder, alike=True)
+    routes = [policy.route(r, FleetView(workers=(holder, roomy), now=i * 0.1)) for i in range(40)]
+    first = next(i for i, route in enumerate(routes) if route.prefill)
+    assert (first + 1) / 5.0 * life_ms / 1000.0 / fits > load >= first / 5.0 * life_ms / 1000.0 / fits
+    assert {route.worker for route in routes[:first]} == {"holder"}
+    assert (routes[first].prefill, routes[first].worker) == ("holder", "roomy")
+    assert routes[first].predicted_cached_tokens == 128 * 16
+    assert SloGoodput(warm_prefixes=False, routed_window_s=0).route(r, fleet(holder, roomy)).worker == "holder"
+    assert policy.route(r, FleetView(workers=(holder, roomy), now=20.0)).worker == "holder"
 
 
 def test_unreachable_decode_workers_are_never_paired():

@@ -125,13 +125,13 @@ def test_shared_prefix_goodput_at_least_prefix_affinitys():
     assert all(r["worker"] is not None for r in records)
 
 
-def test_a_hot_prefix_beyond_its_holder_warms_a_second_worker_by_kv_import():
-    """When the holder cannot take a request (its pool or SLOs), slo_goodput ships the prefix
-    from it to another worker (a P/D pair of two mixed workers) instead of recomputing it
-    cold; attainment is no worse than without warming. Skewed traffic well past slo_goodput's
-    capacity there (40 req/s): its hottest prefix outgrows its holder (at 28 req/s the holder
-    now serves it within SLO: with a fifth of the traffic refused, the pool wait is scaled by
-    about 1.4, not 2)."""
+def test_a_hot_prefix_beyond_its_holder_is_copied_the_faster_way():
+    """When a hot prefix outgrows its holder, slo_goodput ships it from the holder by KV import
+    only where that is predicted to answer sooner than recomputing it: on the H200 profile a
+    2048-token prefix recomputes in ~21 ms, while a warm pair's prefill waits its turn in the
+    holder's full pool. Priced without that wait, 8 warm pairs here took ~1 s each and hot
+    requests were refused meanwhile (attainment 0.876 against 0.912 without warming). Skewed
+    traffic with 80% of requests on one prefix, at 36 req/s."""
 
     def run(warm: bool):
         fleet = FleetConfig(
@@ -142,15 +142,11 @@ def test_a_hot_prefix_beyond_its_holder_warms_a_second_worker_by_kv_import():
             slo_ttft_ms=SLO[0],
             slo_tpot_ms=SLO[1],
         )
-        wl = WorkloadConfig(name="skewed", rate=40.0, duration_s=20.0, seed=5)
+        wl = WorkloadConfig(name="skewed", rate=36.0, duration_s=15.0, seed=0, hot="0.8")
         sim = FleetSim(load_policy("slo_goodput", warm_prefixes=warm), fleet)
         return sim, sim.run(generate(wl), wl.duration_s)
 
     cold_sim, cold = run(False)
     warm_sim, warm = run(True)
-    assert cold_sim.pd_routed == 0 and warm_sim.pd_routed > 0
-    warmed = [r for r in warm if r["prefill_worker"] is not None]
-    assert all(r["prefill_worker"] != r["worker"] for r in warmed)
-    imported = [r for r in warmed if r["cached_tokens"] >= 2048]
-    assert warm_sim.pd_arrived > 0 and len(imported) >= len(warmed) // 2
-    assert summarize(warm, *SLO)["slo_attainment"] >= summarize(cold, *SLO)["slo_attainment"]
+    assert cold_sim.pd_routed == warm_sim.pd_routed == 0
+    assert summarize(warm, *SLO)["slo_attainment"] >= summarize(cold, *SLO)["slo_attainment"] >= 0.9
