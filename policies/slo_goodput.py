@@ -65,9 +65,8 @@ class SloGoodput:
     holder's predicted headroom below `warm_below`, or the prefix's demand over `warm_load` of
     what its holders serve, counted over `warm_window_s`), pairs that ship the prefix
     from it to another mixed worker (`PdDecider.warm_pairs`) compete too, each paying for
-    only what the request adds to the copy: a hot prefix spreads by KV import ahead of the
-    holder's miss instead of being recomputed cold after it (`warm_prefixes=False` turns that
-    off).
+    only what the request adds to the copy: a hot prefix spreads by KV import instead of being
+    recomputed cold where the import answers sooner (`warm_prefixes=False` turns that off).
 
     One wait for a full pool: an opt-in `wait_for_pool` (the blocks the running requests free,
     the queue's outputs left out; each prompt priced by its long-run cost to the pool) served
@@ -86,8 +85,8 @@ class SloGoodput:
         warm_prefixes: bool = True,
         routed_window_s: float = 1.0,
         refusal_window_s: float = 5.0,
-        warm_below: float = 0.5,
-        warm_load: float = 0.8,
+        warm_below: float = 0.0,
+        warm_load: float = 1.0,
         warm_window_s: float = 5.0,
     ) -> None:
         self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None

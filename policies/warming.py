@@ -17,12 +17,13 @@ A prefix has outgrown its holders when either
 Whether the copy is made is the score's call: the warm pair competes with the holder and with
 a cold copy on the same worker, its TTFT counting the holder's queue, its turn in the holder's
 pool and the transfer, so it wins only where importing answers sooner than recomputing.
-Measured in the simulator (4 H200 workers, 1024-block pools, 5 seeds), it rarely does: a
-2048-token prefix recomputes in ~21 ms, while a holder that has outgrown its prefix has a full
-pool to wait in; the score already spreads a hot prefix by headroom, so attainment with these
-thresholds equals that without warming (skewed 16-32 req/s, and 80% of requests on one prefix
-at 24-48 req/s, within 0.001). Before the pair counted the holder's pool, warming ahead of the
-miss cost attainment (0.818 against 0.831 at 32 req/s with `below` 0.5).
+Measured in the simulator (4 H200 workers, 1024-block pools, 4-5 seeds) warming pays nowhere: a
+2048-token prefix recomputes in ~21 ms, and a holder that has outgrown its prefix has a full
+pool its pair's prefill waits in; the score already spreads a hot prefix by headroom first.
+Fired ahead of that (`below` 0.5 or `load` 0.8) the few pairs chosen cost attainment past
+capacity (80% of requests on one prefix: 0.896 / 0.828 at 40 / 48 req/s against 0.906 / 0.841
+without warming); so by default it fires only where warming is needed, `below` 0 (a predicted
+miss) and `load` 1.0 (the demand past what the holders serve), where it equals no warming.
 """
 
 from collections import Counter, deque
@@ -37,7 +38,7 @@ class PrefixWarmer:
     blocks its best-cached holder holds, named by its last block's hash) and says when one has
     outgrown its holders (see the module)."""
 
-    def __init__(self, window_s: float = 5.0, below: float = 0.5, load: float = 0.8) -> None:
+    def __init__(self, window_s: float = 5.0, below: float = 0.0, load: float = 1.0) -> None:
         self.window_s = window_s
         self.below = below
         self.load = load
