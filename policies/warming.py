@@ -17,12 +17,12 @@ A prefix has outgrown its holders when either
 Whether the copy is made is the score's call: the warm pair competes with the holder and with
 a cold copy on the same worker, its TTFT counting the holder's queue, its turn in the holder's
 pool and the transfer, so it wins only where importing answers sooner than recomputing.
-Measured in the simulator (4 H200 workers, 1024-block pools, 4-5 seeds) warming pays nowhere: a
+Measured in the simulator (4 H200 workers, 1024-block pools, 5 seeds) warming pays nowhere: a
 2048-token prefix recomputes in ~21 ms, and a holder that has outgrown its prefix has a full
 pool its pair's prefill waits in; the score already spreads a hot prefix by headroom first.
 Fired ahead of that (`below` 0.5 or `load` 0.8) the few pairs chosen cost attainment past
-capacity (80% of requests on one prefix: 0.896 / 0.828 at 40 / 48 req/s against 0.906 / 0.841
-without warming); so by default it fires only where warming is needed, `below` 0 (a predicted
+capacity (80% of requests on one prefix, 5 seeds: 0.895 / 0.832 at 40 / 48 req/s against
+0.903 / 0.842 without warming); so by default it fires only where warming is needed, `below` 0 (a predicted
 miss) and `load` 1.0 (the demand past what the holders serve), where it equals no warming.
 """
 
