@@ -48,7 +48,6 @@ from gateway.proxy import (
     UpstreamFailed,
     UpstreamTimeout,
     WorkerBusy,
-    close_upstream,
     whole_answer,
 )
 from gateway.record import PREFILL, RequestRecord
@@ -353,7 +352,7 @@ class Gateway:
         try:
             head = await self.proxy.first_token(resp, tap, request, lost, started)
         except BaseException:
-            close_upstream(resp)
+            resp.release()
             raise
         w.breaker.succeeded()  # the answer is committed to the client: the worker's success
         return self.stream(w, resp, tap, head, out, rec)

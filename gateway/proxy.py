@@ -132,7 +132,7 @@ class Proxy:
         except OSError as e:  # TimeoutError too
             raise UpstreamFailed(f"{type(e).__name__}: {e}") from e
         finally:
-            close_upstream(resp)
+            resp.release()
 
     async def first_token(
         self,
@@ -328,7 +328,7 @@ class PassThrough(Response):
             task.uncancel()  # the client left: the stream ends here, as starlette's would
         finally:
             watcher.cancel()
-            close_upstream(self.upstream)
+            self.upstream.release()
             for callback in self.on_close:
                 callback()
 
@@ -359,12 +359,6 @@ async def _cancel_on_disconnect(receive, task: asyncio.Task) -> None:
 def sse_error(message: str, type_: str = "server_error", code: str = "worker_failed") -> bytes:
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-def close_upstream(resp: Upstream) -> None:
-    """Give a wholly read response's connection back to the pool; close any other (the worker
-    sees the disconnect and aborts the request). Synchronous, so a cancelled task still does it."""
-    resp.release()
 
 
 class Watch:

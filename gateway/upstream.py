@@ -172,7 +172,8 @@ class Upstream(asyncio.Protocol):
 
     def release(self) -> None:
         """Done with the response: the connection goes back to the pool when the response came
-        whole and allows it, else it is closed."""
+        whole and allows it, else it is closed (the worker sees the disconnect and aborts the
+        request). Synchronous, so a cancelled task still does it."""
         if self.complete and self.keep and not self.closed and self.error is None:
             self.pool.put(self)
         else:

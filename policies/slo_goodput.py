@@ -67,11 +67,6 @@ class SloGoodput:
     from it to another mixed worker (`PdDecider.warm_pairs`) compete too, each paying for
     only what the request adds to the copy: a hot prefix spreads by KV import instead of being
     recomputed cold where the import answers sooner (`warm_prefixes=False` turns that off).
-
-    One wait for a full pool: an opt-in `wait_for_pool` (the blocks the running requests free,
-    the queue's outputs left out; each prompt priced by its long-run cost to the pool) served
-    multi-turn and skewed better below capacity and admitted requests that then missed past it
-    (0.58-0.65 of the admitted within SLO at 5x); its pricing alone gained nothing. Dropped.
     """
 
     name = "slo_goodput"

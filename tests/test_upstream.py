@@ -11,7 +11,7 @@ import pytest
 import uvloop
 
 from gateway.procs import Proc, free_port, stop_all, wait_for
-from gateway.proxy import DONE, PassThrough, Proxy, Relay, StreamTap, UpstreamFailed, UpstreamTimeout, close_upstream
+from gateway.proxy import DONE, PassThrough, Proxy, Relay, StreamTap, UpstreamFailed, UpstreamTimeout
 
 EVENT = b'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
 
@@ -70,7 +70,7 @@ def relay(
             last = await passing.relay_upstream(client)  # a RawBody in duck type
             client.got += last
         finally:
-            close_upstream(resp)
+            resp.release()
         return client.got
 
     return uvloop.run(run()), failures
@@ -106,7 +106,7 @@ def test_a_stream_closed_before_its_end_closes_the_workers_connection(upstream):
         proxy = Proxy()
         resp = await proxy.open(upstream.url, "/hang", b"{}", {})
         assert await proxy.first_token(resp, StreamTap("completion", 0.0), None, None, 0.0) == EVENT
-        close_upstream(resp)  # what a client's disconnect does to its stream
+        resp.release()  # what a client's disconnect does to its stream
 
     uvloop.run(run())
     wait_for(lambda: counts(upstream)["hang_closed"] == before + 1, timeout=10, what="the worker to see it closed")
