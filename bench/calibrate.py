@@ -41,8 +41,9 @@ from collections import defaultdict
 import httpx
 import numpy as np
 
-from bench.loadgen import send
+from bench.loadgen import KEEPALIVE_S, send
 from bench.workloads import BenchRequest, TOKEN_LOW
+from gateway.upstream import Pool
 from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 from workers.step_stats import StepRecord
@@ -61,6 +62,7 @@ class Probe:
         unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         # httpx's default 100 connections would cap the batch; $KVGATE_INTERNAL_TOKEN reaches /state and /steps
         self.client = httpx.AsyncClient(timeout=600, limits=unlimited, headers=internal_headers())
+        self.pool = Pool(connect_timeout=30.0, keepalive_s=KEEPALIVE_S)  # the completions, as bench serve sends them
         self.index = 0
 
     def prompt(self, n: int) -> list[int]:
@@ -80,7 +82,8 @@ class Probe:
 
     async def one(self, prompt: list[int], max_tokens: int) -> dict:
         self.index += 1
-        rec = await send(self.client, self.url, BenchRequest(self.index, 0.0, prompt, max_tokens), self.model, {}, True)
+        br = BenchRequest(self.index, 0.0, prompt, max_tokens)
+        rec = await send(self.pool, self.url, br, self.model, internal_headers(), True)
         if rec["error"]:
             raise RuntimeError(f"calibration request failed: {rec['error']}")
         return rec
@@ -218,6 +221,7 @@ async def measure(
             flush=True,
         )
     await p.client.aclose()
+    p.pool.close()
     return samples
 
 

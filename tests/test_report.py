@@ -101,14 +101,14 @@ def test_build_write_and_plot(tmp_path):
 
 def test_loadgen_counts_a_length_finish_short_of_max_tokens_as_an_error():
     """As the simulator does: a server that cuts a request (finish_reason length before
-    max_tokens) did not serve it; an EOS stop did, and a full length finish did."""
+    max_tokens) did not serve it; an EOS stop did, and a full length finish did. The stream
+    comes split mid-event, as TCP may deliver it."""
     import asyncio
     import json
 
-    import httpx
-
-    from bench.loadgen import send
+    from bench.loadgen import KEEPALIVE_S, send
     from bench.workloads import BenchRequest
+    from gateway.upstream import Pool
 
     def sse(n: int, finish: str) -> bytes:
         chunks = [
@@ -118,17 +118,36 @@ def test_loadgen_counts_a_length_finish_short_of_max_tokens_as_an_error():
         chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
         return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
-    async def one(n: int, finish: str) -> dict:
-        reply = httpx.MockTransport(
-            lambda req: httpx.Response(200, content=sse(n, finish), headers={"content-type": "text/event-stream"})
-        )
-        async with httpx.AsyncClient(transport=reply) as client:
-            return await send(client, "http://w", BenchRequest(0, 0.0, [1, 2, 3], 5), None, {}, True)
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        n, finish = json.loads(await reader.readexactly(length))["prompt"][1:]
+        body = sse(n, ("length", "stop")[finish])
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-kvgate-worker: w7\r\n")
+        writer.write(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        for i in range(0, len(body), 37):
+            writer.write(body[i : i + 37])
+            await writer.drain()
+        writer.close()
 
-    cut, eos, full = (asyncio.run(one(n, f)) for n, f in ((3, "length"), (3, "stop"), (5, "length")))
+    async def all_three() -> list[dict]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = Pool(connect_timeout=5.0, keepalive_s=KEEPALIVE_S)
+        try:
+            return [
+                await send(pool, url, BenchRequest(0, 0.0, [1, n, finish], 5), None, {}, True)
+                for n, finish in ((3, 0), (3, 1), (5, 0))
+            ]
+        finally:
+            pool.close()
+            server.close()
+
+    cut, eos, full = asyncio.run(all_three())
     assert cut["error"] == "cut short: 3 of 5 tokens (finish_reason length)"
     assert eos["error"] is None and full["error"] is None
     assert cut["output_tokens"] == eos["output_tokens"] == 3 and full["output_tokens"] == 5
+    assert cut["worker"] == "w7" and cut["ttft_ms"] is not None and len(full["itl_ms"]) <= 4
 
 
 def test_bench_serve_against_a_url_where_every_request_fails_still_reports(tmp_path, capsys):
