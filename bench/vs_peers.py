@@ -156,9 +156,11 @@ class Bench:
 
     def sweep(self, label: str, router: Proc, wl: WorkloadConfig) -> list[dict]:
         """Ascending rates until attainment drops below the target; past the list, +50% steps;
-        then `--refine` bisections between the last rate that passed and the first that failed,
-        so goodput is interpolated over a gap of a fraction of the grid's step (the knee is
-        steep: across a whole step, one run's noise moved it by 10-20%)."""
+        while nothing has passed, -1/3 steps below it (as many as `--max-extra`: a router
+        failing the first rate had no goodput to compare); then `--refine` bisections between
+        the last rate that passed and the first that failed, so goodput is interpolated over a
+        gap of a fraction of the grid's step (the knee is steep: across a whole step, one run's
+        noise moved it by 10-20%)."""
         a, runs = self.args, []
         rates = [float(r) for r in a.rates.split(",")]
         extra = 0
@@ -170,6 +172,10 @@ class Bench:
             if not rates and extra < a.max_extra:
                 extra += 1
                 rates.append(round(run["rate_rps"] * 1.5, 1))
+        for _ in range(a.max_extra):
+            if any(r["slo_attainment"] >= rep.TARGET for r in runs):
+                break
+            runs.append(self.run_rate(label, router, wl, round(runs[-1]["rate_rps"] * 2 / 3, 1)))
         for _ in range(a.refine):
             bracket = knee(runs)
             if bracket is None:
@@ -245,7 +251,9 @@ def summarize_all(reports: dict[str, dict], labels: list[str]) -> dict:
     """Per workload: goodput per router, kvgate's best, the best peer and their ratio."""
     out = {}
     for wl, report in reports.items():
-        good = {label: report["policies"][label]["goodput_rps"] for label in labels if label in report["policies"]}
+        good = {
+            label: report["policies"][label]["goodput_rps"] or 0.0 for label in labels if label in report["policies"]
+        }
         methods = {label: report["policies"][label]["goodput_method"] for label in good}
         ours = max((g, k) for k, g in good.items() if k.startswith("kvgate-"))
         peers = [(g, k) for k, g in good.items() if not k.startswith("kvgate-")]

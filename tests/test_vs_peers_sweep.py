@@ -1,6 +1,6 @@
-"""bench.vs_peers' rate sweep: ascending rates until one fails, +50% steps past the list, then
-bisections between the last passing and first failing rate (run against a stand-in for the
-fleet whose attainment is a step at a known knee)."""
+"""bench.vs_peers' rate sweep: ascending rates until one fails, +50% steps past the list (-1/3
+steps below it while none passed), then bisections between the last passing and first failing
+rate (run against a stand-in for the fleet whose attainment is a step at a known knee)."""
 
 import argparse
 import types
@@ -59,3 +59,10 @@ def test_knee_needs_a_pass_below_a_fail_more_than_min_gap_apart():
     assert knee([{"rate_rps": 8.0, "slo_attainment": 0.5}]) is None
     assert knee([{"rate_rps": 8.0, "slo_attainment": 0.95}, {"rate_rps": 8.5, "slo_attainment": 0.2}]) is None
     assert knee([{"rate_rps": 8.0, "slo_attainment": 0.95}, {"rate_rps": 12.0, "slo_attainment": 0.2}]) == (8.0, 12.0)
+
+
+def test_steps_down_when_the_first_rate_fails_then_bisects():
+    bench, asked = _bench("28,36", max_extra=2, refine=1, capacity=15.0)
+    runs = _sweep(bench)
+    assert asked == [28.0, 18.7, 12.5, 15.6]
+    assert knee(runs) == (12.5, 15.6)
