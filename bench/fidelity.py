@@ -19,7 +19,6 @@ measure the warm-up, not the worker.
 """
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -28,7 +27,7 @@ import httpx
 
 from bench import calibrate
 from bench.fleet_sim import FleetConfig, FleetSim
-from bench.loadgen import run_rate
+from bench.loadgen import run_loop, run_rate
 from bench.report import summarize
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, add_args, from_args, generate
@@ -44,7 +43,7 @@ METRICS = ("ttft_p50_ms", "tpot_p50_ms")
 def run(urls: list[str], wl: WorkloadConfig, model: str | None) -> tuple[list[dict], list[StepRecord]]:
     """The workload's records from the real workers, and the steps they made meanwhile."""
     before = [calibrate.step_log(u)[0] for u in urls]
-    records = asyncio.run(run_rate(urls, wl, model, LOOSE_SLO))
+    records = run_loop(run_rate(urls, wl, model, LOOSE_SLO))
     return records, [s for u, n in zip(urls, before) for s in calibrate.step_log(u, n)[1]]
 
 

@@ -16,14 +16,13 @@ by the previous rate would turn its long prefills into hits.
 """
 
 import argparse
-import asyncio
 import os
 import secrets
 import sys
 import time
 
 from bench import report as rep
-from bench.loadgen import run_rate
+from bench.loadgen import run_loop, run_rate
 from bench.workloads import add_args, from_args
 from gateway.procs import Worker, start_gateway, stop_all
 
@@ -95,9 +94,7 @@ def run_fleet(spec: str, args: argparse.Namespace, rates: list[float]) -> tuple[
         for rate in rates:
             for w in procs[:-1]:
                 w.reset_cache()
-            records = asyncio.run(
-                run_rate([procs[-1].url], from_args(args, rate), args.model, slo, timeout=args.timeout)
-            )
+            records = run_loop(run_rate([procs[-1].url], from_args(args, rate), args.model, slo, timeout=args.timeout))
             run = rep.summarize(records, *slo)
             run.update(
                 rate_rps=rate, records=records, pd_requests=sum(r.get("prefill_worker") is not None for r in records)

@@ -22,7 +22,6 @@ and a -latency.png.
 """
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -31,7 +30,7 @@ import time
 import httpx
 
 from bench import report as rep
-from bench.loadgen import run_rate
+from bench.loadgen import run_loop, run_rate
 from bench.workloads import add_args, from_args
 from gateway.procs import start_gateway, stop_all, wait_for
 from bench.vllm_procs import MODEL, VllmServer, need_vllm_python
@@ -107,7 +106,7 @@ def sweep(
     runs = []
     for rate in rates:
         reset(servers, gateway)
-        records = asyncio.run(run_rate(target, from_args(args, rate), MODEL, slo, timeout=args.timeout))
+        records = run_loop(run_rate(target, from_args(args, rate), MODEL, slo, timeout=args.timeout))
         run = rep.summarize(records, *slo)
         for r in records:
             r.pop("itl_ms", None)  # every token's gap: megabytes, summarized above

@@ -34,7 +34,6 @@ steps; `--fidelity-only` adds it to an existing report), and a PNG of goodput ba
 """
 
 import argparse
-import asyncio
 import json
 import os
 import secrets
@@ -45,7 +44,7 @@ import time
 from pathlib import Path
 
 from bench import report as rep
-from bench.loadgen import run_rate
+from bench.loadgen import run_loop, run_rate
 from bench.peer_fidelity import add_fidelity, step_mark, step_speed
 from bench.prompt_text import as_text
 from bench.workloads import WorkloadConfig
@@ -139,7 +138,7 @@ class Bench:
         self.reset()
         marks = [step_mark(w.url, self.token) for w in self.workers]
         before = cpu_s(pid) if pid else 0.0
-        records = asyncio.run(
+        records = run_loop(
             run_rate(urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout, text=self.text)
         )
         run = rep.summarize(records, *self.slo)

@@ -12,7 +12,6 @@ round by round, so load from elsewhere on a shared host falls on each alike; med
 """
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import vs_peers
-from bench.loadgen import run_rate
+from bench.loadgen import run_loop, run_rate
 from bench.workloads import WorkloadConfig
 from gateway import procs
 from workers.model_store import served_name
@@ -76,7 +75,7 @@ def main() -> None:
     def run(urls: list[str], n: int) -> list[dict]:
         bench.reset()
         wl = WorkloadConfig(name="random", rate=a.rate, duration_s=a.duration, input_len=256, output_len=n, seed=7)
-        return asyncio.run(run_rate(urls, wl, model, bench.slo, timeout=120, text=bench.text))
+        return run_loop(run_rate(urls, wl, model, bench.slo, timeout=120, text=bench.text))
 
     results: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     urls = bench.start_fleet()
