@@ -60,7 +60,7 @@ lint: setup
 # The whole suite: processes, models, vLLM. No test asserts on wall-clock thresholds (timing is
 # the benchmarks' job), so it passes on a machine busy with other jobs.
 test: lint vllm-setup prometheus
-	KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 # The pure tests (no processes, no torch model; markers set in tests/conftest.py), warnings as
 # errors: under a minute.
