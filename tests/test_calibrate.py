@@ -252,13 +252,13 @@ def test_simulation_matches_real_smollm2_fleet(monkeypatch, tmp_path):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     workers = [start_worker(f"cpu{i}", executor="torch", log_dir=str(tmp_path)) for i in range(2)]
     wl = WorkloadConfig(
-        name="shared-prefix", rate=2.0, duration_s=40, seed=7, groups=2, prefix_len=128, question_len=32, output_len=20
+        name="shared-prefix", rate=2.0, duration_s=20, seed=7, groups=2, prefix_len=128, question_len=32, output_len=20
     )
     try:
         for w in workers:
             w.ready(300)
         urls = [w.url for w in workers]
-        profile = calibrate.calibrate(urls, [16, 32, 64, 128, 256], [1, 2, 3, 4, 5, 6], decode_tokens=12, rounds=2)
+        profile = calibrate.calibrate(urls, [16, 32, 64, 128, 256], [1, 2, 3, 4, 5, 6], decode_tokens=12, rounds=1)
         records, steps = fidelity.run(urls, wl, "smollm2-135m")
         sim = fidelity.sim_config(urls[0])
     finally:
