@@ -156,9 +156,16 @@ NEW = 4
 
 
 @functools.cache
-def hf_greedy(path: str, prompt: tuple[int, ...]) -> list[int]:
+def hf_model(path: str):
+    """transformers' model at `path`, loaded once for every prompt (here and in test_disk_tier_worker)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.cache
+def hf_greedy(path: str, prompt: tuple[int, ...]) -> list[int]:
+    model = hf_model(path)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),
