@@ -28,11 +28,11 @@ import gc
 import heapq
 import sys
 import time
-from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
+from bench.chain_hasher import ChainHasher
 from bench.report import tpot_ms
 from bench.sim_worker import SimConfig, SimWorker
 from bench.workloads import BenchRequest
@@ -42,7 +42,7 @@ from policies.api import DEFAULT_TIER_CREDITS, FleetView, Policy, RequestView, T
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventBatch, KVEvent
 from workers.export_batch import export_span
-from workers.kv.hashing import block_hash, seed_hash
+from workers.kv.hashing import seed_hash
 from workers.kv.transfer_time import Link
 from workers.pending import PendingKV
 from workers.request import Request
@@ -413,58 +413,6 @@ class FleetSim:
                 continue
             self._failed(req.arrival, req.num_prompt, "unfinished: still running when the simulation stopped")
         return self.records
-
-
-class ChainHasher:
-    """`block_hashes` with memos: requests share long prefixes, and a dict lookup is far
-    cheaper than a blake2b. A prompt is looked up in runs of `span` blocks, keyed by (parent,
-    the run's tokens): one lookup per run, not per block. A run not seen whole before falls
-    back to a memo of (parent, block tokens) -> hash, and is remembered whole only when its
-    first block was there already (content seen twice is shared; unique questions would only
-    fill the memo). Same values as `block_hashes`."""
-
-    def __init__(self, block_size: int, seed: int, span: int = 32, limit: int = 1 << 19):
-        self.block_size = block_size
-        self.seed = seed
-        self.span = span
-        self.limit = limit
-        self.runs: dict[tuple, list[int]] = {}
-        self.memo: dict[tuple, int] = {}
-
-    def hashes(self, tokens: list[int]) -> list[int]:
-        B, span, runs = self.block_size, self.span, self.runs
-        if len(self.memo) + len(runs) * span > self.limit:
-            self.memo.clear()
-            runs.clear()
-        n = len(tokens) // B
-        out, h = [], self.seed
-        for i in range(0, n, span):
-            end = min(i + span, n)
-            key = (h, tuple(tokens[i * B : end * B]))
-            run = runs.get(key)
-            if run is None:
-                run, seen = self._blocks(h, tokens, i, end)
-                if seen:
-                    runs[key] = run
-            out += run
-            h = run[-1]
-        return out
-
-    def _blocks(self, h: int, tokens: list[int], start: int, end: int) -> tuple[list[int], bool]:
-        """Hashes of blocks start..end-1 after parent `h`, and whether the first was memoised."""
-        B, memo = self.block_size, self.memo
-        raw, width = array("q", tokens[start * B : end * B]).tobytes(), 8 * B
-        out, seen = [], False
-        for k in range(end - start):
-            key = (h, raw[k * width : (k + 1) * width])
-            nh = memo.get(key)
-            if nh is None:
-                nh = memo[key] = block_hash(h, tokens[(start + k) * B : (start + k + 1) * B])
-            elif k == 0:
-                seen = True
-            out.append(nh)
-            h = nh
-        return out, seen
 
 
 def stderr_progress(label: str) -> Callable[[float, int], None]:

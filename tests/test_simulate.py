@@ -6,7 +6,8 @@ import json
 import pytest
 
 from bench import simulate
-from bench.fleet_sim import ChainHasher, FleetConfig, FleetSim
+from bench.chain_hasher import ChainHasher
+from bench.fleet_sim import FleetConfig, FleetSim
 from bench.report import summarize
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, generate
