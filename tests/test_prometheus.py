@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     need_prometheus()
-    return observe.run(duration_s=24.0, kill_at_s=10.0, concurrency=2, logs=str(tmp_path_factory.mktemp("observe")))
+    return observe.run(duration_s=16.0, kill_at_s=7.0, concurrency=2, logs=str(tmp_path_factory.mktemp("observe")))
 
 
 def test_every_panel_query_returns_data_in_range(report):
