@@ -475,7 +475,10 @@ def candidates_summary(view: RequestView, fleet: FleetView) -> str:
 
 def header_text(text: str, limit: int = 300) -> str:
     """`text` as a header value: printable ASCII only (a plugin's reason may hold anything)."""
-    return "".join(ch if " " <= ch <= "~" else "?" for ch in text[:limit])
+    text = text[:limit]
+    if text.isascii() and text.isprintable():  # " " to "~": the usual reason, as it is
+        return text
+    return "".join(ch if " " <= ch <= "~" else "?" for ch in text)
 
 
 def _model_card(model: str, max_model_len: int) -> dict:

@@ -8,10 +8,12 @@ pipelines (Loki, Elasticsearch, Cloud Logging) index them without parsing.
 import argparse
 import json
 import logging
+import re
 import time
 
 LOG_FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(name)s %(message)s"
+_QUOTE = re.compile(r'[ "=]')  # a value holding one of these is JSON-quoted
 
 
 def logfmt(fields: dict) -> str:
@@ -21,7 +23,7 @@ def logfmt(fields: dict) -> str:
         if v is None:
             continue
         s = f"{v:.1f}" if isinstance(v, float) else str(v)
-        if not s or any(c in s for c in ' "='):
+        if not s or _QUOTE.search(s):
             s = json.dumps(s)
         parts.append(f"{k}={s}")
     return " ".join(parts)
