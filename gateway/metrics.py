@@ -9,6 +9,8 @@ status, stage and outcome) before the first scrape that could see them move, so 
 the first failure of an incident, not only the second.
 """
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -186,6 +188,7 @@ class GatewayMetrics:
         for reason in REFUSALS:
             self.refused.labels(reason)
         self._known: set[tuple[str, str]] = set()
+        self._children: dict[tuple, Any] = {}
         self.know("", "")
 
     def know(self, model: str, worker: str) -> None:
@@ -218,39 +221,49 @@ class GatewayMetrics:
             if w.worker_id and w.model:
                 self.know(w.model, w.worker_id)
 
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, kept: prometheus_client validates the values and takes a
+        lock on every `labels` call, about a dozen of them per request. Holds no label set the
+        metric does not hold already."""
+        key = (metric, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
     def observe(self, rec: RequestRecord) -> None:
         """Account an ended request: its status and SLO outcome, and for an answer its latencies,
         tokens and cache hit."""
-        model, worker = rec.model, rec.worker
-        self.requests.labels(model, worker, self.policy, str(rec.status)).inc()
+        model, worker, child = rec.model, rec.worker, self.child
+        child(self.requests, model, worker, self.policy, str(rec.status)).inc()
         outcome = slo_outcome(rec)
         if outcome is not None:
-            self.slo.labels(model, outcome).inc()
+            child(self.slo, model, outcome).inc()
         if rec.status != 200 or not worker:
             return
         if rec.ttft_s is not None:
-            self.ttft.labels(model, worker).observe(rec.ttft_s)
+            child(self.ttft, model, worker).observe(rec.ttft_s)
         if rec.tpot_s is not None:
-            self.tpot.labels(model, worker).observe(rec.tpot_s)
+            child(self.tpot, model, worker).observe(rec.tpot_s)
         if rec.e2e_s is not None:
-            self.e2e.labels(model, worker).observe(rec.e2e_s)
+            child(self.e2e, model, worker).observe(rec.e2e_s)
         if rec.finish_reason is not None:
-            self.finished.labels(model, rec.finish_reason).inc()
+            child(self.finished, model, rec.finish_reason).inc()
         if rec.output_tokens is not None:
-            self.request_output.labels(model).observe(rec.output_tokens)
-            self.generation_tokens.labels(model, worker).inc(rec.output_tokens)
+            child(self.request_output, model).observe(rec.output_tokens)
+            child(self.generation_tokens, model, worker).inc(rec.output_tokens)
         if rec.prompt_tokens is not None:
-            self.request_prompt.labels(model).observe(rec.prompt_tokens)
+            child(self.request_prompt, model).observe(rec.prompt_tokens)
         if rec.cached_tokens is not None:
-            self.request_cached.labels(model).observe(rec.cached_tokens)
+            child(self.request_cached, model).observe(rec.cached_tokens)
             self.hit(model, worker, rec.leg, rec.prompt_tokens or 0, rec.predicted_cached or 0, rec.cached_tokens)
 
     def hit(self, model: str, worker: str, leg: str, prompt: int, predicted: int, actual: int) -> None:
         """Routing quality: what one leg was expected to find cached, and found."""
         labels = (model, worker, self.policy, leg)
-        self.prompt_tokens.labels(*labels).inc(prompt)
-        self.predicted_cached.labels(*labels).inc(predicted)
-        self.actual_cached.labels(*labels).inc(actual)
+        self.child(self.prompt_tokens, *labels).inc(prompt)
+        self.child(self.predicted_cached, *labels).inc(predicted)
+        self.child(self.actual_cached, *labels).inc(actual)
 
     def render(self) -> tuple[bytes, str]:
         self.sync()
