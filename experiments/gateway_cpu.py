@@ -1,8 +1,7 @@
 """Gateway CPU per proxied request, A/B between checkouts: 4 sim workers (the h200-llama8b eager
 profile); per round and per `--code` checkout a gateway in front of them, a Poisson load of
 256-random-token text prompts (as `bench.vs_peers`'s low-load run) and its CPU time from
-/proc/PID/task/*/schedstat (nanoseconds, every thread; /proc/PID/stat counts 10 ms ticks, a
-third of a millisecond per request over vs_peers' 30), its context switches per request and
+`bench.vs_peers.cpu_s` (every thread's schedstat, nanoseconds), its context switches per request and
 the TTFT it adds over the same requests sent straight to the workers. Checkouts alternate
 round by round, so load from elsewhere on a shared host falls on each alike; medians at the end.
 
@@ -25,11 +24,6 @@ from bench.loadgen import run_loop, run_rate
 from bench.workloads import WorkloadConfig
 from gateway import procs
 from workers.model_store import served_name
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of `pid` (schedstat: nanoseconds on a CPU)."""
-    return sum(_task_field(pid, tid, "schedstat", lambda t: int(t.split()[0])) for tid in _tasks(pid)) / 1e9
 
 
 def switches(pid: int) -> int:
@@ -87,9 +81,9 @@ def main() -> None:
                 g = bench.start_router(f"kvgate-{a.policy}", urls)
                 time.sleep(vs_peers.SETTLE_S)
                 for n in lens:
-                    c0, s0 = cpu_s(g.popen.pid), switches(g.popen.pid)
+                    c0, s0 = vs_peers.cpu_s(g.popen.pid), switches(g.popen.pid)
                     recs = run([g.url], n)
-                    cpu, sw = (cpu_s(g.popen.pid) - c0) / len(recs), (switches(g.popen.pid) - s0) / len(recs)
+                    cpu, sw = (vs_peers.cpu_s(g.popen.pid) - c0) / len(recs), (switches(g.popen.pid) - s0) / len(recs)
                     ttft = np.array([r["ttft_ms"] for r in recs if r["ttft_ms"] is not None])
                     added = [float(np.percentile(ttft, q) - np.percentile(direct[n], q)) for q in (50, 90)]
                     results.setdefault((code, n), []).append((1000 * cpu, sw, *added))
