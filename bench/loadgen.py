@@ -11,11 +11,9 @@ overload). Prompts go as token-id lists to /v1/completions with `stream: true`,
 client (a fleet without a router). Per request: TTFT, TPOT, inter-token latencies,
 end-to-end, cached tokens, the worker that served it (`x-kvgate-worker`), errors.
 
-The client is the gateway's own HTTP/1.1 pool (gateway/upstream.py: asyncio, httptools'
-C parser): httpx, parsing every event in Python, cost as much CPU as the routers it measured
-and, on a small machine, measured itself (a sim fleet behind prefix_affinity at 20 req/s on a
-busy 2-core host: 0.51 of requests within SLO, TTFT p50 1.9 s through httpx; 1.00 and 71 ms
-through this client).
+The client is the gateway's own HTTP/1.1 pool (gateway/upstream.py: asyncio, httptools' C
+parser) on uvloop: a client that parses every streamed event in Python costs as much CPU as
+the router it measures and, on a small machine, measures itself.
 """
 
 import argparse
