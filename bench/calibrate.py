@@ -41,9 +41,9 @@ from collections import defaultdict
 import httpx
 import numpy as np
 
-from bench.loadgen import KEEPALIVE_S, send
+from bench.loadgen import send
 from bench.workloads import BenchRequest, TOKEN_LOW
-from gateway.upstream import Pool
+from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 from workers.internal_auth import internal_headers
 from workers.kv.cost_model import CostModel
 from workers.step_stats import StepRecord
@@ -62,7 +62,9 @@ class Probe:
         unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         # httpx's default 100 connections would cap the batch; $KVGATE_INTERNAL_TOKEN reaches /state and /steps
         self.client = httpx.AsyncClient(timeout=600, limits=unlimited, headers=internal_headers())
-        self.pool = Pool(connect_timeout=30.0, keepalive_s=KEEPALIVE_S)  # the completions, as bench serve sends them
+        self.pool = Pool(
+            connect_timeout=30.0, keepalive_s=UPSTREAM_KEEPALIVE_S
+        )  # the completions, as bench serve sends them
         self.index = 0
 
     def prompt(self, n: int) -> list[int]:

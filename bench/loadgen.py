@@ -27,13 +27,12 @@ from typing import Any, TypeVar
 import httpx
 
 from bench import report as rep
-from gateway.upstream import Pool, Upstream
 from bench.workloads import BenchRequest, WorkloadConfig, add_args, from_args, generate, resolve_rates
+from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool, Upstream
 from workers.cli_help import HelpFormatter
 
 JSON_HEAD = {"content-type": "application/json"}
 T = TypeVar("T")
-KEEPALIVE_S = 4.0  # under uvicorn's (and the workers') 5 s keep-alive, as the gateway's pool keeps it
 
 
 class Progress:
@@ -198,7 +197,7 @@ async def run_rate(
     requests = list(generate(cfg))
     headers = {"x-slo-ttft-ms": str(slo[0]), "x-slo-tpot-ms": str(slo[1])}
     progress = Progress(f"{cfg.rate:g} req/s", len(requests), cfg.duration_s)
-    client = Pool(connect_timeout=30.0, keepalive_s=KEEPALIVE_S)
+    client = Pool(connect_timeout=30.0, keepalive_s=UPSTREAM_KEEPALIVE_S)
     try:
 
         async def one(i: int, br: BenchRequest) -> dict:
@@ -226,8 +225,7 @@ async def run_rate(
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:
     """Run `main` to its end on uvloop where it is installed (as the gateway runs), else on
-    asyncio's own loop: the client's CPU is taken from the fleet it measures (at 34 req/s of
-    2k-token streams, 0.26 -> 0.22 of a core, TTFT p50 92 -> 76 ms on a busy 2-core host)."""
+    asyncio's own loop: the client's CPU is taken from the fleet it measures."""
     try:
         import uvloop
     except ImportError:

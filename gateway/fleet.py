@@ -36,7 +36,7 @@ import aiohttp
 
 from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
-from gateway.proxy import UPSTREAM_KEEPALIVE_S
+from gateway.upstream import UPSTREAM_KEEPALIVE_S
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
 from workers.internal_auth import internal_headers

@@ -27,15 +27,10 @@ from starlette.responses import Response
 
 from gateway.http_server import RAW_SEND, RawBody
 from gateway.record import RequestRecord
-from gateway.upstream import Pool, Upstream
+from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool, Upstream
 from workers.protocol import TTFT_HEADER
 
 DONE = b"data: [DONE]\n\n"
-# An idle pooled connection to a worker is dropped after this, before the worker drops it:
-# uvicorn's keep-alive timeout (our workers', vLLM's, SGLang's) is 5 s, and reusing a
-# connection the server is closing fails the request ("Can not write request body") and made
-# the worker suspect; about one request in 25 at 2 req/s over 4 workers.
-UPSTREAM_KEEPALIVE_S = 4.0
 _CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens":\s*(\d+)')
 _FINISH = re.compile(rb'"finish_reason":\s*"(\w+)"')

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from gateway.proxy import UPSTREAM_KEEPALIVE_S
+from gateway.upstream import UPSTREAM_KEEPALIVE_S
 from gateway.vllm_metrics import (
     BadAnswer,
     EventSource,

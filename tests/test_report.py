@@ -106,9 +106,9 @@ def test_loadgen_counts_a_length_finish_short_of_max_tokens_as_an_error():
     import asyncio
     import json
 
-    from bench.loadgen import KEEPALIVE_S, send
+    from bench.loadgen import send
     from bench.workloads import BenchRequest
-    from gateway.upstream import Pool
+    from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 
     def sse(n: int, finish: str) -> bytes:
         chunks = [
@@ -133,7 +133,7 @@ def test_loadgen_counts_a_length_finish_short_of_max_tokens_as_an_error():
     async def all_three() -> list[dict]:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        pool = Pool(connect_timeout=5.0, keepalive_s=KEEPALIVE_S)
+        pool = Pool(connect_timeout=5.0, keepalive_s=UPSTREAM_KEEPALIVE_S)
         try:
             return [
                 await send(pool, url, BenchRequest(0, 0.0, [1, n, finish], 5), None, {}, True)
