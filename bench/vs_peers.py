@@ -46,6 +46,7 @@ from pathlib import Path
 from bench import report as rep
 from bench.loadgen import run_loop, run_rate
 from bench.peer_fidelity import add_fidelity, step_mark, step_speed
+from bench.proc_cpu import cpu_s
 from bench.prompt_text import as_text
 from bench.workloads import WorkloadConfig
 from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all
@@ -76,32 +77,6 @@ def peer_argv(name: str, venv: Path, port: int, urls: list[str]) -> list[str]:
     if name == "sglang-router":
         return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
     return [str(venv / "bin" / "vllm-router"), *common]
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of `pid` and of its live descendants, from each thread's
-    schedstat (nanoseconds on a CPU). /proc/PID/stat counts 10 ms ticks, each of user and
-    system time: over the ~30 requests of the low-load run, up to ~0.7 ms a request either way."""
-    total = 0
-    for tid in _entries(f"/proc/{pid}/task"):
-        total += int((_read(f"/proc/{pid}/task/{tid}/schedstat") or "0").split()[0])
-        for child in (_read(f"/proc/{pid}/task/{tid}/children") or "").split():
-            total += round(cpu_s(int(child)) * 1e9)
-    return total / 1e9
-
-
-def _entries(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:  # the process ended
-        return []
-
-
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text()
-    except OSError:  # the thread ended since the listing
-        return None
 
 
 class Bench:

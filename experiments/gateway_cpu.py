@@ -1,7 +1,7 @@
 """Gateway CPU per proxied request, A/B between checkouts: 4 sim workers (the h200-llama8b eager
 profile); per round and per `--code` checkout a gateway in front of them, a Poisson load of
 256-random-token text prompts (as `bench.vs_peers`'s low-load run) and its CPU time from
-`bench.vs_peers.cpu_s` (every thread's schedstat, nanoseconds), its context switches per request and
+`bench.proc_cpu.cpu_s` (every thread's schedstat, nanoseconds), its context switches per request and
 the TTFT it adds over the same requests sent straight to the workers. Checkouts alternate
 round by round, so load from elsewhere on a shared host falls on each alike; medians at the end.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import vs_peers
+from bench.proc_cpu import cpu_s
 from bench.loadgen import run_loop, run_rate
 from bench.workloads import WorkloadConfig
 from gateway import procs
@@ -81,9 +82,9 @@ def main() -> None:
                 g = bench.start_router(f"kvgate-{a.policy}", urls)
                 time.sleep(vs_peers.SETTLE_S)
                 for n in lens:
-                    c0, s0 = vs_peers.cpu_s(g.popen.pid), switches(g.popen.pid)
+                    c0, s0 = cpu_s(g.popen.pid), switches(g.popen.pid)
                     recs = run([g.url], n)
-                    cpu, sw = (vs_peers.cpu_s(g.popen.pid) - c0) / len(recs), (switches(g.popen.pid) - s0) / len(recs)
+                    cpu, sw = (cpu_s(g.popen.pid) - c0) / len(recs), (switches(g.popen.pid) - s0) / len(recs)
                     ttft = np.array([r["ttft_ms"] for r in recs if r["ttft_ms"] is not None])
                     added = [float(np.percentile(ttft, q) - np.percentile(direct[n], q)) for q in (50, 90)]
                     results.setdefault((code, n), []).append((1000 * cpu, sw, *added))
