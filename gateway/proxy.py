@@ -28,6 +28,7 @@ from starlette.responses import Response
 from gateway.http_server import RAW_SEND, RawBody
 from gateway.record import RequestRecord
 from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool, Upstream
+from workers.http_guard import wait_disconnect
 from workers.protocol import TTFT_HEADER
 
 DONE = b"data: [DONE]\n\n"
@@ -402,10 +403,5 @@ class Watch:
         self._stop(WorkerLost(f"the worker was taken out: {lost.result()}"))
 
     async def _gone(self, client: Request) -> None:
-        await _wait_disconnect(client)
+        await wait_disconnect(client)
         self._stop(ClientGone())
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

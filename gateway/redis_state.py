@@ -86,14 +86,15 @@ class RedisState:
         self._degrade()
 
     async def _run(self) -> None:
-        backoff = 0.2
+        backoff = rs.Backoff()
         while True:
             r = self.client()
             try:
                 await r.ping()
                 self.grace_until = time.monotonic() + self.grace_s
                 await self.bootstrap(r)
-                self.up, backoff = True, 0.2
+                self.up = True
+                backoff.reset()
                 self.outbox = asyncio.Queue()
                 self.fleet.on_change = self._publish
                 await _first_failure(
@@ -111,8 +112,7 @@ class RedisState:
             finally:
                 await r.aclose()
             self._degrade()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await asyncio.sleep(backoff.next())
 
     def _degrade(self) -> None:
         """Hand residency back to the workers' direct tailers; forget other replicas' load."""

@@ -102,3 +102,10 @@ def test_an_agent_record_is_invalid_unsigned_forged_or_for_another_agent():
 def test_a_malformed_agent_record_is_a_value_error(body):
     with pytest.raises(ValueError):
         rs.AgentRecord.from_json(body)
+
+
+def test_reconnect_backoff_doubles_to_its_cap_and_starts_over_once_connected():
+    b = rs.Backoff(first=0.2, longest=1.0, current=0.2)
+    assert [b.next() for _ in range(5)] == [0.2, 0.4, 0.8, 1.0, 1.0]
+    b.reset()
+    assert b.next() == 0.2

@@ -21,6 +21,13 @@ log = logging.getLogger("kvgate.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
+async def wait_disconnect(request: Request) -> None:
+    """Until the client of a request whose body has been read goes away: what a streaming
+    response watches to stop generating for no one."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def error(
     status: int,
     message: str,

@@ -113,20 +113,20 @@ class RedisPublisher:
         return aioredis.from_url(self.url, socket_timeout=2.0, socket_connect_timeout=1.0)
 
     async def _run(self) -> None:
-        backoff = 0.2
+        backoff = rs.Backoff()
         while True:
             r = self._client()
             try:
                 await self.resync(r)
-                self.connected, backoff = True, 0.2
+                self.connected = True
+                backoff.reset()
                 await self._publish_loop(r)
             except (RedisError, OSError) as e:
                 if self.connected:
                     log.warning("redis at %s failed (%r); retrying, then resyncing", rs.redact_url(self.url), e)
                 self.connected = False
                 self._queue.clear()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff.next())
             finally:
                 await r.aclose()
 

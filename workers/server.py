@@ -25,7 +25,7 @@ from workers.control_routes import ControlRoutes
 from workers.job import Choices, Job
 from workers.given_ids import FIELD as GIVEN_IDS
 from workers.given_ids import fingerprint, given_prompts, has_text
-from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx, error
+from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx, error, wait_disconnect
 from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
 from workers.prefix_tokens import PrefixTokenizer
@@ -350,7 +350,7 @@ class WorkerServer:
         texts = {i: [state.echo(i)] for i in range(p.num_choices)}
         ids: dict[int, list[int]] = {i: [] for i in range(p.num_choices)}
         entries: dict[int, list] = {i: [] for i in range(p.num_choices)}
-        disconnect = asyncio.ensure_future(_wait_disconnect(request))
+        disconnect = asyncio.ensure_future(wait_disconnect(request))
         try:
             while not state.done:
                 get = asyncio.ensure_future(job.outputs.get())
@@ -465,11 +465,6 @@ class WorkerServer:
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _sse(obj: dict) -> bytes:

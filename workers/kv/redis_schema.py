@@ -202,6 +202,26 @@ def _sig_matches(sig: str, token: str, body: dict) -> bool:
     return hmac.compare_digest(sig.encode(errors="replace"), _mac(token, body).encode())
 
 
+@dataclass
+class Backoff:
+    """The wait before reconnecting to Redis, for the workers' publisher and the gateways alike:
+    `first` seconds after a failure, doubling while it keeps failing up to `longest`; `reset`
+    once connected. Short at first so a blip costs little, capped so a long outage is still
+    noticed soon after it ends."""
+
+    first: float = 0.2
+    longest: float = 5.0
+    current: float = 0.2
+
+    def reset(self) -> None:
+        self.current = self.first
+
+    def next(self) -> float:
+        """The wait now, and double it for the next failure."""
+        wait, self.current = self.current, min(self.current * 2, self.longest)
+        return wait
+
+
 def redact_url(url: str) -> str:
     """A Redis URL fit for logs: its password (and user) replaced by `***`."""
     parts = urlsplit(url)
