@@ -17,9 +17,9 @@ its stall would pass `stall_s`, so a frozen engine is out at about `stall_s` plu
 round trip (< 2 s by default). Losing a worker resolves its `lost` future, so
 requests waiting on it give up at once and are retried elsewhere. The tailer
 follows the worker's `/kv/events` stream (one response, a line per batch of events with the
-state, a heartbeat line each long poll) into the residency index, resyncing from
-`/kv/snapshot` whenever the index asks; while Redis carries a worker's events (see
-redis_state) its tailer idles.
+state's fields that changed since the line before, a heartbeat line each long poll) into the
+residency index, resyncing from `/kv/snapshot` whenever the index asks; while Redis carries a
+worker's events (see redis_state) its tailer idles.
 Routing reads only in-memory fields, never the network. The HTTP client is aiohttp, as for
 the proxy: with 64 workers polled twice a second the control plane alone makes ~130 requests
 per second.
@@ -367,12 +367,16 @@ class Fleet:
                 self.index.reset(wid, snap.hashes, snap.seq, snap.tiers)
             return
         assert self.session is not None, "Fleet.start opens the session before any tail"
-        params = {"after": seq, "timeout": LONG_POLL_S, "state": 1, "stream": 1}
+        params = {"after": seq, "timeout": LONG_POLL_S, "state": 1, "delta": 1, "stream": 1}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout + LONG_POLL_S)
         async with self.session.get(w.url + "/kv/events", params=params, timeout=timeout, read_bufsize=LINE_BYTES) as r:
             _check(r)
+            state: dict = {}
             async for line in r.content:
-                if not self._apply_line(w, wid, epoch, json.loads(line)):
+                body = json.loads(line)
+                if isinstance(body.get("state"), dict):  # what changed since the stream's last line
+                    state = body["state"] = state | body["state"]
+                if not self._apply_line(w, wid, epoch, body):
                     return
 
     def _apply_line(self, w: Worker, wid: str, epoch: int, body: dict) -> bool:

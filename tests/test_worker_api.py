@@ -175,6 +175,33 @@ def test_kv_events_stream_a_line_per_batch_with_heartbeats(worker):
     assert worker.internal(f"/kv/events?after={seq}&stream=1").status_code == 400, "a stream needs a heartbeat"
 
 
+def test_kv_events_stream_delta_carries_what_changed(worker):
+    """`delta=1`: a stream's first line carries the whole state, each later one only the fields
+    that changed since the line before, so merging them in order gives each line's state."""
+    seq = worker.internal("/kv/snapshot").json()["seq"]
+    lines: list[dict] = []
+
+    def follow() -> None:
+        url = worker.url + f"/kv/events?after={seq}&timeout=0.3&state=1&delta=1&stream=1"
+        with httpx.stream("GET", url, headers=INTERNAL, timeout=15) as r:
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+                if any(b["events"] for b in lines) and not lines[-1]["events"]:
+                    return
+
+    t = threading.Thread(target=follow)
+    t.start()
+    post(worker, "/v1/completions", {"model": MODEL, "prompt": list(range(3100, 3140)), "max_tokens": 1})
+    t.join(20)
+    assert not t.is_alive()
+    assert lines[0]["state"].keys() == worker.state().keys(), "the first line: the whole state"
+    assert all("cost_model" not in b["state"] and "worker_id" not in b["state"] for b in lines[1:])
+    merged: dict = {}
+    for b in lines:
+        merged |= b["state"]
+    assert merged.keys() == worker.state().keys() and merged["waiting"] == merged["running"] == 0
+
+
 def test_client_disconnect_aborts_and_frees_blocks(worker):
     with httpx.stream(
         "POST",

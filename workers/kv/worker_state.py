@@ -54,4 +54,7 @@ class WorkerState:
     def from_json(d: dict) -> "WorkerState":
         """The known fields of a /state body (a server adds liveness and transfer fields, and
         an older worker may lack newer ones: their defaults stand)."""
-        return WorkerState(**{f.name: d[f.name] for f in fields(WorkerState) if f.name in d})
+        return WorkerState(**{name: d[name] for name in _FIELDS if name in d})
+
+
+_FIELDS = tuple(f.name for f in fields(WorkerState))  # `fields` builds its tuple anew each call
