@@ -4,7 +4,8 @@ The gateway runs the workers' own `parse_request` with the model's own tokenizer
 template) and the shared `workers.kv.hashing` chain, so its hashes name the very blocks the
 workers cache. Long prompts are tokenized in a thread so they never stall the event loop;
 short ones inline, where a thread hop would cost more than the work. A prompt's text is
-tokenized once per distinct prefix (`workers.prefix_tokens`).
+tokenized once per distinct prefix (`workers.prefix_tokens`), and ASCII text word by word from
+cached ids (`workers.word_tokens`).
 """
 
 import asyncio
@@ -50,7 +51,13 @@ class ModelTokenizer:
         self.name = name
         self.tokenizer = PrefixTokenizer(tokenizer)
         self.fingerprint = fingerprint(tokenizer)  # a worker with the same takes the gateway's ids
-        log.info("model %r: prompt prefix token cache %s", name, "on" if self.tokenizer.enabled else "off")
+        on = {True: "on", False: "off"}
+        log.info(
+            "model %r: prompt prefix token cache %s, word token cache %s",
+            name,
+            on[self.tokenizer.enabled],
+            on[self.tokenizer.words is not None],
+        )
         self.block_size = block_size
         self.seed = seed_hash(name, block_size)
         token_chars(tokenizer)  # the prompt-length bound's vocabulary scan, done at load, not on a request

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from operator import itemgetter
 
+from workers.word_tokens import word_tokenizer
+
 _CUT = re.compile(r"\S( )")
 _start = itemgetter(0)  # a token's first character, of its (start, end) offsets
 SELF_TEST_TEXTS = 48
@@ -50,6 +52,7 @@ class PrefixTokenizer:
         self._next_id = 1
         self._lock = threading.Lock()
         self.hits = self.misses = 0  # characters served from the cache / tokenized
+        self.words = word_tokenizer(tokenizer)  # ASCII text's ids word by word (workers.word_tokens)
         self.enabled = self._backend is not None and splits_words(self._backend) and self_test(self)
 
     def __getattr__(self, name: str):
@@ -60,16 +63,25 @@ class PrefixTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text`, equal to the tokenizer's `encode`."""
         if not self.enabled or self._backend is None or len(text) < 2 * self.chunk_chars:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens)
+            ids = self.words.encode(text, add_special_tokens) if self.words is not None else None
+            return ids if ids is not None else self._tok.encode(text, add_special_tokens=add_special_tokens)
         cuts = self.cuts(text)
         ids, used, parent = self._cached(text, cuts, add_special_tokens)
         start = cuts[used - 1] if used else 0
-        rest = self._backend.encode(text[start:], add_special_tokens=add_special_tokens and start == 0)
-        rest_ids = rest.ids
-        self._store(text, cuts[used:], start, parent, add_special_tokens, rest_ids, rest.offsets)
+        rest_ids, before = self._rest(text[start:], [c - start for c in cuts[used:]], add_special_tokens and start == 0)
+        self._store(text, cuts[used:], start, parent, add_special_tokens, rest_ids, before)
         self.hits += start
         self.misses += len(text) - start
         return ids + rest_ids
+
+    def _rest(self, text: str, cuts: list[int], special: bool) -> tuple[list[int], list[int]]:
+        """(ids of the uncached rest `text`, how many precede each of its `cuts`, up to the first
+        that falls inside a token): word by word where it can, else the tokenizer's offsets."""
+        found = self.words.encode_cut(text, cuts, special) if self.words is not None else None
+        if found is not None:
+            return found
+        rest = self._backend.encode(text, add_special_tokens=special)  # type: ignore[union-attr]  # enabled
+        return rest.ids, tokens_before(rest.offsets, cuts, len(rest.ids))
 
     def cuts(self, text: str) -> list[int]:
         """The chunk ends of `text` (each a space after a non-space, at least `chunk_chars`
@@ -96,19 +108,13 @@ class PrefixTokenizer:
         return ids, used, parent
 
     def _store(
-        self, text: str, cuts: list[int], start: int, parent: int, special: bool, ids: list[int], offsets
+        self, text: str, cuts: list[int], start: int, parent: int, special: bool, ids: list[int], before: list[int]
     ) -> None:
-        """Cache the chunks of text[start:] ending at `cuts` whose tokens `ids` (with character
-        `offsets` relative to `start`) split cleanly at each cut; stop at the first that does not.
-        A cut's token is found by bisection on the tokens' start offsets (non-decreasing): a
-        Python step per token was most of the cost of a prompt no other prompt shares."""
+        """Cache the chunks of text[start:] ending at `cuts` whose tokens are `ids`, `before[k]`
+        of them preceding cut k (cuts past `before`'s end split a token: kept nowhere)."""
         i, chunk_start = 0, start
         new = []
-        for end in cuts:
-            e = end - start
-            j = bisect_left(offsets, e, lo=i, key=_start)
-            if j == i or j >= len(ids) or offsets[j - 1][1] > e:
-                break  # the tokens do not split at the cut: keep nothing past it
+        for end, j in zip(cuts, before):
             new.append((chunk_start, end, tuple(ids[i:j])))
             i, chunk_start = j, end
         with self._lock:
@@ -121,6 +127,21 @@ class PrefixTokenizer:
                 parent = chunk.id
             while len(self._chunks) > self.max_chunks:
                 self._chunks.popitem(last=False)
+
+
+def tokens_before(offsets: list[tuple[int, int]], cuts: list[int], n: int) -> list[int]:
+    """How many tokens (of `n`, with character `offsets`) precede each of `cuts`, up to the
+    first cut that falls inside a token or before the first. A cut's token is found by
+    bisection on the tokens' start offsets (non-decreasing): a Python step per token was most
+    of the cost of a prompt no other prompt shares."""
+    out, i = [], 0
+    for cut in cuts:
+        j = bisect_left(offsets, cut, lo=i, key=_start)
+        if j == i or j >= n or offsets[j - 1][1] > cut:
+            break
+        out.append(j)
+        i = j
+    return out
 
 
 WORD_SPLITTERS = {"ByteLevel", "Metaspace", "Whitespace", "WhitespaceSplit", "Split", "BertPreTokenizer"}
