@@ -7,11 +7,13 @@ order, inside the post-processor's special tokens. The tokenizer spends ~1 ms of
 256-word prompt (~4 us a word: its regex engine, the merges, offsets and the encoding's
 objects); splitting in Python and reading each word's ids from a dict costs ~0.1 ms.
 
-Exact by construction and by test: only ASCII text takes this path (the two regex engines'
-Unicode tables may differ in version elsewhere; ASCII's classes are fixed), only tokenizers of a
-shape read here (a BPE model without dropout; no normalizer but a Unicode normal form, which
-leaves ASCII as it is; added tokens without strip or word flags), and only when a self-test at
-load, on texts built to break it, gives the tokenizer's own `encode` ids. Otherwise None.
+Exact by construction and by test: only ASCII stretches are split here (the two regex engines'
+Unicode tables may differ in version elsewhere; ASCII's classes are fixed); the few words around
+other characters go to the tokenizer whole, cut where pre-tokens always part (a space after a
+non-space, as `workers.prefix_tokens` cuts). Only tokenizers of a shape read here (a BPE model
+without dropout; no normalizer but a Unicode normal form, which leaves ASCII as it is; added
+tokens without strip or word flags or spaces), and only when a self-test at load, on texts
+built to break it, gives the tokenizer's own `encode` ids. Otherwise None.
 """
 
 import json
@@ -85,8 +87,9 @@ def _pattern(pre: dict | None) -> str | None:
 
 def _added(tokens: list[dict]) -> list[dict[str, int]] | None:
     """Added tokens' text -> id, non-normalized then normalized (the order the tokenizer splits
-    them out in); None if one strips spaces or matches only whole words."""
-    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in tokens):
+    them out in); None if one strips spaces, matches only whole words or holds a space (an
+    island's cut might fall inside it)."""
+    if any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") or " " in t["content"] for t in tokens):
         return None
     return [{t["content"]: t["id"] for t in tokens if bool(t.get("normalized")) is normed} for normed in (False, True)]
 
@@ -118,6 +121,26 @@ def ascii_regex(pattern: str) -> re.Pattern | regex.Pattern:
         return regex.compile(pattern)
 
 
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_CUT = re.compile(r"\S( )")  # a space after a non-space starts a pre-token (workers.prefix_tokens)
+
+
+def islands(text: str) -> list[tuple[int, int]]:
+    """The stretches of `text` around its non-ASCII characters, each from the cut before one to
+    the cut after (a cut: a space that follows a non-space, or either end of the text). Pre-tokens
+    never cross a cut, so an island encodes alone as it does in place."""
+    out, start = [], 0
+    while m := _NON_ASCII.search(text, start):
+        lo = text.rfind(" ", start, m.start())
+        while lo > start and text[lo - 1].isspace():
+            lo = text.rfind(" ", start, lo)
+        cut = _CUT.search(text, m.start())
+        hi = cut.start(1) if cut else len(text)
+        out.append((max(lo, start), hi))
+        start = hi
+    return out
+
+
 def _alternation(contents: dict[str, int]) -> regex.Pattern | None:
     """A regex matching these strings leftmost-longest, as the tokenizer's Aho-Corasick does."""
     if not contents:
@@ -126,12 +149,13 @@ def _alternation(contents: dict[str, int]) -> regex.Pattern | None:
 
 
 class WordTokenizer:
-    """`encode(text, add_special_tokens)` of an ASCII text from cached pre-token ids; None for
-    text it does not take. Build one with `word_tokenizer`, which tests it first."""
+    """`encode(text, add_special_tokens)` from cached pre-token ids; None for text it does not
+    take. Build one with `word_tokenizer`, which tests it first."""
 
     def __init__(self, tokenizer, shape: Shape, max_words: int = MAX_WORDS):
         backend = tokenizer.backend_tokenizer
         self._tokenize = backend.model.tokenize
+        self._encode = backend.encode
         self._split = ascii_regex(shape.pattern).findall
         self._added = [p for p in map(_alternation, shape.added) if p is not None]
         self._any_added = _alternation({c: i for added in shape.added for c, i in added.items()})
@@ -142,7 +166,7 @@ class WordTokenizer:
         self._words = dict(self._seed)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
-        """The token ids of `text` (as the tokenizer's `encode`), or None if it is not ASCII."""
+        """The token ids of `text` (as the tokenizer's `encode`), or None."""
         found = self._pieces(text)
         if found is None:
             return None
@@ -150,7 +174,7 @@ class WordTokenizer:
 
     def encode_cut(self, text: str, cuts: list[int], add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
         """(ids of `text`, how many of them precede each of `cuts`), the cuts cut short at the
-        first that falls inside a pre-token; None if `text` is not ASCII."""
+        first that falls inside a piece; None where `encode` is None."""
         found = self._pieces(text)
         if found is None:
             return None
@@ -170,13 +194,32 @@ class WordTokenizer:
         return [*self._prefix, *ids, *self._suffix] if add_special_tokens else ids
 
     def _pieces(self, text: str) -> tuple[list[str], list[tuple[int, ...]]] | None:
-        """(pre-tokens and added tokens of ASCII `text`, each one's ids), or None."""
-        if not text or not text.isascii():
+        """(pieces of `text`, each one's ids): its ASCII stretches' pre-tokens and added tokens
+        from the cache, each stretch holding other characters encoded whole by the tokenizer
+        (`islands`); None if the split regex skips characters (a shape this does not reproduce)."""
+        if not text:
             return None
+        if text.isascii():
+            return self._ascii(text)
+        pieces: list[str] = []
+        ids_of: list[tuple[int, ...]] = []
+        start = 0
+        for lo, hi in islands(text):
+            found = self._ascii(text[start:lo]) if lo > start else ([], [])
+            if found is None:
+                return None
+            pieces += found[0] + [text[lo:hi]]
+            ids_of += found[1] + [tuple(self._encode(text[lo:hi], add_special_tokens=False).ids)]
+            start = hi
+        tail = self._ascii(text[start:]) if start < len(text) else ([], [])
+        return None if tail is None else (pieces + tail[0], ids_of + tail[1])
+
+    def _ascii(self, text: str) -> tuple[list[str], list[tuple[int, ...]]] | None:
+        """`_pieces` of ASCII text: its pre-tokens and added tokens, ids from the cache."""
         any_added = self._any_added is not None and self._any_added.search(text)
         pieces = self._split_added(text, 0) if any_added else self._split(text)
         if sum(map(len, pieces)) != len(text):
-            return None  # the split regex skips characters: a shape this does not reproduce
+            return None
         cached = list(map(self._words.get, pieces))
         return pieces, self._fill(pieces, cached) if None in cached else cast(list[tuple[int, ...]], cached)
 
@@ -241,13 +284,15 @@ def word_tokenizer(tokenizer) -> WordTokenizer | None:
 
 def self_test(words: WordTokenizer, tokenizer, seed: int = 0) -> bool:
     """Whether `words` gives the tokenizer's ids on texts built to break it (every ASCII
-    character, runs of spaces and newlines, digits, contractions, the added tokens), each text
-    twice (the second from the cache) with and without special tokens."""
+    character, runs of spaces and newlines, digits, contractions, the added tokens, non-ASCII
+    letters, marks, spaces and symbols among them), each text twice (the second from the
+    cache) with and without special tokens."""
     rng = random.Random(seed)
     specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t and t.isascii()][:6]
     pieces = ["the", "The", "x", "12345", "3.14", "1,000", "!!", "?", "'s", "'S", "'ll", "don't", " ", "  ", "   "]
     pieces += ["\n", "\n\n", "\r\n", "\t", " \n ", "\x0b", "\x0c", "\x1c", "\x1f", "\x00", "\x7f", "a_b", "__init__"]
-    pieces += ["naïve", "🙂", *specials, *(c for c in map(chr, range(128)))]
+    pieces += ["naïve", "🙂", "字 ", "e\u0301 ", "\xa0", "\u3000", "\u2028", "\x85", " \u200b", "Ⅻ", "ﬁ"]
+    pieces += [*specials, *(c for c in map(chr, range(128)))]
     texts = [
         "".join(rng.choice(pieces) + (" " if rng.random() < 0.5 else "") for _ in range(rng.randint(1, 80)))
         for _ in range(SELF_TEST_TEXTS)
