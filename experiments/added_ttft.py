@@ -1,10 +1,12 @@
 """What the gateway adds to TTFT, measured quietly: one sim worker (the h200-llama8b eager
-profile) and a gateway in front of it; sequential streaming requests of 256 random-token text
-prompts, alternating straight to the worker and through the gateway, `--rounds` x `--n` each.
+profile) and a gateway in front of it; sequential streaming requests of 256-token text prompts
+(`--prompts words`: vocabulary words as `bench.prompt_text` writes them, what `bench.vs_peers`
+sends; `ids`: random ids decoded, word fragments), alternating straight to the worker and
+through the gateway, `--rounds` x `--n` each.
 Sequential and one worker, so the figure is the gateway's path (tokenize, route, one more
 HTTP hop) rather than the queueing noise of a loaded 2-core host.
 
-    python experiments/added_ttft.py [--rounds 3] [--n 20]
+    python experiments/added_ttft.py [--rounds 3] [--n 20] [--prompts words|ids]
 """
 
 import argparse
@@ -13,6 +15,7 @@ import time
 import httpx
 import numpy as np
 
+from bench.prompt_text import as_text
 from gateway.procs import Worker, start_gateway, stop_all, wait_for
 from workers.model_store import load_tokenizer
 
@@ -35,8 +38,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--n", type=int, default=20)
+    p.add_argument("--prompts", choices=("words", "ids"), default="words")
     args = p.parse_args()
     tok, rng = load_tokenizer("smollm2-135m"), np.random.default_rng(0)
+    write = as_text(tok) if args.prompts == "words" else tok.decode
     profile = ["--sim-profile", "bench/profiles/h200-llama8b-kvgate-eager.json"]
     w = Worker(worker_id="t0", extra=["--internal-token", TOKEN, *profile])
     g = start_gateway([w.url], "prefix_affinity", extra=["--internal-token", TOKEN])
@@ -49,7 +54,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, url in (("direct", w.url), ("gateway", g.url)):
                     for _ in range(args.n):
-                        prompt = tok.decode(rng.integers(100, 40000, 256).tolist())
+                        prompt = write(rng.integers(100, 40000, 256).tolist())
                         got[name].append(ttft_ms(client, url, prompt))
                         time.sleep(0.05)
         q = {k: (float(np.percentile(v, 50)), float(np.percentile(v, 90))) for k, v in got.items()}
