@@ -15,7 +15,6 @@ tokens); a tokenizer that fails (SentencePiece's prepended "▁", say) gets no c
 chunk stored is checked to start a token. So the ids are exactly the tokenizer's.
 """
 
-import json
 import random
 import re
 import threading
@@ -24,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from operator import itemgetter
 
-from workers.word_tokens import word_tokenizer
+from workers.word_tokens import definition, word_tokenizer
 
 _CUT = re.compile(r"\S( )")
 _start = itemgetter(0)  # a token's first character, of its (start, end) offsets
@@ -41,9 +40,11 @@ class Chunk:
 
 class PrefixTokenizer:
     """`encode(text, add_special_tokens)` as the wrapped tokenizer's, through the prefix cache;
-    every other attribute is the tokenizer's own (chat template, decode, vocabulary)."""
+    every other attribute is the tokenizer's own (chat template, decode, vocabulary). `words`:
+    whether to read text word by word too (`workers.word_tokens`: ~0.3 s of CPU at start to
+    seed its cache with the vocabulary)."""
 
-    def __init__(self, tokenizer, chunk_chars: int = 512, max_chunks: int = 16384):
+    def __init__(self, tokenizer, chunk_chars: int = 512, max_chunks: int = 16384, words: bool = True):
         self._tok = tokenizer
         self.chunk_chars = chunk_chars
         self.max_chunks = max_chunks
@@ -52,8 +53,9 @@ class PrefixTokenizer:
         self._next_id = 1
         self._lock = threading.Lock()
         self.hits = self.misses = 0  # characters served from the cache / tokenized
-        self.words = word_tokenizer(tokenizer)  # ASCII text's ids word by word (workers.word_tokens)
-        self.enabled = self._backend is not None and splits_words(self._backend) and self_test(self)
+        spec = definition(self._backend)
+        self.words = word_tokenizer(tokenizer, spec) if words and spec is not None else None
+        self.enabled = spec is not None and splits_words(spec) and self_test(self)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -147,14 +149,11 @@ def tokens_before(offsets: list[tuple[int, int]], cuts: list[int], n: int) -> li
 WORD_SPLITTERS = {"ByteLevel", "Metaspace", "Whitespace", "WhitespaceSplit", "Split", "BertPreTokenizer"}
 
 
-def splits_words(backend) -> bool:
-    """Whether the tokenizer pre-tokenizes into words (so no token can span a space after a
-    word): without that, BPE merges may cross a cut in one text and not in another, which no
-    test on sample texts rules out."""
-    try:
-        pre = json.loads(backend.to_str()).get("pre_tokenizer")
-    except (AttributeError, ValueError):
-        return False
+def splits_words(spec: dict) -> bool:
+    """Whether the tokenizer (its `definition`) pre-tokenizes into words (so no token can span
+    a space after a word): without that, BPE merges may cross a cut in one text and not in
+    another, which no test on sample texts rules out."""
+    pre = spec.get("pre_tokenizer")
     parts = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre]
     return any(
         p and p.get("type") in WORD_SPLITTERS and (p["type"] != "ByteLevel" or p.get("use_regex", True)) for p in parts

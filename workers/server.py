@@ -84,8 +84,10 @@ class WorkerServer:
         self.transfer = TransferService(engine, served_model, internal_token, kv_transport, nixl_quarantine_s)
         self.model = served_model
         self.vocab_size = vocab_size
-        # prompts are tokenized once per distinct prefix; the engine keeps the plain tokenizer
-        self.prompt_tokenizer = PrefixTokenizer(engine.tokenizer) if engine.tokenizer is not None else None
+        # prompts are tokenized once per distinct prefix; the engine keeps the plain tokenizer. No
+        # word cache (~0.3 s to seed at every start): a gateway sends the ids along (kv_prompt_ids)
+        tok = engine.tokenizer
+        self.prompt_tokenizer = PrefixTokenizer(tok, words=False) if tok is not None else None
         self.tokenizer_id = fingerprint(engine.tokenizer) if engine.tokenizer is not None else None
         self.metrics = WorkerMetrics(engine, served_model)
         self.metrics.registry.register(TransferCollector(self.transfer, served_model))

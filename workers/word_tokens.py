@@ -50,13 +50,18 @@ def byte_chars() -> dict[int, str]:
     return out
 
 
-def read_shape(backend) -> Shape | None:
-    """The split regex and added tokens of a byte-level BPE tokenizer whose every step this
-    module reproduces on ASCII text, or None: anything else might encode differently."""
+def definition(backend) -> dict | None:
+    """A fast tokenizer's definition (its tokenizer.json), or None (~0.1 s: parse it once)."""
     try:
-        spec = json.loads(backend.to_str())
+        return json.loads(backend.to_str())
     except (AttributeError, ValueError):
         return None
+
+
+def read_shape(spec: dict, backend) -> Shape | None:
+    """The split regex and added tokens of a byte-level BPE tokenizer (its `definition`) whose
+    every step this module reproduces on ASCII text, or None: anything else might encode
+    differently."""
     model, norm = spec.get("model") or {}, spec.get("normalizer")
     if model.get("type") != "BPE" or model.get("dropout") or getattr(backend, "encode_special_tokens", False):
         return None
@@ -251,10 +256,11 @@ class WordTokenizer:
     def _vocabulary_words(self, backend, shape: Shape) -> dict[str, tuple[int, ...]]:
         """The cache's seed: the added tokens, and every ASCII vocabulary entry that is one
         pre-token, with its ids (most words of English text are such entries)."""
-        text_of = {c: chr(b) for b, c in byte_chars().items() if b < 128}
+        text_of = {o: "\x80" for o in range(128)}  # an ASCII character outside the byte alphabet: not a word
+        text_of.update((ord(c), chr(b)) for b, c in byte_chars().items() if b < 128)
         seed = {}
         for entry in backend.get_vocab(with_added_tokens=False):
-            word = "".join(text_of.get(c, "\x80") for c in entry)
+            word = entry.translate(text_of)
             if word.isascii() and self._split(word) == [word]:
                 seed[word] = tuple(t.id for t in self._tokenize(entry))
         seed.update((content, (i,)) for added in shape.added for content, i in added.items())
@@ -271,11 +277,12 @@ def _special_ends(tokenizer) -> tuple[list[int], list[int]]:
     return full, []  # no text ids in the middle: the self-test fails it
 
 
-def word_tokenizer(tokenizer) -> WordTokenizer | None:
-    """A tested WordTokenizer for `tokenizer`, or None if its shape is not one read here or
-    the self-test finds an id that differs."""
+def word_tokenizer(tokenizer, spec: dict | None = None) -> WordTokenizer | None:
+    """A tested WordTokenizer for `tokenizer` (`spec`: its `definition`, if parsed already), or
+    None if its shape is not one read here or the self-test finds an id that differs."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    shape = read_shape(backend) if backend is not None else None
+    spec = spec if spec is not None else definition(backend)
+    shape = read_shape(spec, backend) if spec is not None else None
     if shape is None:
         return None
     words = WordTokenizer(tokenizer, shape)
