@@ -81,10 +81,13 @@ class Accounting:
         outcome = slo_outcome(rec)
         self.metrics.observe(rec)
         self._close_trace(rec, outcome)
-        if self.access:
-            access_log.info(
-                "request", extra={"fields": {k: v for k, v in access_fields(rec, outcome).items() if v is not None}}
+        if self.access and access_log.isEnabledFor(logging.INFO):
+            fields = {k: v for k, v in access_fields(rec, outcome).items() if v is not None}
+            # as access_log.info would, less its walk up the stack for a caller no format shows
+            record = access_log.makeRecord(
+                access_log.name, logging.INFO, "", 0, "request", (), None, extra={"fields": fields}
             )
+            access_log.handle(record)
         if self.summary_s > 0:
             self._tally(rec, outcome)
 

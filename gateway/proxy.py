@@ -181,14 +181,14 @@ class StreamTap:
 
     def feed(self, chunk: bytes) -> bytes:
         """Read a run of whole events; returns what is passed on to the client."""
-        now = time.monotonic()
+        now = None
         if self.ttft is None:
             self.events += chunk.count(b"data: ")
             if self.events >= self.events_before_token:
+                now = self.first_at = time.monotonic()
                 self.ttft = now - self.started
-                self.first_at = now
         if _TOKEN_EVENT.search(chunk):
-            self.last_at = now
+            self.last_at = now if now is not None else time.monotonic()
             if b'"finish_reason":"' in chunk or b'"finish_reason": "' in chunk:
                 self.finish_reason = _FINISH.findall(chunk)[-1].decode()
         if b'"usage"' in chunk:

@@ -3,6 +3,7 @@ for the gateway's polls and the fleet simulator's, and the cheap copy with chang
 routing hot path makes per worker per request."""
 
 from dataclasses import replace
+from functools import lru_cache
 
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
 from workers.kv.cost_model import CostModel
@@ -20,11 +21,15 @@ def tier_rates(state: WorkerState, tiers: TierCredits) -> TierCredits:
     read-or-recompute choice on the rates that worker decides with."""
     if state.host_gbps is None and state.disk_gbps is None and not state.load_every_hit:
         return tiers
+    return _rated(tiers, state.host_gbps, state.disk_gbps, state.load_every_hit)
+
+
+@lru_cache(maxsize=256)
+def _rated(tiers: TierCredits, host_gbps: float | None, disk_gbps: float | None, every: bool) -> TierCredits:
+    """`tiers` with a worker's own rates, made once per distinct set: a view is built for every
+    KV-event line and poll, and `replace` was a fifth of it."""
     return replace(
-        tiers,
-        host_gbps=state.host_gbps or tiers.host_gbps,
-        disk_gbps=state.disk_gbps or tiers.disk_gbps,
-        load_every_hit=state.load_every_hit,
+        tiers, host_gbps=host_gbps or tiers.host_gbps, disk_gbps=disk_gbps or tiers.disk_gbps, load_every_hit=every
     )
 
 
