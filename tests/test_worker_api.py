@@ -202,6 +202,16 @@ def test_kv_events_stream_delta_carries_what_changed(worker):
     assert merged.keys() == worker.state().keys() and merged["waiting"] == merged["running"] == 0
 
 
+def test_kv_events_stream_first_line_at_once(worker):
+    """A stream's first line (here a heartbeat with the state) comes when it opens, not a
+    heartbeat later: the gateway's poller stands down on it."""
+    seq = worker.internal("/kv/events?after=0").json()["last_seq"]
+    url = worker.url + f"/kv/events?after={seq}&timeout=30&state=1&stream=1"
+    with httpx.stream("GET", url, headers=INTERNAL, timeout=10) as r:
+        first = json.loads(next(r.iter_lines()))
+    assert first["events"] == [] and first["state"]["worker_id"] == "api"
+
+
 def test_client_disconnect_aborts_and_frees_blocks(worker):
     with httpx.stream(
         "POST",

@@ -138,10 +138,12 @@ class ControlRoutes:
 
     async def _event_lines(self, after: int, timeout: float, with_state: bool, delta: bool) -> AsyncIterator[bytes]:
         """The `stream=1` answers: one JSON line per batch (or heartbeat), until draining; with
-        `delta`, each line's state only what changed since the line before (`state_changes`)."""
+        `delta`, each line's state only what changed since the line before (`state_changes`).
+        The first line goes at once: its state stands the gateway's poller down from the
+        stream's start, where an idle worker's first line came a heartbeat (5 s) later, and the
+        gateway polled its /state twice a second until then."""
         sent: dict = {}
         while True:
-            await self._wait_events(after, timeout)
             body = self._events_body(after, with_state)
             if delta:
                 sent, body["state"] = body["state"], state_changes(body["state"], sent)
@@ -152,6 +154,7 @@ class ControlRoutes:
                 after = body["events"][-1]["seq"]
             elif body["gap"]:  # the client resyncs from a snapshot; do not repeat the gap
                 after = body["last_seq"]
+            await self._wait_events(after, timeout)
 
     async def kv_reset(self, request: Request) -> Response:
         """Drop every cached-but-free block (after a weight reload); internal, token-protected."""
