@@ -128,6 +128,14 @@ def test_vocabulary_words_are_cached_from_the_start_and_the_cache_stays_bounded(
     assert len(smollm2_words._words) <= known + 3 + novel.count(" ") * 3
 
 
+def test_a_clients_long_words_are_encoded_exactly_but_not_kept(smollm2, smollm2_words):
+    long_words = " ".join("q" * 500 + str(i) for i in range(3))
+    before = set(smollm2_words._words)
+    assert smollm2_words.encode(long_words) == smollm2.encode(long_words)
+    assert not any(len(w) > 64 for w in set(smollm2_words._words) - before)
+    assert smollm2_words.encode(long_words) == smollm2.encode(long_words)  # again, not from a cache
+
+
 def test_long_prompts_use_both_caches_and_stay_exact(smollm2):
     cached = PrefixTokenizer(smollm2, chunk_chars=128)
     assert cached.words is not None and cached.enabled

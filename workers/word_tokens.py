@@ -29,7 +29,8 @@ import regex
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 NORMAL_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
-MAX_WORDS = 1 << 17  # ~25 MB at most; cleared back to the vocabulary's words when full
+MAX_WORDS = 1 << 17  # entries; cleared back to the vocabulary's words when full
+MAX_WORD_CHARS = 64  # longer pre-tokens are tokenized but not kept: a client's own words bound the cache's bytes
 SELF_TEST_TEXTS = 64
 
 
@@ -249,8 +250,12 @@ class WordTokenizer:
         return [ids if ids is not None else self._tokenize_new(piece) for piece, ids in zip(pieces, cached)]
 
     def _tokenize_new(self, piece: str) -> tuple[int, ...]:
-        """The BPE model's ids of one pre-token (in the byte alphabet), now cached."""
-        ids = self._words[piece] = tuple(t.id for t in self._tokenize(piece.translate(self._bytes)))
+        """The BPE model's ids of one pre-token (in the byte alphabet), cached unless longer than
+        `MAX_WORD_CHARS`: a hostile client's megabyte-long words would otherwise fill the cache's
+        entries with its bytes (~25 MB at the bound for words of up to 64 characters)."""
+        ids = tuple(t.id for t in self._tokenize(piece.translate(self._bytes)))
+        if len(piece) <= MAX_WORD_CHARS:
+            self._words[piece] = ids
         return ids
 
     def _vocabulary_words(self, backend, shape: Shape) -> dict[str, tuple[int, ...]]:
