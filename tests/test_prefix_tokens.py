@@ -75,6 +75,14 @@ def test_chunks_stay_within_the_bound(smollm2):
     assert len(cached._chunks) <= 10
 
 
+def test_a_clients_long_runs_without_spaces_are_not_kept(smollm2):
+    cached = PrefixTokenizer(smollm2, chunk_chars=32)
+    text = "short words come first, " * 4 + "x" * 5000 + " and more words after it " * 8
+    assert cached.encode(text) == smollm2.encode(text)
+    assert cached.encode(text) == smollm2.encode(text)
+    assert cached._chunks and max(len(key[2]) for key in cached._chunks) <= 4 * 32
+
+
 def test_a_tokenizer_that_does_not_split_words_gets_no_cache():
     """No pre-tokenizer: BPE merges may cross spaces (here they do), so a prefix's tokens may
     depend on what follows it; the cache stays off and the ids are the tokenizer's."""

@@ -28,6 +28,7 @@ from workers.word_tokens import definition, word_tokenizer
 _CUT = re.compile(r"\S( )")
 _start = itemgetter(0)  # a token's first character, of its (start, end) offsets
 SELF_TEST_TEXTS = 48
+MAX_CHUNK_SPAN = 4  # a cached chunk's text is at most this many times `chunk_chars`
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,16 @@ class PrefixTokenizer:
 
     def cuts(self, text: str) -> list[int]:
         """The chunk ends of `text` (each a space after a non-space, at least `chunk_chars`
-        after the previous), short of the text's end."""
-        out, pos = [], self.chunk_chars
+        after the previous), short of the text's end, and none past a chunk that would be more
+        than `MAX_CHUNK_SPAN` times `chunk_chars` long: chunks are kept by their text, and a
+        client's long runs without a space would fill the cache with its bytes."""
+        out, pos, start = [], self.chunk_chars, 0
         while pos < len(text) - 1 and (m := _CUT.search(text, pos - 1)):
-            out.append(m.start(1))
-            pos = m.start(1) + self.chunk_chars
+            if m.start(1) - start > MAX_CHUNK_SPAN * self.chunk_chars:
+                break
+            start = m.start(1)
+            out.append(start)
+            pos = start + self.chunk_chars
         return out
 
     def _cached(self, text: str, cuts: list[int], special: bool) -> tuple[list[int], int, int]:
