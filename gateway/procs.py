@@ -30,17 +30,28 @@ TEST_TOKEN = "kvgate-test-internal-token"  # the fleet secret of workers and gat
 def free_port() -> int:
     """A loopback port that binds now, picked below the kernel's ephemeral range: a port the
     kernel hands out (bind to 0) may be handed again to an outgoing connection before the
-    child process binds it, and ports below the range are never handed out that way.
-    `KVGATE_PORTS=LOW-HIGH` narrows the pick, for processes sharing a host by port ranges."""
+    child process binds it, and ports below the range are never handed out that way. Never one
+    this process handed out already (until half the range has been): a fixture picks ports
+    for several children before any binds, and two random picks of one port failed a suite
+    run with "Address already in use". `KVGATE_PORTS=LOW-HIGH` narrows the pick, for
+    processes sharing a host by port ranges."""
     low, high = port_range()
+    if len(_handed_out) >= (high - low) // 2:
+        _handed_out.clear()
     while True:
         port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
+
+
+_handed_out: set[int] = set()
 
 
 def _token(argv: list[str], env: dict[str, str]) -> str | None:
