@@ -105,7 +105,8 @@ def test_a_malformed_agent_record_is_a_value_error(body):
 
 
 def test_reconnect_backoff_doubles_to_its_cap_and_starts_over_once_connected():
-    b = rs.Backoff(first=0.2, longest=1.0, current=0.2)
+    b = rs.Backoff(first=0.2, longest=1.0)
     assert [b.next() for _ in range(5)] == [0.2, 0.4, 0.8, 1.0, 1.0]
+    assert rs.Backoff(first=0.5).next() == 0.5
     b.reset()
     assert b.next() == 0.2

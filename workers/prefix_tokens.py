@@ -84,7 +84,7 @@ class PrefixTokenizer:
         if found is not None:
             return found
         rest = self._backend.encode(text, add_special_tokens=special)  # type: ignore[union-attr]  # enabled
-        return rest.ids, tokens_before(rest.offsets, cuts, len(rest.ids))
+        return rest.ids, tokens_before(rest.offsets, cuts)
 
     def cuts(self, text: str) -> list[int]:
         """The chunk ends of `text` (each a space after a non-space, at least `chunk_chars`
@@ -137,15 +137,15 @@ class PrefixTokenizer:
                 self._chunks.popitem(last=False)
 
 
-def tokens_before(offsets: list[tuple[int, int]], cuts: list[int], n: int) -> list[int]:
-    """How many tokens (of `n`, with character `offsets`) precede each of `cuts`, up to the
+def tokens_before(offsets: list[tuple[int, int]], cuts: list[int]) -> list[int]:
+    """How many tokens (with character `offsets`) precede each of `cuts`, up to the
     first cut that falls inside a token or before the first. A cut's token is found by
     bisection on the tokens' start offsets (non-decreasing): a Python step per token was most
     of the cost of a prompt no other prompt shares."""
     out, i = [], 0
     for cut in cuts:
         j = bisect_left(offsets, cut, lo=i, key=_start)
-        if j == i or j >= n or offsets[j - 1][1] > cut:
+        if j == i or j >= len(offsets) or offsets[j - 1][1] > cut:
             break
         out.append(j)
         i = j

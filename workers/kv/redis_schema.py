@@ -211,7 +211,10 @@ class Backoff:
 
     first: float = 0.2
     longest: float = 5.0
-    current: float = 0.2
+    current: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.current = self.first
 
     def reset(self) -> None:
         self.current = self.first
