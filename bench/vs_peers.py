@@ -20,10 +20,11 @@ rate passes, the rate grows by half until one fails (`--max-extra` times), so ev
 found, not bounded; `--refine` bisections between the last passing and the first failing rate
 then narrow the interpolation.
 
-Then (or only, with `--workloads ""`), at `--low-rate` with 256-token prompts and short answers: what each router adds to TTFT
-over sending straight to the workers (client-side round robin) in a run just before it, and the router process's CPU
-time per request (every thread's, from /proc/PID/task/*/schedstat); `--overhead-repeat` runs it several times and
-reports medians, with a PNG (`<out stem>-overhead.png`).
+Then (or only, with `--workloads ""`), at `--low-rate` with 256-token prompts and short answers: what each
+router adds to TTFT over sending straight to the workers (client-side round robin), all routers running and the
+requests taking turns between the direct path and each router in one run (`--overhead-repeat` runs, every
+request pooled), and each router's process CPU time per request (every thread's, from /proc/PID/task/*/schedstat)
+in a run of its own, with a PNG (`<out stem>-overhead.png`).
 
 Output: one report per workload (`<out stem>-<workload>.json` with attainment-vs-rate and
 goodput plots, as `kvgate bench serve` writes), and `--out` with every router's goodput per
@@ -188,44 +189,90 @@ class Bench:
         return run
 
     def overhead(self, labels: list[str], urls: list[str]) -> dict:
-        """`overhead_once` `--overhead-repeat` times; per router the median of each figure, and
-        every repeat's figures under `runs`."""
-        runs = [self.overhead_once(labels, urls) for _ in range(self.args.overhead_repeat)]
-        out = {}
-        for label in runs[0]:
-            keys = runs[0][label]
-            out[label] = {k: statistics.median(r[label][k] for r in runs) for k in keys}
-            out[label]["runs"] = [r[label] for r in runs]
+        """What each router adds to TTFT over sending straight to the workers (`overhead_once`,
+        `--overhead-repeat` runs with every router started once for all of them; each figure
+        over every run's requests together, `runs` each run's own), and its CPU per request
+        (`cpu_ms`)."""
+        routers = {label: self.start_router(label, urls) for label in labels}
+        try:
+            time.sleep(SETTLE_S)
+            runs = [self.overhead_once(routers, urls) for _ in range(self.args.overhead_repeat)]
+        finally:
+            stop_all(list(routers.values()))
+        direct = [t for r in runs for t in r["direct"]]
+        out: dict = {"direct": _ttft_figures(direct)}
+        for label in labels:
+            ttft = [t for r in runs for t in r[label]]
+            out[label] = {
+                **_added(ttft, direct),
+                "requests": len(ttft),
+                "cpu_ms_per_request": self.cpu_ms(label, urls),
+                "runs": [_added(r[label], r["direct"]) for r in runs],
+            }
         out["load_average"] = os.getloadavg()
         return out
 
-    def overhead_once(self, labels: list[str], urls: list[str]) -> dict:
-        """TTFT through each router minus straight to the workers in the run just before it, at
-        a low rate. Each router gets its own direct run: on a shared host the load drifts over
-        a run, and one direct run for every router shifted each one's figure by a few ms."""
+    def low_load(self, output_len: int = 16) -> WorkloadConfig:
         a = self.args
-        wl = WorkloadConfig(
-            name="random", rate=a.low_rate, duration_s=a.low_duration, input_len=256, output_len=16, seed=7
+        return WorkloadConfig(
+            name="random", rate=a.low_rate, duration_s=a.low_duration, input_len=256, output_len=output_len, seed=7
         )
-        out, directs = {}, []
-        for label in labels:
-            direct = self.measure(urls, wl, None)
-            directs.append(direct)
-            router = self.start_router(label, urls)
+
+    def overhead_once(self, routers: dict[str, Proc], urls: list[str]) -> dict[str, list[float]]:
+        """The TTFTs of one run at `--low-rate` in all (the workers as lightly loaded as one
+        router's run would load them) whose requests take turns: straight to a worker
+        (client-side round robin), then through each router, and again; by target. Every
+        target sees the same host over the same seconds: routers measured one after another,
+        each against a direct run of its own, drifted by a few ms with the host's load, more
+        than what they add. Answers are 2 tokens, so a worker is rarely still busy with an
+        earlier request: with 16, a direct request found its round-robin worker mid-step about
+        one time in five while the routers picked an idle one, and the direct p90 was 15 ms
+        above every router's."""
+        targets = ["direct", *routers]
+        order = [u if t == "direct" else routers[t].url for u in urls for t in targets]
+        records = run_loop(
+            run_rate(
+                order,
+                self.low_load(output_len=2),
+                served_name(self.args.model),
+                self.slo,
+                timeout=self.args.timeout,
+                text=self.text,
+            )
+        )
+        failed = [r["error"] for r in records if r["error"]]
+        if failed:
+            raise RuntimeError(f"{len(failed)} low-load requests failed, first: {failed[0]}")
+        return {t: [r["ttft_ms"] for r in records[k :: len(targets)]] for k, t in enumerate(targets)}
+
+    def cpu_ms(self, label: str, urls: list[str]) -> float:
+        """The router's CPU ms per request (every thread's) in a low-load run of its own: a
+        kvgate gateway reads every KV event of the fleet, so beside other routers' traffic it
+        would pay for theirs."""
+        router = self.start_router(label, urls)
+        try:
             time.sleep(SETTLE_S)
-            try:
-                run = self.measure([router.url], wl, router.popen.pid)
-            finally:
-                stop_all([router])
-            out[label] = {
-                "ttft_p50_ms": run["ttft_p50_ms"],
-                "ttft_p90_ms": run["ttft_p90_ms"],
-                "added_ttft_p50_ms": run["ttft_p50_ms"] - direct["ttft_p50_ms"],
-                "added_ttft_p90_ms": run["ttft_p90_ms"] - direct["ttft_p90_ms"],
-                "cpu_ms_per_request": 1000.0 * run["router_cpu_s_per_request"],
-            }
-        out["direct"] = {k: statistics.median(d[k] for d in directs) for k in ("ttft_p50_ms", "ttft_p90_ms")}
-        return out
+            return 1000.0 * self.measure([router.url], self.low_load(), router.popen.pid)["router_cpu_s_per_request"]
+        finally:
+            stop_all([router])
+
+
+def _ttft_figures(ttft: list[float]) -> dict:
+    return {"ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90)}
+
+
+def _added(ttft: list[float], direct: list[float]) -> dict:
+    """A router's TTFT percentiles and what they add over the direct requests' same percentile."""
+    own, base = _ttft_figures(ttft), _ttft_figures(direct)
+    return {
+        **own,
+        "added_ttft_p50_ms": own["ttft_p50_ms"] - base["ttft_p50_ms"],
+        "added_ttft_p90_ms": own["ttft_p90_ms"] - base["ttft_p90_ms"],
+    }
+
+
+def _pct(xs: list[float], q: int) -> float:
+    return float(statistics.quantiles(xs, n=100, method="inclusive")[q - 1]) if len(xs) > 1 else float(xs[0])
 
 
 def knee(runs: list[dict], min_gap: float = 1.0) -> tuple[float, float] | None:
@@ -320,9 +367,7 @@ def plot_overhead(overhead: dict, path: str) -> None:
     cpu.set_ylabel("router CPU ms per request")
     load = overhead.get("load_average")
     fig.suptitle(
-        "router cost at low load (256-token text prompts; medians"
-        + (f"; load average {load[0]:.1f}" if load else "")
-        + ")"
+        "router cost at low load (256-token text prompts" + (f"; load average {load[0]:.1f}" if load else "") + ")"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -346,13 +391,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="bench/profiles/h200-llama8b-kvgate-eager.json")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    p.add_argument("--low-rate", type=float, default=2.0, help="rate of the overhead measurement (0: skip it)")
-    p.add_argument("--low-duration", type=float, default=20.0)
+    p.add_argument(
+        "--low-rate",
+        type=float,
+        default=2.0,
+        help="rate of the overhead measurement, all targets together (0: skip it)",
+    )
+    p.add_argument("--low-duration", type=float, default=60.0, help="seconds of arrivals per overhead run")
     p.add_argument(
         "--overhead-repeat",
         type=int,
         default=1,
-        help="runs of the overhead measurement; the report gives each figure's median",
+        help="runs of the overhead measurement; each figure is over every run's requests",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     p.add_argument("--venv-dir", default=str(ROOT.parent), help="where the peers' venvs live")

@@ -66,3 +66,34 @@ def test_steps_down_when_the_first_rate_fails_then_bisects():
     runs = _sweep(bench)
     assert asked == [28.0, 18.7, 12.5, 15.6]
     assert knee(runs) == (12.5, 15.6)
+
+
+def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch):
+    """Request i goes to the i-th url of the turn order (as `loadgen.run_rate` sends it) and its
+    TTFT is credited to that url's target: with a stand-in fleet whose TTFT is fixed per url, the
+    direct path's figures are the workers' own and each router's added TTFT is exactly its own."""
+    ttft_of = {"http://w0": 10.0, "http://w1": 12.0, "http://a": 13.0, "http://b": 20.0}
+    sent: list[str] = []
+
+    async def run_rate(order, wl, model, slo, timeout, text):
+        out = []
+        for i in range(40):
+            sent.append(order[i % len(order)])
+            out.append({"ttft_ms": ttft_of[sent[-1]], "error": None})
+        return out
+
+    monkeypatch.setattr(vs_peers, "run_rate", run_rate)
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(
+        low_rate=2.0, low_duration=1.0, model="smollm2-135m", timeout=5.0, overhead_repeat=2
+    )
+    bench.slo, bench.text = (2000.0, 100.0), str
+    bench.start_router = lambda label, urls: types.SimpleNamespace(url="http://" + label)
+    bench.cpu_ms = lambda label, urls: 1.0
+    monkeypatch.setattr(vs_peers, "stop_all", lambda procs: None)
+    monkeypatch.setattr(vs_peers, "SETTLE_S", 0.0)
+    out = bench.overhead(["a", "b"], ["http://w0", "http://w1"])
+    assert sent[:6] == ["http://w0", "http://a", "http://b", "http://w1", "http://a", "http://b"]
+    assert out["direct"]["ttft_p50_ms"] == 11.0
+    assert out["a"]["added_ttft_p50_ms"] == 2.0 and out["b"]["added_ttft_p50_ms"] == 9.0
+    assert out["a"]["requests"] == 2 * 13 and len(out["a"]["runs"]) == 2
