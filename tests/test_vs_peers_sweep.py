@@ -71,11 +71,15 @@ def test_steps_down_when_the_first_rate_fails_then_bisects():
 def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch):
     """Request i goes to the i-th url of the turn order (as `loadgen.run_rate` sends it) and its
     TTFT is credited to that url's target: with a stand-in fleet whose TTFT is fixed per url, the
-    direct path's figures are the workers' own and each router's added TTFT is exactly its own."""
+    direct path's figures are the workers' own and each router's added TTFT is exactly its own.
+    Each run empties the caches first and sends prompts no earlier run sent."""
     ttft_of = {"http://w0": 10.0, "http://w1": 12.0, "http://a": 13.0, "http://b": 20.0}
     sent: list[str] = []
+    seeds: list[int] = []
+    resets: list[int] = []
 
     async def run_rate(order, wl, model, slo, timeout, text):
+        seeds.append(wl.seed)
         out = []
         for i in range(40):
             sent.append(order[i % len(order)])
@@ -90,6 +94,7 @@ def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch
     bench.slo, bench.text = (2000.0, 100.0), str
     bench.start_router = lambda label, urls: types.SimpleNamespace(url="http://" + label)
     bench.cpu_ms = lambda label, urls: 1.0
+    bench.reset = lambda: resets.append(len(seeds))
     monkeypatch.setattr(vs_peers, "stop_all", lambda procs: None)
     monkeypatch.setattr(vs_peers, "SETTLE_S", 0.0)
     out = bench.overhead(["a", "b"], ["http://w0", "http://w1"])
@@ -97,3 +102,4 @@ def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch
     assert out["direct"]["ttft_p50_ms"] == 11.0
     assert out["a"]["added_ttft_p50_ms"] == 2.0 and out["b"]["added_ttft_p50_ms"] == 9.0
     assert out["a"]["requests"] == 2 * 13 and len(out["a"]["runs"]) == 2
+    assert resets == [0, 1] and len(set(seeds)) == 2, "each run starts cold, with prompts of its own"
