@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import secrets
-import statistics
 import subprocess
 import sys
 import time
@@ -200,7 +199,7 @@ class Bench:
         finally:
             stop_all(list(routers.values()))
         direct = [t for r in runs for t in r["direct"]]
-        out: dict = {"direct": _ttft_figures(direct)}
+        out: dict = {"direct": rep.percentiles(direct, "ttft")}
         for label in labels:
             ttft = [t for r in runs for t in r[label]]
             out[label] = {
@@ -219,18 +218,13 @@ class Bench:
         )
 
     def overhead_once(self, routers: dict[str, Proc], urls: list[str], k: int = 0) -> dict[str, list[float]]:
-        """The TTFTs of one run at `--low-rate` in all (the workers as lightly loaded as one
-        router's run would load them) whose requests take turns: straight to a worker
-        (client-side round robin), then through each router, and again; by target. Every
-        target sees the same host over the same seconds: routers measured one after another,
-        each against a direct run of its own, drifted by a few ms with the host's load, more
-        than what they add. Answers are 2 tokens, so a worker is rarely still busy with an
-        earlier request: with 16, a direct request found its round-robin worker mid-step about
-        one time in five while the routers picked an idle one, and the direct p90 was 15 ms
-        above every router's. Run `k` starts with empty caches and prompts of its own (seed
-        7 + k): repeats of one seed hit what the run before left on each worker, except where a
-        router's rotation had moved on (kvgate's round robin +4.5 ms against +0.4 in the first).
-        """
+        """The TTFTs of one run at `--low-rate` in all, by target, whose requests take turns:
+        straight to a worker (client-side round robin), then through each router, and again, so
+        every target sees the same host over the same seconds (routers measured one after
+        another drifted with the host's load by more than they add). Answers are 2 tokens, so
+        the direct path rarely finds its worker still busy with an earlier request; run `k`
+        starts with empty caches and prompts of its own (seed 7 + k), so it hits nothing an
+        earlier run left."""
         self.reset()
         targets = ["direct", *routers]
         order = [u if t == "direct" else routers[t].url for u in urls for t in targets]
@@ -247,7 +241,7 @@ class Bench:
         failed = [r["error"] for r in records if r["error"]]
         if failed:
             raise RuntimeError(f"{len(failed)} low-load requests failed, first: {failed[0]}")
-        return {t: [r["ttft_ms"] for r in records[k :: len(targets)]] for k, t in enumerate(targets)}
+        return {t: [r["ttft_ms"] for r in records[n :: len(targets)]] for n, t in enumerate(targets)}
 
     def cpu_ms(self, label: str, urls: list[str]) -> float:
         """The router's CPU ms per request (every thread's) in a low-load run of its own: a
@@ -261,22 +255,14 @@ class Bench:
             stop_all([router])
 
 
-def _ttft_figures(ttft: list[float]) -> dict:
-    return {"ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90)}
-
-
 def _added(ttft: list[float], direct: list[float]) -> dict:
     """A router's TTFT percentiles and what they add over the direct requests' same percentile."""
-    own, base = _ttft_figures(ttft), _ttft_figures(direct)
+    own, base = rep.percentiles(ttft, "ttft"), rep.percentiles(direct, "ttft")
     return {
         **own,
         "added_ttft_p50_ms": own["ttft_p50_ms"] - base["ttft_p50_ms"],
         "added_ttft_p90_ms": own["ttft_p90_ms"] - base["ttft_p90_ms"],
     }
-
-
-def _pct(xs: list[float], q: int) -> float:
-    return float(statistics.quantiles(xs, n=100, method="inclusive")[q - 1]) if len(xs) > 1 else float(xs[0])
 
 
 def knee(runs: list[dict], min_gap: float = 1.0) -> tuple[float, float] | None:
