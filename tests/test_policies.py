@@ -397,8 +397,9 @@ def check_route(route: Route, f: FleetView, r: RequestView) -> None:
         assert route.reject and route.worker is None and route.prefill is None
         return
     assert route.worker in roles and roles[route.worker] in (MIXED, DECODE)
-    if route.prefill is not None:
-        assert roles[route.prefill] == PREFILL and roles[route.worker] == DECODE
+    if route.prefill is not None:  # a P/D split, or a warm pair: a mixed holder ships to a mixed worker
+        assert (roles[route.prefill], roles[route.worker]) in ((PREFILL, DECODE), (MIXED, MIXED))
+        assert route.prefill != route.worker
     chosen = next(w for w in f.workers if w.worker_id == (route.prefill or route.worker))
     assert route.predicted_cached_tokens == predict.cached_tokens(r, chosen)  # never the last token's block
 
@@ -408,11 +409,16 @@ def check_route(route: Route, f: FleetView, r: RequestView) -> None:
 def test_every_route_is_a_serving_worker_a_pd_pair_or_a_reason(case):
     r, f = case
     policies = (RoundRobin(), *(cls() for cls in STATELESS), *(cls(pd_min_uncached_tokens=1) for cls in PD_AWARE))
+    roles = {w.worker_id: w.role for w in f.workers}
     for policy in policies:
         route = policy.route(r, f)
         check_route(route, f, r)
-        if route.prefill is not None:
+        if route.prefill is not None and roles[route.prefill] == PREFILL:
             assert isinstance(policy, PD_AWARE) and policy.pd.split(r, f)
+        elif route.prefill is not None:  # a warm pair ships from the worker holding the most of the prompt
+            assert isinstance(policy, SloGoodput) and policy.warmer is not None and not policy.pd.split(r, f)
+            held = {w.worker_id: predict.cached_tokens(r, w) for w in f.by_role(MIXED)}
+            assert held[route.prefill] == max(held.values()) > held[route.worker]
         elif not isinstance(policy, SloGoodput) and f.by_role(MIXED, DECODE):
             assert route.worker in {w.worker_id for w in f.by_role(MIXED) or f.by_role(DECODE)}
 
