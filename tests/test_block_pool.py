@@ -22,7 +22,27 @@ def test_hash_chain_is_deterministic_and_prefix_sensitive():
     assert all(x != y for x, y in zip(a, b)), "a changed first block changes every later hash"
     assert block_hashes(list(range(12)), 4, seed, start=1, parent=a[0]) == a[1:]
     assert seed != seed_hash("m", 16) and seed != seed_hash("other", 4)
-    assert block_hash(seed, [1, 2, 3, 4]) == a[0] if [1, 2, 3, 4] == list(range(4)) else True
+    assert block_hash(seed, [0, 1, 2, 3]) == a[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**40), max_size=200),
+    st.sampled_from((1, 4, 16, 32)),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 8),
+)
+def test_block_hashes_is_the_chain_of_block_hash(tokens, B, seed, start):
+    """`block_hashes` packs a prompt's ids once for speed; each hash must still be `block_hash`
+    of its parent and its block, as every worker and the gateway compute it."""
+    n = len(tokens) // B
+    chain, prev = [], seed
+    for i in range(n):
+        prev = block_hash(prev, tokens[i * B : (i + 1) * B])
+        chain.append(prev)
+    assert block_hashes(tokens, B, seed) == chain
+    parent = chain[start - 1] if 0 < start <= n else seed
+    assert block_hashes(tokens, B, seed, start=start, parent=parent) == chain[start:]
 
 
 def test_partial_blocks_are_not_hashed():
