@@ -24,7 +24,8 @@ Then (or only, with `--workloads ""`), at `--low-rate` with 256-token prompts an
 router adds to TTFT over sending straight to the workers (client-side round robin), all routers running and the
 requests taking turns between the direct path and each router in one run (`--overhead-repeat` runs, every
 request pooled), and each router's process CPU time per request (every thread's, from /proc/PID/task/*/schedstat)
-in a run of its own, with a PNG (`<out stem>-overhead.png`).
+in runs of its own (the median of `--overhead-repeat`, the routers taking turns), with a PNG
+(`<out stem>-overhead.png`).
 
 Output: one report per workload (`<out stem>-<workload>.json` with attainment-vs-rate and
 goodput plots, as `kvgate bench serve` writes), and `--out` with every router's goodput per
@@ -38,6 +39,7 @@ import argparse
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import time
@@ -190,14 +192,20 @@ class Bench:
     def overhead(self, labels: list[str], urls: list[str]) -> dict:
         """What each router adds to TTFT over sending straight to the workers (`overhead_once`,
         `--overhead-repeat` runs with every router started once for all of them; each figure
-        over every run's requests together, `runs` each run's own), and its CPU per request
-        (`cpu_ms`)."""
+        over every run's requests together, `runs` each run's own), and its CPU per request:
+        the median of `--overhead-repeat` runs of each router alone (`cpu_ms`), the routers
+        taking turns, so the host's drift falls on each alike (one run apiece moved by more
+        than the routers differ: 5.1-6.7 ms for the same gateway)."""
         routers = {label: self.start_router(label, urls) for label in labels}
         try:
             time.sleep(SETTLE_S)
             runs = [self.overhead_once(routers, urls, k) for k in range(self.args.overhead_repeat)]
         finally:
             stop_all(list(routers.values()))
+        cpu: dict[str, list[float]] = {label: [] for label in labels}
+        for _ in range(self.args.overhead_repeat):
+            for label in labels:
+                cpu[label].append(self.cpu_ms(label, urls))
         direct = [t for r in runs for t in r["direct"]]
         out: dict = {"direct": rep.percentiles(direct, "ttft")}
         for label in labels:
@@ -205,7 +213,8 @@ class Bench:
             out[label] = {
                 **_added(ttft, direct),
                 "requests": len(ttft),
-                "cpu_ms_per_request": self.cpu_ms(label, urls),
+                "cpu_ms_per_request": statistics.median(cpu[label]),
+                "cpu_ms_runs": cpu[label],
                 "runs": [_added(r[label], r["direct"]) for r in runs],
             }
         out["load_average"] = os.getloadavg()
@@ -392,7 +401,8 @@ def parser() -> argparse.ArgumentParser:
         "--overhead-repeat",
         type=int,
         default=1,
-        help="runs of the overhead measurement; each figure is over every run's requests",
+        help="runs of the overhead measurement (TTFT figures over every run's requests) and of each "
+        "router's CPU run (the median)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds")
     p.add_argument("--venv-dir", default=str(ROOT.parent), help="where the peers' venvs live")

@@ -93,7 +93,14 @@ def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch
     )
     bench.slo, bench.text = (2000.0, 100.0), str
     bench.start_router = lambda label, urls: types.SimpleNamespace(url="http://" + label)
-    bench.cpu_ms = lambda label, urls: 1.0
+    cpu_runs: list[str] = []
+    cpu_of = {"a": [5.0, 9.0], "b": [7.0, 3.0]}
+
+    def cpu_ms(label, urls):
+        cpu_runs.append(label)
+        return cpu_of[label][cpu_runs.count(label) - 1]
+
+    bench.cpu_ms = cpu_ms
     bench.reset = lambda: resets.append(len(seeds))
     monkeypatch.setattr(vs_peers, "stop_all", lambda procs: None)
     monkeypatch.setattr(vs_peers, "SETTLE_S", 0.0)
@@ -103,3 +110,6 @@ def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch
     assert out["a"]["added_ttft_p50_ms"] == 2.0 and out["b"]["added_ttft_p50_ms"] == 9.0
     assert out["a"]["requests"] == 2 * 13 and len(out["a"]["runs"]) == 2
     assert resets == [0, 1] and len(set(seeds)) == 2, "each run starts cold, with prompts of its own"
+    assert cpu_runs == ["a", "b", "a", "b"], "the routers' CPU runs take turns"
+    assert out["a"]["cpu_ms_runs"] == [5.0, 9.0] and out["a"]["cpu_ms_per_request"] == 7.0
+    assert out["b"]["cpu_ms_per_request"] == 5.0
