@@ -6,9 +6,11 @@ Retry-After, and the ones in flight (a worker's KV exports too) run to the end. 
 is left, or `drain_timeout_s` has passed, uvicorn's own shutdown runs. A second signal exits
 at once. Torch-free: the gateway uses it too.
 
-The server's housekeeping tick (the Date header, the exit check) comes once a second, and
-every 0.1 s only while draining; a signal wakes it at once. uvicorn's own tick, ten times a
-second, was a third of an idle gateway's CPU (each wakeup is a context switch).
+The server's housekeeping tick (the exit check) comes only when a signal wakes it, and every
+0.1 s while draining; the Date header is made when a response asks for it (`LazyDateState`,
+once a second at most), not refreshed by a timer. uvicorn's own tick, ten times a second,
+was a third of an idle gateway's CPU; one a second was still half of it (each wakeup is a
+context switch, ~0.3 ms on a small VM).
 """
 
 import asyncio
@@ -16,13 +18,13 @@ import contextlib
 import logging
 import signal
 import time
+from email.utils import formatdate
 from types import FrameType
 from typing import Protocol
 
 import uvicorn
 
 log = logging.getLogger("kvgate.drain")
-TICK_S = 1.0
 DRAIN_TICK_S = 0.1  # how soon a drained server exits
 
 
@@ -38,9 +40,34 @@ class Drainable(Protocol):
     def idle(self) -> bool: ...
 
 
+class LazyDateState(uvicorn.server.ServerState):
+    """uvicorn's server state whose default headers (the protocols read them once a response)
+    carry a Date made on that read, remade when the second has changed: the same header
+    uvicorn's tick keeps, without a timer waking the server every second to keep it."""
+
+    def __init__(self, config: uvicorn.Config):
+        self.config = config
+        self._second = -1
+        self._headers: list[tuple[bytes, bytes]] = []
+        super().__init__()
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        now = int(time.time())
+        if now != self._second:
+            date = [(b"date", formatdate(now, usegmt=True).encode())] if self.config.date_header else []
+            self._second, self._headers = now, date + self.config.encoded_headers
+        return self._headers
+
+    @default_headers.setter
+    def default_headers(self, value: list[tuple[bytes, bytes]]) -> None:
+        """uvicorn's `__init__` and tick assign them: the headers are made on read instead."""
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, worker: Drainable, drain_timeout_s: float = 30.0):
         super().__init__(config)
+        self.server_state = LazyDateState(config)
         self.worker = worker
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline: float | None = None
@@ -48,15 +75,15 @@ class DrainingServer(uvicorn.Server):
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def main_loop(self) -> None:
-        """uvicorn's loop of ticks, at `TICK_S` (`DRAIN_TICK_S` while draining); `on_tick`
-        sees a counter that passes a multiple of 10 once a second, as at uvicorn's 0.1 s."""
+        """uvicorn's loop of ticks: one each time a signal wakes it, and each `DRAIN_TICK_S`
+        while draining, until `on_tick` says to exit."""
         self.wake, self.loop = asyncio.Event(), asyncio.get_running_loop()
         counter = 0
         while not await self.on_tick(counter):
             draining = self.drain_deadline is not None
             counter = (counter + (1 if draining else 10)) % 864000
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), DRAIN_TICK_S if draining else TICK_S)
+                await asyncio.wait_for(self.wake.wait(), DRAIN_TICK_S if draining else None)
             self.wake.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
