@@ -14,7 +14,9 @@ answers is still out of service while its state says its engine thread is not ru
 is draining, or its engine has made no progress on its work for more than `stall_s` seconds
 (a frozen engine behind a live HTTP server); a worker reporting a stall is polled again as
 its stall would pass `stall_s`, so a frozen engine is out at about `stall_s` plus one poll's
-round trip (< 2 s by default). Losing a worker resolves its `lost` future, so
+round trip (< 2 s by default). The poller's wait is moved whenever what it waits for changes
+(a state arrives, a request is sent or ends), so it wakes only when a poll is due: a busy
+worker whose KV-event lines carry its state is not polled, nor is its poller woken. Losing a worker resolves its `lost` future, so
 requests waiting on it give up at once and are retried elsewhere. The tailer
 follows the worker's `/kv/events` stream (one response, a line per batch of events with the
 state's fields that changed since the line before, a heartbeat line each long poll) into the
@@ -67,6 +69,8 @@ class Worker:
     sent_since_poll: int = 0  # requests this gateway sent and finished since its last state
     done_since_poll: int = 0
     state_at: float = 0.0  # time.monotonic() of its last state, polled or riding on KV events
+    tried: float = 0.0  # time.monotonic() of its last /state poll tried
+    woken_at: float = 0.0  # time.monotonic() of the last request sent to it while it was idle
     state_rides: bool = False  # its last /kv/events answer carried its state
     redis_residency: bool = False
     kind: str = KVGATE
@@ -75,7 +79,8 @@ class Worker:
     tasks: list = field(default_factory=list)
     breaker: Breaker = field(default_factory=Breaker)
     lost: asyncio.Future | None = None
-    nap: asyncio.Future | None = None  # its poller's long wait (`Fleet._nap`), cut short by a request
+    nap: asyncio.Future | None = None  # its poller's wait (`Fleet._nap`), moved by `Fleet._rearm`
+    nap_timer: asyncio.TimerHandle | None = None  # what ends the nap when its next poll is due
 
     @property
     def available(self) -> bool:
@@ -229,14 +234,12 @@ class Fleet:
     # health and load
 
     async def _poll(self, w: Worker) -> None:
-        tried = 0.0
         while True:
-            now = time.monotonic()
-            wait = self.next_poll_s(w, now - max(w.state_at, tried))
+            wait = self.poll_wait_s(w)
             if wait > 0.0:
                 await self._nap(w, wait)
                 continue
-            tried = now
+            w.tried = time.monotonic()
             try:
                 self._up(w, await self.get(w.url + "/state", self.timeout))
             except Refused as e:
@@ -249,19 +252,40 @@ class Fleet:
                 self._down(w, f"/state failed: {e!r}")
 
     async def _nap(self, w: Worker, seconds: float) -> None:
-        """Wait `seconds` for `w`'s next poll; a long wait (an idle worker's) ends an interval
-        after a request is sent to it (`begin`), which ends its idleness. Waking each interval
-        to check instead was a third of an idle gateway's CPU."""
-        if seconds <= self.interval:
-            await asyncio.sleep(seconds)
-            return
-        nap = w.nap = asyncio.get_running_loop().create_future()
-        timer = asyncio.get_running_loop().call_later(seconds, _settle, nap)
+        """Wait `seconds` for `w`'s next poll, or less or more as `_rearm` moves it. Waking each
+        interval to check was a third of an idle gateway's CPU; waking when a wait set before a
+        KV-event line, a request's start or its end ran out was about one wakeup a request."""
+        loop = asyncio.get_running_loop()
+        nap = w.nap = loop.create_future()
+        w.nap_timer = loop.call_later(seconds, _settle, nap)
         try:
             await nap
         finally:
-            timer.cancel()
-            w.nap = None
+            if w.nap_timer is not None:
+                w.nap_timer.cancel()
+            w.nap, w.nap_timer = None, None
+
+    def _rearm(self, w: Worker) -> None:
+        """Move `w`'s poller's wait to when its next poll is due now: after a state came, a
+        request was sent to it or one ended, which is when that changes. So a busy worker whose
+        KV-event lines carry its state, or that turns idle before its poll, is not polled (nor
+        its poller woken), while one that falls silent is polled as before."""
+        if w.nap is None or w.nap.done():
+            return
+        assert w.nap_timer is not None, "a nap has its timer"
+        w.nap_timer.cancel()
+        wait = self.poll_wait_s(w)
+        if wait > 0.0:
+            w.nap_timer = asyncio.get_running_loop().call_later(wait, _settle, w.nap)
+        else:
+            w.nap_timer = None
+            _settle(w.nap)
+
+    def poll_wait_s(self, w: Worker) -> float:
+        """Seconds until `w`'s next poll: `next_poll_s` from its last state, its last poll tried,
+        or the request that ended its idleness (a poll an interval after it, unless its KV-event
+        lines say how it is first), whichever is latest."""
+        return self.next_poll_s(w, time.monotonic() - max(w.state_at, w.tried, w.woken_at))
 
     def next_poll_s(self, w: Worker, age: float) -> float:
         """Seconds until `w`'s next poll, `age` seconds after its last state came (or its last
@@ -308,8 +332,7 @@ class Fleet:
         w.base = with_fields(
             view_of_state(state, w.url, self.tier_credits, cost), residency_epoch=self.index.epoch(w.worker_id)
         )
-        if w.nap is not None and (state.get("engine_stall_s") or not _idle(w)):
-            _settle(w.nap)  # its next poll is due sooner: the poller works out when
+        self._rearm(w)
 
     def _down(self, w: Worker, why: str) -> None:
         if w.healthy:
@@ -458,21 +481,29 @@ class Fleet:
     def begin(self, w: Worker) -> None:
         """Count a request sent to `w` at once, when it is decided: the next decision, here or
         (through `on_change`) at another replica, must see it."""
+        self._wake(w)
         w.in_flight += 1
         w.sent_since_poll += 1
-        self.busy(w)
+        self._rearm(w)
         if self.on_change is not None:
             self.on_change(w, 1)
 
-    def busy(self, w: Worker) -> None:
-        """`w` was sent a request (by this gateway or another): a poller waiting out its idle
-        long poll polls it an interval from now instead, as it polls a busy worker."""
-        if w.nap is not None:
-            asyncio.get_running_loop().call_later(self.interval, _settle, w.nap)
-            w.nap = None
+    def shared(self, w: Worker, delta: int) -> None:
+        """Another replica sent `w` a request (`delta` 1) or saw one end (-1)."""
+        if delta > 0:
+            self._wake(w)
+        w.shared_in_flight = max(0, w.shared_in_flight + delta)
+        self._rearm(w)
+
+    def _wake(self, w: Worker) -> None:
+        """A request is about to be sent to `w`: if it holds none, it is polled as a busy worker
+        is, an interval after this at the latest, not at the end of an idle worker's long poll."""
+        if _idle(w):
+            w.woken_at = time.monotonic()
 
     def end(self, w: Worker) -> None:
         w.in_flight -= 1
         w.done_since_poll += 1
+        self._rearm(w)
         if self.on_change is not None:
             self.on_change(w, -1)

@@ -313,9 +313,7 @@ class RedisState:
         self.pending.setdefault(replica, {})[int(seq)] = (wid, int(delta))
         w = self.fleet.by_id(wid)
         if w is not None:
-            w.shared_in_flight = max(0, w.shared_in_flight + int(delta))
-            if int(delta) > 0:
-                self.fleet.busy(w)
+            self.fleet.shared(w, int(delta))
 
     async def _inflight_loop(self, r: aioredis.Redis) -> None:
         mine = rs.inflight_key(self.replica)

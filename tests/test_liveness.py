@@ -1,6 +1,7 @@
 """How the gateway reads a worker's liveness from its /state: pure, no processes."""
 
 import asyncio
+import time
 
 from gateway.fleet import DRAINING, LONG_POLL_S, Fleet, out_of_service
 from gateway.index import ResidencyIndex
@@ -55,6 +56,43 @@ def test_an_idle_worker_whose_kv_event_answers_carry_its_state_is_polled_once_a_
     assert fleet.next_poll_s(w, 0.0) == LONG_POLL_S + 1.0
     fleet._up(w, {**STATE, "waiting": 1, "running": 1})  # work from elsewhere
     assert fleet.next_poll_s(w, 0.0) == 0.5
+
+
+def test_the_pollers_wait_moves_with_the_workers_lines_and_requests():
+    """The poller sleeps until a poll is due and is woken only then: a request sent to an idle
+    worker brings its poll to an interval away, a KV-event line with its state pushes it back,
+    the request's end (idle again) pushes it to the long poll; a stall nearing the limit, or
+    a due time already past, brings it forward."""
+
+    async def run():
+        fleet = Fleet(ResidencyIndex(), interval=0.5, timeout=1.0, stall_s=1.5)
+        w = fleet.add("http://w")
+        fleet._up(w, {**STATE, "waiting": 0, "running": 0})
+        w.state_rides = True
+        loop = asyncio.get_running_loop()
+        nap = asyncio.create_task(fleet._nap(w, fleet.poll_wait_s(w)))
+        await asyncio.sleep(0)
+
+        def due() -> float:
+            assert w.nap_timer is not None and not nap.done()
+            return w.nap_timer.when() - loop.time()
+
+        assert abs(due() - (LONG_POLL_S + 1.0)) < 0.05
+        fleet.begin(w)
+        assert abs(due() - 0.5) < 0.05
+        await asyncio.sleep(0.2)
+        fleet._up(w, {**STATE, "waiting": 0, "running": 1})  # its prefill's line: the poll waits again
+        assert abs(due() - 0.5) < 0.05
+        fleet.end(w)
+        assert abs(due() - (LONG_POLL_S + 1.0)) < 0.05
+        fleet._up(w, {**STATE, "waiting": 0, "running": 1, "engine_stall_s": 1.45})
+        assert abs(due() - 0.1) < 0.05
+        w.state_at = w.tried = w.woken_at = time.monotonic() - 10.0
+        fleet._rearm(w)
+        await asyncio.sleep(0)
+        assert nap.done() and w.nap is None
+
+    asyncio.run(run())
 
 
 def test_a_state_with_the_same_cost_model_keeps_its_parsed_cost_model():
