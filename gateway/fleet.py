@@ -32,13 +32,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from urllib.parse import urlencode
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
-from gateway.upstream import UPSTREAM_KEEPALIVE_S
+from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool, Upstream
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
 from workers.internal_auth import internal_headers
@@ -148,15 +149,62 @@ class Refused(aiohttp.ClientError):
     """A worker refused a control-plane call: the gateway lacks the fleet's internal token."""
 
 
+def _refused(url: object) -> Refused:
+    return Refused(
+        f"{url} refuses the gateway (403): the worker has an internal token; "
+        "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)"
+    )
+
+
 def _check(r: aiohttp.ClientResponse) -> None:
     """Raise Refused for a worker that wants another internal token, ClientResponseError for
     any other error status."""
     if r.status == 403:
-        raise Refused(
-            f"{r.url} refuses the gateway (403): the worker has an internal token; "
-            "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)"
-        )
+        raise _refused(r.url)
     r.raise_for_status()
+
+
+class Lines:
+    """The sink of a /kv/events stream (`Upstream.pipe`): its body cut into JSON lines, each
+    line's state merged onto the stream's last (lines carry what changed) and handed to `apply`
+    from `data_received` itself, so a line costs no task wakeup (aiohttp's reader was one a
+    line, twice a request). `apply` returning False, a line that is not a batch, or one past
+    `LINE_BYTES` ends the stream (`ended`; `error` for the latter two) and closes `conn`."""
+
+    def __init__(self, apply: Callable[[dict], bool], conn: Upstream):
+        self.apply, self.conn = apply, conn
+        self.partial, self.state = b"", {}
+        self.ended, self.error = False, None
+
+    def __call__(self, chunk: bytes) -> bool:
+        if self.ended:
+            return True
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        try:
+            if len(self.partial) > LINE_BYTES:
+                raise ValueError(f"a /kv/events line over {LINE_BYTES} bytes")
+            for line in lines:
+                if not self.apply(self._body(line)):
+                    return self._end()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            self.error = e if isinstance(e, (ValueError, KeyError)) else ValueError(f"not a KV-event batch: {e!r}")
+            return self._end()
+        return True
+
+    def _body(self, line: bytes) -> dict:
+        body = json.loads(line)
+        if isinstance(body.get("state"), dict):
+            self.state = body["state"] = self.state | body["state"]
+        return body
+
+    def _end(self) -> bool:
+        self.ended = True
+        self.conn.close()
+        return True
+
+
+async def _no_drain() -> None:
+    """A `Lines` sink is never full."""
 
 
 class Fleet:
@@ -187,6 +235,7 @@ class Fleet:
         self.breaker = breaker or BreakerConfig()
         self.workers: dict[str, Worker] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.streams = Pool(connect_timeout=timeout, keepalive_s=UPSTREAM_KEEPALIVE_S)
         self._started = False
         self.on_change: Callable[[Worker, int], None] | None = None  # in-flight +1/-1, for sharing
 
@@ -222,8 +271,14 @@ class Fleet:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.streams.close()
         if self.session is not None:
             await self.session.close()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every control-plane call sends: the internal token, if any."""
+        return internal_headers(self.token)
 
     def _spawn(self, w: Worker) -> None:
         if w.kind in self.kinds:
@@ -374,8 +429,8 @@ class Fleet:
                 await self._tail_once(w, wid, epoch)
                 if w.out is not None:  # a draining worker answers at once: ask it again after the interval
                     await asyncio.sleep(self.interval)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
-                if w.epoch == epoch and isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError)):
+            except (aiohttp.ClientError, OSError, ValueError, KeyError) as e:
+                if w.epoch == epoch and isinstance(e, (aiohttp.ClientError, OSError)):
                     self._down(w, f"/kv/events failed: {e!r}")
                 await asyncio.sleep(self.interval)
 
@@ -389,18 +444,21 @@ class Fleet:
             if self._current(w, wid, epoch) and snap.worker_id == wid:
                 self.index.reset(wid, snap.hashes, snap.seq, snap.tiers)
             return
-        assert self.session is not None, "Fleet.start opens the session before any tail"
-        params = {"after": seq, "timeout": LONG_POLL_S, "state": 1, "delta": 1, "stream": 1}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout + LONG_POLL_S)
-        async with self.session.get(w.url + "/kv/events", params=params, timeout=timeout, read_bufsize=LINE_BYTES) as r:
-            _check(r)
-            state: dict = {}
-            async for line in r.content:
-                body = json.loads(line)
-                if isinstance(body.get("state"), dict):  # what changed since the stream's last line
-                    state = body["state"] = state | body["state"]
-                if not self._apply_line(w, wid, epoch, body):
-                    return
+        query = urlencode({"after": seq, "timeout": LONG_POLL_S, "state": 1, "delta": 1, "stream": 1})
+        async with asyncio.timeout(self.timeout):
+            conn = await self.streams.get(w.url, "/kv/events?" + query, self.headers)
+        lines = Lines(lambda body: self._apply_line(w, wid, epoch, body), conn)
+        try:
+            if conn.status != 200:
+                raise _refused(w.url) if conn.status == 403 else ConnectionError(f"/kv/events answered {conn.status}")
+            await conn.pipe(lines, _no_drain, self.timeout + LONG_POLL_S)
+        except ConnectionError:
+            if not lines.ended:
+                raise
+        finally:
+            conn.release()
+        if lines.error is not None:
+            raise lines.error
 
     def _apply_line(self, w: Worker, wid: str, epoch: int, body: dict) -> bool:
         """Apply one batch of `w`'s events and the state riding on it; False when the stream

@@ -204,15 +204,26 @@ class Pool:
         self.hosts: dict[str, tuple[tuple[str, int], str, bytes]] = {}
 
     async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Upstream:
-        """Send a POST and wait for its response's head. Raises `ConnectionError` (or
+        """Send a POST and wait for its response's head (`request`)."""
+        return await self.request("POST", url, path, headers, body)
+
+    async def get(self, url: str, path: str, headers: dict[str, str]) -> Upstream:
+        """Send a GET (`path` with its query) and wait for its response's head (`request`)."""
+        return await self.request("GET", url, path, headers)
+
+    async def request(
+        self, method: str, url: str, path: str, headers: dict[str, str], body: bytes | None = None
+    ) -> Upstream:
+        """Send a request and wait for its response's head. Raises `ConnectionError` (or
         `TimeoutError` for the connect) if it cannot; a cancelled wait closes the connection."""
         key, base, host = self._target(url)
         fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
             raise ValueError("a header holds a line break")
-        head = f"POST {base}{path} HTTP/1.1\r\n{fields}content-length: {len(body)}\r\n"
+        length = f"content-length: {len(body)}\r\n" if body is not None else ""
+        head = f"{method} {base}{path} HTTP/1.1\r\n{fields}{length}"
         conn = self._take(key) or await self._connect(key)
-        conn.send(b"".join((head.encode("latin-1"), host, body)))
+        conn.send(b"".join((head.encode("latin-1"), host, body or b"")))
         try:
             await conn.head
         except BaseException:
