@@ -16,15 +16,15 @@ is draining, or its engine has made no progress on its work for more than `stall
 its stall would pass `stall_s`, so a frozen engine is out at about `stall_s` plus one poll's
 round trip (< 2 s by default). The poller's wait is moved whenever what it waits for changes
 (a state arrives, a request is sent or ends), so it wakes only when a poll is due: a busy
-worker whose KV-event lines carry its state is not polled, nor is its poller woken. Losing a worker resolves its `lost` future, so
-requests waiting on it give up at once and are retried elsewhere. The tailer
-follows the worker's `/kv/events` stream (one response, a line per batch of events with the
-state's fields that changed since the line before, a heartbeat line each long poll) into the
-residency index, resyncing from `/kv/snapshot` whenever the index asks; while Redis carries a
-worker's events (see redis_state) its tailer idles.
-Routing reads only in-memory fields, never the network. The HTTP client is aiohttp, as for
-the proxy: with 64 workers polled twice a second the control plane alone makes ~130 requests
-per second.
+worker whose KV-event lines carry its state is not polled, nor is its poller woken. Losing a
+worker resolves its `lost` future, so requests waiting on it give up at once and are retried
+elsewhere. The tailer follows the worker's `/kv/events` stream (one response, a line per batch
+of events with the state's fields that changed since the line before, a heartbeat line each
+long poll) into the residency index, resyncing from `/kv/snapshot` whenever the index asks;
+while Redis carries a worker's events (see redis_state) its tailer idles.
+Routing reads only in-memory fields, never the network. The KV-event streams are read on the
+gateway's own HTTP client (gateway.upstream, as the proxy is: a line is applied from the
+connection's `data_received`); polls and snapshots use aiohttp.
 """
 
 import asyncio
@@ -32,8 +32,8 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from urllib.parse import urlencode
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 import aiohttp
 
