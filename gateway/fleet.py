@@ -173,8 +173,10 @@ class Lines:
 
     def __init__(self, apply: Callable[[dict], bool], conn: Upstream):
         self.apply, self.conn = apply, conn
-        self.partial, self.state = b"", {}
-        self.ended, self.error = False, None
+        self.partial = b""
+        self.state: dict = {}
+        self.ended = False
+        self.error: ValueError | KeyError | None = None
 
     def __call__(self, chunk: bytes) -> bool:
         if self.ended:
