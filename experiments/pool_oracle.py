@@ -1,0 +1,139 @@
+"""What a router with perfect knowledge gets on a KV-pool-bound fleet (issue 16 point 7).
+
+The oracle reads each simulated worker's true pool and queue (not a policy's view: free
+blocks, every running request's remaining growth and steps, every waiting one) and simulates
+that worker's first-come-first-served pool to find when a new request would start; it routes
+to the earliest start and refuses a request whose start would be past `--budget-s` (a larger
+one, over `--big-tokens`, past `--big-budget-s`: refusing large requests first frees the most
+room per refusal). It is an upper bound for route-on-arrival plus refusal, not a policy:
+no gateway sees this state. Run beside `pool_bound.py`'s Little's-law ceiling, it says how
+much of the gap between slo_goodput and that ceiling any router could close.
+
+    PYTHONPATH=. python experiments/pool_oracle.py --rates 20,21,22,23 --big-tokens 2300 \\
+        --big-budget-s 0.5 --budget-s 1.9 --out /tmp/pool-oracle.json
+"""
+
+import argparse
+import heapq
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from bench.fleet_sim import FleetConfig, FleetSim
+from bench.report import summarize
+from bench.sim_worker import SimConfig, SimWorker
+from bench.workloads import WorkloadConfig, generate
+from policies.api import FleetView, RequestView, Route
+from workers.kv.cost_model import CostModel
+
+
+class Oracle:
+    """Earliest simulated start across the fleet's true pools; refuse past the budget."""
+
+    name = "pool_oracle"
+
+    def __init__(self, args: argparse.Namespace, shared_blocks: int, block_size: int):
+        self.args, self.shared, self.block = args, shared_blocks, block_size
+        self.sim: FleetSim | None = None
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block)
+
+    def start_s(self, w: SimWorker, prompt: int, out: int) -> float:
+        """When a request of `prompt` + `out` tokens would start on `w`: running requests end
+        after their remaining steps and give back their private blocks, queued ones before it
+        take theirs in order (the shared prefix's blocks stay cached)."""
+        step_s = self.args.step_ms / 1000.0
+        free = w.pool.num_free
+        ends: list[tuple[float, int]] = []
+        for r in w.scheduler.running:
+            full = self.blocks(len(r.prompt_ids) + r.params.max_tokens)
+            free -= max(0, full - len(r.blocks))
+            left = r.params.max_tokens - (len(r.token_ids) - len(r.prompt_ids))
+            ends.append((left * step_s, full - self.shared))
+        heapq.heapify(ends)
+        t = 0.0
+        queued = [(len(r.prompt_ids), r.params.max_tokens) for r in [*w.scheduler.waiting, *w.inbox]]
+        for n, steps in [*queued, (prompt, out)]:
+            need = self.blocks(n + steps) - self.shared
+            while free < need and ends:
+                at, blocks = heapq.heappop(ends)
+                t, free = max(t, at), free + blocks
+            free -= need
+            heapq.heappush(ends, (t + steps * step_s, need))
+        return t
+
+    def route(self, req: RequestView, fleet: FleetView) -> Route:
+        assert self.sim is not None, "run() sets the simulation"
+        start, i = min((self.start_s(w, req.num_tokens, req.max_tokens), i) for i, w in enumerate(self.sim.workers))
+        big = req.num_tokens > self.args.big_tokens
+        if start > (self.args.big_budget_s if big else self.args.budget_s):
+            return Route(reject=f"start in {start:.2f} s")
+        return Route(worker=self.sim.workers[i].worker_id)
+
+
+def attainment(job: tuple[argparse.Namespace, float, int]) -> float:
+    args, rate, seed = job
+    sim_cfg = SimConfig(num_blocks=args.num_blocks)
+    wl = WorkloadConfig(name=args.workload, rate=rate, duration_s=args.duration, seed=seed)
+    fleet = FleetConfig(
+        workers=args.workers,
+        sim=sim_cfg,
+        cost=CostModel.load(args.profile),
+        views_with_cost=True,
+        slo_ttft_ms=2000.0,
+        slo_tpot_ms=100.0,
+    )
+    oracle = Oracle(args, (wl.get("prefix_len") or 0) // sim_cfg.block_size, sim_cfg.block_size)
+    sim = oracle.sim = FleetSim(oracle, fleet)
+    return summarize(sim.run(generate(wl), args.duration), 2000.0, 100.0)["slo_attainment"]
+
+
+def plot(report: dict, path: str) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    rates = list(report["attainment"])
+    ax.plot(rates, [report["attainment"][r] for r in rates], marker="o", label="pool oracle")
+    ax.axhline(0.9, color="black", linewidth=0.5)
+    ax.set(
+        xlabel="request rate (req/s)",
+        ylabel="SLO attainment",
+        title=f"{report['workload']}: a router that knows the pools",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="multi-turn")
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[20, 21, 22, 23])
+    p.add_argument("--seeds", type=int, default=4)
+    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--profile", default="bench/profiles/h200-llama8b-kvgate-eager.json")
+    p.add_argument("--step-ms", type=float, default=22.5, help="decode step at this load (measured 22-25 ms)")
+    p.add_argument("--budget-s", type=float, default=1.9, help="refuse a request that would start later")
+    p.add_argument("--big-tokens", type=int, default=10**9, help="a prompt over this is refused sooner")
+    p.add_argument("--big-budget-s", type=float, default=0.5)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    jobs = [(args, r, s) for r in args.rates for s in range(args.seeds)]
+    with ProcessPoolExecutor(args.jobs) as ex:
+        got = list(ex.map(attainment, jobs))
+    by_rate = {r: sum(got[i * args.seeds : (i + 1) * args.seeds]) / args.seeds for i, r in enumerate(args.rates)}
+    report = {k: v for k, v in vars(args).items() if k != "out"} | {"attainment": by_rate}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    plot(report, str(Path(args.out).with_suffix(".png")))
+    print(json.dumps({r: round(a, 3) for r, a in by_rate.items()}))
+
+
+if __name__ == "__main__":
+    main()
