@@ -1,12 +1,14 @@
 """bench.vs_peers' rate sweep: ascending rates until one fails, +50% steps past the list (-1/3
 steps below it while none passed), then bisections between the last passing and first failing
-rate (run against a stand-in for the fleet whose attainment is a step at a known knee)."""
+rate (run against a stand-in for the fleet whose attainment is a step at a known knee); and
+bench.router_overhead's requests taking turns between the direct path and the routers."""
 
 import argparse
 import types
 
-from bench import vs_peers
+from bench import router_overhead
 from bench.vs_peers import Bench, knee
+from bench.workloads import WorkloadConfig
 
 
 def _bench(rates: str, max_extra: int, refine: int, capacity: float) -> tuple[Bench, list[float]]:
@@ -29,7 +31,7 @@ def _bench(rates: str, max_extra: int, refine: int, capacity: float) -> tuple[Be
 
 def _sweep(bench: Bench) -> list[dict]:
     router = types.SimpleNamespace(url="http://x", popen=types.SimpleNamespace(pid=1))
-    return bench.sweep("kvgate-x", router, vs_peers.WorkloadConfig(name="random", duration_s=1.0))
+    return bench.sweep("kvgate-x", router, WorkloadConfig(name="random", duration_s=1.0))
 
 
 def test_bisects_between_the_last_pass_and_the_first_fail():
@@ -86,7 +88,7 @@ def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch
             out.append({"ttft_ms": ttft_of[sent[-1]], "error": None})
         return out
 
-    monkeypatch.setattr(vs_peers, "run_rate", run_rate)
+    monkeypatch.setattr(router_overhead, "run_rate", run_rate)
     bench = Bench.__new__(Bench)
     bench.args = argparse.Namespace(
         low_rate=2.0, low_duration=1.0, model="smollm2-135m", timeout=5.0, overhead_repeat=2
@@ -96,15 +98,15 @@ def test_overhead_takes_turns_and_credits_each_request_to_its_target(monkeypatch
     cpu_runs: list[str] = []
     cpu_of = {"a": [5.0, 9.0], "b": [7.0, 3.0]}
 
-    def cpu_ms(label, urls):
+    def cpu_ms(bench, label, urls):
         cpu_runs.append(label)
         return cpu_of[label][cpu_runs.count(label) - 1]
 
-    bench.cpu_ms = cpu_ms
+    monkeypatch.setattr(router_overhead, "cpu_ms", cpu_ms)
     bench.reset = lambda: resets.append(len(seeds))
-    monkeypatch.setattr(vs_peers, "stop_all", lambda procs: None)
-    monkeypatch.setattr(vs_peers, "SETTLE_S", 0.0)
-    out = bench.overhead(["a", "b"], ["http://w0", "http://w1"])
+    monkeypatch.setattr(router_overhead, "stop_all", lambda procs: None)
+    monkeypatch.setattr(router_overhead, "SETTLE_S", 0.0)
+    out = router_overhead.overhead(bench, ["a", "b"], ["http://w0", "http://w1"])
     assert sent[:6] == ["http://w0", "http://a", "http://b", "http://w1", "http://a", "http://b"]
     assert out["direct"]["ttft_p50_ms"] == 11.0
     assert out["a"]["added_ttft_p50_ms"] == 2.0 and out["b"]["added_ttft_p50_ms"] == 9.0
