@@ -399,6 +399,7 @@ class Fleet:
         self._lose(w, why)
         if w.worker_id:
             self.index.drop(w.worker_id)
+        self._rearm(w)  # an idle worker's long wait ends: it is polled as a down worker is
 
     def lost(self, w: Worker) -> asyncio.Future:
         """A future resolved (with the reason) when `w` is next taken out of service."""

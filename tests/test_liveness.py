@@ -61,8 +61,8 @@ def test_an_idle_worker_whose_kv_event_answers_carry_its_state_is_polled_once_a_
 def test_the_pollers_wait_moves_with_the_workers_lines_and_requests():
     """The poller sleeps until a poll is due and is woken only then: a request sent to an idle
     worker brings its poll to an interval away, a KV-event line with its state pushes it back,
-    the request's end (idle again) pushes it to the long poll; a stall nearing the limit, or
-    a due time already past, brings it forward."""
+    the request's end (idle again) pushes it to the long poll; a stall nearing the limit, a
+    due time already past, or the worker going down brings it forward."""
 
     async def run():
         fleet = Fleet(ResidencyIndex(), interval=0.5, timeout=1.0, stall_s=1.5)
@@ -91,6 +91,13 @@ def test_the_pollers_wait_moves_with_the_workers_lines_and_requests():
         fleet._rearm(w)
         await asyncio.sleep(0)
         assert nap.done() and w.nap is None
+        fleet._up(w, {**STATE, "waiting": 0, "running": 0})
+        nap = asyncio.create_task(fleet._nap(w, fleet.poll_wait_s(w)))
+        await asyncio.sleep(0)
+        assert abs(due() - (LONG_POLL_S + 1.0)) < 0.05
+        fleet._down(w, "its KV-event stream broke")  # polled within an interval, not a long poll
+        assert abs(due() - 0.5) < 0.05
+        nap.cancel()
 
     asyncio.run(run())
 
