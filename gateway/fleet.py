@@ -28,7 +28,6 @@ connection's `data_received`); polls and snapshots use aiohttp.
 """
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +38,8 @@ import aiohttp
 
 from gateway.breaker import Breaker, BreakerConfig
 from gateway.index import RESYNC, ResidencyIndex
-from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool, Upstream
+from gateway.kv_lines import Lines, never_full
+from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
 from workers.internal_auth import internal_headers
@@ -49,7 +49,6 @@ log = logging.getLogger("kvgate.gateway")
 
 KVGATE = "kvgate"  # the kind of kvgate's own workers (others: gateway/vllm_worker.py)
 LONG_POLL_S = 5.0  # an idle worker's /kv/events answers (with its state) come this often
-LINE_BYTES = 1 << 22  # read buffer of a /kv/events stream: a line is a whole batch of events
 STALL_POLL_MARGIN_S = 0.05
 
 
@@ -162,51 +161,6 @@ def _check(r: aiohttp.ClientResponse) -> None:
     if r.status == 403:
         raise _refused(r.url)
     r.raise_for_status()
-
-
-class Lines:
-    """The sink of a /kv/events stream (`Upstream.pipe`): its body cut into JSON lines, each
-    line's state merged onto the stream's last (lines carry what changed) and handed to `apply`
-    from `data_received` itself, so a line costs no task wakeup (aiohttp's reader was one a
-    line, twice a request). `apply` returning False, a line that is not a batch, or one past
-    `LINE_BYTES` ends the stream (`ended`; `error` for the latter two) and closes `conn`."""
-
-    def __init__(self, apply: Callable[[dict], bool], conn: Upstream):
-        self.apply, self.conn = apply, conn
-        self.partial = b""
-        self.state: dict = {}
-        self.ended = False
-        self.error: ValueError | KeyError | None = None
-
-    def __call__(self, chunk: bytes) -> bool:
-        if self.ended:
-            return True
-        *lines, self.partial = (self.partial + chunk).split(b"\n")
-        try:
-            if len(self.partial) > LINE_BYTES:
-                raise ValueError(f"a /kv/events line over {LINE_BYTES} bytes")
-            for line in lines:
-                if not self.apply(self._body(line)):
-                    return self._end()
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            self.error = e if isinstance(e, (ValueError, KeyError)) else ValueError(f"not a KV-event batch: {e!r}")
-            return self._end()
-        return True
-
-    def _body(self, line: bytes) -> dict:
-        body = json.loads(line)
-        if isinstance(body.get("state"), dict):
-            self.state = body["state"] = self.state | body["state"]
-        return body
-
-    def _end(self) -> bool:
-        self.ended = True
-        self.conn.close()
-        return True
-
-
-async def _no_drain() -> None:
-    """A `Lines` sink is never full."""
 
 
 class Fleet:
@@ -454,7 +408,7 @@ class Fleet:
         try:
             if conn.status != 200:
                 raise _refused(w.url) if conn.status == 403 else ConnectionError(f"/kv/events answered {conn.status}")
-            await conn.pipe(lines, _no_drain, self.timeout + LONG_POLL_S)
+            await conn.pipe(lines, never_full, self.timeout + LONG_POLL_S)
         except ConnectionError:
             if not lines.ended:
                 raise

@@ -1,4 +1,4 @@
-"""gateway.fleet.Lines: a /kv/events stream's body, however it is cut into reads, applied line
+"""gateway.kv_lines.Lines: a /kv/events stream's body, however it is cut into reads, applied line
 by line with each line's state merged onto the last; the stream ends on the caller's word or
 on a line that is not a batch. Pure: no processes."""
 
@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.fleet import LINE_BYTES, Lines
+from gateway.kv_lines import LINE_BYTES, Lines
 
 
 class Conn:
