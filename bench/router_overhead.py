@@ -62,9 +62,8 @@ def overhead(bench: Bench, labels: list[str], urls: list[str]) -> dict:
 
 
 def low_load(args: argparse.Namespace, output_len: int = 16, seed: int = 7) -> WorkloadConfig:
-    a = args
     return WorkloadConfig(
-        name="random", rate=a.low_rate, duration_s=a.low_duration, input_len=256, output_len=output_len, seed=seed
+        name="random", rate=args.low_rate, duration_s=args.low_duration, input_len=256, output_len=output_len, seed=seed
     )
 
 

@@ -216,7 +216,7 @@ class Fleet:
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
-            headers=internal_headers(self.token),
+            headers=self.headers,
         )
         self._started = True
         for w in self.workers.values():

@@ -76,14 +76,12 @@ class DrainingServer(uvicorn.Server):
 
     async def main_loop(self) -> None:
         """uvicorn's loop of ticks: one each time a signal wakes it, and each `DRAIN_TICK_S`
-        while draining, until `on_tick` says to exit."""
+        while draining, until `on_tick` says to exit (its counter, which spaced uvicorn's Date
+        refreshes, has nothing left to space: the headers are made on read)."""
         self.wake, self.loop = asyncio.Event(), asyncio.get_running_loop()
-        counter = 0
-        while not await self.on_tick(counter):
-            draining = self.drain_deadline is not None
-            counter = (counter + (1 if draining else 10)) % 864000
+        while not await self.on_tick(0):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), DRAIN_TICK_S if draining else None)
+                await asyncio.wait_for(self.wake.wait(), DRAIN_TICK_S if self.drain_deadline is not None else None)
             self.wake.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
