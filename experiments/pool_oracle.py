@@ -9,6 +9,12 @@ room per refusal). It is an upper bound for route-on-arrival plus refusal, not a
 no gateway sees this state. Run beside `pool_bound.py`'s Little's-law ceiling, it says how
 much of the gap between slo_goodput and that ceiling any router could close.
 
+`--queue smallest|arrival` makes it a gateway-side queue instead (late binding, as llm-d's
+flow control holds requests): a request waits in the router, not at a worker, and is sent
+when some worker's true pool can start it at once; the queue is served smallest prompt first
+or in arrival order, and a request that has waited past its budget is refused. That asks
+whether holding requests back and choosing which to admit beats routing on arrival.
+
     PYTHONPATH=. python experiments/pool_oracle.py --rates 20,21,22,23 --big-tokens 2300 \\
         --big-budget-s 0.5 --budget-s 1.9 --out /tmp/pool-oracle.json
 """
@@ -16,7 +22,9 @@ much of the gap between slo_goodput and that ceiling any router could close.
 import argparse
 import heapq
 import json
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -27,9 +35,10 @@ import matplotlib.pyplot as plt
 from bench.fleet_sim import FleetConfig, FleetSim
 from bench.report import summarize
 from bench.sim_worker import SimConfig, SimWorker
-from bench.workloads import WorkloadConfig, generate
+from bench.workloads import BenchRequest, WorkloadConfig, generate
 from policies.api import FleetView, RequestView, Route
 from workers.kv.cost_model import CostModel
+from workers.request import Request
 
 
 class Oracle:
@@ -68,13 +77,91 @@ class Oracle:
             heapq.heappush(ends, (t + steps * step_s, need))
         return t
 
+    def budget_s(self, prompt_tokens: int) -> float:
+        """How long a request may wait to start before it is refused."""
+        big = prompt_tokens > self.args.big_tokens
+        return self.args.big_budget_s if big else self.args.budget_s
+
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         assert self.sim is not None, "run() sets the simulation"
         start, i = min((self.start_s(w, req.num_tokens, req.max_tokens), i) for i, w in enumerate(self.sim.workers))
-        big = req.num_tokens > self.args.big_tokens
-        if start > (self.args.big_budget_s if big else self.args.budget_s):
+        if start > self.budget_s(req.num_tokens):
             return Route(reject=f"start in {start:.2f} s")
         return Route(worker=self.sim.workers[i].worker_id)
+
+
+class QueuedFleet(FleetSim):
+    """The simulated fleet behind a gateway-side queue (`--queue`): an arriving request joins
+    the queue; whenever one arrives or a worker finishes one, the queue is served in its order
+    and each request goes to a worker whose true pool starts it at once, if any; a request
+    waiting past its budget is refused. Sent, it keeps its arrival time, so its TTFT counts the
+    wait in the queue."""
+
+    def __init__(self, oracle: Oracle, cfg: FleetConfig, order: str):
+        self.placed = Placed()
+        super().__init__(self.placed, cfg)
+        self.oracle, self.order = oracle, order
+        self.queue: list[BenchRequest] = []
+        self.serving = self.due = False
+
+    def route(self, br: BenchRequest) -> None:
+        self.now = max(self.now, br.arrival_s)
+        self.queue.append(br)
+        self.serve()
+
+    def _finished(self, req: Request, now: float, i: int) -> None:
+        super()._finished(req, now, i)
+        self.due = True
+
+    def _schedule_step(self, i: int, t: float | None) -> None:
+        """After a worker's step (never inside one) serve the queue if a request ended in it."""
+        super()._schedule_step(i, t)
+        if self.due and not self.serving:
+            self.due = False
+            self.serve()
+
+    def serve(self) -> None:
+        self.serving = True
+        try:
+            now, waiting = self.now, []
+            for br in self.queue:
+                if now - br.arrival_s > self.oracle.budget_s(len(br.prompt)):
+                    self._failed(br.arrival_s, len(br.prompt), f"rejected: waited {now - br.arrival_s:.2f} s")
+                else:
+                    waiting.append(br)
+            if self.order == "smallest":
+                waiting.sort(key=lambda b: len(b.prompt))
+            self.queue = []
+            for br in waiting:
+                start, i = min(
+                    (self.oracle.start_s(w, len(br.prompt), br.max_tokens), i) for i, w in enumerate(self.workers)
+                )
+                if start > 0.0:
+                    self.queue.append(br)
+                    continue
+                self.placed.worker = self.workers[i].worker_id
+                super().route(replace(br, arrival_s=now))
+                self.live[str(br.index)][0].arrival = br.arrival_s
+        finally:
+            self.serving = False
+
+    def run(
+        self, requests: Iterable[BenchRequest], duration_s: float, progress: Callable[[float, int], None] | None = None
+    ) -> list[dict]:
+        records = super().run(requests, duration_s, progress)
+        for br in self.queue:
+            self._failed(br.arrival_s, len(br.prompt), "unfinished: still queued when the simulation stopped")
+        return records
+
+
+class Placed:
+    """The policy behind `QueuedFleet`: the worker the queue chose."""
+
+    name = "queued"
+    worker = ""
+
+    def route(self, req: RequestView, fleet: FleetView) -> Route:
+        return Route(worker=self.worker)
 
 
 def attainment(job: tuple[argparse.Namespace, float, int]) -> float:
@@ -90,14 +177,16 @@ def attainment(job: tuple[argparse.Namespace, float, int]) -> float:
         slo_tpot_ms=100.0,
     )
     oracle = Oracle(args, (wl.get("prefix_len") or 0) // sim_cfg.block_size, sim_cfg.block_size)
-    sim = oracle.sim = FleetSim(oracle, fleet)
+    sim = oracle.sim = QueuedFleet(oracle, fleet, args.queue) if args.queue else FleetSim(oracle, fleet)
     return summarize(sim.run(generate(wl), args.duration), 2000.0, 100.0)["slo_attainment"]
 
 
 def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     rates = list(report["attainment"])
-    ax.plot(rates, [report["attainment"][r] for r in rates], marker="o", label="pool oracle")
+    order = {"smallest": "smallest prompt first", "arrival": "in arrival order"}.get(report.get("queue") or "")
+    label = f"pool oracle, gateway queue ({order})" if order else "pool oracle"
+    ax.plot(rates, [report["attainment"][r] for r in rates], marker="o", label=label)
     ax.axhline(0.9, color="black", linewidth=0.5)
     ax.set(
         xlabel="request rate (req/s)",
@@ -122,6 +211,9 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=1.9, help="refuse a request that would start later")
     p.add_argument("--big-tokens", type=int, default=10**9, help="a prompt over this is refused sooner")
     p.add_argument("--big-budget-s", type=float, default=0.5)
+    p.add_argument(
+        "--queue", choices=("smallest", "arrival"), help="hold requests in a gateway-side queue, served in this order"
+    )
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", required=True)
     args = p.parse_args()
