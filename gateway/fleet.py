@@ -4,7 +4,7 @@ Each worker gets two background tasks. The poller GETs `/state` whenever the wor
 `interval` seconds old and is the health check: one failed poll (refused, or no answer within
 `timeout`) takes the worker out of the candidate set and drops its residency, so a dead
 worker is gone within `interval + timeout` (< 2 s by default); the next good poll brings it
-back. The tailer's `/kv/events` answers carry the worker's state too, so while they come the
+back. The tail's `/kv/events` answers carry the worker's state too, so while they come the
 poller has nothing to do; an idle worker (nothing waiting or running, nothing sent to it
 since) is polled only once its long poll is overdue. That was most of the gateway's idle CPU:
 now one request per worker per 5 s long poll instead of two polls a second. A dead idle worker
@@ -18,13 +18,10 @@ round trip (< 2 s by default). The poller's wait is moved whenever what it waits
 (a state arrives, a request is sent or ends), so it wakes only when a poll is due: a busy
 worker whose KV-event lines carry its state is not polled, nor is its poller woken. Losing a
 worker resolves its `lost` future, so requests waiting on it give up at once and are retried
-elsewhere. The tailer follows the worker's `/kv/events` stream (one response, a line per batch
-of events with the state's fields that changed since the line before, a heartbeat line each
-long poll) into the residency index, resyncing from `/kv/snapshot` whenever the index asks;
-while Redis carries a worker's events (see redis_state) its tailer idles.
-Routing reads only in-memory fields, never the network. The KV-event streams are read on the
-gateway's own HTTP client (gateway.upstream, as the proxy is: a line is applied from the
-connection's `data_received`); polls and snapshots use aiohttp.
+elsewhere. The tail (gateway.kv_tail) follows each worker's KV events into the residency
+index and hands the state riding on them to `up`, as a poll's; while Redis carries a worker's
+events (see redis_state) its tail idles. Routing reads only in-memory fields, never the
+network. Polls and snapshots use aiohttp.
 """
 
 import asyncio
@@ -32,23 +29,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlencode
 
 import aiohttp
 
 from gateway.breaker import Breaker, BreakerConfig
-from gateway.index import RESYNC, ResidencyIndex
-from gateway.kv_lines import Lines, never_full
+from gateway.control import Refused, check
+from gateway.index import ResidencyIndex
+from gateway.kv_tail import LONG_POLL_S, KvTail
 from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
 from workers.internal_auth import internal_headers
-from workers.kv.events import EventBatch, KVSnapshot
 
 log = logging.getLogger("kvgate.gateway")
 
 KVGATE = "kvgate"  # the kind of kvgate's own workers (others: gateway/vllm_worker.py)
-LONG_POLL_S = 5.0  # an idle worker's /kv/events answers (with its state) come this often
 STALL_POLL_MARGIN_S = 0.05
 
 
@@ -144,25 +139,6 @@ def _settle(f: asyncio.Future) -> None:
         f.set_result(None)
 
 
-class Refused(aiohttp.ClientError):
-    """A worker refused a control-plane call: the gateway lacks the fleet's internal token."""
-
-
-def _refused(url: object) -> Refused:
-    return Refused(
-        f"{url} refuses the gateway (403): the worker has an internal token; "
-        "give the gateway the same one (--internal-token or $KVGATE_INTERNAL_TOKEN)"
-    )
-
-
-def _check(r: aiohttp.ClientResponse) -> None:
-    """Raise Refused for a worker that wants another internal token, ClientResponseError for
-    any other error status."""
-    if r.status == 403:
-        raise _refused(r.url)
-    r.raise_for_status()
-
-
 class Fleet:
     """`token`: the fleet's internal token, sent on every control-plane call (workers refuse
     /state, /kv/events and /kv/snapshot without it when they have one). `kinds`: worker kinds
@@ -192,6 +168,7 @@ class Fleet:
         self.workers: dict[str, Worker] = {}
         self.session: aiohttp.ClientSession | None = None
         self.streams = Pool(connect_timeout=timeout, keepalive_s=UPSTREAM_KEEPALIVE_S)
+        self.tail = KvTail(self)
         self._started = False
         self.on_change: Callable[[Worker, int], None] | None = None  # in-flight +1/-1, for sharing
 
@@ -211,7 +188,7 @@ class Fleet:
         if w is not None:
             for t in w.tasks:
                 t.cancel()
-            self._down(w, "removed from the registry")
+            self.down(w, "removed from the registry")
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
@@ -240,7 +217,7 @@ class Fleet:
         if w.kind in self.kinds:
             w.tasks = self.kinds[w.kind].spawn(self, w)
             return
-        w.tasks = [asyncio.create_task(self._poll(w)), asyncio.create_task(self._tail(w))]
+        w.tasks = [asyncio.create_task(self._poll(w)), asyncio.create_task(self.tail.run(w))]
 
     # health and load
 
@@ -252,15 +229,15 @@ class Fleet:
                 continue
             w.tried = time.monotonic()
             try:
-                self._up(w, await self.get(w.url + "/state", self.timeout))
+                self.up(w, await self.get(w.url + "/state", self.timeout))
             except Refused as e:
                 if not w.refused:
                     log.error("%s", e)
                 w.refused = True
-                self._down(w, str(e))
+                self.down(w, str(e))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
                 w.probe_failures += 1
-                self._down(w, f"/state failed: {e!r}")
+                self.down(w, f"/state failed: {e!r}")
 
     async def _nap(self, w: Worker, seconds: float) -> None:
         """Wait `seconds` for `w`'s next poll, or less or more as `_rearm` moves it. Waking each
@@ -318,10 +295,12 @@ class Fleet:
         asyncio.TimeoutError past `timeout` seconds, ValueError for a body that is not JSON."""
         assert self.session is not None, "Fleet.start opens the session before any poll"
         async with self.session.get(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            _check(r)
+            check(r)
             return await r.json(content_type=None)
 
-    def _up(self, w: Worker, state: dict) -> None:
+    def up(self, w: Worker, state: dict) -> None:
+        """`w` answered with `state` (a poll, a KV-event line, another kind's link): it is up,
+        in service unless `out_of_service` says why not, its view rebuilt from `state`."""
         wid = state["worker_id"]
         if w.worker_id not in ("", wid):
             self.index.drop(w.worker_id)
@@ -345,7 +324,9 @@ class Fleet:
         )
         self._rearm(w)
 
-    def _down(self, w: Worker, why: str) -> None:
+    def down(self, w: Worker, why: str) -> None:
+        """`w` did not answer: out of the candidates, its residency dropped, requests waiting
+        on it released (`lost`), its answers in transit stale (a new epoch)."""
         if w.healthy:
             log.warning("worker %s at %s is down: %s", w.worker_id, w.url, why)
         w.healthy = False
@@ -372,69 +353,6 @@ class Fleet:
         if not w.suspect:
             log.warning("worker %s at %s is suspect: %s", w.worker_id, w.url, why)
         w.suspect = True
-
-    # residency (embedded path)
-
-    async def _tail(self, w: Worker) -> None:
-        while True:
-            if not w.healthy or w.redis_residency or not w.worker_id:
-                w.state_rides = False
-                await asyncio.sleep(self.interval / 5)
-                continue
-            epoch, wid = w.epoch, w.worker_id
-            try:
-                await self._tail_once(w, wid, epoch)
-                if w.out is not None:  # a draining worker answers at once: ask it again after the interval
-                    await asyncio.sleep(self.interval)
-            except (aiohttp.ClientError, OSError, ValueError, KeyError) as e:
-                if w.epoch == epoch and isinstance(e, (aiohttp.ClientError, OSError)):
-                    self._down(w, f"/kv/events failed: {e!r}")
-                await asyncio.sleep(self.interval)
-
-    async def _tail_once(self, w: Worker, wid: str, epoch: int) -> None:
-        """Resync from a snapshot, or follow the worker's stream of event batches (each with its
-        state) until it ends, the index needs a resync, or the worker changes. A line is due at
-        least every long poll, so a silence past that and `timeout` is a failure."""
-        seq = self.index.seq(wid)
-        if seq is None:
-            snap = KVSnapshot.from_json(await self.get(w.url + "/kv/snapshot", self.timeout + LONG_POLL_S))
-            if self._current(w, wid, epoch) and snap.worker_id == wid:
-                self.index.reset(wid, snap.hashes, snap.seq, snap.tiers)
-            return
-        query = urlencode({"after": seq, "timeout": LONG_POLL_S, "state": 1, "delta": 1, "stream": 1})
-        async with asyncio.timeout(self.timeout):
-            conn = await self.streams.get(w.url, "/kv/events?" + query, self.headers)
-        lines = Lines(lambda body: self._apply_line(w, wid, epoch, body), conn)
-        try:
-            if conn.status != 200:
-                raise _refused(w.url) if conn.status == 403 else ConnectionError(f"/kv/events answered {conn.status}")
-            await conn.pipe(lines, never_full, self.timeout + LONG_POLL_S)
-        except ConnectionError:
-            if not lines.ended:
-                raise
-        finally:
-            conn.release()
-        if lines.error is not None:
-            raise lines.error
-
-    def _apply_line(self, w: Worker, wid: str, epoch: int, body: dict) -> bool:
-        """Apply one batch of `w`'s events and the state riding on it; False when the stream
-        should end (the worker changed, Redis carries it now, or the index needs a resync)."""
-        batch = EventBatch.from_json(body)
-        if not self._current(w, wid, epoch) or w.redis_residency:
-            return False
-        if batch.worker_id != wid or self.index.apply(batch) == RESYNC:
-            self.index.drop(wid)
-            return False
-        state = body.get("state")
-        w.state_rides = isinstance(state, dict)
-        if isinstance(state, dict):
-            self._up(w, state)
-        return True
-
-    def _current(self, w: Worker, wid: str, epoch: int) -> bool:
-        """Whether an answer fetched as of (`wid`, `epoch`) may still be applied."""
-        return w.healthy and w.epoch == epoch and w.worker_id == wid
 
     # views for routing
 

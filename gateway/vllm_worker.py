@@ -140,7 +140,7 @@ class FleetLink(VllmLink):
         self.warned = False
 
     def up(self, state: dict) -> None:
-        self.fleet._up(self.w, state)
+        self.fleet.up(self.w, state)
         self.w.hash_ratio = max(1, state["block_size"] // self.block_size)
         if not self.warned:
             self.warn(state["block_size"])
@@ -168,7 +168,7 @@ class FleetLink(VllmLink):
             )
 
     def down(self, why: str) -> None:
-        self.fleet._down(self.w, why)
+        self.fleet.down(self.w, why)
 
     def restarted(self) -> None:
         self.fleet.index.drop(self.wid)
