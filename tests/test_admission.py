@@ -7,7 +7,7 @@ from gateway.index import ResidencyIndex
 
 def worker(fleet: Fleet, url: str, **state):
     w = fleet.add(url)
-    fleet._up(w, {"worker_id": url, "model": "m", "max_num_seqs": 4, **state})
+    fleet.up(w, {"worker_id": url, "model": "m", "max_num_seqs": 4, **state})
     return w
 
 
@@ -25,7 +25,7 @@ def test_a_workers_queue_is_its_report_corrected_by_what_was_sent_and_finished_s
     for _ in range(6):
         fleet.begin(idle)  # a burst between polls: the batch takes four of them
     assert idle.queued() == 2
-    fleet._up(idle, {"worker_id": "b", "model": "m", "max_num_seqs": 4})  # a report taken before they arrived
+    fleet.up(idle, {"worker_id": "b", "model": "m", "max_num_seqs": 4})  # a report taken before they arrived
     assert idle.queued() == 2  # what the gateway has open on it still counts
 
 

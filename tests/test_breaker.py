@@ -82,11 +82,11 @@ def test_a_worker_back_after_a_failed_poll_starts_with_a_closed_breaker():
 
     fleet = Fleet(ResidencyIndex(), breaker=BreakerConfig(failures=1, cooldown_s=60))
     w = fleet.add("http://w")
-    fleet._up(w, {"worker_id": "w", "model": "m"})
+    fleet.up(w, {"worker_id": "w", "model": "m"})
     w.breaker.failed()
     assert not w.available
-    fleet._up(w, {"worker_id": "w", "model": "m"})  # still answering its polls: the breaker stands
+    fleet.up(w, {"worker_id": "w", "model": "m"})  # still answering its polls: the breaker stands
     assert not w.available
-    fleet._down(w, "refused")
-    fleet._up(w, {"worker_id": "w", "model": "m"})
+    fleet.down(w, "refused")
+    fleet.up(w, {"worker_id": "w", "model": "m"})
     assert w.available
