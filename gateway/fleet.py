@@ -1,4 +1,4 @@
-"""The worker registry: who is up, how loaded, and (embedded mode) tailing their KV events.
+"""The worker registry: who is up and how loaded; in embedded mode it starts each worker's KV-event tail.
 
 Each worker gets two background tasks. The poller GETs `/state` whenever the worker's state is
 `interval` seconds old and is the health check: one failed poll (refused, or no answer within
