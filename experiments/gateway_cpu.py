@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import vs_peers
+from bench import router_overhead, vs_peers
 from bench.proc_cpu import cpu_s
 from bench.loadgen import run_loop, run_rate
 from bench.workloads import WorkloadConfig
@@ -80,7 +80,7 @@ def main() -> None:
             for code in codes:
                 procs.KVGATE[:] = gateway_argv(code)
                 g = bench.start_router(f"kvgate-{a.policy}", urls)
-                time.sleep(vs_peers.SETTLE_S)
+                time.sleep(router_overhead.SETTLE_S)
                 for n in lens:
                     c0, s0 = cpu_s(g.popen.pid), switches(g.popen.pid)
                     recs = run([g.url], n)
