@@ -1,7 +1,5 @@
 """A worker's /kv/events stream as the gateway reads it: whole JSON lines out of whatever reads
-the connection gives, each line's state merged onto the stream's last, applied from the
-connection's `data_received` (`gateway.upstream.Upstream.pipe`), so a line costs no task
-wakeup."""
+the connection gives (`Lines`, a sink for `gateway.upstream.Upstream.pipe`)."""
 
 import json
 from collections.abc import Callable

@@ -76,8 +76,8 @@ class DrainingServer(uvicorn.Server):
 
     async def main_loop(self) -> None:
         """uvicorn's loop of ticks: one each time a signal wakes it, and each `DRAIN_TICK_S`
-        while draining, until `on_tick` says to exit (its counter, which spaced uvicorn's Date
-        refreshes, has nothing left to space: the headers are made on read)."""
+        while draining, until `on_tick` says to exit. Its counter is always 0: uvicorn reads it
+        only to space Date refreshes, and `LazyDateState` makes that header on read."""
         self.wake, self.loop = asyncio.Event(), asyncio.get_running_loop()
         while not await self.on_tick(0):
             with contextlib.suppress(TimeoutError):
