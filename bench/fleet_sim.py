@@ -39,6 +39,7 @@ from bench.workloads import BenchRequest
 from gateway.worker_view import with_fields, worker_view
 from gateway.index import ResidencyIndex
 from policies.api import DEFAULT_TIER_CREDITS, FleetView, Policy, RequestView, TierCredits, WorkerView
+from policies.ledger import Ledger, Sent
 from workers.kv.cost_model import CostModel
 from workers.kv.events import EventBatch, KVEvent
 from workers.export_batch import export_span
@@ -85,6 +86,7 @@ class FleetSim:
         self.link = Link(cfg.transfer_latency_s, cfg.transfer_gbps)
         self.wire_free = [0.0] * cfg.workers  # per P: when its link has sent the batches queued on it
         self.now = 0.0  # the virtual time of the event being handled
+        self.ledgers = [Ledger() for _ in self.workers]  # what the router has in flight, as the gateway's
         self.base = [self._view(w) for w in self.workers]
         self.current = list(self.base)
         self.matched: list[dict[tuple[int, int, int], WorkerView]] = [{} for _ in self.workers]
@@ -136,14 +138,16 @@ class FleetSim:
     def _view(self, w: SimWorker) -> WorkerView:
         """What a poll of w's /state gives the router, built as the gateway builds it: with the
         bytes still queued on its link, as its `kv_transfer.backlog_bytes` reads."""
-        wire_left = max(0.0, self.wire_free[self.position[w.worker_id]] - self.now)
-        return worker_view(
+        i = self.position[w.worker_id]
+        wire_left = max(0.0, self.wire_free[i] - self.now)
+        view = worker_view(
             w.state(),
             transfer_gbps=self.cfg.transfer_gbps,
             cost=self.cfg.cost if self.cfg.views_with_cost else None,
             export_backlog_bytes=int(wire_left * self.cfg.transfer_gbps * 1e9),
             tiers=self.cfg.tier_credits,
         )
+        return with_fields(view, ledger=self.ledgers[i])
 
     def _resident(self, view: WorkerView) -> WorkerView:
         """`view` with the blocks the index holds for its worker, as `Fleet.views` adds them."""
@@ -181,11 +185,14 @@ class FleetSim:
             model=cfg.sim.model_id,
         )
         matches = self.index.match(hashes)
+        self._streamed(now)
         route = self.policy.route(view, FleetView(self.views(matches, self.index.slow_blocks(hashes, matches)), now))
         if route.reject:
             self._failed(now, n, f"rejected: {route.reject}")
             return
         i = int(route.worker[1:])
+        cached = route.predicted_cached_tokens if route.prefill is None else 0
+        self.ledgers[i].add(str(br.index), Sent.of(n, br.max_tokens, view.block_hashes, cached, cfg.sim.block_size))
         req = Request(
             str(br.index),
             br.prompt,
@@ -218,6 +225,16 @@ class FleetSim:
             self._admit_if_resident(req, i, now)
             return
         self._deliver(req, i, now)
+
+    def _streamed(self, now: float) -> None:
+        """What the gateway's streams have told it by `now`: the first tokens of the requests
+        in its ledgers."""
+        for led in self.ledgers:
+            for rid, entry in list(led.sent.items()):
+                if entry.started_at is None:
+                    first = self.live[rid][0].first_token_at
+                    if first is not None and first <= now:
+                        led.start(rid, first)
 
     def _deliver(self, req: Request, i: int, now: float, at: float | None = None) -> None:
         """Hand `req` to worker i at `at`: by default once the request overhead has passed."""
@@ -313,6 +330,7 @@ class FleetSim:
 
     def _finished(self, req: Request, now: float, i: int) -> None:
         del self.live[req.request_id]
+        self.ledgers[i].end(req.request_id)
         self.in_flight[i] -= 1
         self._refresh(i)
         if req.request_id.endswith(PREFILL_SUFFIX):

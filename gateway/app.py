@@ -57,6 +57,7 @@ from gateway.tracing import Tracing
 from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
+from policies.ledger import Sent
 from policies.predict import cached_tokens
 from workers.internal_auth import internal_headers
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
@@ -292,7 +293,7 @@ class Gateway:
                 if p is None
                 else pd.expected_cached(view.num_tokens, w.state.get("block_size", 16))
             )
-            self.fleet.begin(w)
+            self.fleet.begin(w, rec.request_id, ledger_entry(view, route, w, prep))
             w.breaker.attempt()
             leg = headers if p is None or not self.internal_token else pd.leg_headers(headers, self.internal_token)
             try:
@@ -300,16 +301,16 @@ class Gateway:
                 with trace.client("upstream", leg, prefill, worker=w.worker_id) as sent:
                     return await self.attempt(request, w, route, view, prep, kind, payload, sent, rec)
             except ClientGone:
-                self.fleet.end(w)
+                self.fleet.end(w, rec.request_id)
                 w.breaker.released()
                 return Response(b"", 499, self.headers(w.worker_id, route.predicted_cached_tokens))
             except UpstreamError as e:
-                self.fleet.end(w)
+                self.fleet.end(w, rec.request_id)
                 self.worker_failed(w, e)
                 exclude.add(w.worker_id)
                 failure = e
             except BaseException:
-                self.fleet.end(w)
+                self.fleet.end(w, rec.request_id)
                 w.breaker.released()
                 raise
         rec.worker = ""  # the fleet's answer, not one worker's
@@ -354,6 +355,7 @@ class Gateway:
         except BaseException:
             resp.release()
             raise
+        w.ledger.start(rec.request_id, time.time())
         w.breaker.succeeded()  # the answer is committed to the client: the worker's success
         return self.stream(w, resp, tap, head, out, rec)
 
@@ -404,7 +406,7 @@ class Gateway:
             raise WorkerBusy(
                 status, body, {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "content-type")}
             )
-        self.fleet.end(w)
+        self.fleet.end(w, rec.request_id)
         if status >= 500:
             w.breaker.failed()
         else:
@@ -425,7 +427,7 @@ class Gateway:
             return f"worker {w.worker_id} failed: {e}"
 
         def closed() -> None:
-            self.fleet.end(w)
+            self.fleet.end(w, rec.request_id)
             rec.first_token_at, rec.last_token_at = tap.first_at, tap.last_at
             rec.cached_tokens, rec.output_tokens, rec.finish_reason = tap.cached, tap.output_tokens, tap.finish_reason
             self.account.finish(rec)
@@ -464,6 +466,17 @@ class Gateway:
 
 
 MAX_CANDIDATES_SHOWN = 8
+
+
+def ledger_entry(view: RequestView, route: Decision, w: Worker, prep: Prepared | None) -> Sent:
+    """The ledger entry of a request sent to `w` (`policies.ledger`): a P/D decode leg holds
+    what it imports as its own blocks; a non-streaming answer shows no first token, so it counts
+    as started when its TTFT was predicted."""
+    cached = route.predicted_cached_tokens if route.prefill is None else 0
+    streamed = prep.parsed.stream if prep else True
+    started = None if streamed else time.time() + (route.predicted_ttft_ms or 0.0) / 1000.0
+    block_size = w.base.block_size if w.base else 16
+    return Sent.of(view.num_tokens, view.max_tokens, view.block_hashes, cached, block_size, w.hash_ratio, started)
 
 
 def candidates_summary(view: RequestView, fleet: FleetView) -> str:

@@ -39,6 +39,7 @@ from gateway.kv_tail import LONG_POLL_S, KvTail
 from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
+from policies.ledger import Ledger, Sent
 from workers.internal_auth import internal_headers
 
 log = logging.getLogger("kvgate.gateway")
@@ -70,6 +71,7 @@ class Worker:
     redis_residency: bool = False
     kind: str = KVGATE
     hash_ratio: int = 1  # index blocks per block of the worker's own size
+    ledger: Ledger = field(default_factory=Ledger)  # what this gateway has in flight there
     base: WorkerView | None = None
     tasks: list = field(default_factory=list)
     breaker: Breaker = field(default_factory=Breaker)
@@ -319,8 +321,11 @@ class Fleet:
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.sent_since_poll = w.done_since_poll = 0
         w.state_at = time.monotonic()
+        w.ledger.hash_ratio = w.hash_ratio
         w.base = with_fields(
-            view_of_state(state, w.url, self.tier_credits, cost), residency_epoch=self.index.epoch(w.worker_id)
+            view_of_state(state, w.url, self.tier_credits, cost),
+            residency_epoch=self.index.epoch(w.worker_id),
+            ledger=w.ledger,
         )
         self._rearm(w)
 
@@ -411,10 +416,12 @@ class Fleet:
                 out[w.model] = min(out.get(w.model, n), n)
         return out
 
-    def begin(self, w: Worker) -> None:
+    def begin(self, w: Worker, request_id: str = "", sent: Sent | None = None) -> None:
         """Count a request sent to `w` at once, when it is decided: the next decision, here or
-        (through `on_change`) at another replica, must see it."""
+        (through `on_change`) at another replica, must see it; `sent`: its ledger entry."""
         self._wake(w)
+        if sent is not None:
+            w.ledger.add(request_id, sent)
         w.in_flight += 1
         w.sent_since_poll += 1
         self._rearm(w)
@@ -434,7 +441,10 @@ class Fleet:
         if _idle(w):
             w.woken_at = time.monotonic()
 
-    def end(self, w: Worker) -> None:
+    def end(self, w: Worker, request_id: str = "") -> None:
+        """A request sent to `w` ended; `request_id`: the one in its ledger."""
+        if request_id:
+            w.ledger.end(request_id)
         w.in_flight -= 1
         w.done_since_poll += 1
         self._rearm(w)

@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> None:
 def serve(gateway: Gateway, args: argparse.Namespace, sock: socket.socket) -> None:
     """Run the gateway under uvicorn on `sock` (httptools on uvloop: a fraction of h11's and
     asyncio's CPU per request) with the client limits and the SIGTERM drain."""
+    http_server(gateway, args).run(sockets=[sock])
+
+
+def http_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer:
+    """The gateway's uvicorn server: its HTTP protocol with the client limits, the drain."""
     limits = ClientLimits(
         fit_connections(args.max_connections),
         args.client_header_timeout,
@@ -218,4 +223,4 @@ def serve(gateway: Gateway, args: argparse.Namespace, sock: socket.socket) -> No
         timeout_keep_alive=args.client_idle_timeout,
         timeout_graceful_shutdown=5,
     )
-    DrainingServer(config, gateway.admission, args.drain_timeout_s).run(sockets=[sock])
+    return DrainingServer(config, gateway.admission, args.drain_timeout_s)

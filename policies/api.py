@@ -7,6 +7,7 @@ registry and shared in-flight counts, calls `Policy.route`, and acts on the `Rou
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from policies.ledger import Ledger
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 
@@ -93,6 +94,8 @@ class WorkerView:
     export_batch_blocks: int = 0  # as a prefill worker: its export batch (workers/export_batch.py)
     export_backlog_bytes: int = 0  # exports handed to its link and not sent yet
     url: str = ""
+    # what this router has in flight there, live (not a snapshot): `policies.ledger`
+    ledger: Ledger | None = field(default=None, compare=False)
 
     @property
     def load(self) -> int:

@@ -245,14 +245,33 @@ def pool_batch(req: RequestView, w: WorkerView, alike: bool = False) -> tuple[fl
     prompt and half its output, and a running request's private blocks; `alike`: over `req`'s
     alone, as if every request were like it), and how long one lives (`max_tokens` decode
     steps of the running batch), in ms. Needs `total_blocks`."""
-    model, _, dscale = _model(w)
     bs, out = w.block_size, max(1, req.max_tokens)
     room = (w.total_blocks - w.shared_blocks) * bs
     private = (w.total_blocks - w.free_blocks - w.shared_blocks) * bs
     per = uncached_tokens(req, w) + out / 2
     if w.running and not alike:
         per = max(per, private / w.running)
-    return max(1.0, room / per), out * dscale * model.decode_ms(max(1, w.running), w.kv_tokens)
+    return max(1.0, room / per), out * decode_step_ms(w)
+
+
+def decode_step_ms(w: WorkerView) -> float:
+    """One decode step of `w`'s running batch, in ms."""
+    model, _, dscale = _model(w)
+    return dscale * model.decode_ms(max(1, w.running), w.kv_tokens)
+
+
+def ledger_wait_ms(req: RequestView, w: WorkerView, now: float) -> float | None:
+    """Time `req` waits on `w` for room in its KV pool by this router's ledger of what it has in
+    flight there (`policies.ledger`): the whole prompt and output less what `w` holds of it,
+    behind the requests sent before it. None where the ledger does not cover `w`'s load: no
+    ledger, the pool size unknown, or requests there that this router did not send (another
+    replica's, counted in `in_flight`, or far more running and waiting than it sent)."""
+    led = w.ledger
+    if led is None or w.total_blocks <= 0 or w.in_flight > len(led) or w.running + w.waiting > 2 * len(led) + 2:
+        return None
+    bs, out = w.block_size, max(1, req.max_tokens)
+    need = -(-(req.num_tokens + out) // bs) - cached_tokens(req, w) // bs
+    return 1000.0 * led.start_s(w.total_blocks, need, out, decode_step_ms(w) / 1000.0, now)
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:

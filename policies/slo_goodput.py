@@ -18,6 +18,7 @@ ones that would not, so rejecting it early (with the reason) is what keeps goodp
 
 from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
+from policies.footprints import Footprints
 from policies.pd import Pair, PdDecider
 from policies.refusals import RecentRefusals
 from policies.routed import RoutedPrefixes
@@ -25,6 +26,7 @@ from policies.warming import PrefixWarmer
 from policies.predict import (
     cached_tokens,
     hit_tokens,
+    ledger_wait_ms,
     pool_queue_safety,
     pool_queue_wait_ms,
     pool_share,
@@ -32,6 +34,10 @@ from policies.predict import (
     ttft_tpot_ms,
     uncached_tokens,
 )
+
+
+LEDGER_MARGIN = 1.25  # the ledger's wait counted a quarter long where it stands for the polled one
+LEDGER_MAX_SAFETY = 1.4  # refusing over a fifth of its traffic, the router trusts the polled view only
 
 
 class SloGoodput:
@@ -58,6 +64,18 @@ class SloGoodput:
     between polls landed five on one worker and three on another, whose full pools then refused
     their readers.
 
+    Where this router's ledger covers a worker (`predict.ledger_wait_ms`: it sent everything
+    in flight there, and sees in its streams how far each request has got) the ledger's wait
+    stands beside the polled one, times the refusal-scaled safety and `LEDGER_MARGIN`: on a
+    candidate holding as much of the prompt as any, the shorter of the two counts (the polled
+    estimate ran twice the waits met on multi-turn chat, where pools turn over every few
+    seconds); elsewhere the polled one stays, since a copy of a prefix crowds out cached ones
+    the ledger does not price. And a request among the largest `big_share` of the recent ones
+    by pool footprint (`policies.footprints`) is refused where the ledger puts its start past
+    `big_wait` of its TTFT SLO: when some must be refused, the largest free the most room each.
+    Far past capacity (safety over `LEDGER_MAX_SAFETY`) the polled estimate alone decides: the
+    ledger assumes the worker serves its pool in turn, and an overcommitted pool preempts.
+
     P/D (`policies.pd`): when the request is worth splitting, each decode worker paired with its
     fastest prefill worker is a candidate beside the mixed workers, scored alike; otherwise
     decode workers prefill for themselves as single candidates. When the prefix the worker
@@ -83,6 +101,9 @@ class SloGoodput:
         warm_below: float = 0.0,
         warm_load: float = 1.0,
         warm_window_s: float = 5.0,
+        ledger_wait: bool = True,
+        big_share: float = 0.15,
+        big_wait: float = 0.25,
     ) -> None:
         self.routed = RoutedPrefixes(routed_window_s) if routed_window_s > 0 else None
         self.ttft_ms = ttft_ms
@@ -92,6 +113,9 @@ class SloGoodput:
         self.warmer = PrefixWarmer(warm_window_s, warm_below, warm_load) if warm_prefixes else None
         self.refusals = RecentRefusals(refusal_window_s)
         self.safety = pool_queue_safety(0.0)
+        self.ledger_wait, self.big_share, self.big_wait = ledger_wait, big_share, big_wait
+        self.footprints = Footprints()
+        self.now, self.held, self.big = 0.0, 0, False
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         self.safety = pool_queue_safety(self.refusals.share(fleet.now))
@@ -105,6 +129,7 @@ class SloGoodput:
         mixed, decode = fleet.by_role(MIXED), fleet.by_role(DECODE)
         if not mixed and not decode:
             return Route(reject=NO_WORKERS)
+        self.size_up(req, mixed + decode, fleet.now)
         split = self.pd.split(req, fleet)
         servers = mixed if split else mixed + decode
         candidates: list[tuple[float, float, WorkerView | None, WorkerView]] = [
@@ -175,10 +200,32 @@ class SloGoodput:
         t, o, _, holder = min(candidates, key=lambda c: (-cached_tokens(req, c[3]), c[3].worker_id))
         return holder, _headroom(t, o, slo_ttft, slo_tpot)
 
+    def size_up(self, req: RequestView, servers: tuple[WorkerView, ...], now: float) -> None:
+        """Note what the ledger rules need of `req`: the most of it any server holds, and
+        whether it is among the largest lately by pool footprint (the least it can take)."""
+        self.now = now
+        self.held = max(cached_tokens(req, w) for w in servers)
+        footprint = min(uncached_tokens(req, w) for w in servers) + req.max_tokens
+        self.big = self.footprints.share_below(footprint) >= 1.0 - self.big_share
+        self.footprints.add(footprint)
+
     def ttft_tpot_ms(self, req: RequestView, w: WorkerView) -> tuple[float, float]:
-        """`predict.ttft_tpot_ms`, the TTFT with the wait for a turn in the KV pool."""
+        """`predict.ttft_tpot_ms`, the TTFT with the wait for a turn in the KV pool: the polled
+        estimate, or the ledger's where the class says."""
         ttft, tpot = ttft_tpot_ms(req, w)
-        return ttft + pool_queue_wait_ms(req, w, self.safety), tpot
+        wait = pool_queue_wait_ms(req, w, self.safety)
+        if not self.ledger_wait or self.safety > LEDGER_MAX_SAFETY or not (wait > 0 or self.big):
+            return ttft + wait, tpot
+        ledger = ledger_wait_ms(req, w, self.now)
+        if ledger is None:
+            return ttft + wait, tpot
+        ledger *= self.safety
+        slo = req.slo_ttft_ms or self.ttft_ms
+        if self.big and ledger > self.big_wait * slo:
+            return ttft + slo + ledger, tpot
+        if cached_tokens(req, w) >= self.held:
+            wait = min(wait, ledger * LEDGER_MARGIN)
+        return ttft + wait, tpot
 
     def pair(self, req: RequestView, c: Pair) -> tuple[float, float, WorkerView | None, WorkerView]:
         """A P/D candidate as (ttft, tpot, P, D). Its TTFT includes D's wait for the KV pool: D

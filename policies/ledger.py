@@ -1,0 +1,110 @@
+"""What one router has in flight at one worker, and when a new request would start there.
+
+A worker's polled load says how full its KV pool is, not when room comes back: that depends
+on how far each running request has got, which the router sees in its streams. So the router
+keeps, per worker, the requests it sent there (the blocks each holds at its end beyond the
+prefix it hit, and when its first token came) and replays the worker's pool first come first
+served: running requests end after their remaining decode steps and give back their blocks,
+requests sent before this one take theirs in turn. On multi-turn chat, where pools turn over
+every few seconds, the polled estimate (`predict.pool_queue_wait_ms`) was twice as long as
+the wait the admitted requests met, and refused requests that would have met their SLOs.
+"""
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Sent:
+    """One request in flight: `need` blocks held at its end beyond the `hit` blocks (hashes)
+    it found cached, `max_tokens` decode steps at most, and when its first token came (None
+    until then: it waits for room or is prefilling)."""
+
+    need: int
+    hit: tuple[int, ...]
+    max_tokens: int
+    started_at: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        num_tokens: int,
+        max_tokens: int,
+        block_hashes: tuple[int, ...],
+        cached_tokens: int,
+        block_size: int,
+        hash_ratio: int = 1,
+        started_at: float | None = None,
+    ) -> "Sent":
+        """The entry of a request of `num_tokens` prompt tokens and up to `max_tokens` more, of
+        which the worker (blocks of `block_size`) is predicted to hold `cached_tokens`."""
+        hit = cached_tokens // block_size
+        need = -(-(num_tokens + max(1, max_tokens)) // block_size) - hit
+        return cls(need, tuple(block_hashes[: hit * hash_ratio]), max(1, max_tokens), started_at)
+
+
+class Ledger:
+    """The requests one router has in flight at one worker, in the order it sent them.
+
+    `hash_ratio` is how many of the router's block hashes make one of the worker's blocks
+    (`gateway.fleet.Worker.hash_ratio`): the prefixes in use are counted in worker blocks."""
+
+    def __init__(self, hash_ratio: int = 1) -> None:
+        self.hash_ratio = hash_ratio
+        self.sent: dict[str, Sent] = {}
+        self.pinned: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self.sent)
+
+    def add(self, request_id: str, entry: Sent) -> None:
+        """Count a request just sent (a retry of the same id replaces the earlier entry)."""
+        self.end(request_id)
+        self.sent[request_id] = entry
+        if entry.started_at is not None:
+            self.pinned.update(entry.hit)
+
+    def start(self, request_id: str, at: float) -> None:
+        """Its first token came at `at`: it runs, and its decode steps are counted from then."""
+        entry = self.sent.get(request_id)
+        if entry is not None and entry.started_at is None:
+            entry.started_at = at
+            self.pinned.update(entry.hit)
+
+    def end(self, request_id: str) -> None:
+        """It ended (answered, failed or abandoned): its blocks are free again."""
+        entry = self.sent.pop(request_id, None)
+        if entry is None or entry.started_at is None:
+            return
+        for h in entry.hit:
+            left = self.pinned[h] - 1
+            if left > 0:
+                self.pinned[h] = left
+            else:
+                del self.pinned[h]
+
+    def start_s(self, total_blocks: int, need: int, steps: int, step_s: float, now: float) -> float:
+        """Seconds from `now` until a request holding `need` blocks for `steps` decode steps of
+        `step_s` would start, first come first served behind every request sent before it,
+        each holding its whole `need` from its start until its last step."""
+        free = total_blocks - len(self.pinned) // self.hash_ratio
+        ends: list[tuple[float, int]] = []
+        queued: list[tuple[int, int]] = []
+        for e in self.sent.values():
+            if e.started_at is not None and e.started_at <= now:
+                done = int((now - e.started_at) / step_s) if step_s > 0 else 0
+                free -= e.need
+                ends.append((max(1, e.max_tokens - done) * step_s, e.need))
+            else:
+                queued.append((e.need, e.max_tokens))
+        queued.append((need, steps))
+        heapq.heapify(ends)
+        t = 0.0
+        for n, s in queued:
+            while free < n and ends:
+                at, blocks = heapq.heappop(ends)
+                t, free = max(t, at), free + blocks
+            free -= n
+            heapq.heappush(ends, (t + s * step_s, n))
+        return t
