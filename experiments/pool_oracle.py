@@ -20,7 +20,6 @@ whether holding requests back and choosing which to admit beats routing on arriv
 """
 
 import argparse
-import heapq
 import json
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -37,6 +36,7 @@ from bench.report import summarize
 from bench.sim_worker import SimConfig, SimWorker
 from bench.workloads import BenchRequest, WorkloadConfig, generate
 from policies.api import FleetView, RequestView, Route
+from policies.ledger import first_come_start
 from workers.kv.cost_model import CostModel
 from workers.request import Request
 
@@ -65,17 +65,9 @@ class Oracle:
             free -= max(0, full - len(r.blocks))
             left = r.params.max_tokens - (len(r.token_ids) - len(r.prompt_ids))
             ends.append((left * step_s, full - self.shared))
-        heapq.heapify(ends)
-        t = 0.0
         queued = [(len(r.prompt_ids), r.params.max_tokens) for r in [*w.scheduler.waiting, *w.inbox]]
-        for n, steps in [*queued, (prompt, out)]:
-            need = self.blocks(n + steps) - self.shared
-            while free < need and ends:
-                at, blocks = heapq.heappop(ends)
-                t, free = max(t, at), free + blocks
-            free -= need
-            heapq.heappush(ends, (t + steps * step_s, need))
-        return t
+        needs = [(self.blocks(n + steps) - self.shared, steps) for n, steps in [*queued, (prompt, out)]]
+        return first_come_start(free, ends, needs, step_s)
 
     def budget_s(self, prompt_tokens: int) -> float:
         """How long a request may wait to start before it is refused."""

@@ -99,12 +99,20 @@ class Ledger:
             else:
                 queued.append((e.need, e.max_tokens))
         queued.append((need, steps))
-        heapq.heapify(ends)
-        t = 0.0
-        for n, s in queued:
-            while free < n and ends:
-                at, blocks = heapq.heappop(ends)
-                t, free = max(t, at), free + blocks
-            free -= n
-            heapq.heappush(ends, (t + s * step_s, n))
-        return t
+        return first_come_start(free, ends, queued, step_s)
+
+
+def first_come_start(free: int, ends: list[tuple[float, int]], queued: list[tuple[int, int]], step_s: float) -> float:
+    """When the last of `queued` ((blocks, decode steps) each, in order) starts in a pool with
+    `free` blocks whose running requests give back theirs as `ends` ((seconds from now, blocks)
+    each) says: each takes its blocks once enough have come back, after the one before it, and
+    holds them for its steps of `step_s`. `ends` is consumed."""
+    heapq.heapify(ends)
+    t = 0.0
+    for n, s in queued:
+        while free < n and ends:
+            at, blocks = heapq.heappop(ends)
+            t, free = max(t, at), free + blocks
+        free -= n
+        heapq.heappush(ends, (t + s * step_s, n))
+    return t
