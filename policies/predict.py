@@ -264,10 +264,11 @@ def ledger_wait_ms(req: RequestView, w: WorkerView, now: float) -> float | None:
     """Time `req` waits on `w` for room in its KV pool by this router's ledger of what it has in
     flight there (`policies.ledger`): the whole prompt and output less what `w` holds of it,
     behind the requests sent before it. None where the ledger does not cover `w`'s load: no
-    ledger, the pool size unknown, or requests there that this router did not send (another
-    replica's, counted in `in_flight`, or far more running and waiting than it sent)."""
+    ledger, the pool size unknown, or its count of requests unlike the router's: more in flight
+    (another replica's, a prefill leg's), fewer (an entry left behind), or far more running and
+    waiting than it sent (another client's)."""
     led = w.ledger
-    if led is None or w.total_blocks <= 0 or w.in_flight > len(led) or w.running + w.waiting > 2 * len(led) + 2:
+    if led is None or w.total_blocks <= 0 or w.in_flight != len(led) or w.running + w.waiting > 2 * len(led) + 2:
         return None
     bs, out = w.block_size, max(1, req.max_tokens)
     need = -(-(req.num_tokens + out) // bs) - cached_tokens(req, w) // bs

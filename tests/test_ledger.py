@@ -104,6 +104,7 @@ def test_the_ledger_wait_is_only_given_where_the_ledger_covers_the_worker():
     assert ledger_wait_ms(req, view(led, in_flight=2), now=0.0) == pytest.approx(100 * step)
     assert ledger_wait_ms(req, view(led, in_flight=2, matched_blocks=8), now=0.0) == 0.0  # 9 blocks fit
     assert ledger_wait_ms(req, view(led, in_flight=3), now=0.0) is None  # another replica sends there
+    assert ledger_wait_ms(req, view(led, in_flight=1), now=0.0) is None  # an entry the router did not end
     assert ledger_wait_ms(req, view(led, in_flight=2, running=7), now=0.0) is None  # so do other clients
     assert ledger_wait_ms(req, view(led, in_flight=2, total_blocks=0), now=0.0) is None
     assert ledger_wait_ms(req, view(None), now=0.0) is None
