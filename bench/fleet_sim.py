@@ -191,8 +191,7 @@ class FleetSim:
             self._failed(now, n, f"rejected: {route.reject}")
             return
         i = int(route.worker[1:])
-        cached = route.predicted_cached_tokens if route.prefill is None else 0
-        self.ledgers[i].add(str(br.index), Sent.of(n, br.max_tokens, view.block_hashes, cached, cfg.sim.block_size))
+        self.ledgers[i].add(view.request_id, Sent.routed(view, route, cfg.sim.block_size))
         req = Request(
             str(br.index),
             br.prompt,

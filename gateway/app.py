@@ -469,14 +469,11 @@ MAX_CANDIDATES_SHOWN = 8
 
 
 def ledger_entry(view: RequestView, route: Decision, w: Worker, prep: Prepared | None) -> Sent:
-    """The ledger entry of a request sent to `w` (`policies.ledger`): a P/D decode leg holds
-    what it imports as its own blocks; a non-streaming answer shows no first token, so it counts
-    as started when its TTFT was predicted."""
-    cached = route.predicted_cached_tokens if route.prefill is None else 0
+    """The ledger entry of a request sent to `w` (`policies.ledger`): a non-streaming answer
+    shows no first token, so it counts as started when its TTFT was predicted."""
     streamed = prep.parsed.stream if prep else True
     started = None if streamed else time.time() + (route.predicted_ttft_ms or 0.0) / 1000.0
-    block_size = w.base.block_size if w.base else 16
-    return Sent.of(view.num_tokens, view.max_tokens, view.block_hashes, cached, block_size, w.hash_ratio, started)
+    return Sent.routed(view, route, w.base.block_size if w.base else 16, w.hash_ratio, started)
 
 
 def candidates_summary(view: RequestView, fleet: FleetView) -> str:

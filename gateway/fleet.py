@@ -321,7 +321,6 @@ class Fleet:
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.sent_since_poll = w.done_since_poll = 0
         w.state_at = time.monotonic()
-        w.ledger.hash_ratio = w.hash_ratio
         w.base = with_fields(
             view_of_state(state, w.url, self.tier_credits, cost),
             residency_epoch=self.index.epoch(w.worker_id),

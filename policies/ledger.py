@@ -10,16 +10,28 @@ every few seconds, the polled estimate (`predict.pool_queue_wait_ms`) was twice 
 the wait the admitted requests met, and refused requests that would have met their SLOs.
 """
 
+from __future__ import annotations
+
 import heapq
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # policies.api holds a Ledger in each WorkerView
+    from policies.api import RequestView, Route
+
+
+def blocks_held(num_tokens: int, max_tokens: int, cached_tokens: int, block_size: int) -> int:
+    """Blocks a request of `num_tokens` prompt tokens holds once it has generated `max_tokens`
+    (at least one), beyond the `cached_tokens` it found in blocks of `block_size`."""
+    return -(-(num_tokens + max(1, max_tokens)) // block_size) - cached_tokens // block_size
 
 
 @dataclass(slots=True)
 class Sent:
-    """One request in flight: `need` blocks held at its end beyond the `hit` blocks (hashes)
-    it found cached, `max_tokens` decode steps at most, and when its first token came (None
-    until then: it waits for room or is prefilling)."""
+    """One request in flight: `need` blocks held at its end beyond the `hit` blocks (the hash
+    of each) it found cached, `max_tokens` decode steps at most, and when its first token came
+    (None until then: it waits for room or is prefilling)."""
 
     need: int
     hit: tuple[int, ...]
@@ -36,22 +48,32 @@ class Sent:
         block_size: int,
         hash_ratio: int = 1,
         started_at: float | None = None,
-    ) -> "Sent":
+    ) -> Sent:
         """The entry of a request of `num_tokens` prompt tokens and up to `max_tokens` more, of
-        which the worker (blocks of `block_size`) is predicted to hold `cached_tokens`."""
+        which the worker (blocks of `block_size`) is predicted to hold `cached_tokens`.
+        `hash_ratio` of the router's block hashes make one worker block (`gateway.fleet.Worker`):
+        the last of them, chained, names that block."""
         hit = cached_tokens // block_size
-        need = -(-(num_tokens + max(1, max_tokens)) // block_size) - hit
-        return cls(need, tuple(block_hashes[: hit * hash_ratio]), max(1, max_tokens), started_at)
+        hashes = tuple(block_hashes[hash_ratio - 1 : hit * hash_ratio : hash_ratio])
+        return cls(
+            blocks_held(num_tokens, max_tokens, cached_tokens, block_size), hashes, max(1, max_tokens), started_at
+        )
+
+    @classmethod
+    def routed(
+        cls, req: RequestView, route: Route, block_size: int, hash_ratio: int = 1, started_at: float | None = None
+    ) -> Sent:
+        """The entry of `req` routed by `route` to its worker: a P/D decode worker holds what it
+        imports as its own blocks, so only a single worker's predicted hit counts."""
+        cached = route.predicted_cached_tokens if route.prefill is None else 0
+        return cls.of(req.num_tokens, req.max_tokens, req.block_hashes, cached, block_size, hash_ratio, started_at)
 
 
 class Ledger:
-    """The requests one router has in flight at one worker, in the order it sent them.
+    """The requests one router has in flight at one worker, in the order it sent them, and the
+    blocks of the prefixes they hit (`pinned`: each counted once, however many share it)."""
 
-    `hash_ratio` is how many of the router's block hashes make one of the worker's blocks
-    (`gateway.fleet.Worker.hash_ratio`): the prefixes in use are counted in worker blocks."""
-
-    def __init__(self, hash_ratio: int = 1) -> None:
-        self.hash_ratio = hash_ratio
+    def __init__(self) -> None:
         self.sent: dict[str, Sent] = {}
         self.pinned: Counter[int] = Counter()
 
@@ -88,7 +110,7 @@ class Ledger:
         """Seconds from `now` until a request holding `need` blocks for `steps` decode steps of
         `step_s` would start, first come first served behind every request sent before it,
         each holding its whole `need` from its start until its last step."""
-        free = total_blocks - len(self.pinned) // self.hash_ratio
+        free = total_blocks - len(self.pinned)
         ends: list[tuple[float, int]] = []
         queued: list[tuple[int, int]] = []
         for e in self.sent.values():

@@ -11,6 +11,7 @@ per-token estimate.
 import math
 
 from policies.api import PREFILL, RequestView, WorkerView
+from policies.ledger import blocks_held
 from workers.kv.cost_model import CostModel
 from workers.kv.events import DISK, HOST
 from workers.kv.read_back import ReadBack, all_pay, copy_ms
@@ -270,9 +271,8 @@ def ledger_wait_ms(req: RequestView, w: WorkerView, now: float) -> float | None:
     led = w.ledger
     if led is None or w.total_blocks <= 0 or w.in_flight != len(led) or w.running + w.waiting > 2 * len(led) + 2:
         return None
-    bs, out = w.block_size, max(1, req.max_tokens)
-    need = -(-(req.num_tokens + out) // bs) - cached_tokens(req, w) // bs
-    return 1000.0 * led.start_s(w.total_blocks, need, out, decode_step_ms(w) / 1000.0, now)
+    need = blocks_held(req.num_tokens, req.max_tokens, cached_tokens(req, w), w.block_size)
+    return 1000.0 * led.start_s(w.total_blocks, need, max(1, req.max_tokens), decode_step_ms(w) / 1000.0, now)
 
 
 def transfer_ms(req: RequestView, p: WorkerView, d: WorkerView) -> float:

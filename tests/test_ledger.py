@@ -63,11 +63,11 @@ def test_a_request_counts_its_prefix_once_its_first_token_came():
 def test_an_entry_is_its_blocks_at_its_end_less_its_hit_in_worker_blocks():
     e = Sent.of(num_tokens=100, max_tokens=60, block_hashes=tuple(range(20)), cached_tokens=48, block_size=16)
     assert (e.need, e.hit, e.max_tokens) == (10 - 3, (0, 1, 2), 60)
-    # a vLLM worker of 32-token blocks behind a 16-token index: two hashes a block
-    e = Sent.of(100, 60, tuple(range(20)), cached_tokens=64, block_size=32, hash_ratio=2)
-    assert (e.need, e.hit) == (5 - 2, (0, 1, 2, 3))
-    led = Ledger(hash_ratio=2)
-    led.add("v", Sent(need=3, hit=(0, 1, 2, 3), max_tokens=60, started_at=0.0))
+    # a vLLM worker of 32-token blocks behind a 16-token index: two hashes a block, the second names it
+    e = Sent.of(100, 60, tuple(range(20)), cached_tokens=64, block_size=32, hash_ratio=2, started_at=0.0)
+    assert (e.need, e.hit) == (5 - 2, (1, 3))
+    led = Ledger()
+    led.add("v", e)
     assert led.start_s(10, 5, 8, STEP, now=0.0) == 0.0  # 10 - 2 pinned - 3 = 5 free
     assert led.start_s(10, 6, 8, STEP, now=0.0) > 0.0
 

@@ -100,9 +100,10 @@ def test_slo_goodput_holds_where_round_robin_does(workload):
 
 def test_multi_turn_the_ledger_admits_what_the_polled_view_refused():
     """At 21 req/s (1.3x what round robin and both peers sustain on the real fleet) the polled
-    pool wait refuses 34 of 394 requests (0.909 meet their SLOs); slo_goodput's ledger of what it has in flight
-    (`policies.ledger`: how far each request has got, from its stream) sees the pools turn over
-    sooner and refuses the largest first: 22 (0.944), and the admitted still meet their SLOs."""
+    pool wait refuses 34 of 394 requests (0.909 meet their SLOs); slo_goodput's ledger of what
+    it has in flight (`policies.ledger`: how far each request has got, from its stream) sees the
+    pools turn over sooner and refuses the largest first: 22 (0.944), and the admitted still
+    meet their SLOs."""
     on = simulate("slo_goodput", "multi-turn", 21.0)
     off = simulate("slo_goodput", "multi-turn", 21.0, ledger_wait=False)
     assert summarize(on, *SLO)["slo_attainment"] >= 0.93
