@@ -355,7 +355,7 @@ class Gateway:
         except BaseException:
             resp.release()
             raise
-        w.ledger.start(rec.request_id, time.time())
+        self.fleet.started(w, rec.request_id, time.time())
         w.breaker.succeeded()  # the answer is committed to the client: the worker's success
         return self.stream(w, resp, tap, head, out, rec)
 

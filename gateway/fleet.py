@@ -36,6 +36,7 @@ from gateway.breaker import Breaker, BreakerConfig
 from gateway.control import Refused, check
 from gateway.index import ResidencyIndex
 from gateway.kv_tail import LONG_POLL_S, KvTail
+from gateway.shared_ledger import ENDED, SENT, STARTED, LedgerNote
 from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
@@ -173,6 +174,7 @@ class Fleet:
         self.tail = KvTail(self)
         self._started = False
         self.on_change: Callable[[Worker, int], None] | None = None  # in-flight +1/-1, for sharing
+        self.on_ledger: Callable[[LedgerNote], None] | None = None  # ledger changes, for sharing
 
     def add(self, url: str, static: bool = True, kind: str = KVGATE) -> Worker:
         url = url.rstrip("/")
@@ -421,6 +423,7 @@ class Fleet:
         self._wake(w)
         if sent is not None:
             w.ledger.add(request_id, sent)
+            self._note(LedgerNote("", SENT, w.worker_id or "", request_id, sent))
         w.in_flight += 1
         w.sent_since_poll += 1
         self._rearm(w)
@@ -442,10 +445,22 @@ class Fleet:
 
     def end(self, w: Worker, request_id: str = "") -> None:
         """A request sent to `w` ended; `request_id`: the one in its ledger."""
-        if request_id:
+        if request_id and request_id in w.ledger.sent:
             w.ledger.end(request_id)
+            self._note(LedgerNote("", ENDED, w.worker_id or "", request_id))
         w.in_flight -= 1
         w.done_since_poll += 1
         self._rearm(w)
         if self.on_change is not None:
             self.on_change(w, -1)
+
+    def started(self, w: Worker, request_id: str, at: float) -> None:
+        """The first token of a request sent to `w` came at `at` (`policies.ledger`)."""
+        entry = w.ledger.sent.get(request_id)
+        if entry is not None and entry.started_at is None:
+            w.ledger.start(request_id, at)
+            self._note(LedgerNote("", STARTED, w.worker_id or "", request_id, at=at))
+
+    def _note(self, note: LedgerNote) -> None:
+        if self.on_ledger is not None and note.worker_id:
+            self.on_ledger(note)

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -24,6 +25,7 @@ from redis.exceptions import RedisError
 
 from gateway.fleet import KVGATE, Fleet
 from gateway.index import RESYNC, ResidencyIndex
+from gateway.shared_ledger import HELLO, LedgerNote, SharedLedgers
 from workers.kv import redis_schema as rs
 from workers.kv.events import MEDIA, EventBatch
 
@@ -66,7 +68,9 @@ class RedisState:
         self.last_bootstrap_s: float | None = None
         self._task: asyncio.Task | None = None
         self.seq = 0  # in-flight deltas this replica has published
-        self.outbox: asyncio.Queue[str] | None = None
+        self.outbox: asyncio.Queue[tuple[str, str]] | None = None  # (channel, message)
+        self.ledgers = SharedLedgers(fleet, self.replica)
+        self.malformed = 0  # messages from other replicas that did not parse
         self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
         self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
 
@@ -96,7 +100,7 @@ class RedisState:
                 self.up = True
                 backoff.reset()
                 self.outbox = asyncio.Queue()
-                self.fleet.on_change = self._publish
+                self.fleet.on_change, self.fleet.on_ledger = self._publish, self._publish_note
                 await _first_failure(
                     self._tail(r),
                     self._registry_loop(r),
@@ -117,9 +121,10 @@ class RedisState:
     def _degrade(self) -> None:
         """Hand residency back to the workers' direct tailers; forget other replicas' load."""
         self.up = False
-        self.fleet.on_change, self.outbox = None, None
+        self.fleet.on_change, self.fleet.on_ledger, self.outbox = None, None, None
         self.tables.clear()
         self.pending.clear()
+        self.ledgers.clear()
         for w in self.fleet.workers.values():
             w.redis_residency = False
             w.shared_in_flight = 0
@@ -285,7 +290,12 @@ class RedisState:
     def _publish(self, w, delta: int) -> None:
         if self.outbox is not None and w.worker_id:
             self.seq += 1
-            self.outbox.put_nowait(f"{self.replica} {self.seq} {w.worker_id} {delta}")
+            self.outbox.put_nowait((rs.INFLIGHT_CHANNEL, f"{self.replica} {self.seq} {w.worker_id} {delta}"))
+
+    def _publish_note(self, note: LedgerNote) -> None:
+        """A change to this replica's ledger (`gateway.shared_ledger`), for the others."""
+        if self.outbox is not None:
+            self.outbox.put_nowait((rs.LEDGER_CHANNEL, json.dumps(replace(note, replica=self.replica).to_json())))
 
     async def _send_deltas(self, r: aioredis.Redis) -> None:
         outbox = self.outbox
@@ -295,19 +305,41 @@ class RedisState:
             while not outbox.empty():
                 batch.append(outbox.get_nowait())
             async with r.pipeline(transaction=False) as p:
-                for msg in batch:
-                    p.publish(rs.INFLIGHT_CHANNEL, msg)
+                for channel, msg in batch:
+                    p.publish(channel, msg)
                 await p.execute()
 
     async def _read_deltas(self, r: aioredis.Redis) -> None:
-        async with r.pubsub(ignore_subscribe_messages=True) as ps:
-            await ps.subscribe(rs.INFLIGHT_CHANNEL)
+        """Apply the other replicas' deltas and ledger notes; once subscribed to the notes,
+        say hello (the others answer with their ledgers) and send this replica's own."""
+        async with r.pubsub() as ps:
+            await ps.subscribe(rs.INFLIGHT_CHANNEL, rs.LEDGER_CHANNEL)
             async for msg in ps.listen():
-                self._delta(msg["data"].decode())
+                channel = msg["channel"].decode()
+                if msg["type"] == "subscribe":
+                    if channel == rs.LEDGER_CHANNEL:
+                        self._publish_note(LedgerNote(self.replica, HELLO))
+                        self._publish_note(self.ledgers.snapshot())
+                elif msg["type"] == "message":
+                    self._message(channel, msg["data"])
+
+    def _message(self, channel: str, data: bytes) -> None:
+        """One message of another replica; one that does not parse is counted and dropped."""
+        try:
+            if channel == rs.INFLIGHT_CHANNEL:
+                self._delta(data.decode())
+            elif self.ledgers.apply(LedgerNote.from_json(json.loads(data))):
+                self._publish_note(self.ledgers.snapshot())
+        except (ValueError, UnicodeDecodeError) as e:
+            self.malformed += 1
+            if self.malformed == 1 or self.malformed % 1000 == 0:
+                log.warning("dropped a malformed message on %s (%d so far): %s", channel, self.malformed, e)
 
     def _delta(self, msg: str) -> None:
         """Apply another replica's delta unless its table already counts it."""
         replica, seq, wid, delta = msg.split()
+        if abs(int(delta)) != 1:
+            raise ValueError(f"an in-flight delta is +1 or -1, not {delta}")
         if replica == self.replica or int(seq) <= self.tables.get(replica, (0, {}))[0]:
             return
         self.pending.setdefault(replica, {})[int(seq)] = (wid, int(delta))
@@ -344,6 +376,7 @@ class RedisState:
                 await r.srem(rs.REPLICAS, o)
                 self.tables.pop(o, None)
                 self.pending.pop(o, None)
+                self.ledgers.drop(o)
                 continue
             counts = {k.decode(): int(v) for k, v in table.items()}
             seq = counts.pop(rs.SEQ_FIELD, 0)
@@ -352,6 +385,7 @@ class RedisState:
         for gone in (set(self.tables) | set(self.pending)) - set(others):
             self.tables.pop(gone, None)
             self.pending.pop(gone, None)
+            self.ledgers.drop(gone)
         self._share()
 
     def _share(self) -> None:

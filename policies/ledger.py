@@ -13,12 +13,23 @@ the wait the admitted requests met, and refused requests that would have met the
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # policies.api holds a Ledger in each WorkerView
     from policies.api import RequestView, Route
+
+
+MAX_HIT = 1 << 20  # hashes in one entry's hit, past any pool
+
+
+def _count(x: object) -> int:
+    """`x` if it is a count (an int >= 0), else ValueError."""
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"a ledger entry's counts and hashes are integers >= 0, not {x!r}")
+    return x
 
 
 def blocks_held(num_tokens: int, max_tokens: int, cached_tokens: int, block_size: int) -> int:
@@ -58,6 +69,22 @@ class Sent:
         return cls(
             blocks_held(num_tokens, max_tokens, cached_tokens, block_size), hashes, max(1, max_tokens), started_at
         )
+
+    def to_json(self) -> dict:
+        return {"need": self.need, "hit": list(self.hit), "max_tokens": self.max_tokens, "started_at": self.started_at}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Sent:
+        """The entry `to_json` wrote; ValueError for anything else (it crosses between replicas)."""
+        hit, at = d.get("hit"), d.get("started_at")
+        if not isinstance(hit, list) or len(hit) > MAX_HIT:
+            raise ValueError(f"a ledger entry's hit is a list of at most {MAX_HIT} hashes")
+        if at is not None and (not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at)):
+            raise ValueError("a ledger entry's started_at is a number or null")
+        steps = _count(d.get("max_tokens"))
+        if steps < 1:
+            raise ValueError("a ledger entry's max_tokens is at least 1")
+        return cls(_count(d.get("need")), tuple(_count(h) for h in hit), steps, None if at is None else float(at))
 
     @classmethod
     def routed(

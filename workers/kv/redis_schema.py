@@ -15,6 +15,8 @@ served model: their block hashes share a seed, so their residency is comparable.
                                    AgentRecord), expires (the heartbeat's TTL), by agent name
   kvgate:replicas                  set of gateway replica ids
   kvgate:inflight:{replica}        hash worker id -> requests that replica has open, expires
+  kvgate:inflight (pub/sub)        "replica seq worker delta", one per routing decision or end
+  kvgate:ledger (pub/sub)          a replica's ledger changes, JSON (gateway/shared_ledger.py)
   kvgate:ratelimit:{key}:{limit}   a gateway API key's token bucket {tokens, ts}, expires
 
 A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
@@ -35,6 +37,7 @@ PREFIX = "kvgate"
 POOLS = f"{PREFIX}:pools"
 REPLICAS = f"{PREFIX}:replicas"
 INFLIGHT_CHANNEL = f"{PREFIX}:inflight"  # pub/sub: "replica seq worker delta", one per routing decision or end
+LEDGER_CHANNEL = f"{PREFIX}:ledger"  # pub/sub: JSON notes of replicas' ledgers (gateway/shared_ledger.py)
 SEQ_FIELD = "__seq"  # in a replica's in-flight table: the last delta it had published when written
 SNAPSHOT = "snapshot"
 STREAM_MAXLEN = 200_000

@@ -1,0 +1,215 @@
+"""Ledger entries shared between gateway replicas (gateway/shared_ledger.py): the notes and
+their checks, how a replica applies another's, and two replicas over a test-started
+redis-server (never port 6379)."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import redis
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.fleet import Fleet
+from gateway.index import ResidencyIndex
+from gateway.procs import start_redis, wait_redis
+from gateway.redis_state import RedisState
+from gateway.shared_ledger import ENDED, HELLO, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
+from policies.ledger import Sent
+from workers.kv import redis_schema as rs
+
+sents = st.builds(
+    Sent,
+    need=st.integers(0, 10_000),
+    hit=st.lists(st.integers(0, (1 << 64) - 1), max_size=20).map(tuple),
+    max_tokens=st.integers(1, 10_000),
+    started_at=st.none() | st.floats(0, 2e9),
+)
+ids = st.text("abcdef0123456789-_/:.", min_size=1, max_size=40)
+
+
+@given(
+    st.sampled_from([SENT, STARTED, ENDED]),
+    ids,
+    ids,
+    ids,
+    sents,
+    st.floats(0, 2e9),
+)
+def test_a_note_reads_back_as_it_was_written(kind, replica, wid, rid, sent, at):
+    note = LedgerNote(replica, kind, wid, rid, sent if kind == SENT else None, at if kind == STARTED else None)
+    assert LedgerNote.from_json(json.loads(json.dumps(note.to_json()))) == note
+
+
+@given(ids, st.lists(st.tuples(ids, ids, sents), max_size=5))
+def test_a_snapshot_reads_back_as_it_was_written(replica, entries):
+    note = LedgerNote(replica, SNAPSHOT, entries=tuple(Held(*e) for e in entries))
+    assert LedgerNote.from_json(json.loads(json.dumps(note.to_json()))) == note
+
+
+GOOD_SENT = {"need": 3, "hit": [1, 2], "max_tokens": 8, "started_at": None}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [],
+        {"replica": "a", "kind": "launch"},
+        {"replica": "", "kind": HELLO},
+        {"replica": "a b", "kind": HELLO},
+        {"replica": "a" * 300, "kind": HELLO},
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r"},  # no entry
+        {"replica": "a", "kind": SENT, "sent": GOOD_SENT},  # no worker or request
+        {"replica": "a", "kind": STARTED, "worker_id": "w0", "request_id": "r"},  # no time
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "need": -1}},
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "max_tokens": 0}},
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "need": True}},
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "hit": ["1"]}},
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "hit": 5}},
+        {
+            "replica": "a",
+            "kind": SENT,
+            "worker_id": "w0",
+            "request_id": "r",
+            "sent": {**GOOD_SENT, "started_at": "now"},
+        },
+        {"replica": "a", "kind": SNAPSHOT, "entries": {"w0": []}},
+        {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r"]]},
+        {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r", {**GOOD_SENT, "hit": [-1]}]]},
+    ],
+)
+def test_a_malformed_note_is_refused(doc):
+    with pytest.raises(ValueError):
+        LedgerNote.from_json(doc)
+
+
+def fleet_of(n: int) -> Fleet:
+    fleet = Fleet(ResidencyIndex())
+    for i in range(n):
+        fleet.add(f"http://127.0.0.1:1/{i}").worker_id = f"w{i}"
+    return fleet
+
+
+def test_another_replicas_notes_land_in_this_replicas_ledgers_under_its_name():
+    fleet = fleet_of(2)
+    shared = SharedLedgers(fleet, "b")
+    w0 = fleet.by_id("w0")
+    assert w0 is not None
+    assert not shared.apply(LedgerNote("a", SENT, "w0", "r1", Sent(4, (7,), 8)))
+    assert not shared.apply(LedgerNote("b", SENT, "w0", "mine", Sent(4, (), 8)))  # its own echo: ignored
+    assert list(w0.ledger.sent) == ["a/r1"] and w0.ledger.sent["a/r1"].started_at is None
+    shared.apply(LedgerNote("a", STARTED, "w0", "r1", at=5.0))
+    assert w0.ledger.sent["a/r1"].started_at == 5.0 and w0.ledger.pinned == {7: 1}
+    shared.apply(LedgerNote("a", ENDED, "w0", "r1"))
+    assert not w0.ledger.sent and not w0.ledger.pinned
+    shared.apply(LedgerNote("a", SENT, "w9", "r2", Sent(1, (), 1)))  # a worker this replica lacks
+    assert not shared.held.get("a")
+    assert shared.apply(LedgerNote("a", HELLO))  # asks for this replica's snapshot
+
+
+def test_a_snapshot_replaces_what_the_replica_held_and_leaves_out_the_others_entries():
+    fleet = fleet_of(2)
+    shared = SharedLedgers(fleet, "b")
+    w0, w1 = fleet.by_id("w0"), fleet.by_id("w1")
+    assert w0 is not None and w1 is not None
+    fleet.begin(w1, "own", Sent(2, (), 4))
+    shared.apply(LedgerNote("a", SENT, "w0", "old", Sent(4, (), 8, started_at=1.0)))
+    shared.apply(LedgerNote("a", SNAPSHOT, entries=(Held("w1", "new", Sent(3, (), 8)),)))
+    assert list(w0.ledger.sent) == [] and list(w1.ledger.sent) == ["own", "a/new"]
+    mine = shared.snapshot()
+    assert mine == LedgerNote("b", SNAPSHOT, entries=(Held("w1", "own", Sent(2, (), 4)),))
+    shared.drop("a")
+    assert list(w1.ledger.sent) == ["own"]
+
+
+def test_the_fleet_notes_its_own_ledger_changes_and_only_for_entries_it_holds():
+    fleet = fleet_of(1)
+    w0 = fleet.by_id("w0")
+    assert w0 is not None
+    notes: list[LedgerNote] = []
+    fleet.on_ledger = notes.append
+    fleet.begin(w0)  # no entry (a prefill leg): nothing to note
+    fleet.begin(w0, "r1", Sent(2, (), 4))
+    fleet.started(w0, "r1", 3.0)
+    fleet.started(w0, "r1", 4.0)  # only its first token counts
+    fleet.end(w0, "r1")
+    fleet.end(w0)
+    assert [(n.kind, n.request_id) for n in notes] == [(SENT, "r1"), (STARTED, "r1"), (ENDED, "r1")]
+    assert notes[1].at == 3.0 and w0.in_flight == 0 and not w0.ledger.sent
+
+
+async def wait_async(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.005)
+
+
+def covered(fleet: Fleet, wid: str) -> bool:
+    """The condition under which `predict.ledger_wait_ms` prices a wait from the ledger."""
+    w = fleet.by_id(wid)
+    assert w is not None
+    return w.in_flight + w.shared_in_flight == len(w.ledger)
+
+
+@pytest.mark.slow
+def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
+    """Over one redis-server: what replica a sends, starts and ends shows in b's ledger with
+    the count b sees, so b's ledger covers the worker; a reconnected b gets a's entries back
+    (it says hello, a answers with a snapshot); a malformed message is dropped and the rest
+    still land; when a goes, its entries go."""
+    proc = wait_redis(start_redis(log_dir=str(tmp_path)))
+    url = f"redis://127.0.0.1:{proc.port}/0"
+
+    async def scenario() -> None:
+        fa, fb = fleet_of(2), fleet_of(2)
+        sa = RedisState(url, fa, "secret", replica_id="a", inflight_interval=0.1)
+        sb = RedisState(url, fb, "secret", replica_id="b", inflight_interval=0.1)
+        await sa.start()
+        await sb.start()
+        try:
+            await wait_async(lambda: sa.up and sb.up and fa.on_ledger and fb.on_ledger)
+            await asyncio.sleep(0.3)  # both subscribed
+            wa, wb = fa.by_id("w0"), fb.by_id("w0")
+            assert wa is not None and wb is not None
+            fa.begin(wa, "r1", Sent(5, (11, 12), 16))
+            fa.begin(wa, "r2", Sent(6, (11,), 16))
+            fb.begin(wb, "r3", Sent(2, (), 4))
+            await wait_async(lambda: set(wb.ledger.sent) == {"a/r1", "a/r2", "r3"} and wb.shared_in_flight == 2)
+            assert covered(fb, "w0") and covered(fa, "w0") and set(wa.ledger.sent) == {"r1", "r2", "b/r3"}
+            fa.started(wa, "r1", 100.0)
+            await wait_async(lambda: wb.ledger.sent["a/r1"].started_at == 100.0)
+            assert wb.ledger.pinned == {11: 1, 12: 1}
+            fa.end(wa, "r1")
+            await wait_async(lambda: "a/r1" not in wb.ledger.sent and wb.shared_in_flight == 1)
+            assert covered(fb, "w0") and not wb.ledger.pinned
+
+            r = redis.Redis.from_url(url)
+            r.publish(rs.LEDGER_CHANNEL, b"{not json")
+            r.publish(rs.LEDGER_CHANNEL, json.dumps({"replica": "x", "kind": SENT, "worker_id": "w0"}))
+            r.publish(rs.INFLIGHT_CHANNEL, b"x 1 w0 99")
+            fa.begin(fa.by_id("w1"), "r4", Sent(1, (), 2))
+            wb1 = fb.by_id("w1")
+            assert wb1 is not None
+            await wait_async(lambda: "a/r4" in wb1.ledger.sent and sb.malformed == 3)
+            assert sb.up and wb.shared_in_flight == 1
+
+            await sb.stop()  # b forgets the others' entries while it is away ...
+            assert set(wb.ledger.sent) == {"r3"}
+            await sb.start()  # ... and gets them back from a's answer to its hello
+            await wait_async(lambda: sb.up and set(wb.ledger.sent) == {"a/r2", "r3"})
+            await wait_async(lambda: covered(fb, "w0") and set(wa.ledger.sent) == {"r2", "b/r3"})
+
+            await sa.stop()  # a is gone: its table expires and b drops its entries
+            await wait_async(lambda: set(wb.ledger.sent) == {"r3"} and not wb1.ledger.sent, timeout=10)
+            assert covered(fb, "w0")
+        finally:
+            await sa.stop()
+            await sb.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        proc.stop()
