@@ -119,6 +119,7 @@ class FleetSim:
         )
         self.index.reset(w.worker_id, [], 0)
         w.scheduler.exporter = lambda req, final: self._export(req, final, i)
+        w.on_first = lambda req, now: self.ledgers[i].start(req.request_id, now)
         w.events.subscribe(lambda events: self.unindexed.setdefault(w.worker_id, []).extend(events))
         return w
 
@@ -185,7 +186,6 @@ class FleetSim:
             model=cfg.sim.model_id,
         )
         matches = self.index.match(hashes)
-        self._streamed(now)
         route = self.policy.route(view, FleetView(self.views(matches, self.index.slow_blocks(hashes, matches)), now))
         if route.reject:
             self._failed(now, n, f"rejected: {route.reject}")
@@ -224,16 +224,6 @@ class FleetSim:
             self._admit_if_resident(req, i, now)
             return
         self._deliver(req, i, now)
-
-    def _streamed(self, now: float) -> None:
-        """What the gateway's streams have told it by `now`: the first tokens of the requests
-        in its ledgers."""
-        for led in self.ledgers:
-            for rid, entry in list(led.sent.items()):
-                if entry.started_at is None:
-                    first = self.live[rid][0].first_token_at
-                    if first is not None and first <= now:
-                        led.start(rid, first)
 
     def _deliver(self, req: Request, i: int, now: float, at: float | None = None) -> None:
         """Hand `req` to worker i at `at`: by default once the request overhead has passed."""

@@ -123,6 +123,7 @@ class SimWorker:
         self.executor = sim_executor(cost, cfg.max_model_len)
         self.on_finish = on_finish
         self.on_start = on_start
+        self.on_first: Callable[[Request, float], None] | None = None  # a request's first token came
         self.inbox: list[Request] = []
         self.busy = False
         self.plan: StepPlan | None = None
@@ -218,6 +219,8 @@ class SimWorker:
         assert plan is not None and self.plan_log is not None
         self.recent.append(self.plan_log)
         for s in self.scheduler.update_from_output(plan, self.sampled, now):
+            if s.first and self.on_first is not None:
+                self.on_first(s.req, now)
             if s.finish_reason is not None:
                 self.on_finish(s.req, now)
 
