@@ -23,6 +23,7 @@ from bench.fleet_sim import FleetConfig, FleetSim
 from bench.report import summarize
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, generate
+from policies.api import FleetView, Policy, RequestView, Route
 from policies.registry import load_policy
 from workers.kv.cost_model import CostModel
 
@@ -30,8 +31,20 @@ RATES = {"multi-turn": "18,20,21,22", "shared-prefix": "44,48,52,56", "skewed": 
 PROFILE = "bench/profiles/h200-llama8b-kvgate-eager.json"
 
 
-def attainment(job: tuple[str, dict, str, float, int, float]) -> float:
-    policy, kwargs, workload, rate, seed, duration = job
+class Replicas:
+    """Gateway replicas taking requests in turn, each with its own instance of the policy; the
+    fleet's in-flight counts and ledgers reach every one at once (`gateway.shared_ledger`)."""
+
+    def __init__(self, policies: list[Policy]) -> None:
+        self.policies, self.name, self.turn = policies, policies[0].name, 0
+
+    def route(self, req: RequestView, fleet: FleetView) -> Route:
+        self.turn += 1
+        return self.policies[self.turn % len(self.policies)].route(req, fleet)
+
+
+def attainment(job: tuple[str, dict, str, float, int, float, int]) -> float:
+    policy, kwargs, workload, rate, seed, duration, replicas = job
     fleet = FleetConfig(
         workers=4,
         sim=SimConfig(num_blocks=1024),
@@ -40,7 +53,9 @@ def attainment(job: tuple[str, dict, str, float, int, float]) -> float:
         slo_ttft_ms=2000.0,
         slo_tpot_ms=100.0,
     )
-    sim = FleetSim(load_policy(policy, ttft_ms=2000.0, tpot_ms=100.0, **kwargs), fleet)
+    sim = FleetSim(
+        Replicas([load_policy(policy, ttft_ms=2000.0, tpot_ms=100.0, **kwargs) for _ in range(replicas)]), fleet
+    )
     wl = WorkloadConfig(name=workload, rate=rate, duration_s=duration, seed=seed)
     return summarize(sim.run(generate(wl), duration), 2000.0, 100.0)["slo_attainment"]
 
@@ -54,12 +69,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=1, help="policy instances taking requests in turn")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     kwargs = json.loads(args.policy_arg)
     grid = {w: [float(r) for r in (args.rates or RATES[w]).split(",")] for w in args.workloads.split(",")}
     jobs = [
-        (args.policy, kwargs, w, r, s, args.duration)
+        (args.policy, kwargs, w, r, s, args.duration, args.replicas)
         for w, rates in grid.items()
         for r in rates
         for s in range(args.seeds)
@@ -67,13 +83,14 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(attainment, jobs))
     table: dict[str, dict[str, float]] = {}
-    for (_, _, w, r, _, _), a in zip(jobs, results):
+    for (_, _, w, r, _, _, _), a in zip(jobs, results):
         table.setdefault(w, {}).setdefault(f"{r:g}", 0.0)
         table[w][f"{r:g}"] += a / args.seeds
     report = {
         "policy": args.policy,
         "policy_arg": kwargs,
         "seeds": args.seeds,
+        "replicas": args.replicas,
         "duration_s": args.duration,
         "attainment": table,
     }

@@ -42,6 +42,12 @@ class _FleetCollector:
             "Requests other gateway replicas have open on a worker (via Redis)",
             labels=["model", "worker"],
         )
+        ledger = GaugeMetricFamily(
+            "kvgate_gateway_ledger_requests",
+            "Requests in this gateway's ledger of a worker, every replica's: equal to in_flight plus "
+            "shared_in_flight where the ledger prices the worker's pool wait",
+            labels=["model", "worker"],
+        )
         blocks = GaugeMetricFamily(
             "kvgate_gateway_resident_blocks", "Blocks the residency index holds per worker", labels=["model", "worker"]
         )
@@ -61,11 +67,12 @@ class _FleetCollector:
             healthy.add_metric([model, wid, w.url], 1.0 if w.available else 0.0)
             flight.add_metric([model, wid], w.in_flight)
             shared.add_metric([model, wid], w.shared_in_flight)
+            ledger.add_metric([model, wid], len(w.ledger))
             blocks.add_metric([model, wid], index.num_blocks(wid) if wid else 0)
             probes.add_metric([model, wid, w.url], w.probe_failures)
             if wid and w.healthy and "kv_seq" in w.state:  # a worker that is down has no index to lag
                 lag.add_metric([model, wid], max(0, w.state["kv_seq"] - (index.seq(wid) or 0)))
-        yield from (healthy, flight, shared, blocks, lag, probes)
+        yield from (healthy, flight, shared, ledger, blocks, lag, probes)
 
 
 class GatewayMetrics:

@@ -106,7 +106,8 @@ def test_two_replicas_choose_the_same_worker(cluster):
     assert len({x for x, _ in chosen}) >= 2, "the probes spread over the fleet"
 
 
-def test_in_flight_counts_are_shared_between_replicas(cluster):
+def test_in_flight_counts_and_ledgers_are_shared_between_replicas(cluster):
+    """A request streaming through replica a counts at b, and sits in b's ledger of its worker."""
     a, b = (g.url for g in cluster["gateways"])
     with httpx.stream(
         "POST",
@@ -115,10 +116,16 @@ def test_in_flight_counts_are_shared_between_replicas(cluster):
         json={"model": MODEL, "prompt": "long", "max_tokens": 600, "stream": True},
     ) as r:
         wid = r.headers["x-kvgate-worker"]
-        line = f'kvgate_gateway_shared_in_flight{{model="{MODEL}",worker="{wid}"}} 1.0'
-        wait_for(lambda: line in httpx.get(b + "/metrics").text, timeout=30, what="b to see a's request")
+        lines = [
+            f'kvgate_gateway_{m}{{model="{MODEL}",worker="{wid}"}} 1.0' for m in ("shared_in_flight", "ledger_requests")
+        ]
+        wait_for(
+            lambda: all(x in httpx.get(b + "/metrics").text for x in lines), timeout=30, what="b to see a's request"
+        )
     wait_for(
-        lambda: line.replace("1.0", "0.0") in httpx.get(b + "/metrics").text, timeout=30, what="b to see it finish"
+        lambda: all(x.replace("1.0", "0.0") in httpx.get(b + "/metrics").text for x in lines),
+        timeout=30,
+        what="b to see it finish",
     )
 
 
