@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the fleet hands its changes here through a callback
 SENT, STARTED, ENDED, SNAPSHOT, HELLO = "sent", "started", "ended", "snapshot", "hello"
 KINDS = (SENT, STARTED, ENDED, SNAPSHOT, HELLO)
 MAX_ID = 256  # characters in a replica, worker or request id
-MAX_SNAPSHOT = 1 << 16  # entries in one snapshot
+MAX_HELD = 1 << 16  # entries of one replica, in one snapshot or held at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +95,8 @@ def _id(x: object, empty: bool = False) -> str:
 
 
 def _entries(x: object) -> tuple[Held, ...]:
-    if not isinstance(x, list) or len(x) > MAX_SNAPSHOT:
-        raise ValueError(f"a snapshot's entries are a list of at most {MAX_SNAPSHOT}")
+    if not isinstance(x, list) or len(x) > MAX_HELD:
+        raise ValueError(f"a snapshot's entries are a list of at most {MAX_HELD}")
     out = []
     for e in x:
         if not isinstance(e, list) or len(e) != 3 or not isinstance(e[2], dict):
@@ -137,8 +137,10 @@ class SharedLedgers:
         return False
 
     def _add(self, replica: str, worker_id: str, request_id: str, sent: Sent) -> None:
+        """Hold one of `replica`'s entries, unless its worker is unknown here or the replica
+        already holds `MAX_HELD` (no gateway has that many requests open: a bad publisher)."""
         w = self.fleet.by_id(worker_id)
-        if w is None:
+        if w is None or len(self.held.get(replica, ())) >= MAX_HELD:
             return
         key = f"{replica}/{request_id}"
         w.ledger.add(key, sent)

@@ -15,6 +15,7 @@ from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.procs import start_redis, wait_redis
 from gateway.redis_state import RedisState
+from gateway import shared_ledger
 from gateway.shared_ledger import ENDED, HELLO, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
 from policies.ledger import Sent
 from workers.kv import redis_schema as rs
@@ -106,6 +107,17 @@ def test_another_replicas_notes_land_in_this_replicas_ledgers_under_its_name():
     shared.apply(LedgerNote("a", SENT, "w9", "r2", Sent(1, (), 1)))  # a worker this replica lacks
     assert not shared.held.get("a")
     assert shared.apply(LedgerNote("a", HELLO))  # asks for this replica's snapshot
+
+
+def test_a_replica_holds_at_most_max_held_entries(monkeypatch):
+    monkeypatch.setattr(shared_ledger, "MAX_HELD", 3)
+    fleet = fleet_of(1)
+    shared = SharedLedgers(fleet, "b")
+    for i in range(5):
+        shared.apply(LedgerNote("a", SENT, "w0", f"r{i}", Sent(1, (), 1)))
+    shared.apply(LedgerNote("c", SENT, "w0", "r0", Sent(1, (), 1)))
+    w0 = fleet.by_id("w0")
+    assert w0 is not None and list(w0.ledger.sent) == ["a/r0", "a/r1", "a/r2", "c/r0"]
 
 
 def test_a_snapshot_replaces_what_the_replica_held_and_leaves_out_the_others_entries():
