@@ -18,11 +18,9 @@ closes its connection (`CloseOn5xx`).
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 
-from opentelemetry.trace import Span
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -33,24 +31,19 @@ from gateway import pd
 from gateway.accounting import Accounting
 from gateway.admission import DRAINING, Admission
 from gateway.auth import Access, Guard
+from gateway.exchange import PATHS, Exchange
 from gateway.fleet import Fleet, Worker
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake, refused
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import (
     ClientGone,
-    ConnectFailed,
     PassThrough,
-    Relay,
     Proxy,
-    StreamTap,
     UpstreamError,
-    UpstreamFailed,
-    UpstreamTimeout,
     WorkerBusy,
-    whole_answer,
 )
-from gateway.record import PREFILL, RequestRecord
+from gateway.record import RequestRecord
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import Tracing
@@ -64,8 +57,6 @@ from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyToo
 from workers.protocol import error_body, new_id
 
 log = logging.getLogger("kvgate.gateway")
-
-PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 class Gateway:
@@ -105,6 +96,7 @@ class Gateway:
         self.access = access or Access()
         self.access.register(self.metrics.registry)
         self.intake = Intake(fleet, tokenizers, self.access, slo_ttft_ms, slo_tpot_ms, bool(internal_token))
+        self.exchange = Exchange(fleet, self.proxy, self.metrics, self.account, self.headers, pd_wait_ms)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -297,16 +289,18 @@ class Gateway:
             w.breaker.attempt()
             leg = headers if p is None or not self.internal_token else pd.leg_headers(headers, self.internal_token)
             try:
-                payload, prefill = (raw, None) if p is None else self.start_prefill(p, w, kind, raw, leg, rec, route)
+                payload, prefill = (
+                    (raw, None) if p is None else self.exchange.start_prefill(p, w, kind, raw, leg, rec, route)
+                )
                 with trace.client("upstream", leg, prefill, worker=w.worker_id) as sent:
-                    return await self.attempt(request, w, route, view, prep, kind, payload, sent, rec)
+                    return await self.exchange.attempt(request, w, route, view, prep, kind, payload, sent, rec)
             except ClientGone:
                 self.fleet.end(w, rec.request_id)
                 w.breaker.released()
                 return Response(b"", 499, self.headers(w.worker_id, route.predicted_cached_tokens))
             except UpstreamError as e:
                 self.fleet.end(w, rec.request_id)
-                self.worker_failed(w, e)
+                self.exchange.worker_failed(w, e)
                 exclude.add(w.worker_id)
                 failure = e
             except BaseException:
@@ -323,117 +317,6 @@ class Gateway:
             "worker_failed",
             retry_after=self.admission.config.retry_after_s,
         )
-
-    async def attempt(
-        self,
-        request: Request,
-        w: Worker,
-        route: Decision,
-        view: RequestView,
-        prep: Prepared | None,
-        kind: str,
-        payload: bytes,
-        headers: dict,
-        rec: RequestRecord,
-    ) -> Response:
-        """One try on `w`: the response head, then a non-streaming body whole or a stream up to
-        its first token. Raises `UpstreamError` while nothing is committed to the client."""
-        lost = self.fleet.lost(w)
-        started = time.monotonic()
-        resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request, lost)
-        out = self.headers(w.worker_id, route.predicted_cached_tokens)
-        out["x-kvgate-route-reason"] = header_text(rec.route_reason)
-        out["x-kvgate-candidates"] = rec.candidates
-        if route.prefill is not None:
-            out["x-kvgate-prefill-worker"] = route.prefill
-        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        if not ((prep.parsed.stream if prep else is_sse) and resp.status == 200):
-            return await self.collect(w, route, view, resp, out, started, rec)
-        tap = StreamTap(kind, rec.arrived, rec.hide_usage, prep.parsed.num_choices if prep else 1)
-        try:
-            head = await self.proxy.first_token(resp, tap, request, lost, started)
-        except BaseException:
-            resp.release()
-            raise
-        self.fleet.started(w, rec.request_id, time.time())
-        w.breaker.succeeded()  # the answer is committed to the client: the worker's success
-        return self.stream(w, resp, tap, head, out, rec)
-
-    def start_prefill(
-        self, p: Worker, d: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord, route: Decision
-    ) -> tuple[bytes, Span]:
-        """Start the prefill leg on `p` in the background; returns the decode leg's body for `d`
-        and the leg's span. The leg's cache hit is counted against what the policy predicted."""
-        body = json.loads(raw)
-        self.fleet.begin(p)
-        headers = dict(headers)
-        span = rec.trace.child("prefill_leg", headers, worker=p.worker_id)
-        model, prompt, predicted = rec.model, rec.prompt_tokens or 0, route.predicted_cached_tokens
-
-        def done(cached: int | None) -> None:
-            span.set_attribute("kvgate.ok", cached is not None)
-            span.end()
-            self.fleet.end(p)
-            self.metrics.prefill_legs.labels(model, p.worker_id, "ok" if cached is not None else "failed").inc()
-            if cached is not None:
-                self.metrics.hit(model, p.worker_id, PREFILL, prompt, predicted, cached)
-
-        pd.start_prefill(self.proxy, p.url, PATHS[kind], pd.prefill_leg(body, d.url), headers, done)
-        return pd.decode_leg(body, self.pd_wait_ms), span
-
-    def worker_failed(self, w: Worker, e: UpstreamError) -> str:
-        """Count a worker's failure: metrics, its breaker, and (when it could not be reached or
-        broke a response off) exclusion until its next good health poll."""
-        self.metrics.upstream_failures.labels(w.model or "", w.worker_id, e.stage).inc()
-        if isinstance(e, WorkerBusy):
-            w.breaker.released()
-        elif w.breaker.failed():
-            log.warning(
-                "worker %s: circuit breaker open after %d failures (last: %s)", w.worker_id, w.breaker.consecutive, e
-            )
-        if type(e) in (ConnectFailed, UpstreamFailed):
-            self.fleet.mark_suspect(w, str(e))
-        return f"worker {w.worker_id} failed: {e}"
-
-    async def collect(
-        self, w: Worker, route: Decision, view: RequestView, resp, headers: dict, started: float, rec: RequestRecord
-    ) -> Response:
-        """A non-streaming answer, read whole before anything reaches the client (so a failure
-        while reading it is still retried); a 503 is the worker's load, retried elsewhere."""
-        status = resp.status
-        body = await self.proxy.read(resp)
-        if status == 503:
-            raise WorkerBusy(
-                status, body, {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "content-type")}
-            )
-        self.fleet.end(w, rec.request_id)
-        if status >= 500:
-            w.breaker.failed()
-        else:
-            w.breaker.succeeded()
-        if status == 200:
-            whole_answer(rec, body, resp.headers, started)
-        return Response(body, status, headers, resp.headers.get("content-type", "application/json"))
-
-    def stream(self, w: Worker, resp, tap: StreamTap, head: bytes, headers: dict, rec: RequestRecord) -> Response:
-        rec.status = 200
-
-        def failed(e: Exception) -> str:
-            rec.status = 502
-            self.metrics.upstream_failures.labels(w.model or "", w.worker_id, "stream").inc()
-            w.breaker.failed()
-            if not isinstance(e, UpstreamTimeout):  # broken off: likely dead until its next good poll
-                self.fleet.mark_suspect(w, str(e))
-            return f"worker {w.worker_id} failed: {e}"
-
-        def closed() -> None:
-            self.fleet.end(w, rec.request_id)
-            rec.first_token_at, rec.last_token_at = tap.first_at, tap.last_at
-            rec.cached_tokens, rec.output_tokens, rec.finish_reason = tap.cached, tap.output_tokens, tap.finish_reason
-            self.account.finish(rec)
-
-        headers["cache-control"] = "no-cache"
-        return PassThrough(resp, Relay(tap, head), self.proxy.idle_timeout, failed, closed, headers)
 
     async def models(self, request: Request) -> Response:
         data = [_model_card(m, n) for m, n in sorted(self.fleet.models().items())]
@@ -481,14 +364,6 @@ def candidates_summary(view: RequestView, fleet: FleetView) -> str:
     request (tokens) and its load (requests), the most cached first, at most 8 of them."""
     rows = sorted(((cached_tokens(view, w), w.load, w.worker_id) for w in fleet.workers), key=lambda r: (-r[0], r[1]))
     return ", ".join(f"{wid} cached={c} load={load}" for c, load, wid in rows[:MAX_CANDIDATES_SHOWN])
-
-
-def header_text(text: str, limit: int = 300) -> str:
-    """`text` as a header value: printable ASCII only (a plugin's reason may hold anything)."""
-    text = text[:limit]
-    if text.isascii() and text.isprintable():  # " " to "~": the usual reason, as it is
-        return text
-    return "".join(ch if " " <= ch <= "~" else "?" for ch in text)
 
 
 def _model_card(model: str, max_model_len: int) -> dict:
