@@ -330,7 +330,7 @@ class RedisState:
                 self._delta(data.decode())
             elif self.ledgers.apply(LedgerNote.from_json(json.loads(data))):
                 self._publish_note(self.ledgers.snapshot())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             self.malformed += 1
             if self.malformed == 1 or self.malformed % 1000 == 0:
                 log.warning("dropped a malformed message on %s (%d so far): %s", channel, self.malformed, e)

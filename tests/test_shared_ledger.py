@@ -202,10 +202,11 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
             r.publish(rs.LEDGER_CHANNEL, b"{not json")
             r.publish(rs.LEDGER_CHANNEL, json.dumps({"replica": "x", "kind": SENT, "worker_id": "w0"}))
             r.publish(rs.INFLIGHT_CHANNEL, b"x 1 w0 99")
+            r.publish(rs.LEDGER_CHANNEL, b"[" * 100_000 + b"]" * 100_000)
             fa.begin(fa.by_id("w1"), "r4", Sent(1, (), 2))
             wb1 = fb.by_id("w1")
             assert wb1 is not None
-            await wait_async(lambda: "a/r4" in wb1.ledger.sent and sb.malformed == 3)
+            await wait_async(lambda: "a/r4" in wb1.ledger.sent and sb.malformed == 4)
             assert sb.up and wb.shared_in_flight == 1
 
             await sb.stop()  # b forgets the others' entries while it is away ...
