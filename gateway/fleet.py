@@ -423,7 +423,7 @@ class Fleet:
         self._wake(w)
         if sent is not None:
             w.ledger.add(request_id, sent)
-            self._note(LedgerNote("", SENT, w.worker_id or "", request_id, sent))
+            self._note(SENT, w, request_id, sent)
         w.in_flight += 1
         w.sent_since_poll += 1
         self._rearm(w)
@@ -447,7 +447,7 @@ class Fleet:
         """A request sent to `w` ended; `request_id`: the one in its ledger."""
         if request_id and request_id in w.ledger.sent:
             w.ledger.end(request_id)
-            self._note(LedgerNote("", ENDED, w.worker_id or "", request_id))
+            self._note(ENDED, w, request_id)
         w.in_flight -= 1
         w.done_since_poll += 1
         self._rearm(w)
@@ -459,8 +459,9 @@ class Fleet:
         entry = w.ledger.sent.get(request_id)
         if entry is not None and entry.started_at is None:
             w.ledger.start(request_id, at)
-            self._note(LedgerNote("", STARTED, w.worker_id or "", request_id, at=at))
+            self._note(STARTED, w, request_id, at=at)
 
-    def _note(self, note: LedgerNote) -> None:
-        if self.on_ledger is not None and note.worker_id:
-            self.on_ledger(note)
+    def _note(self, kind: str, w: Worker, request_id: str, sent: Sent | None = None, at: float | None = None) -> None:
+        """Hand a change to `w`'s ledger to `on_ledger` (the replica's name is Redis's to add)."""
+        if self.on_ledger is not None and w.worker_id:
+            self.on_ledger(LedgerNote("", kind, w.worker_id, request_id, sent, at))
