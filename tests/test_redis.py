@@ -171,7 +171,7 @@ def test_a_decision_reaches_the_other_replica_before_the_next_table(tmp_path):
         proc.stop()
 
 
-async def wait_async(predicate, timeout: float = 2.0) -> None:
+async def wait_async(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

@@ -4,7 +4,6 @@ redis-server (never port 6379)."""
 
 import asyncio
 import json
-import time
 
 import pytest
 import redis
@@ -18,6 +17,7 @@ from gateway.redis_state import RedisState
 from gateway import shared_ledger
 from gateway.shared_ledger import ENDED, HELLO, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
 from policies.ledger import Sent
+from tests.test_redis import wait_async
 from workers.kv import redis_schema as rs
 
 sents = st.builds(
@@ -149,14 +149,6 @@ def test_the_fleet_notes_its_own_ledger_changes_and_only_for_entries_it_holds():
     fleet.end(w0)
     assert [(n.kind, n.request_id) for n in notes] == [(SENT, "r1"), (STARTED, "r1"), (ENDED, "r1")]
     assert notes[1].at == 3.0 and w0.in_flight == 0 and not w0.ledger.sent
-
-
-async def wait_async(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.005)
 
 
 def covered(fleet: Fleet, wid: str) -> bool:
