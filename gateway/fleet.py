@@ -63,7 +63,7 @@ class Worker:
     epoch: int = 0
     in_flight: int = 0
     shared_in_flight: int = 0
-    sent_since_poll: int = 0  # requests this gateway sent and finished since its last state
+    sent_since_poll: int = 0  # requests the gateways sent and finished since its last state
     done_since_poll: int = 0
     state_at: float = 0.0  # time.monotonic() of its last state, polled or riding on KV events
     tried: float = 0.0  # time.monotonic() of its last /state poll tried
@@ -92,9 +92,10 @@ class Worker:
 
     def queued(self) -> int:
         """Requests waiting at the worker now beyond its running batch (`max_num_seqs`): what
-        it last reported holding, plus what this gateway sent it since, less what finished
-        since; at least what the gateways have open on it. Exact between polls for a gateway's
-        own traffic, where the report alone would lag by up to a poll interval both ways."""
+        it last reported holding, plus what the gateways sent it since, less what finished
+        since; at least what the gateways have open on it. Exact between polls for the gateways'
+        traffic (another replica's within a pub/sub round trip), where the report alone would
+        lag by up to a poll interval both ways."""
         s = self.state
         held = s.get("waiting", 0) + s.get("running", 0) + self.sent_since_poll - self.done_since_poll
         return max(0, max(held, self.in_flight + self.shared_in_flight) - s.get("max_num_seqs", 256))
@@ -431,9 +432,15 @@ class Fleet:
             self.on_change(w, 1)
 
     def shared(self, w: Worker, delta: int) -> None:
-        """Another replica sent `w` a request (`delta` 1) or saw one end (-1)."""
+        """Another replica sent `w` a request (`delta` 1) or saw one end (-1): counted between
+        polls as this gateway's own are, so its view of `w` loses every replica's ended requests
+        at once (counting only its own, each of two replicas kept the other's ended requests in
+        its view until the next poll)."""
         if delta > 0:
             self._wake(w)
+            w.sent_since_poll += 1
+        else:
+            w.done_since_poll += 1
         w.shared_in_flight = max(0, w.shared_in_flight + delta)
         self._rearm(w)
 

@@ -29,6 +29,20 @@ def test_a_workers_queue_is_its_report_corrected_by_what_was_sent_and_finished_s
     assert idle.queued() == 2  # what the gateway has open on it still counts
 
 
+def test_another_replicas_sends_and_ends_correct_the_report_as_this_ones_do():
+    fleet = Fleet(ResidencyIndex())
+    w = worker(fleet, "a", running=4, waiting=3)
+    fleet.shared(w, 1)  # another replica sent one since the report
+    assert w.queued() == 4
+    for _ in range(4):
+        fleet.shared(w, -1)  # and saw four end
+    assert w.queued() == 0 and w.shared_in_flight == 0
+    (view,) = fleet.views([w], {})
+    assert (view.running, view.waiting) == (1, 3)  # three of the report's ended: running ones end
+    fleet.up(w, {"worker_id": "a", "model": "m", "max_num_seqs": 4, "running": 2})
+    assert fleet.views([w], {})[0].running == 2  # a new report starts the count again
+
+
 def test_full_workers_are_no_candidates():
     fleet = Fleet(ResidencyIndex())
     a = Admission(AdmissionConfig(max_queue_per_worker=2))
