@@ -45,9 +45,11 @@ from gateway.proxy import (
 )
 from gateway.record import RequestRecord
 from gateway.retry import RetryPolicy
+from gateway.shared_ledger import LedgerNote
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import Tracing
-from policies.api import FleetView, Policy, RequestView
+from gateway.worker_view import with_fields
+from policies.api import FleetView, Observer, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
 from policies.ledger import Sent
@@ -97,6 +99,8 @@ class Gateway:
         self.access.register(self.metrics.registry)
         self.intake = Intake(fleet, tokenizers, self.access, slo_ttft_ms, slo_tpot_ms, bool(internal_token))
         self.exchange = Exchange(fleet, self.proxy, self.metrics, self.account, self.headers, pd_wait_ms)
+        if redis is not None:
+            redis.ledgers.on_routed = self.observe_routed
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -129,6 +133,19 @@ class Gateway:
             await self.proxy.close()
             await self.access.limiter.close()
             self.tracing.shutdown()
+
+    def observe_routed(self, note: LedgerNote) -> None:
+        """Another replica sent a prompt to a worker: the policy, where it remembers its own
+        sends (`policies.api.Observer`), remembers it too. A policy's failure here is logged,
+        not the Redis state's end."""
+        w = self.fleet.by_id(note.worker_id)
+        if not isinstance(self.policy, Observer) or w is None or w.base is None or note.at is None:
+            return
+        view = RequestView(note.request_id, note.num_tokens, note.prompt)
+        try:
+            self.policy.observe(view, with_fields(w.base, residency_epoch=self.index.epoch(w.worker_id)), note.at)
+        except Exception:
+            log.exception("policy %s failed to observe another replica's routing", self.policy.name)
 
     def headers(self, worker: str = "", predicted: int = 0) -> dict[str, str]:
         return {
@@ -286,6 +303,7 @@ class Gateway:
                 else pd.expected_cached(view.num_tokens, w.state.get("block_size", 16))
             )
             self.fleet.begin(w, rec.request_id, ledger_entry(view, route, w, prep))
+            self.fleet.routed(p or w, rec.request_id, view.block_hashes, view.num_tokens, time.time())
             w.breaker.attempt()
             leg = headers if p is None or not self.internal_token else pd.leg_headers(headers, self.internal_token)
             try:

@@ -36,7 +36,7 @@ from gateway.breaker import Breaker, BreakerConfig
 from gateway.control import Refused, check
 from gateway.index import ResidencyIndex
 from gateway.kv_tail import LONG_POLL_S, KvTail
-from gateway.shared_ledger import ENDED, SENT, STARTED, LedgerNote
+from gateway.shared_ledger import ENDED, ROUTED, SENT, STARTED, LedgerNote
 from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
@@ -424,7 +424,7 @@ class Fleet:
         self._wake(w)
         if sent is not None:
             w.ledger.add(request_id, sent)
-            self._note(SENT, w, request_id, sent)
+            self._note(SENT, w, request_id, sent=sent)
         w.in_flight += 1
         w.sent_since_poll += 1
         self._rearm(w)
@@ -468,7 +468,13 @@ class Fleet:
             w.ledger.start(request_id, at)
             self._note(STARTED, w, request_id, at=at)
 
-    def _note(self, kind: str, w: Worker, request_id: str, sent: Sent | None = None, at: float | None = None) -> None:
-        """Hand a change to `w`'s ledger to `on_ledger` (the replica's name is Redis's to add)."""
+    def routed(self, w: Worker, request_id: str, prompt: tuple[int, ...], num_tokens: int, at: float) -> None:
+        """A prompt of `num_tokens` tokens (full blocks hashing to `prompt`) was sent to `w` at
+        `at`, for its prefill: for the other replicas' policies (`policies.api.Observer`)."""
+        self._note(ROUTED, w, request_id, prompt=prompt, num_tokens=num_tokens, at=at)
+
+    def _note(self, kind: str, w: Worker, request_id: str, **fields) -> None:
+        """Hand a change to `w`'s ledger, or a routing, to `on_ledger` (the replica's name is
+        Redis's to add); nothing is built where no Redis state listens."""
         if self.on_ledger is not None and w.worker_id:
-            self.on_ledger(LedgerNote("", kind, w.worker_id, request_id, sent, at))
+            self.on_ledger(LedgerNote("", kind, w.worker_id, request_id, **fields))

@@ -16,6 +16,7 @@ shows as a count unlike the ledger's, where the ledger declines as it does for a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,10 +25,11 @@ from policies.ledger import Sent
 if TYPE_CHECKING:  # the fleet hands its changes here through a callback
     from gateway.fleet import Fleet
 
-SENT, STARTED, ENDED, SNAPSHOT, HELLO = "sent", "started", "ended", "snapshot", "hello"
-KINDS = (SENT, STARTED, ENDED, SNAPSHOT, HELLO)
+SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED = "sent", "started", "ended", "snapshot", "hello", "routed"
+KINDS = (SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED)
 MAX_ID = 256  # characters in a replica, worker or request id
 MAX_HELD = 1 << 16  # entries of one replica, in one snapshot or held at once
+MAX_PROMPT = 1 << 20  # block hashes of one routed prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +45,9 @@ class Held:
 class LedgerNote:
     """One change to replica `replica`'s ledger: `sent` (its entry `sent`), `started` (first
     token at `at`), `ended`, `snapshot` (all it holds, `entries`), or `hello` (it reconnected:
-    send it yours)."""
+    send it yours); or `routed`: at `at` it sent a prompt of `num_tokens` tokens whose full
+    blocks hash to `prompt` to `worker_id` (where its prefill runs), for the others' policies
+    to count as held there until the index shows it (`policies.routed`)."""
 
     replica: str
     kind: str
@@ -52,6 +56,8 @@ class LedgerNote:
     sent: Sent | None = None
     at: float | None = None
     entries: tuple[Held, ...] = ()
+    prompt: tuple[int, ...] = ()
+    num_tokens: int = 0
 
     def to_json(self) -> dict:
         d: dict = {"replica": self.replica, "kind": self.kind}
@@ -61,6 +67,8 @@ class LedgerNote:
             d["sent"] = self.sent.to_json()
         if self.at is not None:
             d["at"] = self.at
+        if self.kind == ROUTED:
+            d["prompt"], d["num_tokens"] = list(self.prompt), self.num_tokens
         if self.kind == SNAPSHOT:
             d["entries"] = [[h.worker_id, h.request_id, h.sent.to_json()] for h in self.entries]
         return d
@@ -80,10 +88,11 @@ class LedgerNote:
             Sent.from_json(d["sent"]) if isinstance(d.get("sent"), dict) else None,
             float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) else None,
             _entries(d.get("entries")) if kind == SNAPSHOT else (),
+            *(_prompt(d) if kind == ROUTED else ((), 0)),
         )
-        if kind in (SENT, STARTED, ENDED) and not (note.worker_id and note.request_id):
+        if kind in (SENT, STARTED, ENDED, ROUTED) and not (note.worker_id and note.request_id):
             raise ValueError(f"a {kind} note names its worker and request")
-        if (kind == SENT and note.sent is None) or (kind == STARTED and note.at is None):
+        if (kind == SENT and note.sent is None) or (kind in (STARTED, ROUTED) and note.at is None):
             raise ValueError(f"a {kind} note carries its {'entry' if kind == SENT else 'time'}")
         return note
 
@@ -92,6 +101,15 @@ def _id(x: object, empty: bool = False) -> str:
     if not isinstance(x, str) or len(x) > MAX_ID or (not x and not empty) or any(c.isspace() for c in x):
         raise ValueError(f"an id is a string of at most {MAX_ID} characters without spaces")
     return x
+
+
+def _prompt(d: dict) -> tuple[tuple[int, ...], int]:
+    prompt, n = d.get("prompt"), d.get("num_tokens")
+    if not isinstance(prompt, list) or len(prompt) > MAX_PROMPT or not isinstance(n, int) or isinstance(n, bool):
+        raise ValueError(f"a routed note carries a list of at most {MAX_PROMPT} hashes and num_tokens")
+    if n < 0 or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in prompt):
+        raise ValueError("a routed note's num_tokens and hashes are integers >= 0")
+    return tuple(prompt), n
 
 
 def _entries(x: object) -> tuple[Held, ...]:
@@ -112,6 +130,7 @@ class SharedLedgers:
     def __init__(self, fleet: Fleet, replica: str) -> None:
         self.fleet, self.replica = fleet, replica
         self.held: dict[str, dict[str, str]] = {}  # other replica -> key -> worker id
+        self.on_routed: Callable[[LedgerNote], None] | None = None  # another replica's routing
 
     def apply(self, note: LedgerNote) -> bool:
         """Apply another replica's note; True where it asks for this replica's snapshot."""
@@ -119,6 +138,10 @@ class SharedLedgers:
             return False
         if note.kind == HELLO:
             return True
+        if note.kind == ROUTED:
+            if self.on_routed is not None:
+                self.on_routed(note)
+            return False
         if note.kind == SNAPSHOT:
             self.drop(note.replica)
             for h in note.entries:

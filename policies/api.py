@@ -135,3 +135,14 @@ class Policy(Protocol):
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         """Choose where `req` runs. Must not block or do I/O."""
         ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """A policy that also hears where other gateway replicas sent prompts (through Redis), so
+    what it remembers of its own sends (`policies.routed`) covers theirs: without it a new
+    prefix's second request, at the other replica, found no holder and made a second copy."""
+
+    def observe(self, req: RequestView, w: WorkerView, now: float) -> None:
+        """Another replica sent `req`'s prompt to `w` at `now`. Must not block or do I/O."""
+        ...

@@ -48,6 +48,11 @@ class PrefixAffinity:
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         return self.routed.route(self.choose, req, fleet) if self.routed else self.choose(req, fleet)
 
+    def observe(self, req: RequestView, w: WorkerView, now: float) -> None:
+        """Another gateway replica sent `req`'s prompt to `w` at `now` (`Observer`)."""
+        if self.routed:
+            self.routed.remember(req, w, now)
+
     def choose(self, req: RequestView, fleet: FleetView) -> Route:
         pair = self.pd.best_pair(req, fleet)
         if pair is not None:

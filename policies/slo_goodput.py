@@ -123,6 +123,11 @@ class SloGoodput:
         self.refusals.record(fleet.now, route.reject is not None)
         return route
 
+    def observe(self, req: RequestView, w: WorkerView, now: float) -> None:
+        """Another gateway replica sent `req`'s prompt to `w` at `now` (`Observer`)."""
+        if self.routed:
+            self.routed.remember(req, w, now)
+
     def choose(self, req: RequestView, fleet: FleetView) -> Route:
         slo_ttft = req.slo_ttft_ms or self.ttft_ms
         slo_tpot = req.slo_tpot_ms or self.tpot_ms

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.index import ResidencyIndex
 from gateway.worker_view import with_fields
-from policies.api import FleetView
+from policies.api import FleetView, Observer
 from policies.prefix_affinity import PrefixAffinity
 from policies.slo_goodput import SloGoodput
 from tests.views import fleet, req, worker
@@ -55,3 +55,17 @@ def test_the_index_moves_a_workers_epoch_when_it_replaces_its_residency():
     assert index.epoch("w") == start + 2
     view = with_fields(worker("w"), residency_epoch=index.epoch("w"))
     assert view.residency_epoch == start + 2
+
+
+@pytest.mark.parametrize("policy", [PrefixAffinity, SloGoodput])
+def test_a_prefix_another_replica_sent_follows_it_here_too(policy):
+    """What another replica routed (gateway.shared_ledger's `routed` notes) counts as this
+    replica's own sends do, until the index shows it."""
+    p = policy()
+    r = req(2048, slo_ttft_ms=2000, slo_tpot_ms=100)
+    assert isinstance(p, Observer)
+    busy = two(0.1, load_b=3)
+    assert p.route(r, busy).worker == "a", "a new prefix goes to the less loaded worker"
+    q = policy()
+    q.observe(r, busy.workers[1], 0.0)  # the other replica sent it to b
+    assert q.route(r, busy).worker == "b"

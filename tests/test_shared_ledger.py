@@ -10,12 +10,14 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.cli_args import parser
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.procs import start_redis, wait_redis
 from gateway.redis_state import RedisState
+from gateway.server import build
 from gateway import shared_ledger
-from gateway.shared_ledger import ENDED, HELLO, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
+from gateway.shared_ledger import ENDED, HELLO, ROUTED, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
 from policies.ledger import Sent
 from tests.test_redis import wait_async
 from workers.kv import redis_schema as rs
@@ -49,6 +51,12 @@ def test_a_snapshot_reads_back_as_it_was_written(replica, entries):
     assert LedgerNote.from_json(json.loads(json.dumps(note.to_json()))) == note
 
 
+@given(ids, ids, ids, st.lists(st.integers(0, (1 << 64) - 1), max_size=20), st.integers(0, 10**6), st.floats(0, 2e9))
+def test_a_routed_note_reads_back_as_it_was_written(replica, wid, rid, prompt, n, at):
+    note = LedgerNote(replica, ROUTED, wid, rid, at=at, prompt=tuple(prompt), num_tokens=n)
+    assert LedgerNote.from_json(json.loads(json.dumps(note.to_json()))) == note
+
+
 GOOD_SENT = {"need": 3, "hit": [1, 2], "max_tokens": 8, "started_at": None}
 
 
@@ -75,6 +83,35 @@ GOOD_SENT = {"need": 3, "hit": [1, 2], "max_tokens": 8, "started_at": None}
             "request_id": "r",
             "sent": {**GOOD_SENT, "started_at": "now"},
         },
+        {"replica": "a", "kind": ROUTED, "worker_id": "w0", "request_id": "r", "prompt": [1], "num_tokens": 16},
+        {
+            "replica": "a",
+            "kind": ROUTED,
+            "worker_id": "w0",
+            "request_id": "r",
+            "at": 1.0,
+            "prompt": [-1],
+            "num_tokens": 16,
+        },
+        {
+            "replica": "a",
+            "kind": ROUTED,
+            "worker_id": "w0",
+            "request_id": "r",
+            "at": 1.0,
+            "prompt": "1",
+            "num_tokens": 1,
+        },
+        {
+            "replica": "a",
+            "kind": ROUTED,
+            "worker_id": "w0",
+            "request_id": "r",
+            "at": 1.0,
+            "prompt": [],
+            "num_tokens": True,
+        },
+        {"replica": "a", "kind": ROUTED, "at": 1.0, "prompt": [], "num_tokens": 0},  # no worker or request
         {"replica": "a", "kind": SNAPSHOT, "entries": {"w0": []}},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r"]]},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r", {**GOOD_SENT, "hit": [-1]}]]},
@@ -107,6 +144,12 @@ def test_another_replicas_notes_land_in_this_replicas_ledgers_under_its_name():
     shared.apply(LedgerNote("a", SENT, "w9", "r2", Sent(1, (), 1)))  # a worker this replica lacks
     assert not shared.held.get("a")
     assert shared.apply(LedgerNote("a", HELLO))  # asks for this replica's snapshot
+    routed: list[LedgerNote] = []
+    shared.on_routed = routed.append
+    note = LedgerNote("a", ROUTED, "w0", "r5", at=1.0, prompt=(1, 2), num_tokens=40)
+    assert not shared.apply(note) and routed == [note]
+    shared.apply(LedgerNote("b", ROUTED, "w0", "r6", at=1.0, prompt=(1, 2), num_tokens=40))  # its own
+    assert routed == [note] and list(w0.ledger.sent) == []  # a routing is no ledger entry
 
 
 def test_a_replica_holds_at_most_max_held_entries(monkeypatch):
@@ -195,11 +238,17 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
             r.publish(rs.LEDGER_CHANNEL, json.dumps({"replica": "x", "kind": SENT, "worker_id": "w0"}))
             r.publish(rs.INFLIGHT_CHANNEL, b"x 1 w0 99")
             r.publish(rs.LEDGER_CHANNEL, b"[" * 100_000 + b"]" * 100_000)
+            routed: list[LedgerNote] = []
+            sb.ledgers.on_routed = routed.append
             fa.begin(fa.by_id("w1"), "r4", Sent(1, (), 2))
+            fa.routed(fa.by_id("w1"), "r4", (7, 8), 40, 9.0)
             wb1 = fb.by_id("w1")
             assert wb1 is not None
             await wait_async(lambda: "a/r4" in wb1.ledger.sent and sb.malformed == 4)
             assert sb.up and wb.shared_in_flight == 1
+            await wait_async(
+                lambda: routed == [LedgerNote("a", ROUTED, "w1", "r4", at=9.0, prompt=(7, 8), num_tokens=40)]
+            )
 
             await sb.stop()  # b forgets the others' entries while it is away ...
             assert set(wb.ledger.sent) == {"r3"}
@@ -218,3 +267,21 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
         asyncio.run(scenario())
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("policy", ["prefix_affinity", "slo_goodput", "round_robin"])
+def test_another_replicas_routing_reaches_a_policy_that_remembers_its_own(policy):
+    """A built gateway with Redis hands `routed` notes to its policy (`policies.api.Observer`);
+    one that remembers nothing (round robin) is left alone."""
+    argv = ["--worker", "http://127.0.0.1:1", "--redis", "redis://127.0.0.1:1/0", "--internal-token", "t"]
+    gw = build(parser().parse_args([*argv, "--policy", policy, "--model", "smollm2-135m"]))
+    (w,) = gw.fleet.workers.values()
+    gw.fleet.up(w, {"worker_id": "w0", "model": "smollm2-135m", "block_size": 16})
+    prompt = tuple(range(100, 104))
+    gw.redis.ledgers.apply(LedgerNote("other", ROUTED, "w0", "r1", at=5.0, prompt=prompt, num_tokens=65))
+    gw.redis.ledgers.apply(LedgerNote("other", ROUTED, "w9", "r2", at=5.0, prompt=(7,), num_tokens=17))  # unknown
+    memory = getattr(gw.policy, "routed", None)
+    if policy == "round_robin":
+        assert memory is None
+    else:
+        assert {h: worker for h, (worker, _, _) in memory.first.items()} == dict.fromkeys(prompt, "w0")
