@@ -48,7 +48,6 @@ from gateway.retry import RetryPolicy
 from gateway.shared_ledger import LedgerNote
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import Tracing
-from gateway.worker_view import with_fields
 from policies.api import FleetView, Observer, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
@@ -142,8 +141,9 @@ class Gateway:
         if not isinstance(self.policy, Observer) or w is None or w.base is None or note.at is None:
             return
         view = RequestView(note.request_id, note.num_tokens, note.prompt)
+        (seen,) = self.fleet.views([w], {})  # the worker as a decision here would see it
         try:
-            self.policy.observe(view, with_fields(w.base, residency_epoch=self.index.epoch(w.worker_id)), note.at)
+            self.policy.observe(view, seen, note.at)
         except Exception:
             log.exception("policy %s failed to observe another replica's routing", self.policy.name)
 

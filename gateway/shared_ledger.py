@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from policies.ledger import Sent
+from policies.ledger import Sent, checked_count
 
 if TYPE_CHECKING:  # the fleet hands its changes here through a callback
     from gateway.fleet import Fleet
@@ -104,12 +104,10 @@ def _id(x: object, empty: bool = False) -> str:
 
 
 def _prompt(d: dict) -> tuple[tuple[int, ...], int]:
-    prompt, n = d.get("prompt"), d.get("num_tokens")
-    if not isinstance(prompt, list) or len(prompt) > MAX_PROMPT or not isinstance(n, int) or isinstance(n, bool):
-        raise ValueError(f"a routed note carries a list of at most {MAX_PROMPT} hashes and num_tokens")
-    if n < 0 or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in prompt):
-        raise ValueError("a routed note's num_tokens and hashes are integers >= 0")
-    return tuple(prompt), n
+    prompt = d.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) > MAX_PROMPT:
+        raise ValueError(f"a routed note carries a list of at most {MAX_PROMPT} hashes")
+    return tuple(checked_count(h) for h in prompt), checked_count(d.get("num_tokens"))
 
 
 def _entries(x: object) -> tuple[Held, ...]:
@@ -121,6 +119,11 @@ def _entries(x: object) -> tuple[Held, ...]:
             raise ValueError("a snapshot entry is [worker id, request id, entry]")
         out.append(Held(_id(e[0]), _id(e[1]), Sent.from_json(e[2])))
     return tuple(out)
+
+
+def _key(replica: str, request_id: str) -> str:
+    """Where another replica's request sits in this replica's ledgers."""
+    return f"{replica}/{request_id}"
 
 
 class SharedLedgers:
@@ -147,7 +150,7 @@ class SharedLedgers:
             for h in note.entries:
                 self._add(note.replica, h.worker_id, h.request_id, h.sent)
             return False
-        key = f"{note.replica}/{note.request_id}"
+        key = _key(note.replica, note.request_id)
         w = self.fleet.by_id(note.worker_id)
         if note.kind == SENT and note.sent is not None:
             self._add(note.replica, note.worker_id, note.request_id, note.sent)
@@ -165,7 +168,7 @@ class SharedLedgers:
         w = self.fleet.by_id(worker_id)
         if w is None or len(self.held.get(replica, ())) >= MAX_HELD:
             return
-        key = f"{replica}/{request_id}"
+        key = _key(replica, request_id)
         w.ledger.add(key, sent)
         self.held.setdefault(replica, {})[key] = worker_id
 

@@ -25,10 +25,11 @@ if TYPE_CHECKING:  # policies.api holds a Ledger in each WorkerView
 MAX_HIT = 1 << 20  # hashes in one entry's hit, past any pool
 
 
-def _count(x: object) -> int:
-    """`x` if it is a count (an int >= 0), else ValueError."""
+def checked_count(x: object) -> int:
+    """`x` if it is a count or block hash (an int >= 0), else ValueError: what crosses between
+    gateway replicas (ledger entries, routed prompts) is checked by it."""
     if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise ValueError(f"a ledger entry's counts and hashes are integers >= 0, not {x!r}")
+        raise ValueError(f"counts and block hashes are integers >= 0, not {x!r}")
     return x
 
 
@@ -81,10 +82,12 @@ class Sent:
             raise ValueError(f"a ledger entry's hit is a list of at most {MAX_HIT} hashes")
         if at is not None and (not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at)):
             raise ValueError("a ledger entry's started_at is a number or null")
-        steps = _count(d.get("max_tokens"))
+        steps = checked_count(d.get("max_tokens"))
         if steps < 1:
             raise ValueError("a ledger entry's max_tokens is at least 1")
-        return cls(_count(d.get("need")), tuple(_count(h) for h in hit), steps, None if at is None else float(at))
+        return cls(
+            checked_count(d.get("need")), tuple(checked_count(h) for h in hit), steps, None if at is None else float(at)
+        )
 
     @classmethod
     def routed(
