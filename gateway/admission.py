@@ -39,7 +39,7 @@ class Refusal:
 
 class Queued(Protocol):
     def queued(self) -> int:
-        """Requests waiting at the worker beyond its running batch (`gateway.fleet.Worker`)."""
+        """Requests waiting at the worker beyond its running batch (`gateway.worker.Worker`)."""
         ...
 
 

@@ -32,7 +32,8 @@ from gateway.accounting import Accounting
 from gateway.admission import DRAINING, Admission
 from gateway.auth import Access, Guard
 from gateway.exchange import PATHS, Exchange
-from gateway.fleet import Fleet, Worker
+from gateway.fleet import Fleet
+from gateway.worker import Worker
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake, refused
 from gateway.metrics import GatewayMetrics

@@ -16,7 +16,8 @@ from starlette.responses import Response
 
 from gateway import pd
 from gateway.accounting import Accounting
-from gateway.fleet import Fleet, Worker
+from gateway.fleet import Fleet
+from gateway.worker import Worker
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import (
     ConnectFailed,

@@ -9,7 +9,8 @@ from starlette.requests import Request
 from gateway import vllm_worker
 from gateway.admission import Refusal
 from gateway.auth import Access, api_key, retry_after, too_many_tokens
-from gateway.fleet import KVGATE, Fleet
+from gateway.fleet import Fleet
+from gateway.worker import KVGATE
 from gateway.passthrough import internal_field
 from gateway.proxy import ask_usage
 from gateway.record import RequestRecord

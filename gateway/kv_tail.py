@@ -19,10 +19,11 @@ import aiohttp
 from gateway.control import refused
 from gateway.index import RESYNC
 from gateway.kv_lines import Lines, never_full
+from gateway.worker import Worker
 from workers.kv.events import EventBatch, KVSnapshot
 
 if TYPE_CHECKING:
-    from gateway.fleet import Fleet, Worker
+    from gateway.fleet import Fleet
 
 LONG_POLL_S = 5.0  # an idle worker's /kv/events answers (with its state) come this often
 
@@ -33,7 +34,7 @@ class KvTail:
     def __init__(self, fleet: "Fleet"):
         self.fleet = fleet
 
-    async def run(self, w: "Worker") -> None:
+    async def run(self, w: Worker) -> None:
         """Follow `w`'s stream while it is up and its own; after a failure or a draining
         worker's immediate answer, ask again an interval later."""
         f = self.fleet
@@ -52,7 +53,7 @@ class KvTail:
                     f.down(w, f"/kv/events failed: {e!r}")
                 await asyncio.sleep(f.interval)
 
-    async def once(self, w: "Worker", wid: str, epoch: int) -> None:
+    async def once(self, w: Worker, wid: str, epoch: int) -> None:
         """Resync from a snapshot, or follow the worker's stream of event batches (each with its
         state) until it ends, the index needs a resync, or the worker changes. A line is due at
         least every long poll, so a silence past that and `timeout` is a failure."""
@@ -79,7 +80,7 @@ class KvTail:
         if lines.error is not None:
             raise lines.error
 
-    def apply_line(self, w: "Worker", wid: str, epoch: int, body: dict) -> bool:
+    def apply_line(self, w: Worker, wid: str, epoch: int, body: dict) -> bool:
         """Apply one batch of `w`'s events and the state riding on it; False when the stream
         should end (the worker changed, Redis carries it now, or the index needs a resync)."""
         index = self.fleet.index
@@ -96,6 +97,6 @@ class KvTail:
         return True
 
 
-def current(w: "Worker", wid: str, epoch: int) -> bool:
+def current(w: Worker, wid: str, epoch: int) -> bool:
     """Whether an answer fetched as of (`wid`, `epoch`) may still be applied."""
     return w.healthy and w.epoch == epoch and w.worker_id == wid

@@ -23,7 +23,8 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.fleet import KVGATE, Fleet
+from gateway.fleet import Fleet
+from gateway.worker import KVGATE
 from gateway.index import RESYNC, ResidencyIndex
 from gateway.shared_ledger import HELLO, LedgerNote, SharedLedgers
 from workers.kv import redis_schema as rs

@@ -2,7 +2,8 @@
 
 import asyncio
 
-from gateway.fleet import Fleet, Worker
+from gateway.fleet import Fleet
+from gateway.worker import Worker
 from gateway.index import ResidencyIndex
 from workers.kv.events import STORED, EventBatch, KVEvent
 

@@ -3,7 +3,8 @@
 import asyncio
 import time
 
-from gateway.fleet import DRAINING, LONG_POLL_S, Fleet, out_of_service
+from gateway.fleet import LONG_POLL_S, Fleet
+from gateway.worker import DRAINING, out_of_service
 from gateway.index import ResidencyIndex
 
 STATE = {"worker_id": "w", "model": "m"}
