@@ -15,12 +15,11 @@ shows as a count unlike the ledger's, where the ledger declines as it does for a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from policies.ledger import Sent, checked_count
+from policies.ledger import Sent, checked_count, checked_time
 
 if TYPE_CHECKING:  # the fleet hands its changes here through a callback
     from gateway.fleet import Fleet
@@ -79,14 +78,14 @@ class LedgerNote:
         can send it)."""
         if not isinstance(d, dict) or d.get("kind") not in KINDS:
             raise ValueError(f"a ledger note is an object with kind one of {KINDS}")
-        kind, at = d["kind"], d.get("at")
+        kind = d["kind"]
         note = cls(
             _id(d.get("replica")),
             kind,
             _id(d.get("worker_id", ""), empty=True),
             _id(d.get("request_id", ""), empty=True),
             Sent.from_json(d["sent"]) if isinstance(d.get("sent"), dict) else None,
-            float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at) else None,
+            checked_time(d.get("at")),
             _entries(d.get("entries")) if kind == SNAPSHOT else (),
             *(_prompt(d) if kind == ROUTED else ((), 0)),
         )

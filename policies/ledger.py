@@ -33,6 +33,16 @@ def checked_count(x: object) -> int:
     return x
 
 
+def checked_time(x: object) -> float | None:
+    """`x` as a time (a finite number) or None where it is absent (null), else ValueError: one
+    rule for every time that crosses between gateway replicas."""
+    if x is None:
+        return None
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        raise ValueError(f"a time is a finite number or null, not {x!r}")
+    return float(x)
+
+
 def blocks_held(num_tokens: int, max_tokens: int, cached_tokens: int, block_size: int) -> int:
     """Blocks a request of `num_tokens` prompt tokens holds once it has generated `max_tokens`
     (at least one), beyond the `cached_tokens` it found in blocks of `block_size`."""
@@ -63,7 +73,7 @@ class Sent:
     ) -> Sent:
         """The entry of a request of `num_tokens` prompt tokens and up to `max_tokens` more, of
         which the worker (blocks of `block_size`) is predicted to hold `cached_tokens`.
-        `hash_ratio` of the router's block hashes make one worker block (`gateway.fleet.Worker`):
+        `hash_ratio` of the router's block hashes make one worker block (`gateway.worker.Worker`):
         the last of them, chained, names that block."""
         hit = cached_tokens // block_size
         hashes = tuple(block_hashes[hash_ratio - 1 : hit * hash_ratio : hash_ratio])
@@ -77,16 +87,17 @@ class Sent:
     @classmethod
     def from_json(cls, d: dict) -> Sent:
         """The entry `to_json` wrote; ValueError for anything else (it crosses between replicas)."""
-        hit, at = d.get("hit"), d.get("started_at")
+        hit = d.get("hit")
         if not isinstance(hit, list) or len(hit) > MAX_HIT:
             raise ValueError(f"a ledger entry's hit is a list of at most {MAX_HIT} hashes")
-        if at is not None and (not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at)):
-            raise ValueError("a ledger entry's started_at is a number or null")
         steps = checked_count(d.get("max_tokens"))
         if steps < 1:
             raise ValueError("a ledger entry's max_tokens is at least 1")
         return cls(
-            checked_count(d.get("need")), tuple(checked_count(h) for h in hit), steps, None if at is None else float(at)
+            checked_count(d.get("need")),
+            tuple(checked_count(h) for h in hit),
+            steps,
+            checked_time(d.get("started_at")),
         )
 
     @classmethod

@@ -112,6 +112,8 @@ GOOD_SENT = {"need": 3, "hit": [1, 2], "max_tokens": 8, "started_at": None}
             "num_tokens": True,
         },
         {"replica": "a", "kind": ROUTED, "at": 1.0, "prompt": [], "num_tokens": 0},  # no worker or request
+        {"replica": "a", "kind": ENDED, "worker_id": "w0", "request_id": "r", "at": "soon"},
+        {"replica": "a", "kind": ENDED, "worker_id": "w0", "request_id": "r", "at": float("nan")},
         {"replica": "a", "kind": SNAPSHOT, "entries": {"w0": []}},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r"]]},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r", {**GOOD_SENT, "hit": [-1]}]]},
