@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.sampling_params import SamplingParams
 from workers.startup_heap import settle_gc

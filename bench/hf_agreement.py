@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from workers.chat_template import render_chat
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.model_store import load_tokenizer, resolve, served_name
 from workers.sampling_params import SamplingParams
 

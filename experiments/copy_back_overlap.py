@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from bench.random_model import add_args, make_model
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.executors.batch import SeqChunk
 from workers.executors.torch_runner import TorchRunner
 from workers.model_store import load_tokenizer

@@ -14,7 +14,8 @@ import gc
 import pstats
 import time
 
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.startup_heap import settle_gc
 from workers.executors.kernel_inputs import decode_inputs, is_decode
 from workers.executors.sim import SimExecutor

@@ -1,6 +1,7 @@
 """A sim-executor engine stepped by hand, for fast engine and scheduler tests."""
 
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.executors.sim import SimExecutor
 from workers.kv.cost_model import CostModel
 

@@ -11,7 +11,8 @@ import redis
 import torch
 
 from gateway.procs import Worker, start_redis, stop_all, wait_for, wait_redis
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.executors.torch_runner import TorchRunner
 from workers.kv import redis_schema as rs
 from workers.kv.events import DISK

@@ -101,7 +101,8 @@ def test_engine_overlapping_graph_steps_matches_cpu_engine(blocks, checkpoints):
     tokens and finish reasons as the same runner one step at a time (seeded sampling draws from
     the device's generator, so the reference runs on CUDA too), with and without preemption."""
     from tests.test_overlap import run, workload
-    from workers.engine import Engine, EngineConfig
+    from workers.config import EngineConfig
+    from workers.engine import Engine
     from workers.executors.torch_runner import TorchRunner
 
     path, _ = checkpoints["qwen2-bias-gqa2"]

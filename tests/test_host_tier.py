@@ -10,7 +10,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.executors.torch_runner import TorchRunner
 from workers.kv.block_pool import BlockPool
 from workers.kv.events import HOST, EventLog

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.executors.torch_runner import TorchRunner
 from workers.model_store import load_tokenizer, resolve
 from workers.sampling_params import SamplingParams

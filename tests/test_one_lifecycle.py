@@ -9,7 +9,8 @@ preempt."""
 from collections import deque
 
 from bench.sim_worker import SimConfig, SimWorker, sim_executor
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.kv.cost_model import CostModel
 from workers.request import Request
 from workers.sampling_params import SamplingParams

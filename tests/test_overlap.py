@@ -9,7 +9,8 @@ import random
 import pytest
 
 from tests.sim_engine import sim_engine
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.executors.batch import SeqChunk
 from workers.executors.torch_runner import TorchRunner
 from workers.inflight import PLACEHOLDER

@@ -12,7 +12,8 @@ from policies import predict
 from policies.api import DECODE, PREFILL, FleetView, WorkerView
 from policies.slo_goodput import SloGoodput
 from tests.views import COST, fleet, req, worker
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.step_stats import StepRecord, step_means
 from workers.executors.sim import SimExecutor
 from workers.kv.cost_model import CostModel, StepWork

@@ -10,7 +10,8 @@ from policies import predict
 from policies.api import TierCredits, WorkerView
 from tests.test_simulate_tiers import run
 from tests.views import req, worker
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.executors.sim import SimExecutor
 from workers.kv.block_pool import BlockPool
 from workers.kv.cost_model import CostModel

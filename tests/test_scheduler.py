@@ -247,7 +247,7 @@ def test_any_mix_with_slow_copies_back_drains_with_both_tiers_free(reqs, num_blo
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.pool.releasing
     host = eng.pool.host
     assert host.num_free + len(host) == host.num_slots and not host.num_draining
-    assert not eng.scheduler.loading and not eng._copying
+    assert not eng.scheduler.loading and not eng.copies.copying
     for i, (_, mt, abort, _) in enumerate(reqs):
         last = outs[f"r{i}"][-1]
         assert last.finish_reason in (("abort", "length") if abort else ("length",))

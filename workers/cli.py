@@ -12,7 +12,8 @@ import uvicorn
 
 from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer
-from workers.engine import Engine, EngineConfig
+from workers.config import EngineConfig
+from workers.engine import Engine
 from workers.startup_heap import settle_gc
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS

@@ -16,20 +16,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from workers.detokenizer import Detokenizer
 from workers.executors.batch import Executor, step_work
 from workers.export_batch import export_span
 from workers.inflight import InFlight, SyncLaunch, advance, chunks_of
-from workers.kv.block_pool import BlockPool, Load
-from workers.kv.cost_model import CostModel
+from workers.config import EngineConfig
+from workers.inbox import Abort, Add, Call, Command
+from workers.kv.block_pool import BlockPool
 from workers.kv.disk_io import DiskIO
-from workers.kv.disk_pool import DiskPool, DiskRead, DiskWrite
+from workers.kv.disk_pool import DiskPool
 from workers.kv.events import EventLog, KVSnapshot
 from workers.kv.hashing import seed_hash
-from workers.kv.read_back import DISK_GBPS, HOST_GBPS, ReadBack
-from workers.kv.host_pool import HostPool, run_copies
+from workers.kv.read_back import ReadBack
+from workers.kv.host_pool import HostPool
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
@@ -39,6 +39,7 @@ from workers.transfer import KVPayload, KVSpec, Reservation, executor_spec, publ
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Sampled, Scheduler, StepPlan
 from workers.step_stats import StepRecord, StepStats, step_means
+from workers.tier_copies import TierCopies
 
 ENGINE_ERROR = "engine_error"  # the step running the request raised
 ENGINE_STOPPED = "engine_stopped"  # the engine thread has ended
@@ -48,59 +49,6 @@ log = logging.getLogger("kvgate.engine")
 
 class EngineStopped(RuntimeError):
     """`submit` on an engine whose thread has ended."""
-
-
-@dataclass
-class EngineConfig:
-    model_id: str
-    block_size: int = 16
-    num_blocks: int = 1024
-    max_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    worker_id: str = "worker-0"
-    role: str = "mixed"
-    enable_prefix_caching: bool = True
-    cost_model: CostModel | None = None
-    export_batch_blocks: int = 16  # P/D: ship prompt blocks mid-prefill once this many are new; 0: at the end
-    host_blocks: int = 0  # the host tier's blocks (--host-kv-gb); 0: evicted blocks are dropped
-    disk_blocks: int = 0  # the disk tier's blocks under the host's (--disk-kv-gb); 0: none
-    disk_dir: str = ""  # where the disk tier's files go (--disk-kv-dir)
-    host_gbps: float = HOST_GBPS  # host -> device copy rate (--host-kv-gbps): read or recompute
-    disk_gbps: float = DISK_GBPS  # file -> device read rate (--disk-kv-gbps): read or recompute
-    load_every_hit: bool = False  # copy back every slow-tier hit, even where recomputing is faster
-
-
-@dataclass(slots=True)
-class Add:
-    """Inbox command: admit a request (`Engine.submit` says what the fields mean)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Callable[[RequestOutput], None]
-    detokenize: bool = True
-    kv_wait_s: float = 0.0
-    export: Callable | None = None
-    cache_salt: str | None = None
-    trace: bool = False
-
-
-@dataclass(slots=True)
-class Abort:
-    """Inbox command: drop a request wherever it is and answer it with finish_reason "abort"."""
-
-    request_id: str
-
-
-@dataclass(slots=True)
-class Call:
-    """Inbox command: run `fn` on the engine thread between steps; its result goes to `future`."""
-
-    fn: Callable[[], object]
-    future: Future
-
-
-Command = Add | Abort | Call
 
 
 class Engine:
@@ -134,7 +82,7 @@ class Engine:
         self._wake = threading.Event()
         self._requests: dict[str, tuple[Request, Detokenizer | None, Callable]] = {}
         self._pending = PendingKV(self.kv)
-        self._copying: list[tuple[list, list[Load]]] = []  # (executor handles, the loads they carry)
+        self.copies = TierCopies(self.pool, self.disk_io, self.stats)
         self._outbox: list[tuple[Callable, RequestOutput]] = []
         self.deliver: Callable[[list[tuple[Callable, RequestOutput]]], None] = call_sinks
         self._thread: threading.Thread | None = None
@@ -226,7 +174,7 @@ class Engine:
                     cmd.future.set_result(cmd.fn())
                 except Exception as e:
                     cmd.future.set_exception(e)
-                self._copy_blocks()  # a KV import may write its blocks off this thread next
+                self.copies.start(self.executor)  # a KV import may write its blocks off this thread next
                 self.stats.calls_s += time.perf_counter() - t0
 
     def _abort(self, rid: str) -> None:
@@ -292,12 +240,12 @@ class Engine:
         self._drain_inbox()
         if self._pending:
             self._admit_pending()
-        if self._copying or self.disk_io is not None:
-            self._poll_copies()
+        if self.copies.busy:
+            self.copies.poll(self.executor)
         plan = self.scheduler.schedule()
-        self._copy_blocks()
-        if not plan.scheduled and self._inflight is None and self._copying:
-            self._poll_copies(wait=True)  # nothing runs until a copy back lands: wait, do not spin
+        self.copies.start(self.executor)
+        if not plan.scheduled and self._inflight is None and self.copies.copying:
+            self.copies.poll(self.executor, wait=True)  # nothing runs until a copy back lands: wait, do not spin
         self.stats.preemptions += len(plan.preempted)
         outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
         launched = self._launch(plan, start, outputs) if plan.scheduled else None
@@ -319,46 +267,6 @@ class Engine:
             batch, self._outbox = self._outbox, []
             self.deliver(batch)
         return outputs
-
-    def _copy_blocks(self) -> None:
-        """Hand the host tier's queued copies to the executor (before the step or the KV import
-        that could overwrite an evicted block); the copies back may still run after this, and
-        their loads are done when the executor says their copies are."""
-        loads = self.pool.take_loads()
-        run = run_copies(self.pool.take_copies(), self.executor)
-        self.stats.host_stored_blocks += run.out
-        self.stats.host_loaded_blocks += run.back
-        if loads:
-            self._copying.append((run.handles, loads))
-        if self.disk_io is not None:
-            jobs = self.pool.take_disk_jobs()
-            writes = sum(isinstance(j, DiskWrite) for j in jobs)
-            self.disk_io.submit(jobs, self.executor.host_fence() if writes else None)
-            self.stats.disk_stored_blocks += writes
-            self.stats.disk_loaded_blocks += sum(isinstance(j, DiskRead) for j in jobs)
-
-    def _poll_copies(self, wait: bool = False) -> None:
-        """Apply the finished disk jobs, then mark done the loads whose copies and disk reads have
-        completed, oldest first (`wait`: for the oldest)."""
-        self._take_disk_done()
-        while self._copying:
-            handles, loads = self._copying[0]
-            if not all(self.executor.copy_done(h, wait) for h in handles):
-                return
-            while any(load.reads_left for load in loads):
-                if not (wait and self._take_disk_done(wait=True)):
-                    return
-            for load in loads:
-                load.done = True
-            self._copying.pop(0)
-            wait = False
-
-    def _take_disk_done(self, wait: bool = False) -> int:
-        """Apply the disk jobs finished so far (`wait`: at least one, if any is queued); how many."""
-        done = self.disk_io.take_done(wait) if self.disk_io is not None else []
-        for job in done:
-            self.pool.disk_done(job)
-        return len(done)
 
     def _launch(self, plan: StepPlan, start: float, outputs: list[RequestOutput]) -> InFlight | None:
         """Hand the plan to the executor and count its tokens as launched; if the executor raises,
@@ -527,8 +435,7 @@ class Engine:
         if not self._stopped:
             log.critical("the engine thread has stopped; every request now fails")
         self._fail_all(ENGINE_STOPPED)
-        if self.disk_io is not None:
-            self.disk_io.close()
+        self.copies.close()
         for cmd in self._take_inbox():
             if isinstance(cmd, Add):
                 self._outbox.append((cmd.sink, unstarted_failure(cmd.request_id, cmd.prompt_ids, ENGINE_STOPPED)))
