@@ -86,6 +86,7 @@ class Proc:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvgate-")) / f"{name}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)  # a bench's --log-dir need not exist yet
         self._log = open(self.log_path, "wb")
         self.token = _token(argv, env or {})
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))

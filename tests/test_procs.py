@@ -1,6 +1,7 @@
 """gateway.procs' port picking: children started together never get the same port."""
 
 import itertools
+import sys
 
 from gateway import procs
 
@@ -20,3 +21,15 @@ def test_free_port_starts_over_once_half_the_range_is_handed_out(monkeypatch):
     monkeypatch.setattr(procs, "_handed_out", set())
     ports = [procs.free_port() for _ in range(6)]  # a range of 4: it never runs dry
     assert all(29100 <= p <= 29103 for p in ports)
+
+
+def test_a_child_writes_its_log_into_a_log_dir_made_for_it(tmp_path):
+    """A bench's --log-dir that does not exist yet is made, not a FileNotFoundError."""
+    log_dir = tmp_path / "runs" / "first"
+    p = procs.Proc("child", [sys.executable, "-c", "print('hello from the child')"], 0, str(log_dir))
+    try:
+        p.popen.wait(timeout=60)
+    finally:
+        p.stop()
+    assert p.log_path.parent == log_dir
+    assert "hello from the child" in p.log_path.read_text()
