@@ -14,7 +14,7 @@ from gateway.cli_args import parser
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.procs import start_redis, wait_redis
-from gateway.redis_state import RedisState
+from gateway.redis_state import RedisState, packed
 from gateway.server import build
 from gateway import shared_ledger
 from gateway.shared_ledger import ENDED, HELLO, ROUTED, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
@@ -203,6 +203,32 @@ def covered(fleet: Fleet, wid: str) -> bool:
     return w.in_flight + w.shared_in_flight == len(w.ledger)
 
 
+@given(st.lists(st.text(st.characters(blacklist_characters="\n"), max_size=40), max_size=30), st.integers(1, 100))
+def test_packed_lines_keep_their_order_within_the_size(lines, limit):
+    """Joined back, the messages are the lines in order; each fits `limit` unless it is one line."""
+    messages = list(packed(lines, limit))
+    assert [line for m in messages for line in m.split("\n")] == (lines or [])
+    assert all(len(m) <= limit or "\n" not in m for m in messages)
+    assert not lines or len(messages) <= len(lines)
+
+
+def test_one_message_of_lines_applies_each_and_drops_only_the_bad_ones():
+    """A message holds one flush of another replica's lines: deltas and notes are applied in
+    order, a malformed line is counted and the rest still land; this replica's own message
+    is skipped unread."""
+    fleet = fleet_of(2)
+    state = RedisState("redis://127.0.0.1:1/0", fleet, "secret", replica_id="b")
+    sent = json.dumps({"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r1", "sent": GOOD_SENT})
+    state._message("\n".join(["a 1 w0 1", "a 2 w0 9", sent, "{broken"]).encode())
+    w0 = fleet.by_id("w0")
+    assert w0 is not None
+    assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed == 2
+    own = json.dumps({"replica": "b", "kind": SENT, "worker_id": "w0", "request_id": "r2", "sent": GOOD_SENT})
+    state._message(f"b 1 w0 1\n{own}".encode())
+    state._message(f"{own}\nb 1 w0 1".encode())
+    assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed == 2
+
+
 @pytest.mark.slow
 def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
     """Over one redis-server: what replica a sends, starts and ends shows in b's ledger with
@@ -236,10 +262,10 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
             assert covered(fb, "w0") and not wb.ledger.pinned
 
             r = redis.Redis.from_url(url)
-            r.publish(rs.LEDGER_CHANNEL, b"{not json")
-            r.publish(rs.LEDGER_CHANNEL, json.dumps({"replica": "x", "kind": SENT, "worker_id": "w0"}))
-            r.publish(rs.INFLIGHT_CHANNEL, b"x 1 w0 99")
-            r.publish(rs.LEDGER_CHANNEL, b"[" * 100_000 + b"]" * 100_000)
+            r.publish(rs.SHARE_CHANNEL, b"{not json")
+            r.publish(rs.SHARE_CHANNEL, json.dumps({"replica": "x", "kind": SENT, "worker_id": "w0"}))
+            r.publish(rs.SHARE_CHANNEL, b"x 1 w0 99")
+            r.publish(rs.SHARE_CHANNEL, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
             routed: list[LedgerNote] = []
             sb.ledgers.on_routed = routed.append
             fa.begin(fa.by_id("w1"), "r4", Sent(1, (), 2))

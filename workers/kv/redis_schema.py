@@ -15,8 +15,10 @@ served model: their block hashes share a seed, so their residency is comparable.
                                    AgentRecord), expires (the heartbeat's TTL), by agent name
   kvgate:replicas                  set of gateway replica ids
   kvgate:inflight:{replica}        hash worker id -> requests that replica has open, expires
-  kvgate:inflight (pub/sub)        "replica seq worker delta", one per routing decision or end
-  kvgate:ledger (pub/sub)          a replica's ledger changes, JSON (gateway/shared_ledger.py)
+  kvgate:share (pub/sub)           what a replica shares, a line each: "replica seq worker delta"
+                                   (in-flight, one per routing decision or end) or a JSON note
+                                   of its ledger (gateway/shared_ledger.py); a message holds
+                                   what one flush of the replica's outbox had queued
   kvgate:ratelimit:{key}:{limit}   a gateway API key's token bucket {tokens, ts}, expires
 
 A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
@@ -36,8 +38,8 @@ from workers.kv.events import DEVICE, MEDIA, KVEvent
 PREFIX = "kvgate"
 POOLS = f"{PREFIX}:pools"
 REPLICAS = f"{PREFIX}:replicas"
-INFLIGHT_CHANNEL = f"{PREFIX}:inflight"  # pub/sub: "replica seq worker delta", one per routing decision or end
-LEDGER_CHANNEL = f"{PREFIX}:ledger"  # pub/sub: JSON notes of replicas' ledgers (gateway/shared_ledger.py)
+SHARE_CHANNEL = f"{PREFIX}:share"  # pub/sub: in-flight deltas and ledger notes, a line each
+MAX_SHARE_BYTES = 1 << 18  # a flush's lines go out in messages of about this size at most
 SEQ_FIELD = "__seq"  # in a replica's in-flight table: the last delta it had published when written
 SNAPSHOT = "snapshot"
 STREAM_MAXLEN = 200_000
