@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from policies.ledger import Sent, checked_count, checked_time
+from policies.ledger import Sent, checked_count, checked_hashes, checked_time
 
 if TYPE_CHECKING:  # the fleet hands its changes here through a callback
     from gateway.fleet import Fleet
@@ -28,7 +28,6 @@ SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED = "sent", "started", "ended", "sna
 KINDS = (SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED)
 MAX_ID = 256  # characters in a replica, worker or request id
 MAX_HELD = 1 << 16  # entries of one replica, in one snapshot or held at once
-MAX_PROMPT = 1 << 20  # block hashes of one routed prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +102,7 @@ def _id(x: object, empty: bool = False) -> str:
 
 
 def _prompt(d: dict) -> tuple[tuple[int, ...], int]:
-    prompt = d.get("prompt")
-    if not isinstance(prompt, list) or len(prompt) > MAX_PROMPT:
-        raise ValueError(f"a routed note carries a list of at most {MAX_PROMPT} hashes")
-    return tuple(checked_count(h) for h in prompt), checked_count(d.get("num_tokens"))
+    return checked_hashes(d.get("prompt"), "a routed note's prompt"), checked_count(d.get("num_tokens"))
 
 
 def _entries(x: object) -> tuple[Held, ...]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # policies.api holds a Ledger in each WorkerView
     from policies.api import RequestView, Route
 
 
-MAX_HIT = 1 << 20  # hashes in one entry's hit, past any pool
+MAX_HASHES = 1 << 20  # block hashes in one list crossing between replicas, past any pool
 
 
 def checked_count(x: object) -> int:
@@ -31,6 +31,14 @@ def checked_count(x: object) -> int:
     if not isinstance(x, int) or isinstance(x, bool) or x < 0:
         raise ValueError(f"counts and block hashes are integers >= 0, not {x!r}")
     return x
+
+
+def checked_hashes(x: object, what: str) -> tuple[int, ...]:
+    """`x` as block hashes if it is a list of at most `MAX_HASHES` of them, else ValueError
+    (`what` names the list in it): an entry's hit and a routed prompt cross between replicas."""
+    if not isinstance(x, list) or len(x) > MAX_HASHES:
+        raise ValueError(f"{what} is a list of at most {MAX_HASHES} hashes")
+    return tuple(checked_count(h) for h in x)
 
 
 def checked_time(x: object) -> float | None:
@@ -87,15 +95,13 @@ class Sent:
     @classmethod
     def from_json(cls, d: dict) -> Sent:
         """The entry `to_json` wrote; ValueError for anything else (it crosses between replicas)."""
-        hit = d.get("hit")
-        if not isinstance(hit, list) or len(hit) > MAX_HIT:
-            raise ValueError(f"a ledger entry's hit is a list of at most {MAX_HIT} hashes")
+        hit = checked_hashes(d.get("hit"), "a ledger entry's hit")
         steps = checked_count(d.get("max_tokens"))
         if steps < 1:
             raise ValueError("a ledger entry's max_tokens is at least 1")
         return cls(
             checked_count(d.get("need")),
-            tuple(checked_count(h) for h in hit),
+            hit,
             steps,
             checked_time(d.get("started_at")),
         )
