@@ -53,15 +53,19 @@ class Worker:
     def model(self) -> str | None:
         return self.state.get("model")
 
-    def queued(self) -> int:
-        """Requests waiting at the worker now beyond its running batch (`max_num_seqs`): what
-        it last reported holding, plus what the gateways sent it since, less what finished
-        since; at least what the gateways have open on it. Exact between polls for the gateways'
-        traffic (another replica's within a pub/sub round trip), where the report alone would
-        lag by up to a poll interval both ways."""
+    def held(self) -> int:
+        """Requests at the worker now, as far as its last state and the gateways' traffic since
+        tell: what it reported waiting or running, plus what was sent to it since, less what
+        finished since."""
         s = self.state
-        held = s.get("waiting", 0) + s.get("running", 0) + self.sent_since_poll - self.done_since_poll
-        return max(0, max(held, self.in_flight + self.shared_in_flight) - s.get("max_num_seqs", 256))
+        return s.get("waiting", 0) + s.get("running", 0) + self.sent_since_poll - self.done_since_poll
+
+    def queued(self) -> int:
+        """Requests waiting at the worker now beyond its running batch (`max_num_seqs`): what it
+        holds (`held`), at least what the gateways have open on it. Exact between polls for the
+        gateways' traffic (another replica's within a pub/sub round trip), where the report
+        alone would lag by up to a poll interval both ways."""
+        return max(0, max(self.held(), self.in_flight + self.shared_in_flight) - self.state.get("max_num_seqs", 256))
 
 
 DRAINING = "it is draining"
@@ -81,13 +85,10 @@ def out_of_service(state: dict, stall_s: float) -> str | None:
 
 
 def idle(w: Worker) -> bool:
-    """Whether `w` holds no request now, as far as its last state and this gateway's own traffic
-    since then tell: what it reported waiting or running, plus what was sent to it since, less
-    what finished since, is nothing, and nothing is in flight on it. A request reaching it from
-    elsewhere shows in its next KV-event answer (its prefill stores blocks)."""
-    s = w.state
-    held = s.get("waiting", 0) + s.get("running", 0) + w.sent_since_poll - w.done_since_poll
-    return w.healthy and w.out is None and held <= 0 and not (w.in_flight or w.shared_in_flight)
+    """Whether `w` holds no request now: nothing `held` there and nothing in flight on it. A
+    request reaching it from elsewhere shows in its next KV-event answer (its prefill stores
+    blocks)."""
+    return w.healthy and w.out is None and w.held() <= 0 and not (w.in_flight or w.shared_in_flight)
 
 
 def less_held(base: WorkerView, ended: int) -> dict[str, int]:
