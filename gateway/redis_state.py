@@ -73,7 +73,6 @@ class RedisState:
         self.outbox: asyncio.Queue[str] | None = None  # lines for SHARE_CHANNEL
         self.ledgers = SharedLedgers(fleet, self.replica)
         self.malformed = 0  # lines from other replicas that did not parse
-        self._own = (f"{self.replica} ".encode(), json.dumps({"replica": self.replica})[:-1].encode() + b",")
         self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
         self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
 
@@ -329,11 +328,8 @@ class RedisState:
                     self._message(msg["data"])
 
     def _message(self, data: bytes) -> None:
-        """Another replica's lines, applied in order; a line that does not parse is counted and
-        dropped. A message of this replica's own (all its lines are one sender's) is skipped
-        unread."""
-        if data.startswith(self._own):
-            return
+        """A replica's lines, applied in order (this replica's own are ignored, as `_delta` and
+        `SharedLedgers.apply` rule); a line that does not parse is counted and dropped."""
         for line in data.split(b"\n"):
             try:
                 if line.startswith(b"{"):

@@ -214,8 +214,8 @@ def test_packed_lines_keep_their_order_within_the_size(lines, limit):
 
 def test_one_message_of_lines_applies_each_and_drops_only_the_bad_ones():
     """A message holds one flush of another replica's lines: deltas and notes are applied in
-    order, a malformed line is counted and the rest still land; this replica's own message
-    is skipped unread."""
+    order, a malformed line is counted and the rest still land; this replica's own lines
+    change nothing."""
     fleet = fleet_of(2)
     state = RedisState("redis://127.0.0.1:1/0", fleet, "secret", replica_id="b")
     sent = json.dumps({"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r1", "sent": GOOD_SENT})
