@@ -50,7 +50,7 @@ def engine_part(model: str, device: str, block: int) -> dict:
     )
     first = run_alone(engine, "a", a, 8)
     hashes = engine.pool.resident_hashes()
-    before = {h: engine.read_blocks([engine.pool._by_hash[h]]).clone() for h in hashes}
+    before = {h: engine.executor.read_blocks([engine.pool._by_hash[h]]).clone() for h in hashes}
     run_alone(engine, "b", b, 2)
     spilled = [h for h in hashes if h not in engine.pool._by_hash and h in engine.pool.host]
     outs: dict[str, list] = {"c": [], "a2": []}
@@ -65,7 +65,7 @@ def engine_part(model: str, device: str, block: int) -> dict:
             c_during += "c" in stepped
     again = [t for o in outs["a2"] for t in o.token_ids]
     back = [h for h in spilled if h in engine.pool._by_hash]
-    same_kv = all(torch.equal(engine.read_blocks([engine.pool._by_hash[h]]), before[h]) for h in back)
+    same_kv = all(torch.equal(engine.executor.read_blocks([engine.pool._by_hash[h]]), before[h]) for h in back)
     c_tokens = [t for o in outs["c"] for t in o.token_ids]
     alone = Engine(TorchRunner(model, 64, block, device=device), tok, EngineConfig("m", block, 64, 512, 8))
     c_ref = run_alone(alone, "c", c, 40)

@@ -64,7 +64,7 @@ class Pair:
         self.prefill = NixlTransfer(writer_service, FakeAgent("p", 16, on_write))
         app = Starlette(routes=self.service.routes())
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d")
-        hashes = block_hashes(PROMPT, 4, self.engine.kv_seed)
+        hashes = block_hashes(PROMPT, 4, self.engine.kv.seed)
         self.header = encode_header(self.service.spec, hashes, [PROMPT[i : i + 4] for i in (0, 4, 8)], None)
 
     def pool(self, fn):
@@ -241,7 +241,7 @@ def test_a_write_that_never_completes_falls_back_to_http_into_other_blocks(monke
     sender = TransferService(prefill, "m", TOKEN)
     sender.nixl = NixlTransfer(sender, FakeAgent("p", 16, lost_write))
     sender.client = pair.client
-    hashes = block_hashes(PROMPT, 4, pair.engine.kv_seed)
+    hashes = block_hashes(PROMPT, 4, pair.engine.kv.seed)
 
     def published(p) -> dict[int, int]:
         return {b.hash: b.block_id for b in p.blocks if b.hash is not None}

@@ -35,7 +35,6 @@ from workers.kv_manager import KVCacheManager
 from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
 from workers.pending import PendingKV
 from workers.request import FINISHED, Request
-from workers.transfer import KVPayload, KVSpec, Reservation, executor_spec, publish, reserve
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Sampled, Scheduler, StepPlan
 from workers.step_stats import StepRecord, StepStats, step_means
@@ -454,58 +453,6 @@ class Engine:
                 self.worker_id, self.events.last_seq, self.pool.resident_hashes(), self.pool.tier_hashes()
             )
         )
-
-    # the KV host: what P/D transfer does to this engine's cache (workers/transfer*.py)
-
-    @property
-    def kv_seed(self) -> int:
-        """The block-hash chain's seed: imported hashes are re-derived from it and the tokens."""
-        return self.kv.seed
-
-    def hold_for_export(self, block_ids: list[int]) -> list:
-        """Engine thread (an exporter): take a reference on blocks until they are sent."""
-        self.stats.kv_exported_blocks += len(block_ids)
-        return self.pool.hold(block_ids)
-
-    def release(self, blocks: list) -> Future:
-        """Let go of held or reserved blocks."""
-        return self.call(lambda: self.pool.free(blocks))
-
-    def reserve_kv(self, payload: KVPayload) -> Future:
-        """A future of the blocks an import writes into (`workers.transfer.reserve`)."""
-        return self.call(lambda: reserve(self.pool, payload))
-
-    def publish_kv(self, payload: KVPayload, res: Reservation) -> Future:
-        """A future of (imported, present) once the written blocks enter the prefix cache."""
-
-        def run() -> tuple[int, int]:
-            imported, present = publish(self.pool, payload, res)
-            self.stats.kv_imported_blocks += imported
-            return imported, present
-
-        return self.call(run)
-
-    # the executor's KV data, for transfer: called off the engine thread on blocks held or reserved
-
-    def kv_spec(self, model: str) -> KVSpec:
-        """The layout of this worker's K/V blocks as transfer headers describe it."""
-        return executor_spec(model, self.config.block_size, self.executor)
-
-    def kv_cache_tensor(self) -> object | None:
-        """The executor's whole KV cache tensor (what NIXL registers), None without one (sim)."""
-        return getattr(self.executor, "kv_cache", None)
-
-    def read_blocks(self, block_ids: list[int]) -> object:
-        """The K/V of held blocks: a device tensor, or bytes where the executor has no tensor."""
-        return self.executor.read_blocks(block_ids)
-
-    def kv_bytes(self, kv: object) -> bytes:
-        """The bytes of what `read_blocks` gave, as the HTTP transport streams them."""
-        return self.executor.to_bytes(kv)
-
-    def write_blocks(self, block_ids: list[int], data: object, positions: object, num_blocks: int) -> None:
-        """Write an import's K/V into reserved blocks (before `publish_kv` makes them visible)."""
-        self.executor.import_blocks(block_ids, data, positions, num_blocks)
 
     @property
     def computes_logprobs(self) -> bool:

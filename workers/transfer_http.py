@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from workers.background import background
 from workers.internal_auth import TOKEN_HEADER, token_matches
+from workers.kv_host import KVHost
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
 from workers.tracing import WorkerTracing
@@ -37,10 +38,10 @@ class TransferService:
         transport: str = "http",
         nixl_quarantine_s: float | None = None,
     ):
-        self.engine = engine
+        self.host = KVHost(engine)
         self.token = token
         self.transport = transport
-        self.spec = engine.kv_spec(served_model)
+        self.spec = self.host.spec(served_model)
         self.client: httpx.AsyncClient | None = None
         self.sent_bytes = dict.fromkeys(TRANSPORTS, 0)  # exports' bytes and seconds, by the transport that moved them
         self.sent_seconds = dict.fromkeys(TRANSPORTS, 0.0)
@@ -49,7 +50,7 @@ class TransferService:
         self.backlog_bytes = 0  # their K/V bytes: what is ahead of a new export on this link
         self.received_seconds = {"body": 0.0, "decode": 0.0, "import": 0.0}
         self.tracing = WorkerTracing()  # the server's, once it sets it
-        self.nixl = self._start_nixl(engine.worker_id, nixl_quarantine_s) if transport == "nixl" else None
+        self.nixl = self._start_nixl(self.host.worker_id, nixl_quarantine_s) if transport == "nixl" else None
 
     def _start_nixl(self, worker_id: str, quarantine_s: float | None):
         """The NIXL side of this worker (workers/transfer_nixl.py), or None, with HTTP in its
@@ -86,7 +87,7 @@ class TransferService:
         `span` is the request's, which the export's span is a child of."""
 
         def export(hashes: list[int], tokens: list[list[int]], block_ids: list[int], parent: int | None) -> None:
-            held = self.engine.hold_for_export(block_ids)
+            held = self.host.hold_for_export(block_ids)
             loop.call_soon_threadsafe(self._start_send, url, hashes, tokens, held, cache_salt, span, parent)
 
         return export
@@ -141,16 +142,16 @@ class TransferService:
             if self.nixl is not None:
                 if await self.nixl.send(self._client(), url, header, ids, headers or {}):
                     return True
-            kv = await asyncio.to_thread(self.engine.read_blocks, ids)
+            kv = await asyncio.to_thread(self.host.read_blocks, ids)
         finally:
-            self.engine.release(held)
+            self.host.release(held)
         if self.transport == "ipc" and not isinstance(kv, bytes):
             from workers.transfer_ipc import share
 
             if await self._post(url, [header, share(kv)], "ipc", kv.nbytes, headers):
                 return True
         if not isinstance(kv, bytes):
-            kv = await asyncio.to_thread(self.engine.kv_bytes, kv)
+            kv = await asyncio.to_thread(self.host.to_bytes, kv)
         view = memoryview(kv)
         pieces = [header] + [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)]
         return await self._post(url, pieces, "http", len(kv), headers)
@@ -216,7 +217,7 @@ class TransferService:
         ipc = request.headers.get("content-type") == "application/x-kvgate-ipc"
         t1 = time.perf_counter()
         try:
-            payload = await asyncio.to_thread(decode, body, self.spec, self.engine.kv_seed, ipc)
+            payload = await asyncio.to_thread(decode, body, self.spec, self.host.kv_seed, ipc)
         except InvalidRequest as e:
             return JSONResponse(error_body(str(e), code=e.code), status_code=400)
         except Exception as e:
@@ -247,17 +248,17 @@ class TransferService:
     async def _import(self, payload: KVPayload) -> tuple[int, int]:
         """Reserve, write, publish. Run as its own task: cancelled half-way it would leave blocks
         held, or freed while a thread still writes them."""
-        eng = self.engine
-        res = await asyncio.wrap_future(eng.reserve_kv(payload))
+        host = self.host
+        res = await asyncio.wrap_future(host.reserve(payload))
         try:
             if res.fresh:
                 await asyncio.to_thread(
-                    eng.write_blocks, res.fresh_ids, payload.data, res.positions, len(payload.hashes)
+                    host.write_blocks, res.fresh_ids, payload.data, res.positions, len(payload.hashes)
                 )
         except Exception:
-            eng.release(res.blocks)
+            host.release(res.blocks)
             raise
-        return await asyncio.wrap_future(eng.publish_kv(payload, res))
+        return await asyncio.wrap_future(host.publish(payload, res))
 
     def stats(self) -> dict:
         return {

@@ -16,7 +16,7 @@ class TransferCollector:
     rule over them needs no `or vector(0)`."""
 
     def __init__(self, transfer: TransferService, model: str):
-        self.transfer, self.labels = transfer, [model, transfer.engine.worker_id]
+        self.transfer, self.labels = transfer, [model, transfer.host.worker_id]
 
     def collect(self):
         t, nixl = self.transfer, self.transfer.nixl

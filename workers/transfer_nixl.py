@@ -151,7 +151,7 @@ class NixlTransfer:
     @classmethod
     def start(cls, service, worker_id: str, quarantine_s: float | None = None) -> "NixlTransfer":
         """Register the executor's KV cache with a fresh agent; raises NixlError when it cannot."""
-        kv_cache = service.engine.kv_cache_tensor()
+        kv_cache = service.host.cache_tensor()
         if kv_cache is None:
             raise NixlError("this executor has no KV cache tensor to register")
         return cls(service, NixlAgent(f"kvgate-{worker_id}-{uuid.uuid4().hex[:8]}", kv_cache), quarantine_s)
@@ -172,10 +172,10 @@ class NixlTransfer:
         """POST /kv/nixl/reserve: verify a header-only transfer, hold its blocks, answer a Grant."""
         if not self.service.authorised(request):
             return _forbidden()
-        svc, eng = self.service, self.service.engine
+        svc, host = self.service, self.service.host
         try:
             body = await read_body(request, MAX_HEADER_BYTES)
-            payload, _ = await asyncio.to_thread(decode_header, body, svc.spec, eng.kv_seed)
+            payload, _ = await asyncio.to_thread(decode_header, body, svc.spec, host.kv_seed)
         except BodyTooLarge as e:
             return JSONResponse(error_body(str(e), code="bad_kv_transfer"), status_code=413)
         except InvalidRequest as e:
@@ -186,8 +186,8 @@ class NixlTransfer:
     async def _reserve(self, payload: KVPayload) -> Grant:
         """Hold the blocks and start the clock on them. Its own task: a caller that goes away
         half-way must not leave blocks held with no timer to let them go."""
-        eng = self.service.engine
-        res = await asyncio.wrap_future(eng.reserve_kv(payload))
+        host = self.service.host
+        res = await asyncio.wrap_future(host.reserve(payload))
         rid = uuid.uuid4().hex
         ttl = RESERVE_BASE_S + len(res.fresh) * self.service.spec.block_bytes() / (RESERVE_MIN_GBPS * 1e9)
         timer = asyncio.get_running_loop().call_later(ttl, self._expire, rid)
@@ -226,7 +226,7 @@ class NixlTransfer:
         """Let go of the reservation's blocks but the fresh ones, which its WRITE may still land
         in: those are held for the quarantine's bound, or until a settled commit for `rid`."""
         fresh = {id(b) for b in held.res.fresh}
-        self.service.engine.release([b for b in held.res.blocks if id(b) not in fresh])
+        self.service.host.release([b for b in held.res.blocks if id(b) not in fresh])
         bound = held.ttl_s if self.quarantine_s is None else self.quarantine_s
         timer = asyncio.get_running_loop().call_later(bound, self._end_quarantine, rid)
         self.quarantined[rid] = Quarantined(list(held.res.fresh), timer)
@@ -237,7 +237,7 @@ class NixlTransfer:
         if q is not None:
             self.quarantine_releases["timed_out"] += 1
             log.warning("KV reservation %s: no settled commit; its %d blocks go back to the pool", rid, len(q.blocks))
-            self.service.engine.release(q.blocks)
+            self.service.host.release(q.blocks)
 
     def _settled(self, rid: str) -> Response:
         """A commit for a quarantined reservation that says its WRITE is over: let the blocks go
@@ -245,7 +245,7 @@ class NixlTransfer:
         q = self.quarantined.pop(rid)
         q.timer.cancel()
         self.quarantine_releases["completed"] += 1
-        self.service.engine.release(q.blocks)
+        self.service.host.release(q.blocks)
         return JSONResponse(error_body("the KV reservation had expired", code="kv_reservation_gone"), status_code=409)
 
     async def commit_endpoint(self, request: Request) -> Response:
@@ -270,14 +270,14 @@ class NixlTransfer:
                 error_body("no such KV reservation (expired or committed)", code="kv_reservation_gone"), status_code=409
             )
         held.timer.cancel()
-        eng = self.service.engine
+        host = self.service.host
         if not ok:
             if not settled:
                 self._quarantine(rid, held)
                 return JSONResponse({"quarantined": len(held.res.fresh)})
-            eng.release(held.res.blocks)
+            host.release(held.res.blocks)
             return JSONResponse({"released": len(held.res.blocks)})
-        imported, present = await asyncio.wrap_future(eng.publish_kv(held.payload, held.res))
+        imported, present = await asyncio.wrap_future(host.publish(held.payload, held.res))
         self.committed += 1
         return JSONResponse(
             {"imported": imported, "present": present, "dropped": len(held.payload.hashes) - imported - present}
