@@ -99,6 +99,7 @@ class FleetSim:
         self.delivering: dict[int, Request] = {}
         self.records: list[dict] = []
         self.events_processed = 0
+        self.ended = False  # a request ended in the event being handled (`on_ended`)
         # per D: decode requests waiting for their KV (their timeout is a KV_TIMEOUT event)
         self.held = [PendingKV(w.kv) for w in self.workers]
         # event seq -> (decode request, D, first block, hashes, parent) of a batch in transit
@@ -171,7 +172,7 @@ class FleetSim:
         cfg = self.cfg
         n = len(br.prompt)
         if n + 1 > cfg.sim.num_blocks * cfg.sim.block_size or n + br.max_tokens > cfg.sim.max_model_len:
-            self._failed(now, n, "too_long: the prompt does not fit one worker")
+            self.failed(now, n, "too_long: the prompt does not fit one worker")
             return
         hashes = self.hasher.hashes(br.prompt)
         self._index_events()
@@ -188,7 +189,7 @@ class FleetSim:
         matches = self.index.match(hashes)
         route = self.policy.route(view, FleetView(self.views(matches, self.index.slow_blocks(hashes, matches)), now))
         if route.reject:
-            self._failed(now, n, f"rejected: {route.reject}")
+            self.failed(now, n, f"rejected: {route.reject}")
             return
         i = int(route.worker[1:])
         self.ledgers[i].add(view.request_id, Sent.routed(view, route, cfg.sim.block_size))
@@ -319,6 +320,7 @@ class FleetSim:
 
     def _finished(self, req: Request, now: float, i: int) -> None:
         del self.live[req.request_id]
+        self.ended = True
         self.ledgers[i].end(req.request_id)
         self.in_flight[i] -= 1
         self._refresh(i)
@@ -344,7 +346,8 @@ class FleetSim:
             }
         )
 
-    def _failed(self, arrival_s: float, n: int, error: str) -> None:
+    def failed(self, arrival_s: float, n: int, error: str) -> None:
+        """Record a request that never ran (refused, too long, unfinished) as an SLO miss."""
         self.records.append(
             {
                 "arrival_s": arrival_s,
@@ -361,6 +364,10 @@ class FleetSim:
         )
 
     # the event loop
+
+    def on_ended(self) -> None:
+        """A subclass's hook, run after an event in which requests ended (never inside a
+        step): a gateway-side queue serves itself here (experiments/pool_oracle.py)."""
 
     def run(
         self, requests: Iterable[BenchRequest], duration_s: float, progress: Callable[[float, int], None] | None = None
@@ -411,6 +418,9 @@ class FleetSim:
                 self._kv_timeout(self.timeouts.pop(seq), i, t)
             elif seq == self.version[i]:
                 self._schedule_step(i, self.workers[i].advance(t))
+            if self.ended:
+                self.ended = False
+                self.on_ended()
             if progress and self.events_processed % 4096 == 0 and time.monotonic() - last_report > 2:
                 last_report = time.monotonic()
                 progress(t, len(self.records))
@@ -418,7 +428,7 @@ class FleetSim:
         for req, _ in list(self.live.values()):
             if req.request_id.endswith(PREFILL_SUFFIX):
                 continue
-            self._failed(req.arrival, req.num_prompt, "unfinished: still running when the simulation stopped")
+            self.failed(req.arrival, req.num_prompt, "unfinished: still running when the simulation stopped")
         return self.records
 
 

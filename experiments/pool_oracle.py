@@ -38,7 +38,6 @@ from bench.workloads import BenchRequest, WorkloadConfig, generate
 from policies.api import FleetView, RequestView, Route
 from policies.ledger import first_come_start
 from workers.kv.cost_model import CostModel
-from workers.request import Request
 
 
 class Oracle:
@@ -94,55 +93,45 @@ class QueuedFleet(FleetSim):
         super().__init__(self.placed, cfg)
         self.oracle, self.order = oracle, order
         self.queue: list[BenchRequest] = []
-        self.serving = self.due = False
 
     def route(self, br: BenchRequest) -> None:
         self.now = max(self.now, br.arrival_s)
         self.queue.append(br)
         self.serve()
 
-    def _finished(self, req: Request, now: float, i: int) -> None:
-        super()._finished(req, now, i)
-        self.due = True
-
-    def _schedule_step(self, i: int, t: float | None) -> None:
-        """After a worker's step (never inside one) serve the queue if a request ended in it."""
-        super()._schedule_step(i, t)
-        if self.due and not self.serving:
-            self.due = False
-            self.serve()
+    def on_ended(self) -> None:
+        """Serve the queue after each event in which requests ended."""
+        self.serve()
 
     def serve(self) -> None:
-        self.serving = True
-        try:
-            now, waiting = self.now, []
-            for br in self.queue:
-                if now - br.arrival_s > self.oracle.budget_s(len(br.prompt)):
-                    self._failed(br.arrival_s, len(br.prompt), f"rejected: waited {now - br.arrival_s:.2f} s")
-                else:
-                    waiting.append(br)
-            if self.order == "smallest":
-                waiting.sort(key=lambda b: len(b.prompt))
-            self.queue = []
-            for br in waiting:
-                start, i = min(
-                    (self.oracle.start_s(w, len(br.prompt), br.max_tokens), i) for i, w in enumerate(self.workers)
-                )
-                if start > 0.0:
-                    self.queue.append(br)
-                    continue
-                self.placed.worker = self.workers[i].worker_id
-                super().route(replace(br, arrival_s=now))
-                self.live[str(br.index)][0].arrival = br.arrival_s
-        finally:
-            self.serving = False
+        """Refuse what waited past its budget, then send each waiting request, in the queue's
+        order, to a worker that starts it at once."""
+        now, waiting = self.now, []
+        for br in self.queue:
+            if now - br.arrival_s > self.oracle.budget_s(len(br.prompt)):
+                self.failed(br.arrival_s, len(br.prompt), f"rejected: waited {now - br.arrival_s:.2f} s")
+            else:
+                waiting.append(br)
+        if self.order == "smallest":
+            waiting.sort(key=lambda b: len(b.prompt))
+        self.queue = []
+        for br in waiting:
+            start, i = min(
+                (self.oracle.start_s(w, len(br.prompt), br.max_tokens), i) for i, w in enumerate(self.workers)
+            )
+            if start > 0.0:
+                self.queue.append(br)
+                continue
+            self.placed.worker = self.workers[i].worker_id
+            super().route(replace(br, arrival_s=now))
+            self.live[str(br.index)][0].arrival = br.arrival_s
 
     def run(
         self, requests: Iterable[BenchRequest], duration_s: float, progress: Callable[[float, int], None] | None = None
     ) -> list[dict]:
         records = super().run(requests, duration_s, progress)
         for br in self.queue:
-            self._failed(br.arrival_s, len(br.prompt), "unfinished: still queued when the simulation stopped")
+            self.failed(br.arrival_s, len(br.prompt), "unfinished: still queued when the simulation stopped")
         return records
 
 
