@@ -85,11 +85,14 @@ class Bench:
         self.workers: list[Worker] = []
         self.text = as_text(load_tokenizer(args.model))
 
-    def start_fleet(self) -> list[str]:
+    def start_fleet(self, redis: str | None = None) -> list[str]:
+        """Start the sim workers; with `redis`, each also publishes its KV events and
+        registration there (gateways on that Redis read them instead of following each worker)."""
         a = self.args
         extra = ["--sim-profile", a.profile, "--num-blocks", str(a.num_blocks), "--internal-token", self.token]
         self.workers = [
-            Worker("sim", f"sim{i}", extra=extra, model=a.model, log_dir=a.log_dir) for i in range(a.workers)
+            Worker("sim", f"sim{i}", redis=redis, extra=extra, model=a.model, log_dir=a.log_dir)
+            for i in range(a.workers)
         ]
         for w in self.workers:
             w.ready(300)

@@ -97,6 +97,12 @@ def main() -> None:
     p.add_argument("--rates", default="16,19,21")
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--log-dir")
+    p.add_argument(
+        "--workers-on-redis",
+        action="store_true",
+        help="the workers publish their KV events to the replicas' Redis, which the replicas read "
+        "instead of following each worker's /kv/events",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -108,7 +114,7 @@ def main() -> None:
     redis = procs.wait_redis(procs.start_redis(log_dir=a.log_dir))
     url = f"redis://127.0.0.1:{redis.port}/0"
     try:
-        urls = bench.start_fleet()
+        urls = bench.start_fleet(url if a.workers_on_redis else None)
         for spec in a.fleet:
             code, n, *args = spec.split(":")
             rounds[spec] += 1
@@ -142,6 +148,7 @@ def main() -> None:
         "workload": a.workload,
         "policy": a.policy,
         "duration_s": a.duration,
+        "workers_on_redis": a.workers_on_redis,
         "goodput_rps": {
             label: rep.goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs]) for label, runs in series.items()
         },
