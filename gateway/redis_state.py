@@ -73,6 +73,7 @@ class RedisState:
         self.outbox: asyncio.Queue[str] | None = None  # lines for SHARE_CHANNEL
         self.ledgers = SharedLedgers(fleet, self.replica)
         self.malformed = 0  # lines from other replicas that did not parse
+        self.malformed_entries = 0  # KV-event stream entries that did not parse
         self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
         self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
 
@@ -273,11 +274,20 @@ class RedisState:
                     self.cursors[pool] = entry_id
 
     def _apply(self, fields: dict) -> None:
-        wid, ev = rs.decode_event(fields)
+        """One stream entry: a flush of one worker's events; a snapshot among them (the worker
+        rewrote its sets) or a gap means resync. A malformed entry is counted and skipped."""
+        try:
+            wid, events = rs.decode_events(fields)
+        except ValueError as e:
+            self.malformed_entries += 1
+            if self.malformed_entries == 1 or self.malformed_entries % 1000 == 0:
+                log.warning("skipped a malformed KV-event entry in redis (%d so far): %s", self.malformed_entries, e)
+            return
         w = self.fleet.by_id(wid)
         if w is None or not w.redis_residency or self.index.seq(wid) is None:
             return
-        if ev.kind == rs.SNAPSHOT or self.index.apply(EventBatch(wid, [ev], ev.seq)) == RESYNC:
+        snapshot = any(ev.kind == rs.SNAPSHOT for ev in events)
+        if snapshot or self.index.apply(EventBatch(wid, events, events[-1].seq)) == RESYNC:
             self.index.drop(wid)  # the registry loop resyncs it from the set
 
     # shared in-flight load

@@ -74,8 +74,8 @@ def test_worker_publishes_its_set_events_and_heartbeat(cluster):
     beat = json.loads(r.get(rs.heartbeat_key(MODEL, w.worker_id)))
     assert beat["url"] == w.url and beat["state"]["worker_id"] == w.worker_id
     assert 0 < r.pttl(rs.heartbeat_key(MODEL, w.worker_id)) <= 3000
-    entries = [rs.decode_event(f) for _, f in r.xrange(rs.stream_key(MODEL))]
-    mine = [ev for wid, ev in entries if wid == w.worker_id]
+    entries = [rs.decode_events(f) for _, f in r.xrange(rs.stream_key(MODEL))]
+    mine = [ev for wid, evs in entries if wid == w.worker_id for ev in evs]
     assert mine[0].kind == rs.SNAPSHOT and any(ev.kind == "stored" for ev in mine)
     stored = {h for ev in mine if ev.kind == "stored" for h in ev.hashes}
     assert set(snap["hashes"]) <= stored

@@ -141,12 +141,7 @@ class RedisPublisher:
                 for i in range(0, len(tier), SADD_CHUNK):
                     p.sadd(res, *tier[i : i + SADD_CHUNK])
             p.set(rs.seq_key(self.pool, self.worker_id), seq)
-            p.xadd(
-                rs.stream_key(self.pool),
-                rs.encode_event(self.worker_id, KVEvent(seq, rs.SNAPSHOT)),  # type: ignore[arg-type]  # stub: invariant dict
-                maxlen=rs.STREAM_MAXLEN,
-                approximate=True,
-            )
+            self._xadd(p, [KVEvent(seq, rs.SNAPSHOT)])
             self._heartbeat(p)
             await p.execute()
         self._published = seq
@@ -169,8 +164,8 @@ class RedisPublisher:
             if not events and not beat:
                 continue
             async with r.pipeline(transaction=True) as p:
-                for ev in events:
-                    self._event(p, ev)
+                if events:
+                    self._events(p, events)
                 if beat:
                     self._heartbeat(p)
                     next_beat = time.monotonic() + self.heartbeat_s
@@ -193,16 +188,22 @@ class RedisPublisher:
             expect += 1
         return out
 
-    def _event(self, p, ev: KVEvent) -> None:
-        res = rs.resident_key(self.pool, self.worker_id, ev.medium)
-        if ev.kind == STORED and ev.hashes:
-            p.sadd(res, *ev.hashes)
-        elif ev.kind == REMOVED and ev.hashes:
-            p.srem(res, *ev.hashes)
-        elif ev.kind == CLEARED:
-            p.delete(*rs.resident_keys(self.pool, self.worker_id))
-        p.set(rs.seq_key(self.pool, self.worker_id), ev.seq)
-        p.xadd(rs.stream_key(self.pool), rs.encode_event(self.worker_id, ev), maxlen=rs.STREAM_MAXLEN, approximate=True)
+    def _events(self, p, events: list[KVEvent]) -> None:
+        """Apply the events to the resident sets, move the seq, and add them to the stream as one entry."""
+        for ev in events:
+            res = rs.resident_key(self.pool, self.worker_id, ev.medium)
+            if ev.kind == STORED and ev.hashes:
+                p.sadd(res, *ev.hashes)
+            elif ev.kind == REMOVED and ev.hashes:
+                p.srem(res, *ev.hashes)
+            elif ev.kind == CLEARED:
+                p.delete(*rs.resident_keys(self.pool, self.worker_id))
+        p.set(rs.seq_key(self.pool, self.worker_id), events[-1].seq)
+        self._xadd(p, events)
+
+    def _xadd(self, p, events: list[KVEvent]) -> None:
+        entry = rs.encode_events(self.worker_id, events)
+        p.xadd(rs.stream_key(self.pool), entry, maxlen=rs.STREAM_MAXLEN, approximate=True)
 
     def _heartbeat(self, p) -> None:
         reg = rs.Registration(self.worker_id, self.advertise_url, self.pool, time.time(), self.state())

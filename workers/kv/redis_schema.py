@@ -10,7 +10,8 @@ served model: their block hashes share a seed, so their residency is comparable.
   kvgate:{pool}:res:{worker}       set of the worker's resident block hashes (decimal)
   kvgate:{pool}:res-host:{worker}  the same for its host tier (res-disk: its disk tier)
   kvgate:{pool}:seq:{worker}       the event seq the set is current to
-  kvgate:{pool}:events             stream of KV events, fields w s k h p [m] (see encode_event)
+  kvgate:{pool}:events             stream of KV events, an entry per flush of one worker: fields
+                                   w (the worker) and e (a line per event; see encode_events)
   kvgate:{pool}:nixl:{agent}       a worker's NIXL agent metadata and cache layout (a signed
                                    AgentRecord), expires (the heartbeat's TTL), by agent name
   kvgate:replicas                  set of gateway replica ids
@@ -33,7 +34,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit, urlunsplit
 
-from workers.kv.events import DEVICE, MEDIA, KVEvent
+from collections.abc import Sequence
+
+from workers.kv.events import CLEARED, DEVICE, MEDIA, REMOVED, STORED, KVEvent
 
 PREFIX = "kvgate"
 POOLS = f"{PREFIX}:pools"
@@ -80,30 +83,42 @@ def inflight_key(replica: str) -> str:
     return f"{PREFIX}:inflight:{replica}"
 
 
-def encode_event(worker_id: str, ev: KVEvent) -> dict[str, str]:
-    """A stream entry. Kind `snapshot` (no hashes) says the worker rewrote its set as of `s`.
-    `m` (the medium) only when not device: an entry without it is a device event."""
-    fields = {
-        "w": worker_id,
-        "s": str(ev.seq),
-        "k": ev.kind,
-        "h": " ".join(map(str, ev.hashes)),
-        "p": "" if ev.parent is None else str(ev.parent),
-    }
-    if ev.medium != DEVICE:
-        fields["m"] = ev.medium
-    return fields
+KINDS = (STORED, REMOVED, CLEARED, SNAPSHOT)
 
 
-def decode_event(fields: dict[bytes, bytes]) -> tuple[str, KVEvent]:
-    parent = fields.get(b"p", b"")
-    return fields[b"w"].decode(), KVEvent(
-        int(fields[b"s"]),
-        fields[b"k"].decode(),
-        tuple(map(int, fields.get(b"h", b"").split())),
-        int(parent) if parent else None,
-        medium=fields.get(b"m", b"").decode() or DEVICE,
+def encode_events(worker_id: str, events: Sequence[KVEvent]) -> dict[str, str]:
+    """One stream entry for the events of one flush, in seq order: `w` the worker, `e` a line
+    per event, `seq kind medium parent hash...` (parent `-` for none). Kind `snapshot` (no
+    hashes) says the worker rewrote its sets as of its seq. An entry a flush, not an event:
+    every gateway replica reads every entry, and redis-py's parsing of an entry cost a replica
+    several times what applying its event did."""
+    lines = (
+        f"{ev.seq} {ev.kind} {ev.medium} {'-' if ev.parent is None else ev.parent} {' '.join(map(str, ev.hashes))}"
+        for ev in events
     )
+    return {"w": worker_id, "e": "\n".join(lines)}
+
+
+def decode_events(fields: dict[bytes, bytes]) -> tuple[str, list[KVEvent]]:
+    """The worker and events of a stream entry; an entry without `e` is one event as workers
+    wrote it before entries were batched (fields s k h p [m]), so gateways can be upgraded
+    first. Raises ValueError for anything else: Redis's writers are not trusted to be well-formed."""
+    try:
+        wid = fields[b"w"].decode()
+        if b"e" not in fields:
+            old = [fields[b"s"], fields[b"k"], fields.get(b"m") or DEVICE.encode(), fields.get(b"p") or b"-"]
+            return wid, [_event([*old, *fields.get(b"h", b"").split()])]
+        return wid, [_event(line.split()) for line in fields[b"e"].split(b"\n")]
+    except (KeyError, IndexError, UnicodeDecodeError) as e:
+        raise ValueError(f"not a KV event entry: {e!r}") from None
+
+
+def _event(parts: list[bytes]) -> KVEvent:
+    kind, medium = parts[1].decode(), parts[2].decode()
+    if kind not in KINDS or medium not in MEDIA:
+        raise ValueError(f"not a KV event: kind {kind!r}, medium {medium!r}")
+    parent = None if parts[3] == b"-" else int(parts[3])
+    return KVEvent(int(parts[0]), kind, tuple(map(int, parts[4:])), parent, medium=medium)
 
 
 def ratelimit_key(key_name: str, limit: str) -> str:
