@@ -56,7 +56,8 @@ from policies.ledger import Sent
 from policies.predict import cached_tokens
 from workers.internal_auth import internal_headers
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
-from workers.protocol import error_body, new_id
+from workers.protocol import error_body
+from workers.responses import new_id
 
 log = logging.getLogger("kvgate.gateway")
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from workers.metrics import RequestClock
 from workers.outputs import RequestOutput
-from workers.protocol import ParsedRequest, chat_logprobs, completion_logprobs, usage
+from workers.protocol import ParsedRequest
+from workers.responses import chat_logprobs, completion_logprobs, usage
 
 
 @dataclass

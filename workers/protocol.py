@@ -1,4 +1,4 @@
-"""The OpenAI request/response shapes: parsing, validation, tokenization, errors.
+"""The OpenAI request shapes: parsing, validation, tokenization, errors (answers: workers/responses.py).
 
 Pure (no torch): the gateway imports it too, so the gateway and the workers turn the same
 request into the same token ids, and refuse the same bad input with the same 400, by running
@@ -8,14 +8,11 @@ is tokenized; a feature this server does not implement is refused, never silentl
 
 import math
 import re
-import time
-import uuid
 import weakref
 from typing import cast
 from dataclasses import dataclass, field, replace
 
 from workers.chat_template import chat_messages, render_chat
-from workers.outputs import TokenLogprobs
 from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
 
 # OpenAI and vLLM request fields this server does not implement, with the values that ask for nothing.
@@ -44,7 +41,6 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
 MAX_N = 128  # completions per prompt
 MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_CHOICES = 1024  # prompts x n
-LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has no -Infinity; vLLM's value)
 # On a whole (non-streaming) answer: ms from the worker's receipt of the request to its first
 # token, which the gateway adds to its own time before sending to get the client's TTFT.
 TTFT_HEADER = "x-kvgate-ttft-ms"
@@ -447,102 +443,3 @@ def _as_list(v, name: str, item_type: type) -> tuple:
     if isinstance(v, list) and all(type(x) is item_type for x in v):
         return tuple(v)
     raise InvalidRequest(f"'{name}' must be a {item_type.__name__} or a list of them", name)
-
-
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def usage(prompt: int, completion: int, cached: int) -> dict:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def chunk(
-    kind: str,
-    rid: str,
-    model: str,
-    text: str,
-    finish: str | None,
-    first: bool = False,
-    token_ids: list[int] | None = None,
-    index: int = 0,
-    logprobs: dict | None = None,
-) -> dict:
-    """One streaming chunk (`text_completion` or `chat.completion.chunk`) of choice `index`."""
-    if kind == "chat":
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = "text_completion"
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
-
-
-def choice(
-    kind: str,
-    index: int,
-    text: str,
-    finish: str | None,
-    logprobs: dict | None = None,
-    token_ids: list[int] | None = None,
-) -> dict:
-    """One choice of a whole answer."""
-    if kind == "chat":
-        out = {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
-    else:
-        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    if token_ids is not None:
-        out["token_ids"] = token_ids
-    return out
-
-
-def full_response(kind: str, rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, "usage": use}
-
-
-def _logprob(x: float) -> float:
-    return max(x, LOGPROB_FLOOR)
-
-
-def chat_logprobs(entries: list[TokenLogprobs], decode) -> dict:
-    """OpenAI's chat `logprobs` object for these output tokens; `decode(id)` is a token's text."""
-
-    def item(token_id: int, lp: float) -> dict:
-        text = decode(token_id)
-        return {"token": text, "logprob": _logprob(lp), "bytes": list(text.encode())}
-
-    return {
-        "content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
-    }
-
-
-def completion_logprobs(entries: list[TokenLogprobs], decode, offset: int) -> dict:
-    """OpenAI's completions `logprobs` object for these output tokens, whose text starts at
-    character `offset` of the choice's text. Each `top_logprobs` entry also holds the sampled
-    token, as vLLM's do."""
-    tokens = [decode(e.token_id) for e in entries]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    top = [{decode(t): _logprob(lp) for t, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries]
-    return {
-        "text_offset": offsets,
-        "token_logprobs": [_logprob(e.logprob) for e in entries],
-        "tokens": tokens,
-        "top_logprobs": top,
-    }

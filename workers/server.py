@@ -29,17 +29,8 @@ from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx, error, wait_disconn
 from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
 from workers.prefix_tokens import PrefixTokenizer
-from workers.protocol import (
-    TTFT_HEADER,
-    ParsedRequest,
-    choice,
-    chunk,
-    error_body,
-    full_response,
-    new_id,
-    parse_request,
-    tokenize_body,
-)
+from workers.protocol import TTFT_HEADER, ParsedRequest, error_body, parse_request, tokenize_body
+from workers.responses import choice, chunk, full_response, new_id
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
 from workers.tracing import WorkerTracing
