@@ -36,7 +36,7 @@ from gateway.fleet import Fleet
 from gateway.worker import Worker
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake, refused
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, RedisCollector
 from gateway.proxy import (
     ClientGone,
     PassThrough,
@@ -102,6 +102,7 @@ class Gateway:
         self.exchange = Exchange(fleet, self.proxy, self.metrics, self.account, self.headers, pd_wait_ms)
         if redis is not None:
             redis.ledgers.on_routed = self.observe_routed
+            self.metrics.registry.register(RedisCollector(redis))
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),

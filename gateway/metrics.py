@@ -75,6 +75,43 @@ class _FleetCollector:
         yield from (healthy, flight, shared, ledger, blocks, lag, probes)
 
 
+class RedisCollector:
+    """What an operator needs to see of a gateway's Redis: whether it routes on it (else the
+    embedded path: residency from the workers, no load shared between replicas), what it
+    refused to read, and how many other replicas it hears from. Read from the RedisState at
+    scrape time."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        s = self.state
+        up = GaugeMetricFamily(
+            "kvgate_gateway_redis_up",
+            "1 while residency, discovery and shared load come from Redis; 0 on the embedded path",
+        )
+        up.add_metric([], 1.0 if s.up else 0.0)
+        bad = CounterMetricFamily(
+            "kvgate_gateway_redis_malformed",
+            "What this gateway read from Redis and dropped as malformed: another replica's shared "
+            "line (share_line) or a KV-event stream entry (event_entry)",
+            labels=["what"],
+        )
+        bad.add_metric(["share_line"], s.malformed)
+        bad.add_metric(["event_entry"], s.malformed_entries)
+        refused = GaugeMetricFamily(
+            "kvgate_gateway_redis_rejected_registrations",
+            "Registrations in Redis this gateway ignored at its last read of the registry (unsigned, "
+            "signed with another token or for another worker, not an http(s) URL): they get no requests",
+        )
+        refused.add_metric([], s.ignored)
+        replicas = GaugeMetricFamily(
+            "kvgate_gateway_redis_replicas", "Other gateway replicas whose in-flight load this one reads from Redis"
+        )
+        replicas.add_metric([], len(s.tables))
+        yield from (up, bad, refused, replicas)
+
+
 class GatewayMetrics:
     def __init__(self, fleet, policy: str = ""):
         self.fleet, self.policy = fleet, policy

@@ -63,6 +63,8 @@ def test_rules_use_only_exported_metrics():
         "KvgateKVCacheExhausted",
         "KvgateErrorRateHigh",
         "KvgateNixlWritesTimingOut",
+        "KvgateRedisDown",
+        "KvgateForeignRegistrations",
     }
 
 

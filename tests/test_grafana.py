@@ -18,14 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def exported_names() -> set[str]:
     from gateway.fleet import Fleet
     from gateway.index import ResidencyIndex
-    from gateway.metrics import GatewayMetrics
+    from gateway.metrics import GatewayMetrics, RedisCollector
+    from gateway.redis_state import RedisState
 
     eng = sim_engine()
     eng.submit("r", [3, 4, 5], SamplingParams(max_tokens=2), lambda o: None)
     drain(eng)
     worker = WorkerMetrics(eng)
     worker.registry.register(TransferCollector(TransferService(eng, "m", None), "m"))
-    texts = [worker.render()[0].decode(), GatewayMetrics(Fleet(ResidencyIndex())).render()[0].decode()]
+    fleet = Fleet(ResidencyIndex())
+    gateway = GatewayMetrics(fleet)
+    gateway.registry.register(RedisCollector(RedisState("redis://127.0.0.1:1/0", fleet, "t")))
+    texts = [worker.render()[0].decode(), gateway.render()[0].decode()]
     names = set()
     for text in texts:
         for fam in text_string_to_metric_families(text):

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
-from gateway.metrics import STAGES, GatewayMetrics
+from gateway.metrics import STAGES, GatewayMetrics, RedisCollector
+from gateway.redis_state import RedisState
 from gateway.proxy import StreamTap, ask_usage, whole_answer
 from gateway.record import FAILED, MET, REJECTED, TPOT_MISS, TTFT_MISS, RequestRecord, slo_outcome
 from gateway.procs import Worker, start_gateway, stop_all, wait_for
@@ -104,6 +105,28 @@ def test_labelled_counters_start_at_zero_for_known_workers_and_models():
         assert samples(text, "kvgate_gateway_slo_requests_total", model="m", outcome=outcome) == [0.0]
     assert samples(text, "kvgate_gateway_requests_total", worker="w7", model="m", policy="pol", status="502") == [0.0]
     assert samples(text, "kvgate_gateway_prefill_legs_total", worker="w7", outcome="failed") == [0.0]
+
+
+def test_redis_metrics_say_whether_the_gateway_routes_on_redis_and_what_it_dropped():
+    fleet = Fleet(ResidencyIndex())
+    metrics = GatewayMetrics(fleet, "pol")
+    state = RedisState("redis://127.0.0.1:1/0", fleet, "secret", replica_id="a")
+    metrics.registry.register(RedisCollector(state))
+    text = metrics.render()[0].decode()
+    assert samples(text, "kvgate_gateway_redis_up") == [0.0]
+    assert samples(text, "kvgate_gateway_redis_malformed_total", what="share_line") == [0.0]
+    assert samples(text, "kvgate_gateway_redis_malformed_total", what="event_entry") == [0.0]
+    state.up = True
+    state._message(b"b 1 w0 1\nb x w0 1\n{broken")
+    state._apply({b"w": b"w0", b"e": b"1 bogus device - 5"})
+    state.tables["b"] = (1, {"w0": 1})
+    state.ignored = 2
+    text = metrics.render()[0].decode()
+    assert samples(text, "kvgate_gateway_redis_up") == [1.0]
+    assert samples(text, "kvgate_gateway_redis_malformed_total", what="share_line") == [2.0]
+    assert samples(text, "kvgate_gateway_redis_malformed_total", what="event_entry") == [1.0]
+    assert samples(text, "kvgate_gateway_redis_rejected_registrations") == [2.0]
+    assert samples(text, "kvgate_gateway_redis_replicas") == [1.0]
 
 
 @pytest.fixture(scope="module")

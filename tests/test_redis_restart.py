@@ -62,6 +62,12 @@ class Traffic:
                     self.failures.append(f"{time.monotonic():.2f} {e!r}")
 
 
+def redis_up(url: str) -> float:
+    """The gateway's `kvgate_gateway_redis_up`, what an operator's alert reads."""
+    text = httpx.get(url + "/metrics").text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("kvgate_gateway_redis_up "))
+
+
 def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
     logs = str(tmp_path)
     server = wait_redis(start_redis(log_dir=logs))
@@ -84,6 +90,7 @@ def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
                     timeout=10,
                     what="the gateway to notice the outage",
                 )
+                assert redis_up(gateway.url) == 0.0
                 before = traffic.ok
                 wait_for(lambda: traffic.ok >= before + 10, timeout=30, what="traffic during the outage")
                 server = wait_redis(start_redis(port, log_dir=logs))
@@ -92,6 +99,7 @@ def test_redis_killed_and_restarted_under_traffic_fails_no_request(tmp_path):
                     timeout=15,
                     what="the gateway to reconnect",
                 )
+                assert redis_up(gateway.url) == 1.0
                 r = redis.Redis(port=port)
                 wait_for(lambda: r.scard(rs.workers_key(MODEL)) == 2, timeout=15, what="the workers to re-register")
                 before = traffic.ok

@@ -120,6 +120,13 @@ def requests_served(worker: Worker) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def gateway_metric(cluster, name: str) -> float:
+    text = httpx.get(cluster["gateway"].url + "/metrics").text
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} is not exported"
+    return float(m.group(1))
+
+
 def assert_no_prompt_reaches(cluster, what: str) -> None:
     g = cluster["gateway"]
     time.sleep(1.5)  # three registry refreshes and /state polls: a forged worker would be up by now
@@ -159,6 +166,12 @@ def test_unsigned_registration_gets_no_prompts(cluster):
             timeout=30,
             what="the gateway to log the ignored registration",
         )
+        assert gateway_metric(cluster, "kvgate_gateway_redis_rejected_registrations") == 1.0
+    wait_for(
+        lambda: gateway_metric(cluster, "kvgate_gateway_redis_rejected_registrations") == 0.0,
+        timeout=30,
+        what="the ignored registration to leave the gauge once it expires",
+    )
 
 
 def test_registration_signed_with_another_token_gets_no_prompts(cluster):
