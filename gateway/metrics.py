@@ -94,10 +94,11 @@ class RedisCollector:
         bad = CounterMetricFamily(
             "kvgate_gateway_redis_malformed",
             "What this gateway read from Redis and dropped as malformed: another replica's shared "
-            "line (share_line) or a KV-event stream entry (event_entry)",
+            "line (share_line) or in-flight table (inflight_table), a KV-event stream entry (event_entry)",
             labels=["what"],
         )
         bad.add_metric(["share_line"], s.malformed)
+        bad.add_metric(["inflight_table"], s.malformed_tables)
         bad.add_metric(["event_entry"], s.malformed_entries)
         refused = GaugeMetricFamily(
             "kvgate_gateway_redis_rejected_registrations",

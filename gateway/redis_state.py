@@ -75,6 +75,7 @@ class RedisState:
         self.ledgers = SharedLedgers(fleet, self.replica)
         self.malformed = 0  # lines from other replicas that did not parse
         self.malformed_entries = 0  # KV-event stream entries that did not parse
+        self.malformed_tables = 0  # other replicas' in-flight tables that did not parse
         self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
         self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
 
@@ -383,7 +384,8 @@ class RedisState:
                 p.sadd(rs.REPLICAS, self.replica)
                 p.smembers(rs.REPLICAS)
                 replicas = (await p.execute())[-1]
-            others = [x.decode() for x in replicas if x.decode() != self.replica]
+            names = (x.decode(errors="replace") for x in replicas)
+            others = [x for x in names if x != self.replica]
             await self._read_others(r, others)
             await asyncio.sleep(self.inflight_interval)
 
@@ -399,15 +401,30 @@ class RedisState:
                 self.pending.pop(o, None)
                 self.ledgers.drop(o)
                 continue
-            counts = {k.decode(): int(v) for k, v in table.items()}
-            seq = counts.pop(rs.SEQ_FIELD, 0)
-            self.tables[o] = (seq, counts)
-            self.pending[o] = {s: d for s, d in self.pending.get(o, {}).items() if s > seq}
+            parsed = self._table(table)
+            if parsed is None:
+                continue  # its last good table stands until it writes one that parses
+            self.tables[o] = parsed
+            self.pending[o] = {s: d for s, d in self.pending.get(o, {}).items() if s > parsed[0]}
         for gone in (set(self.tables) | set(self.pending)) - set(others):
             self.tables.pop(gone, None)
             self.pending.pop(gone, None)
             self.ledgers.drop(gone)
         self._share()
+
+    def _table(self, table: dict) -> tuple[int, dict[str, int]] | None:
+        """Another replica's in-flight table as (the seq of its last delta, count per worker), or
+        None, counted, where it does not parse: a bad table must not take this replica off Redis."""
+        try:
+            counts = {k.decode(): int(v) for k, v in table.items()}
+        except (ValueError, UnicodeDecodeError) as e:
+            self.malformed_tables += 1
+            if self.malformed_tables == 1 or self.malformed_tables % 1000 == 0:
+                log.warning(
+                    "dropped a malformed in-flight table of another replica (%d so far): %s", self.malformed_tables, e
+                )
+            return None
+        return counts.pop(rs.SEQ_FIELD, 0), counts
 
     def _share(self) -> None:
         """Every worker's load at the other replicas: tables plus the deltas after them."""

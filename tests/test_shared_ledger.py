@@ -234,7 +234,8 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
     """Over one redis-server: what replica a sends, starts and ends shows in b's ledger with
     the count b sees, so b's ledger covers the worker; a reconnected b gets a's entries back
     (it says hello, a answers with a snapshot); a malformed message is dropped and the rest
-    still land; when a goes, its entries go."""
+    still land, a malformed in-flight table is dropped and the replica stays on Redis; when a
+    goes, its entries go."""
     proc = wait_redis(start_redis(log_dir=str(tmp_path)))
     url = f"redis://127.0.0.1:{proc.port}/0"
 
@@ -274,6 +275,11 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
             assert wb1 is not None
             await wait_async(lambda: "a/r4" in wb1.ledger.sent and sb.malformed == 4)
             assert sb.up and wb.shared_in_flight == 1
+            r.hset(rs.inflight_key("x"), mapping={"w0": "many", rs.SEQ_FIELD: 1})  # a table that does not parse
+            r.sadd(rs.REPLICAS, "x", b"\xff")  # and a name that is not UTF-8
+            await wait_async(lambda: sb.malformed_tables >= 2 and sa.malformed_tables >= 2)
+            assert sb.up and sa.up and wb.shared_in_flight == 1 and "x" not in sb.tables
+            r.delete(rs.inflight_key("x"))
             await wait_async(
                 lambda: routed == [LedgerNote("a", ROUTED, "w1", "r4", at=9.0, prompt=(7, 8), num_tokens=40)]
             )
