@@ -94,12 +94,14 @@ class RedisCollector:
         bad = CounterMetricFamily(
             "kvgate_gateway_redis_malformed",
             "What this gateway read from Redis and dropped as malformed: another replica's shared "
-            "line (share_line) or in-flight table (inflight_table), a KV-event stream entry (event_entry)",
+            "line (share_line) or in-flight table (inflight_table), a KV-event stream entry "
+            "(event_entry), a worker's resident sets (resident_set)",
             labels=["what"],
         )
         bad.add_metric(["share_line"], s.malformed)
         bad.add_metric(["inflight_table"], s.malformed_tables)
         bad.add_metric(["event_entry"], s.malformed_entries)
+        bad.add_metric(["resident_set"], s.malformed_sets)
         refused = GaugeMetricFamily(
             "kvgate_gateway_redis_rejected_registrations",
             "Registrations in Redis this gateway ignored at its last read of the registry (unsigned, "

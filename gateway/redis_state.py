@@ -76,6 +76,7 @@ class RedisState:
         self.malformed = 0  # lines from other replicas that did not parse
         self.malformed_entries = 0  # KV-event stream entries that did not parse
         self.malformed_tables = 0  # other replicas' in-flight tables that did not parse
+        self.malformed_sets = 0  # workers' resident sets (or seq) that did not parse
         self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
         self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
 
@@ -191,8 +192,12 @@ class RedisState:
 
     async def _registrations(self, r: aioredis.Redis) -> dict[str, rs.Registration]:
         """Every heartbeat in the registry that the fleet's token signed, by worker id."""
-        pools = sorted(p.decode() for p in cast(Replies, await r.smembers(rs.POOLS)))
-        members = [(pool, w.decode()) for pool in pools for w in cast(Replies, await r.smembers(rs.workers_key(pool)))]
+        pools = sorted(p.decode(errors="replace") for p in cast(Replies, await r.smembers(rs.POOLS)))
+        members = [
+            (pool, w.decode(errors="replace"))
+            for pool in pools
+            for w in cast(Replies, await r.smembers(rs.workers_key(pool)))
+        ]
         keys = [rs.heartbeat_key(pool, wid) for pool, wid in members]
         beats = cast(list[bytes | None], await r.mget(keys)) if members else []
         live, ignored = {}, 0
@@ -240,9 +245,17 @@ class RedisState:
             self._reset(wid, replies[:-1], replies[-1])
 
     def _reset(self, wid: str, sets: list, seq: bytes) -> None:
-        """Reset a worker's residency from its tiers' sets (MEDIA order) and seq."""
-        tiers = {m: [int(h) for h in members] for m, members in zip(MEDIA[1:], sets[1:]) if members}
-        self.index.reset(wid, [int(h) for h in sets[0]], int(seq), tiers)
+        """Reset a worker's residency from its tiers' sets (MEDIA order) and seq. Sets that do
+        not parse are counted and the worker left unsynced (routed as if it held nothing, resynced
+        at the next registry pass), rather than failing the bootstrap of every worker."""
+        try:
+            tiers = {m: [int(h) for h in members] for m, members in zip(MEDIA[1:], sets[1:]) if members}
+            self.index.reset(wid, [int(h) for h in sets[0]], int(seq), tiers)
+        except ValueError as e:
+            self.malformed_sets += 1
+            if self.malformed_sets == 1 or self.malformed_sets % 1000 == 0:
+                log.warning("skipped worker %r's resident sets in redis (%d so far): %s", wid, self.malformed_sets, e)
+            self.index.drop(wid)
 
     async def _registry_loop(self, r: aioredis.Redis) -> None:
         while True:

@@ -126,6 +126,7 @@ def test_redis_metrics_say_whether_the_gateway_routes_on_redis_and_what_it_dropp
     assert samples(text, "kvgate_gateway_redis_malformed_total", what="share_line") == [2.0]
     assert samples(text, "kvgate_gateway_redis_malformed_total", what="event_entry") == [1.0]
     assert samples(text, "kvgate_gateway_redis_malformed_total", what="inflight_table") == [0.0]
+    assert samples(text, "kvgate_gateway_redis_malformed_total", what="resident_set") == [0.0]
     assert samples(text, "kvgate_gateway_redis_rejected_registrations") == [2.0]
     assert samples(text, "kvgate_gateway_redis_replicas") == [1.0]
 

@@ -1,6 +1,7 @@
 """The KV-event stream in Redis: one entry per flush of a worker's events (workers/kv/redis_schema.py),
 read back as written, old single-event entries still read, malformed ones refused and skipped
-by the gateway without stopping its tail (gateway/redis_state.py)."""
+by the gateway without stopping its tail, as are resident sets that do not parse
+(gateway/redis_state.py)."""
 
 import pytest
 from hypothesis import given, strategies as st
@@ -89,3 +90,16 @@ def test_the_gateway_skips_a_malformed_entry_and_applies_the_next():
     assert fleet.index.seq("w0") == 2 and fleet.index.holds("w0", 6) and not fleet.index.holds("w0", 5)
     state._apply(as_read(rs.encode_events("w0", [KVEvent(4, STORED, (7,))])))  # a gap: resync from the set
     assert fleet.index.seq("w0") is None
+
+
+def test_the_gateway_skips_resident_sets_that_do_not_parse():
+    """A worker's resident set in Redis holding something that is not a hash leaves that worker
+    unsynced (counted), instead of failing the bootstrap of every worker."""
+    fleet = Fleet(ResidencyIndex())
+    state = RedisState("redis://127.0.0.1:1/0", fleet, "secret", replica_id="a")
+    state._reset("w0", [{b"5", b"not-a-hash"}, set(), set()], b"3")
+    assert state.malformed_sets == 1 and fleet.index.seq("w0") is None
+    state._reset("w0", [{b"5"}, set(), set()], b"x")
+    assert state.malformed_sets == 2 and fleet.index.seq("w0") is None
+    state._reset("w1", [{b"5", b"6"}, {b"7"}, set()], b"3")
+    assert fleet.index.seq("w1") == 3 and fleet.index.holds("w1", 6)
