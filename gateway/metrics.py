@@ -98,10 +98,8 @@ class RedisCollector:
             "(event_entry), a worker's resident sets (resident_set)",
             labels=["what"],
         )
-        bad.add_metric(["share_line"], s.malformed)
-        bad.add_metric(["inflight_table"], s.malformed_tables)
-        bad.add_metric(["event_entry"], s.malformed_entries)
-        bad.add_metric(["resident_set"], s.malformed_sets)
+        for what, n in s.malformed.items():
+            bad.add_metric([what], n)
         refused = GaugeMetricFamily(
             "kvgate_gateway_redis_rejected_registrations",
             "Registrations in Redis this gateway ignored at its last read of the registry (unsigned, "

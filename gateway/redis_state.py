@@ -39,6 +39,11 @@ StreamEntry = tuple[bytes, dict[bytes, bytes]]
 log = logging.getLogger("kvgate.gateway")
 
 ERRORS = (RedisError, OSError)
+# What this replica reads from Redis and drops when it does not parse (`RedisState.malformed`):
+# another replica's shared line or in-flight table, a KV-event stream entry, a worker's
+# resident sets and seq.
+SHARE_LINE, INFLIGHT_TABLE, EVENT_ENTRY, RESIDENT_SET = "share_line", "inflight_table", "event_entry", "resident_set"
+MALFORMED = (SHARE_LINE, INFLIGHT_TABLE, EVENT_ENTRY, RESIDENT_SET)
 
 
 class RedisState:
@@ -73,10 +78,7 @@ class RedisState:
         self.seq = 0  # in-flight deltas this replica has published
         self.outbox: asyncio.Queue[str] | None = None  # lines for SHARE_CHANNEL
         self.ledgers = SharedLedgers(fleet, self.replica)
-        self.malformed = 0  # lines from other replicas that did not parse
-        self.malformed_entries = 0  # KV-event stream entries that did not parse
-        self.malformed_tables = 0  # other replicas' in-flight tables that did not parse
-        self.malformed_sets = 0  # workers' resident sets (or seq) that did not parse
+        self.malformed = dict.fromkeys(MALFORMED, 0)  # what was read and dropped, by MALFORMED kind
         self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
         self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
 
@@ -252,9 +254,7 @@ class RedisState:
             tiers = {m: [int(h) for h in members] for m, members in zip(MEDIA[1:], sets[1:]) if members}
             self.index.reset(wid, [int(h) for h in sets[0]], int(seq), tiers)
         except ValueError as e:
-            self.malformed_sets += 1
-            if self.malformed_sets == 1 or self.malformed_sets % 1000 == 0:
-                log.warning("skipped worker %r's resident sets in redis (%d so far): %s", wid, self.malformed_sets, e)
+            self._malformed(RESIDENT_SET, f"worker {wid!r}: {e}")
             self.index.drop(wid)
 
     async def _registry_loop(self, r: aioredis.Redis) -> None:
@@ -297,9 +297,7 @@ class RedisState:
         try:
             wid, events = rs.decode_events(fields)
         except ValueError as e:
-            self.malformed_entries += 1
-            if self.malformed_entries == 1 or self.malformed_entries % 1000 == 0:
-                log.warning("skipped a malformed KV-event entry in redis (%d so far): %s", self.malformed_entries, e)
+            self._malformed(EVENT_ENTRY, e)
             return
         w = self.fleet.by_id(wid)
         if w is None or not w.redis_residency or self.index.seq(wid) is None:
@@ -366,9 +364,7 @@ class RedisState:
                 else:
                     self._delta(line.decode())
             except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                self.malformed += 1
-                if self.malformed == 1 or self.malformed % 1000 == 0:
-                    log.warning("dropped a malformed line of another replica (%d so far): %s", self.malformed, e)
+                self._malformed(SHARE_LINE, e)
 
     def _delta(self, msg: str) -> None:
         """Apply another replica's delta unless its table already counts it."""
@@ -431,13 +427,17 @@ class RedisState:
         try:
             counts = {k.decode(): int(v) for k, v in table.items()}
         except (ValueError, UnicodeDecodeError) as e:
-            self.malformed_tables += 1
-            if self.malformed_tables == 1 or self.malformed_tables % 1000 == 0:
-                log.warning(
-                    "dropped a malformed in-flight table of another replica (%d so far): %s", self.malformed_tables, e
-                )
+            self._malformed(INFLIGHT_TABLE, e)
             return None
         return counts.pop(rs.SEQ_FIELD, 0), counts
+
+    def _malformed(self, what: str, why: object) -> None:
+        """Count what was read from Redis and dropped; log the first and every 1000th of a
+        kind: anything that can write to Redis can write these, and none may stop the gateway."""
+        self.malformed[what] += 1
+        n = self.malformed[what]
+        if n == 1 or n % 1000 == 0:
+            log.warning("dropped a malformed %s read from redis (%d so far): %s", what, n, why)
 
     def _share(self) -> None:
         """Every worker's load at the other replicas: tables plus the deltas after them."""

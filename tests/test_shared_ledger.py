@@ -222,11 +222,11 @@ def test_one_message_of_lines_applies_each_and_drops_only_the_bad_ones():
     state._message("\n".join(["a 1 w0 1", "a 2 w0 9", sent, "{broken"]).encode())
     w0 = fleet.by_id("w0")
     assert w0 is not None
-    assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed == 2
+    assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed["share_line"] == 2
     own = json.dumps({"replica": "b", "kind": SENT, "worker_id": "w0", "request_id": "r2", "sent": GOOD_SENT})
     state._message(f"b 1 w0 1\n{own}".encode())
     state._message(f"{own}\nb 1 w0 1".encode())
-    assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed == 2
+    assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed["share_line"] == 2
 
 
 @pytest.mark.slow
@@ -273,11 +273,11 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
             fa.routed(fa.by_id("w1"), "r4", (7, 8), 40, 9.0)
             wb1 = fb.by_id("w1")
             assert wb1 is not None
-            await wait_async(lambda: "a/r4" in wb1.ledger.sent and sb.malformed == 4)
+            await wait_async(lambda: "a/r4" in wb1.ledger.sent and sb.malformed["share_line"] == 4)
             assert sb.up and wb.shared_in_flight == 1
             r.hset(rs.inflight_key("x"), mapping={"w0": "many", rs.SEQ_FIELD: 1})  # a table that does not parse
             r.sadd(rs.REPLICAS, "x", b"\xff")  # and a name that is not UTF-8
-            await wait_async(lambda: sb.malformed_tables >= 2 and sa.malformed_tables >= 2)
+            await wait_async(lambda: sb.malformed["inflight_table"] >= 2 and sa.malformed["inflight_table"] >= 2)
             assert sb.up and sa.up and wb.shared_in_flight == 1 and "x" not in sb.tables
             r.delete(rs.inflight_key("x"))
             await wait_async(

@@ -85,7 +85,7 @@ def test_the_gateway_skips_a_malformed_entry_and_applies_the_next():
     fleet.index.reset("w0", [], 0)
     state = RedisState("redis://127.0.0.1:1/0", fleet, "secret", replica_id="a")
     state._apply({b"w": b"w0", b"e": b"1 stored device - 5\n2 bogus device - 6"})
-    assert state.malformed_entries == 1 and fleet.index.seq("w0") == 0
+    assert state.malformed["event_entry"] == 1 and fleet.index.seq("w0") == 0
     state._apply(as_read(rs.encode_events("w0", [KVEvent(1, STORED, (5, 6)), KVEvent(2, REMOVED, (5,))])))
     assert fleet.index.seq("w0") == 2 and fleet.index.holds("w0", 6) and not fleet.index.holds("w0", 5)
     state._apply(as_read(rs.encode_events("w0", [KVEvent(4, STORED, (7,))])))  # a gap: resync from the set
@@ -98,8 +98,8 @@ def test_the_gateway_skips_resident_sets_that_do_not_parse():
     fleet = Fleet(ResidencyIndex())
     state = RedisState("redis://127.0.0.1:1/0", fleet, "secret", replica_id="a")
     state._reset("w0", [{b"5", b"not-a-hash"}, set(), set()], b"3")
-    assert state.malformed_sets == 1 and fleet.index.seq("w0") is None
+    assert state.malformed["resident_set"] == 1 and fleet.index.seq("w0") is None
     state._reset("w0", [{b"5"}, set(), set()], b"x")
-    assert state.malformed_sets == 2 and fleet.index.seq("w0") is None
+    assert state.malformed["resident_set"] == 2 and fleet.index.seq("w0") is None
     state._reset("w1", [{b"5", b"6"}, {b"7"}, set()], b"3")
     assert fleet.index.seq("w1") == 3 and fleet.index.holds("w1", 6)
