@@ -1,7 +1,8 @@
 """The dashboard, rules and metrics checked against a real Prometheus, as an operator would.
 
 Two gateways (`slo_goodput` disaggregating long prompts over a prefill/decode pair and a mixed
-worker; `prefix_affinity` over two mixed workers) and four sim workers, scraped every second
+worker; `prefix_affinity` over two mixed workers, on a redis-server of its own as a replica
+would be, so the Redis panel has a gateway to show) and four sim workers, scraped every second
 by Prometheus with kvgate's recording rules and alerts (their `for:` cut to 0 s). A bounded
 client load runs through both gateways; one worker is SIGKILLed half-way, mid-stream. Then every panel
 query of grafana/dashboards/kvgate.json is evaluated over the run as Grafana would send it and
@@ -27,7 +28,7 @@ import yaml
 
 from bench.prom import RATIO_UNITS, RULES, Prom, panel_queries, quick_rules, start_prometheus, values_of
 from gateway.metrics import LATENCY_BUCKETS
-from gateway.procs import Worker, start_gateway, stop_all
+from gateway.procs import Proc, Worker, start_gateway, start_redis, stop_all, wait_redis
 
 MODEL = "smollm2-135m"
 SECRET = ("--internal-token", "observe-fleet-token")
@@ -154,9 +155,10 @@ def bucket_range(x: float, slack: int = 1) -> tuple[float, float]:
 class Fleet:
     workers: dict[str, Worker]
     gateways: dict[str, object]
+    redis: Proc
 
     def procs(self) -> list:
-        return [*self.gateways.values(), *self.workers.values()]
+        return [*self.gateways.values(), *self.workers.values(), self.redis]
 
 
 def start_fleet(logs: str) -> Fleet:
@@ -165,6 +167,7 @@ def start_fleet(logs: str) -> Fleet:
         for name, role in (("m0", None), ("m1", None), ("p0", "prefill"), ("d0", "decode"))
     }
     urls = {n: x.url for n, x in w.items()}
+    redis = wait_redis(start_redis(log_dir=logs))
     g = {
         "gw-pd": start_gateway(
             [urls["m0"], urls["p0"], urls["d0"]],
@@ -186,12 +189,13 @@ def start_fleet(logs: str) -> Fleet:
         "gw-pa": start_gateway(
             [urls["m0"], urls["m1"]],
             "prefix_affinity",
+            redis=f"redis://127.0.0.1:{redis.port}/0",
             log_dir=logs,
             name="gw-pa",
             extra=[*SECRET, "--slo-ttft-ms", "300", "--slo-tpot-ms", "60", "--fleet-summary-s", "0"],
         ),
     }
-    return Fleet(w, g)
+    return Fleet(w, g, redis)
 
 
 def run(duration_s: float = 30.0, kill_at_s: float = 12.0, concurrency: int = 3, logs: str | None = None) -> dict:

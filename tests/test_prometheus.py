@@ -56,7 +56,7 @@ def test_recording_rules_and_alerts_evaluate_in_range(report):
         "kvgate:prefix_hit_predicted:ratio_rate5m",
         "kvgate:error:ratio_rate5m",
     }
-    assert len(report["rules"]["alerts"]) == 6
+    assert len(report["rules"]["alerts"]) == 8
 
 
 def test_no_problem_at_all_and_the_panels_render(report, tmp_path):
