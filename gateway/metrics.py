@@ -9,7 +9,7 @@ status, stage and outcome) before the first scrape that could see them move, so 
 the first failure of an incident, not only the second.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,6 +18,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gateway.record import PREFILL, SLO_OUTCOMES, WHOLE, DECODE, RequestRecord, slo_outcome
 from workers.metrics import FINISH_REASONS, LATENCY_BUCKETS, TOKEN_BUCKETS
 from workers.process_metrics import register_process_metrics
+
+if TYPE_CHECKING:
+    from gateway.redis_state import RedisState
 
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
 STATUSES = ("200", "400", "404", "413", "429", "499", "500", "502", "503")
@@ -81,7 +84,7 @@ class RedisCollector:
     refused to read, and how many other replicas it hears from. Read from the RedisState at
     scrape time."""
 
-    def __init__(self, state):
+    def __init__(self, state: "RedisState"):
         self.state = state
 
     def collect(self):

@@ -7,14 +7,18 @@ reserved, so a transfer never stalls a step.
 """
 
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from workers.transfer import KVPayload, KVSpec, Reservation, executor_spec, publish, reserve
+
+if TYPE_CHECKING:
+    from workers.engine import Engine
 
 
 class KVHost:
     """The transfer services' (workers/transfer_http.py, transfer_nixl.py) view of an engine."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: "Engine"):
         self.engine = engine
 
     @property
@@ -65,6 +69,6 @@ class KVHost:
         """The bytes of what `read_blocks` gave, as the HTTP transport streams them."""
         return self.engine.executor.to_bytes(kv)
 
-    def write_blocks(self, block_ids: list[int], data: object, positions: object, num_blocks: int) -> None:
+    def write_blocks(self, block_ids: list[int], data: object, positions: list[int], num_blocks: int) -> None:
         """Write an import's K/V into reserved blocks (before `publish` makes them visible)."""
         self.engine.executor.import_blocks(block_ids, data, positions, num_blocks)
