@@ -31,10 +31,9 @@ import hashlib
 import hmac
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit, urlunsplit
-
-from collections.abc import Sequence
 
 from workers.kv.events import CLEARED, DEVICE, MEDIA, REMOVED, STORED, KVEvent
 
