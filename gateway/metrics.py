@@ -112,7 +112,7 @@ class RedisCollector:
         replicas = GaugeMetricFamily(
             "kvgate_gateway_redis_replicas", "Other gateway replicas whose in-flight load this one reads from Redis"
         )
-        replicas.add_metric([], len(s.tables))
+        replicas.add_metric([], len(s.share.tables))
         yield from (up, bad, refused, replicas)
 
 

@@ -1,5 +1,6 @@
-"""Gateway <- Redis: worker discovery, residency (sets + stream) and in-flight load shared
-between gateway replicas (layout: workers/kv/redis_schema.py).
+"""Gateway <- Redis: worker discovery, residency (sets + stream), and the load and ledgers shared
+between gateway replicas (`gateway.replica_share`), on one connection (layout:
+workers/kv/redis_schema.py).
 
 Everything here runs in background tasks that feed the in-memory fleet and index, so a
 routing decision never waits on Redis. On start (and after every outage) the replica
@@ -17,8 +18,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -26,7 +25,7 @@ from redis.exceptions import RedisError
 
 from gateway.fleet import Fleet
 from gateway.index import RESYNC, ResidencyIndex
-from gateway.shared_ledger import HELLO, LedgerNote, SharedLedgers
+from gateway.replica_share import INFLIGHT_TABLE, SHARE_LINE, ReplicaShare
 from gateway.worker import KVGATE
 from workers.kv import redis_schema as rs
 from workers.kv.events import MEDIA, EventBatch
@@ -42,7 +41,7 @@ ERRORS = (RedisError, OSError)
 # What this replica reads from Redis and drops when it does not parse (`RedisState.malformed`):
 # another replica's shared line or in-flight table, a KV-event stream entry, a worker's
 # resident sets and seq.
-SHARE_LINE, INFLIGHT_TABLE, EVENT_ENTRY, RESIDENT_SET = "share_line", "inflight_table", "event_entry", "resident_set"
+EVENT_ENTRY, RESIDENT_SET = "event_entry", "resident_set"
 MALFORMED = (SHARE_LINE, INFLIGHT_TABLE, EVENT_ENTRY, RESIDENT_SET)
 
 
@@ -63,8 +62,7 @@ class RedisState:
         self.token = token
         self.fleet = fleet
         self.index: ResidencyIndex = fleet.index
-        self.replica = replica_id or uuid.uuid4().hex[:12]
-        self.interval, self.inflight_interval = interval, inflight_interval
+        self.interval = interval
         self.registered: dict[str, rs.Registration] = {}  # worker id -> its verified heartbeat
         self.kept: dict[str, rs.Registration] = {}  # known before a reconnect, not re-registered yet
         self.rejected: dict[str, str] = {}  # worker id -> why its registration was last ignored
@@ -75,12 +73,9 @@ class RedisState:
         self.up = False
         self.last_bootstrap_s: float | None = None
         self._task: asyncio.Task | None = None
-        self.seq = 0  # in-flight deltas this replica has published
-        self.outbox: asyncio.Queue[str] | None = None  # lines for SHARE_CHANNEL
-        self.ledgers = SharedLedgers(fleet, self.replica)
         self.malformed = dict.fromkeys(MALFORMED, 0)  # what was read and dropped, by MALFORMED kind
-        self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
-        self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
+        self.share = ReplicaShare(fleet, replica_id or uuid.uuid4().hex[:12], inflight_interval, self._malformed)
+        self.ledgers = self.share.ledgers
 
     def status(self) -> str:
         return "up" if self.up else "down"
@@ -107,15 +102,8 @@ class RedisState:
                 await self.bootstrap(r)
                 self.up = True
                 backoff.reset()
-                self.outbox = asyncio.Queue()
-                self.fleet.on_change, self.fleet.on_ledger = self._publish, self._publish_note
-                await _first_failure(
-                    self._tail(r),
-                    self._registry_loop(r),
-                    self._inflight_loop(r),
-                    self._send_deltas(r),
-                    self._read_deltas(r),
-                )
+                self.share.attach()
+                await _first_failure(self._tail(r), self._registry_loop(r), *self.share.loops(r))
             except ERRORS as e:
                 if self.up:
                     log.warning("redis at %s failed (%r): routing on the embedded path", rs.redact_url(self.url), e)
@@ -129,13 +117,9 @@ class RedisState:
     def _degrade(self) -> None:
         """Hand residency back to the workers' direct tailers; forget other replicas' load."""
         self.up = False
-        self.fleet.on_change, self.fleet.on_ledger, self.outbox = None, None, None
-        self.tables.clear()
-        self.pending.clear()
-        self.ledgers.clear()
+        self.share.detach()
         for w in self.fleet.workers.values():
             w.redis_residency = False
-            w.shared_in_flight = 0
 
     # discovery and residency
 
@@ -306,131 +290,6 @@ class RedisState:
         if snapshot or self.index.apply(EventBatch(wid, events, events[-1].seq)) == RESYNC:
             self.index.drop(wid)  # the registry loop resyncs it from the set
 
-    # shared in-flight load
-    #
-    # Each replica publishes every +1/-1 as it decides or finishes (pub/sub, numbered), and
-    # writes its whole table every `inflight_interval` with the number of the last delta it
-    # had published. Another replica's load on a worker is its last table plus the deltas
-    # numbered after it: a burst of decisions at two replicas within one interval is seen
-    # within a pub/sub round trip, and the table (with a TTL) corrects lost messages and
-    # replicas that died.
-
-    def _publish(self, w, delta: int) -> None:
-        if self.outbox is not None and w.worker_id:
-            self.seq += 1
-            self.outbox.put_nowait(f"{self.replica} {self.seq} {w.worker_id} {delta}")
-
-    def _publish_note(self, note: LedgerNote) -> None:
-        """A change to this replica's ledger (`gateway.shared_ledger`), for the others."""
-        if self.outbox is not None:
-            self.outbox.put_nowait(json.dumps(replace(note, replica=self.replica).to_json()))
-
-    async def _send_deltas(self, r: aioredis.Redis) -> None:
-        """Publish what the outbox holds, its lines packed into as few messages as
-        `MAX_SHARE_BYTES` allows: a decision's delta, ledger entry and routing leave as one
-        message. Every replica receives every message, at ~0.15 ms of redis-py each, about ten
-        times what parsing a line costs."""
-        outbox = self.outbox
-        assert outbox is not None, "started with the outbox it sends"
-        while True:
-            lines = [await outbox.get()]
-            while not outbox.empty():
-                lines.append(outbox.get_nowait())
-            async with r.pipeline(transaction=False) as p:
-                for msg in packed(lines, rs.MAX_SHARE_BYTES):
-                    p.publish(rs.SHARE_CHANNEL, msg)
-                await p.execute()
-
-    async def _read_deltas(self, r: aioredis.Redis) -> None:
-        """Apply the other replicas' deltas and ledger notes; once subscribed, say hello (the
-        others answer with their ledgers) and send this replica's own."""
-        async with r.pubsub() as ps:
-            await ps.subscribe(rs.SHARE_CHANNEL)
-            async for msg in ps.listen():
-                if msg["type"] == "subscribe":
-                    self._publish_note(LedgerNote(self.replica, HELLO))
-                    self._publish_note(self.ledgers.snapshot())
-                elif msg["type"] == "message":
-                    self._message(msg["data"])
-
-    def _message(self, data: bytes) -> None:
-        """A replica's lines, applied in order (this replica's own are ignored, as `_delta` and
-        `SharedLedgers.apply` rule); a line that does not parse is counted and dropped."""
-        for line in data.split(b"\n"):
-            try:
-                if line.startswith(b"{"):
-                    if self.ledgers.apply(LedgerNote.from_json(json.loads(line))):
-                        self._publish_note(self.ledgers.snapshot())
-                else:
-                    self._delta(line.decode())
-            except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                self._malformed(SHARE_LINE, e)
-
-    def _delta(self, msg: str) -> None:
-        """Apply another replica's delta unless its table already counts it."""
-        replica, seq, wid, delta = msg.split()
-        if abs(int(delta)) != 1:
-            raise ValueError(f"an in-flight delta is +1 or -1, not {delta}")
-        if replica == self.replica or int(seq) <= self.tables.get(replica, (0, {}))[0]:
-            return
-        self.pending.setdefault(replica, {})[int(seq)] = (wid, int(delta))
-        w = self.fleet.by_id(wid)
-        if w is not None:
-            self.fleet.shared(w, int(delta))
-
-    async def _inflight_loop(self, r: aioredis.Redis) -> None:
-        mine = rs.inflight_key(self.replica)
-        ttl_ms = int(max(2.0, 10 * self.inflight_interval) * 1000)
-        while True:
-            local: dict[Any, Any] = {
-                w.worker_id: w.in_flight for w in self.fleet.workers.values() if w.worker_id and w.in_flight
-            }
-            local[rs.SEQ_FIELD] = self.seq
-            async with r.pipeline(transaction=True) as p:
-                p.delete(mine)
-                p.hset(mine, mapping=local)
-                p.pexpire(mine, ttl_ms)
-                p.sadd(rs.REPLICAS, self.replica)
-                p.smembers(rs.REPLICAS)
-                replicas = (await p.execute())[-1]
-            names = (x.decode(errors="replace") for x in replicas)
-            others = [x for x in names if x != self.replica]
-            await self._read_others(r, others)
-            await asyncio.sleep(self.inflight_interval)
-
-    async def _read_others(self, r: aioredis.Redis, others: list[str]) -> None:
-        async with r.pipeline(transaction=False) as p:
-            for o in others:
-                p.hgetall(rs.inflight_key(o))
-            tables = await p.execute() if others else []
-        for o, table in zip(others, tables):
-            if not table:
-                await r.srem(rs.REPLICAS, o)
-                self.tables.pop(o, None)
-                self.pending.pop(o, None)
-                self.ledgers.drop(o)
-                continue
-            parsed = self._table(table)
-            if parsed is None:
-                continue  # its last good table stands until it writes one that parses
-            self.tables[o] = parsed
-            self.pending[o] = {s: d for s, d in self.pending.get(o, {}).items() if s > parsed[0]}
-        for gone in (set(self.tables) | set(self.pending)) - set(others):
-            self.tables.pop(gone, None)
-            self.pending.pop(gone, None)
-            self.ledgers.drop(gone)
-        self._share()
-
-    def _table(self, table: dict) -> tuple[int, dict[str, int]] | None:
-        """Another replica's in-flight table as (the seq of its last delta, count per worker), or
-        None, counted, where it does not parse: a bad table must not take this replica off Redis."""
-        try:
-            counts = {k.decode(): int(v) for k, v in table.items()}
-        except (ValueError, UnicodeDecodeError) as e:
-            self._malformed(INFLIGHT_TABLE, e)
-            return None
-        return counts.pop(rs.SEQ_FIELD, 0), counts
-
     def _malformed(self, what: str, why: object) -> None:
         """Count what was read from Redis and dropped; log the first and every 1000th of a
         kind: anything that can write to Redis can write these, and none may stop the gateway."""
@@ -438,18 +297,6 @@ class RedisState:
         n = self.malformed[what]
         if n == 1 or n % 1000 == 0:
             log.warning("dropped a malformed %s read from redis (%d so far): %s", what, n, why)
-
-    def _share(self) -> None:
-        """Every worker's load at the other replicas: tables plus the deltas after them."""
-        shared: dict[str, int] = {}
-        for _, counts in self.tables.values():
-            for wid, n in counts.items():
-                shared[wid] = shared.get(wid, 0) + n
-        for deltas in self.pending.values():
-            for wid, d in deltas.values():
-                shared[wid] = shared.get(wid, 0) + d
-        for w in self.fleet.workers.values():
-            w.shared_in_flight = max(0, shared.get(w.worker_id, 0))
 
 
 async def _first_failure(*loops) -> None:
@@ -463,18 +310,3 @@ async def _first_failure(*loops) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def packed(lines: list[str], limit: int) -> Iterator[str]:
-    """`lines` in order, joined by newlines into messages of at most `limit` characters (a
-    longer line goes alone); none of the lines holds a newline (deltas, or JSON as dumped)."""
-    group: list[str] = []
-    size = 0
-    for line in lines:
-        if group and size + 1 + len(line) > limit:
-            yield "\n".join(group)
-            group, size = [], 0
-        size += len(line) + (1 if group else 0)
-        group.append(line)
-    if group:
-        yield "\n".join(group)

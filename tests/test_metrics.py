@@ -117,9 +117,9 @@ def test_redis_metrics_say_whether_the_gateway_routes_on_redis_and_what_it_dropp
     assert samples(text, "kvgate_gateway_redis_malformed_total", what="share_line") == [0.0]
     assert samples(text, "kvgate_gateway_redis_malformed_total", what="event_entry") == [0.0]
     state.up = True
-    state._message(b"b 1 w0 1\nb x w0 1\n{broken")
+    state.share.message(b"b 1 w0 1\nb x w0 1\n{broken")
     state._apply({b"w": b"w0", b"e": b"1 bogus device - 5"})
-    state.tables["b"] = (1, {"w0": 1})
+    state.share.tables["b"] = (1, {"w0": 1})
     state.ignored = 2
     text = metrics.render()[0].decode()
     assert samples(text, "kvgate_gateway_redis_up") == [1.0]

@@ -14,7 +14,8 @@ from gateway.cli_args import parser
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.procs import start_redis, wait_redis
-from gateway.redis_state import RedisState, packed
+from gateway.redis_state import RedisState
+from gateway.replica_share import packed
 from gateway.server import build
 from gateway import shared_ledger
 from gateway.shared_ledger import ENDED, HELLO, ROUTED, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
@@ -219,13 +220,13 @@ def test_one_message_of_lines_applies_each_and_drops_only_the_bad_ones():
     fleet = fleet_of(2)
     state = RedisState("redis://127.0.0.1:1/0", fleet, "secret", replica_id="b")
     sent = json.dumps({"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r1", "sent": GOOD_SENT})
-    state._message("\n".join(["a 1 w0 1", "a 2 w0 9", sent, "{broken"]).encode())
+    state.share.message("\n".join(["a 1 w0 1", "a 2 w0 9", sent, "{broken"]).encode())
     w0 = fleet.by_id("w0")
     assert w0 is not None
     assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed["share_line"] == 2
     own = json.dumps({"replica": "b", "kind": SENT, "worker_id": "w0", "request_id": "r2", "sent": GOOD_SENT})
-    state._message(f"b 1 w0 1\n{own}".encode())
-    state._message(f"{own}\nb 1 w0 1".encode())
+    state.share.message(f"b 1 w0 1\n{own}".encode())
+    state.share.message(f"{own}\nb 1 w0 1".encode())
     assert w0.shared_in_flight == 1 and set(w0.ledger.sent) == {"a/r1"} and state.malformed["share_line"] == 2
 
 
@@ -278,7 +279,7 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
             r.hset(rs.inflight_key("x"), mapping={"w0": "many", rs.SEQ_FIELD: 1})  # a table that does not parse
             r.sadd(rs.REPLICAS, "x", b"\xff")  # and a name that is not UTF-8
             await wait_async(lambda: sb.malformed["inflight_table"] >= 2 and sa.malformed["inflight_table"] >= 2)
-            assert sb.up and sa.up and wb.shared_in_flight == 1 and "x" not in sb.tables
+            assert sb.up and sa.up and wb.shared_in_flight == 1 and "x" not in sb.share.tables
             r.delete(rs.inflight_key("x"))
             await wait_async(
                 lambda: routed == [LedgerNote("a", ROUTED, "w1", "r4", at=9.0, prompt=(7, 8), num_tokens=40)]
