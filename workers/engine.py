@@ -32,7 +32,7 @@ from workers.kv.read_back import ReadBack
 from workers.kv.host_pool import HostPool
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
-from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, unstarted_failure
+from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, ended, unstarted_failure
 from workers.pending import PendingKV
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
@@ -179,23 +179,8 @@ class Engine:
     def _abort(self, rid: str) -> None:
         entry = self._requests.pop(rid, None)
         if entry:
-            req = entry[0]
-            self._drop(req)
-            self._outbox.append(
-                (
-                    entry[2],
-                    RequestOutput(
-                        req.request_id,
-                        [],
-                        "",
-                        req.num_prompt,
-                        max(req.num_cached, 0),
-                        req.num_output,
-                        "abort",
-                        times=RequestTimes.of(req),
-                    ),
-                )
-            )
+            self._drop(entry[0])
+            self._outbox.append((entry[2], ended(entry[0], "abort", timed=True)))
 
     def _add(self, cmd: Add) -> None:
         rid = cmd.request_id
@@ -246,7 +231,7 @@ class Engine:
         if not plan.scheduled and self._inflight is None and self.copies.copying:
             self.copies.poll(self.executor, wait=True)  # nothing runs until a copy back lands: wait, do not spin
         self.stats.preemptions += len(plan.preempted)
-        outputs = [self._finish_evicted(r) for r in plan.evicted if r.request_id in self._requests]
+        outputs = [ended(r, r.finish_reason) for r in plan.evicted if r.request_id in self._requests]
         launched = self._launch(plan, start, outputs) if plan.scheduled else None
         if self._overlap:
             launched, self._inflight = self._inflight, launched
@@ -338,9 +323,7 @@ class Engine:
         were never committed for the failed step, so nothing it half-computed enters the cache."""
         self._drop(req)
         self.stats.failed += 1
-        return RequestOutput(
-            req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, "error", why
-        )
+        return ended(req, "error", why)
 
     def _fail_all(self, why: str) -> None:
         """Fail every request in flight and hand out what is owed (after a fault outside the
@@ -350,7 +333,7 @@ class Engine:
                 out = self._fail(req, why)
             except Exception:
                 log.exception("request %s could not be released", rid)
-                out = RequestOutput(rid, [], "", req.num_prompt, 0, req.num_output, "error", why)
+                out = ended(req, "error", why)
             out.times = RequestTimes.of(req)
             self._outbox.append((sink, out))
         self._requests.clear()
@@ -384,11 +367,6 @@ class Engine:
         except Exception:  # the decode side recomputes what it does not get
             log.exception("KV export of request %s failed", req.request_id)
         self.stats.calls_s += time.perf_counter() - t0
-
-    def _finish_evicted(self, req: Request) -> RequestOutput:
-        return RequestOutput(
-            req.request_id, [], "", req.num_prompt, max(req.num_cached, 0), req.num_output, req.finish_reason
-        )
 
     @property
     def alive(self) -> bool:

@@ -50,6 +50,14 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, when asked for
 
 
+def ended(req, finish_reason: str | None, error: str | None = None, timed: bool = False) -> RequestOutput:
+    """The last output of a request the engine took in that ends without a token (aborted,
+    evicted, failed), with its counts so far; `timed`: with its times (`RequestTimes.of`)."""
+    times = RequestTimes.of(req) if timed else None
+    cached = max(req.num_cached, 0)
+    return RequestOutput(req.request_id, [], "", req.num_prompt, cached, req.num_output, finish_reason, error, times)
+
+
 def unstarted_failure(rid: str, prompt_ids: list[int], why: str) -> RequestOutput:
     """The one output of a request that failed before the engine took it in."""
     return RequestOutput(rid, [], "", len(prompt_ids), 0, 0, "error", why)
