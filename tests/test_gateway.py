@@ -283,6 +283,35 @@ def test_policy_rejection_is_429_and_no_worker_is_503(procs):
     assert httpx.get(dead + "/health").status_code == 503
 
 
+def test_a_long_prompt_is_tokenized_on_the_loop_when_its_prefix_is_cached(tokenizer, monkeypatch):
+    """Past INLINE_CHARS of new text a prompt is tokenized in a thread; a long prompt whose
+    prefix an earlier one left cached is tokenized on the event loop (a thread hop cost more
+    than the rest). Either way the ids are the tokenizer's."""
+    import asyncio
+
+    from gateway import tokenize
+
+    hops = []
+
+    async def in_thread(fn, *args):
+        hops.append(fn)
+        return fn(*args)
+
+    monkeypatch.setattr(tokenize.asyncio, "to_thread", in_thread)
+    doc = " ".join(random.Random(3).choice(WORDS) for _ in range(3000))
+    tokenizers = tokenize.Tokenizers(16)
+
+    def prepare(body: dict):
+        return asyncio.run(tokenizers.prepare(tokenizer, body, "completion", len(json.dumps(body)), 1 << 20))
+
+    expected = load_tokenizer(MODEL)
+    for question, thread_hops in ((" first?", 1), (" second?", 1), (" a new " + doc, 2)):
+        body = {"model": MODEL, "prompt": doc + question, "max_tokens": 1}
+        assert prepare(body).parsed.prompt_ids == expected.encode(body["prompt"])
+        assert len(hops) == thread_hops
+    assert len(doc) > 4 * tokenize.INLINE_CHARS
+
+
 def test_gateway_tokenizer_loads_without_torch_and_matches_auto_tokenizer():
     """The gateway must run without torch: loading the model's tokenizer must not import it
     (transformers' AutoTokenizer does, through the model config), and the generic fast

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from workers.prefix_tokens import PrefixTokenizer
+from workers.prefix_tokens import Budgeted, OverBudget, PrefixTokenizer
 from workers.model_store import load_tokenizer
 
 WORDS = [
@@ -65,6 +65,27 @@ def test_a_shared_prefix_is_tokenized_once(smollm2):
         assert cached.encode(prefix + " " + q) == smollm2.encode(prefix + " " + q)
     assert cached.hits > 1.8 * len(prefix)  # the second and third prompts read it from the cache
     assert cached.misses < 1.3 * len(prefix)
+
+
+def test_a_budget_is_charged_only_what_follows_the_cached_prefix(smollm2):
+    """A Budgeted tokenizer pays for the characters past a prompt's cached prefix, over its
+    calls; past its budget it raises before tokenizing them, having stored nothing of them."""
+    cached = PrefixTokenizer(smollm2, chunk_chars=128)
+    budgeted = Budgeted(cached)
+    prefix = " ".join(f"word{i} and some more text, {i * 7}." for i in range(300))
+    budgeted.left = 1000
+    with pytest.raises(OverBudget):
+        budgeted.encode(prefix + " What is first?")
+    assert cached.misses == 0 and not cached._chunks
+    assert cached.encode(prefix + " What is first?") == smollm2.encode(prefix + " What is first?")
+    budgeted.left = 1000
+    for q in ("What is last?", "And in between?"):
+        assert budgeted.encode(prefix + " " + q) == smollm2.encode(prefix + " " + q)
+    assert 0 < budgeted.left < 1000 - 2 * len(" And in between?")
+    budgeted.left = 10
+    with pytest.raises(OverBudget):
+        budgeted.encode("a short prompt, under the cache's chunks, still costs its length")
+    assert budgeted.vocab_size == smollm2.vocab_size  # everything else is the tokenizer's
 
 
 def test_chunks_stay_within_the_bound(smollm2):

@@ -63,14 +63,19 @@ class PrefixTokenizer:
             raise AttributeError(name)
         return getattr(self._tok, name)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The token ids of `text`, equal to the tokenizer's `encode`."""
+    def encode(self, text: str, add_special_tokens: bool = True, budget: "Budgeted | None" = None) -> list[int]:
+        """The token ids of `text`, equal to the tokenizer's `encode`; `budget`: charged the
+        characters past the cached prefix before they are tokenized (OverBudget beyond it)."""
         if not self.enabled or self._backend is None or len(text) < 2 * self.chunk_chars:
+            if budget is not None:
+                budget.spend(len(text))
             ids = self.words.encode(text, add_special_tokens) if self.words is not None else None
             return ids if ids is not None else self._tok.encode(text, add_special_tokens=add_special_tokens)
         cuts = self.cuts(text)
         ids, used, parent = self._cached(text, cuts, add_special_tokens)
         start = cuts[used - 1] if used else 0
+        if budget is not None:
+            budget.spend(len(text) - start)
         rest_ids, before = self._rest(text[start:], [c - start for c in cuts[used:]], add_special_tokens and start == 0)
         self._store(text, cuts[used:], start, parent, add_special_tokens, rest_ids, before)
         self.hits += start
@@ -135,6 +140,35 @@ class PrefixTokenizer:
                 parent = chunk.id
             while len(self._chunks) > self.max_chunks:
                 self._chunks.popitem(last=False)
+
+
+class OverBudget(Exception):
+    """More text is left to tokenize past the cached prefixes than the caller would do where it is."""
+
+
+class Budgeted:
+    """A PrefixTokenizer that tokenizes at most `left` characters past its prompts' cached
+    prefixes, over its calls, and raises OverBudget (having tokenized nothing more) beyond: so
+    a caller can tokenize on the spot what its cache mostly holds, and elsewhere what it does
+    not. Every other attribute is the PrefixTokenizer's (one object per PrefixTokenizer: the
+    prompt checks cache what they read of a tokenizer by its identity)."""
+
+    def __init__(self, tokenizer: PrefixTokenizer):
+        self._tok = tokenizer
+        self.left = 0
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens, budget=self)
+
+    def spend(self, chars: int) -> None:
+        self.left -= chars
+        if self.left < 0:
+            raise OverBudget(f"{-self.left} characters over the budget")
 
 
 def tokens_before(offsets: list[tuple[int, int]], cuts: list[int]) -> list[int]:
