@@ -6,7 +6,8 @@ workers cache. A prompt's text is tokenized once per distinct prefix (`workers.p
 and ASCII text word by word from cached ids (`workers.word_tokens`). What is left to tokenize
 past the cached prefixes decides where: up to `INLINE_CHARS` on the event loop, where a thread
 hop would cost more than the work (~1 ms of CPU a request on 2k-token prompts that share a
-prefix); more in a thread, so a long new prompt never stalls the loop.
+prefix); more in a thread, so a long new prompt never stalls the loop, and so does a body past
+`INLINE_MAX_BYTES` (its hashing alone would).
 """
 
 import asyncio
@@ -24,6 +25,9 @@ from workers.protocol import ParsedRequest, parse_request, token_chars
 log = logging.getLogger("kvgate.gateway")
 
 INLINE_CHARS = 4096  # ~600 tokens of new text: ~1 ms to tokenize, less than a thread hop costs
+# A body past this goes to a thread however much of it is cached: its blocks are hashed and
+# its cached ids gathered on the way (~2 us a block), ~2 ms at this size.
+INLINE_MAX_BYTES = 64 * 1024
 
 
 @dataclass
@@ -110,9 +114,12 @@ class Tokenizers:
     async def prepare(
         self, tok: ModelTokenizer, body: dict, kind: str, size: int, max_model_len: int, whole: bool = False
     ) -> Prepared:
-        """`tok.prepare` here when the body (of `size` bytes) is short or what it leaves to
-        tokenize past cached prefixes is, else in a thread (from the start: the parse is pure)."""
-        try:
-            return tok.prepare(body, kind, max_model_len, whole, None if size <= INLINE_CHARS else INLINE_CHARS)
-        except OverBudget:
-            return await asyncio.to_thread(tok.prepare, body, kind, max_model_len, whole)
+        """`tok.prepare` here when the body (of `size` bytes) is short, or not too long and what
+        it leaves to tokenize past cached prefixes is short; else in a thread (from the start:
+        the parse is pure)."""
+        if size <= INLINE_MAX_BYTES:
+            try:
+                return tok.prepare(body, kind, max_model_len, whole, None if size <= INLINE_CHARS else INLINE_CHARS)
+            except OverBudget:
+                pass
+        return await asyncio.to_thread(tok.prepare, body, kind, max_model_len, whole)

@@ -286,7 +286,8 @@ def test_policy_rejection_is_429_and_no_worker_is_503(procs):
 def test_a_long_prompt_is_tokenized_on_the_loop_when_its_prefix_is_cached(tokenizer, monkeypatch):
     """Past INLINE_CHARS of new text a prompt is tokenized in a thread; a long prompt whose
     prefix an earlier one left cached is tokenized on the event loop (a thread hop cost more
-    than the rest). Either way the ids are the tokenizer's."""
+    than the rest), unless its body is past INLINE_MAX_BYTES, cached or not. Either way the
+    ids are the tokenizer's."""
     import asyncio
 
     from gateway import tokenize
@@ -305,11 +306,13 @@ def test_a_long_prompt_is_tokenized_on_the_loop_when_its_prefix_is_cached(tokeni
         return asyncio.run(tokenizers.prepare(tokenizer, body, "completion", len(json.dumps(body)), 1 << 20))
 
     expected = load_tokenizer(MODEL)
-    for question, thread_hops in ((" first?", 1), (" second?", 1), (" a new " + doc, 2)):
+    huge = " ".join([doc] * 4)
+    cases = ((" first?", 1), (" second?", 1), (" a new " + doc, 2), (huge, 3), (huge + " again", 4))
+    for question, thread_hops in cases:
         body = {"model": MODEL, "prompt": doc + question, "max_tokens": 1}
         assert prepare(body).parsed.prompt_ids == expected.encode(body["prompt"])
         assert len(hops) == thread_hops
-    assert len(doc) > 4 * tokenize.INLINE_CHARS
+    assert 4 * tokenize.INLINE_CHARS < len(doc) < tokenize.INLINE_MAX_BYTES < len(huge)
 
 
 def test_gateway_tokenizer_loads_without_torch_and_matches_auto_tokenizer():
