@@ -68,7 +68,9 @@ def test_chat_logprobs_whole_and_streamed_agree(fleet, where):
     chunks = stream(fleet[where], "/v1/chat/completions", body)
     streamed = [e for c in chunks for ch in c["choices"] for e in ((ch["logprobs"] or {}).get("content") or [])]
     assert [e["token"] for e in streamed] == [e["token"] for e in content]
-    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+    # the streamed request reads the prompt's blocks from the cache the first one left, a prefill
+    # of another shape: equal to the model's float tolerance (as against HF below), not bit for bit
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=2e-3)
 
 
 def test_completion_logprobs_equal_hf_log_softmax(fleet, tok):
