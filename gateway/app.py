@@ -49,7 +49,7 @@ from gateway.retry import RetryPolicy
 from gateway.shared_ledger import LedgerNote
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import Tracing
-from policies.api import FleetView, Observer, Policy, RequestView
+from policies.api import FleetView, Observer, Policy, RequestView, Tallied, Tally
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
 from policies.ledger import Sent
@@ -102,6 +102,7 @@ class Gateway:
         self.exchange = Exchange(fleet, self.proxy, self.metrics, self.account, self.headers, pd_wait_ms)
         if redis is not None:
             redis.ledgers.on_routed = self.observe_routed
+            redis.ledgers.on_tally = self.add_tally
             self.metrics.registry.register(RedisCollector(redis))
         self.app = Starlette(
             routes=[
@@ -149,6 +150,15 @@ class Gateway:
             self.policy.observe(view, seen, note.at)
         except Exception:
             log.exception("policy %s failed to observe another replica's routing", self.policy.name)
+
+    def add_tally(self, tally: Tally) -> None:
+        """Another replica's decision: into the policy's windows, where it keeps them
+        (`policies.api.Tallied`). A policy's failure here is logged, not the Redis state's end."""
+        if isinstance(self.policy, Tallied):
+            try:
+                self.policy.add_tally(tally, time.time())
+            except Exception:
+                log.exception("policy %s failed to count another replica's decision", self.policy.name)
 
     def headers(self, worker: str = "", predicted: int = 0) -> dict[str, str]:
         return {
@@ -248,6 +258,8 @@ class Gateway:
         )
         route = self.policy.route(view, fleet)
         self.metrics.decision.observe(time.perf_counter() - t0)
+        if route.tally is not None:
+            self.fleet.tallied(route.tally)
         if route.reject:
             if route.reject == NO_WORKERS:
                 raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers", retry_after=retry_after)

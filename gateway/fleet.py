@@ -35,11 +35,11 @@ from gateway.breaker import Breaker, BreakerConfig
 from gateway.control import Refused, check
 from gateway.index import ResidencyIndex
 from gateway.kv_tail import LONG_POLL_S, KvTail
-from gateway.shared_ledger import ENDED, ROUTED, SENT, STARTED, LedgerNote
+from gateway.shared_ledger import ENDED, ROUTED, SENT, STARTED, TALLY, LedgerNote
 from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool
 from gateway.worker import DRAINING, KVGATE, Worker, idle, less_held, out_of_service
 from gateway.worker_view import view_of_state, with_fields
-from policies.api import DEFAULT_TIER_CREDITS, TierCredits, WorkerView
+from policies.api import DEFAULT_TIER_CREDITS, Tally, TierCredits, WorkerView
 from policies.ledger import Sent
 from workers.internal_auth import internal_headers
 
@@ -382,6 +382,12 @@ class Fleet:
         """A prompt of `num_tokens` tokens (full blocks hashing to `prompt`) was sent to `w` at
         `at`, for its prefill: for the other replicas' policies (`policies.api.Observer`)."""
         self._note(ROUTED, w, request_id, prompt=prompt, num_tokens=num_tokens, at=at)
+
+    def tallied(self, tally: Tally) -> None:
+        """A decision added `tally` to the policy's windows: for the other replicas' policies
+        (`policies.api.Tallied`); nothing is built where no Redis state listens."""
+        if self.on_ledger is not None:
+            self.on_ledger(LedgerNote("", TALLY, tally=tally))
 
     def _note(
         self,

@@ -19,13 +19,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from policies.api import Tally
 from policies.ledger import Sent, checked_count, checked_hashes, checked_time
 
 if TYPE_CHECKING:  # the fleet hands its changes here through a callback
     from gateway.fleet import Fleet
 
-SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED = "sent", "started", "ended", "snapshot", "hello", "routed"
-KINDS = (SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED)
+SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED, TALLY = (
+    "sent",
+    "started",
+    "ended",
+    "snapshot",
+    "hello",
+    "routed",
+    "tally",
+)
+KINDS = (SENT, STARTED, ENDED, SNAPSHOT, HELLO, ROUTED, TALLY)
 MAX_ID = 256  # characters in a replica, worker or request id
 MAX_HELD = 1 << 16  # entries of one replica, in one snapshot or held at once
 
@@ -45,7 +54,9 @@ class LedgerNote:
     token at `at`), `ended`, `snapshot` (all it holds, `entries`), or `hello` (it reconnected:
     send it yours); or `routed`: at `at` it sent a prompt of `num_tokens` tokens whose full
     blocks hash to `prompt` to `worker_id` (where its prefill runs), for the others' policies
-    to count as held there until the index shows it (`policies.routed`)."""
+    to count as held there until the index shows it (`policies.routed`); or `tally`: a
+    decision's `tally`, for the others' policies' windows over recent traffic
+    (`policies.api.Tallied`)."""
 
     replica: str
     kind: str
@@ -56,6 +67,7 @@ class LedgerNote:
     entries: tuple[Held, ...] = ()
     prompt: tuple[int, ...] = ()
     num_tokens: int = 0
+    tally: Tally | None = None
 
     def to_json(self) -> dict:
         d: dict = {"replica": self.replica, "kind": self.kind}
@@ -67,6 +79,8 @@ class LedgerNote:
             d["at"] = self.at
         if self.kind == ROUTED:
             d["prompt"], d["num_tokens"] = list(self.prompt), self.num_tokens
+        if self.tally is not None:
+            d["tally"] = self.tally.to_json()
         if self.kind == SNAPSHOT:
             d["entries"] = [[h.worker_id, h.request_id, h.sent.to_json()] for h in self.entries]
         return d
@@ -87,6 +101,7 @@ class LedgerNote:
             checked_time(d.get("at")),
             _entries(d.get("entries")) if kind == SNAPSHOT else (),
             *(_prompt(d) if kind == ROUTED else ((), 0)),
+            Tally.from_json(d.get("tally")) if kind == TALLY else None,
         )
         if kind in (SENT, STARTED, ENDED, ROUTED) and not (note.worker_id and note.request_id):
             raise ValueError(f"a {kind} note names its worker and request")
@@ -129,6 +144,7 @@ class SharedLedgers:
         self.fleet, self.replica = fleet, replica
         self.held: dict[str, dict[str, str]] = {}  # other replica -> key -> worker id
         self.on_routed: Callable[[LedgerNote], None] | None = None  # another replica's routing
+        self.on_tally: Callable[[Tally], None] | None = None  # another replica's decision
 
     def apply(self, note: LedgerNote) -> bool:
         """Apply another replica's note; True where it asks for this replica's snapshot."""
@@ -139,6 +155,10 @@ class SharedLedgers:
         if note.kind == ROUTED:
             if self.on_routed is not None:
                 self.on_routed(note)
+            return False
+        if note.kind == TALLY:
+            if self.on_tally is not None and note.tally is not None:
+                self.on_tally(note.tally)
             return False
         if note.kind == SNAPSHOT:
             self.drop(note.replica)

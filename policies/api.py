@@ -7,7 +7,7 @@ registry and shared in-flight counts, calls `Policy.route`, and acts on the `Rou
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from policies.ledger import Ledger
+from policies.ledger import Ledger, checked_count
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 
@@ -113,6 +113,30 @@ class FleetView:
 
 
 @dataclass(frozen=True)
+class Tally:
+    """What one routing decision adds to its policy's windows over recent traffic: whether it
+    refused, the pool tokens the request takes at least (0: not sized), and the prefix it counted
+    as demand (its best holder's last block hash; None: none). Gateway replicas send theirs to
+    each other (`Tallied`), so each one's windows count the fleet's traffic, not its own share."""
+
+    refused: bool
+    footprint: int = 0
+    prefix: int | None = None
+
+    def to_json(self) -> dict:
+        return {"refused": self.refused, "footprint": self.footprint, "prefix": self.prefix}
+
+    @classmethod
+    def from_json(cls, d: object) -> "Tally":
+        """The tally `to_json` wrote; ValueError for anything else (it comes from another
+        replica, through Redis)."""
+        if not isinstance(d, dict) or not isinstance(d.get("refused"), bool):
+            raise ValueError("a tally is an object whose 'refused' is true or false")
+        prefix = d.get("prefix")
+        return cls(d["refused"], checked_count(d.get("footprint")), None if prefix is None else checked_count(prefix))
+
+
+@dataclass(frozen=True)
 class Route:
     """A decision: one worker, a (prefill, decode) pair, or a rejection with a reason.
     `reason` says in a few words why this worker: the gateway sends it to clients as
@@ -126,6 +150,7 @@ class Route:
     predicted_tpot_ms: float | None = None
     info: dict = field(default_factory=dict)
     reason: str = field(default="", compare=False)  # an explanation, not part of the decision
+    tally: Tally | None = field(default=None, compare=False)  # for the other replicas (`Tallied`)
 
 
 @runtime_checkable
@@ -145,4 +170,17 @@ class Observer(Protocol):
 
     def observe(self, req: RequestView, w: WorkerView, now: float) -> None:
         """Another replica sent `req`'s prompt to `w` at `now`. Must not block or do I/O."""
+        ...
+
+
+@runtime_checkable
+class Tallied(Protocol):
+    """A policy whose decisions feed windows over recent traffic (its refusals, the requests'
+    sizes, each prefix's demand) and say what they added (`Route.tally`). Behind several
+    gateway replicas each window would count only its replica's share: with two, a hot
+    prefix's demand looked half what it was, and a replica sent only small requests ranked
+    them as the largest. So each decision's tally goes to the others (through Redis)."""
+
+    def add_tally(self, tally: Tally, now: float) -> None:
+        """Count another replica's decision, heard at `now`. Must not block or do I/O."""
         ...

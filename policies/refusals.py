@@ -23,5 +23,6 @@ class RecentRefusals:
         return self.refused / len(self.seen) if self.seen else 0.0
 
     def record(self, now: float, refused: bool) -> None:
-        self.seen.append((now, refused))
+        """Count a decision at `now` (no earlier than the last: another replica's arrive late)."""
+        self.seen.append((max(now, self.seen[-1][0]) if self.seen else now, refused))
         self.refused += refused

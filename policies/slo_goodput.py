@@ -16,7 +16,9 @@ request on the worker past its SLO. A request predicted to miss only steals capa
 ones that would not, so rejecting it early (with the reason) is what keeps goodput at overload.
 """
 
-from policies.api import DECODE, MIXED, FleetView, RequestView, Route, WorkerView
+from dataclasses import replace
+
+from policies.api import DECODE, MIXED, FleetView, RequestView, Route, Tally, WorkerView
 from policies.candidates import NO_WORKERS, cheapest, request_key
 from policies.footprints import Footprints
 from policies.pd import Pair, PdDecider
@@ -85,6 +87,10 @@ class SloGoodput:
     from it to another mixed worker (`PdDecider.warm_pairs`) compete too, each paying for
     only what the request adds to the copy: a hot prefix spreads by KV import instead of being
     recomputed cold where the import answers sooner (`warm_prefixes=False` turns that off).
+
+    Behind several gateway replicas the three windows over recent traffic (refusals, footprints,
+    each prefix's demand) count every replica's decisions (`Tallied`: each route's `Tally`
+    reaches the others through Redis), as one router's would.
     """
 
     name = "slo_goodput"
@@ -116,12 +122,24 @@ class SloGoodput:
         self.ledger_wait, self.big_share, self.big_wait = ledger_wait, big_share, big_wait
         self.footprints = Footprints()
         self.now, self.held, self.big = 0.0, 0, False
+        self.footprint = 0  # what the decision in progress adds (`Route.tally`)
+        self.prefix: int | None = None
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
         self.safety = pool_queue_safety(self.refusals.share(fleet.now))
+        self.footprint, self.prefix = 0, None
         route = self.routed.route(self.choose, req, fleet) if self.routed else self.choose(req, fleet)
-        self.refusals.record(fleet.now, route.reject is not None)
-        return route
+        refused = route.reject is not None
+        self.refusals.record(fleet.now, refused)
+        return replace(route, tally=Tally(refused, self.footprint, self.prefix))
+
+    def add_tally(self, tally: Tally, now: float) -> None:
+        """Another gateway replica's decision (`Tallied`): into the same windows as this one's."""
+        self.refusals.record(now, tally.refused)
+        if tally.footprint:
+            self.footprints.add(tally.footprint)
+        if tally.prefix is not None and self.warmer:
+            self.warmer.add(tally.prefix, now)
 
     def observe(self, req: RequestView, w: WorkerView, now: float) -> None:
         """Another gateway replica sent `req`'s prompt to `w` at `now` (`Observer`)."""
@@ -143,11 +161,7 @@ class SloGoodput:
         if split:
             candidates += [self.pair(req, c) for c in self.pd.pairs(req, fleet)]
         tier, headroom, ttft, tpot, p, d = self.best(req, candidates, slo_ttft, slo_tpot)
-        if (
-            self.warmer
-            and not split
-            and self.warmer.outgrown(req, *self.holder(req, candidates, slo_ttft, slo_tpot), servers, fleet.now)
-        ):
+        if self.warmer and not split and self.outgrown(req, candidates, servers, slo_ttft, slo_tpot, fleet.now):
             warm = [self.pair(req, c) for c in self.pd.warm_pairs(req, mixed)]
             if warm:
                 tier, headroom, ttft, tpot, p, d = self.best(req, candidates + warm, slo_ttft, slo_tpot)
@@ -197,6 +211,25 @@ class SloGoodput:
             return 0.0
         return self.routed.pending_blocks(d.worker_id) / d.total_blocks
 
+    def outgrown(
+        self,
+        req: RequestView,
+        candidates: list[tuple],
+        servers: tuple[WorkerView, ...],
+        slo_ttft: float,
+        slo_tpot: float,
+        now: float,
+    ) -> bool:
+        """Count `req` as demand for the prefix its best holder holds (`self.prefix`, for the
+        tally) and say whether that prefix has outgrown its holders (`PrefixWarmer`)."""
+        assert self.warmer is not None
+        holder, headroom = self.holder(req, candidates, slo_ttft, slo_tpot)
+        self.prefix = self.warmer.prefix(req, holder)
+        if self.prefix is None:
+            return False
+        self.warmer.add(self.prefix, now)
+        return self.warmer.outgrown(self.prefix, req, holder, headroom, servers)
+
     def holder(
         self, req: RequestView, candidates: list[tuple], slo_ttft: float, slo_tpot: float
     ) -> tuple[WorkerView, float]:
@@ -210,7 +243,7 @@ class SloGoodput:
         whether it is among the largest lately by pool footprint (the least it can take)."""
         self.now = now
         self.held = max(cached_tokens(req, w) for w in servers)
-        footprint = min(uncached_tokens(req, w) for w in servers) + req.max_tokens
+        footprint = self.footprint = min(uncached_tokens(req, w) for w in servers) + req.max_tokens
         self.big = self.footprints.share_below(footprint) >= 1.0 - self.big_share
         self.footprints.add(footprint)
 

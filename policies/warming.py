@@ -45,19 +45,25 @@ class PrefixWarmer:
         self.seen: deque[tuple[float, int]] = deque()
         self.count: Counter[int] = Counter()
 
-    def outgrown(
-        self, req: RequestView, holder: WorkerView, headroom: float, servers: Sequence[WorkerView], now: float
-    ) -> bool:
-        """Record `req` as demand for the prefix `holder` holds of it, and say whether that prefix
-        has outgrown its holders among `servers` (`headroom`: `holder`'s predicted headroom
-        for `req`)."""
+    def prefix(self, req: RequestView, holder: WorkerView) -> int | None:
+        """The prefix of `req` that `holder` holds, named by its last block's hash; None where
+        it holds none."""
         blocks = hit_blocks(req, holder)
-        if not blocks:
-            return False
-        key = req.block_hashes[blocks - 1]
+        return req.block_hashes[blocks - 1] if blocks else None
+
+    def add(self, key: int, now: float) -> None:
+        """Count a request for prefix `key` at `now` (no earlier than the last: another gateway
+        replica's arrive late)."""
         self.expire(now)
-        self.seen.append((now, key))
+        self.seen.append((max(now, self.seen[-1][0]) if self.seen else now, key))
         self.count[key] += 1
+
+    def outgrown(
+        self, key: int, req: RequestView, holder: WorkerView, headroom: float, servers: Sequence[WorkerView]
+    ) -> bool:
+        """Whether prefix `key`, which `holder` holds of `req`, has outgrown its holders among
+        `servers` (`headroom`: `holder`'s predicted headroom for `req`)."""
+        blocks = hit_blocks(req, holder)
         holders = [w for w in servers if hit_blocks(req, w) >= blocks]
         return headroom < self.below or self.demand(key, req, holders) > self.load
 

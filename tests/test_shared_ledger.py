@@ -4,6 +4,7 @@ redis-server (never port 6379)."""
 
 import asyncio
 import json
+import time
 
 import pytest
 import redis
@@ -18,7 +19,8 @@ from gateway.redis_state import RedisState
 from gateway.replica_share import packed
 from gateway.server import build
 from gateway import shared_ledger
-from gateway.shared_ledger import ENDED, HELLO, ROUTED, SENT, SNAPSHOT, STARTED, Held, LedgerNote, SharedLedgers
+from gateway.shared_ledger import ENDED, HELLO, ROUTED, SENT, SNAPSHOT, STARTED, TALLY, Held, LedgerNote, SharedLedgers
+from policies.api import RequestView, Tally
 from policies.ledger import Sent
 from tests.test_redis import wait_async
 from workers.kv import redis_schema as rs
@@ -58,7 +60,14 @@ def test_a_routed_note_reads_back_as_it_was_written(replica, wid, rid, prompt, n
     assert LedgerNote.from_json(json.loads(json.dumps(note.to_json()))) == note
 
 
+@given(ids, st.booleans(), st.integers(0, 10**7), st.none() | st.integers(0, (1 << 64) - 1))
+def test_a_tally_note_reads_back_as_it_was_written(replica, refused, footprint, prefix):
+    note = LedgerNote(replica, TALLY, tally=Tally(refused, footprint, prefix))
+    assert LedgerNote.from_json(json.loads(json.dumps(note.to_json()))) == note
+
+
 GOOD_SENT = {"need": 3, "hit": [1, 2], "max_tokens": 8, "started_at": None}
+GOOD_TALLY = {"refused": False, "footprint": 300, "prefix": 7}
 
 
 @pytest.mark.parametrize(
@@ -115,6 +124,14 @@ GOOD_SENT = {"need": 3, "hit": [1, 2], "max_tokens": 8, "started_at": None}
         {"replica": "a", "kind": ROUTED, "at": 1.0, "prompt": [], "num_tokens": 0},  # no worker or request
         {"replica": "a", "kind": ENDED, "worker_id": "w0", "request_id": "r", "at": "soon"},
         {"replica": "a", "kind": ENDED, "worker_id": "w0", "request_id": "r", "at": float("nan")},
+        {"replica": "a", "kind": TALLY},  # no tally
+        {"replica": "a", "kind": TALLY, "tally": [False, 300, 7]},
+        {"replica": "a", "kind": TALLY, "tally": {**GOOD_TALLY, "refused": 1}},
+        {"replica": "a", "kind": TALLY, "tally": {**GOOD_TALLY, "footprint": -1}},
+        {"replica": "a", "kind": TALLY, "tally": {**GOOD_TALLY, "footprint": 3.5}},
+        {"replica": "a", "kind": TALLY, "tally": {"refused": True, "prefix": 7}},  # no footprint
+        {"replica": "a", "kind": TALLY, "tally": {**GOOD_TALLY, "prefix": "7"}},
+        {"replica": "a", "kind": TALLY, "tally": {**GOOD_TALLY, "prefix": True}},
         {"replica": "a", "kind": SNAPSHOT, "entries": {"w0": []}},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r"]]},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r", {**GOOD_SENT, "hit": [-1]}]]},
@@ -284,6 +301,10 @@ def test_two_replicas_each_hold_the_whole_fleets_ledger(tmp_path):
             await wait_async(
                 lambda: routed == [LedgerNote("a", ROUTED, "w1", "r4", at=9.0, prompt=(7, 8), num_tokens=40)]
             )
+            tallies: list[Tally] = []
+            sb.ledgers.on_tally = tallies.append
+            fa.tallied(Tally(True, 300, 7))
+            await wait_async(lambda: tallies == [Tally(True, 300, 7)])
 
             await sb.stop()  # b forgets the others' entries while it is away ...
             assert set(wb.ledger.sent) == {"r3"}
@@ -320,3 +341,29 @@ def test_another_replicas_routing_reaches_a_policy_that_remembers_its_own(policy
         assert memory is None
     else:
         assert {h: worker for h, (worker, _, _) in memory.first.items()} == dict.fromkeys(prompt, "w0")
+
+
+@pytest.mark.parametrize("policy", ["slo_goodput", "round_robin"])
+def test_decisions_go_to_the_other_replicas_and_theirs_reach_a_policy_that_keeps_windows(policy):
+    """A built gateway with Redis hands `tally` notes to its policy (`policies.api.Tallied`):
+    slo_goodput counts another replica's refusal, request size and prefix demand as its own;
+    and each of its own decisions goes out as a tally. Round robin keeps no windows: it says
+    nothing and is left alone."""
+    argv = ["--worker", "http://127.0.0.1:1", "--redis", "redis://127.0.0.1:1/0", "--internal-token", "t"]
+    gw = build(parser().parse_args([*argv, "--policy", policy, "--model", "smollm2-135m"]))
+    (w,) = gw.fleet.workers.values()
+    gw.fleet.up(w, {"worker_id": "w0", "model": "smollm2-135m", "block_size": 16, "total_blocks": 1024})
+    gw.redis.ledgers.apply(LedgerNote("other", TALLY, tally=Tally(True, 500, 9)))
+    gw.redis.ledgers.apply(LedgerNote(gw.redis.share.replica, TALLY, tally=Tally(True, 700, 9)))  # its own echo
+    notes: list[LedgerNote] = []
+    gw.fleet.on_ledger = notes.append
+    chosen, *_ = gw.decide(RequestView("r1", 70, (1, 2, 3, 4), max_tokens=30), "smollm2-135m", set())
+    assert chosen is w
+    tallies = [n.tally for n in notes if n.kind == TALLY]
+    if policy == "round_robin":
+        assert not tallies
+        return
+    p = gw.policy
+    assert p.footprints.ordered == [100, 500] and p.warmer.count == {9: 1}
+    assert p.refusals.share(time.time()) == 0.5  # the other replica's refusal and this admission
+    assert tallies == [Tally(False, 100, None)]
