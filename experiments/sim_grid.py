@@ -3,7 +3,8 @@ and rate: the grid behind bench/results/README.md's "slo_goodput's ledger" table
 
 The fleet is tests/test_simulate_pressure's (4 workers, the H200 Llama-8B eager profile, 1024
 KV blocks each, views with the cost model, TTFT / TPOT SLOs 2000 / 100 ms); the policy gets the
-SLOs and any `--policy-arg` JSON. Writes JSON and a PNG of attainment against rate.
+SLOs and any `--policy-arg` JSON. `--replicas N` puts N instances of it behind a balancer
+(`Replicas`: `--split`, `--share`). Writes JSON and a PNG of attainment against rate.
 
     PYTHONPATH=. python experiments/sim_grid.py --policy slo_goodput --policy-arg '{"ledger_wait": false}' \\
         --out /tmp/sim-grid.json
@@ -23,7 +24,7 @@ from bench.fleet_sim import FleetConfig, FleetSim
 from bench.report import summarize
 from bench.sim_worker import SimConfig
 from bench.workloads import WorkloadConfig, generate
-from policies.api import FleetView, Policy, RequestView, Route
+from policies.api import FleetView, Observer, Policy, RequestView, Route, Tallied
 from policies.registry import load_policy
 from workers.kv.cost_model import CostModel
 
@@ -32,19 +33,49 @@ PROFILE = "bench/profiles/h200-llama8b-kvgate-eager.json"
 
 
 class Replicas:
-    """Gateway replicas taking requests in turn, each with its own instance of the policy; the
-    fleet's in-flight counts and ledgers reach every one at once (`gateway.shared_ledger`)."""
+    """Gateway replicas behind a load balancer, each with its own instance of the policy; the
+    fleet's in-flight counts and ledgers reach every one at once (`gateway.shared_ledger`).
+    `split`: "turns" (each request to the next replica) or "size:T" (prompts over T tokens to
+    the first replica, the rest to the others in turn: a balancer that sorts traffic).
+    `share`: what each decision tells the other replicas, as Redis carries it in a gateway:
+    "none", "routed" (where the prompt went, `policies.api.Observer`) or "all" (that and the
+    decision's tally, `policies.api.Tallied`), heard at once (a pub/sub message takes about a
+    millisecond, the windows span seconds)."""
 
-    def __init__(self, policies: list[Policy]) -> None:
+    def __init__(self, policies: list[Policy], split: str = "turns", share: str = "none") -> None:
         self.policies, self.name, self.turn = policies, policies[0].name, 0
+        self.long = int(split.split(":")[1]) if split.startswith("size:") else None
+        self.share = share
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
+        i = self.pick(req)
+        route = self.policies[i].route(req, fleet)
+        others = [p for j, p in enumerate(self.policies) if j != i]
+        if self.share in ("routed", "all") and route.worker is not None:
+            sent = next(w for w in fleet.workers if w.worker_id == (route.prefill or route.worker))
+            for p in others:
+                if isinstance(p, Observer):
+                    p.observe(req, sent, fleet.now)
+        if self.share == "all" and route.tally is not None:
+            for p in others:
+                if isinstance(p, Tallied):
+                    p.add_tally(route.tally, fleet.now)
+        return route
+
+    def pick(self, req: RequestView) -> int:
+        """The replica the balancer hands `req` to."""
+        n = len(self.policies)
+        if self.long is not None and n > 1:
+            if req.num_tokens > self.long:
+                return 0
+            self.turn += 1
+            return 1 + self.turn % (n - 1)
         self.turn += 1
-        return self.policies[self.turn % len(self.policies)].route(req, fleet)
+        return self.turn % n
 
 
-def attainment(job: tuple[str, dict, str, float, int, float, int]) -> float:
-    policy, kwargs, workload, rate, seed, duration, replicas = job
+def attainment(job: tuple[str, dict, str, float, int, float, int, str, str]) -> float:
+    policy, kwargs, workload, rate, seed, duration, replicas, split, share = job
     fleet = FleetConfig(
         workers=4,
         sim=SimConfig(num_blocks=1024),
@@ -54,7 +85,8 @@ def attainment(job: tuple[str, dict, str, float, int, float, int]) -> float:
         slo_tpot_ms=100.0,
     )
     sim = FleetSim(
-        Replicas([load_policy(policy, ttft_ms=2000.0, tpot_ms=100.0, **kwargs) for _ in range(replicas)]), fleet
+        Replicas([load_policy(policy, ttft_ms=2000.0, tpot_ms=100.0, **kwargs) for _ in range(replicas)], split, share),
+        fleet,
     )
     wl = WorkloadConfig(name=workload, rate=rate, duration_s=duration, seed=seed)
     return summarize(sim.run(generate(wl), duration), 2000.0, 100.0)["slo_attainment"]
@@ -69,13 +101,15 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--replicas", type=int, default=1, help="policy instances taking requests in turn")
+    p.add_argument("--replicas", type=int, default=1, help="policy instances behind a balancer (`Replicas`)")
+    p.add_argument("--split", default="turns", help="turns, or size:T (prompts over T tokens to the first replica)")
+    p.add_argument("--share", choices=("none", "routed", "all"), default="none", help="what replicas tell each other")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     kwargs = json.loads(args.policy_arg)
     grid = {w: [float(r) for r in (args.rates or RATES[w]).split(",")] for w in args.workloads.split(",")}
     jobs = [
-        (args.policy, kwargs, w, r, s, args.duration, args.replicas)
+        (args.policy, kwargs, w, r, s, args.duration, args.replicas, args.split, args.share)
         for w, rates in grid.items()
         for r in rates
         for s in range(args.seeds)
@@ -83,7 +117,7 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(attainment, jobs))
     table: dict[str, dict[str, float]] = {}
-    for (_, _, w, r, _, _, _), a in zip(jobs, results):
+    for (_, _, w, r, *_), a in zip(jobs, results):
         table.setdefault(w, {}).setdefault(f"{r:g}", 0.0)
         table[w][f"{r:g}"] += a / args.seeds
     report = {
@@ -91,6 +125,8 @@ def main() -> None:
         "policy_arg": kwargs,
         "seeds": args.seeds,
         "replicas": args.replicas,
+        "split": args.split,
+        "share": args.share,
         "duration_s": args.duration,
         "attainment": table,
     }
