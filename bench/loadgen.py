@@ -191,9 +191,11 @@ async def run_rate(
     token_ids: bool = True,
     timeout: float = 600.0,
     text: Callable[[list[int]], str] | None = None,
+    pick: Callable[[int, BenchRequest], int] | None = None,
 ) -> list[dict]:
     """Fire the workload's requests at their arrival times; wait for all; return records.
-    With `text`, prompts go as the text it decodes them to."""
+    With `text`, prompts go as the text it decodes them to. Request `i` goes to
+    `urls[pick(i, request)]`, by default to each URL in turn."""
     requests = list(generate(cfg))
     headers = {"x-slo-ttft-ms": str(slo[0]), "x-slo-tpot-ms": str(slo[1])}
     progress = Progress(f"{cfg.rate:g} req/s", len(requests), cfg.duration_s)
@@ -201,7 +203,8 @@ async def run_rate(
     try:
 
         async def one(i: int, br: BenchRequest) -> dict:
-            rec = await send(client, urls[i % len(urls)], br, model, headers, token_ids, text, timeout)
+            url = urls[pick(i, br) if pick else i % len(urls)]
+            rec = await send(client, url, br, model, headers, token_ids, text, timeout)
             progress.done += 1
             progress.errors += rec["error"] is not None
             return rec

@@ -39,6 +39,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import report as rep
@@ -47,7 +48,7 @@ from bench.loadgen import run_loop, run_rate
 from bench.peer_fidelity import add_fidelity, step_mark, step_speed
 from bench.proc_cpu import cpu_s
 from bench.prompt_text import as_text
-from bench.workloads import WorkloadConfig
+from bench.workloads import BenchRequest, WorkloadConfig
 from gateway.procs import ROOT, Proc, Worker, free_port, start_gateway, stop_all
 from workers.model_store import load_tokenizer, served_name
 
@@ -128,13 +129,22 @@ class Bench:
         for w in self.workers:
             w.reset_cache()
 
-    def measure(self, urls: list[str], wl: WorkloadConfig, pid: int | None) -> dict:
-        """One rate against `urls`: the summary, with the router's CPU seconds per request."""
+    def measure(
+        self,
+        urls: list[str],
+        wl: WorkloadConfig,
+        pid: int | None,
+        pick: Callable[[int, BenchRequest], int] | None = None,
+    ) -> dict:
+        """One rate against `urls` (`pick`: which one a request goes to, as `loadgen.run_rate`):
+        the summary, with the router's CPU seconds per request."""
         self.reset()
         marks = [step_mark(w.url, self.token) for w in self.workers]
         before = cpu_s(pid) if pid else 0.0
         records = run_loop(
-            run_rate(urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout, text=self.text)
+            run_rate(
+                urls, wl, served_name(self.args.model), self.slo, timeout=self.args.timeout, text=self.text, pick=pick
+            )
         )
         run = rep.summarize(records, *self.slo)
         for r in records:

@@ -1,7 +1,7 @@
 """slo_goodput behind several gateway replicas that share their state through Redis: SLO
 attainment per rate, one run per `--fleet` (a checkout and a number of replicas), in front of
 `bench.vs_peers`'s fleet (4 sim workers, the h200-llama8b eager profile, 1024 blocks each).
-The client sends its requests to the replicas in turn; every worker's prefix cache is emptied
+The client sends its requests to the replicas in turn (or sorted by size, `--split`); every worker's prefix cache is emptied
 before each rate. JSON and a PNG of attainment against rate.
 
     PYTHONPATH=. python experiments/replicas_goodput.py --fleet .:1 --fleet .:2 --fleet ../base:2 \\
@@ -24,6 +24,7 @@ from bench import vs_peers
 from bench.proc_cpu import cpu_s
 from bench.workloads import WorkloadConfig
 from experiments.gateway_cpu import gateway_argv
+from experiments.sim_grid import balancer
 from gateway import procs
 
 
@@ -103,6 +104,12 @@ def main() -> None:
         help="the workers publish their KV events to the replicas' Redis, which the replicas read "
         "instead of following each worker's /kv/events",
     )
+    p.add_argument(
+        "--split",
+        default="turns",
+        help="how the client spreads requests over the replicas: turns, or size:T (prompts over T "
+        "tokens to the first replica, the rest to the others: a balancer that sorts traffic)",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -120,12 +127,13 @@ def main() -> None:
             rounds[spec] += 1
             label = " ".join([f"{commit(code)} x{n}", *args]) + (f" #{rounds[spec]}" if a.fleet.count(spec) > 1 else "")
             gateways = replicas(bench, urls, code, int(n), url, a.policy, args)
+            pick = balancer(a.split, len(gateways))
             try:
                 runs = []
                 for rate in rates:
                     wl = WorkloadConfig(name=a.workload, duration_s=a.duration, seed=0, rate=rate)
                     before = sum(cpu_s(g.popen.pid) for g in gateways)
-                    run = bench.measure([g.url for g in gateways], wl, None)
+                    run = bench.measure([g.url for g in gateways], wl, None, lambda i, br: pick(i, len(br.prompt)))
                     spent = sum(cpu_s(g.popen.pid) for g in gateways) - before
                     run["gateways_cpu_ms_per_request"] = 1000 * spent / max(1, len(run.pop("records")))
                     runs.append(run)
@@ -149,6 +157,7 @@ def main() -> None:
         "policy": a.policy,
         "duration_s": a.duration,
         "workers_on_redis": a.workers_on_redis,
+        "split": a.split,
         "goodput_rps": {
             label: rep.goodput([(r["rate_rps"], r["slo_attainment"]) for r in runs]) for label, runs in series.items()
         },

@@ -12,6 +12,7 @@ SLOs and any `--policy-arg` JSON. `--replicas N` puts N instances of it behind a
 
 import argparse
 import json
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -32,23 +33,34 @@ RATES = {"multi-turn": "18,20,21,22", "shared-prefix": "44,48,52,56", "skewed": 
 PROFILE = "bench/profiles/h200-llama8b-kvgate-eager.json"
 
 
+def balancer(split: str, n: int) -> Callable[[int, int], int]:
+    """Which of `n` gateway replicas the `i`th request, of `tokens` prompt tokens, goes to:
+    "turns", each to the next; "size:T", prompts over T tokens to the first replica and the
+    rest to the others in turn (a balancer that sorts traffic)."""
+    if split.startswith("size:") and n > 1:
+        long = int(split.removeprefix("size:"))
+        return lambda i, tokens: 0 if tokens > long else 1 + i % (n - 1)
+    if split != "turns" and not split.startswith("size:"):
+        raise ValueError(f"a split is 'turns' or 'size:T', not {split!r}")
+    return lambda i, tokens: i % n
+
+
 class Replicas:
-    """Gateway replicas behind a load balancer, each with its own instance of the policy; the
-    fleet's in-flight counts and ledgers reach every one at once (`gateway.shared_ledger`).
-    `split`: "turns" (each request to the next replica) or "size:T" (prompts over T tokens to
-    the first replica, the rest to the others in turn: a balancer that sorts traffic).
-    `share`: what each decision tells the other replicas, as Redis carries it in a gateway:
-    "none", "routed" (where the prompt went, `policies.api.Observer`) or "all" (that and the
-    decision's tally, `policies.api.Tallied`), heard at once (a pub/sub message takes about a
-    millisecond, the windows span seconds)."""
+    """Gateway replicas behind a load balancer (`balancer`), each with its own instance of the
+    policy; the fleet's in-flight counts and ledgers reach every one at once
+    (`gateway.shared_ledger`). `share`: what each decision tells the other replicas, as Redis
+    carries it in a gateway: "none", "routed" (where the prompt went, `policies.api.Observer`)
+    or "all" (that and the decision's tally, `policies.api.Tallied`), heard at once (a pub/sub
+    message takes about a millisecond, the windows span seconds)."""
 
     def __init__(self, policies: list[Policy], split: str = "turns", share: str = "none") -> None:
-        self.policies, self.name, self.turn = policies, policies[0].name, 0
-        self.long = int(split.split(":")[1]) if split.startswith("size:") else None
+        self.policies, self.name, self.seen = policies, policies[0].name, 0
+        self.pick = balancer(split, len(policies))
         self.share = share
 
     def route(self, req: RequestView, fleet: FleetView) -> Route:
-        i = self.pick(req)
+        i = self.pick(self.seen, req.num_tokens)
+        self.seen += 1
         route = self.policies[i].route(req, fleet)
         others = [p for j, p in enumerate(self.policies) if j != i]
         if self.share in ("routed", "all") and route.worker is not None:
@@ -61,17 +73,6 @@ class Replicas:
                 if isinstance(p, Tallied):
                     p.add_tally(route.tally, fleet.now)
         return route
-
-    def pick(self, req: RequestView) -> int:
-        """The replica the balancer hands `req` to."""
-        n = len(self.policies)
-        if self.long is not None and n > 1:
-            if req.num_tokens > self.long:
-                return 0
-            self.turn += 1
-            return 1 + self.turn % (n - 1)
-        self.turn += 1
-        return self.turn % n
 
 
 def attainment(job: tuple[str, dict, str, float, int, float, int, str, str]) -> float:
