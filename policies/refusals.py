@@ -18,11 +18,17 @@ class RecentRefusals:
 
     def share(self, now: float) -> float:
         """Refused / routed within the window ending at `now` (0 with nothing routed)."""
-        while self.seen and self.seen[0][0] < now - self.window_s:
-            self.refused -= self.seen.popleft()[1]
+        self.expire(now)
         return self.refused / len(self.seen) if self.seen else 0.0
 
     def record(self, now: float, refused: bool) -> None:
-        """Count a decision at `now` (no earlier than the last: another replica's arrive late)."""
+        """Count a decision at `now` (no earlier than the last: another replica's arrive late).
+        What left the window goes first: a replica that only hears the others' decisions
+        holds no more than its window of them."""
+        self.expire(now)
         self.seen.append((max(now, self.seen[-1][0]) if self.seen else now, refused))
         self.refused += refused
+
+    def expire(self, now: float) -> None:
+        while self.seen and self.seen[0][0] < now - self.window_s:
+            self.refused -= self.seen.popleft()[1]

@@ -65,7 +65,9 @@ class RoutedPrefixes:
 
     def remember(self, req: RequestView, w: WorkerView, now: float) -> None:
         """Record that `req` was sent to `w` at `now` (its full blocks but the last one, which
-        the worker never takes from its cache)."""
+        the worker never takes from its cache). What left the window goes first: a replica
+        that only hears where the others sent prompts holds no more than its window of them."""
+        self.expire(now)
         hashes = req.block_hashes[: max(0, req.num_tokens - 1) // w.block_size]
         new = tuple(h for h in hashes if h not in self.first)
         for h in new:

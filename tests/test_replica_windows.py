@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import predict
-from policies.api import FleetView, RequestView, Route
+from policies.api import FleetView, RequestView, Route, Tally
 from policies.slo_goodput import SloGoodput
 from tests.views import req, worker
 
@@ -93,3 +93,19 @@ def test_the_tight_fleet_refuses_some_and_admits_others():
     refused = [r.reject is not None for r in routes]
     assert any(refused) and not all(refused)
     assert policy.safety > 1.0
+
+
+def test_a_replica_that_only_hears_the_others_holds_no_more_than_its_windows():
+    """A replica the balancer sends nothing (drained, or sorted out of a kind of traffic) still
+    hears every other replica's tallies and routed prompts: its windows drop what ages out as
+    they arrive, not at its next decision, which may never come."""
+    policy = SloGoodput(routed_window_s=1.0, refusal_window_s=5.0, warm_window_s=5.0)
+    w = worker("w0", total_blocks=1024)
+    for k in range(4000):  # 40 s at 100 decisions a second
+        now = k * 0.01
+        policy.add_tally(Tally(k % 4 == 0, 100 + k, k), now)
+        policy.observe(RequestView(f"r{k}", 65, (4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3)), w, now)
+    assert len(policy.refusals.seen) <= 501 and abs(policy.refusals.share(now) - 0.25) < 0.01
+    assert len(policy.routed.sent) <= 101 and len(policy.routed.first) <= 4 * 101
+    assert policy.warmer is not None and len(policy.warmer.seen) <= 501
+    assert len(policy.footprints.recent) <= policy.footprints.window
