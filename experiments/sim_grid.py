@@ -37,12 +37,14 @@ def balancer(split: str, n: int) -> Callable[[int, int], int]:
     """Which of `n` gateway replicas the `i`th request, of `tokens` prompt tokens, goes to:
     "turns", each to the next; "size:T", prompts over T tokens to the first replica and the
     rest to the others in turn (a balancer that sorts traffic)."""
-    if split.startswith("size:") and n > 1:
-        long = int(split.removeprefix("size:"))
-        return lambda i, tokens: 0 if tokens > long else 1 + i % (n - 1)
-    if split != "turns" and not split.startswith("size:"):
+    if split == "turns":
+        return lambda i, tokens: i % n
+    if not split.startswith("size:"):
         raise ValueError(f"a split is 'turns' or 'size:T', not {split!r}")
-    return lambda i, tokens: i % n
+    long = int(split.removeprefix("size:"))
+    if n == 1:
+        return lambda i, tokens: 0
+    return lambda i, tokens: 0 if tokens > long else 1 + i % (n - 1)
 
 
 class Replicas:

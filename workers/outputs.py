@@ -3,6 +3,10 @@
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine hands its requests in; outputs do not need the class to run
+    from workers.request import Request
 
 
 @dataclass
@@ -50,7 +54,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, when asked for
 
 
-def ended(req, finish_reason: str | None, error: str | None = None, timed: bool = False) -> RequestOutput:
+def ended(req: "Request", finish_reason: str | None, error: str | None = None, timed: bool = False) -> RequestOutput:
     """The last output of a request the engine took in that ends without a token (aborted,
     evicted, failed), with its counts so far; `timed`: with its times (`RequestTimes.of`)."""
     times = RequestTimes.of(req) if timed else None
