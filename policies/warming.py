@@ -26,11 +26,11 @@ capacity (80% of requests on one prefix, 5 seeds: 0.895 / 0.832 at 40 / 48 req/s
 miss) and `load` 1.0 (the demand past what the holders serve), where it equals no warming.
 """
 
-from collections import Counter, deque
 from collections.abc import Sequence
 
 from policies.api import RequestView, WorkerView
 from policies.predict import hit_blocks, pool_batch
+from policies.window import TimedCounts
 
 
 class PrefixWarmer:
@@ -39,11 +39,9 @@ class PrefixWarmer:
     outgrown its holders (see the module)."""
 
     def __init__(self, window_s: float = 5.0, below: float = 0.0, load: float = 1.0) -> None:
-        self.window_s = window_s
         self.below = below
         self.load = load
-        self.seen: deque[tuple[float, int]] = deque()
-        self.count: Counter[int] = Counter()
+        self.requests: TimedCounts[int] = TimedCounts(window_s)
 
     def prefix(self, req: RequestView, holder: WorkerView) -> int | None:
         """The prefix of `req` that `holder` holds, named by its last block's hash; None where
@@ -52,11 +50,9 @@ class PrefixWarmer:
         return req.block_hashes[blocks - 1] if blocks else None
 
     def add(self, key: int, now: float) -> None:
-        """Count a request for prefix `key` at `now` (no earlier than the last: another gateway
-        replica's arrive late)."""
-        self.expire(now)
-        self.seen.append((max(now, self.seen[-1][0]) if self.seen else now, key))
-        self.count[key] += 1
+        """Count a request for prefix `key` at `now` (this router's or another replica's,
+        `TimedCounts.add`)."""
+        self.requests.add(key, now)
 
     def outgrown(
         self, key: int, req: RequestView, holder: WorkerView, headroom: float, servers: Sequence[WorkerView]
@@ -73,13 +69,6 @@ class PrefixWarmer:
         rates = [
             fits / life_ms for fits, life_ms in (pool_batch(req, w, alike=True) for w in holders if w.total_blocks > 0)
         ]
-        if not rates or self.window_s <= 0:
+        if not rates or self.requests.window_s <= 0:
             return 0.0
-        return self.count[key] / self.window_s / (1000.0 * sum(rates))
-
-    def expire(self, now: float) -> None:
-        while self.seen and self.seen[0][0] < now - self.window_s:
-            _, key = self.seen.popleft()
-            self.count[key] -= 1
-            if not self.count[key]:
-                del self.count[key]
+        return self.requests.count[key] / self.requests.window_s / (1000.0 * sum(rates))

@@ -105,7 +105,7 @@ def test_a_replica_that_only_hears_the_others_holds_no_more_than_its_windows():
         now = k * 0.01
         policy.add_tally(Tally(k % 4 == 0, 100 + k, k), now)
         policy.observe(RequestView(f"r{k}", 65, (4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3)), w, now)
-    assert len(policy.refusals.seen) <= 501 and abs(policy.refusals.share(now) - 0.25) < 0.01
+    assert len(policy.refusals.decisions) <= 501 and abs(policy.refusals.share(now) - 0.25) < 0.01
     assert len(policy.routed.sent) <= 101 and len(policy.routed.first) <= 4 * 101
-    assert policy.warmer is not None and len(policy.warmer.seen) <= 501
+    assert policy.warmer is not None and len(policy.warmer.requests) <= 501
     assert len(policy.footprints.recent) <= policy.footprints.window

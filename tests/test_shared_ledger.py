@@ -365,7 +365,7 @@ def test_decisions_go_to_the_other_replicas_and_theirs_reach_a_policy_that_keeps
         assert not tallies
         return
     p = gw.policy
-    assert p.footprints.ordered == [100, 500] and p.warmer.count == {9: 1}
-    assert [refused for _, refused in p.refusals.seen] == [True, False]  # the other's refusal, this admission
-    assert p.refusals.share(p.refusals.seen[-1][0]) == 0.5
+    assert p.footprints.ordered == [100, 500] and p.warmer.requests.count == {9: 1}
+    assert [refused for _, refused in p.refusals.decisions.seen] == [True, False]  # the other's refusal, this admission
+    assert p.refusals.share(p.refusals.decisions.seen[-1][0]) == 0.5
     assert tallies == [Tally(False, 100, None)]
