@@ -22,6 +22,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any
 
 from workers.word_tokens import definition, word_tokenizer
 
@@ -39,7 +40,19 @@ class Chunk:
     ids: tuple[int, ...]
 
 
-class PrefixTokenizer:
+class Wrapper:
+    """A tokenizer wrapper: every public attribute it does not define is the wrapped one's
+    (`_tok`: chat template, decode, vocabulary), so it stands in for the tokenizer."""
+
+    _tok: Any
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._tok, name)
+
+
+class PrefixTokenizer(Wrapper):
     """`encode(text, add_special_tokens)` as the wrapped tokenizer's, through the prefix cache;
     every other attribute is the tokenizer's own (chat template, decode, vocabulary). `words`:
     whether to read text word by word too (`workers.word_tokens`: ~0.3 s of CPU at start to
@@ -57,11 +70,6 @@ class PrefixTokenizer:
         spec = definition(self._backend)
         self.words = word_tokenizer(tokenizer, spec) if words and spec is not None else None
         self.enabled = spec is not None and splits_words(spec) and self_test(self)
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._tok, name)
 
     def encode(self, text: str, add_special_tokens: bool = True, budget: "Budgeted | None" = None) -> list[int]:
         """The token ids of `text`, equal to the tokenizer's `encode`; `budget`: charged the
@@ -146,7 +154,7 @@ class OverBudget(Exception):
     """More text is left to tokenize past the cached prefixes than the caller would do where it is."""
 
 
-class Budgeted:
+class Budgeted(Wrapper):
     """A PrefixTokenizer that tokenizes at most `left` characters past its prompts' cached
     prefixes, over its calls, and raises OverBudget (having tokenized nothing more) beyond: so
     a caller can tokenize on the spot what its cache mostly holds, and elsewhere what it does
@@ -154,13 +162,8 @@ class Budgeted:
     prompt checks cache what they read of a tokenizer by its identity)."""
 
     def __init__(self, tokenizer: PrefixTokenizer):
-        self._tok = tokenizer
+        self._tok: PrefixTokenizer = tokenizer
         self.left = 0
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._tok, name)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens, budget=self)
