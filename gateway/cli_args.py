@@ -278,6 +278,13 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
         help="seconds an idle keep-alive connection stays open",
     )
     g.add_argument(
+        "--client-send-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a client may leave its answer unread (the gateway's writes paused) before the connection is cut",
+    )
+    g.add_argument(
         "--drain-timeout-s",
         type=float,
         default=30.0,

@@ -11,6 +11,9 @@ with a plain-text 503. So each connection here is a `ClientConnection`:
   client gets a 408 and the connection is closed, so trickling clients cannot hold sockets;
 - a request head over `max_head_bytes` gets a 431 and the connection is closed, so a head that
   never ends cannot grow without bound within its deadline;
+- a client that leaves its answer unread (its socket buffer full, the gateway's writes
+  paused) for `send_timeout_s` has its connection cut, and a stream's worker aborts the
+  request, so clients that never read cannot hold answers, worker slots and connections;
 - beyond `max_connections` open connections, a new one is answered with an OpenAI-shaped 503
   and `Retry-After` (then closed) instead of being served, well before file descriptors run out.
 
@@ -24,6 +27,7 @@ drains: new requests get 503 `draining` + `Retry-After` while the ones it holds 
 
 import asyncio
 import json
+import logging
 import resource
 from dataclasses import dataclass
 
@@ -32,6 +36,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from workers.protocol import error_body
 
 HEADER, BODY = "header", "body"
+log = logging.getLogger("kvgate.gateway")
 RAW_SEND = "kvgate.send"  # the scope extension whose "body" is the request's `RawBody`
 
 
@@ -43,6 +48,7 @@ class ClientLimits:
     idle_timeout_s: float = 5.0
     retry_after_s: int = 1
     max_head_bytes: int = 64 * 1024
+    send_timeout_s: float = 60.0
 
 
 def fit_connections(wanted: int) -> int:
@@ -129,6 +135,7 @@ class ClientConnection(HttpToolsProtocol):
         self.deadline: asyncio.TimerHandle | None = None
         self.in_message = False  # a request's first byte has come, its last not yet
         self.head_bytes = 0
+        self.stall: asyncio.TimerHandle | None = None
         if len(self.connections) > self.limits.max_connections:
             self.app = over_capacity(self.limits.retry_after_s)
         self._guard(HEADER, self.limits.header_timeout_s)
@@ -170,7 +177,32 @@ class ClientConnection(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unguard()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The client's buffer is full: it has `send_timeout_s` to read some of it, or the
+        connection is cut. A client that never reads would otherwise hold its answer, its
+        worker's slot and a connection for as long as it likes."""
+        super().pause_writing()
+        if self.stall is None:
+            self.stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
+
+    def _unstall(self) -> None:
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _stalled(self) -> None:
+        """The client read nothing of its answer for `send_timeout_s`: drop the connection (a
+        stream's upstream closes with it, and its worker aborts the request)."""
+        self.stall = None
+        log.info("client %s read nothing for %g s: connection closed", self.client, self.limits.send_timeout_s)
+        self.transport.abort()
 
     def _guard(self, phase: str, seconds: float) -> None:
         self._unguard()

@@ -211,6 +211,7 @@ def http_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer:
         args.client_body_timeout,
         args.client_idle_timeout,
         args.retry_after_s,
+        send_timeout_s=args.client_send_timeout,
     )
     config = uvicorn.Config(
         gateway.app,
