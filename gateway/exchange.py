@@ -29,6 +29,7 @@ from gateway.proxy import (
     UpstreamFailed,
     UpstreamTimeout,
     WorkerBusy,
+    WorkerError,
     whole_answer,
 )
 from gateway.record import PREFILL, RequestRecord
@@ -132,18 +133,18 @@ class Exchange:
         self, w: Worker, route: Decision, view: RequestView, resp, headers: dict, started: float, rec: RequestRecord
     ) -> Response:
         """A non-streaming answer, read whole before anything reaches the client (so a failure
-        while reading it is still retried); a 503 is the worker's load, retried elsewhere."""
+        while reading it is still retried); a 503 is the worker's load and any other 5xx its
+        failure, both retried elsewhere."""
         status = resp.status
         body = await self.proxy.read(resp)
         if status == 503:
             raise WorkerBusy(
                 status, body, {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "content-type")}
             )
-        self.fleet.end(w, rec.request_id)
         if status >= 500:
-            w.breaker.failed()
-        else:
-            w.breaker.succeeded()
+            raise WorkerError(status, body)
+        self.fleet.end(w, rec.request_id)
+        w.breaker.succeeded()
         if status == 200:
             whole_answer(rec, body, resp.headers, started)
         return Response(body, status, headers, resp.headers.get("content-type", "application/json"))

@@ -85,6 +85,16 @@ class WorkerBusy(UpstreamError):
         self.status, self.body, self.headers = status, body, headers
 
 
+class WorkerError(UpstreamError):
+    """The worker answered a server error other than 503 (500, 502, 504, ...): its failure,
+    not the request's, so the request goes elsewhere, and a client whose every try failed gets
+    the gateway's 502, never a worker's own 5xx."""
+
+    def __init__(self, status: int, body: bytes):
+        super().__init__(f"answered {status}: {body[:200].decode('utf-8', 'replace')}")
+        self.status = status
+
+
 class ClientGone(Exception):
     """The client disconnected before the worker answered."""
 

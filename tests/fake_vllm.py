@@ -4,7 +4,8 @@ publisher (PUB + replay ROUTER, vLLM's framing), steered by the test through /_c
 
     python -m tests.fake_vllm --port P --events-port E --replay-port R
 
-/_control takes {"health": 200|503, "replay": "ok"|"stuck", "restart": true, "publish": [events]}
+/_control takes {"health": 200|503, "replay": "ok"|"stuck", "restart": true, "publish": [events],
+"answer": the status completions answer with}
 and answers whether a control-plane request ever carried kvgate's internal token (`saw_token`);
 events are vLLM BlockStored/BlockRemoved maps; `restart` is a new process (numbering from 0, an
 empty replay buffer, a new process_start_time_seconds).
@@ -34,6 +35,7 @@ class Fake:
     def __init__(self, events_port: int, replay_port: int):
         self.events_port, self.replay_port = events_port, replay_port
         self.health, self.replay_mode = 200, "ok"
+        self.answer = 200  # the status /v1/completions answers with (an error body unless 200)
         self.saw_token = False  # whether any request carried kvgate's internal token
         self.started = time.time()
         self.seq = 0
@@ -100,6 +102,9 @@ def app(fake: Fake) -> Starlette:
 
     async def completions(request: Request) -> Response:
         raw = await request.body()
+        if fake.answer != 200:
+            error = {"message": "engine failed", "type": "InternalServerError", "param": None, "code": fake.answer}
+            return JSONResponse({"error": error}, fake.answer)
         return JSONResponse(
             {
                 "object": "text_completion",
@@ -118,6 +123,7 @@ def app(fake: Fake) -> Starlette:
         body = json.loads(await request.body())
         fake.health = body.get("health", fake.health)
         fake.replay_mode = body.get("replay", fake.replay_mode)
+        fake.answer = body.get("answer", fake.answer)
         if body.get("restart"):
             fake.seq, fake.started = 0, time.time()
             fake.buffer.clear()

@@ -95,6 +95,26 @@ def test_residency_follows_the_events_and_a_restart_drops_it_until_resynced(fake
         gw.stop()
 
 
+def test_a_server_error_is_the_workers_failure_never_the_clients_answer(fake, tmp_path):
+    """A 500 (or 502, 504) is tried elsewhere; with nowhere left the client gets the gateway's
+    OpenAI-shaped 502, not the worker's own error. A 503 is load: the worker's answer stands."""
+    gw = gateway(fake, tmp_path, extra=("--max-retries", "2", "--breaker-failures", "100"))
+    try:
+        body = {"model": vd.MODEL, "prompt": PROMPT, "max_tokens": 1}
+        for status in (500, 502, 504):
+            control(fake, answer=status)
+            r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "worker_failed" and r.json()["error"]["type"] == "server_error"
+        assert gw.metric("kvgate_gateway_upstream_failures_total", stage="response") == 3
+        control(fake, answer=503)
+        assert httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 503
+        control(fake, answer=200)
+        assert httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        gw.stop()
+
+
 def test_an_unhealthy_server_is_out_with_its_residency_and_comes_back_resynced(fake, tmp_path):
     gw = gateway(fake, tmp_path)
     try:
