@@ -139,6 +139,7 @@ class Intake:
             num_tokens=prep.num_tokens if prep else size // 4,
             block_hashes=tuple(prep.hashes) if prep else (),
             max_tokens=prep.max_tokens if prep else 16,
+            choices=prep.parsed.num_choices if prep else 1,
             slo_ttft_ms=_slo(h, "x-slo-ttft-ms", self.slo_ttft_ms),
             slo_tpot_ms=_slo(h, "x-slo-tpot-ms", self.slo_tpot_ms),
             session_id=str(session) if session is not None else None,
@@ -146,7 +147,11 @@ class Intake:
         )
 
 
+MAX_SLO_MS = 86_400_000.0  # a day: a longer SLO is none, and inf or 1e308 would turn the headroom math to NaN
+
+
 def _slo(headers, name: str, default: float | None) -> float | None:
+    """A client's SLO header in ms, in (0, MAX_SLO_MS]; 400 otherwise."""
     v = headers.get(name)
     if v is None:
         return default
@@ -154,6 +159,6 @@ def _slo(headers, name: str, default: float | None) -> float | None:
         ms = float(v)
     except ValueError:
         ms = -1.0
-    if not ms > 0:
-        raise ApiError(400, f"header {name} must be a positive number of milliseconds", param=name)
+    if not 0 < ms <= MAX_SLO_MS:
+        raise ApiError(400, f"header {name} must be a number of milliseconds in (0, {MAX_SLO_MS:.0f}]", param=name)
     return ms

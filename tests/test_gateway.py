@@ -123,6 +123,11 @@ def test_openai_errors_with_the_right_status(fleet):
         (complete(url, {"messages": "not a list"}, path="/v1/chat/completions"), 400),
         (complete(url, {"prompt": "hi"}, headers={"x-slo-ttft-ms": "soon"}), 400),
         (complete(url, {"prompt": "hi", "max_tokens": 100_000}), 400),
+        *(
+            (complete(url, {"prompt": "hi"}, headers={h: v}), 400)
+            for h in ("x-slo-ttft-ms", "x-slo-tpot-ms")
+            for v in ("inf", "nan", "1e300", "-5")
+        ),
     ]
     for r, status in cases:
         assert r.status_code == status, r.text
