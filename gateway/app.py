@@ -265,8 +265,8 @@ class Gateway:
                 raise ApiError(503, NO_WORKERS, "server_error", "no_healthy_workers", retry_after=retry_after)
             self.metrics.refused.labels("policy").inc()
             raise ApiError(429, route.reject, "rate_limit_error", "policy_rejected", retry_after=retry_after)
-        if route.prefill is not None and not self.internal_token:
-            route = dataclasses.replace(route, prefill=None)  # P/D legs need the fleet's token
+        if route.prefill is not None and (not self.internal_token or view.choices != 1):
+            route = dataclasses.replace(route, prefill=None)  # P/D legs need the fleet's token, carry one sequence
         by_id = {w.worker_id: w for w in workers}
         chosen = by_id.get(route.worker) if route.worker else None
         prefill = by_id.get(route.prefill) if route.prefill else None

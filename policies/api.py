@@ -27,6 +27,7 @@ class RequestView:
     session_id: str | None = None
     priority: int = 0
     model: str = ""
+    choices: int = 1  # sequences asked for (prompts x n): a P/D handoff carries one, so only such are split
 
 
 @dataclass(frozen=True)

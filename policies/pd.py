@@ -57,10 +57,11 @@ class PdDecider:
         self.min_uncached_tokens = min_uncached_tokens
 
     def split(self, req: RequestView, fleet: FleetView) -> bool:
-        """Whether the fleet has prefill and decode workers and even the best-cached worker that
-        could serve `req` alone has at least `min_uncached_tokens` to prefill."""
+        """Whether the fleet has prefill and decode workers, `req` asks for one sequence (what a
+        KV handoff carries) and even the best-cached worker that could serve it alone has at
+        least `min_uncached_tokens` to prefill."""
         prefill, servers = fleet.by_role(PREFILL), fleet.by_role(MIXED, DECODE)
-        if not prefill or not fleet.by_role(DECODE):
+        if not prefill or not fleet.by_role(DECODE) or req.choices != 1:
             return False
         return min(uncached_tokens(req, w) for w in servers) >= self.min_uncached_tokens
 
@@ -88,7 +89,7 @@ class PdDecider:
         holder cannot serve the request itself within its SLOs: the prefix then moves at the
         link's speed instead of being computed again, and the second worker holds it for the
         requests after."""
-        if len(servers) < 2:
+        if len(servers) < 2 or req.choices != 1:
             return []
         holder = min(servers, key=lambda w: (-cached_tokens(req, w), w.worker_id))
         held = cached_tokens(req, holder)

@@ -92,6 +92,16 @@ def test_long_prompt_is_disaggregated_and_matches_a_mixed_worker(pd_fleet):
         assert cached == (n - 1) // 16 * 16, "the decode worker admitted it as a prefix hit"
 
 
+def test_a_request_for_two_sequences_stays_on_one_worker(pd_fleet):
+    """n=2 asks for two sequences, which one KV handoff cannot carry: served whole by one
+    worker, not refused for a field the client never sent."""
+    f = pd_fleet
+    body = {"model": f["model"], "prompt": prompt(200, 11), "max_tokens": 4, "n": 2, "ignore_eos": True}
+    r = httpx.post(f["gw"].url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and "x-kvgate-prefill-worker" not in r.headers
+
+
 def test_short_uncached_part_stays_on_the_decode_worker(pd_fleet):
     f = pd_fleet
     ids = prompt(40, 7)

@@ -281,6 +281,17 @@ def test_cache_policies_disaggregate_through_the_shared_decider(cls):
     assert PdDecider(1024).best_pair(req(4096), fleet(worker("m"), worker("d", role=DECODE))) is None
 
 
+@pytest.mark.parametrize("cls", (PrefixAffinity, KvCost, SloGoodput))
+def test_a_request_for_several_sequences_is_never_split(cls):
+    """A KV handoff carries one sequence: a request with n > 1 or several prompts stays on one
+    worker where one of a single sequence would be split."""
+    f = pd_fleet()
+    assert cls(pd_min_uncached_tokens=512).route(req(4096), f).prefill is not None
+    route = cls(pd_min_uncached_tokens=512).route(req(4096, choices=2), f)
+    assert route.prefill is None and route.worker is not None
+    assert PdDecider(512).warm_pairs(req(4096, choices=2), f.workers) == []
+
+
 def test_a_holder_that_cannot_take_a_request_warms_a_worker_that_would_recompute_too_slowly():
     """A holder whose decode batch would miss the TPOT SLO but which admits at once ships the
     prefix to the worker with room (a pair of two mixed workers) where that worker's cold
