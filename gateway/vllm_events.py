@@ -8,11 +8,15 @@ ROUTER) answers `[b"", start_seq]` with `[b"", topic, seq, payload]...` (SGLang:
 and an end marker whose seq is 0xff x 8.
 
 The publisher is a process of the fleet, not a client, but a bad frame still must not stop the
-subscriber: anything malformed raises `BadBatch`, and fields are type-checked here, once, so
-the translation downstream handles plain, well-typed data.
+subscriber: anything malformed raises `BadBatch` (carrying the batch's seq when its frames gave
+one), and fields are type-checked here, once, so the translation downstream handles plain,
+well-typed data. Nothing else escapes the decoder: a malformed payload the publisher keeps in its
+replay buffer would otherwise stop the subscriber again at every resync.
 """
 
+import math
 from dataclasses import dataclass
+from typing import TypeGuard, TypeVar
 
 import msgpack
 
@@ -49,9 +53,19 @@ NEUTRAL_KEYS = {
     "remaining_copy_counts",
 }
 
+# kvgate's block hash packs token ids as int64 (workers.kv.hashing): a larger id names no block.
+TOKEN_ID_MAX = 2**63 - 1
+T = TypeVar("T", int, str)
+
 
 class BadBatch(ValueError):
-    """A frame or payload that is not a KV event batch."""
+    """A frame or payload that is not a KV event batch. `seq` is its sequence number when its
+    frames gave one: the subscriber steps over it in order, since the publisher would replay the
+    same bytes, just as bad."""
+
+    def __init__(self, why: str, seq: int | None = None):
+        super().__init__(why)
+        self.seq = seq
 
 
 EngineHash = int | bytes
@@ -126,94 +140,146 @@ def _seq(frame: bytes) -> int:
 
 
 def decode_payload(seq: int, payload: bytes) -> EngineBatch:
+    """Batch `seq` from its msgpack `[ts, events, dp_rank?]`. Anything malformed raises BadBatch
+    carrying `seq`, so that one bad batch costs its own events and nothing more."""
     try:
-        body = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except (ValueError, msgpack.UnpackException) as e:
+        return _batch(seq, _unpack(payload))
+    except BadBatch as e:
+        raise BadBatch(str(e), seq) from None
+
+
+def _unpack(payload: bytes) -> object:
+    """The payload's msgpack value. vLLM (msgspec) and SGLang key every map by field name and no
+    event field is a map, so `strict_map_key` rejects any other key, unhashable ones included, as
+    msgpack's ValueError instead of a TypeError from inside it."""
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.UnpackException) as e:  # UnicodeDecodeError and StackError among them
         raise BadBatch(f"payload is not msgpack: {e}") from None
+
+
+def _batch(seq: int, body: object) -> EngineBatch:
+    """A batch's envelope: `ts` a finite, non-negative time (the subscriber orders restarts by
+    it), `dp_rank` a non-negative int or nil."""
     if not isinstance(body, list) or len(body) < 2 or not isinstance(body[1], list):
         raise BadBatch("payload is not [ts, events, dp_rank?]")
-    ts, rank = body[0], body[2] if len(body) > 2 else 0
-    if not isinstance(ts, (int, float)) or not (rank is None or type(rank) is int):
-        raise BadBatch("payload's ts must be a number and dp_rank an int")
+    ts, rank = body[0], body[2] if len(body) > 2 else None
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+        raise BadBatch("payload's ts must be a finite, non-negative number")
+    if rank is not None and (type(rank) is not int or rank < 0):
+        raise BadBatch("payload's dp_rank must be a non-negative int or nil")
     return EngineBatch(seq, float(ts), tuple(decode_event(e) for e in body[1]), rank or 0)
 
 
 def decode_event(e: object) -> Event:
+    """One event: a map tagged by `type` or an array led by its tag; anything else, or a field
+    this decoder reads holding the wrong type, is a BadBatch."""
+    fields = _fields(e)
+    tag = fields.get("type")
+    if tag == STORED_TAG:
+        return _stored(fields)
+    if tag == REMOVED_TAG:
+        return Removed(_hashes(fields.get("block_hashes")), _group(fields), _medium(fields))
+    if tag == CLEARED_TAG:
+        return Cleared()
+    # Only a string is shown: another tag may nest too deep to print (RecursionError).
+    shown = repr(tag[:40]) if isinstance(tag, str) else f"of type {type(tag).__name__}"
+    raise BadBatch(f"unknown event type {shown}")
+
+
+def _fields(e: object) -> dict[str, object]:
+    """An event's fields by name: an array's in vLLM's order after the tag, those past the known
+    ones named `field i` (their meaning is unknown); a map's keys must all be names."""
     if isinstance(e, list) and e and isinstance(e[0], str):
-        fields = STORED_FIELDS if e[0] == STORED_TAG else REMOVED_FIELDS
-        e = {
+        names = STORED_FIELDS if e[0] == STORED_TAG else REMOVED_FIELDS
+        return {
             "type": e[0],
-            **dict(zip(fields, e[1:])),  # fields past the known ones: unknown meaning
-            **{f"field {i}": True for i in range(len(fields) + 1, len(e)) if e[i] is not None},
+            **dict(zip(names, e[1:])),
+            **{f"field {i}": True for i in range(len(names) + 1, len(e)) if e[i] is not None},
         }
     if not isinstance(e, dict):
         raise BadBatch("an event is a map with a 'type' or an array starting with its tag")
-    tag = e.get("type")
-    if tag == STORED_TAG:
-        return _stored(e)
-    if tag == REMOVED_TAG:
-        return Removed(_hashes(e.get("block_hashes")), _group(e), _medium(e))
-    if tag == CLEARED_TAG:
-        return Cleared()
-    raise BadBatch(f"unknown event type {str(tag)[:40]!r}")
+    if not all(type(k) is str for k in e):
+        raise BadBatch("an event's keys must be field names (strings)")
+    return e
 
 
-def _stored(e: dict) -> Stored:
-    hashes, tokens, size = _hashes(e.get("block_hashes")), e.get("token_ids"), e.get("block_size")
-    parent = e.get("parent_block_hash")
-    if size == 0 and tokens == [] and parent is None:  # vLLM's offloading placeholder: hashes alone
+def _stored(e: dict[str, object]) -> Stored:
+    hashes, parent = _hashes(e.get("block_hashes")), _parent(e.get("parent_block_hash"))
+    size, tokens = e.get("block_size"), e.get("token_ids")
+    if type(size) is int and size == 0 and tokens == [] and parent is None:  # vLLM's offloading placeholder
         return Stored(hashes, None, (), 0, _group(e), medium=_medium(e))
     if type(size) is not int or size < 1:
         raise BadBatch("BlockStored.block_size must be a positive int")
-    if (
-        not isinstance(tokens, list)
-        or len(tokens) != len(hashes) * size
-        or not all(type(t) is int and t >= 0 for t in tokens)
-    ):
-        raise BadBatch("BlockStored.token_ids must be block_size token ids per block")
-    if parent is not None and not isinstance(parent, (int, bytes)):
-        raise BadBatch("BlockStored.parent_block_hash must be a hash or nil")
-    extra = e.get("extra_keys") or ()
-    if not isinstance(extra, list | tuple) or (extra and len(extra) != len(hashes)):
-        raise BadBatch("BlockStored.extra_keys must hold one entry per block")
-    salt = e.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise BadBatch("BlockStored.cache_salt must be a string")
-    kind = e.get("kv_cache_spec_kind")
+    lora_id, lora_name = _optional(e, "lora_id", int), _optional(e, "lora_name", str)
     return Stored(
         hashes,
         parent,
-        tuple(tokens),
+        _tokens(tokens, len(hashes) * size),
         size,
         _group(e),
-        lora=e.get("lora_id") is not None or e.get("lora_name") is not None,
-        extra=tuple(None if x is None else tuple(x) if isinstance(x, list | tuple) else (x,) for x in extra),
-        salt=salt or None,
-        full_attention=kind in (None, "full_attention"),
+        lora=lora_id is not None or lora_name is not None,
+        extra=_extra(e.get("extra_keys"), len(hashes)),
+        salt=_optional(e, "cache_salt", str) or None,
+        full_attention=_optional(e, "kv_cache_spec_kind", str) in (None, "full_attention"),
         unknown=tuple(sorted(k for k in e if k not in NEUTRAL_KEYS)),
         medium=_medium(e),
     )
 
 
-def _medium(e: dict) -> str:
+def _tokens(v: object, n: int) -> tuple[int, ...]:
+    """`n` token ids, each one kvgate's block hash can pack (0 <= id <= TOKEN_ID_MAX). This runs
+    over every token of every event: types by one set, the range by min and max, not id by id."""
+    if (
+        not isinstance(v, list)
+        or len(v) != n
+        or not set(map(type, v)) <= {int}
+        or (v and (min(v) < 0 or max(v) > TOKEN_ID_MAX))
+    ):
+        raise BadBatch("BlockStored.token_ids must be block_size token ids (int64) per block")
+    return tuple(v)
+
+
+def _extra(v: object, blocks: int) -> tuple[tuple | None, ...]:
+    """Per block, its extra hash keys (None: none); nil or an empty list: none for any block."""
+    if v is None:
+        return ()
+    if not isinstance(v, list) or (v and len(v) != blocks):
+        raise BadBatch("BlockStored.extra_keys must hold one entry per block")
+    return tuple(None if x is None else tuple(x) if isinstance(x, list) else (x,) for x in v)
+
+
+def _medium(e: dict[str, object]) -> str:
     """kvgate's tier for an event's `medium`; an unknown one is kept as given, lower-cased (the
     translator leaves its blocks out)."""
-    m = e.get("medium")
-    if m is None:
-        return DEVICE
-    if not isinstance(m, str):
-        raise BadBatch("medium must be a string or nil")
-    return MEDIA.get(m.lower(), m.lower())
+    m = _optional(e, "medium", str)
+    return DEVICE if m is None else MEDIA.get(m.lower(), m.lower())
+
+
+def _is_hash(h: object) -> TypeGuard[EngineHash]:
+    return isinstance(h, int | bytes) and not isinstance(h, bool)
 
 
 def _hashes(v: object) -> tuple[EngineHash, ...]:
-    if not isinstance(v, list) or not all(isinstance(h, (int, bytes)) and not isinstance(h, bool) for h in v):
+    if not isinstance(v, list) or not set(map(type, v)) <= {int, bytes}:  # exact types: no bool
         raise BadBatch("block_hashes must be a list of ints or bytes")
     return tuple(v)
 
 
-def _group(e: dict) -> int:
-    g = e.get("group_idx")
-    if g is not None and type(g) is not int:
-        raise BadBatch("group_idx must be an int")
-    return g or 0
+def _parent(v: object) -> EngineHash | None:
+    if v is None or _is_hash(v):
+        return v
+    raise BadBatch("BlockStored.parent_block_hash must be a hash or nil")
+
+
+def _group(e: dict[str, object]) -> int:
+    return _optional(e, "group_idx", int) or 0
+
+
+def _optional(e: dict[str, object], key: str, kind: type[T]) -> T | None:
+    """Field `key`, nil or a `kind` (a bool is no int): the decoder checks each field it reads, so
+    the translator downstream never meets a wrong type."""
+    v = e.get(key)
+    if v is None or (isinstance(v, kind) and not isinstance(v, bool)):
+        return v
+    raise BadBatch(f"{key} must be {kind.__name__} or nil")

@@ -10,6 +10,7 @@ from gateway.index import ResidencyIndex
 from gateway.vllm_translate import Change, Translator
 from gateway.vllm_worker import IndexSink
 from tests import vllm_data as vd
+from tests import vllm_malformed as vm
 from workers.kv.events import CLEARED, DEVICE, DISK, HOST, REMOVED, STORED
 
 
@@ -178,45 +179,96 @@ def test_malformed_frames_are_bad_batches(frames):
         decode_frames(frames)
 
 
-JSONISH = st.recursive(
+@pytest.mark.parametrize("name", list(vm.MALFORMED))
+def test_every_malformed_payload_is_a_bad_batch_naming_its_seq(name):
+    """Non-string, unhashable and mixed map keys, nesting deeper than Python recurses, ids
+    kvgate cannot hash, bad timestamps, wrong field types: a BadBatch naming the batch's seq
+    (the subscriber steps over it in order), never another exception."""
+    with pytest.raises(BadBatch) as e:
+        decode_frames([b"kv", (5).to_bytes(8, "big"), vm.MALFORMED[name]])
+    assert e.value.seq == 5
+
+
+NAMES = st.sampled_from(
+    [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "lora_name",
+        "medium",
+        "extra_keys",
+        "group_idx",
+        "cache_salt",
+        "kv_cache_spec_kind",
+        "zz",
+    ]
+)
+LEAVES = (
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**64 - 1)
     | st.floats()
     | st.text(max_size=8)
     | st.binary(max_size=8)
-    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
-    lambda c: (
-        st.lists(c, max_size=6)
-        | st.dictionaries(
-            st.sampled_from(
-                [
-                    "type",
-                    "block_hashes",
-                    "parent_block_hash",
-                    "token_ids",
-                    "block_size",
-                    "lora_id",
-                    "extra_keys",
-                    "group_idx",
-                    "cache_salt",
-                    "zz",
-                ]
-            ),
-            c,
-            max_size=6,
-        )
-    ),
+    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "CPU"])
+)
+# Any msgpack value: scalars, arrays, and maps keyed by names or by any value, mixed in one map.
+ANY = st.recursive(
+    LEAVES,
+    lambda c: st.lists(c, max_size=6) | st.lists(st.tuples(NAMES | c, c), max_size=6).map(vm.Pairs),
     max_leaves=30,
+)
+# Values whose maps are keyed by names alone: past msgpack, into the decoder's field checks.
+NAMED = st.recursive(LEAVES, lambda c: st.lists(c, max_size=6) | st.dictionaries(NAMES, c, max_size=6), max_leaves=30)
+VALID = [
+    vd.stored([1, 2], list(range(64))),
+    vd.stored([3], list(range(64, 96)), parent=2, extra_keys=[["tenant"]]),
+    vd.removed([1]),
+    {"type": "AllBlocksCleared"},
+    vd.sglang_stored([4], list(range(32))),
+]
+
+
+def spoiled(event: dict | list, junk: list[tuple]) -> object:
+    """A valid event with `junk` pairs added to its map (a repeated key replaces the field) or
+    their values appended to its array."""
+    if isinstance(event, dict):
+        return vm.Pairs([*event.items(), *junk])
+    return [*event, *(v for _, v in junk)]
+
+
+def either(*strategies: st.SearchStrategy) -> st.SearchStrategy:
+    """One of `strategies`, each as likely: `st.one_of` flattens nested choices, so a valid
+    timestamp would be one draw in eight against LEAVES."""
+    return st.integers(0, len(strategies) - 1).flatmap(lambda i: strategies[i])
+
+
+JUNK = either(st.tuples(NAMES, NAMED), st.tuples(NAMES | ANY, ANY))
+EVENTS = either(st.builds(spoiled, st.sampled_from(VALID), st.lists(JUNK, max_size=2)), NAMED, ANY)
+BODIES = either(
+    ANY,
+    st.builds(
+        lambda ts, events, rest: [ts, events, *rest],
+        either(st.floats(0, 2e9), LEAVES),
+        st.lists(EVENTS, max_size=2),
+        st.lists(either(st.integers(0, 8), ANY), max_size=1),
+    ),
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(body=JSONISH)
-def test_any_payload_decodes_or_is_a_bad_batch_and_translates_without_error(body):
+@settings(max_examples=500, deadline=None)
+@given(body=BODIES)
+def test_any_msgpack_value_decodes_or_is_a_bad_batch_and_translates_without_error(body):
+    """Whatever msgpack value stands where a batch or an event is expected (ints, floats, bytes,
+    nested arrays and maps, maps keyed by non-strings, by several types, by arrays or maps), the
+    decoder gives a batch the translator takes, or a BadBatch naming the seq, nothing else."""
     try:
-        batch = decode_payload(0, msgpack.packb(body, use_bin_type=True))
-    except BadBatch:
+        batch = decode_payload(7, vm.pack(body))
+    except BadBatch as e:
+        assert e.seq == 7
         return
     Translator(vd.MODEL, 16).apply(batch.events)
 
