@@ -16,6 +16,10 @@ stores a device block's copy in CPU memory as medium CPU, our `host`); a block's
 same in every tier, so a child stored in one tier continues its parent seen in any. A placeholder
 without token ids (vLLM offloads a block it has no metadata for) has no kvgate hash and is left
 out, as are blocks of a medium kvgate has no tier for.
+
+An engine hash names one content in every tier: should a copy come with other token ids (a
+publisher contradicting itself), the content first seen stands while any copy is held, so each
+removal releases exactly the kvgate hashes its store held.
 """
 
 from dataclasses import dataclass, field
@@ -125,8 +129,8 @@ class Translator:
             key = (ev.medium, ev.group, h)
             n = self._refs.get(key, 0)
             self._refs[key] = n + 1
-            if n == 0:
-                mine = self._ours[ev.group, h] = tuple(ours[i * per : (i + 1) * per])
+            if n == 0:  # a copy in another tier keeps the content first seen (see the docstring)
+                mine = self._ours.setdefault((ev.group, h), tuple(ours[i * per : (i + 1) * per]))
                 added += self._hold(ev.medium, mine)
         self.stats.stored_blocks += len(ev.hashes)
         return added

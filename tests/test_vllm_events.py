@@ -333,3 +333,14 @@ def test_the_index_keeps_an_engines_host_tier():
     sink.apply(t.apply([Stored((1,), None, tokens[:32], 32), Stored((1,), None, tokens[:32], 32, medium=HOST)]))
     sink.apply(t.apply([Removed((1,))]))
     assert index.num_blocks("vllm@x") == 0 and index.num_blocks("vllm@x", HOST) == 2
+
+
+def test_an_engine_hash_stored_with_other_tokens_in_another_tier_releases_what_each_copy_held():
+    """A publisher contradicting itself (one engine hash, two contents) once left the translator
+    removing hashes a tier never held (KeyError): the content first seen stands for both copies."""
+    t = Translator(vd.MODEL, 16)
+    first = t.apply([Stored((1,), None, tuple(range(32)), 32)])
+    t.apply([Stored((1,), None, tuple(range(100, 132)), 32, medium=HOST)])
+    assert t.apply([Removed((1,))]) == [Change(REMOVED, first[0].hashes, DEVICE)]
+    assert t.tiers() == {HOST: sorted(first[0].hashes)}
+    assert t.apply([Removed((1,), medium=HOST)]) == [Change(REMOVED, first[0].hashes, HOST)]
