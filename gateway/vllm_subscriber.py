@@ -10,6 +10,12 @@ publisher restarted (its numbering went back to 0): sync again. There is no snap
 cached before the oldest batch the publisher still holds stay unknown until they are stored
 again, which under-states residency (a missed hit), never over-states it.
 
+A batch whose payload does not decode is stepped over in its place, as if it held no events,
+and counted in `bad_batches`: the publisher keeps the same bytes in its replay buffer, so a
+resync would meet it again, forever. Its events are lost; blocks it removed stay resident here
+(an over-statement) until stored and removed again or the cache is cleared. A message without a
+readable seq cannot be placed: live it is dropped, in a replay it fails the replay (resync).
+
 Everything runs in one asyncio task on the caller's loop; routing reads only the sink.
 """
 
@@ -43,11 +49,23 @@ class Resync(Exception):
     """Start the sync again."""
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """Batch `seq`, whose payload did not decode (`why`): it keeps its place in the order, with no
+    events, since asking the publisher for it again would bring the same bytes."""
+
+    seq: int
+    why: str
+
+
+Received = EngineBatch | Dropped
+
+
 @dataclass
 class SubscriberStats:
     batches: int = 0
     duplicates: int = 0
-    bad_batches: int = 0
+    bad_batches: int = 0  # stepped over in order (no decode), or dropped (no readable seq)
     gaps: int = 0
     syncs: int = 0
     restarts: int = 0
@@ -123,11 +141,12 @@ class Subscriber:
     async def follow(self, sub: zmq.asyncio.Socket) -> None:
         while True:
             try:
-                batch = decode_frames(await sub.recv_multipart())
+                batch: Received = decode_frames(await sub.recv_multipart())
             except BadBatch as e:
-                self.stats.bad_batches += 1
-                log.warning("kv events of %s: dropped a bad batch: %s", self.name, e)
-                continue
+                if e.seq is None:
+                    self.bad(str(e))
+                    continue
+                batch = Dropped(e.seq, str(e))
             try:
                 self.receive(batch)
             except Gap:
@@ -136,16 +155,17 @@ class Subscriber:
                 await self.replay(self.expected)
                 self.receive(batch)
 
-    def receive(self, batch: EngineBatch) -> None:
+    def receive(self, batch: Received) -> None:
         """Apply a live batch, or raise Resync; a gap is filled by a replay first."""
         if self.expected is None or batch.seq == self.expected:
             self.apply(batch)
-            lag = self.stats.lag_s
-            lag.append(time.time() - batch.ts)
-            if len(lag) > 1024:
-                del lag[:512]
+            if isinstance(batch, EngineBatch):
+                lag = self.stats.lag_s
+                lag.append(time.time() - batch.ts)
+                if len(lag) > 1024:
+                    del lag[:512]
         elif batch.seq < self.expected:
-            if batch.ts > self.last_ts:
+            if isinstance(batch, EngineBatch) and batch.ts > self.last_ts:  # a dropped one has no ts
                 self.stats.restarts += 1
                 raise Resync(f"seq went back from {self.expected - 1} to {batch.seq}: the engine restarted")
             self.stats.duplicates += 1
@@ -167,10 +187,7 @@ class Subscriber:
             while True:
                 if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
                     raise Resync(f"no replay from {self.replay_address} within {REPLAY_TIMEOUT_S:.0f} s")
-                try:
-                    batch = decode_replay(await dealer.recv_multipart())
-                except BadBatch as e:
-                    raise Resync(f"bad replay batch: {e}") from None
+                batch = self.replayed(await dealer.recv_multipart())
                 if batch is None:
                     return first
                 if first is None:
@@ -184,19 +201,38 @@ class Subscriber:
         finally:
             dealer.close(linger=0)
 
-    def apply(self, batch: EngineBatch) -> None:
+    def replayed(self, frames: list[bytes]) -> Received | None:
+        """A replay message (None: the end marker). One without a readable seq has no place in
+        the order, so the replay fails (Resync)."""
+        try:
+            return decode_replay(frames)
+        except BadBatch as e:
+            if e.seq is None:
+                raise Resync(f"bad replay batch: {e}") from None
+            return Dropped(e.seq, str(e))
+
+    def apply(self, batch: Received) -> None:
+        """Apply the next batch in order; a dropped one only counts and takes its seq."""
         if self.expected is not None and batch.seq != self.expected:
             raise Resync(f"batch {batch.seq} out of order (expected {self.expected})")
-        changes = self.translator.apply(batch.events)
-        if changes and not self.sink.apply(changes):
-            raise Resync("the sink lost its state")
-        self.expected, self.last_ts = batch.seq + 1, batch.ts
-        self.stats.batches += 1
+        if isinstance(batch, Dropped):
+            self.bad(batch.why)
+        else:
+            changes = self.translator.apply(batch.events)
+            if changes and not self.sink.apply(changes):
+                raise Resync("the sink lost its state")
+            self.last_ts = batch.ts
+            self.stats.batches += 1
+        self.expected = batch.seq + 1
+
+    def bad(self, why: str) -> None:
+        self.stats.bad_batches += 1
+        log.warning("kv events of %s: dropped a bad batch: %s", self.name, why)
 
 
 class Gap(Resync):
     """Live batch `batch` came after a gap."""
 
-    def __init__(self, batch: EngineBatch):
+    def __init__(self, batch: Received):
         super().__init__(f"gap before seq {batch.seq}")
         self.batch = batch

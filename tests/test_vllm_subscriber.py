@@ -15,6 +15,7 @@ from gateway.vllm_subscriber import Subscriber
 from gateway.vllm_translate import Translator
 from gateway.vllm_worker import IndexSink
 from tests import vllm_data as vd
+from tests import vllm_malformed as vm
 from gateway.procs import free_port, wait_until
 
 WID = "vllm@test"
@@ -42,8 +43,10 @@ class FakeVllm:
             await self.router.send_multipart([client, b"", b"", vd.END, b""])
 
     async def publish(self, events: list, send: bool = True) -> int:
+        return await self.publish_payload(vd.payload(events, ts=time.time()), send)
+
+    async def publish_payload(self, payload: bytes, send: bool = True) -> int:
         seq, self.seq = self.seq, self.seq + 1
-        payload = vd.payload(events, ts=time.time())
         self.buffer.append((seq, payload))
         if send:
             await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
@@ -203,3 +206,61 @@ def test_without_a_replay_endpoint_live_batches_still_apply_and_a_gap_resyncs():
         await until(lambda: index.match(vd.ours(block(4)[1])) == {WID: 2})
 
     asyncio.run(scenario(body, with_replay=False))
+
+
+# The payloads a review found stopping the subscriber: TypeErrors from sorting mixed keys, from
+# msgpack meeting an unhashable key, and from joining an int key into the translator's reason.
+TRIGGERS = [vm.MALFORMED["mixed keys"], vm.MALFORMED["array key"], vm.MALFORMED["int key"]]
+
+
+def test_bad_live_batches_are_counted_and_stepped_over_and_the_next_one_applies():
+    async def body(fake, sub, index, start):
+        await start()
+        await asyncio.sleep(0.2)
+        await fake.publish([block(0)[0]])
+        for payload in TRIGGERS:
+            await fake.publish_payload(payload)
+        await fake.publish([block(1)[0]])
+        await until(lambda: resident(index) == 2 * 2)
+        assert sub.stats.bad_batches == 3 and sub.stats.syncs == 1 and sub.stats.restarts == 0
+        assert index.match(vd.ours(block(1)[1])) == {WID: 2} and sub.expected == 5
+
+    asyncio.run(scenario(body))
+
+
+def test_bad_batches_in_the_replay_buffer_are_stepped_over_by_the_sync():
+    """They stay in the publisher's buffer, so a resync would meet them again: the sync itself
+    passes over them, and the subscriber goes on with the live batches."""
+
+    async def body(fake, sub, index, start):
+        await fake.publish([block(0)[0]])
+        for payload in TRIGGERS:
+            await fake.publish_payload(payload)
+        await fake.publish([block(1)[0]])
+        await start()
+        assert resident(index) == 2 * 2 and sub.stats.bad_batches == 3 and sub.stats.replayed == 5
+        await asyncio.sleep(0.2)
+        await fake.publish([block(2)[0]])
+        await until(lambda: resident(index) == 3 * 2)
+        assert sub.stats.syncs == 1 and sub.stats.bad_batches == 3
+
+    asyncio.run(scenario(body))
+
+
+def test_a_bad_batch_after_a_gap_is_stepped_over_by_the_replay_that_fills_the_gap():
+    """A batch the decoder rejected was dropped live, so the next one looked like a gap, whose
+    replay brought it back and resynced, and every resync replayed it again."""
+
+    async def body(fake, sub, index, start):
+        await start()
+        await asyncio.sleep(0.2)
+        await fake.publish([block(0)[0]])
+        await fake.publish([block(1)[0]], send=False)
+        await fake.publish_payload(vd.payload([{"type": "Nope"}]))
+        await fake.publish([block(3)[0]])
+        await until(lambda: resident(index) == 3 * 2)
+        assert sub.stats.bad_batches == 1 and sub.stats.gaps >= 1 and sub.stats.syncs == 1
+        await fake.publish([block(4)[0]])
+        await until(lambda: resident(index) == 4 * 2)
+
+    asyncio.run(scenario(body))
