@@ -38,6 +38,9 @@ class Change:
     medium: str = DEVICE
 
 
+MAX_REASONS = 64  # distinct skip reasons kept by name
+
+
 @dataclass
 class TranslateStats:
     stored_blocks: int = 0
@@ -169,6 +172,11 @@ class Translator:
         return fresh
 
     def _skipped(self, why: str, n: int) -> list[int]:
+        """Count `n` blocks left out, by reason; past `MAX_REASONS` distinct reasons (a reason
+        may name a publisher's field or medium) a new one counts as "other"."""
         self.stats.skipped_blocks += n
-        self.stats.reasons[why] = self.stats.reasons.get(why, 0) + n
+        reasons = self.stats.reasons
+        if why not in reasons and len(reasons) >= MAX_REASONS:
+            why = "other"
+        reasons[why] = reasons.get(why, 0) + n
         return []

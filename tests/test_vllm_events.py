@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gateway.vllm_events import BadBatch, Cleared, Removed, Stored, decode_frames, decode_payload, decode_replay
 from gateway.index import ResidencyIndex
-from gateway.vllm_translate import Change, Translator
+from gateway.vllm_translate import MAX_REASONS, Change, Translator
 from gateway.vllm_worker import IndexSink
 from tests import vllm_data as vd
 from tests import vllm_malformed as vm
@@ -323,6 +323,17 @@ def test_placeholders_and_unknown_media_are_left_out():
     assert t.apply([ev]) == [] and t.stats.reasons == {"no token ids": 1}
     [ev] = decode_payload(0, vd.payload([vd.stored([8], list(range(32)), medium="TAPE")])).events
     assert t.apply([ev]) == [] and t.stats.reasons["medium tape"] == 1
+
+
+def test_skip_reasons_stay_bounded_whatever_the_publisher_names():
+    """A reason may hold a publisher's field or medium name: a new name per event must not grow
+    the counts without end."""
+    t = Translator(vd.MODEL, 16)
+    for i in range(MAX_REASONS + 50):
+        [ev] = decode_payload(i, vd.payload([vd.stored([i], list(range(32)), medium=f"tier{i}")])).events
+        t.apply([ev])
+    assert len(t.stats.reasons) == MAX_REASONS + 1 and t.stats.reasons["other"] == 50
+    assert t.stats.skipped_blocks == MAX_REASONS + 50
 
 
 def test_the_index_keeps_an_engines_host_tier():
