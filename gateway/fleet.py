@@ -21,7 +21,8 @@ worker resolves its `lost` future, so requests waiting on it give up at once and
 elsewhere. The tail (gateway.kv_tail) follows each worker's KV events into the residency
 index and hands the state riding on them to `up`, as a poll's; while Redis carries a worker's
 events (see redis_state) its tail idles. Routing reads only in-memory fields, never the
-network. Polls and snapshots use aiohttp.
+network. Polls and snapshots use aiohttp. A state is another process's bytes: one that is not
+a state (`WorkerState.from_json`) fails its poll.
 """
 
 import asyncio
@@ -42,6 +43,7 @@ from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, Tally, TierCredits, WorkerView
 from policies.ledger import Sent
 from workers.internal_auth import internal_headers
+from workers.kv.worker_state import WorkerState
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -207,16 +209,25 @@ class Fleet:
 
     async def get(self, url: str, timeout: float, params: dict | None = None) -> dict:
         """GET a JSON body; raises aiohttp.ClientError for refusals and error statuses,
-        asyncio.TimeoutError past `timeout` seconds, ValueError for a body that is not JSON."""
+        asyncio.TimeoutError past `timeout` seconds, ValueError for a body that is not JSON (or
+        nests past the parser's recursion limit)."""
         assert self.session is not None, "Fleet.start opens the session before any poll"
         async with self.session.get(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             check(r)
-            return await r.json(content_type=None)
+            try:
+                return await r.json(content_type=None)
+            except RecursionError:
+                raise ValueError(f"{url} answered JSON nested too deep to parse") from None
 
     def up(self, w: Worker, state: dict) -> None:
         """`w` answered with `state` (a poll, a KV-event line, another kind's link): it is up,
-        in service unless `out_of_service` says why not, its view rebuilt from `state`."""
-        wid = state["worker_id"]
+        in service unless `out_of_service` says why not, its view rebuilt from `state`. Raises
+        ValueError, having changed nothing, for a state that is not one (`WorkerState.from_json`
+        names the field): its fields are read on every request, a bad one must not fail them."""
+        parsed = WorkerState.from_json(state)
+        wid = parsed.worker_id
+        cost = w.base.cost if w.base is not None and parsed.cost_model == w.state.get("cost_model") else None
+        view = view_of_state(state, w.url, self.tier_credits, cost, parsed)
         if w.worker_id not in ("", wid):
             self.index.drop(w.worker_id)
         if not w.healthy:
@@ -230,15 +241,10 @@ class Fleet:
                 log.warning("worker %s at %s is out of service: %s", wid, w.url, out)
                 if out != DRAINING:
                     self._lose(w, out)
-        cost = w.base.cost if w.base is not None and state.get("cost_model") == w.state.get("cost_model") else None
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.sent_since_poll = w.done_since_poll = 0
         w.state_at = time.monotonic()
-        w.base = with_fields(
-            view_of_state(state, w.url, self.tier_credits, cost),
-            residency_epoch=self.index.epoch(w.worker_id),
-            ledger=w.ledger,
-        )
+        w.base = with_fields(view, residency_epoch=self.index.epoch(wid), ledger=w.ledger)
         self._rearm(w)
 
     def down(self, w: Worker, why: str) -> None:

@@ -76,10 +76,15 @@ def worker_view(
     )
 
 
-def view_of_state(state: dict, url: str, tiers: TierCredits, cost: CostModel | None = None) -> WorkerView:
-    """The view from a polled /state body; `cost`: its cost model already parsed."""
-    backlog = int((state.get("kv_transfer") or {}).get("backlog_bytes") or 0)
-    return worker_view(WorkerState.from_json(state), url, transfer_gbps_of(state), cost, backlog, tiers)
+def view_of_state(
+    state: dict, url: str, tiers: TierCredits, cost: CostModel | None = None, parsed: WorkerState | None = None
+) -> WorkerView:
+    """The view from a polled /state body; `cost`: its cost model already parsed; `parsed`: the
+    body's `WorkerState.from_json`, which raises ValueError for a body that is not a state
+    (its server's fields included), where the caller has it already."""
+    parsed = WorkerState.from_json(state) if parsed is None else parsed
+    backlog = (state.get("kv_transfer") or {}).get("backlog_bytes") or 0
+    return worker_view(parsed, url, transfer_gbps_of(state), cost, backlog, tiers)
 
 
 def transfer_gbps_of(state: dict) -> float:

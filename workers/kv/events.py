@@ -99,6 +99,12 @@ class EventBatch:
         )
 
 
+def shown(v: object) -> str:
+    """A peer's value as an error message shows it: a scalar's repr, cut short; a container's
+    type alone (its repr can be megabytes, or nest past the recursion limit)."""
+    return repr(v)[:60] if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
+
+
 class EventLog:
     """A bounded, thread-safe log that numbers events. Listeners hear of new events in batches,
     once per `publish` (the engine publishes once per step, as vLLM drains `take_events`): a

@@ -1,8 +1,18 @@
 """What a worker's GET /state carries: its load as of its last step. One type for the engine
 and the fleet simulator that produce it and the gateway (and the simulator's router) that
-reads it; the JSON is its fields, flat."""
+reads it; the JSON is its fields, flat.
+
+A body comes from another process of the fleet, which the gateway does not trust to be well
+formed: `WorkerState.from_json` checks every field the gateway reads against its type (the
+dataclass fields' annotations, the server's own fields' in `SERVER_FIELDS`), so a bad body is
+one ValueError where it arrives, not a TypeError in whatever reads the field later."""
 
 from dataclasses import asdict, dataclass, fields
+from types import NoneType
+from typing import Any, NamedTuple, get_args, get_origin
+
+from workers.kv.cost_model import CostModel
+from workers.kv.events import shown
 
 
 @dataclass(frozen=True)
@@ -52,9 +62,93 @@ class WorkerState:
 
     @staticmethod
     def from_json(d: dict) -> "WorkerState":
-        """The known fields of a /state body (a server adds liveness and transfer fields, and
-        an older worker may lack newer ones: their defaults stand)."""
+        """The known fields of a /state body (an older worker may lack newer ones: their
+        defaults stand). Raises ValueError naming the first field, its own or one its server
+        adds (`SERVER_FIELDS`), that breaks its `Rule`: the body is another process's, and a
+        field read later as its type must be that type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a worker state is a JSON object, not {type(d).__name__}")
+        check(d, _RULES, "state")
+        if not d.get("worker_id"):
+            raise ValueError("state.worker_id must be a non-empty string")
+        if d.get("block_size", 1) < 1:
+            raise ValueError("state.block_size must be at least 1")  # prompts are cut by it
+        for name, nested in _NESTED.items():
+            if d.get(name) is not None:
+                check(d[name], nested, f"state.{name}")
         return WorkerState(**{name: d[name] for name in _FIELDS if name in d})
 
 
+_MAX = 1 << 63  # past it a number is no count, size or time (and may not convert to a float)
+
+
+class Rule(NamedTuple):
+    """What a JSON value may be: one of `types`; a number also finite and in [`low`, 2**63),
+    so a count, size or time never turns into inf, NaN or an overflow downstream; a list's
+    items each by `items`."""
+
+    types: frozenset[type]
+    low: float = 0.0
+    items: "Rule | None" = None
+
+    def __str__(self) -> str:
+        names = " or ".join(sorted("null" if t is NoneType else t.__name__ for t in self.types))
+        numbers = f", finite, at least {self.low:g}" if int in self.types or float in self.types else ""
+        return names + numbers + (f" of {self.items}" if self.items else "")
+
+
+def rule(annotation: object, low: float = 0.0) -> Rule:
+    """The rule for a field annotated `annotation`: its types (a float also takes a JSON int; a
+    `tuple[float, ...]` is a list of floats), numbers at least `low`."""
+    if get_origin(annotation) is tuple:
+        return Rule(frozenset({list, tuple}), low, rule(get_args(annotation)[0], low))
+    types = set(get_args(annotation) or (annotation,))
+    if float in types:
+        types.add(int)
+    return Rule(frozenset(types), low)
+
+
+def rules(annotations: dict[str, object], low: float = 0.0) -> dict[str, Rule]:
+    return {name: rule(a, low) for name, a in annotations.items()}
+
+
+def fits(v: Any, r: Rule) -> bool:
+    """Whether JSON value `v` keeps rule `r`. Its type exactly: a bool is no int here, nor an
+    int a bool."""
+    t = type(v)
+    if t not in r.types:
+        return False
+    if t is int or t is float:
+        return r.low <= v < _MAX
+    return r.items is None or all(fits(x, r.items) for x in v)
+
+
+def check(d: dict, by_name: dict[str, Rule], what: str) -> None:
+    """Raise ValueError naming the first field of `d` that breaks its rule in `by_name`; fields
+    it does not know pass (a newer peer's). One pass over the body, `fits` inlined but for
+    lists: it runs per state, and a state rides on every KV-event line."""
+    for name, v in d.items():
+        r = by_name.get(name)
+        if r is None:
+            continue
+        types, low, items = r
+        t = type(v)
+        if t not in types or ((t is int or t is float) and not low <= v < _MAX) or (items and not fits(v, r)):
+            raise ValueError(f"{what}.{name} must be {r}, not {shown(v)}")
+
+
 _FIELDS = tuple(f.name for f in fields(WorkerState))  # `fields` builds its tuple anew each call
+# What a worker's server adds to its engine's state in a /state body (workers/control_routes.py).
+SERVER_FIELDS: dict[str, object] = {
+    "engine_alive": bool,
+    "draining": bool,
+    "engine_stall_s": float | None,
+    "kv_transfer": dict | None,
+}
+TRANSFER_FIELDS: dict[str, object] = {"transport": str, "gbps": float | None, "backlog_bytes": int | None}
+_RULES = rules({f.name: f.type for f in fields(WorkerState)} | SERVER_FIELDS)
+# The objects within a body, by field: a profile's coefficients are fitted (finite, any sign).
+_NESTED = {
+    "cost_model": rules({f.name: f.type for f in fields(CostModel)}, low=-_MAX),
+    "kv_transfer": rules(TRANSFER_FIELDS),
+}
