@@ -14,14 +14,15 @@ class Lines:
     line's state merged onto the stream's last (lines carry what changed) and handed to `apply`
     from `data_received` itself, so a line costs no task wakeup (aiohttp's reader was one a
     line, twice a request). `apply` returning False, a line that is not a batch, or one past
-    `LINE_BYTES` ends the stream (`ended`; `error` for the latter two) and closes `conn`."""
+    `LINE_BYTES` ends the stream (`ended`; `error`, always a ValueError, for the latter two)
+    and closes `conn`."""
 
     def __init__(self, apply: Callable[[dict], bool], conn: Upstream):
         self.apply, self.conn = apply, conn
         self.partial = b""
         self.state: dict = {}
         self.ended = False
-        self.error: ValueError | KeyError | None = None
+        self.error: ValueError | None = None
 
     def __call__(self, chunk: bytes) -> bool:
         if self.ended:
@@ -33,8 +34,8 @@ class Lines:
             for line in lines:
                 if not self.apply(self._body(line)):
                     return self._end()
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            self.error = e if isinstance(e, (ValueError, KeyError)) else ValueError(f"not a KV-event batch: {e!r}")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            self.error = e if isinstance(e, ValueError) else ValueError(f"not a KV-event batch: {e!r}")
             return self._end()
         return True
 

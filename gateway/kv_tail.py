@@ -7,10 +7,14 @@ applied from the connection's `data_received` (gateway.kv_lines on gateway.upstr
 as the proxy reads answers), its state handed to the fleet as a poll's would be. Whenever the
 index asks (a gap in the sequence, a new worker id) the tail resyncs from `/kv/snapshot`.
 A stream that breaks takes the worker down, as a failed poll does; a worker whose events
-Redis carries (gateway.redis_state), or that is down, is not followed.
+Redis carries (gateway.redis_state), or that is down, is not followed. A line or snapshot
+that is not one (`EventBatch.from_json`, `KVSnapshot.from_json`) is counted, drops the
+worker's residency and resyncs it as a gap does; a line whose state is not one takes the
+worker down, as such a poll would.
 """
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
@@ -25,6 +29,8 @@ from workers.kv.events import EventBatch, KVSnapshot
 if TYPE_CHECKING:
     from gateway.fleet import Fleet
 
+log = logging.getLogger("kvgate.gateway")
+
 LONG_POLL_S = 5.0  # an idle worker's /kv/events answers (with its state) come this often
 
 
@@ -33,6 +39,7 @@ class KvTail:
 
     def __init__(self, fleet: "Fleet"):
         self.fleet = fleet
+        self.garbled: set[str] = set()  # workers (URLs) whose last line or snapshot was malformed
 
     async def run(self, w: Worker) -> None:
         """Follow `w`'s stream while it is up and its own; after a failure or a draining
@@ -48,10 +55,24 @@ class KvTail:
                 await self.once(w, wid, epoch)
                 if w.out is not None:
                     await asyncio.sleep(f.interval)
-            except (aiohttp.ClientError, OSError, ValueError, KeyError) as e:
-                if w.epoch == epoch and isinstance(e, (aiohttp.ClientError, OSError)):
+            except (aiohttp.ClientError, OSError) as e:
+                if w.epoch == epoch:
                     f.down(w, f"/kv/events failed: {e!r}")
                 await asyncio.sleep(f.interval)
+            except ValueError as e:
+                self.malformed(w, wid, epoch, e)
+                await asyncio.sleep(f.interval)
+
+    def malformed(self, w: Worker, wid: str, epoch: int, e: ValueError) -> None:
+        """`w` sent a line or snapshot that is not one: counted (`Worker.malformed_kv`), logged
+        once a run of them, and its residency dropped, so the next round resyncs from a
+        snapshot as after a gap (retried from the same seq, a bad batch came back for good)."""
+        w.malformed_kv += 1
+        if w.url not in self.garbled:
+            self.garbled.add(w.url)
+            log.warning("worker %s at %s sent malformed KV events; resyncing: %s", wid, w.url, e)
+        if current(w, wid, epoch):
+            self.fleet.index.drop(wid)
 
     async def once(self, w: Worker, wid: str, epoch: int) -> None:
         """Resync from a snapshot, or follow the worker's stream of event batches (each with its
@@ -82,7 +103,9 @@ class KvTail:
 
     def apply_line(self, w: Worker, wid: str, epoch: int, body: dict) -> bool:
         """Apply one batch of `w`'s events and the state riding on it; False when the stream
-        should end (the worker changed, Redis carries it now, or the index needs a resync)."""
+        should end (the worker changed, Redis carries it now, or the index needs a resync).
+        Raises ValueError for a line that is not a batch, before any of it is applied, or
+        whose state is not a state, having taken `w` down as a poll of that state would."""
         index = self.fleet.index
         batch = EventBatch.from_json(body)
         if not current(w, wid, epoch) or w.redis_residency:
@@ -91,9 +114,14 @@ class KvTail:
             index.drop(wid)
             return False
         state = body.get("state")
-        w.state_rides = isinstance(state, dict)
-        if isinstance(state, dict):
-            self.fleet.up(w, state)
+        w.state_rides = state is not None
+        if state is not None:
+            try:
+                self.fleet.up(w, state)
+            except ValueError as e:
+                self.fleet.down(w, f"its /kv/events state: {e}")
+                raise
+        self.garbled.discard(w.url)
         return True
 
 

@@ -22,6 +22,7 @@ class Worker:
     out: str | None = None  # why a worker that answers /state takes no requests
     refused: bool = False  # it answered 403 to /state (said once in the log)
     probe_failures: int = 0  # /state polls that failed: the worker unreachable, for the error panel
+    malformed_kv: int = 0  # KV-event lines and snapshots it sent that were malformed (gateway.kv_tail)
     suspect: bool = False
     epoch: int = 0
     in_flight: int = 0

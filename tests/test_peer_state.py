@@ -4,6 +4,7 @@ and resynced residency, never a crash of the task that read it or a 500 to clien
 worker's answers are scripted, no processes."""
 
 import asyncio
+import json
 import math
 from dataclasses import fields
 from types import NoneType
@@ -21,6 +22,7 @@ from gateway.index import ResidencyIndex
 from gateway.server import build
 from gateway.worker import Worker
 from workers.kv.cost_model import CostModel
+from workers.kv.events import STORED, EventBatch, KVSnapshot
 from workers.kv.worker_state import SERVER_FIELDS, WorkerState
 
 # A body as a worker's server sends it (workers/control_routes.py `state_body`); a float field
@@ -180,3 +182,174 @@ def test_a_worker_with_a_bad_state_is_no_candidate_and_the_models_list_answers(m
     r = TestClient(gw.app, raise_server_exceptions=False).get("/v1/models")
     assert r.status_code == 200
     assert [(m["id"], m["max_model_len"]) for m in r.json()["data"]] == [("m", 2048)]
+
+
+# KV events and snapshots
+
+
+def batch(*events: dict, last_seq: int | None = None) -> dict:
+    return {"worker_id": "w0", "events": list(events), "last_seq": last_seq or len(events), "gap": False}
+
+
+def stored(seq: int, hashes: list) -> dict:
+    return {"seq": seq, "kind": STORED, "hashes": hashes}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        batch(stored(1, [[1]])),
+        batch(stored(1, [1.5])),
+        batch(stored(1, ["1"])),
+        batch(stored(1, [True])),
+        batch(stored(1, 7)),
+        batch({"seq": 1, "kind": "spilled", "hashes": [1]}),
+        batch({"seq": 1, "kind": STORED, "hashes": [1], "medium": "tape"}),
+        batch({"seq": 1, "kind": STORED, "hashes": [1], "parent": "x"}),
+        batch({"seq": "1", "kind": STORED, "hashes": [1]}),
+        batch({"seq": 1e400, "kind": STORED, "hashes": [1]}),
+        batch(stored(1, [1]), last_seq=-1),
+        batch([1, STORED]),
+        {**batch(stored(1, [1])), "events": {"1": 1}},
+        {**batch(stored(1, [1])), "worker_id": 7},
+        {**batch(stored(1, [1])), "gap": "no"},
+        {"worker_id": "w0", "last_seq": 1},
+        [],
+    ],
+)
+def test_a_malformed_batch_is_refused(body):
+    with pytest.raises(ValueError):
+        EventBatch.from_json(body)
+
+
+@given(st.integers(min_value=1, max_value=4), st.sampled_from([[1], 1.5, "1", None, True, {"h": 1}]))
+def test_nothing_of_a_batch_with_one_malformed_event_is_applied(good, bad):
+    fleet, w = synced()
+    fleet.index.reset("w0", [], 0)
+    events = [stored(i + 1, [100 + i]) for i in range(good)] + [stored(good + 1, [bad])]
+    with pytest.raises(ValueError):
+        fleet.tail.apply_line(w, "w0", w.epoch, batch(*events))
+    assert fleet.index.seq("w0") == 0 and fleet.index.num_blocks("w0") == 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"worker_id": "w0", "seq": 1e400, "hashes": []},
+        {"worker_id": "w0", "seq": 1.5, "hashes": []},
+        {"worker_id": "w0", "seq": 1, "hashes": ["1"]},
+        {"worker_id": "w0", "seq": 1, "hashes": [], "tiers": {"host": [1.0]}},
+        {"worker_id": "w0", "seq": True, "hashes": []},
+        {"worker_id": "w0", "seq": "1", "hashes": []},
+        {"worker_id": "w0", "seq": -1, "hashes": []},
+        {"worker_id": 0, "seq": 1, "hashes": []},
+    ],
+)
+def test_a_malformed_snapshot_is_refused(body):
+    with pytest.raises(ValueError):
+        KVSnapshot.from_json(body)
+
+
+class Stream:
+    """An answered /kv/events stream: its bytes handed to the sink (`Upstream.pipe`), then its end."""
+
+    def __init__(self, data: bytes):
+        self.data, self.status = data, 200
+
+    async def pipe(self, sink, drain, idle_s: float) -> None:
+        sink(self.data)
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Peer:
+    """A worker's /kv/snapshot answers and /kv/events streams, scripted: `get` stands for
+    `Fleet.get`, `stream` for `fleet.streams.get`. A request past its script waits for good,
+    and sets `idle`: the tail has taken all it was given."""
+
+    def __init__(self, snapshots: list, streams: list[bytes]):
+        self.snapshots, self.streams = snapshots, streams
+        self.asked = {"snapshot": 0, "events": 0}
+        self.idle = asyncio.Event()
+
+    async def _next(self, script: list):
+        if not script:
+            self.idle.set()
+            await asyncio.Event().wait()
+        return script.pop(0)
+
+    async def get(self, url: str, timeout: float, params: dict | None = None) -> object:
+        assert url.endswith("/kv/snapshot")
+        self.asked["snapshot"] += 1
+        return await self._next(self.snapshots)
+
+    async def stream(self, url: str, path: str, headers: dict) -> Stream:
+        self.asked["events"] += 1
+        return Stream(await self._next(self.streams))
+
+
+async def tail_until_idle(monkeypatch, fleet: Fleet, w: Worker, peer: Peer) -> asyncio.Task:
+    """Run `w`'s KV tail against `peer` until it has taken all of the script, or has died."""
+    monkeypatch.setattr(fleet, "get", peer.get)
+    monkeypatch.setattr(fleet.streams, "get", peer.stream)
+    task = asyncio.create_task(fleet.tail.run(w))
+    idle = asyncio.create_task(peer.idle.wait())
+    await asyncio.wait([task, idle], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    idle.cancel()
+    return task
+
+
+def line(body: object) -> bytes:
+    return json.dumps(body).encode() + b"\n"
+
+
+def test_a_malformed_line_is_counted_drops_the_residency_and_resyncs_from_a_snapshot(monkeypatch):
+    """A batch whose event could not be applied was retried from the same seq for good: the
+    worker's residency neither dropped nor resynced, nothing counted or said."""
+
+    async def run():
+        fleet, w = synced()
+        snapshots = [{"worker_id": "w0", "seq": 0, "hashes": [5]}, {"worker_id": "w0", "seq": 3, "hashes": [6, 7]}]
+        peer = Peer(snapshots, [line(batch(stored(1, [[1]])))])
+        task = await tail_until_idle(monkeypatch, fleet, w, peer)
+        try:
+            assert not task.done() and peer.asked == {"snapshot": 2, "events": 2}
+            assert w.malformed_kv == 1 and w.healthy  # its events are bad, not its state
+            assert fleet.index.seq("w0") == 3 and fleet.index.num_blocks("w0") == 2  # the second snapshot's
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_snapshot_with_an_overflowing_seq_is_counted_and_fetched_again(monkeypatch):
+    """`1e400` parses to inf, and int(inf) raised OverflowError: the tail died, never respawned."""
+
+    async def run():
+        fleet, w = synced()
+        bad = json.loads('{"worker_id": "w0", "seq": 1e400, "hashes": []}')
+        peer = Peer([bad, {"worker_id": "w0", "seq": 2, "hashes": [5]}], [])
+        task = await tail_until_idle(monkeypatch, fleet, w, peer)
+        try:
+            assert not task.done() and peer.asked == {"snapshot": 2, "events": 1}
+            assert w.malformed_kv == 1 and fleet.index.seq("w0") == 2
+        finally:
+            task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_line_whose_state_is_bad_takes_the_worker_down_as_such_a_poll_would():
+    async def run():
+        fleet, w = synced()
+        fleet.index.reset("w0", [], 0)
+        body = batch(stored(1, [7])) | {"state": {**GOOD, "waiting": "3"}}
+        with pytest.raises(ValueError, match="waiting"):
+            fleet.tail.apply_line(w, "w0", w.epoch, body)
+        assert not w.healthy and fleet.index.seq("w0") is None and w.state == GOOD
+
+    asyncio.run(run())

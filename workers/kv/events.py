@@ -2,6 +2,8 @@
 
 Events are numbered 1, 2, 3... per worker with no gaps. A consumer that sees a gap (its
 next expected seq is older than what the log still holds) resynchronises from a snapshot.
+What comes off the wire (`from_json`) is another process's: every field is checked, and a
+body that is not what it claims raises ValueError before any of it is used.
 """
 
 import time
@@ -13,6 +15,7 @@ from threading import Lock
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"
+KINDS = (STORED, REMOVED, CLEARED)
 
 # Where a stored/removed block lives (vLLM's KV events carry the same `medium`). An event
 # without one (an older worker) means device memory.
@@ -36,13 +39,24 @@ class KVEvent:
 
     @staticmethod
     def from_json(d: dict) -> "KVEvent":
+        """Raises ValueError for anything but an event of a known kind and medium, with integer
+        seq, hashes and parent: a batch is checked whole before any of it is applied."""
+        if type(d) is not dict:
+            raise ValueError(f"a KV event is a JSON object, not {shown(d)}")
+        kind, medium, parent, ts = d.get("kind"), d.get("medium") or DEVICE, d.get("parent"), d.get("ts", 0.0)
+        if kind not in KINDS or medium not in MEDIA:
+            raise ValueError(f"a KV event of kind {shown(kind)} and medium {shown(medium)}")
+        if parent is not None:
+            _int(parent, "a KV event's parent")
+        if type(ts) is not float and type(ts) is not int:
+            raise ValueError(f"a KV event's ts must be a number, not {shown(ts)}")
         return KVEvent(
-            d["seq"],
-            d["kind"],
-            tuple(d.get("hashes", ())),
-            d.get("parent"),
-            d.get("ts", 0.0),
-            d.get("medium") or DEVICE,
+            _seq(d.get("seq"), "a KV event's seq"),
+            kind,
+            _ints(d.get("hashes", ()), "a KV event's hashes"),
+            parent,
+            ts,
+            medium,
         )
 
 
@@ -63,16 +77,17 @@ class KVSnapshot:
     def from_json(d: dict) -> "KVSnapshot":
         """Raises ValueError for a body that is not a snapshot (a worker is not trusted to send one);
         tiers of an unknown medium are left out."""
-        try:
-            tiers = d.get("tiers") or {}
-            return KVSnapshot(
-                str(d["worker_id"]),
-                int(d["seq"]),
-                [int(h) for h in d["hashes"]],
-                {m: [int(h) for h in hs] for m, hs in tiers.items() if m in MEDIA and m != DEVICE},
-            )
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"not a KV snapshot: {e!r}") from None
+        if type(d) is not dict:
+            raise ValueError(f"a KV snapshot is a JSON object, not {shown(d)}")
+        tiers = d.get("tiers") or {}
+        if type(tiers) is not dict:
+            raise ValueError(f"a KV snapshot's tiers must be an object, not {shown(tiers)}")
+        return KVSnapshot(
+            _str(d.get("worker_id"), "a KV snapshot's worker_id"),
+            _seq(d.get("seq"), "a KV snapshot's seq"),
+            list(_ints(d.get("hashes"), "a KV snapshot's hashes")),
+            {m: list(_ints(hs, f"a KV snapshot's {m} tier")) for m, hs in tiers.items() if m in MEDIA and m != DEVICE},
+        )
 
 
 @dataclass
@@ -94,9 +109,49 @@ class EventBatch:
 
     @staticmethod
     def from_json(d: dict) -> "EventBatch":
+        """Raises ValueError for a body that is not a batch, one of its events included
+        (`KVEvent.from_json`): nothing of a malformed batch is applied."""
+        if type(d) is not dict:
+            raise ValueError(f"a KV-event batch is a JSON object, not {shown(d)}")
+        events, gap = d.get("events"), d.get("gap", False)
+        if type(events) is not list or type(gap) is not bool:
+            raise ValueError(
+                f"a KV-event batch's events must be a list and gap a bool, not {shown(events)}, {shown(gap)}"
+            )
         return EventBatch(
-            d["worker_id"], [KVEvent.from_json(e) for e in d["events"]], d["last_seq"], d.get("gap", False)
+            _str(d.get("worker_id"), "a KV-event batch's worker_id"),
+            [KVEvent.from_json(e) for e in events],
+            _seq(d.get("last_seq"), "a KV-event batch's last_seq"),
+            gap,
         )
+
+
+def _int(v: object, what: str) -> int:
+    """A JSON integer, not a bool, a float (1e400 is inf) or a string."""
+    if type(v) is not int:
+        raise ValueError(f"{what} must be an integer, not {shown(v)}")
+    return v
+
+
+def _seq(v: object, what: str) -> int:
+    n = _int(v, what)
+    if n < 0:
+        raise ValueError(f"{what} must be at least 0, not {n}")
+    return n
+
+
+def _ints(v: object, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"{what} must be a list of integers, not {shown(v)}")
+    if not all(type(h) is int for h in v):
+        raise ValueError(f"{what} must be integers, not {shown(next(h for h in v if type(h) is not int))}")
+    return tuple(v)
+
+
+def _str(v: object, what: str) -> str:
+    if type(v) is not str:
+        raise ValueError(f"{what} must be a string, not {shown(v)}")
+    return v
 
 
 def shown(v: object) -> str:
