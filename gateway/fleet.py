@@ -22,13 +22,15 @@ elsewhere. The tail (gateway.kv_tail) follows each worker's KV events into the r
 index and hands the state riding on them to `up`, as a poll's; while Redis carries a worker's
 events (see redis_state) its tail idles. Routing reads only in-memory fields, never the
 network. Polls and snapshots use aiohttp. A state is another process's bytes: one that is not
-a state (`WorkerState.from_json`) fails its poll.
+a state (`WorkerState.from_json`) fails its poll; a task that fails of anything unforeseen is
+logged and started again, its worker down meanwhile.
 """
 
 import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import aiohttp
 
@@ -117,6 +119,7 @@ class Fleet:
             self._spawn(w)
 
     async def stop(self) -> None:
+        self._started = False
         tasks = [t for w in self.workers.values() for t in w.tasks]
         for t in tasks:
             t.cancel()
@@ -133,8 +136,28 @@ class Fleet:
     def _spawn(self, w: Worker) -> None:
         if w.kind in self.kinds:
             w.tasks = self.kinds[w.kind].spawn(self, w)
+        else:
+            w.tasks = [asyncio.create_task(self._poll(w)), asyncio.create_task(self.tail.run(w))]
+        for t in w.tasks:
+            t.add_done_callback(partial(self._ended, w))
+
+    def _ended(self, w: Worker, task: asyncio.Task) -> None:
+        """One of `w`'s tasks ended, which only cancelling should make them do. One that failed,
+        of something unforeseen, is logged, `w` taken down and its tasks started anew an
+        interval later: a task that died left its worker's health or residency frozen for good."""
+        if task.cancelled() or task not in w.tasks or self.workers.get(w.url) is not w:
             return
-        w.tasks = [asyncio.create_task(self._poll(w)), asyncio.create_task(self.tail.run(w))]
+        e = task.exception()
+        log.error("a task of the worker at %s ended (%r); its tasks start again", w.url, e, exc_info=e)
+        for t in w.tasks:
+            t.cancel()
+        w.tasks = []
+        self.down(w, f"a task of it ended: {e!r}")
+        asyncio.get_running_loop().call_later(self.interval, self._respawn, w)
+
+    def _respawn(self, w: Worker) -> None:
+        if self._started and not w.tasks and self.workers.get(w.url) is w:
+            self._spawn(w)
 
     # health and load
 

@@ -184,6 +184,36 @@ def test_a_worker_with_a_bad_state_is_no_candidate_and_the_models_list_answers(m
     assert [(m["id"], m["max_model_len"]) for m in r.json()["data"]] == [("m", 2048)]
 
 
+def test_a_task_of_a_worker_that_fails_is_started_again_and_the_worker_taken_down(monkeypatch):
+    """A poller or tail that died of anything left its worker's health frozen for good."""
+
+    async def run():
+        fleet, w = synced()
+        polls: list[bool] = []
+        again = asyncio.Event()
+
+        async def poller(w: Worker) -> None:
+            polls.append(w.healthy)
+            if len(polls) == 1:
+                raise RuntimeError("a bug")
+            again.set()
+            await asyncio.Event().wait()
+
+        async def tail(w: Worker) -> None:
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(fleet, "_poll", poller)
+        monkeypatch.setattr(fleet.tail, "run", tail)
+        await fleet.start()
+        try:
+            await asyncio.wait_for(again.wait(), 10)
+            assert polls == [True, False] and not w.healthy and len(w.tasks) == 2
+        finally:
+            await fleet.stop()
+
+    asyncio.run(run())
+
+
 # KV events and snapshots
 
 
