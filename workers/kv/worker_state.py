@@ -7,7 +7,7 @@ formed: `WorkerState.from_json` checks every field the gateway reads against its
 dataclass fields' annotations, the server's own fields' in `SERVER_FIELDS`), so a bad body is
 one ValueError where it arrives, not a TypeError in whatever reads the field later."""
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from types import NoneType
 from typing import Any, NamedTuple, get_args, get_origin
 
@@ -76,7 +76,9 @@ class WorkerState:
         for name, nested in _NESTED.items():
             if d.get(name) is not None:
                 check(d[name], nested, f"state.{name}")
-        return WorkerState(**{name: d[name] for name in _FIELDS if name in d})
+        state = object.__new__(WorkerState)
+        object.__setattr__(state, "__dict__", _DEFAULTS | {name: d[name] for name in _FIELDS & d.keys()})
+        return state
 
 
 _MAX = 1 << 63  # past it a number is no count, size or time (and may not convert to a float)
@@ -137,7 +139,10 @@ def check(d: dict, by_name: dict[str, Rule], what: str) -> None:
             raise ValueError(f"{what}.{name} must be {r}, not {shown(v)}")
 
 
-_FIELDS = tuple(f.name for f in fields(WorkerState))  # `fields` builds its tuple anew each call
+_FIELDS = frozenset(f.name for f in fields(WorkerState))  # `fields` builds its tuple anew each call
+# Built past `__init__` from these, as `gateway.worker_view.with_fields` copies a view: its 36
+# frozen `__setattr__`s were half of a state's parse, which runs per KV-event line.
+_DEFAULTS = {f.name: f.default for f in fields(WorkerState) if f.default is not MISSING}
 # What a worker's server adds to its engine's state in a /state body (workers/control_routes.py).
 SERVER_FIELDS: dict[str, object] = {
     "engine_alive": bool,
