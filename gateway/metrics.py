@@ -29,7 +29,7 @@ REFUSALS = ("overloaded", "draining", "worker_queues_full", "policy")
 LEGS = (WHOLE, PREFILL, DECODE)
 
 
-class _FleetCollector:
+class FleetCollector:
     def __init__(self, fleet):
         self.fleet = fleet
 
@@ -64,6 +64,11 @@ class _FleetCollector:
             "Failed /state polls: the worker unreachable or not answering",
             labels=["model", "worker", "url"],
         )
+        malformed = CounterMetricFamily(
+            "kvgate_gateway_worker_malformed_kv",
+            "KV-event lines and snapshots from the worker dropped as malformed (its residency resynced)",
+            labels=["model", "worker", "url"],
+        )
         index = self.fleet.index
         for w in list(self.fleet.workers.values()):
             wid, model = w.worker_id or "", w.model or ""
@@ -73,9 +78,10 @@ class _FleetCollector:
             ledger.add_metric([model, wid], len(w.ledger))
             blocks.add_metric([model, wid], index.num_blocks(wid) if wid else 0)
             probes.add_metric([model, wid, w.url], w.probe_failures)
+            malformed.add_metric([model, wid, w.url], w.malformed_kv)
             if wid and w.healthy and "kv_seq" in w.state:  # a worker that is down has no index to lag
                 lag.add_metric([model, wid], max(0, w.state["kv_seq"] - (index.seq(wid) or 0)))
-        yield from (healthy, flight, shared, ledger, blocks, lag, probes)
+        yield from (healthy, flight, shared, ledger, blocks, lag, probes, malformed)
 
 
 class RedisCollector:
@@ -227,7 +233,7 @@ class GatewayMetrics:
             ["model", "worker", "outcome"],
             registry=r,
         )
-        r.register(_FleetCollector(fleet))
+        r.register(FleetCollector(fleet))
         for kind in getattr(fleet, "kinds", {}).values():  # other engines' collectors (gateway/vllm_worker.py)
             r.register(kind)
         register_process_metrics(r, "gateway")

@@ -110,7 +110,10 @@ class VllmLink:
             self.stop_subscriber()
             self.down(f"vLLM poll failed: {e!r}")
             return
-        self.up(self.state(load))
+        try:
+            self.up(self.state(load))
+        except ValueError as e:  # a number past what a state holds (`WorkerState.from_json`)
+            self.down(f"vLLM state is not one: {e}")
 
     def state(self, load: VllmLoad) -> dict:
         """The server as a kvgate worker's `/state` would describe it."""

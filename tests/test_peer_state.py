@@ -19,7 +19,9 @@ from gateway.admission import Admission, AdmissionConfig
 from gateway.cli_args import parser
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
+from gateway.metrics import FleetCollector
 from gateway.server import build
+from gateway.vllm_link import VllmLink
 from gateway.worker import Worker
 from workers.kv.cost_model import CostModel
 from workers.kv.events import STORED, EventBatch, KVSnapshot
@@ -350,6 +352,8 @@ def test_a_malformed_line_is_counted_drops_the_residency_and_resyncs_from_a_snap
             assert not task.done() and peer.asked == {"snapshot": 2, "events": 2}
             assert w.malformed_kv == 1 and w.healthy  # its events are bad, not its state
             assert fleet.index.seq("w0") == 3 and fleet.index.num_blocks("w0") == 2  # the second snapshot's
+            [family] = [f for f in FleetCollector(fleet).collect() if f.name == "kvgate_gateway_worker_malformed_kv"]
+            assert [(s.labels["worker"], s.value) for s in family.samples if s.name.endswith("_total")] == [("w0", 1)]
         finally:
             task.cancel()
 
@@ -383,3 +387,25 @@ def test_a_line_whose_state_is_bad_takes_the_worker_down_as_such_a_poll_would():
         assert not w.healthy and fleet.index.seq("w0") is None and w.state == GOOD
 
     asyncio.run(run())
+
+
+def test_a_vllm_state_past_its_range_takes_the_server_down():
+    """The vLLM link builds a state from the server's answers: one that is not a state (here a
+    max_model_len past 2**63) took its poll task down with a ValueError; now the server is."""
+
+    class Link(VllmLink):
+        why: str | None = None
+
+        async def text(self, path: str) -> str:
+            return "" if path == "/health" else "process_start_time_seconds 100.0\n"
+
+        def up(self, state: dict) -> None:
+            WorkerState.from_json(state)
+
+        def down(self, why: str) -> None:
+            self.why = why
+
+    link = Link("http://127.0.0.1:9", 16, 1.0, 1.0)
+    link.model, link.started, link.max_model_len = "m", 100.0, 2**63
+    asyncio.run(link.poll())
+    assert link.why is not None and "max_model_len" in link.why
