@@ -14,7 +14,6 @@ each (re)connect a worker known before is kept (on the embedded path) rather tha
 """
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -29,6 +28,7 @@ from gateway.replica_share import INFLIGHT_TABLE, SHARE_LINE, ReplicaShare
 from gateway.worker import KVGATE
 from workers.kv import redis_schema as rs
 from workers.kv.events import MEDIA, EventBatch
+from workers.strict_json import peer_object
 
 # Replies as this client gets them (bytes: it does not decode responses); redis-py types them
 # as unions of every client's, so they are cast at the call.
@@ -201,10 +201,12 @@ class RedisState:
         return live
 
     def _verify(self, pool: str, wid: str, beat: bytes) -> tuple[rs.Registration | None, str]:
-        """The registration in `beat` if the fleet's token signed it for this key, else why not."""
+        """The registration in `beat` if the fleet's token signed it for this key, else why not.
+        It is parsed by `peer_object`: one heartbeat nested past the stack's depth took the
+        replica off Redis at every bootstrap."""
         try:
-            reg = rs.Registration.from_json(json.loads(beat))
-        except (ValueError, UnicodeDecodeError) as e:
+            reg = rs.Registration.from_json(peer_object(beat, "a heartbeat"))
+        except ValueError as e:
             return None, f"malformed ({e})"
         why = reg.why_invalid(self.token)
         if why is None and (reg.worker_id, reg.pool) != (wid, pool):

@@ -12,7 +12,6 @@ serving. A record missing, unsigned or signed by another token falls back to HTT
 """
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 
 from workers.kv import redis_schema as rs
 from workers.nixl_layout import CacheLayout
+from workers.strict_json import peer_object
 
 log = logging.getLogger("kvgate.transfer")
 
@@ -91,7 +91,7 @@ class PeerLayouts:
         if raw is None:
             return None
         try:
-            rec = rs.AgentRecord.from_json(json.loads(raw))
+            rec = rs.AgentRecord.from_json(peer_object(raw, "a NIXL agent record"))
             why = rec.why_invalid(self.token) or (None if rec.agent == agent else "another agent's")
             if why is not None:
                 raise ValueError(why)
@@ -104,7 +104,7 @@ class PeerLayouts:
         try:
             r = await client.get(url.rstrip("/") + "/kv/nixl", headers=headers)
             r.raise_for_status()
-            layout = CacheLayout.from_json(r.json())
+            layout = CacheLayout.from_json(peer_object(r.content, "a NIXL layout"))
         except httpx.HTTPError as e:
             raise ValueError(f"no NIXL layout from {url}: {e!r}") from e
         if layout.agent != agent:

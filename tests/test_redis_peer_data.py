@@ -1,0 +1,89 @@
+"""What a gateway replica or worker reads from Redis that another process wrote: heartbeats,
+NIXL agent records, other replicas' in-flight tables and ledger entries, stream keys. Anything
+that can write to Redis can write these: a malformed one is dropped (and counted where the
+module counts them), never stops a loop and never grows memory for good. The stream test
+runs over a test-started redis-server (never port 6379)."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from gateway.fleet import Fleet
+from gateway.index import ResidencyIndex
+from gateway.redis_state import RedisState
+from tests.test_nixl_peers import POOL, URL, FakeRedis, Peer, layout, lookups
+from workers.kv import redis_schema as rs
+from workers.nixl_peers import PeerLayouts
+
+TOKEN = "secret"
+DEEP = b"[" * 100_000
+
+
+def state_of(fleet: Fleet | None = None) -> RedisState:
+    return RedisState("redis://127.0.0.1:1/0", fleet or Fleet(ResidencyIndex()), TOKEN, replica_id="b")
+
+
+def heartbeat(wid: str) -> bytes:
+    """A heartbeat of worker `wid` in pool `p`, signed with the fleet's token."""
+    reg = rs.Registration(wid, f"http://127.0.0.1:1/{wid}", "p", time.time()).signed(TOKEN)
+    return json.dumps(reg.to_json()).encode()
+
+
+def nested_state(depth: int) -> bytes:
+    """A signed-looking heartbeat whose state nests `depth` objects deep."""
+    state = b'{"a":' * depth + b"1" + b"}" * depth
+    return b'{"worker_id":"w","url":"http://x","pool":"p","ts":1,"sig":"00","state":' + state + b"}"
+
+
+class FakeRegistry:
+    """The calls `RedisState` makes to read the registry: pool `p` with `beats` by worker id."""
+
+    def __init__(self, beats: dict[str, bytes]):
+        self.beats = beats
+
+    async def smembers(self, key: str) -> set[bytes]:
+        if key == rs.POOLS:
+            return {b"p"}
+        return {w.encode() for w in self.beats}
+
+    async def mget(self, keys: list[str]) -> list[bytes | None]:
+        return [self.beats.get(k.rsplit(":", 1)[1]) for k in keys]
+
+
+@pytest.mark.parametrize("beat", [DEEP, b'{"a":' * 100_000, nested_state(600), nested_state(33)])
+def test_a_heartbeat_nested_past_any_real_one_is_refused_not_raised(beat):
+    """Such a heartbeat raised RecursionError (in json, or in the signature check's `asdict`),
+    which no handler took: the bootstrap failed and the replica left Redis at every reconnect."""
+    reg, why = state_of()._verify("p", "w", beat)
+    assert reg is None and why.startswith("malformed")
+
+
+def test_a_deeply_nested_heartbeat_leaves_the_rest_of_the_registry_read():
+    fleet = Fleet(ResidencyIndex())
+    state = state_of(fleet)
+    asyncio.run(state.refresh_registry(FakeRegistry({"good": heartbeat("good"), "evil": DEEP})))
+    assert set(state.registered) == {"good"} and state.ignored == 1 and state.rejected["evil"].startswith("malformed")
+    assert [w.url for w in fleet.workers.values()] == ["http://127.0.0.1:1/good"]
+
+
+def test_a_deeply_nested_agent_record_in_redis_falls_back_to_the_peer():
+    """As a record that does not parse: it raised RecursionError out of the WRITE's lookup."""
+    redis, peer = FakeRedis(), Peer("d-1")
+    redis.values[rs.nixl_key(POOL, "d-1")] = DEEP.decode()
+    peers, _, got = lookups(redis, peer, ["d-1"])
+    assert got == [layout("d-1")] and peer.asked == 1 and peers.lookups["http"] == 1
+
+
+def test_a_peer_answering_deeply_nested_json_is_an_error():
+    def deep(_: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=DEEP)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(deep)) as client:
+            await PeerLayouts(TOKEN, lambda _: None).get(client, URL, "d-1", {})
+
+    with pytest.raises(ValueError, match="a NIXL layout"):
+        asyncio.run(run())
