@@ -65,7 +65,7 @@ class RedisState:
         self.interval = interval
         self.registered: dict[str, rs.Registration] = {}  # worker id -> its verified heartbeat
         self.kept: dict[str, rs.Registration] = {}  # known before a reconnect, not re-registered yet
-        self.rejected: dict[str, str] = {}  # worker id -> why its registration was last ignored
+        self.rejected: dict[str, str] = {}  # worker id -> why its registration was ignored at the last read
         self.ignored = 0  # registrations ignored at the last read of the registry
         self.grace_s = grace_s
         self.grace_until = 0.0
@@ -186,18 +186,19 @@ class RedisState:
         ]
         keys = [rs.heartbeat_key(pool, wid) for pool, wid in members]
         beats = cast(list[bytes | None], await r.mget(keys)) if members else []
-        live, ignored = {}, 0
+        live, rejected, ignored = {}, {}, 0
         for (pool, wid), beat in zip(members, beats):
-            if beat is not None:
-                reg, why = self._verify(pool, wid, beat)
-                if reg is not None:
-                    live[wid] = reg
-                else:
-                    ignored += 1
-                    if self.rejected.get(wid) != why:
-                        log.warning("ignoring the registration of worker %r in pool %r: %s", wid, pool, why)
-                self.rejected[wid] = why
-        self.ignored = ignored
+            if beat is None:
+                continue
+            reg, why = self._verify(pool, wid, beat)
+            if reg is not None:
+                live[wid] = reg
+                continue
+            ignored += 1
+            if self.rejected.get(wid) != why:
+                log.warning("ignoring the registration of worker %r in pool %r: %s", wid, pool, why)
+            rejected[wid] = why
+        self.rejected, self.ignored = rejected, ignored
         return live
 
     def _verify(self, pool: str, wid: str, beat: bytes) -> tuple[rs.Registration | None, str]:

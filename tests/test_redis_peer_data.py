@@ -69,6 +69,17 @@ def test_a_deeply_nested_heartbeat_leaves_the_rest_of_the_registry_read():
     assert [w.url for w in fleet.workers.values()] == ["http://127.0.0.1:1/good"]
 
 
+def test_the_rejected_registrations_are_those_of_the_last_read_only():
+    """One entry per bogus worker id, for good, was memory any writer to Redis could grow."""
+    state = state_of()
+    for batch in range(3):
+        beats = {f"bogus-{batch}-{i}": b"{}" for i in range(5)}
+        asyncio.run(state.refresh_registry(FakeRegistry({**beats, "good": heartbeat("good")})))
+        assert set(state.rejected) == set(beats) and state.ignored == 5
+    asyncio.run(state.refresh_registry(FakeRegistry({"good": heartbeat("good")})))
+    assert state.rejected == {} and set(state.registered) == {"good"}
+
+
 def test_a_deeply_nested_agent_record_in_redis_falls_back_to_the_peer():
     """As a record that does not parse: it raised RecursionError out of the WRITE's lookup."""
     redis, peer = FakeRedis(), Peer("d-1")
