@@ -267,16 +267,23 @@ class RedisState:
 
     async def _tail(self, r: aioredis.Redis) -> None:
         while True:
-            if not self.cursors:
+            if self.cursors:
+                await self.read_streams(r)
+            else:
                 await asyncio.sleep(self.interval)
-                continue
-            streams: dict[Any, Any] = {rs.stream_key(pool): cur for pool, cur in self.cursors.items()}
-            read = await r.xread(streams, count=1000, block=int(self.interval * 1000))
-            for key, entries in cast(list[tuple[bytes, list[StreamEntry]]], read):
-                pool = key.decode().split(":")[1]
-                for entry_id, fields in entries:
-                    self._apply(fields)
-                    self.cursors[pool] = entry_id
+
+    async def read_streams(self, r: aioredis.Redis) -> None:
+        """Apply what the pools' streams hold past their cursors (waiting up to `interval` for
+        it), moving each cursor. A key read back names its pool by the key asked for, not by
+        splitting it: a pool's name may hold ':', and its cursor was kept under another name."""
+        pools = {rs.stream_key(pool).encode(): pool for pool in self.cursors}
+        streams: dict[Any, Any] = {key: self.cursors[pool] for key, pool in pools.items()}
+        read = await r.xread(streams, count=1000, block=int(self.interval * 1000))
+        for key, entries in cast(list[tuple[bytes, list[StreamEntry]]], read):
+            pool = pools[key]
+            for entry_id, fields in entries:
+                self._apply(fields)
+                self.cursors[pool] = entry_id
 
     def _apply(self, fields: dict) -> None:
         """One stream entry: a flush of one worker's events; a snapshot among them (the worker

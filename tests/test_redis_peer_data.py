@@ -13,9 +13,11 @@ import pytest
 
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
+from gateway.procs import start_redis, wait_redis
 from gateway.redis_state import RedisState
 from tests.test_nixl_peers import POOL, URL, FakeRedis, Peer, layout, lookups
 from workers.kv import redis_schema as rs
+from workers.kv.events import STORED, KVEvent
 from workers.nixl_peers import PeerLayouts
 
 TOKEN = "secret"
@@ -98,3 +100,37 @@ def test_a_peer_answering_deeply_nested_json_is_an_error():
 
     with pytest.raises(ValueError, match="a NIXL layout"):
         asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_pool_whose_name_holds_a_colon_is_tailed_from_where_it_was_read(tmp_path):
+    """The stream key of pool `llama3:8b` is `kvgate:llama3:8b:events`: its cursor was kept
+    under `llama3`, so the same entries were read again and again and later ones never."""
+    proc = wait_redis(start_redis(log_dir=str(tmp_path)))
+    pool, key = "llama3:8b", rs.stream_key("llama3:8b")
+
+    async def scenario() -> None:
+        fleet = Fleet(ResidencyIndex())
+        w = fleet.add("http://127.0.0.1:1/0")
+        w.worker_id, w.redis_residency = "w0", True
+        fleet.index.reset("w0", [], 0)
+        state = RedisState(f"redis://127.0.0.1:{proc.port}/0", fleet, TOKEN, replica_id="b", interval=0.05)
+        state.cursors[pool] = b"0-0"
+        r = state.client()
+        try:
+            for seq in (1, 2, 3):
+                last = await r.xadd(key, rs.encode_events("w0", [KVEvent(seq, STORED, (seq,))]))
+            await state.read_streams(r)
+            await state.read_streams(r)  # nothing new: nothing read again
+            assert state.cursors == {pool: last} and fleet.index.seq("w0") == 3
+            last = await r.xadd(key, rs.encode_events("w0", [KVEvent(4, STORED, (4,))]))
+            await state.read_streams(r)
+            assert state.cursors == {pool: last} and fleet.index.seq("w0") == 4 and fleet.index.holds("w0", 4)
+            assert state.malformed["event_entry"] == 0
+        finally:
+            await r.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        proc.stop()
