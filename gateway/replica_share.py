@@ -19,7 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.fleet import Fleet
-from gateway.shared_ledger import HELLO, LedgerNote, SharedLedgers
+from gateway.shared_ledger import HELLO, MAX_HELD, LedgerNote, SharedLedgers
 from gateway.worker import Worker
 from workers.kv import redis_schema as rs
 
@@ -167,13 +167,17 @@ class ReplicaShare:
 
     def table(self, table: dict) -> tuple[int, dict[str, int]] | None:
         """Another replica's in-flight table as (the seq of its last delta, count per worker), or
-        None, counted, where it does not parse."""
+        None, counted, where it does not parse or a number is out of range: a seq is >= 0 and a
+        count from 0 to `MAX_HELD` (one count made a worker look full here, or hid its load)."""
         try:
             counts = {k.decode(): int(v) for k, v in table.items()}
-        except (ValueError, UnicodeDecodeError) as e:
+            seq = counts.pop(rs.SEQ_FIELD, 0)
+            if seq < 0 or not all(0 <= n <= MAX_HELD for n in counts.values()):
+                raise ValueError(f"a seq is >= 0 and an in-flight count from 0 to {MAX_HELD}")
+        except ValueError as e:  # UnicodeDecodeError is a ValueError
             self.malformed(INFLIGHT_TABLE, e)
             return None
-        return counts.pop(rs.SEQ_FIELD, 0), counts
+        return seq, counts
 
     def share(self) -> None:
         """Every worker's load at the other replicas: tables plus the deltas after them."""

@@ -15,6 +15,7 @@ from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.procs import start_redis, wait_redis
 from gateway.redis_state import RedisState
+from gateway.shared_ledger import MAX_HELD
 from tests.test_nixl_peers import POOL, URL, FakeRedis, Peer, layout, lookups
 from workers.kv import redis_schema as rs
 from workers.kv.events import STORED, KVEvent
@@ -100,6 +101,21 @@ def test_a_peer_answering_deeply_nested_json_is_an_error():
 
     with pytest.raises(ValueError, match="a NIXL layout"):
         asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        {b"w0": b"1000000", rs.SEQ_FIELD.encode(): b"1"},
+        {b"w0": str(MAX_HELD + 1).encode()},
+        {b"w0": b"-5", rs.SEQ_FIELD.encode(): b"1"},
+        {b"w0": b"2", rs.SEQ_FIELD.encode(): b"-1"},
+    ],
+)
+def test_an_in_flight_count_out_of_range_drops_the_table(table):
+    state = state_of()
+    assert state.share.table(table) is None and state.malformed["inflight_table"] == 1
+    assert state.share.table({b"w0": str(MAX_HELD).encode(), rs.SEQ_FIELD.encode(): b"7"}) == (7, {"w0": MAX_HELD})
 
 
 @pytest.mark.slow
