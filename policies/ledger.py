@@ -23,13 +23,15 @@ if TYPE_CHECKING:  # policies.api holds a Ledger in each WorkerView
 
 
 MAX_HASHES = 1 << 20  # block hashes in one list crossing between replicas, past any pool
+MAX_COUNT = (1 << 64) - 1  # block hashes are 64-bit; counts stay far below
+MAX_TOKENS = 1 << 24  # decode steps of one ledger entry, past any model's context
 
 
-def checked_count(x: object) -> int:
-    """`x` if it is a count or block hash (an int >= 0), else ValueError: what crosses between
-    gateway replicas (ledger entries, routed prompts) is checked by it."""
-    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise ValueError(f"counts and block hashes are integers >= 0, not {x!r}")
+def checked_count(x: object, most: int = MAX_COUNT) -> int:
+    """`x` if it is a count or block hash (an int from 0 to `most`), else ValueError: what
+    crosses between gateway replicas (ledger entries, routed prompts) is checked by it."""
+    if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= most:
+        raise ValueError(f"counts and block hashes are integers from 0 to {most}, not {x!r}")
     return x
 
 
@@ -61,7 +63,8 @@ def blocks_held(num_tokens: int, max_tokens: int, cached_tokens: int, block_size
 class Sent:
     """One request in flight: `need` blocks held at its end beyond the `hit` blocks (the hash
     of each) it found cached, `max_tokens` decode steps at most, and when its first token came
-    (None until then: it waits for room or is prefilling)."""
+    (None until then: it waits for room or is prefilling). `max_tokens` is at most `MAX_TOKENS`:
+    an entry crosses between replicas, and its steps are multiplied out as floats."""
 
     need: int
     hit: tuple[int, ...]
@@ -83,11 +86,9 @@ class Sent:
         which the worker (blocks of `block_size`) is predicted to hold `cached_tokens`.
         `hash_ratio` of the router's block hashes make one worker block (`gateway.worker.Worker`):
         the last of them, chained, names that block."""
-        hit = cached_tokens // block_size
+        hit, steps = cached_tokens // block_size, min(MAX_TOKENS, max(1, max_tokens))
         hashes = tuple(block_hashes[hash_ratio - 1 : hit * hash_ratio : hash_ratio])
-        return cls(
-            blocks_held(num_tokens, max_tokens, cached_tokens, block_size), hashes, max(1, max_tokens), started_at
-        )
+        return cls(blocks_held(num_tokens, steps, cached_tokens, block_size), hashes, steps, started_at)
 
     def to_json(self) -> dict:
         return {"need": self.need, "hit": list(self.hit), "max_tokens": self.max_tokens, "started_at": self.started_at}
@@ -96,7 +97,7 @@ class Sent:
     def from_json(cls, d: dict) -> Sent:
         """The entry `to_json` wrote; ValueError for anything else (it crosses between replicas)."""
         hit = checked_hashes(d.get("hit"), "a ledger entry's hit")
-        steps = checked_count(d.get("max_tokens"))
+        steps = checked_count(d.get("max_tokens"), MAX_TOKENS)
         if steps < 1:
             raise ValueError("a ledger entry's max_tokens is at least 1")
         return cls(
@@ -156,13 +157,14 @@ class Ledger:
     def start_s(self, total_blocks: int, need: int, steps: int, step_s: float, now: float) -> float:
         """Seconds from `now` until a request holding `need` blocks for `steps` decode steps of
         `step_s` would start, first come first served behind every request sent before it,
-        each holding its whole `need` from its start until its last step."""
+        each holding its whole `need` from its start until its last step. The steps an entry has
+        run count up to its `max_tokens`, so no start time, however far back, overflows."""
         free = total_blocks - len(self.pinned)
         ends: list[tuple[float, int]] = []
         queued: list[tuple[int, int]] = []
         for e in self.sent.values():
             if e.started_at is not None and e.started_at <= now:
-                done = int((now - e.started_at) / step_s) if step_s > 0 else 0
+                done = int(min(e.max_tokens, (now - e.started_at) / step_s)) if step_s > 0 else 0
                 free -= e.need
                 ends.append((max(1, e.max_tokens - done) * step_s, e.need))
             else:

@@ -3,12 +3,12 @@ predicts (policies.predict.ledger_wait_ms) and the footprint ranks slo_goodput r
 (policies/footprints.py)."""
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from policies.api import RequestView, WorkerView
 from policies.footprints import Footprints
-from policies.ledger import Ledger, Sent
+from policies.ledger import MAX_COUNT, MAX_TOKENS, Ledger, Sent
 from policies.predict import decode_step_ms, ledger_wait_ms
 
 STEP = 0.02
@@ -88,6 +88,38 @@ def test_a_larger_request_or_one_more_ahead_never_starts_sooner(sent, small, ext
     assert led.start_s(120, small + extra, 16, STEP, now) >= base
     led.add("ahead", Sent(extra, (), 16))
     assert led.start_s(120, small, 16, STEP, now) >= base
+
+
+accepted = st.builds(
+    Sent,
+    need=st.integers(0, MAX_COUNT),
+    hit=st.lists(st.integers(0, MAX_COUNT), max_size=4).map(tuple),
+    max_tokens=st.integers(1, MAX_TOKENS),
+    started_at=st.none() | st.floats(allow_nan=False, allow_infinity=False),
+)
+
+
+@given(st.lists(accepted, max_size=6), st.floats(1e-6, 10.0), st.floats(0.0, 2e9))
+@example([Sent(need=1, hit=(), max_tokens=8, started_at=-1e308)], STEP, 0.0)
+def test_no_entry_another_replica_may_send_makes_the_start_raise(sent, step_s, now):
+    """Every entry `Sent.from_json` accepts (another replica's, through Redis) is priced: a start
+    time far back once overflowed the steps it had run, and a request routed there got a 500."""
+    led = Ledger()
+    for i, e in enumerate(sent):
+        led.add(str(i), Sent.from_json(e.to_json()))
+    assert 0.0 <= led.start_s(1 << 20, 40, 8, step_s, now) < float("inf")
+
+
+def test_a_request_that_started_long_ago_has_run_all_its_steps():
+    led = Ledger()
+    led.add("old", Sent(need=90, hit=(), max_tokens=10, started_at=-1e308))
+    assert led.start_s(100, 20, 8, STEP, now=0.0) == pytest.approx(STEP)  # its last step, then room
+
+
+def test_an_entry_holds_at_most_max_tokens_steps():
+    e = Sent.of(num_tokens=16, max_tokens=10**400, block_hashes=(), cached_tokens=0, block_size=16)
+    assert e.max_tokens == MAX_TOKENS and e.need == (16 + MAX_TOKENS) // 16
+    assert Sent.from_json(e.to_json()) == e
 
 
 def view(led: Ledger | None, **kw) -> WorkerView:

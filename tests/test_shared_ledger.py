@@ -20,7 +20,7 @@ from gateway.server import build
 from gateway import shared_ledger
 from gateway.shared_ledger import ENDED, HELLO, ROUTED, SENT, SNAPSHOT, STARTED, TALLY, Held, LedgerNote, SharedLedgers
 from policies.api import RequestView, Tally
-from policies.ledger import Sent
+from policies.ledger import MAX_TOKENS, Sent
 from tests.test_redis import wait_async
 from workers.kv import redis_schema as rs
 
@@ -134,6 +134,31 @@ GOOD_TALLY = {"refused": False, "footprint": 300, "prefix": 7}
         {"replica": "a", "kind": SNAPSHOT, "entries": {"w0": []}},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r"]]},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r", {**GOOD_SENT, "hit": [-1]}]]},
+        {
+            "replica": "a",
+            "kind": SENT,
+            "worker_id": "w0",
+            "request_id": "r",
+            "sent": {**GOOD_SENT, "max_tokens": 10**400},
+        },
+        {
+            "replica": "a",
+            "kind": SENT,
+            "worker_id": "w0",
+            "request_id": "r",
+            "sent": {**GOOD_SENT, "max_tokens": MAX_TOKENS + 1},
+        },
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "need": 1 << 64}},
+        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "hit": [1 << 64]}},
+        {
+            "replica": "a",
+            "kind": ROUTED,
+            "worker_id": "w0",
+            "request_id": "r",
+            "at": 1.0,
+            "prompt": [],
+            "num_tokens": 10**400,
+        },
     ],
 )
 def test_a_malformed_note_is_refused(doc):
