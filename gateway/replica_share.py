@@ -37,6 +37,7 @@ class ReplicaShare:
         self.ledgers = SharedLedgers(fleet, replica)
         self.tables: dict[str, tuple[int, dict[str, int]]] = {}  # other replica -> (its seq, its counts)
         self.pending: dict[str, dict[int, tuple[str, int]]] = {}  # other replica -> seq -> (worker, delta)
+        self.unlisted: set[str] = set()  # replicas whose entries this one held at the last read, not listed
 
     def attach(self) -> None:
         """Share from now on: the fleet's changes go to the outbox."""
@@ -48,6 +49,7 @@ class ReplicaShare:
         self.fleet.on_change, self.fleet.on_ledger, self.outbox = None, None, None
         self.tables.clear()
         self.pending.clear()
+        self.unlisted.clear()
         self.ledgers.clear()
         for w in self.fleet.workers.values():
             w.shared_in_flight = 0
@@ -157,7 +159,17 @@ class ReplicaShare:
             self.pending[o] = {s: d for s, d in self.pending.get(o, {}).items() if s > parsed[0]}
         for gone in (set(self.tables) | set(self.pending)) - set(others):
             self.forget(gone)
+        self.forget_unlisted(others)
         self.share()
+
+    def forget_unlisted(self, others: list[str]) -> None:
+        """Forget the entries of a replica not listed at two reads in a row: those of one that
+        never lists itself (a stray publisher, a fresh name at each note) were held for good.
+        A replica lists itself as it starts, before its first note: a second read lists it."""
+        strays = set(self.ledgers.held) - set(others)
+        for gone in strays & self.unlisted:
+            self.forget(gone)
+        self.unlisted = strays
 
     def forget(self, replica: str) -> None:
         """A replica whose table expired (or that left the set) is gone, with its load and entries."""

@@ -10,12 +10,14 @@ import time
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.procs import start_redis, wait_redis
 from gateway.redis_state import RedisState
-from gateway.shared_ledger import MAX_HELD
+from gateway.shared_ledger import MAX_HELD, SENT, LedgerNote
+from policies.ledger import Sent
 from tests.test_nixl_peers import POOL, URL, FakeRedis, Peer, layout, lookups
 from workers.kv import redis_schema as rs
 from workers.kv.events import STORED, KVEvent
@@ -116,6 +118,25 @@ def test_an_in_flight_count_out_of_range_drops_the_table(table):
     state = state_of()
     assert state.share.table(table) is None and state.malformed["inflight_table"] == 1
     assert state.share.table({b"w0": str(MAX_HELD).encode(), rs.SEQ_FIELD.encode(): b"7"}) == (7, {"w0": MAX_HELD})
+
+
+def test_the_entries_of_a_replica_never_listed_are_forgotten():
+    """A replica's entries go when its table does; one that never lists itself in the replicas
+    set has no table, and a fresh name at each note held its entries for good."""
+    fleet = Fleet(ResidencyIndex())
+    fleet.add("http://127.0.0.1:1/0").worker_id = "w0"
+    w0 = fleet.by_id("w0")
+    assert w0 is not None
+    state = state_of(fleet)
+    share = state.share
+    share.ledgers.apply(LedgerNote("listed", SENT, "w0", "r1", Sent(1, (), 1)))
+    share.ledgers.apply(LedgerNote("ghost", SENT, "w0", "r2", Sent(1, (), 1)))
+    client = aioredis.from_url("redis://127.0.0.1:1/0")  # no command is sent: no table to read
+    share.tables["listed"] = (0, {})
+    asyncio.run(share.read_others(client, []))  # "listed" left the set: gone at once
+    assert set(w0.ledger.sent) == {"ghost/r2"}, "a replica just started may list itself after a read"
+    asyncio.run(share.read_others(client, []))
+    assert not w0.ledger.sent and not share.ledgers.held
 
 
 @pytest.mark.slow
