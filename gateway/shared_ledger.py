@@ -15,8 +15,9 @@ shows as a count unlike the ledger's, where the ledger declines as it does for a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from policies.api import Tally
@@ -147,14 +148,16 @@ class SharedLedgers:
         self.on_tally: Callable[[Tally], None] | None = None  # another replica's decision
 
     def apply(self, note: LedgerNote) -> bool:
-        """Apply another replica's note; True where it asks for this replica's snapshot."""
+        """Apply another replica's note; True where it asks for this replica's snapshot. A
+        routing goes on at its time or this replica's now, the earlier: a time ahead of this
+        clock (a skewed one, or a lie) held the policy's memory of routings from expiring."""
         if note.replica == self.replica:
             return False
         if note.kind == HELLO:
             return True
         if note.kind == ROUTED:
-            if self.on_routed is not None:
-                self.on_routed(note)
+            if self.on_routed is not None and note.at is not None:
+                self.on_routed(replace(note, at=min(note.at, time.time())))
             return False
         if note.kind == TALLY:
             if self.on_tally is not None and note.tally is not None:

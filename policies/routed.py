@@ -64,16 +64,20 @@ class RoutedPrefixes:
         return replace(fleet, workers=tuple(_raised(w, sent.get(w.worker_id, 0)) for w in fleet.workers))
 
     def remember(self, req: RequestView, w: WorkerView, now: float) -> None:
-        """Record that `req` was sent to `w` at `now` (its full blocks but the last one, which
-        the worker never takes from its cache). What left the window goes first: a replica
-        that only hears where the others sent prompts holds no more than its window of them."""
+        """Record that `req` was sent to `w` at `now`, or at the last time recorded if that is
+        later (its full blocks but the last one, which the worker never takes from its cache).
+        The memory stays in time order, expiring from its front: another replica's routing
+        arrives a little late, or from a clock behind this one. What left the window goes
+        first: a replica that only hears where the others sent prompts holds no more than its
+        window of them."""
         self.expire(now)
+        at = max(now, self.sent[-1][0]) if self.sent else now
         hashes = req.block_hashes[: max(0, req.num_tokens - 1) // w.block_size]
         new = tuple(h for h in hashes if h not in self.first)
         for h in new:
-            self.first[h] = (w.worker_id, w.residency_epoch, now)
+            self.first[h] = (w.worker_id, w.residency_epoch, at)
         self.pending[w.worker_id] += len(new)
-        self.sent.append((now, new))
+        self.sent.append((at, new))
 
     def pending_blocks(self, worker_id: str) -> int:
         return self.pending[worker_id]

@@ -4,6 +4,7 @@ redis-server (never port 6379)."""
 
 import asyncio
 import json
+import time
 
 import pytest
 import redis
@@ -21,7 +22,9 @@ from gateway import shared_ledger
 from gateway.shared_ledger import ENDED, HELLO, ROUTED, SENT, SNAPSHOT, STARTED, TALLY, Held, LedgerNote, SharedLedgers
 from policies.api import RequestView, Tally
 from policies.ledger import MAX_TOKENS, Sent
+from policies.routed import RoutedPrefixes
 from tests.test_redis import wait_async
+from tests.views import worker
 from workers.kv import redis_schema as rs
 
 sents = st.builds(
@@ -194,6 +197,23 @@ def test_another_replicas_notes_land_in_this_replicas_ledgers_under_its_name():
     assert not shared.apply(note) and routed == [note]
     shared.apply(LedgerNote("b", ROUTED, "w0", "r6", at=1.0, prompt=(1, 2), num_tokens=40))  # its own
     assert routed == [note] and list(w0.ledger.sent) == []  # a routing is no ledger entry
+
+
+def test_a_routing_stamped_ahead_of_this_clock_leaves_with_the_window():
+    """A routed note's time may be any finite number: one far ahead of this replica's clock sat
+    at the head of the policy's memory, and nothing behind it ever expired."""
+    fleet = fleet_of(1)
+    shared = SharedLedgers(fleet, "b")
+    memory = RoutedPrefixes(window_s=1.0)
+    w0 = worker("w0", block_size=16)
+    shared.on_routed = lambda note: memory.remember(RequestView("r", note.num_tokens, note.prompt), w0, note.at)
+    shared.apply(LedgerNote("a", ROUTED, "w0", "r1", at=1e300, prompt=(1, 2, 3), num_tokens=64))
+    shared.apply(LedgerNote("a", ROUTED, "w0", "r2", at=time.time(), prompt=(4, 5, 6), num_tokens=64))
+    shared.apply(LedgerNote("a", ROUTED, "w0", "r3", at=-1e308, prompt=(7, 8, 9), num_tokens=64))
+    assert [h for _, hashes in memory.sent for h in hashes] == list(range(1, 10))
+    assert [t for t, _ in memory.sent] == sorted(t for t, _ in memory.sent), "kept in time order"
+    memory.expire(time.time() + 10.0)
+    assert not memory.sent and not memory.first and memory.pending_blocks("w0") == 0
 
 
 def test_a_replica_holds_at_most_max_held_entries(monkeypatch):
