@@ -247,7 +247,7 @@ class Fleet:
         in service unless `out_of_service` says why not, its view rebuilt from `state`. Raises
         ValueError, having changed nothing, for a state that is not one (`WorkerState.from_json`
         names the field): its fields are read on every request, a bad one must not fail them."""
-        parsed = WorkerState.from_json(state)
+        parsed = WorkerState.from_json(state, w.state)
         wid = parsed.worker_id
         cost = w.base.cost if w.base is not None and parsed.cost_model == w.state.get("cost_model") else None
         view = view_of_state(state, w.url, self.tier_credits, cost, parsed)

@@ -87,6 +87,20 @@ def test_a_state_with_any_field_of_the_wrong_type_is_refused_naming_it_and_chang
     assert (w.state, w.base, w.healthy) == before
 
 
+def test_a_line_is_checked_against_the_last_accepted_state_not_the_last_seen():
+    """A KV-event line's state is the stream's last with what changed merged in: what is the
+    accepted state's own object is not checked again, but a bad value the stream carries on
+    from a refused line is, at every line, until a line mends it."""
+    fleet, w = synced()
+    bad = {**GOOD, "cost_model": {**GOOD["cost_model"], "base_ms": math.inf}}
+    with pytest.raises(ValueError, match="cost_model"):
+        fleet.up(w, bad)
+    with pytest.raises(ValueError, match="cost_model"):
+        fleet.up(w, {**bad, "running": 1})  # the next line, the bad model carried on
+    fleet.up(w, {**bad, "running": 2, "cost_model": GOOD["cost_model"]})
+    assert w.state["running"] == 2 and w.state["cost_model"] is GOOD["cost_model"]
+
+
 @pytest.mark.parametrize(
     "body",
     [

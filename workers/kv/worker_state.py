@@ -61,26 +61,31 @@ class WorkerState:
         return asdict(self)
 
     @staticmethod
-    def from_json(d: dict) -> "WorkerState":
+    def from_json(d: dict, checked: dict | None = None) -> "WorkerState":
         """The known fields of a /state body (an older worker may lack newer ones: their
         defaults stand). Raises ValueError naming the first field, its own or one its server
         adds (`SERVER_FIELDS`), that breaks its `Rule`: the body is another process's, and a
-        field read later as its type must be that type."""
+        field read later as its type must be that type. `checked`: a body accepted before, whose
+        values `d` holds as the very objects (a KV-event line's state is the stream's last one
+        with what changed merged in) are not checked again: a state rides on every line, and
+        its cost model's 64 coefficients were most of a line's CPU."""
         if not isinstance(d, dict):
             raise ValueError(f"a worker state is a JSON object, not {type(d).__name__}")
-        check(d, _RULES, "state")
+        fresh = d if checked is None else {k: v for k, v in d.items() if v is not checked.get(k, _ABSENT)}
+        check(fresh, _RULES, "state")
         if not d.get("worker_id"):
             raise ValueError("state.worker_id must be a non-empty string")
         if d.get("block_size", 1) < 1:
             raise ValueError("state.block_size must be at least 1")  # prompts are cut by it
         for name, nested in _NESTED.items():
-            if d.get(name) is not None:
-                check(d[name], nested, f"state.{name}")
+            if fresh.get(name) is not None:
+                check(fresh[name], nested, f"state.{name}")
         state = object.__new__(WorkerState)
         object.__setattr__(state, "__dict__", _DEFAULTS | {name: d[name] for name in _FIELDS & d.keys()})
         return state
 
 
+_ABSENT = object()  # no value: unlike any a body holds
 _MAX = 1 << 63  # past it a number is no count, size or time (and may not convert to a float)
 
 
