@@ -70,6 +70,9 @@ def test_a_tally_note_reads_back_as_it_was_written(replica, refused, footprint, 
 
 GOOD_SENT = {"need": 3, "hit": [1, 2], "max_tokens": 8, "started_at": None}
 GOOD_TALLY = {"refused": False, "footprint": 300, "prefix": 7}
+SENT_R = {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r"}  # a sent note but its entry
+ROUTED_R = {"replica": "a", "kind": ROUTED, "worker_id": "w0", "request_id": "r"}
+ROUTED_AT = {**ROUTED_R, "at": 1.0}  # a routed note but its prompt
 
 
 @pytest.mark.parametrize(
@@ -83,46 +86,16 @@ GOOD_TALLY = {"refused": False, "footprint": 300, "prefix": 7}
         {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r"},  # no entry
         {"replica": "a", "kind": SENT, "sent": GOOD_SENT},  # no worker or request
         {"replica": "a", "kind": STARTED, "worker_id": "w0", "request_id": "r"},  # no time
-        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "need": -1}},
-        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "max_tokens": 0}},
-        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "need": True}},
-        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "hit": ["1"]}},
-        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "hit": 5}},
-        {
-            "replica": "a",
-            "kind": SENT,
-            "worker_id": "w0",
-            "request_id": "r",
-            "sent": {**GOOD_SENT, "started_at": "now"},
-        },
-        {"replica": "a", "kind": ROUTED, "worker_id": "w0", "request_id": "r", "prompt": [1], "num_tokens": 16},
-        {
-            "replica": "a",
-            "kind": ROUTED,
-            "worker_id": "w0",
-            "request_id": "r",
-            "at": 1.0,
-            "prompt": [-1],
-            "num_tokens": 16,
-        },
-        {
-            "replica": "a",
-            "kind": ROUTED,
-            "worker_id": "w0",
-            "request_id": "r",
-            "at": 1.0,
-            "prompt": "1",
-            "num_tokens": 1,
-        },
-        {
-            "replica": "a",
-            "kind": ROUTED,
-            "worker_id": "w0",
-            "request_id": "r",
-            "at": 1.0,
-            "prompt": [],
-            "num_tokens": True,
-        },
+        {**SENT_R, "sent": {**GOOD_SENT, "need": -1}},
+        {**SENT_R, "sent": {**GOOD_SENT, "max_tokens": 0}},
+        {**SENT_R, "sent": {**GOOD_SENT, "need": True}},
+        {**SENT_R, "sent": {**GOOD_SENT, "hit": ["1"]}},
+        {**SENT_R, "sent": {**GOOD_SENT, "hit": 5}},
+        {**SENT_R, "sent": {**GOOD_SENT, "started_at": "now"}},
+        {**ROUTED_R, "prompt": [1], "num_tokens": 16},
+        {**ROUTED_AT, "prompt": [-1], "num_tokens": 16},
+        {**ROUTED_AT, "prompt": "1", "num_tokens": 1},
+        {**ROUTED_AT, "prompt": [], "num_tokens": True},
         {"replica": "a", "kind": ROUTED, "at": 1.0, "prompt": [], "num_tokens": 0},  # no worker or request
         {"replica": "a", "kind": ENDED, "worker_id": "w0", "request_id": "r", "at": "soon"},
         {"replica": "a", "kind": ENDED, "worker_id": "w0", "request_id": "r", "at": float("nan")},
@@ -137,31 +110,11 @@ GOOD_TALLY = {"refused": False, "footprint": 300, "prefix": 7}
         {"replica": "a", "kind": SNAPSHOT, "entries": {"w0": []}},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r"]]},
         {"replica": "a", "kind": SNAPSHOT, "entries": [["w0", "r", {**GOOD_SENT, "hit": [-1]}]]},
-        {
-            "replica": "a",
-            "kind": SENT,
-            "worker_id": "w0",
-            "request_id": "r",
-            "sent": {**GOOD_SENT, "max_tokens": 10**400},
-        },
-        {
-            "replica": "a",
-            "kind": SENT,
-            "worker_id": "w0",
-            "request_id": "r",
-            "sent": {**GOOD_SENT, "max_tokens": MAX_TOKENS + 1},
-        },
-        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "need": 1 << 64}},
-        {"replica": "a", "kind": SENT, "worker_id": "w0", "request_id": "r", "sent": {**GOOD_SENT, "hit": [1 << 64]}},
-        {
-            "replica": "a",
-            "kind": ROUTED,
-            "worker_id": "w0",
-            "request_id": "r",
-            "at": 1.0,
-            "prompt": [],
-            "num_tokens": 10**400,
-        },
+        {**SENT_R, "sent": {**GOOD_SENT, "max_tokens": 10**400}},
+        {**SENT_R, "sent": {**GOOD_SENT, "max_tokens": MAX_TOKENS + 1}},
+        {**SENT_R, "sent": {**GOOD_SENT, "need": 1 << 64}},
+        {**SENT_R, "sent": {**GOOD_SENT, "hit": [1 << 64]}},
+        {**ROUTED_AT, "prompt": [], "num_tokens": 10**400},
     ],
 )
 def test_a_malformed_note_is_refused(doc):
