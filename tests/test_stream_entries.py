@@ -71,6 +71,11 @@ def test_an_entry_of_an_older_worker_is_one_event():
         {b"w": b"w1", b"e": b"1 stored device - 5\n2 \xff device - 6"},
         {b"w": b"\xff", b"e": b"1 stored device - 5"},
         {b"w": b"w1", b"s": b"1", b"k": b"stored", b"h": b"a b"},
+        {b"w": b"w1", b"e": b"-1 stored device - 5"},  # a seq below 0
+        {b"w": b"w1", b"e": b"1 stored device - -5"},  # a hash below 0
+        {b"w": b"w1", b"e": b"1 stored device -7 5"},  # a parent below 0
+        {b"w": b"w1", b"e": b"1 stored device - " + str(1 << 64).encode()},  # past 64 bits
+        {b"w": b"w1", b"e": str(1 << 63).encode() + b" stored device - 5"},
     ],
 )
 def test_a_malformed_entry_is_refused(fields):

@@ -113,11 +113,27 @@ def decode_events(fields: dict[bytes, bytes]) -> tuple[str, list[KVEvent]]:
 
 
 def _event(parts: list[bytes]) -> KVEvent:
+    """One event's line `seq kind medium parent|- hash...`: a seq from 0 to 2**63 - 1, block hashes
+    (the parent too) 64-bit unsigned, as the workers' hashing makes them."""
     kind, medium = parts[1].decode(), parts[2].decode()
     if kind not in KINDS or medium not in MEDIA:
         raise ValueError(f"not a KV event: kind {kind!r}, medium {medium!r}")
-    parent = None if parts[3] == b"-" else int(parts[3])
-    return KVEvent(int(parts[0]), kind, tuple(map(int, parts[4:])), parent, medium=medium)
+    parent = None if parts[3] == b"-" else _number(parts[3], MAX_HASH)
+    return KVEvent(
+        _number(parts[0], MAX_SEQ), kind, tuple(_number(h, MAX_HASH) for h in parts[4:]), parent, medium=medium
+    )
+
+
+MAX_SEQ = (1 << 63) - 1
+MAX_HASH = (1 << 64) - 1
+
+
+def _number(raw: bytes, top: int) -> int:
+    """`raw` as an integer from 0 to `top`, else ValueError."""
+    n = int(raw)
+    if not 0 <= n <= top:
+        raise ValueError(f"not a KV event: {n} is outside 0..{top}")
+    return n
 
 
 def ratelimit_key(key_name: str, limit: str) -> str:
