@@ -108,3 +108,23 @@ def test_the_gateway_skips_resident_sets_that_do_not_parse():
     assert state.malformed["resident_set"] == 2 and fleet.index.seq("w0") is None
     state._reset("w1", [{b"5", b"6"}, {b"7"}, set()], b"3")
     assert fleet.index.seq("w1") == 3 and fleet.index.holds("w1", 6)
+
+
+NUMBERS = st.integers(-(2**65), 2**65) | st.sampled_from([-1, 0, 2**63 - 1, 2**63, 2**64 - 1, 2**64])
+
+
+@given(NUMBERS, st.lists(NUMBERS, max_size=4), st.none() | NUMBERS)
+def test_a_stream_entry_and_a_workers_json_hold_an_events_numbers_to_one_rule(seq, hashes, parent):
+    event = KVEvent(seq, STORED, tuple(hashes), parent)
+
+    def accepted(read) -> bool:
+        try:
+            read()
+        except ValueError:
+            return False
+        return True
+
+    by_redis = accepted(lambda: rs.decode_events(as_read(rs.encode_events("w1", [event]))))
+    by_http = accepted(lambda: KVEvent.from_json(event.to_json()))
+    in_range = 0 <= seq < 2**63 and all(0 <= h < 2**64 for h in [*hashes, *([] if parent is None else [parent])])
+    assert by_redis == by_http == in_range

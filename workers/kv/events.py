@@ -2,8 +2,11 @@
 
 Events are numbered 1, 2, 3... per worker with no gaps. A consumer that sees a gap (its
 next expected seq is older than what the log still holds) resynchronises from a snapshot.
-What comes off the wire (`from_json`) is another process's: every field is checked, and a
-body that is not what it claims raises ValueError before any of it is used.
+What comes off the wire (`from_json`, and Redis's stream entries through
+`workers.kv.redis_schema`) is another process's: every field is checked, one rule for the
+numbers (`checked_number`: seqs from 0 to 2**63 - 1, block hashes 64-bit unsigned as
+`workers.kv.hashing` makes them), and a body that is not what it claims raises ValueError
+before any of it is used.
 """
 
 import time
@@ -11,6 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from threading import Lock
+
+from workers.kv.hashing import MASK64
 
 STORED = "stored"
 REMOVED = "removed"
@@ -21,6 +26,9 @@ KINDS = (STORED, REMOVED, CLEARED)
 # without one (an older worker) means device memory.
 DEVICE, HOST, DISK = "device", "host", "disk"
 MEDIA = (DEVICE, HOST, DISK)
+
+MAX_SEQ = (1 << 63) - 1
+MAX_HASH = MASK64  # block hashes are what workers.kv.hashing makes
 
 
 @dataclass(frozen=True)
@@ -47,13 +55,13 @@ class KVEvent:
         if kind not in KINDS or medium not in MEDIA:
             raise ValueError(f"a KV event of kind {shown(kind)} and medium {shown(medium)}")
         if parent is not None:
-            _int(parent, "a KV event's parent")
+            checked_number(parent, MAX_HASH, "a KV event's parent")
         if type(ts) is not float and type(ts) is not int:
             raise ValueError(f"a KV event's ts must be a number, not {shown(ts)}")
         return KVEvent(
-            _seq(d.get("seq"), "a KV event's seq"),
+            checked_number(d.get("seq"), MAX_SEQ, "a KV event's seq"),
             kind,
-            _ints(d.get("hashes", ()), "a KV event's hashes"),
+            checked_hashes(d.get("hashes", ()), "a KV event's hashes"),
             parent,
             ts,
             medium,
@@ -84,9 +92,13 @@ class KVSnapshot:
             raise ValueError(f"a KV snapshot's tiers must be an object, not {shown(tiers)}")
         return KVSnapshot(
             _str(d.get("worker_id"), "a KV snapshot's worker_id"),
-            _seq(d.get("seq"), "a KV snapshot's seq"),
-            list(_ints(d.get("hashes"), "a KV snapshot's hashes")),
-            {m: list(_ints(hs, f"a KV snapshot's {m} tier")) for m, hs in tiers.items() if m in MEDIA and m != DEVICE},
+            checked_number(d.get("seq"), MAX_SEQ, "a KV snapshot's seq"),
+            list(checked_hashes(d.get("hashes"), "a KV snapshot's hashes")),
+            {
+                m: list(checked_hashes(hs, f"a KV snapshot's {m} tier"))
+                for m, hs in tiers.items()
+                if m in MEDIA and m != DEVICE
+            },
         )
 
 
@@ -121,30 +133,29 @@ class EventBatch:
         return EventBatch(
             _str(d.get("worker_id"), "a KV-event batch's worker_id"),
             [KVEvent.from_json(e) for e in events],
-            _seq(d.get("last_seq"), "a KV-event batch's last_seq"),
+            checked_number(d.get("last_seq"), MAX_SEQ, "a KV-event batch's last_seq"),
             gap,
         )
 
 
-def _int(v: object, what: str) -> int:
-    """A JSON integer, not a bool, a float (1e400 is inf) or a string."""
-    if type(v) is not int:
-        raise ValueError(f"{what} must be an integer, not {shown(v)}")
+def checked_number(v: object, top: int, what: str) -> int:
+    """`v` if it is an integer from 0 to `top` (not a bool, a float: 1e400 is inf, or a string),
+    else ValueError naming `what`: the one rule for a KV event's seq and hashes, whichever path
+    (HTTP, Redis) brought them."""
+    if type(v) is not int or not 0 <= v <= top:
+        raise ValueError(f"{what} must be an integer from 0 to {top}, not {shown(v)}")
     return v
 
 
-def _seq(v: object, what: str) -> int:
-    n = _int(v, what)
-    if n < 0:
-        raise ValueError(f"{what} must be at least 0, not {n}")
-    return n
-
-
-def _ints(v: object, what: str) -> tuple[int, ...]:
+def checked_hashes(v: object, what: str) -> tuple[int, ...]:
+    """`v` as block hashes: a list of integers, each 64-bit unsigned. Types by one set and the
+    range by min and max, not hash by hash: this runs over every hash the tail reads."""
     if not isinstance(v, (list, tuple)):
         raise ValueError(f"{what} must be a list of integers, not {shown(v)}")
-    if not all(type(h) is int for h in v):
+    if not set(map(type, v)) <= {int}:
         raise ValueError(f"{what} must be integers, not {shown(next(h for h in v if type(h) is not int))}")
+    if v and (min(v) < 0 or max(v) > MAX_HASH):
+        raise ValueError(f"{what} must be from 0 to {MAX_HASH}, not {min(v) if min(v) < 0 else max(v)}")
     return tuple(v)
 
 

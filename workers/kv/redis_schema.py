@@ -35,7 +35,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit, urlunsplit
 
-from workers.kv.events import CLEARED, DEVICE, MEDIA, REMOVED, STORED, KVEvent
+from workers.kv.events import (
+    CLEARED,
+    DEVICE,
+    MAX_HASH,
+    MAX_SEQ,
+    MEDIA,
+    REMOVED,
+    STORED,
+    KVEvent,
+    checked_hashes,
+    checked_number,
+)
 
 PREFIX = "kvgate"
 POOLS = f"{PREFIX}:pools"
@@ -113,27 +124,15 @@ def decode_events(fields: dict[bytes, bytes]) -> tuple[str, list[KVEvent]]:
 
 
 def _event(parts: list[bytes]) -> KVEvent:
-    """One event's line `seq kind medium parent|- hash...`: a seq from 0 to 2**63 - 1, block hashes
-    (the parent too) 64-bit unsigned, as the workers' hashing makes them."""
+    """One event's line `seq kind medium parent|- hash...`, its numbers by the events' one rule
+    (`checked_number`)."""
     kind, medium = parts[1].decode(), parts[2].decode()
     if kind not in KINDS or medium not in MEDIA:
         raise ValueError(f"not a KV event: kind {kind!r}, medium {medium!r}")
-    parent = None if parts[3] == b"-" else _number(parts[3], MAX_HASH)
-    return KVEvent(
-        _number(parts[0], MAX_SEQ), kind, tuple(_number(h, MAX_HASH) for h in parts[4:]), parent, medium=medium
-    )
-
-
-MAX_SEQ = (1 << 63) - 1
-MAX_HASH = (1 << 64) - 1
-
-
-def _number(raw: bytes, top: int) -> int:
-    """`raw` as an integer from 0 to `top`, else ValueError."""
-    n = int(raw)
-    if not 0 <= n <= top:
-        raise ValueError(f"not a KV event: {n} is outside 0..{top}")
-    return n
+    parent = None if parts[3] == b"-" else checked_number(int(parts[3]), MAX_HASH, "a KV event's parent")
+    seq = checked_number(int(parts[0]), MAX_SEQ, "a KV event's seq")
+    hashes = checked_hashes([int(h) for h in parts[4:]], "a KV event's hashes")
+    return KVEvent(seq, kind, hashes, parent, medium=medium)
 
 
 def ratelimit_key(key_name: str, limit: str) -> str:
