@@ -8,10 +8,12 @@ ROUTER) answers `[b"", start_seq]` with `[b"", topic, seq, payload]...` (SGLang:
 and an end marker whose seq is 0xff x 8.
 
 The publisher is a process of the fleet, not a client, but a bad frame still must not stop the
-subscriber: anything malformed raises `BadBatch` (carrying the batch's seq when its frames gave
-one), and fields are type-checked here, once, so the translation downstream handles plain,
-well-typed data. Nothing else escapes the decoder: a malformed payload the publisher keeps in its
-replay buffer would otherwise stop the subscriber again at every resync.
+subscriber: a malformed event is left out of its batch, which keeps its other events (a dropped
+BlockRemoved would leave evicted blocks resident) and counts the ones it skipped; a message or
+envelope that is no batch raises `BadBatch` (carrying the batch's seq when its frames gave one).
+Fields are type-checked here, once, so the translation downstream handles plain, well-typed data.
+Nothing else escapes the decoder: a malformed payload the publisher keeps in its replay buffer
+would otherwise stop the subscriber again at every resync.
 """
 
 import math
@@ -55,6 +57,7 @@ NEUTRAL_KEYS = {
 
 # kvgate's block hash packs token ids as int64 (workers.kv.hashing): a larger id names no block.
 TOKEN_ID_MAX = 2**63 - 1
+MAX_SKIP_REASONS = 3  # a batch's skipped events are all counted, the first few with their reason
 T = TypeVar("T", int, str)
 
 
@@ -108,12 +111,16 @@ Event = Stored | Removed | Cleared
 
 @dataclass(frozen=True)
 class EngineBatch:
-    """One scheduler step's events from one data-parallel rank."""
+    """One scheduler step's events from one data-parallel rank. `skipped` counts the malformed
+    events left out, `skip_reasons` says why for the first MAX_SKIP_REASONS of them: a publisher
+    may send a million."""
 
     seq: int
     ts: float
     events: tuple[Event, ...]
     rank: int = 0
+    skipped: int = 0
+    skip_reasons: tuple[str, ...] = ()
 
 
 def decode_frames(frames: list[bytes]) -> EngineBatch:
@@ -140,8 +147,8 @@ def _seq(frame: bytes) -> int:
 
 
 def decode_payload(seq: int, payload: bytes) -> EngineBatch:
-    """Batch `seq` from its msgpack `[ts, events, dp_rank?]`. Anything malformed raises BadBatch
-    carrying `seq`, so that one bad batch costs its own events and nothing more."""
+    """Batch `seq` from its msgpack `[ts, events, dp_rank?]`. A payload that is no such envelope
+    raises BadBatch carrying `seq`, so that one bad batch costs its own events and nothing more."""
     try:
         return _batch(seq, _unpack(payload))
     except BadBatch as e:
@@ -168,12 +175,27 @@ def _batch(seq: int, body: object) -> EngineBatch:
         raise BadBatch("payload's ts must be a finite, non-negative number")
     if rank is not None and (type(rank) is not int or rank < 0):
         raise BadBatch("payload's dp_rank must be a non-negative int or nil")
-    return EngineBatch(seq, float(ts), tuple(decode_event(e) for e in body[1]), rank or 0)
+    events, skipped, reasons = _events(body[1])
+    return EngineBatch(seq, float(ts), events, rank or 0, skipped, reasons)
+
+
+def _events(raw: list) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:
+    """The well-formed events of `raw`, in order, then how many were left out and why for the
+    first MAX_SKIP_REASONS: a bad event costs only itself, not its batch's BlockRemoved events."""
+    events: list[Event] = []
+    reasons: list[str] = []
+    for i, e in enumerate(raw):
+        try:
+            events.append(decode_event(e))
+        except BadBatch as bad:
+            if len(reasons) < MAX_SKIP_REASONS:
+                reasons.append(f"event {i}: {bad}")
+    return tuple(events), len(raw) - len(events), tuple(reasons)
 
 
 def decode_event(e: object) -> Event:
     """One event: a map tagged by `type` or an array led by its tag; anything else, or a field
-    this decoder reads holding the wrong type, is a BadBatch."""
+    this decoder reads holding the wrong type, raises BadBatch (the batch leaves the event out)."""
     fields = _fields(e)
     tag = fields.get("type")
     if tag == STORED_TAG:

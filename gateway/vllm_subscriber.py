@@ -10,11 +10,13 @@ publisher restarted (its numbering went back to 0): sync again. There is no snap
 cached before the oldest batch the publisher still holds stay unknown until they are stored
 again, which under-states residency (a missed hit), never over-states it.
 
-A batch whose payload does not decode is stepped over in its place, as if it held no events,
-and counted in `bad_batches`: the publisher keeps the same bytes in its replay buffer, so a
-resync would meet it again, forever. Its events are lost; blocks it removed stay resident here
-(an over-statement) until stored and removed again or the cache is cleared. A message without a
-readable seq cannot be placed: live it is dropped, in a replay it fails the replay (resync).
+A malformed event is left out of its batch (vllm_events) and counted in `bad_events`; the
+batch's other events apply in order. A batch whose payload is no batch at all is stepped over in
+its place, as if it held no events, and counted in `bad_batches`: the publisher keeps the same
+bytes in its replay buffer, so a resync would meet them again, forever. Either way the events
+lost cost residency: blocks they removed stay resident here (an over-statement) until stored and
+removed again or the cache is cleared. A message without a readable seq cannot be placed: live it
+is dropped, in a replay it fails the replay (resync).
 
 Everything runs in one asyncio task on the caller's loop; routing reads only the sink.
 """
@@ -66,6 +68,7 @@ class SubscriberStats:
     batches: int = 0
     duplicates: int = 0
     bad_batches: int = 0  # stepped over in order (no decode), or dropped (no readable seq)
+    bad_events: int = 0  # malformed events left out of batches that applied
     gaps: int = 0
     syncs: int = 0
     restarts: int = 0
@@ -218,6 +221,8 @@ class Subscriber:
         if isinstance(batch, Dropped):
             self.bad(batch.why)
         else:
+            if batch.skipped:
+                self.skipped(batch)
             changes = self.translator.apply(batch.events)
             if changes and not self.sink.apply(changes):
                 raise Resync("the sink lost its state")
@@ -228,6 +233,18 @@ class Subscriber:
     def bad(self, why: str) -> None:
         self.stats.bad_batches += 1
         log.warning("kv events of %s: dropped a bad batch: %s", self.name, why)
+
+    def skipped(self, batch: EngineBatch) -> None:
+        """Count a batch's malformed events; the warning names only the first few (the decoder
+        keeps no more), so a batch of a million costs one bounded line."""
+        self.stats.bad_events += batch.skipped
+        log.warning(
+            "kv events of %s: batch %d: skipped %d malformed event(s): %s",
+            self.name,
+            batch.seq,
+            batch.skipped,
+            "; ".join(batch.skip_reasons),
+        )
 
 
 class Gap(Resync):

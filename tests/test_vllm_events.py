@@ -5,7 +5,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.vllm_events import BadBatch, Cleared, Removed, Stored, decode_frames, decode_payload, decode_replay
+from gateway.vllm_events import (
+    MAX_SKIP_REASONS,
+    BadBatch,
+    Cleared,
+    Removed,
+    Stored,
+    decode_frames,
+    decode_payload,
+    decode_replay,
+)
 from gateway.index import ResidencyIndex
 from gateway.vllm_translate import MAX_REASONS, Change, Translator
 from gateway.vllm_worker import IndexSink
@@ -155,23 +164,6 @@ def test_sglang_shaped_batches_decode_and_translate():
         [b"kv"],
         [b"kv", b"\x00" * 8, b"\xc1"],
         [b"kv", b"\x00" * 8, msgpack.packb({"ts": 1})],
-        [
-            b"kv",
-            b"\x00" * 8,
-            vd.payload(
-                [
-                    {
-                        "type": "BlockStored",
-                        "block_hashes": [1],
-                        "parent_block_hash": None,
-                        "token_ids": [1, 2],
-                        "block_size": 32,
-                    }
-                ]
-            ),
-        ],
-        [b"kv", b"\x00" * 8, vd.payload([{"type": "Nope"}])],
-        [b"kv", b"\x00" * 8, vd.payload([["BlockStored", ["x"], None, [], 32, None]])],
     ],
 )
 def test_malformed_frames_are_bad_batches(frames):
@@ -181,12 +173,43 @@ def test_malformed_frames_are_bad_batches(frames):
 
 @pytest.mark.parametrize("name", list(vm.MALFORMED))
 def test_every_malformed_payload_is_a_bad_batch_naming_its_seq(name):
-    """Non-string, unhashable and mixed map keys, nesting deeper than Python recurses, ids
-    kvgate cannot hash, bad timestamps, wrong field types: a BadBatch naming the batch's seq
-    (the subscriber steps over it in order), never another exception."""
+    """Non-string, unhashable and mixed map keys, nesting deeper than msgpack's stack, bad
+    timestamps, a wrong envelope: a BadBatch naming the batch's seq (the subscriber steps over it
+    in order), never another exception."""
     with pytest.raises(BadBatch) as e:
         decode_frames([b"kv", (5).to_bytes(8, "big"), vm.MALFORMED[name]])
     assert e.value.seq == 5
+
+
+@pytest.mark.parametrize("name", list(vm.BAD_EVENTS))
+def test_a_malformed_event_is_left_out_and_its_batch_keeps_the_others(name):
+    """Ids kvgate cannot hash, wrong field types, unknown tags, nesting deeper than Python
+    recurses: the event is skipped and counted, the batch's good events stay, its removals
+    among them (dropping the batch whole once left evicted blocks resident)."""
+    good = vd.stored([2], list(range(32)))
+    batch = decode_frames([b"kv", (5).to_bytes(8, "big"), vm.payload(good, vm.BAD_EVENTS[name], vd.removed([2]))])
+    assert batch.seq == 5 and [type(e) for e in batch.events] == [Stored, Removed]
+    assert batch.skipped == 1 and len(batch.skip_reasons) == 1 and batch.skip_reasons[0].startswith("event 1: ")
+
+
+def test_skipped_events_are_all_counted_and_only_the_first_few_named():
+    """A hostile batch of many bad events costs a count, not a reason per event."""
+    bad = [{"type": f"Nope{i}"} for i in range(10_000)]
+    batch = decode_payload(0, vd.payload([*bad, vd.removed([1])]))
+    assert batch.events == (Removed((1,)),) and batch.skipped == 10_000
+    assert batch.skip_reasons == tuple(f"event {i}: unknown event type 'Nope{i}'" for i in range(MAX_SKIP_REASONS))
+
+
+def test_a_block_whose_parent_was_skipped_is_an_orphan_not_an_error():
+    """A batch missing a stored event: the child chaining from it has no kvgate hash (left out,
+    an under-statement), and removing the skipped block removes nothing."""
+    tokens = list(range(64))
+    bad_parent = vd.stored([1], tokens[:31])  # one token short
+    batch = decode_payload(0, vd.payload([bad_parent, vd.stored([2], tokens[32:], parent=1), vd.removed([1])]))
+    assert batch.skipped == 1
+    t = Translator(vd.MODEL, 16)
+    assert t.apply(batch.events) == [] and t.resident == set()
+    assert t.stats.orphan_blocks == 1 and t.stats.reasons == {"parent not seen": 1}
 
 
 NAMES = st.sampled_from(
@@ -264,12 +287,14 @@ BODIES = either(
 def test_any_msgpack_value_decodes_or_is_a_bad_batch_and_translates_without_error(body):
     """Whatever msgpack value stands where a batch or an event is expected (ints, floats, bytes,
     nested arrays and maps, maps keyed by non-strings, by several types, by arrays or maps), the
-    decoder gives a batch the translator takes, or a BadBatch naming the seq, nothing else."""
+    decoder gives a batch the translator takes, its malformed events counted as skipped, or a
+    BadBatch naming the seq, nothing else."""
     try:
         batch = decode_payload(7, vm.pack(body))
     except BadBatch as e:
         assert e.seq == 7
         return
+    assert len(batch.events) + batch.skipped == len(body[1]) and len(batch.skip_reasons) <= MAX_SKIP_REASONS
     Translator(vd.MODEL, 16).apply(batch.events)
 
 

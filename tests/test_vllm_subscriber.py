@@ -256,7 +256,7 @@ def test_a_bad_batch_after_a_gap_is_stepped_over_by_the_replay_that_fills_the_ga
         await asyncio.sleep(0.2)
         await fake.publish([block(0)[0]])
         await fake.publish([block(1)[0]], send=False)
-        await fake.publish_payload(vd.payload([{"type": "Nope"}]))
+        await fake.publish_payload(vm.MALFORMED["events a map"])
         await fake.publish([block(3)[0]])
         await until(lambda: resident(index) == 3 * 2)
         assert sub.stats.bad_batches == 1 and sub.stats.gaps >= 1 and sub.stats.syncs == 1
@@ -264,3 +264,27 @@ def test_a_bad_batch_after_a_gap_is_stepped_over_by_the_replay_that_fills_the_ga
         await until(lambda: resident(index) == 4 * 2)
 
     asyncio.run(scenario(body))
+
+
+def test_a_batch_with_malformed_events_applies_its_others_and_counts_them(caplog):
+    """Its removals among them: a batch dropped whole for one bad event left the blocks it
+    removed resident. Replayed at sync or live, each bad event counts, and a batch of ten
+    thousand costs one bounded warning."""
+
+    async def body(fake, sub, index, start):
+        await fake.publish([block(0)[0], block(1)[0]])
+        await fake.publish([vd.removed([0]), {"type": "Nope"}, block(2)[0]])
+        await start()
+        assert index.match(vd.ours(block(0)[1])) == {} and index.match(vd.ours(block(2)[1])) == {WID: 2}
+        assert sub.stats.bad_events == 1 and sub.stats.bad_batches == 0 and sub.stats.batches == 2
+        await asyncio.sleep(0.2)
+        await fake.publish([*({"type": "Nope"} for _ in range(10_000)), vd.removed([1])])
+        await until(lambda: sub.expected == 3)
+        assert index.match(vd.ours(block(1)[1])) == {} and resident(index) == 2
+        assert sub.stats.bad_events == 10_001 and sub.stats.bad_batches == 0 and sub.stats.syncs == 1
+
+    with caplog.at_level("WARNING", logger="kvgate.gateway"):
+        asyncio.run(scenario(body))
+    skips = [r.getMessage() for r in caplog.records if "malformed event" in r.getMessage()]
+    assert len(skips) == 2 and "skipped 10000 malformed event(s)" in skips[1]
+    assert all(len(m) < 500 for m in skips)
