@@ -31,6 +31,8 @@ COUNTERS = (
     ("resyncs", "Syncs from the publisher's replay buffer (start, restart, lost batches)", ["worker"]),
     ("gaps", "Sequence gaps seen in the live stream", ["worker"]),
     ("restarts", "Sequence numbers that went back (the server restarted)", ["worker"]),
+    ("bad_batches", "KV event messages stepped over whole: no batch, or no readable seq", ["worker"]),
+    ("bad_events", "Malformed KV events left out of their batch (its other events applied)", ["worker"]),
     ("blocks", "Engine blocks by outcome: stored, removed, or skipped (no kvgate hash)", ["worker", "outcome"]),
 )
 
@@ -125,6 +127,8 @@ class VllmKind:
             fams["resyncs"].add_metric(w, sub.syncs if sub else 0)
             fams["gaps"].add_metric(w, sub.gaps if sub else 0)
             fams["restarts"].add_metric(w, sub.restarts if sub else 0)
+            fams["bad_batches"].add_metric(w, sub.bad_batches if sub else 0)
+            fams["bad_events"].add_metric(w, sub.bad_events if sub else 0)
             for outcome in ("stored", "removed", "skipped"):
                 fams["blocks"].add_metric(w + [outcome], getattr(tr, f"{outcome}_blocks") if tr else 0)
             if sub and sub.lag_s:

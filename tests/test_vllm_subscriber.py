@@ -6,14 +6,16 @@ import asyncio
 import functools
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.index import ResidencyIndex
 from gateway.vllm_subscriber import Subscriber
 from gateway.vllm_translate import Translator
-from gateway.vllm_worker import IndexSink
+from gateway.vllm_worker import IndexSink, VllmKind
 from tests import vllm_data as vd
 from tests import vllm_malformed as vm
 from gateway.procs import free_port, wait_until
@@ -288,3 +290,22 @@ def test_a_batch_with_malformed_events_applies_its_others_and_counts_them(caplog
     skips = [r.getMessage() for r in caplog.records if "malformed event" in r.getMessage()]
     assert len(skips) == 2 and "skipped 10000 malformed event(s)" in skips[1]
     assert all(len(m) < 500 for m in skips)
+
+
+def test_bad_batches_and_bad_events_are_exported_per_worker():
+    """The gateway's vLLM kind (a collector of its registry) exports the subscriber's counts."""
+
+    async def body(fake, sub, index, start):
+        await fake.publish_payload(TRIGGERS[0])
+        await fake.publish([block(0)[0], {"type": "Nope"}, {"type": "Nope"}])
+        await start()
+        kind, registry = VllmKind(), CollectorRegistry()
+        kind.links["u"] = SimpleNamespace(wid=WID, stats=(sub.stats, sub.translator.stats))
+        registry.register(kind)
+        metric = functools.partial(registry.get_sample_value, labels={"worker": WID})
+        assert metric("kvgate_gateway_vllm_event_bad_batches_total") == 1
+        assert metric("kvgate_gateway_vllm_event_bad_events_total") == 2
+        text = generate_latest(registry).decode()
+        assert "# HELP kvgate_gateway_vllm_event_bad_events_total Malformed KV events" in text
+
+    asyncio.run(scenario(body))
