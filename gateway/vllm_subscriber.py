@@ -15,8 +15,12 @@ batch's other events apply in order. A batch whose payload is no batch at all is
 its place, as if it held no events, and counted in `bad_batches`: the publisher keeps the same
 bytes in its replay buffer, so a resync would meet them again, forever. Either way the events
 lost cost residency: blocks they removed stay resident here (an over-statement) until stored and
-removed again or the cache is cleared. A message without a readable seq cannot be placed: live it
-is dropped, in a replay it fails the replay (resync).
+removed again or the cache is cleared. A message without a readable seq (a wrong frame count, a
+seq frame not 8 bytes) is dropped live, where nothing tells its place. A replay sends its batches
+in seq order, so there it is stepped over as the batch after the previous one (the first: the seq
+the replay was asked from); the first of a replay from 0 has no known place and is only counted,
+the next message setting the order. Failing the replay instead would resync, meet the same bytes
+in the publisher's buffer, and resync forever.
 
 Everything runs in one asyncio task on the caller's loop; routing reads only the sink.
 """
@@ -53,8 +57,9 @@ class Resync(Exception):
 
 @dataclass(frozen=True)
 class Dropped:
-    """Batch `seq`, whose payload did not decode (`why`): it keeps its place in the order, with no
-    events, since asking the publisher for it again would bring the same bytes."""
+    """Batch `seq`, whose payload or, in a replay, seq did not decode (`why`): it keeps its place
+    in the order, with no events, since asking the publisher for it again would bring the same
+    bytes."""
 
     seq: int
     why: str
@@ -67,7 +72,7 @@ Received = EngineBatch | Dropped
 class SubscriberStats:
     batches: int = 0
     duplicates: int = 0
-    bad_batches: int = 0  # stepped over in order (no decode), or dropped (no readable seq)
+    bad_batches: int = 0  # stepped over in order (no decode), or dropped (no readable seq, no place)
     bad_events: int = 0  # malformed events left out of batches that applied
     gaps: int = 0
     syncs: int = 0
@@ -184,15 +189,15 @@ class Subscriber:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         first = None
+        place = start or None  # the seq of the next message, should its own not read
         try:
             dealer.connect(self.replay_address)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
-                    raise Resync(f"no replay from {self.replay_address} within {REPLAY_TIMEOUT_S:.0f} s")
-                batch = self.replayed(await dealer.recv_multipart())
+                batch = await self.replayed(dealer, place)
                 if batch is None:
                     return first
+                place = batch.seq + 1
                 if first is None:
                     first = batch.seq
                     if start and batch.seq != start:
@@ -204,15 +209,20 @@ class Subscriber:
         finally:
             dealer.close(linger=0)
 
-    def replayed(self, frames: list[bytes]) -> Received | None:
-        """A replay message (None: the end marker). One without a readable seq has no place in
-        the order, so the replay fails (Resync)."""
-        try:
-            return decode_replay(frames)
-        except BadBatch as e:
-            if e.seq is None:
-                raise Resync(f"bad replay batch: {e}") from None
-            return Dropped(e.seq, str(e))
+    async def replayed(self, dealer: zmq.asyncio.Socket, place: int | None) -> Received | None:
+        """The replay's next batch (None: the end marker). One without a readable seq is Dropped
+        at `place`, since the publisher replays in seq order; with no place known (the first
+        of a replay from 0) it is counted as bad and the next message read."""
+        while True:
+            if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                raise Resync(f"no replay from {self.replay_address} within {REPLAY_TIMEOUT_S:.0f} s")
+            try:
+                return decode_replay(await dealer.recv_multipart())
+            except BadBatch as e:
+                seq = place if e.seq is None else e.seq
+                if seq is not None:
+                    return Dropped(seq, str(e))
+                self.bad(f"{e} (first of a replay from seq 0: no place in the order)")
 
     def apply(self, batch: Received) -> None:
         """Apply the next batch in order; a dropped one only counts and takes its seq."""

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -39,19 +40,23 @@ class FakeVllm:
     async def serve(self):
         while True:
             client, _, start = await self.router.recv_multipart()
-            for seq, payload in list(self.buffer):
+            for seq, frames in list(self.buffer):
                 if seq >= int.from_bytes(start, "big"):
-                    await self.router.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"), payload])
+                    await self.router.send_multipart([client, b"", *frames])
             await self.router.send_multipart([client, b"", b"", vd.END, b""])
 
     async def publish(self, events: list, send: bool = True) -> int:
         return await self.publish_payload(vd.payload(events, ts=time.time()), send)
 
     async def publish_payload(self, payload: bytes, send: bool = True) -> int:
+        return await self.publish_frames([b"kv", self.seq.to_bytes(8, "big"), payload], send)
+
+    async def publish_frames(self, frames: list[bytes], send: bool = True) -> int:
+        """The next batch as `frames`, whatever they hold, live and in the replay buffer."""
         seq, self.seq = self.seq, self.seq + 1
-        self.buffer.append((seq, payload))
+        self.buffer.append((seq, frames))
         if send:
-            await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+            await self.pub.send_multipart(frames)
         return seq
 
     def restart(self):
@@ -307,5 +312,63 @@ def test_bad_batches_and_bad_events_are_exported_per_worker():
         assert metric("kvgate_gateway_vllm_event_bad_events_total") == 2
         text = generate_latest(registry).decode()
         assert "# HELP kvgate_gateway_vllm_event_bad_events_total Malformed KV events" in text
+
+    asyncio.run(scenario(body))
+
+
+# Messages whose seq does not read: a seq frame of 7 bytes, a frame too many.
+UNREADABLE = {
+    "short seq": lambda payload: [b"kv", b"\x00" * 7, payload],
+    "extra frame": lambda payload: [b"kv", b"\x00" * 8, payload, b""],
+}
+
+
+@pytest.mark.parametrize("shape", list(UNREADABLE))
+def test_a_replayed_message_without_a_readable_seq_is_stepped_over_after_the_previous_one(shape):
+    """The publisher replays in seq order, so it is the batch after the one before it; failing
+    the sync instead met the same bytes at every resync, forever."""
+
+    async def body(fake, sub, index, start):
+        await fake.publish([block(0)[0]])
+        await fake.publish_frames(UNREADABLE[shape](vd.payload([block(1)[0]])))
+        await fake.publish([block(2)[0]])
+        await start()
+        assert resident(index) == 2 * 2 and index.match(vd.ours(block(1)[1])) == {}
+        assert sub.stats.bad_batches == 1 and sub.stats.syncs == 1 and sub.expected == 3
+        assert sub.stats.history_from == 0
+        await asyncio.sleep(0.2)
+        await fake.publish([block(3)[0]])
+        await until(lambda: resident(index) == 3 * 2)
+        assert sub.stats.syncs == 1 and sub.stats.gaps == 0
+
+    asyncio.run(scenario(body))
+
+
+def test_the_first_message_of_a_replay_from_0_without_a_readable_seq_only_counts():
+    """Its seq cannot be known (the publisher may hold batches from any seq on): the next
+    message sets the order."""
+
+    async def body(fake, sub, index, start):
+        await fake.publish_frames(UNREADABLE["short seq"](vd.payload([block(0)[0]])))
+        await fake.publish([block(1)[0]])
+        await start()
+        assert resident(index) == 2 and sub.stats.bad_batches == 1 and sub.stats.syncs == 1
+        assert sub.stats.history_from == 1 and sub.expected == 2
+
+    asyncio.run(scenario(body))
+
+
+def test_a_message_without_a_readable_seq_first_in_a_gap_replay_takes_the_seq_asked_for():
+    """A replay asked from seq 1 starts with batch 1, so that is where it goes."""
+
+    async def body(fake, sub, index, start):
+        await start()
+        await asyncio.sleep(0.2)
+        await fake.publish([block(0)[0]])
+        await fake.publish_frames(UNREADABLE["short seq"](vd.payload([block(1)[0]])), send=False)
+        await fake.publish([block(2)[0]])
+        await until(lambda: sub.expected == 3)
+        assert resident(index) == 2 * 2 and index.match(vd.ours(block(2)[1])) == {WID: 2}
+        assert sub.stats.bad_batches == 1 and sub.stats.gaps == 1 and sub.stats.syncs == 1
 
     asyncio.run(scenario(body))
