@@ -27,6 +27,7 @@ from gateway.index import RESYNC, ResidencyIndex
 from gateway.replica_share import INFLIGHT_TABLE, SHARE_LINE, ReplicaShare
 from gateway.worker import KVGATE
 from workers.kv import redis_schema as rs
+from workers.background import cancel_and_wait
 from workers.kv.events import MEDIA, EventBatch
 from workers.strict_json import peer_object
 
@@ -88,8 +89,7 @@ class RedisState:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         self._degrade()
 
     async def _run(self) -> None:
@@ -317,6 +317,4 @@ async def _first_failure(*loops) -> None:
         for t in done:
             t.result()
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)

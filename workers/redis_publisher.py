@@ -22,6 +22,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from workers.background import cancel_and_wait
 from workers.kv import redis_schema as rs
 from workers.kv.events import CLEARED, DEVICE, REMOVED, STORED, EventLog, KVEvent
 
@@ -92,8 +93,7 @@ class RedisPublisher:
     async def stop(self) -> None:
         """Stop publishing and deregister, so gateways drop this worker at once."""
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         try:
             r = self._client()
             async with r.pipeline(transaction=True) as p:
