@@ -25,7 +25,7 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.http_server import RAW_SEND, RawBody
+from gateway.raw_send import RAW_SEND, RawBody
 from gateway.record import RequestRecord
 from gateway.upstream import UPSTREAM_KEEPALIVE_S, Pool, Upstream
 from workers.http_guard import wait_disconnect

@@ -18,9 +18,9 @@ from gateway.auth import Access, ApiKeys
 from gateway.breaker import BreakerConfig
 from gateway.cli_args import parser
 from gateway.fleet import Fleet
-from gateway.http_server import ClientLimits, fit_connections, protocol_class
 from gateway.index import ResidencyIndex
 from gateway.proxy import Proxy
+from gateway.raw_send import RawSendConnection
 from gateway.ratelimit import RateLimiter
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Tokenizers
@@ -28,6 +28,7 @@ from gateway.tracing import Tracing, make_exporter
 from policies.api import Policy, TierCredits
 from policies.registry import load_policy
 from workers.drain import DrainingServer
+from workers.http_server import ClientLimits, fit_connections, protocol_class
 from workers.kv.cost_model import CostModel
 from workers.listen import listen
 from workers.logs import setup_logging
@@ -219,7 +220,7 @@ def http_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
-        http=protocol_class(limits),
+        http=protocol_class(limits, RawSendConnection),
         loop="uvloop",
         timeout_keep_alive=args.client_idle_timeout,
         timeout_graceful_shutdown=5,

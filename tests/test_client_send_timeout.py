@@ -1,4 +1,4 @@
-"""A client that leaves its answer unread has its connection cut (gateway/http_server.py), so it
+"""A client that leaves its answer unread has its connection cut (workers/http_server.py), so it
 cannot hold an answer, a worker's slot and a connection for as long as it likes; a client that
 reads, however slowly, keeps it."""
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import uvicorn
 import uvloop
 
-from gateway.http_server import ClientLimits, protocol_class
+from workers.http_server import ClientLimits, protocol_class
 
 MIB = 1 << 20
 

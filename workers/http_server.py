@@ -1,5 +1,5 @@
-"""The gateway's HTTP server (uvicorn + httptools on uvloop) hardened against clients: a
-connection cap, a head size cap and header/body/idle timeouts.
+"""The HTTP server of the gateway and the workers (uvicorn + httptools on uvloop), hardened
+against clients: a connection cap, a head size cap and header/body/idle/send timeouts.
 
 uvicorn gives an idle keep-alive timeout (`timeout_keep_alive`); it has no cap on a request
 head's size under httptools, no timeout for a request head or body that trickles in, starts no
@@ -11,18 +11,14 @@ with a plain-text 503. So each connection here is a `ClientConnection`:
   client gets a 408 and the connection is closed, so trickling clients cannot hold sockets;
 - a request head over `max_head_bytes` gets a 431 and the connection is closed, so a head that
   never ends cannot grow without bound within its deadline;
-- a client that leaves its answer unread (its socket buffer full, the gateway's writes
+- a client that leaves its answer unread (its socket buffer full, the server's writes
   paused) for `send_timeout_s` has its connection cut, and a stream's worker aborts the
   request, so clients that never read cannot hold answers, worker slots and connections;
 - beyond `max_connections` open connections, a new one is answered with an OpenAI-shaped 503
   and `Retry-After` (then closed) instead of being served, well before file descriptors run out.
 
-Each request's scope also offers a `RawBody` (the `RAW_SEND` extension), so a stream's events
-can be written to the client's transport as they arrive, past the middlewares' send wrappers
-and uvicorn's `send` (gateway/proxy.py `PassThrough`).
-
-(SIGTERM drains the gateway through `workers.drain.DrainingServer`, with `Admission` as what
-drains: new requests get 503 `draining` + `Retry-After` while the ones it holds finish.)
+Torch-free: the gateway imports it (and extends `ClientConnection` with its raw body,
+gateway/raw_send.py). SIGTERM drains either server through `workers.drain.DrainingServer`.
 """
 
 import asyncio
@@ -31,17 +27,18 @@ import logging
 import resource
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from workers.protocol import error_body
 
 HEADER, BODY = "header", "body"
-log = logging.getLogger("kvgate.gateway")
-RAW_SEND = "kvgate.send"  # the scope extension whose "body" is the request's `RawBody`
+log = logging.getLogger("kvgate.http")
 
 
 @dataclass(frozen=True)
 class ClientLimits:
+    """What one server allows its clients (the defaults are the CLIs')."""
+
     max_connections: int = 4096
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -98,30 +95,6 @@ def over_capacity(retry_after: int):
     return app
 
 
-class RawBody:
-    """A started response's body written straight to the client's transport, with the chunked
-    framing uvicorn's `send` gives a response that has no content-length (as a stream has):
-    for a stream's events, which need none of `send`'s checks and no await. Its start and end
-    still go through `send`. Nothing is written to a client that is gone."""
-
-    __slots__ = ("cycle",)
-
-    def __init__(self, cycle: RequestResponseCycle):
-        self.cycle = cycle
-
-    def write(self, body: bytes) -> bool:
-        """Write `body` now; False when the client's buffer is full (wait on `drain`)."""
-        cycle = self.cycle
-        if body and not cycle.disconnected:
-            assert cycle.chunked_encoding and cycle.response_started and not cycle.response_complete
-            cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
-        return not cycle.flow.write_paused
-
-    async def drain(self) -> None:
-        """Until the client's buffer has room again (or the client is gone)."""
-        await self.cycle.flow.drain()
-
-
 class ClientConnection(HttpToolsProtocol):
     """uvicorn's httptools protocol with head/body deadlines, a head size cap and the connection
     cap (`limits` is set on the subclass `protocol_class` makes). httptools (llhttp, in C) parses
@@ -166,7 +139,6 @@ class ClientConnection(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
-        self.cycle.scope.setdefault("extensions", {})[RAW_SEND] = {"body": RawBody(self.cycle)}
         self.head_bytes = 0
         self._guard(BODY, self.limits.body_timeout_s)
 
@@ -198,8 +170,9 @@ class ClientConnection(HttpToolsProtocol):
             self.stall = None
 
     def _stalled(self) -> None:
-        """The client read nothing of its answer for `send_timeout_s`: drop the connection (a
-        stream's upstream closes with it, and its worker aborts the request)."""
+        """The client read nothing of its answer for `send_timeout_s`: drop the connection (the
+        app hears a disconnect: a worker's stream aborts its request, and the gateway's closes
+        its upstream, whose worker does the same)."""
         self.stall = None
         log.info("client %s read nothing for %g s: connection closed", self.client, self.limits.send_timeout_s)
         self.transport.abort()
@@ -236,5 +209,6 @@ class ClientConnection(HttpToolsProtocol):
         self.transport.close()
 
 
-def protocol_class(limits: ClientLimits) -> type[ClientConnection]:
-    return type("ClientConnection", (ClientConnection,), {"limits": limits})
+def protocol_class(limits: ClientLimits, base: type[ClientConnection] = ClientConnection) -> type[ClientConnection]:
+    """`base` with `limits`: uvicorn makes one protocol per connection from a class, not a factory."""
+    return type(base.__name__, (base,), {"limits": limits})
