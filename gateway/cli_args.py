@@ -7,6 +7,7 @@ import os
 from policies.api import DEFAULT_TIER_CREDITS
 from workers.cli_help import HelpFormatter
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
+from workers.http_server import add_client_args
 from workers.logs import add_log_args
 from workers.telemetry import add_trace_args
 
@@ -250,40 +251,7 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of 503/429 refusals")
     g = p.add_argument_group("client connections")
-    g.add_argument(
-        "--max-connections",
-        type=int,
-        default=4096,
-        help="open client connections; beyond, a new one is answered 503 and closed (lowered to fit the file limit)",
-    )
-    g.add_argument(
-        "--client-header-timeout",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="seconds for a request head to arrive whole (else 408 and close)",
-    )
-    g.add_argument(
-        "--client-body-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="seconds for a request body to arrive whole after its head (else 408 and close)",
-    )
-    g.add_argument(
-        "--client-idle-timeout",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="seconds an idle keep-alive connection stays open",
-    )
-    g.add_argument(
-        "--client-send-timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="seconds a client may leave its answer unread (the gateway's writes paused) before the connection is cut",
-    )
+    add_client_args(g)
     g.add_argument(
         "--drain-timeout-s",
         type=float,

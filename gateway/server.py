@@ -8,7 +8,6 @@ import socket
 import sys
 from collections.abc import Callable
 
-import uvicorn
 from starlette.applications import Starlette
 
 from gateway import vllm_worker
@@ -28,7 +27,7 @@ from gateway.tracing import Tracing, make_exporter
 from policies.api import Policy, TierCredits
 from policies.registry import load_policy
 from workers.drain import DrainingServer
-from workers.http_server import ClientLimits, fit_connections, protocol_class
+from workers.http_server import client_limits, server_config
 from workers.kv.cost_model import CostModel
 from workers.listen import listen
 from workers.logs import setup_logging
@@ -205,24 +204,8 @@ def serve(gateway: Gateway, args: argparse.Namespace, sock: socket.socket) -> No
 
 
 def http_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer:
-    """The gateway's uvicorn server: its HTTP protocol with the client limits, the drain."""
-    limits = ClientLimits(
-        fit_connections(args.max_connections),
-        args.client_header_timeout,
-        args.client_body_timeout,
-        args.client_idle_timeout,
-        args.retry_after_s,
-        send_timeout_s=args.client_send_timeout,
-    )
-    config = uvicorn.Config(
-        gateway.app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        http=protocol_class(limits, RawSendConnection),
-        loop="uvloop",
-        timeout_keep_alive=args.client_idle_timeout,
-        timeout_graceful_shutdown=5,
-    )
+    """The gateway's uvicorn server: the hardened HTTP protocol with its raw body and the client
+    limits (a client connection may need an upstream one: two files each), the drain."""
+    limits = client_limits(args, files_each=2, retry_after_s=args.retry_after_s)
+    config = server_config(gateway.app, limits, args.host, args.port, args.log_level, RawSendConnection)
     return DrainingServer(config, gateway.admission, args.drain_timeout_s)

@@ -17,16 +17,22 @@ with a plain-text 503. So each connection here is a `ClientConnection`:
 - beyond `max_connections` open connections, a new one is answered with an OpenAI-shaped 503
   and `Retry-After` (then closed) instead of being served, well before file descriptors run out.
 
-Torch-free: the gateway imports it (and extends `ClientConnection` with its raw body,
-gateway/raw_send.py). SIGTERM drains either server through `workers.drain.DrainingServer`.
+`add_client_args` gives a CLI the flags, `client_limits` reads them and
+`server_config` builds uvicorn's config from the limits. Torch-free: the gateway imports it
+(and extends `ClientConnection` with its raw body, gateway/raw_send.py). SIGTERM drains either
+server through `workers.drain.DrainingServer`.
 """
 
+import argparse
 import asyncio
 import json
 import logging
 import resource
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import uvicorn
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from workers.protocol import error_body
@@ -48,17 +54,18 @@ class ClientLimits:
     send_timeout_s: float = 60.0
 
 
-def fit_connections(wanted: int) -> int:
-    """`wanted`, or fewer if this process may not open that many files: each client
-    connection may need an upstream one, so clients get at most half of the file limit (less
-    256 for polls, Redis and logs). The soft file limit is raised to the hard one first."""
+def fit_connections(wanted: int, files_each: int) -> int:
+    """`wanted`, or fewer if this process may not open that many files: each client connection
+    may take `files_each` of them (the gateway's may need an upstream one), so clients get at
+    most that share of the file limit, less 256 for polls, Redis and logs. The soft file limit
+    is raised to the hard one first."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         soft = hard
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return min(wanted, max(16, (soft - 256) // 2))
+    return min(wanted, max(16, (soft - 256) // files_each))
 
 
 def _raw_error(status: int, reason: str, message: str, type_: str, code: str, retry_after: int | None = None) -> bytes:
@@ -212,3 +219,80 @@ class ClientConnection(HttpToolsProtocol):
 def protocol_class(limits: ClientLimits, base: type[ClientConnection] = ClientConnection) -> type[ClientConnection]:
     """`base` with `limits`: uvicorn makes one protocol per connection from a class, not a factory."""
     return type(base.__name__, (base,), {"limits": limits})
+
+
+def add_client_args(g: argparse._ArgumentGroup, notes: Mapping[str, str] | None = None) -> None:
+    """The client-connection flags (`client_limits` reads them), with the defaults of
+    `ClientLimits`; `notes` adds a server's own remark to a flag's help, by flag name. One
+    definition, so the gateway and the workers cannot drift apart."""
+    notes = notes or {}
+    default = ClientLimits()
+
+    def add(flag: str, value: float, help_: str, **kw) -> None:
+        note = f"; {notes[flag]}" if flag in notes else ""
+        g.add_argument(flag, type=type(value), default=value, help=help_ + note, **kw)
+
+    add(
+        "--max-connections",
+        default.max_connections,
+        "open client connections; beyond, a new one is answered 503 and closed (lowered to fit the file limit)",
+    )
+    add(
+        "--client-header-timeout",
+        default.header_timeout_s,
+        "seconds for a request head to arrive whole (else 408 and close)",
+        metavar="S",
+    )
+    add(
+        "--client-body-timeout",
+        default.body_timeout_s,
+        "seconds for a request body to arrive whole after its head (else 408 and close)",
+        metavar="S",
+    )
+    add(
+        "--client-idle-timeout", default.idle_timeout_s, "seconds an idle keep-alive connection stays open", metavar="S"
+    )
+    add(
+        "--client-send-timeout",
+        default.send_timeout_s,
+        "seconds a client may leave its answer unread (the server's writes paused) before the connection is cut",
+        metavar="S",
+    )
+
+
+def client_limits(args: argparse.Namespace, files_each: int, retry_after_s: int) -> ClientLimits:
+    """The limits `add_client_args`'s flags set, the connection cap fitted to the file limit
+    (`fit_connections`), and the Retry-After of the cap's 503."""
+    return ClientLimits(
+        fit_connections(args.max_connections, files_each),
+        args.client_header_timeout,
+        args.client_body_timeout,
+        args.client_idle_timeout,
+        retry_after_s,
+        send_timeout_s=args.client_send_timeout,
+    )
+
+
+def server_config(
+    app: ASGIApp,
+    limits: ClientLimits,
+    host: str,
+    port: int,
+    log_level: str,
+    protocol: type[ClientConnection] = ClientConnection,
+    access_log: bool = False,
+) -> uvicorn.Config:
+    """uvicorn's config for `app` served by `protocol` with `limits` (httptools on uvloop: a
+    fraction of h11's and asyncio's CPU per request); uvicorn's own keep-alive timeout is the
+    idle one."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        http=protocol_class(limits, protocol),
+        loop="uvloop",
+        timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # a float: it goes to call_later
+        timeout_graceful_shutdown=5,
+    )
