@@ -1,6 +1,6 @@
 """A client that leaves its answer unread has its connection cut (workers/http_server.py), so it
 cannot hold an answer, a worker's slot and a connection for as long as it likes; a client that
-reads, however slowly, keeps it."""
+reads, however slowly, keeps it. `kvgate worker`'s server cuts it too."""
 
 import asyncio
 import socket
@@ -9,13 +9,31 @@ from collections.abc import Callable
 
 import uvicorn
 import uvloop
+from starlette.types import ASGIApp
 
+from workers import cli as worker_cli
 from workers.http_server import ClientLimits, protocol_class
 
 MIB = 1 << 20
+Configure = Callable[[ASGIApp], uvicorn.Config]
 
 
-def serve(limits: ClientLimits, chunks: int, read: Callable[[socket.socket], int]) -> tuple[bool, int, int]:
+def limited(limits: ClientLimits) -> Configure:
+    """A bare uvicorn config serving with the client connection of `limits`."""
+    return lambda app: uvicorn.Config(app, http=protocol_class(limits), lifespan="off", log_level="warning")
+
+
+class Idle:
+    draining, in_flight, idle = False, 0, True
+
+
+def worker_config(*flags: str) -> Configure:
+    """The config of the server `kvgate worker FLAGS` runs (workers/cli.py `http_server`)."""
+    args = worker_cli.parser().parse_args(["--model", "smollm2-135m", *flags])
+    return lambda app: worker_cli.http_server(args, app, Idle()).config
+
+
+def serve(configure: Configure, chunks: int, read: Callable[[socket.socket], int]) -> tuple[bool, int, int]:
     """Serve one response of `chunks` MiB to a client that `read`s it (in a thread); returns
     (whether the app heard the client's disconnect, bytes the client read, connections left open)."""
 
@@ -25,6 +43,8 @@ def serve(limits: ClientLimits, chunks: int, read: Callable[[socket.socket], int
 
         async def app(scope, receive, send) -> None:
             nonlocal finished
+            if scope["type"] != "http":
+                return  # a worker's config asks for lifespan events: none needed here
             await receive()  # the request's (empty) body
 
             async def hear_disconnect() -> None:
@@ -46,7 +66,7 @@ def serve(limits: ClientLimits, chunks: int, read: Callable[[socket.socket], int
                 done.set()
 
         listener = socket.create_server(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, http=protocol_class(limits), lifespan="off", log_level="warning"))
+        server = uvicorn.Server(configure(app))
         serving = asyncio.ensure_future(server.serve(sockets=[listener]))
         client = socket.socket()
         if read is never:
@@ -85,10 +105,16 @@ def slowly(client: socket.socket) -> int:
 
 
 def test_a_client_that_never_reads_is_cut_off_and_the_app_stops_sending():
-    cut, _, left = serve(ClientLimits(send_timeout_s=0.2), chunks=1024, read=never)
+    cut, _, left = serve(limited(ClientLimits(send_timeout_s=0.2)), chunks=1024, read=never)
     assert cut and left == 0  # without the cut the app waits on its first full buffer for good
 
 
 def test_a_client_that_reads_slowly_keeps_its_connection_to_the_end():
-    cut, got, _ = serve(ClientLimits(send_timeout_s=2.0), chunks=16, read=slowly)
+    cut, got, _ = serve(limited(ClientLimits(send_timeout_s=2.0)), chunks=16, read=slowly)
     assert not cut and got > 16 * MIB  # every MiB, with its chunked framing
+
+
+def test_a_worker_cuts_a_client_that_never_reads():
+    """A client talking to a worker directly meets the worker's --client-send-timeout."""
+    cut, _, left = serve(worker_config("--client-send-timeout", "0.2"), chunks=1024, read=never)
+    assert cut and left == 0

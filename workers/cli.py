@@ -8,23 +8,33 @@ import socket
 import uuid
 from pathlib import Path
 
-import uvicorn
+from starlette.types import ASGIApp
 
 from workers.cli_help import HelpFormatter
-from workers.drain import DrainingServer
+from workers.drain import DrainingServer, Drainable
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.http_server import add_client_args, client_limits, server_config
 from workers.startup_heap import settle_gc
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 from workers.listen import listen
 from workers.logs import add_log_args, setup_logging
 from workers.model_store import load_tokenizer, resolve, served_name
-from workers.server import WorkerServer
+from workers.server import RETRY_AFTER_S, WorkerServer
 from workers.telemetry import add_trace_args, provider_from_args
 from workers.tracing import WorkerTracing
 
 log = logging.getLogger("kvgate.worker")
+# the worker's remarks on the client limits it shares with the gateway: where they meet the fleet's traffic
+CLIENT_NOTES = {
+    "--max-connections": "the gateways' connections count too: one for each request in flight, KV-event stream and poll",
+    "--client-body-timeout": "a decode worker's /kv/import bodies (P/D over HTTP) too: raise it for "
+    "large exports over slow links",
+    "--client-idle-timeout": "keep it above 4 s, how long a gateway reuses an idle connection",
+    "--client-send-timeout": "keep it at least the gateway's: a gateway's client that reads slowly "
+    "slows the gateway's reads here",
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -144,6 +154,7 @@ def parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, how long in-flight requests may take to finish before the worker exits",
     )
+    add_client_args(p.add_argument_group("client connections"), CLIENT_NOTES)
     p.add_argument(
         "--kv-transport",
         choices=["http", "ipc", "nixl"],
@@ -341,7 +352,14 @@ def serve(args: argparse.Namespace, server: WorkerServer, sock: socket.socket | 
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settle_gc()
-    config = uvicorn.Config(
-        server.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-    )
-    DrainingServer(config, server, args.drain_timeout_s).run(sockets=[sock])
+    http_server(args, server.app, server).run(sockets=[sock])
+
+
+def http_server(args: argparse.Namespace, app: ASGIApp, worker: Drainable) -> DrainingServer:
+    """The worker's uvicorn server: the hardened HTTP protocol the gateway's runs too, with the
+    client limits (one file a connection), and the drain of `worker`. A client that reaches a
+    worker directly must not hold its connections with a trickling head, an unread answer or
+    idle sockets."""
+    limits = client_limits(args, files_each=1, retry_after_s=RETRY_AFTER_S)
+    config = server_config(app, limits, args.host, args.port, args.log_level, access_log=True)
+    return DrainingServer(config, worker, args.drain_timeout_s)

@@ -17,7 +17,7 @@ with a plain-text 503. So each connection here is a `ClientConnection`:
 - beyond `max_connections` open connections, a new one is answered with an OpenAI-shaped 503
   and `Retry-After` (then closed) instead of being served, well before file descriptors run out.
 
-`add_client_args` gives a CLI the flags, `client_limits` reads them and
+`add_client_args` gives both CLIs the same flags, `client_limits` reads them and
 `server_config` builds uvicorn's config from the limits. Torch-free: the gateway imports it
 (and extends `ClientConnection` with its raw body, gateway/raw_send.py). SIGTERM drains either
 server through `workers.drain.DrainingServer`.
@@ -86,7 +86,7 @@ def _raw_error(status: int, reason: str, message: str, type_: str, code: str, re
 def over_capacity(retry_after: int):
     """An ASGI app answering every request with 503 `overloaded` and closing the connection."""
     body = json.dumps(
-        error_body("the gateway has too many open connections; retry later", "server_error", "overloaded")
+        error_body("the server has too many open connections; retry later", "server_error", "overloaded")
     ).encode()
     headers = [
         (b"content-type", b"application/json"),
