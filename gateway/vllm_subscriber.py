@@ -101,6 +101,7 @@ class Subscriber:
         self.stats = stats or SubscriberStats()
         self.expected: int | None = None
         self.last_ts = 0.0
+        self.batches_with_bad_events = 0
         self.synced = asyncio.Event()
 
     async def run(self) -> None:
@@ -242,19 +243,29 @@ class Subscriber:
 
     def bad(self, why: str) -> None:
         self.stats.bad_batches += 1
-        log.warning("kv events of %s: dropped a bad batch: %s", self.name, why)
+        if worth_a_line(self.stats.bad_batches):
+            log.warning("kv events of %s: dropped a bad batch (%d so far): %s", self.name, self.stats.bad_batches, why)
 
     def skipped(self, batch: EngineBatch) -> None:
         """Count a batch's malformed events; the warning names only the first few (the decoder
         keeps no more), so a batch of a million costs one bounded line."""
         self.stats.bad_events += batch.skipped
-        log.warning(
-            "kv events of %s: batch %d: skipped %d malformed event(s): %s",
-            self.name,
-            batch.seq,
-            batch.skipped,
-            "; ".join(batch.skip_reasons),
-        )
+        self.batches_with_bad_events += 1
+        if worth_a_line(self.batches_with_bad_events):
+            log.warning(
+                "kv events of %s: batch %d: skipped %d malformed event(s) (%d so far): %s",
+                self.name,
+                batch.seq,
+                batch.skipped,
+                self.stats.bad_events,
+                "; ".join(batch.skip_reasons),
+            )
+
+
+def worth_a_line(n: int) -> bool:
+    """Log the first and every 1000th of a kind: a publisher whose every step is malformed (a
+    version whose fields this decoder refuses) would otherwise log a line a step."""
+    return n == 1 or n % 1000 == 0
 
 
 class Gap(Resync):
