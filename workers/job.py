@@ -16,7 +16,8 @@ class Job:
     """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries.
     Each of its choices is an engine request of its own (`engine_key`), timed by its own clock
     for the metrics; `outputs` receives (choice index, output). `span` traces choice 0 (None
-    while tracing is off)."""
+    while tracing is off). `cancelled` is set once no one reads the answer any more: a choice
+    not started by then never starts."""
 
     key: str
     shown: str
@@ -24,6 +25,7 @@ class Job:
     outputs: asyncio.Queue
     clocks: list[RequestClock]
     span: object = None
+    cancelled: bool = False
 
     def engine_key(self, choice: int) -> str:
         return self.key if self.parsed.num_choices == 1 else f"{self.key}-{choice}"

@@ -52,6 +52,11 @@ def failure(out: RequestOutput) -> tuple[int, dict]:
     return status, error_body(message, "server_error", out.error)
 
 
+def ended_as(first: RequestOutput, rid: str) -> RequestOutput:
+    """The one output of a choice never started because its prompt's first choice ended so."""
+    return RequestOutput(rid, [], "", 0, 0, 0, first.finish_reason, first.error)
+
+
 class WorkerServer:
     """Binds one engine to HTTP. Each request gets an asyncio queue fed from the engine thread."""
 
@@ -299,8 +304,9 @@ class WorkerServer:
 
         def sink(out: RequestOutput) -> None:
             job.outputs.put_nowait((i, out))
-            while siblings:
-                self._submit_or_fail(job, siblings.pop(0))
+            if siblings:
+                self._follow(job, out, siblings)
+                siblings.clear()
             if out.finish_reason is not None:
                 self.in_flight -= 1
 
@@ -320,7 +326,23 @@ class WorkerServer:
             self.in_flight -= 1
             raise
 
+    def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
+        """Start a prompt's other choices on its first choice's first output, unless no one
+        reads the answer any more or that output ended the first choice (aborted, failed): they
+        would run to their last token for no one. Then each ends as the first did."""
+        if job.cancelled:
+            return
+        if first.finish_reason in ("abort", "error"):
+            for s in siblings:
+                job.outputs.put_nowait((s, ended_as(first, job.engine_key(s))))
+            return
+        for s in siblings:
+            self._submit_or_fail(job, s)
+
     def _abort(self, job: Job, done: list[int]) -> None:
+        """No one reads the answer any more: abort its choices not `done`, and keep those not
+        started from starting (`_follow`)."""
+        job.cancelled = True
         for i in range(job.parsed.num_choices):
             if i not in done:
                 self.engine.abort(job.engine_key(i))
@@ -337,7 +359,8 @@ class WorkerServer:
         return self.engine.tokenizer.decode([token_id])
 
     async def _collect(self, request: Request, job: Job) -> Response:
-        """Wait for every choice's whole output, aborting them if the client goes away."""
+        """Wait for every choice's whole output, aborting them if the client goes away or this
+        task is cancelled."""
         p, headers = job.parsed, {"x-request-id": job.shown}
         state = Choices(p, self._decode_token)
         texts = {i: [state.echo(i)] for i in range(p.num_choices)}
@@ -350,7 +373,6 @@ class WorkerServer:
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
-                    self._abort(job, state.finished)
                     self.tracing.end(job.span, 499)
                     return error(499, "client disconnected", code="client_closed")
                 i, out = get.result()
@@ -361,6 +383,8 @@ class WorkerServer:
                 self.metrics.observe(out, job.clocks[i])
         finally:
             disconnect.cancel()
+            if not state.done:  # the client left, or this task was cancelled
+                self._abort(job, state.finished)
         self.tracing.finish(job.span, state.last[0])
         firsts = [c.first for c in job.clocks if c.first is not None]
         if firsts:

@@ -1,0 +1,184 @@
+"""A worker's requests from admission to their last output, in-process (sim executor, the
+SmolLM2 tokenizer), driven through its ASGI app as uvicorn drives it.
+
+The rule: a request that ends early (its client left, a choice failed, the engine stops) leaves
+nothing running for no one and nothing counted in flight, and its client (if still there) gets
+an OpenAI-shaped error. Timing is never asserted: engine steps are held at a gate where the
+order of events matters, and each wait is only a guard against a hang.
+"""
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from workers.cli import build_server, parser
+from workers.server import WorkerServer
+
+MODEL = "smollm2-135m"
+TOKEN = "lifecycle-token"
+GUARD_S = 30.0  # a hang guard, never a timing assert
+
+
+@pytest.fixture
+def server():
+    args = parser().parse_args(
+        ["--executor", "sim", "--model", MODEL, "--internal-token", TOKEN, "--num-blocks", "64"]
+        + ["--max-model-len", "512"]
+    )
+    s = build_server(args)
+    try:
+        yield s
+    finally:
+        s.engine.stop()
+
+
+@pytest.fixture
+def gate(server):
+    """Every engine step waits until the gate opens: what the test does meanwhile happens before
+    the step's tokens reach anyone."""
+    opened = threading.Event()
+    server.engine.executor.wait = lambda s: opened.wait(GUARD_S)
+    try:
+        yield opened
+    finally:
+        opened.set()
+
+
+class Call:
+    """One request to the app as uvicorn makes it: its body, then `http.disconnect` once the
+    client leaves (`leave`); what the app sends is kept in `sent`."""
+
+    def __init__(self, app, path: str, body: dict, headers: dict | None = None):
+        raw = json.dumps(body).encode()
+        self.gone = asyncio.Event()
+        self.sent: asyncio.Queue = asyncio.Queue()
+        self._body = [{"type": "http.request", "body": raw, "more_body": False}]
+        heads = {"content-type": "application/json", "content-length": str(len(raw)), **(headers or {})}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": [(k.encode(), v.encode()) for k, v in heads.items()],
+            "client": ("127.0.0.1", 1),
+            "server": ("w", 80),
+        }
+        self.task = asyncio.ensure_future(app(scope, self._receive, self.sent.put))
+
+    async def _receive(self) -> dict:
+        if self._body:
+            return self._body.pop(0)
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    async def first_body(self) -> bytes:
+        """The first non-empty part of the response body (the client has read it)."""
+        while True:
+            msg = await asyncio.wait_for(self.sent.get(), GUARD_S)
+            if msg["type"] == "http.response.body" and msg.get("body"):
+                return msg["body"]
+
+    async def response(self) -> tuple[int, dict, bytes]:
+        """(status, headers, whole body) once the app has answered."""
+        await asyncio.wait_for(self.task, GUARD_S)
+        status, headers, parts = 0, {}, []
+        while not self.sent.empty():
+            msg = self.sent.get_nowait()
+            if msg["type"] == "http.response.start":
+                status, headers = msg["status"], {k.decode(): v.decode() for k, v in msg["headers"]}
+            else:
+                parts.append(msg.get("body", b""))
+        return status, headers, b"".join(parts)
+
+
+async def until(check, what: str) -> None:
+    """Yield to the loop until `check()` holds (a hang guard of GUARD_S, not a timing assert)."""
+
+    async def poll():
+        while not check():
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.wait_for(poll(), GUARD_S)
+    except TimeoutError:
+        pytest.fail(f"never: {what}")
+
+
+async def settled(server: WorkerServer) -> None:
+    """Until nothing is counted in flight and the engine has no work left."""
+    await until(lambda: server.in_flight == 0 and not server.engine.has_work(), "the worker is idle")
+
+
+def n_choices(stream: bool, max_tokens: int = 20) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 4,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("how", ["disconnect", "cancel"])
+def test_a_client_gone_before_the_first_token_starts_no_other_choice(server, gate, stream, how):
+    """n=4, the client gone while choice 0's prefill runs: choice 0 is aborted and choices 1-3,
+    which would start on its first token, never start (they would run 20 tokens for no one)."""
+
+    async def go():
+        call = Call(server.app, "/v1/chat/completions", n_choices(stream))
+        await until(lambda: server.in_flight == 1, "choice 0 is in the engine")
+        if stream:
+            await call.first_body()  # the role chunks: the stream is under way
+        if how == "disconnect":
+            call.leave()
+            await asyncio.wait_for(call.task, GUARD_S)
+        else:
+            call.task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call.task
+        gate.set()
+        await settled(server)
+
+    asyncio.run(go())
+    assert server.engine.stats.generated_tokens <= 1  # choice 0's prefill token at most
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_failed_first_choice_fails_the_others_without_running_them(server, stream):
+    """The step running choice 0's prefill raises: the client gets the engine error, and choices
+    1-3 (not started yet) fail with it instead of running 20 tokens each first."""
+    executor, calls = server.engine.executor, []
+    run = executor.execute
+
+    def fails_once(chunks):
+        calls.append(len(chunks))
+        if len(calls) == 1:
+            raise RuntimeError("a device fault")
+        return run(chunks)
+
+    executor.execute = fails_once
+
+    async def go():
+        call = Call(server.app, "/v1/chat/completions", n_choices(stream))
+        status, _, body = await call.response()
+        await settled(server)
+        return status, body
+
+    status, body = asyncio.run(go())
+    if stream:
+        events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+        assert status == 200 and events[-1]["error"]["code"] == "engine_error"
+    else:
+        assert status == 500 and json.loads(body)["error"]["code"] == "engine_error"
+    assert server.engine.stats.generated_tokens == 0 and calls == [1]
