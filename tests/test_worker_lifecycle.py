@@ -11,6 +11,7 @@ import asyncio
 import json
 import threading
 
+import httpx
 import pytest
 
 from workers.cli import build_server, parser
@@ -182,3 +183,26 @@ def test_a_failed_first_choice_fails_the_others_without_running_them(server, str
     else:
         assert status == 500 and json.loads(body)["error"]["code"] == "engine_error"
     assert server.engine.stats.generated_tokens == 0 and calls == [1]
+
+
+def client(server: WorkerServer) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://w", timeout=GUARD_S)
+
+
+def test_a_null_kv_wait_is_no_wait_and_leaks_nothing(server):
+    """`kv_transfer.wait_ms: null` (with the internal token) is a request without a KV wait; it
+    once raised after being counted in flight, and every such request stayed counted forever."""
+    internal = {"x-kvgate-token": TOKEN}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "kv_transfer": {"wait_ms": None}}
+
+    async def go():
+        async with client(server) as c:
+            answers = [await c.post("/v1/completions", json=body, headers=internal) for _ in range(3)]
+            state = (await c.get("/state", headers=internal)).json()
+            after = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        return answers, state, after
+
+    answers, state, after = asyncio.run(go())
+    assert state["in_flight"] == 0
+    assert [r.status_code for r in answers] == [200] * 3, answers[0].text
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2

@@ -291,8 +291,9 @@ class WorkerServer:
             job.outputs.put_nowait((i, unstarted_failure(job.engine_key(i), [], ENGINE_STOPPED)))
 
     def _submit_choice(self, job: Job, i: int) -> None:
-        """Hand choice `i` to the engine; counted in flight until its last output arrives. A
-        prompt's j-th choice samples with seed + j (vLLM's rule), so seeded choices differ."""
+        """Hand choice `i` to the engine; counted in flight from its handing over until its last
+        output arrives, so a handing over that raises counts nothing. A prompt's j-th choice
+        samples with seed + j (vLLM's rule), so seeded choices differ."""
         p, kv = job.parsed, job.parsed.kv_transfer
         j = i % p.n
         params = p.params
@@ -300,6 +301,7 @@ class WorkerServer:
             params = replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
         loop = asyncio.get_running_loop()
         export = self.transfer.exporter(kv["export_to"], loop, p.cache_salt, job.span) if "export_to" in kv else None
+        kv_wait_s = (kv.get("wait_ms") or 0) / 1000.0  # a null wait_ms is no wait, as protocol reads it
         siblings = list(range(i + 1, i + p.n)) if j == 0 else []
 
         def sink(out: RequestOutput) -> None:
@@ -317,12 +319,12 @@ class WorkerServer:
                 p.prompts[i // p.n],
                 params,
                 sink,
-                kv_wait_s=kv.get("wait_ms", 0) / 1000.0,
+                kv_wait_s=kv_wait_s,
                 export=export,
                 cache_salt=p.cache_salt,
                 trace=job.span is not None and i == 0,
             )
-        except EngineStopped:
+        except BaseException:
             self.in_flight -= 1
             raise
 
