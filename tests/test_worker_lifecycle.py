@@ -10,11 +10,13 @@ order of events matters, and each wait is only a guard against a hang.
 import asyncio
 import json
 import threading
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from workers.cli import build_server, parser
+from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.server import WorkerServer
 
 MODEL = "smollm2-135m"
@@ -48,15 +50,21 @@ def gate(server):
 
 
 class Call:
-    """One request to the app as uvicorn makes it: its body, then `http.disconnect` once the
-    client leaves (`leave`); what the app sends is kept in `sent`."""
+    """One request to the app as uvicorn makes it: a JSON body (with its Content-Length) or
+    chunks of one (chunked), then `http.disconnect` once the client leaves (`leave`); what the
+    app sends is kept in `sent`, and `pulled` counts the body bytes it has read."""
 
-    def __init__(self, app, path: str, body: dict, headers: dict | None = None):
-        raw = json.dumps(body).encode()
+    def __init__(self, app, path: str, body: dict | Iterator[bytes], headers: dict | None = None):
+        if isinstance(body, dict):
+            raw = json.dumps(body).encode()
+            self._parts, heads = iter([raw]), {"content-length": str(len(raw))}
+        else:
+            self._parts, heads = body, {"transfer-encoding": "chunked"}
+        heads = {"content-type": "application/json", **heads, **(headers or {})}
         self.gone = asyncio.Event()
         self.sent: asyncio.Queue = asyncio.Queue()
-        self._body = [{"type": "http.request", "body": raw, "more_body": False}]
-        heads = {"content-type": "application/json", "content-length": str(len(raw)), **(headers or {})}
+        self.pulled = 0
+        self._read = False
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -73,8 +81,13 @@ class Call:
         self.task = asyncio.ensure_future(app(scope, self._receive, self.sent.put))
 
     async def _receive(self) -> dict:
-        if self._body:
-            return self._body.pop(0)
+        if not self._read:
+            part = next(self._parts, None)
+            if part is not None:
+                self.pulled += len(part)
+                return {"type": "http.request", "body": part, "more_body": True}
+            self._read = True
+            return {"type": "http.request", "body": b"", "more_body": False}
         await self.gone.wait()
         return {"type": "http.disconnect"}
 
@@ -206,3 +219,56 @@ def test_a_null_kv_wait_is_no_wait_and_leaks_nothing(server):
     assert state["in_flight"] == 0
     assert [r.status_code for r in answers] == [200] * 3, answers[0].text
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+def error_of(status: int, body: bytes) -> dict:
+    """The OpenAI error object of an answer, checked for its shape."""
+    err = json.loads(body)["error"]
+    assert status >= 400 and set(err) == {"message", "type", "param", "code"} and err["message"], body
+    return err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_a_body_said_to_be_past_the_cap_is_refused_unread(server, path):
+    """Content-Length past the cap: a 413 before one byte of the body is read."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+    async def go():
+        call = Call(server.app, path, body, headers={"content-length": str(25 * DEFAULT_MAX_BODY_BYTES)})
+        return *await call.response(), call.pulled
+
+    status, _, answer, pulled = asyncio.run(go())
+    assert status == 413 and error_of(status, answer)["code"] == "request_too_large"
+    assert pulled == 0
+
+
+def test_a_chunked_body_is_refused_once_past_the_cap(server):
+    """A chunked body is read only until it passes the cap, then answered 413 (the client here
+    would send three times the cap)."""
+    part = 2**20
+
+    def chunks() -> Iterator[bytes]:
+        yield json.dumps({"model": MODEL, "prompt": "a"})[:-2].encode()
+        for _ in range(3 * DEFAULT_MAX_BODY_BYTES // part):
+            yield b"a" * part
+
+    async def go():
+        call = Call(server.app, "/v1/completions", chunks())
+        return *await call.response(), call.pulled
+
+    status, _, answer, pulled = asyncio.run(go())
+    assert status == 413 and error_of(status, answer)["code"] == "request_too_large"
+    assert pulled <= DEFAULT_MAX_BODY_BYTES + part
+
+
+def test_detokenize_takes_at_most_max_model_len_tokens(server):
+    limit = server.engine.max_model_len
+
+    async def go():
+        async with client(server) as c:
+            return [await c.post("/detokenize", json={"tokens": [5] * n}) for n in (limit, limit + 1, 10**6)]
+
+    fits, over, far_over = asyncio.run(go())
+    assert fits.status_code == 200 and fits.json()["prompt"]
+    for r in (over, far_over):
+        assert r.status_code == 400 and error_of(r.status_code, r.content)["param"] == "tokens"

@@ -25,7 +25,15 @@ from workers.control_routes import ControlRoutes
 from workers.job import Choices, Job
 from workers.given_ids import FIELD as GIVEN_IDS
 from workers.given_ids import fingerprint, given_prompts, has_text
-from workers.http_guard import JSON_HTTP_ERRORS, CloseOn5xx, error, wait_disconnect
+from workers.http_guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    JSON_HTTP_ERRORS,
+    BodyTooLarge,
+    CloseOn5xx,
+    error,
+    read_body,
+    wait_disconnect,
+)
 from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
 from workers.prefix_tokens import PrefixTokenizer
@@ -195,9 +203,12 @@ class WorkerServer:
 
     async def _body(self, request: Request, model_required: bool = True) -> dict | Response:
         """A JSON object body naming this worker's model (or none, when not `model_required`),
-        or the error answering it."""
+        or the error answering it: a 413 for one past DEFAULT_MAX_BODY_BYTES (the gateway's
+        default cap), known before it is read whole, so no client makes it buffer and parse more."""
         try:
-            body = loads(await request.body())
+            body = loads(await read_body(request, DEFAULT_MAX_BODY_BYTES))
+        except BodyTooLarge as e:
+            return error(413, str(e), code="request_too_large")
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
         if not isinstance(body, dict):
@@ -231,11 +242,14 @@ class WorkerServer:
         )
 
     async def detokenize(self, request: Request) -> Response:
-        """vLLM's POST /detokenize: `tokens` -> {"prompt": their text}; `model` is optional."""
+        """vLLM's POST /detokenize: `tokens` -> {"prompt": their text}; `model` is optional. At
+        most max_model_len tokens, the most any request here holds: decoding more is work for no one."""
         body = await self._body(request, model_required=False)
         if isinstance(body, Response):
             return body
-        tokens = body.get("tokens")
+        tokens, limit = body.get("tokens"), self.engine.max_model_len
+        if isinstance(tokens, list) and len(tokens) > limit:
+            return error(400, f"'tokens' holds {len(tokens)} ids, more than max_model_len ({limit})", param="tokens")
         if not (isinstance(tokens, list) and all(type(t) is int and 0 <= t < self.vocab_size for t in tokens)):
             return error(400, f"'tokens' must be a list of token ids in [0, {self.vocab_size})", param="tokens")
         text = await asyncio.to_thread(self.engine.tokenizer.decode, tokens)
