@@ -103,7 +103,10 @@ class Call:
 
     async def response(self) -> tuple[int, dict, bytes]:
         """(status, headers, whole body) once the app has answered."""
-        await asyncio.wait_for(self.task, GUARD_S)
+        try:
+            await asyncio.wait_for(self.task, GUARD_S)
+        except TimeoutError:
+            pytest.fail(f"no answer in {GUARD_S} s: the request hangs")
         status, headers, parts = 0, {}, []
         while not self.sent.empty():
             msg = self.sent.get_nowait()
@@ -272,3 +275,45 @@ def test_detokenize_takes_at_most_max_model_len_tokens(server):
     assert fits.status_code == 200 and fits.json()["prompt"]
     for r in (over, far_over):
         assert r.status_code == 400 and error_of(r.status_code, r.content)["param"] == "tokens"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stopping_engine_is_a_503_not_a_hang(server, stream):
+    """The engine refuses new requests while its thread still runs (stopping: `_dead` set in
+    `Engine._close`): the request is answered 503 engine_stopped at once, counted nowhere."""
+    server.engine._dead = True
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream}
+
+    async def go():
+        return await Call(server.app, "/v1/completions", body).response()
+
+    status, headers, answer = asyncio.run(go())
+    assert status == 503 and error_of(status, answer)["code"] == "engine_stopped"
+    assert headers["retry-after"] and server.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_engine_stopping_between_prompts_fails_every_choice_left(server, stream):
+    """Two prompts, n=2: the engine takes prompt 0's first choice, then stops taking requests.
+    Prompt 1's first choice fails, and its second (which would follow it) fails with it, as
+    does prompt 0's second: the request ends with engine_stopped instead of waiting forever."""
+    engine, take = server.engine, server.engine.submit
+
+    def take_one(*args, **kw):
+        take(*args, **kw)
+        engine._dead = True
+
+    engine.submit = take_one
+    body = {"model": MODEL, "prompt": ["hi", "there"], "n": 2, "max_tokens": 3, "stream": stream}
+
+    async def go():
+        answer = await Call(server.app, "/v1/completions", body).response()
+        await settled(server)
+        return answer
+
+    status, _, answer = asyncio.run(go())
+    if stream:
+        events = [json.loads(line[6:]) for line in answer.decode().splitlines() if line.startswith("data: {")]
+        assert status == 200 and events[-1]["error"]["code"] == "engine_stopped"
+    else:
+        assert status == 503 and error_of(status, answer)["code"] == "engine_stopped"

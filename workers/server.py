@@ -162,8 +162,12 @@ class WorkerServer:
             why = "overloaded", f"this worker already holds {self.in_flight} requests"
         if why is None:
             return None
-        self.metrics.rejected[why[0]].inc()
-        return error(503, why[1], "server_error", why[0], headers={"retry-after": str(RETRY_AFTER_S)})
+        return self._refuse(*why)
+
+    def _refuse(self, code: str, why: str) -> Response:
+        """A new request's 503 + Retry-After, counted by reason."""
+        self.metrics.rejected[code].inc()
+        return error(503, why, "server_error", code, headers={"retry-after": str(RETRY_AFTER_S)})
 
     async def _parse(self, request: Request, kind: str) -> ParsedRequest | Response:
         body = await self._body(request)
@@ -286,23 +290,29 @@ class WorkerServer:
         return await self._collect(request, job)
 
     def _submit(self, job: Job) -> Response | None:
-        """Hand each prompt's first choice to the engine; a 503 if it has stopped. The other
-        choices of a prompt follow when its first one has a token: its prompt blocks are then
-        cached, so they share them instead of computing the prompt again."""
+        """Hand each prompt's first choice to the engine; a 503 if it refuses the first (it is
+        stopping: its thread may still run, so `_refusal` may not know yet). The other choices
+        of a prompt follow when its first one has a token: its prompt blocks are then cached, so
+        they share them instead of computing the prompt again."""
         self._bind(asyncio.get_running_loop())
         try:
             self._submit_choice(job, 0)
         except EngineStopped:
-            return self._refusal()
+            return self._refuse(ENGINE_STOPPED, "the engine has stopped")
         for i in range(job.parsed.n, job.parsed.num_choices, job.parsed.n):
             self._submit_or_fail(job, i)
         return None
 
     def _submit_or_fail(self, job: Job, i: int) -> None:
+        """Hand choice `i` to the engine, or fail it if the engine refuses; a prompt's first
+        choice fails with the choices that would follow it: each choice needs a last output, or
+        the request never ends."""
         try:
             self._submit_choice(job, i)
         except EngineStopped:
-            job.outputs.put_nowait((i, unstarted_failure(job.engine_key(i), [], ENGINE_STOPPED)))
+            n = job.parsed.n
+            for k in range(i, i + n if i % n == 0 else i + 1):
+                job.outputs.put_nowait((k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED)))
 
     def _submit_choice(self, job: Job, i: int) -> None:
         """Hand choice `i` to the engine; counted in flight from its handing over until its last
