@@ -24,13 +24,23 @@ TOKEN = "lifecycle-token"
 GUARD_S = 30.0  # a hang guard, never a timing assert
 
 
+WORKER = (
+    "--executor",
+    "sim",
+    "--model",
+    MODEL,
+    "--internal-token",
+    TOKEN,
+    "--num-blocks",
+    "64",
+    "--max-model-len",
+    "512",
+)
+
+
 @pytest.fixture
 def server():
-    args = parser().parse_args(
-        ["--executor", "sim", "--model", MODEL, "--internal-token", TOKEN, "--num-blocks", "64"]
-        + ["--max-model-len", "512"]
-    )
-    s = build_server(args)
+    s = build_server(parser().parse_args(WORKER))
     try:
         yield s
     finally:
@@ -135,12 +145,31 @@ async def settled(server: WorkerServer) -> None:
     await until(lambda: server.in_flight == 0 and not server.engine.has_work(), "the worker is idle")
 
 
-def n_choices(stream: bool, max_tokens: int = 20) -> dict:
+def client(server: WorkerServer) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://w", timeout=GUARD_S)
+
+
+def error_of(status: int, body: bytes) -> dict:
+    """The OpenAI error object of an answer, checked for its shape."""
+    err = json.loads(body)["error"]
+    assert status >= 400 and set(err) == {"message", "type", "param", "code"} and err["message"], body
+    return err
+
+
+def stream_error(status: int, body: bytes) -> dict:
+    """The error event a failed stream ends with (before [DONE])."""
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body
+    return events[-1]["error"]
+
+
+def n_choices(stream: bool) -> dict:
+    """Four choices of 20 tokens each for one chat prompt."""
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "n": 4,
-        "max_tokens": max_tokens,
+        "max_tokens": 20,
         "stream": stream,
         "ignore_eos": True,
     }
@@ -159,7 +188,7 @@ def test_a_client_gone_before_the_first_token_starts_no_other_choice(server, gat
             await call.first_body()  # the role chunks: the stream is under way
         if how == "disconnect":
             call.leave()
-            await asyncio.wait_for(call.task, GUARD_S)
+            await call.response()
         else:
             call.task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -193,16 +222,9 @@ def test_a_failed_first_choice_fails_the_others_without_running_them(server, str
         return status, body
 
     status, body = asyncio.run(go())
-    if stream:
-        events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
-        assert status == 200 and events[-1]["error"]["code"] == "engine_error"
-    else:
-        assert status == 500 and json.loads(body)["error"]["code"] == "engine_error"
+    err = stream_error(status, body) if stream else error_of(status, body)
+    assert err["code"] == "engine_error" and (stream or status == 500)
     assert server.engine.stats.generated_tokens == 0 and calls == [1]
-
-
-def client(server: WorkerServer) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://w", timeout=GUARD_S)
 
 
 def test_a_null_kv_wait_is_no_wait_and_leaks_nothing(server):
@@ -222,13 +244,6 @@ def test_a_null_kv_wait_is_no_wait_and_leaks_nothing(server):
     assert state["in_flight"] == 0
     assert [r.status_code for r in answers] == [200] * 3, answers[0].text
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
-
-
-def error_of(status: int, body: bytes) -> dict:
-    """The OpenAI error object of an answer, checked for its shape."""
-    err = json.loads(body)["error"]
-    assert status >= 400 and set(err) == {"message", "type", "param", "code"} and err["message"], body
-    return err
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
@@ -312,8 +327,5 @@ def test_an_engine_stopping_between_prompts_fails_every_choice_left(server, stre
         return answer
 
     status, _, answer = asyncio.run(go())
-    if stream:
-        events = [json.loads(line[6:]) for line in answer.decode().splitlines() if line.startswith("data: {")]
-        assert status == 200 and events[-1]["error"]["code"] == "engine_stopped"
-    else:
-        assert status == 503 and error_of(status, answer)["code"] == "engine_stopped"
+    err = stream_error(status, answer) if stream else error_of(status, answer)
+    assert err["code"] == "engine_stopped" and (stream or status == 503)
