@@ -260,6 +260,21 @@ def test_a_body_said_to_be_past_the_cap_is_refused_unread(server, path):
     assert pulled == 0
 
 
+def test_the_fleets_own_call_may_be_larger_than_a_clients(server):
+    """A gateway's body is a client's (capped by the gateway) plus its token ids: with the
+    internal token a body past the client cap is read (here its prompt then runs past the
+    context: a 400), without it the same body is a 413."""
+    body = {"model": MODEL, "prompt": "a " * (3 * DEFAULT_MAX_BODY_BYTES // 4), "max_tokens": 2}
+
+    async def go(headers: dict) -> tuple[int, bytes]:
+        status, _, answer = await Call(server.app, "/v1/completions", body, headers=headers).response()
+        return status, answer
+
+    fleet, client = asyncio.run(go({"x-kvgate-token": TOKEN})), asyncio.run(go({}))
+    assert fleet[0] == 400 and error_of(*fleet)["code"] == "context_length_exceeded"
+    assert client[0] == 413 and error_of(*client)["code"] == "request_too_large"
+
+
 def test_a_chunked_body_is_refused_once_past_the_cap(server):
     """A chunked body is read only until it passes the cap, then answered 413 (the client here
     would send three times the cap)."""

@@ -46,6 +46,8 @@ from workers.transfer_http import TransferService
 from workers.transfer_metrics import TransferCollector
 
 log = logging.getLogger("kvgate.worker")
+# a gateway's body: the client's (up to the gateway's cap) and the prompts' ids, a few bytes each
+FLEET_BODY_FACTOR = 16
 RETRY_AFTER_S = 1
 SHOWN_ID = re.compile(r"[!-~]{1,128}")  # a client's x-request-id we echo: printable ASCII, no spaces
 FAILURES = {  # RequestOutput.error -> (HTTP status, message)
@@ -208,9 +210,12 @@ class WorkerServer:
     async def _body(self, request: Request, model_required: bool = True) -> dict | Response:
         """A JSON object body naming this worker's model (or none, when not `model_required`),
         or the error answering it: a 413 for one past DEFAULT_MAX_BODY_BYTES (the gateway's
-        default cap), known before it is read whole, so no client makes it buffer and parse more."""
+        default cap), known before it is read whole, so no client makes it buffer and parse more.
+        The fleet's own calls (the internal token) may be FLEET_BODY_FACTOR times that: a gateway
+        sends a client's body it has already capped, plus its token ids (`kv_prompt_ids`)."""
+        most = DEFAULT_MAX_BODY_BYTES * (FLEET_BODY_FACTOR if self.transfer.authorised(request) else 1)
         try:
-            body = loads(await read_body(request, DEFAULT_MAX_BODY_BYTES))
+            body = loads(await read_body(request, most))
         except BodyTooLarge as e:
             return error(413, str(e), code="request_too_large")
         except InvalidRequest as e:
