@@ -59,6 +59,23 @@ def gate(server):
         opened.set()
 
 
+def scope_of(path: str, headers: dict[str, str]) -> dict:
+    """An HTTP/1.1 POST's ASGI scope as uvicorn makes it."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("w", 80),
+    }
+
+
 class Call:
     """One request to the app as uvicorn makes it: a JSON body (with its Content-Length) or
     chunks of one (chunked), then `http.disconnect` once the client leaves (`leave`); what the
@@ -75,20 +92,7 @@ class Call:
         self.sent: asyncio.Queue = asyncio.Queue()
         self.pulled = 0
         self._read = False
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "headers": [(k.encode(), v.encode()) for k, v in heads.items()],
-            "client": ("127.0.0.1", 1),
-            "server": ("w", 80),
-        }
-        self.task = asyncio.ensure_future(app(scope, self._receive, self.sent.put))
+        self.task = asyncio.ensure_future(app(scope_of(path, heads), self._receive, self.sent.put))
 
     async def _receive(self) -> dict:
         if not self._read:
@@ -344,3 +348,22 @@ def test_an_engine_stopping_between_prompts_fails_every_choice_left(server, stre
     status, _, answer = asyncio.run(go())
     err = stream_error(status, answer) if stream else error_of(status, answer)
     assert err["code"] == "engine_stopped" and (stream or status == 503)
+
+
+def test_a_client_gone_mid_body_is_a_499_not_an_internal_error(server, caplog):
+    """A client that leaves while sending its body (or is cut by the body timeout) is no fault
+    of the worker's: a 499 for the log, no error logged, no 500."""
+    parts = [{"type": "http.request", "body": b'{"model": "', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    scope = scope_of("/v1/completions", {"content-type": "application/json", "transfer-encoding": "chunked"})
+    with caplog.at_level("ERROR"):
+        asyncio.run(asyncio.wait_for(server.app(scope, receive, send), GUARD_S))
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -216,6 +216,8 @@ class WorkerServer:
         most = DEFAULT_MAX_BODY_BYTES * (FLEET_BODY_FACTOR if self.transfer.authorised(request) else 1)
         try:
             body = loads(await read_body(request, most))
+        except ClientDisconnect:  # gone while sending its body (or too slow: the body timeout)
+            return Response(b"", 499)
         except BodyTooLarge as e:
             return error(413, str(e), code="request_too_large")
         except InvalidRequest as e:
