@@ -15,10 +15,16 @@ TOKEN_ENV = "KVGATE_INTERNAL_TOKEN"
 
 
 def token_matches(given: str | None, token: str | None) -> bool:
-    """Constant-time check; never true without a configured token."""
+    """Constant-time check of a header's value, compared as bytes; never true without a
+    configured token. A value that is not ASCII is not the token, never an error: any client
+    can send such a header, and `compare_digest` raises on a non-ASCII str."""
     if not token:
         return False
-    return hmac.compare_digest(given or "", token)
+    try:
+        sent = (given or "").encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(sent, token.encode())
 
 
 def internal_headers(token: str | None = None) -> dict[str, str]:
