@@ -2,10 +2,16 @@
 internal token's header, `/kv/events`' query, request fields it does not implement, and KV
 transfer headers. Each is a 4xx naming what was wrong, never a 500 or a stalled loop."""
 
+import asyncio
+import json
+
 import pytest
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 from starlette.testclient import TestClient
 
 from tests.sim_engine import sim_engine
+from workers.control_routes import MIN_HEARTBEAT_S
 from workers.internal_auth import token_matches
 from workers.server import WorkerServer
 
@@ -48,3 +54,54 @@ def test_a_non_ascii_token_header_is_no_token_on_completions_and_imports(client)
     assert r.status_code == 403 and r.json()["error"]["param"] == "kv_transfer"
     r = client.post("/kv/import", content=b"KVG1", headers=bad)
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+
+
+# -- /kv/events' query --------------------------------------------------------------------------
+
+
+def kv_events(server: WorkerServer, query: str) -> Response:
+    """The answer to GET /kv/events?`query`, not read: a stream's body never ends."""
+    headers = [(b"x-kvgate-token", b"t")]
+    scope = {"type": "http", "method": "GET", "path": "/kv/events", "query_string": query.encode(), "headers": headers}
+    return asyncio.run(server.control.kv_events(Request(scope)))
+
+
+@pytest.mark.parametrize("timeout", ["nan", "NaN", "inf", "-inf", "1e-300", "0", "-1", "0.01"])
+def test_a_kv_events_stream_needs_a_finite_heartbeat_of_at_least_the_floor(server, timeout):
+    r = kv_events(server, f"stream=1&timeout={timeout}")
+    assert r.status_code == 400 and json.loads(bytes(r.body))["error"]["param"] == "timeout"
+    assert isinstance(kv_events(server, f"stream=1&timeout={MIN_HEARTBEAT_S}"), StreamingResponse)
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf"])
+def test_a_kv_events_long_poll_needs_a_finite_timeout(client, timeout):
+    r = client.get(f"/kv/events?timeout={timeout}", headers=TOKEN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+    assert client.get("/kv/events?timeout=1e-300", headers=TOKEN).status_code == 200
+
+
+def test_a_kv_events_stream_lets_other_tasks_run_between_its_lines():
+    """Lines whose waits end at once (a busy engine's, or a wait of 0) still give the loop a
+    turn each: another task advances between any two lines."""
+    server = WorkerServer(sim_engine(), "m", vocab_size=1000, internal_token="t")
+
+    async def run() -> list[int]:
+        server.control.start(asyncio.get_running_loop())
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker, seen = asyncio.create_task(tick()), []
+        async for _ in server.control._event_lines(0, 0.0, True, False):
+            seen.append(ticks)
+            if len(seen) == 5:
+                break
+        ticker.cancel()
+        return seen
+
+    seen = asyncio.run(run())
+    assert all(later > earlier for earlier, later in zip(seen, seen[1:])), seen

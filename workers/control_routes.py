@@ -6,6 +6,7 @@ engine, the transfer service and the drain flag with."""
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from workers.server import WorkerServer
 
 LONG_POLL_SLICE_S = 0.5  # a /kv/events long poll looks at the drain flag this often
+MAX_WAIT_S = 30.0  # the longest /kv/events wait (`timeout`) a request gets
+MIN_HEARTBEAT_S = 0.05  # the shortest heartbeat of a /kv/events stream
 
 
 class ControlRoutes:
@@ -100,15 +103,18 @@ class ControlRoutes:
         gateway twice a request."""
         if refused := self._refused(request):
             return refused
-        try:
-            after = int(request.query_params.get("after", "0"))
-            timeout = min(float(request.query_params.get("timeout", "0")), 30.0)
-        except ValueError:
-            return error(400, "'after' must be an integer and 'timeout' a number of seconds")
+        query = events_query(request)
+        if isinstance(query, Response):
+            return query
+        after, timeout = query
         with_state = request.query_params.get("state") == "1"
         if request.query_params.get("stream") == "1":
-            if timeout <= 0.0:
-                return error(400, "a stream of KV events needs a 'timeout' (its heartbeat) above 0")
+            if timeout < MIN_HEARTBEAT_S:
+                return error(
+                    400,
+                    f"a stream of KV events needs a 'timeout' (its heartbeat) of at least {MIN_HEARTBEAT_S} s",
+                    param="timeout",
+                )
             delta = with_state and request.query_params.get("delta") == "1"
             lines = self._event_lines(after, timeout, with_state, delta)
             return StreamingResponse(lines, media_type="application/x-ndjson")
@@ -154,6 +160,7 @@ class ControlRoutes:
                 after = body["events"][-1]["seq"]
             elif body["gap"]:  # the client resyncs from a snapshot; do not repeat the gap
                 after = body["last_seq"]
+            await asyncio.sleep(0)  # a line per step of a busy engine must not keep the loop from others
             await self._wait_events(after, timeout)
 
     async def kv_reset(self, request: Request) -> Response:
@@ -170,6 +177,20 @@ class ControlRoutes:
             return refused
         snap = await asyncio.wrap_future(self.engine.kv_snapshot())
         return JSONResponse(snap.to_json() | {"block_size": self.engine.config.block_size})
+
+
+def events_query(request: Request) -> tuple[int, float] | Response:
+    """(`after`, `timeout`) of a /kv/events request, the wait at most MAX_WAIT_S, or the 400
+    refusing them. The timeout must be finite: NaN passed every bound, and a stream whose
+    waits all ended at once sent line after line without letting the event loop run anything else."""
+    try:
+        after = int(request.query_params.get("after", "0"))
+        timeout = float(request.query_params.get("timeout", "0"))
+    except ValueError:
+        return error(400, "'after' must be an integer and 'timeout' a number of seconds")
+    if not math.isfinite(timeout):
+        return error(400, "'timeout' must be a finite number of seconds", param="timeout")
+    return after, min(timeout, MAX_WAIT_S)
 
 
 def state_changes(state: dict, before: dict) -> dict:
