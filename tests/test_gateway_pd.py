@@ -57,7 +57,7 @@ def ask(url, model, ids, stream=False, max_tokens=8):
         "ignore_eos": True,
         "return_token_ids": True,
         "stream": stream,
-        "stream_options": {"include_usage": True},
+        **({"stream_options": {"include_usage": True}} if stream else {}),
     }
     if not stream:
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)

@@ -136,7 +136,7 @@ def test_prompt_lists_and_streamed_choices(fleet):
     for c in chunks[:-1]:
         for ch in c["choices"]:
             texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
-    whole = post(fleet["gateway"], "/v1/completions", {**body, "stream": False}).json()
+    whole = post(fleet["gateway"], "/v1/completions", {**body, "stream": False, "stream_options": None}).json()
     assert {c["index"]: c["text"] for c in whole["choices"]} == texts
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: the same per prompt
 

@@ -78,6 +78,9 @@ def test_fields_that_steer_vllms_cache_are_internal():
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
         ("logit_bias", {"1": 5}),
+        ("structured_outputs", {"choice": ["yes", "no"]}),
+        ("skip_special_tokens", False),
+        ("use_beam_search", True),
     ],
 )
 def test_fields_only_vllm_implements_pass_to_vllm_and_are_refused_for_kvgate_workers(tok, field, value):

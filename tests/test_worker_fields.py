@@ -105,3 +105,56 @@ def test_a_kv_events_stream_lets_other_tasks_run_between_its_lines():
 
     seen = asyncio.run(run())
     assert all(later > earlier for earlier, later in zip(seen, seen[1:])), seen
+
+
+# -- request fields the workers do not implement ------------------------------------------------
+
+UNIMPLEMENTED = [
+    ("allowed_token_ids", [5]),
+    ("allowed_token_ids", []),
+    ("guided_json", {"type": "object"}),
+    ("guided_choice", ["a", "b"]),
+    ("guided_regex", "a+"),
+    ("guided_grammar", "root ::= 'a'"),
+    ("structured_outputs", {"regex": "a+"}),
+    ("use_beam_search", True),
+    ("bad_words", ["the"]),
+    ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False),
+    ("truncate_prompt_tokens", 1),
+    ("truncate_prompt_tokens", -1),
+]
+NO_OPS = {
+    "use_beam_search": False,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "bad_words": [],
+    "allowed_token_ids": None,
+    "guided_json": None,
+    "structured_outputs": None,
+    "truncate_prompt_tokens": None,
+    "stream_options": None,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field,value", UNIMPLEMENTED)
+def test_a_field_the_worker_does_not_implement_is_a_400_naming_it(client, path, field, value):
+    body = {**BODY, "messages": [{"role": "user", "content": "hi"}], field: value}
+    r = client.post(path, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == field and error["code"] == "unsupported_parameter"
+    assert field in error["message"]
+
+
+def test_the_no_op_values_of_those_fields_are_served(client):
+    assert client.post("/v1/completions", json={**BODY, **NO_OPS}).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_a_stream_is_a_400(client, stream):
+    body = {**BODY, "stream": stream, "stream_options": {"include_usage": True}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    r = client.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 200 and '"usage"' in r.text

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from workers.chat_template import chat_messages, render_chat
 from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
 
-# OpenAI and vLLM request fields this server does not implement, with the values that ask for nothing.
-NOOP_VALUES = {
+# OpenAI and vLLM request fields this server does not implement, with the values that ask for
+# nothing (none: any value but null asks for something).
+NOOP_VALUES: dict[str, tuple] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -34,6 +35,17 @@ NOOP_VALUES = {
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),
+    "use_beam_search": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
 }
 # The NOOP_VALUES fields that each kind does implement (with OpenAI's types, checked below).
 IMPLEMENTED = {"completion": {"echo", "logprobs"}, "chat": {"logprobs", "top_logprobs"}}
@@ -211,15 +223,15 @@ def _logprobs(body: dict, kind: str) -> int | None:
 
 
 def _options(body: dict) -> tuple[bool, bool, bool]:
-    """(stream, stream_options.include_usage, return_token_ids)."""
+    """(stream, stream_options.include_usage, return_token_ids). `stream_options` only with
+    `stream`: vLLM refuses it otherwise, and a whole answer has no usage event to ask for."""
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    return (
-        _flag(body, "stream"),
-        _flag(opts or {}, "include_usage", "stream_options"),
-        _flag(body, "return_token_ids"),
-    )
+    stream, include_usage = _flag(body, "stream"), _flag(opts or {}, "include_usage", "stream_options")
+    if opts and not stream:
+        raise InvalidRequest("'stream_options' can only be given with 'stream': true", "stream_options")
+    return stream, include_usage, _flag(body, "return_token_ids")
 
 
 def _max_tokens(body: dict, kind: str) -> int | None:
