@@ -17,6 +17,7 @@ from starlette.applications import Starlette
 from gateway.procs import wait_for, wait_until
 from tests.sim_engine import sim_engine
 from tests.test_metrics import samples
+from tests.test_worker_fields import malformed
 from workers import transfer_nixl
 from workers.kv.hashing import block_hashes
 from workers.transfer import encode_header
@@ -277,5 +278,25 @@ def test_a_commit_must_say_settled_as_a_boolean():
 
         assert asyncio.run(commit({"id": "x", "ok": False, "settled": "yes"})) == 400
         assert asyncio.run(commit({"id": "x", "ok": False, "settled": True})) == 409
+    finally:
+        pair.close()
+
+
+def test_a_malformed_header_is_a_400_at_reserve_and_holds_nothing():
+    """A peer's header out of range (a parent past 64 bits, a token past int64) or nested past
+    the stack was an exception out of the endpoint: a 500."""
+    pair = Pair(lambda remote: 0)
+    try:
+
+        async def reserve_all() -> dict[str, tuple[int, str]]:
+            answers = {}
+            for shape, body in malformed(pair.service.spec).items():
+                r = await pair.client.post("/kv/nixl/reserve", content=body, headers=HEADERS)
+                answers[shape] = r.status_code, r.json()["error"]["code"]
+            return answers
+
+        answers = asyncio.run(reserve_all())
+        assert all(answer == (400, "bad_kv_transfer") for answer in answers.values()), answers
+        assert pair.whole() and not pair.decode.reservations
     finally:
         pair.close()

@@ -4,6 +4,7 @@ transfer headers. Each is a 4xx naming what was wrong, never a 500 or a stalled 
 
 import asyncio
 import json
+import struct
 
 import pytest
 from starlette.requests import Request
@@ -13,7 +14,10 @@ from starlette.testclient import TestClient
 from tests.sim_engine import sim_engine
 from workers.control_routes import MIN_HEARTBEAT_S
 from workers.internal_auth import token_matches
+from workers.kv.hashing import block_hash, seed_hash
+from workers.sampling_params import InvalidRequest
 from workers.server import WorkerServer
+from workers.transfer import MAGIC, KVSpec, decode_header
 
 TOKEN = {"x-kvgate-token": "t"}
 BODY = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}
@@ -158,3 +162,64 @@ def test_stream_options_without_a_stream_is_a_400(client, stream):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
     r = client.post("/v1/completions", json={**body, "stream": True})
     assert r.status_code == 200 and '"usage"' in r.text
+
+
+# -- KV transfer headers ------------------------------------------------------------------------
+
+BLOCK = [5, 6, 7, 8]
+
+
+def framed(head: bytes, length: int | None = None) -> bytes:
+    """A KVG1 transfer of `head` and no payload (the sim worker's K/V is 0 bytes a block)."""
+    return MAGIC + struct.pack("<I", len(head) if length is None else length) + head
+
+
+def header(spec: KVSpec, /, **fields) -> bytes:
+    """A sound one-block header with `fields` in place of its own."""
+    hashes = [str(block_hash(seed_hash("m", 4), BLOCK))]
+    head = {"spec": spec.__dict__, "hashes": hashes, "tokens": [BLOCK], "parent": None, **fields}
+    return framed(json.dumps(head).encode())
+
+
+MALFORMED: dict[str, dict] = {
+    "parent past 64 bits": {"parent": str(2**64)},
+    "negative parent": {"parent": "-1"},
+    "parent a number": {"parent": 12},
+    "hash past 64 bits": {"hashes": [str(2**64)]},
+    "hash with spaces": {"hashes": [" 1"]},
+    "hash of 5000 digits": {"hashes": ["9" * 5000]},
+    "hashes a string": {"hashes": "123"},
+    "token past int64": {"tokens": [[2**63] * 4]},
+    "negative token": {"tokens": [[-1, 6, 7, 8]]},
+    "float token": {"tokens": [[5.0, 6, 7, 8]]},
+    "bool token": {"tokens": [[True, 6, 7, 8]]},
+    "tokens a dict": {"tokens": {"a": 1}},
+    "spec a list": {"spec": [1]},
+    "salt a number": {"cache_salt": 5},
+}
+RAW = {
+    "nested 100k deep": framed(b"[" * 100_000),
+    "nested 40 deep": framed(b"[" * 40 + b"]" * 40),
+    "not an object": framed(b"[]"),
+    "NaN": framed(b'{"spec": NaN}'),
+    "header longer than the body": framed(b"{}", 10),
+}
+
+
+def malformed(spec: KVSpec) -> dict[str, bytes]:
+    return {**{k: header(spec, **v) for k, v in MALFORMED.items()}, **RAW}
+
+
+@pytest.mark.parametrize("shape", [*MALFORMED, *RAW])
+def test_a_malformed_transfer_header_is_a_bad_kv_transfer(server, client, shape):
+    body = malformed(server.transfer.spec)[shape]
+    with pytest.raises(InvalidRequest) as e:
+        decode_header(body, server.transfer.spec, server.transfer.host.kv_seed)
+    assert e.value.code == "bad_kv_transfer"
+    r = client.post("/kv/import", content=body, headers=TOKEN)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_kv_transfer"
+
+
+def test_a_sound_header_is_imported(client):
+    r = client.post("/kv/import", content=header(KVSpec("m", 4, "none", 0, 0, 0)), headers=TOKEN)
+    assert r.status_code == 200 and r.json()["dropped"] == 0

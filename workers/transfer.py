@@ -13,12 +13,16 @@ import json
 import struct
 from dataclasses import dataclass
 
+from workers.kv.events import MAX_HASH, checked_number, shown
 from workers.kv.hashing import block_hash, salted_seed
 from workers.kv.host_pool import run_copies
 from workers.sampling_params import InvalidRequest
+from workers.strict_json import loads
 
 MAGIC = b"KVG1"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "none": 0}
+MAX_HEADER_BYTES = 64 << 20  # a 128k-token prompt's header is about 1 MB
+MAX_TOKEN = (1 << 63) - 1  # a block's token ids are hashed packed as int64
 
 
 @dataclass(frozen=True)
@@ -61,26 +65,23 @@ def encode_header(
     return MAGIC + struct.pack("<I", len(header)) + header
 
 
-def decode_header(body: bytes, own: KVSpec, seed: int) -> tuple[KVPayload, int]:
+def decode_header(body: bytes | bytearray, own: KVSpec, seed: int) -> tuple[KVPayload, int]:
     """Parse and validate a transfer's header and re-derive its hashes from its tokens; the
-    payload (empty here) starts at the returned offset. Any mismatch is the sender's error."""
+    payload (empty here) starts at the returned offset. Any mismatch is the sender's error, an
+    InvalidRequest: the peer holds the token, but a bug or a bad actor there must not stop this
+    worker's loop or reach its cache."""
     if len(body) < 8 or body[:4] != MAGIC:
         raise InvalidRequest("not a kvgate KV transfer (bad magic)", code="bad_kv_transfer")
     (n,) = struct.unpack("<I", body[4:8])
+    if n > min(MAX_HEADER_BYTES, len(body) - 8):
+        raise InvalidRequest(f"KV transfer header of {n} bytes in a body of {len(body)}", code="bad_kv_transfer")
     try:
-        head = json.loads(body[8 : 8 + n])
-        spec = KVSpec(**head["spec"])
-        hashes = [int(h) for h in head["hashes"]]
-        tokens = [list(map(int, t)) for t in head["tokens"]]
-        parent = None if head["parent"] is None else int(head["parent"])
-        salt = head.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise TypeError("cache_salt must be a string")
-    except (ValueError, KeyError, TypeError) as e:
-        raise InvalidRequest(f"malformed KV transfer header: {e}", code="bad_kv_transfer") from e
+        spec, hashes, tokens, parent, salt = header_fields(loads(bytes(body[8 : 8 + n]), "the KV transfer header"))
+    except (ValueError, KeyError, TypeError) as e:  # InvalidRequest is a ValueError
+        raise InvalidRequest(f"malformed KV transfer header: {e}", code="bad_kv_transfer") from None
     if spec != own:
         raise InvalidRequest(
-            f"KV transfer does not match this worker: got {spec}, expected {own}", code="kv_spec_mismatch"
+            f"KV transfer does not match this worker: got {str(spec)[:500]}, expected {own}", code="kv_spec_mismatch"
         )
     if len(hashes) != len(tokens):
         raise InvalidRequest(
@@ -90,7 +91,45 @@ def decode_header(body: bytes, own: KVSpec, seed: int) -> tuple[KVPayload, int]:
     return KVPayload(spec, hashes, tokens, parent, b""), 8 + n
 
 
-def decode(body: bytes, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
+def header_fields(head: object) -> tuple[KVSpec, list[int], list[list[int]], int | None, str | None]:
+    """(spec, hashes, tokens, parent, cache_salt) of a parsed header, each type- and range-checked
+    (ValueError, KeyError or TypeError otherwise): hashes and parent 64-bit unsigned, as
+    decimal strings, token ids from 0 to MAX_TOKEN. Out of range, they overflowed the hashing."""
+    if type(head) is not dict:
+        raise TypeError(f"the header is a JSON object, not {shown(head)}")
+    if type(head["spec"]) is not dict:
+        raise TypeError(f"spec is a JSON object, not {shown(head['spec'])}")
+    hashes, tokens, parent, salt = head["hashes"], head["tokens"], head["parent"], head.get("cache_salt")
+    if type(hashes) is not list or type(tokens) is not list:
+        raise TypeError(f"hashes and tokens are lists, not {shown(hashes)} and {shown(tokens)}")
+    if salt is not None and type(salt) is not str:
+        raise TypeError(f"cache_salt is a string, not {shown(salt)}")
+    return (
+        KVSpec(**head["spec"]),
+        [_hash(h, "a block hash") for h in hashes],
+        [_token_ids(t) for t in tokens],
+        None if parent is None else _hash(parent, "the parent hash"),
+        salt,
+    )
+
+
+def _hash(v: object, what: str) -> int:
+    """A hash as `encode_header` writes it: the decimal string of a 64-bit unsigned integer."""
+    if type(v) is not str or not (v.isascii() and v.isdigit()) or len(v) > 20:
+        raise ValueError(f"{what} is a decimal string, not {shown(v)}")
+    return checked_number(int(v), MAX_HASH, what)
+
+
+def _token_ids(block: object) -> list[int]:
+    """One block's token ids: a list of integers from 0 to MAX_TOKEN."""
+    if type(block) is not list or not set(map(type, block)) <= {int}:
+        raise TypeError(f"a block's tokens are a list of integers, not {shown(block)}")
+    if block and (min(block) < 0 or max(block) > MAX_TOKEN):
+        raise ValueError(f"token ids are from 0 to {MAX_TOKEN}, not {min(block) if min(block) < 0 else max(block)}")
+    return block
+
+
+def decode(body: bytes | bytearray, own: KVSpec, seed: int, ipc: bool = False) -> KVPayload:
     """`decode_header`, then the payload: the blocks' bytes, or with `ipc` a CUDA IPC handle
     (workers/transfer_ipc.py)."""
     payload, start = decode_header(body, own, seed)

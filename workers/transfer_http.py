@@ -221,6 +221,8 @@ class TransferService:
         except InvalidRequest as e:
             return JSONResponse(error_body(str(e), code=e.code), status_code=400)
         except Exception as e:
+            if not ipc:  # a checked header and payload fail only as InvalidRequest: this is a bug
+                raise
             return JSONResponse(error_body(f"cannot open KV IPC handle: {e}", code="ipc_unavailable"), status_code=422)
         t2 = time.perf_counter()
         try:

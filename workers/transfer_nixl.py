@@ -54,13 +54,12 @@ from workers.nixl_layout import CacheLayout
 from workers.nixl_peers import PeerLayouts
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
-from workers.transfer import KVPayload, Reservation, decode_header
+from workers.transfer import MAX_HEADER_BYTES, KVPayload, Reservation, decode_header
 
 log = logging.getLogger("kvgate.transfer")
 
 RESERVE_BASE_S = 5.0  # a reservation lives this long plus its bytes at RESERVE_MIN_GBPS
 RESERVE_MIN_GBPS = 0.2
-MAX_HEADER_BYTES = 64 << 20
 PROGRESS_S = 0.0005  # a target's progress period while it holds reservations
 NO_NIXL_RECHECK_S = 60.0  # a peer without /kv/nixl gets HTTP straight away for this long
 QUARANTINE_OUTCOMES = ("completed", "timed_out")  # a settled commit came / the bound passed
