@@ -17,7 +17,7 @@ from workers.internal_auth import token_matches
 from workers.kv.hashing import block_hash, seed_hash
 from workers.sampling_params import InvalidRequest
 from workers.server import WorkerServer
-from workers.transfer import MAGIC, KVSpec, decode_header
+from workers.transfer import MAGIC, MAX_HEADER_BYTES, KVSpec, decode_header
 
 TOKEN = {"x-kvgate-token": "t"}
 BODY = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}
@@ -223,3 +223,14 @@ def test_a_malformed_transfer_header_is_a_bad_kv_transfer(server, client, shape)
 def test_a_sound_header_is_imported(client):
     r = client.post("/kv/import", content=header(KVSpec("m", 4, "none", 0, 0, 0)), headers=TOKEN)
     assert r.status_code == 200 and r.json()["dropped"] == 0
+
+
+def test_an_import_past_what_the_pool_holds_is_a_413_before_it_is_read_whole(server, client, monkeypatch):
+    spec, pool = server.transfer.spec, server.engine.pool
+    assert server.transfer.max_import_bytes == MAX_HEADER_BYTES + pool.num_blocks * spec.block_bytes()
+    monkeypatch.setattr(server.transfer, "max_import_bytes", 1000)
+    body = header(spec) + b"\0" * 1000
+    r = client.post("/kv/import", content=body, headers=TOKEN)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "bad_kv_transfer"
+    r = client.post("/kv/import", content=iter([body[:500], body[500:]]), headers=TOKEN)  # chunked: no length
+    assert r.status_code == 413 and r.json()["error"]["code"] == "bad_kv_transfer"

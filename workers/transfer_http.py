@@ -17,12 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from workers.background import background
+from workers.http_guard import BodyTooLarge
 from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.kv_host import KVHost
 from workers.protocol import error_body
 from workers.sampling_params import InvalidRequest
 from workers.tracing import WorkerTracing
-from workers.transfer import KVPayload, decode, encode_header
+from workers.transfer import MAX_HEADER_BYTES, KVPayload, decode, encode_header
 
 log = logging.getLogger("kvgate.transfer")
 CHUNK = 1 << 20
@@ -42,6 +43,8 @@ class TransferService:
         self.token = token
         self.transport = transport
         self.spec = self.host.spec(served_model)
+        # the largest /kv/import worth reading: a header and K/V for every block of the pool
+        self.max_import_bytes = MAX_HEADER_BYTES + engine.pool.num_blocks * self.spec.block_bytes()
         self.client: httpx.AsyncClient | None = None
         self.sent_bytes = dict.fromkeys(TRANSPORTS, 0)  # exports' bytes and seconds, by the transport that moved them
         self.sent_seconds = dict.fromkeys(TRANSPORTS, 0.0)
@@ -211,9 +214,10 @@ class TransferService:
 
     async def _import_request(self, request: Request, span) -> Response:
         t0 = time.perf_counter()
-        body = bytearray()  # writable, so the K/V payload becomes a tensor without a copy
-        async for piece in request.stream():
-            body += piece
+        try:
+            body = await read_import(request, self.max_import_bytes)
+        except BodyTooLarge as e:
+            return JSONResponse(error_body(str(e), code="bad_kv_transfer"), status_code=413)
         ipc = request.headers.get("content-type") == "application/x-kvgate-ipc"
         t1 = time.perf_counter()
         try:
@@ -282,3 +286,18 @@ class TransferService:
             await self.nixl.peers.close()
         if self.client:
             await self.client.aclose()
+
+
+async def read_import(request: Request, limit: int) -> bytearray:
+    """A /kv/import body, writable so the K/V payload becomes a tensor without a copy; or
+    BodyTooLarge as soon as it is known to pass `limit` bytes (its Content-Length, else the
+    bytes read): a peer's body is not read whole into memory before it is checked."""
+    length = request.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(limit)
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise BodyTooLarge(limit)
+    return body
