@@ -7,7 +7,14 @@ carries only `tool_calls`, or content given as a list of parts, renders like pla
 is one the OpenAI API names; tool calls keep their id and function name, with the JSON
 arguments parsed into an object (the form templates index). A template that still refuses the
 conversation (say, roles that must alternate) is the client's error, a 400, never the server's.
+
+How the template renders is vLLM's chat fields (`ChatOptions`): the assistant's reply opened
+(`add_generation_prompt`) or the last assistant message left open to continue
+(`continue_final_message`), and the client's own template variables (`chat_template_kwargs`).
 """
+
+import json
+from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
@@ -16,15 +23,79 @@ from workers.strict_json import loads
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+# apply_chat_template's own parameters and the names it renders the template with: a client's
+# template variable may add to what the template reads, never change how the prompt is built.
+RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "conversations",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+MAX_KWARGS_CHARS = 16384  # as JSON: template switches and short strings (enable_thinking, reasoning_effort)
 
 
-def render_chat(conversation: list[dict], tokenizer, add_generation_prompt: bool = True) -> str:
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the template renders a conversation (vLLM's chat fields, its defaults): the
+    assistant's reply opened, or the last (assistant) message left open for the model to
+    continue; `kwargs`: the client's variables for the template (`chat_template_kwargs`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, object] = field(default_factory=dict)
+
+
+def render_chat(conversation: list[dict], tokenizer, options: ChatOptions | None = None) -> str:
     """The prompt text of messages `chat_messages` has checked, under the tokenizer's chat
-    template (InvalidRequest if it has none or refuses them)."""
+    template as `options` ask (InvalidRequest if it has none or refuses them)."""
+    o = options or ChatOptions()
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=o.add_generation_prompt,
+            continue_final_message=o.continue_final_message,
+            **o.kwargs,
+        )
     except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
         raise InvalidRequest(f"the chat template cannot render these messages: {str(e)[:300]}", "messages") from None
+
+
+def template_kwargs(value: object) -> dict[str, object]:
+    """`chat_template_kwargs`, checked: an object (null: none) of at most MAX_KWARGS_CHARS as
+    JSON, setting none of RESERVED_KWARGS. Its values go to the template and nowhere else, so a
+    client changes what the template reads, never how kvgate builds the prompt."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if len(json.dumps(value)) > MAX_KWARGS_CHARS:
+        raise InvalidRequest(
+            f"'chat_template_kwargs' is longer than {MAX_KWARGS_CHARS} characters as JSON", "chat_template_kwargs"
+        )
+    reserved = sorted(RESERVED_KWARGS.intersection(value))
+    if reserved:
+        raise InvalidRequest(
+            f"'chat_template_kwargs' may not set {', '.join(reserved)}: they are the template call's own "
+            "(send add_generation_prompt and continue_final_message as request fields)",
+            "chat_template_kwargs",
+        )
+    return value
 
 
 def chat_messages(messages: object) -> list[dict]:

@@ -12,7 +12,7 @@ import weakref
 from typing import cast
 from dataclasses import dataclass, field, replace
 
-from workers.chat_template import chat_messages, render_chat
+from workers.chat_template import ChatOptions, chat_messages, render_chat, template_kwargs
 from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
 
 # OpenAI and vLLM request fields this server does not implement, with the values that ask for
@@ -61,6 +61,18 @@ PREFIX_CHARS_PER_TOKEN = 8
 CUT_MARGIN = 16  # tokens a prefix cut at a word boundary may over-count (special tokens, prefix spaces)
 _LAST_CUT = re.compile(r".*\S( )", re.S)
 _token_chars: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The chat fields, at the value that asks a text prompt for nothing (chat_options's defaults).
+CHAT_ONLY = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    """How a prompt becomes token ids, as vLLM reads a request: `add_special_tokens` puts the
+    tokenizer's own special tokens (BOS, ...) around the text; `chat`, for chat messages, is
+    how the template renders them (None: a text prompt)."""
+
+    add_special_tokens: bool
+    chat: ChatOptions | None = None
 
 
 @dataclass
@@ -124,6 +136,7 @@ def parse_request(
     kv, salt = _kv_transfer(body), _cache_salt(body)
     prompts, texts = [], []
     checked = _prompts(body, kind, vocab_size)
+    options = prompt_options(body, kind, checked[0] if kind == "chat" else None)
     if given is not None and len(given) != len(checked):
         raise InvalidRequest(f"'kv_prompt_ids' holds {len(given)} prompts; the request {len(checked)}", "kv_prompt_ids")
     for i, prompt in enumerate(checked):
@@ -132,7 +145,7 @@ def parse_request(
             ids, text = given[i], prompt if isinstance(prompt, str) else None
             _check_context(len(ids), 1, max_model_len)
         else:
-            ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len)
+            ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len, options)
         prompts.append(ids)
         texts.append(text)
     if asked is None:
@@ -166,7 +179,8 @@ def check_request(body: object, kind: str) -> None:
     sampling_params(body, _max_tokens(body, kind) or 1, None, kind)
     _kv_transfer(body)
     _cache_salt(body)
-    _prompts(body, kind, None)
+    checked = _prompts(body, kind, None)
+    prompt_options(body, kind, checked[0] if kind == "chat" else None)
 
 
 def _object(body: object, kind: str) -> dict:
@@ -300,18 +314,17 @@ def _check_context(n_prompt: int, n_out: int, max_model_len: int) -> None:
 
 
 def prompt_ids(
-    prompt: str | list[int] | list[dict], kind: str, tokenizer, max_model_len: int
+    prompt: str | list[int] | list[dict], kind: str, tokenizer, max_model_len: int, options: PromptOptions
 ) -> tuple[list[int], str | None]:
-    """(token ids, text) of one checked prompt: chat messages (checked by `chat_messages`) through the chat template, text
-    with the tokenizer's special tokens, token ids as given (their text is None)."""
-    if kind == "chat":
-        text, special, param = render_chat(cast(list[dict], prompt), tokenizer), False, "messages"
-    elif isinstance(prompt, list):
+    """(token ids, text) of one checked prompt: chat messages (checked by `chat_messages`) or
+    text as `prompt_text` makes it, tokenized as `options` ask; token ids as given (their text
+    is None)."""
+    if kind != "chat" and isinstance(prompt, list):
         ids = cast(list[int], prompt)
         _check_context(len(ids), 1, max_model_len)
         return ids, None
-    else:
-        text, special, param = prompt, True, "prompt"
+    param = "messages" if kind == "chat" else "prompt"
+    text = prompt_text(cast(str | list[dict], prompt), tokenizer, options)
     if surely_too_long(text, tokenizer, max_model_len):
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens; this prompt "
@@ -319,10 +332,55 @@ def prompt_ids(
             param,
             "context_length_exceeded",
         )
-    ids = tokenizer.encode(text, add_special_tokens=special)
+    ids = tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
     if not ids:
         raise InvalidRequest("the prompt is empty", param)
     return ids, text
+
+
+def prompt_text(prompt: str | list[dict], tokenizer, options: PromptOptions) -> str:
+    """The text to tokenize: chat messages through the chat template as `options.chat` asks,
+    a text prompt as it is."""
+    if options.chat is None:
+        return cast(str, prompt)
+    return render_chat(cast(list[dict], prompt), tokenizer, options.chat)
+
+
+def prompt_options(body: dict, kind: str, messages: list[dict] | None = None) -> PromptOptions:
+    """The body's prompt options, checked, with vLLM's defaults: `add_special_tokens` true for
+    text, false for chat (its template writes them); chat's by `chat_options`, on its checked
+    `messages`. A text prompt refuses the chat fields unless at their default (CHAT_ONLY): it
+    has no template to ask them of."""
+    special = _flag(body, "add_special_tokens", default=kind != "chat")
+    if kind == "chat":
+        return PromptOptions(special, chat_options(body, messages or []))
+    for name, noop in CHAT_ONLY.items():
+        v = body.get(name)
+        if v is not None and (type(v) is not type(noop) or v != noop):
+            raise InvalidRequest(f"'{name}' applies to chat messages only", name, "unsupported_parameter")
+    return PromptOptions(special)
+
+
+def chat_options(body: dict, messages: list[dict]) -> ChatOptions:
+    """How the template renders `messages`: `add_generation_prompt` (default true) opens the
+    assistant's reply; `continue_final_message` leaves the last message open instead, so it needs
+    `add_generation_prompt: false` (vLLM refuses both: two replies at once) and a last message of
+    the assistant's (any other is no reply to continue); `chat_template_kwargs` as
+    `template_kwargs` checks them."""
+    generation = _flag(body, "add_generation_prompt", default=True)
+    final = _flag(body, "continue_final_message")
+    if final and generation:
+        raise InvalidRequest(
+            "'continue_final_message' needs 'add_generation_prompt': false (its default is true): "
+            "the template cannot both continue the last message and open a new one",
+            "continue_final_message",
+        )
+    if final and (not messages or messages[-1]["role"] != "assistant"):
+        raise InvalidRequest(
+            "'continue_final_message' continues the last message, which must be the assistant's",
+            "continue_final_message",
+        )
+    return ChatOptions(generation, final, template_kwargs(body.get("chat_template_kwargs")))
 
 
 def _prompts(body: dict, kind: str, vocab_size: int | None) -> list:
@@ -357,28 +415,24 @@ def _prompt(prompt: object, vocab_size: int | None) -> str | list[int]:
 
 def tokenize_body(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], bool]:
     """(token ids, whether their strings are asked for) of a vLLM /tokenize body: `messages`
-    through the chat template (`add_generation_prompt`, default true), else `prompt` text
-    (`add_special_tokens`, default true; false for chat, whose template adds them)."""
-    chat = body.get("messages") is not None
+    through the chat template, else `prompt` text, with the options the completion and chat
+    endpoints take (`prompt_options`), so /tokenize counts a prompt as they do."""
+    kind = "chat" if body.get("messages") is not None else "completion"
     strs = _flag(body, "return_token_strs")
-    special = body.get("add_special_tokens", not chat)
-    if not isinstance(special, bool):
-        raise InvalidRequest("'add_special_tokens' must be a boolean", "add_special_tokens")
-    if chat:
-        generation = body.get("add_generation_prompt", True)
-        if not isinstance(generation, bool):
-            raise InvalidRequest("'add_generation_prompt' must be a boolean", "add_generation_prompt")
-        text = render_chat(chat_messages(body["messages"]), tokenizer, generation)
+    prompt: str | list[dict]
+    if kind == "chat":
+        prompt = chat_messages(body["messages"])
+    elif isinstance(body.get("prompt"), str):
+        prompt = body["prompt"]
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise InvalidRequest("'prompt' must be a string (or send 'messages')", "prompt")
-        text = prompt
+        raise InvalidRequest("'prompt' must be a string (or send 'messages')", "prompt")
+    options = prompt_options(body, kind, prompt if isinstance(prompt, list) else None)
+    text = prompt_text(prompt, tokenizer, options)
     if surely_too_long(text, tokenizer, 8 * max_model_len):
         raise InvalidRequest(
             f"this prompt is far longer than the model's {max_model_len} tokens", "prompt", "context_length_exceeded"
         )
-    return tokenizer.encode(text, add_special_tokens=special), strs
+    return tokenizer.encode(text, add_special_tokens=options.add_special_tokens), strs
 
 
 def surely_too_long(text: str, tokenizer, limit: int) -> bool:
@@ -440,11 +494,14 @@ def _number(body: dict, name: str, default, kind: type = float, param: str | Non
         raise InvalidRequest(f"'{name}' is out of range", param or name) from None
 
 
-def _flag(body: dict, name: str, param: str | None = None) -> bool:
+def _flag(body: dict, name: str, param: str | None = None, default: bool = False) -> bool:
+    """A boolean field, `default` when absent or null."""
     v = body.get(name)
-    if v is not None and not isinstance(v, bool):
+    if v is None:
+        return default
+    if not isinstance(v, bool):
         raise InvalidRequest(f"'{name}' must be a boolean", param or name)
-    return bool(v)
+    return v
 
 
 def _as_list(v, name: str, item_type: type) -> tuple:
