@@ -46,6 +46,10 @@ FIELDS = [
     "suffix",
     "min_tokens",
     "kv_transfer",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
     "unknown_field",
 ]
 ROLES = ["system", "developer", "user", "assistant", "tool", "function"]
