@@ -50,6 +50,7 @@ FIELDS = [
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "priority",
     "unknown_field",
 ]
 ROLES = ["system", "developer", "user", "assistant", "tool", "function"]

@@ -2,7 +2,8 @@
 share: `add_special_tokens` (text and chat), `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs` give the ids HF's own tokenizer calls give, through the gateway's and the
 worker's caching tokenizers, /tokenize and `kv_prompt_ids` alike; each refused shape is a 400
-naming its field."""
+naming its field, and vLLM fields kvgate does not implement are refused unless at their no-op
+value."""
 
 import inspect
 import json
@@ -43,6 +44,13 @@ CHAT_CASES = {
         False,
     ),
 }
+REFUSED = [  # (field, a value that asks for something, its no-op value)
+    ("priority", 1, 0),
+    ("prompt_embeds", "AAAAAA==", None),
+    ("length_penalty", 0.5, 1.0),
+    ("truncation_side", "left", None),
+    ("logprob_token_ids", [1, 2], None),
+]
 
 
 def variant():
@@ -231,6 +239,19 @@ def test_chat_template_kwargs_are_bounded(tok):
         loads(raw.encode())
 
 
+# -- vLLM fields kvgate's workers do not implement ------------------------------------------------
+
+
+@pytest.mark.parametrize("name, value, noop", REFUSED)
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_unimplemented_vllm_fields_are_refused_unless_at_their_noop_value(tok, name, value, noop, kind):
+    prompt = {"messages": CONVERSATION} if kind == "chat" else {"prompt": "hi"}
+    for checker in (None, tok):
+        e = refused({**prompt, name: value}, kind, checker)
+        assert e.param == name and e.code == "unsupported_parameter"
+    parse_request(wire({**prompt, name: noop}), kind, tok, CTX)
+
+
 # -- through a gateway sending its ids to a worker ------------------------------------------------
 
 
@@ -289,6 +310,7 @@ def test_through_the_gateway_the_worker_counts_the_prompt_as_it_does_alone(fleet
         ({"chat_template_kwargs": {"note": "a" * 20000}}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"add_special_tokens": "yes"}, "add_special_tokens"),
+        *[({name: value}, name) for name, value, _ in REFUSED],
     ],
 )
 def test_refusals_are_400s_naming_the_field_at_the_gateway_and_the_worker(fleet, fields, param):

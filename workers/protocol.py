@@ -46,6 +46,11 @@ NOOP_VALUES: dict[str, tuple] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    "priority": (0,),
+    "prompt_embeds": (),
+    "length_penalty": (1,),
+    "truncation_side": (),
+    "logprob_token_ids": (),
 }
 # The NOOP_VALUES fields that each kind does implement (with OpenAI's types, checked below).
 IMPLEMENTED = {"completion": {"echo", "logprobs"}, "chat": {"logprobs", "top_logprobs"}}
