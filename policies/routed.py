@@ -7,12 +7,13 @@ start. A router that counts its own sends (as sglang's and vllm's cache_aware ke
 what they sent) sees the holder at once.
 """
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
 from policies.api import FleetView, RequestView, Route, WorkerView
 from policies.predict import hit_tokens
+from policies.window import TimedWindow
 
 
 class RoutedPrefixes:
@@ -24,10 +25,9 @@ class RoutedPrefixes:
     (`residency_epoch`: its cache cleared, a resync, a restart) holds none of what it was sent."""
 
     def __init__(self, window_s: float = 1.0) -> None:
-        self.window_s = window_s
         # block hash -> (worker, its residency epoch then, when first sent)
         self.first: dict[int, tuple[str, int, float]] = {}
-        self.sent: deque[tuple[float, tuple[int, ...]]] = deque()
+        self.sent: TimedWindow[tuple[int, ...]] = TimedWindow(window_s)  # the blocks first sent, by routing
         self.pending: Counter[str] = Counter()
 
     def route(self, choose: Callable[[RequestView, FleetView], Route], req: RequestView, fleet: FleetView) -> Route:
@@ -64,27 +64,23 @@ class RoutedPrefixes:
         return replace(fleet, workers=tuple(_raised(w, sent.get(w.worker_id, 0)) for w in fleet.workers))
 
     def remember(self, req: RequestView, w: WorkerView, now: float) -> None:
-        """Record that `req` was sent to `w` at `now`, or at the last time recorded if that is
-        later (its full blocks but the last one, which the worker never takes from its cache).
-        The memory stays in time order, expiring from its front: another replica's routing
-        arrives a little late, or from a clock behind this one. What left the window goes
-        first: a replica that only hears where the others sent prompts holds no more than its
-        window of them."""
+        """Record that `req` was sent to `w` at `now` (`TimedWindow.add`: another replica's
+        routing may come late): its full blocks but the last one, which the worker never takes
+        from its cache. What left the window goes first: a replica that only hears where the
+        others sent prompts holds no more than its window of them."""
         self.expire(now)
-        at = max(now, self.sent[-1][0]) if self.sent else now
         hashes = req.block_hashes[: max(0, req.num_tokens - 1) // w.block_size]
         new = tuple(h for h in hashes if h not in self.first)
+        at = self.sent.add(new, now)
         for h in new:
             self.first[h] = (w.worker_id, w.residency_epoch, at)
         self.pending[w.worker_id] += len(new)
-        self.sent.append((at, new))
 
     def pending_blocks(self, worker_id: str) -> int:
         return self.pending[worker_id]
 
     def expire(self, now: float) -> None:
-        while self.sent and self.sent[0][0] < now - self.window_s:
-            _, hashes = self.sent.popleft()
+        for hashes in self.sent.expire(now):
             for h in hashes:
                 worker_id, _, _ = self.first.pop(h)
                 self.pending[worker_id] -= 1

@@ -163,8 +163,8 @@ def test_a_routing_stamped_ahead_of_this_clock_leaves_with_the_window():
     shared.apply(LedgerNote("a", ROUTED, "w0", "r1", at=1e300, prompt=(1, 2, 3), num_tokens=64))
     shared.apply(LedgerNote("a", ROUTED, "w0", "r2", at=time.time(), prompt=(4, 5, 6), num_tokens=64))
     shared.apply(LedgerNote("a", ROUTED, "w0", "r3", at=-1e308, prompt=(7, 8, 9), num_tokens=64))
-    assert [h for _, hashes in memory.sent for h in hashes] == list(range(1, 10))
-    assert [t for t, _ in memory.sent] == sorted(t for t, _ in memory.sent), "kept in time order"
+    assert [h for _, hashes in memory.sent.items for h in hashes] == list(range(1, 10))
+    assert [t for t, _ in memory.sent.items] == sorted(t for t, _ in memory.sent.items), "kept in time order"
     memory.expire(time.time() + 10.0)
     assert not memory.sent and not memory.first and memory.pending_blocks("w0") == 0
 
@@ -364,6 +364,9 @@ def test_decisions_go_to_the_other_replicas_and_theirs_reach_a_policy_that_keeps
         return
     p = gw.policy
     assert p.footprints.ordered == [100, 500] and p.warmer.requests.count == {9: 1}
-    assert [refused for _, refused in p.refusals.decisions.seen] == [True, False]  # the other's refusal, this admission
-    assert p.refusals.share(p.refusals.decisions.seen[-1][0]) == 0.5
+    assert [refused for _, refused in p.refusals.decisions.window.items] == [
+        True,
+        False,
+    ]  # the other's refusal, this admission
+    assert p.refusals.share(p.refusals.decisions.window.items[-1][0]) == 0.5
     assert tallies == [Tally(False, 100, None)]
