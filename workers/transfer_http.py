@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from workers.background import background
-from workers.http_guard import BodyTooLarge
+from workers.http_guard import BodyTooLarge, read_body_writable
 from workers.internal_auth import TOKEN_HEADER, token_matches
 from workers.kv_host import KVHost
 from workers.protocol import error_body
@@ -215,7 +215,7 @@ class TransferService:
     async def _import_request(self, request: Request, span) -> Response:
         t0 = time.perf_counter()
         try:
-            body = await read_import(request, self.max_import_bytes)
+            body = await read_body_writable(request, self.max_import_bytes)
         except BodyTooLarge as e:
             return JSONResponse(error_body(str(e), code="bad_kv_transfer"), status_code=413)
         ipc = request.headers.get("content-type") == "application/x-kvgate-ipc"
@@ -286,18 +286,3 @@ class TransferService:
             await self.nixl.peers.close()
         if self.client:
             await self.client.aclose()
-
-
-async def read_import(request: Request, limit: int) -> bytearray:
-    """A /kv/import body, writable so the K/V payload becomes a tensor without a copy; or
-    BodyTooLarge as soon as it is known to pass `limit` bytes (its Content-Length, else the
-    bytes read): a peer's body is not read whole into memory before it is checked."""
-    length = request.headers.get("content-length", "")
-    if length.isascii() and length.isdigit() and int(length) > limit:
-        raise BodyTooLarge(limit)
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise BodyTooLarge(limit)
-    return body
