@@ -22,7 +22,8 @@ from typing import TypeGuard, TypeVar
 
 import msgpack
 
-from workers.kv.events import DEVICE, DISK, HOST
+from workers.kv.events import DEVICE, DISK, HOST, checked_ints
+from workers.kv.hashing import MAX_TOKEN_ID
 
 END_SEQ = b"\xff" * 8
 STORED_TAG, REMOVED_TAG, CLEARED_TAG = "BlockStored", "BlockRemoved", "AllBlocksCleared"
@@ -55,8 +56,6 @@ NEUTRAL_KEYS = {
     "remaining_copy_counts",
 }
 
-# kvgate's block hash packs token ids as int64 (workers.kv.hashing): a larger id names no block.
-TOKEN_ID_MAX = 2**63 - 1
 MAX_SKIP_REASONS = 3  # a batch's skipped events are all counted, the first few with their reason
 T = TypeVar("T", int, str)
 
@@ -250,16 +249,14 @@ def _stored(e: dict[str, object]) -> Stored:
 
 
 def _tokens(v: object, n: int) -> tuple[int, ...]:
-    """`n` token ids, each one kvgate's block hash can pack (0 <= id <= TOKEN_ID_MAX). This runs
-    over every token of every event: types by one set, the range by min and max, not id by id."""
-    if (
-        not isinstance(v, list)
-        or len(v) != n
-        or not set(map(type, v)) <= {int}
-        or (v and (min(v) < 0 or max(v) > TOKEN_ID_MAX))
-    ):
+    """`n` token ids, each one kvgate's block hash can pack (`checked_ints` to MAX_TOKEN_ID, which
+    runs over every token of every event at C speed)."""
+    if not isinstance(v, list) or len(v) != n:
         raise BadBatch("BlockStored.token_ids must be block_size token ids (int64) per block")
-    return tuple(v)
+    try:
+        return checked_ints(v, MAX_TOKEN_ID, "BlockStored.token_ids")
+    except ValueError as e:
+        raise BadBatch(str(e)) from None
 
 
 def _extra(v: object, blocks: int) -> tuple[tuple | None, ...]:

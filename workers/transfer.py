@@ -13,8 +13,8 @@ import json
 import struct
 from dataclasses import dataclass
 
-from workers.kv.events import MAX_HASH, checked_number, shown
-from workers.kv.hashing import block_hash, salted_seed
+from workers.kv.events import MAX_HASH, checked_ints, checked_number, shown
+from workers.kv.hashing import MAX_TOKEN_ID, block_hash, salted_seed
 from workers.kv.host_pool import run_copies
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
@@ -22,7 +22,6 @@ from workers.strict_json import loads
 MAGIC = b"KVG1"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "none": 0}
 MAX_HEADER_BYTES = 64 << 20  # a 128k-token prompt's header is about 1 MB
-MAX_TOKEN = (1 << 63) - 1  # a block's token ids are hashed packed as int64
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ def decode_header(body: bytes | bytearray, own: KVSpec, seed: int) -> tuple[KVPa
 def header_fields(head: object) -> tuple[KVSpec, list[int], list[list[int]], int | None, str | None]:
     """(spec, hashes, tokens, parent, cache_salt) of a parsed header, each type- and range-checked
     (ValueError, KeyError or TypeError otherwise): hashes and parent 64-bit unsigned, as
-    decimal strings, token ids from 0 to MAX_TOKEN. Out of range, they overflowed the hashing."""
+    decimal strings, token ids from 0 to MAX_TOKEN_ID. Out of range, they overflowed the hashing."""
     if type(head) is not dict:
         raise TypeError(f"the header is a JSON object, not {shown(head)}")
     if type(head["spec"]) is not dict:
@@ -121,11 +120,10 @@ def _hash(v: object, what: str) -> int:
 
 
 def _token_ids(block: object) -> list[int]:
-    """One block's token ids: a list of integers from 0 to MAX_TOKEN."""
-    if type(block) is not list or not set(map(type, block)) <= {int}:
+    """One block's token ids: a list of integers from 0 to MAX_TOKEN_ID (`checked_ints`)."""
+    if type(block) is not list:
         raise TypeError(f"a block's tokens are a list of integers, not {shown(block)}")
-    if block and (min(block) < 0 or max(block) > MAX_TOKEN):
-        raise ValueError(f"token ids are from 0 to {MAX_TOKEN}, not {min(block) if min(block) < 0 else max(block)}")
+    checked_ints(block, MAX_TOKEN_ID, "a block's token ids")
     return block
 
 

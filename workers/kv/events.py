@@ -148,14 +148,20 @@ def checked_number(v: object, top: int, what: str) -> int:
 
 
 def checked_hashes(v: object, what: str) -> tuple[int, ...]:
-    """`v` as block hashes: a list of integers, each 64-bit unsigned. Types by one set and the
-    range by min and max, not hash by hash: this runs over every hash the tail reads."""
+    """`v` as block hashes: integers, each 64-bit unsigned (`checked_ints`)."""
+    return checked_ints(v, MAX_HASH, what)
+
+
+def checked_ints(v: object, top: int, what: str) -> tuple[int, ...]:
+    """`v` as a list of integers, each from 0 to `top` (a tuple), else ValueError naming `what`.
+    Types by one set and the range by min and max, not item by item: this runs over every hash
+    and token id a peer sends."""
     if not isinstance(v, (list, tuple)):
         raise ValueError(f"{what} must be a list of integers, not {shown(v)}")
     if not set(map(type, v)) <= {int}:
         raise ValueError(f"{what} must be integers, not {shown(next(h for h in v if type(h) is not int))}")
-    if v and (min(v) < 0 or max(v) > MAX_HASH):
-        raise ValueError(f"{what} must be from 0 to {MAX_HASH}, not {min(v) if min(v) < 0 else max(v)}")
+    if v and (min(v) < 0 or max(v) > top):
+        raise ValueError(f"{what} must be from 0 to {top}, not {min(v) if min(v) < 0 else max(v)}")
     return tuple(v)
 
 

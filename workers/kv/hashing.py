@@ -11,6 +11,7 @@ from array import array
 from hashlib import blake2b
 
 MASK64 = (1 << 64) - 1
+MAX_TOKEN_ID = (1 << 63) - 1  # a block's token ids are packed as int64: a larger one names no block
 
 
 def seed_hash(model_id: str, block_size: int) -> int:
