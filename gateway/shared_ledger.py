@@ -118,7 +118,9 @@ def _id(x: object, empty: bool = False) -> str:
 
 
 def _prompt(d: dict) -> tuple[tuple[int, ...], int]:
-    return checked_hashes(d.get("prompt"), "a routed note's prompt"), checked_count(d.get("num_tokens"))
+    return checked_hashes(d.get("prompt"), "a routed note's prompt"), checked_count(
+        d.get("num_tokens"), "a routed note's num_tokens"
+    )
 
 
 def _entries(x: object) -> tuple[Held, ...]:

@@ -134,7 +134,8 @@ class Tally:
         if not isinstance(d, dict) or not isinstance(d.get("refused"), bool):
             raise ValueError("a tally is an object whose 'refused' is true or false")
         prefix = d.get("prefix")
-        return cls(d["refused"], checked_count(d.get("footprint")), None if prefix is None else checked_count(prefix))
+        footprint = checked_count(d.get("footprint"), "a tally's footprint")
+        return cls(d["refused"], footprint, None if prefix is None else checked_count(prefix, "a tally's prefix"))
 
 
 @dataclass(frozen=True)

@@ -18,29 +18,32 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from workers.kv.events import MAX_HASH, checked_number
+from workers.kv.events import checked_hashes as kv_hashes
+
 if TYPE_CHECKING:  # policies.api holds a Ledger in each WorkerView
     from policies.api import RequestView, Route
 
 
 MAX_HASHES = 1 << 20  # block hashes in one list crossing between replicas, past any pool
-MAX_COUNT = (1 << 64) - 1  # block hashes are 64-bit; counts stay far below
+MAX_COUNT = MAX_HASH  # counts crossing between replicas stay far below
 MAX_TOKENS = 1 << 24  # decode steps of one ledger entry, past any model's context
 
 
-def checked_count(x: object, most: int = MAX_COUNT) -> int:
-    """`x` if it is a count or block hash (an int from 0 to `most`), else ValueError: what
-    crosses between gateway replicas (ledger entries, routed prompts) is checked by it."""
-    if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= most:
-        raise ValueError(f"counts and block hashes are integers from 0 to {most}, not {x!r}")
-    return x
+def checked_count(x: object, what: str, most: int = MAX_COUNT) -> int:
+    """`x` if it is a count from 0 to `most`, else ValueError naming `what`: what crosses
+    between gateway replicas (ledger entries, routed prompts) is checked by the KV events' rule
+    for numbers (`checked_number`)."""
+    return checked_number(x, most, what)
 
 
 def checked_hashes(x: object, what: str) -> tuple[int, ...]:
-    """`x` as block hashes if it is a list of at most `MAX_HASHES` of them, else ValueError
-    (`what` names the list in it): an entry's hit and a routed prompt cross between replicas."""
+    """`x` as block hashes if it is a list of at most `MAX_HASHES` of them (`checked_hashes` of
+    the KV events), else ValueError naming `what`: an entry's hit and a routed prompt cross
+    between replicas."""
     if not isinstance(x, list) or len(x) > MAX_HASHES:
         raise ValueError(f"{what} is a list of at most {MAX_HASHES} hashes")
-    return tuple(checked_count(h) for h in x)
+    return kv_hashes(x, what)
 
 
 def checked_time(x: object) -> float | None:
@@ -97,11 +100,11 @@ class Sent:
     def from_json(cls, d: dict) -> Sent:
         """The entry `to_json` wrote; ValueError for anything else (it crosses between replicas)."""
         hit = checked_hashes(d.get("hit"), "a ledger entry's hit")
-        steps = checked_count(d.get("max_tokens"), MAX_TOKENS)
+        steps = checked_count(d.get("max_tokens"), "a ledger entry's max_tokens", MAX_TOKENS)
         if steps < 1:
             raise ValueError("a ledger entry's max_tokens is at least 1")
         return cls(
-            checked_count(d.get("need")),
+            checked_count(d.get("need"), "a ledger entry's need"),
             hit,
             steps,
             checked_time(d.get("started_at")),
