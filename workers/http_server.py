@@ -7,8 +7,11 @@ timer at all on a fresh connection that says nothing, and answers its own `limit
 with a plain-text 503. So each connection here is a `ClientConnection`:
 
 - a request head must arrive whole within `header_timeout_s` of its first byte (of the
-  connection, for a new one), and its body within `body_timeout_s` of the head; otherwise the
-  client gets a 408 and the connection is closed, so trickling clients cannot hold sockets;
+  connection, for a new one), and its body within `body_timeout_s` of the head, extended by a
+  second per `body_min_rate` bytes received up to `body_max_timeout_s` (Apache mod_reqtimeout's
+  `body=30-600,MinRate=500000`); otherwise the client gets a 408 and the connection is closed,
+  so trickling clients cannot hold sockets while a large body that keeps flowing (a P/D export
+  to `/kv/import`) is never cut;
 - a request head over `max_head_bytes` gets a 431 and the connection is closed, so a head that
   never ends cannot grow without bound within its deadline;
 - a client that leaves its answer unread (its socket buffer full, the server's writes
@@ -52,6 +55,19 @@ class ClientLimits:
     retry_after_s: int = 1
     max_head_bytes: int = 64 * 1024
     send_timeout_s: float = 60.0
+    body_min_rate: int = 500_000  # bytes/s
+    body_max_timeout_s: float = 600.0
+
+    def body_seconds(self, received: int) -> float:
+        """Seconds a request body may take after its head with `received` bytes of it in:
+        `body_timeout_s` plus a second per `body_min_rate` bytes (none for a rate of 0), at most
+        `body_max_timeout_s` (never less than `body_timeout_s`). A body flowing at the min rate
+        or faster is cut only at that ceiling, a trickle soon after `body_timeout_s`: large
+        bodies need no long timeout that slow clients could hold sockets with."""
+        if self.body_min_rate <= 0:
+            return self.body_timeout_s
+        ceiling = max(self.body_timeout_s, self.body_max_timeout_s)
+        return min(self.body_timeout_s + received / self.body_min_rate, ceiling)
 
 
 def fit_connections(wanted: int, files_each: int) -> int:
@@ -115,6 +131,8 @@ class ClientConnection(HttpToolsProtocol):
         self.deadline: asyncio.TimerHandle | None = None
         self.in_message = False  # a request's first byte has come, its last not yet
         self.head_bytes = 0
+        self.body_bytes = 0  # of the request whose body is coming, since `body_since` (loop time)
+        self.body_since = 0.0
         self.stall: asyncio.TimerHandle | None = None
         if len(self.connections) > self.limits.max_connections:
             self.app = over_capacity(self.limits.retry_after_s)
@@ -147,7 +165,14 @@ class ClientConnection(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         self.head_bytes = 0
+        self.body_bytes = 0
+        self.body_since = self.loop.time()
         self._guard(BODY, self.limits.body_timeout_s)
+
+    def on_body(self, body: bytes) -> None:
+        """Count the body's bytes: they extend its deadline (`_extend_body`)."""
+        self.body_bytes += len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -196,24 +221,37 @@ class ClientConnection(HttpToolsProtocol):
 
     def _expired(self) -> None:
         """The request head or body did not arrive in time: 408 (when nothing was answered yet
-        and something was asked) and close."""
+        and something was asked) and close; a body's deadline moves on first if the bytes it
+        received since extend it."""
         phase = self.phase
+        if phase == BODY and self._extend_body():
+            return
         self.phase, self.deadline = None, None
         if self.transport.is_closing():
             return
         started = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
         if self.in_message and not started:
-            seconds = self.limits.header_timeout_s if phase == HEADER else self.limits.body_timeout_s
+            seconds = self.limits.header_timeout_s if phase == HEADER else self.limits.body_seconds(self.body_bytes)
             self.transport.write(
                 _raw_error(
                     408,
                     "Request Timeout",
-                    f"the request {phase} did not arrive within {seconds:g} s",
+                    f"the request {phase} did not arrive within {round(seconds, 1):g} s",
                     "invalid_request_error",
                     "request_timeout",
                 )
             )
         self.transport.close()
+
+    def _extend_body(self) -> bool:
+        """Re-arm the body's deadline at what the bytes received allow (`ClientLimits.body_seconds`);
+        False when that has passed too. Checked only when the deadline fires, so a body's bytes
+        cost a count, not a timer each."""
+        left = self.body_since + self.limits.body_seconds(self.body_bytes) - self.loop.time()
+        if left <= 0:
+            return False
+        self.deadline = self.loop.call_later(left, self._expired)
+        return True
 
 
 def protocol_class(limits: ClientLimits, base: type[ClientConnection] = ClientConnection) -> type[ClientConnection]:
@@ -246,7 +284,24 @@ def add_client_args(g: argparse._ArgumentGroup, notes: Mapping[str, str] | None 
     add(
         "--client-body-timeout",
         default.body_timeout_s,
-        "seconds for a request body to arrive whole after its head (else 408 and close)",
+        "seconds for a request body to arrive whole after its head (else 408 and close), "
+        "extended by --client-body-min-rate",
+        metavar="S",
+    )
+    add(
+        "--client-body-min-rate",
+        default.body_min_rate,
+        "bytes/s: each this many body bytes received add a second to --client-body-timeout, so a "
+        "body that keeps flowing this fast is never cut before --client-body-max-timeout while a "
+        "trickle still is (0: no extension); 500 kB/s is far below any LAN transfer, and holding "
+        "4096 connections open at it would cost a client 2 GB/s",
+        metavar="B/S",
+    )
+    add(
+        "--client-body-max-timeout",
+        default.body_max_timeout_s,
+        "seconds a request body may take at most, however fast it flows: the ceiling of "
+        "--client-body-min-rate's extension (300 MB at 500 kB/s)",
         metavar="S",
     )
     add(
@@ -270,6 +325,8 @@ def client_limits(args: argparse.Namespace, files_each: int, retry_after_s: int)
         args.client_idle_timeout,
         retry_after_s,
         send_timeout_s=args.client_send_timeout,
+        body_min_rate=args.client_body_min_rate,
+        body_max_timeout_s=args.client_body_max_timeout,
     )
 
 
