@@ -29,8 +29,8 @@ log = logging.getLogger("kvgate.worker")
 # the worker's remarks on the client limits it shares with the gateway: where they meet the fleet's traffic
 CLIENT_NOTES = {
     "--max-connections": "the gateways' connections count too: one for each request in flight, KV-event stream and poll",
-    "--client-body-timeout": "a decode worker's /kv/import bodies (P/D over HTTP) too: raise it for "
-    "large exports over slow links",
+    "--client-body-min-rate": "a decode worker's /kv/import bodies (P/D over HTTP) too: lower it (not "
+    "the body timeout) for exports over slower links, raise --client-body-max-timeout for longer ones",
     "--client-idle-timeout": "keep it above 4 s, how long a gateway reuses an idle connection",
     "--client-send-timeout": "keep it at least the gateway's: a gateway's client that reads slowly "
     "slows the gateway's reads here",
