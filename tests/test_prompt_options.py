@@ -1,9 +1,9 @@
-"""vLLM's prompt options, read by the one parser (workers/protocol.py) the gateway and the workers
-share: `add_special_tokens` (text and chat), `add_generation_prompt`, `continue_final_message` and
-`chat_template_kwargs` give the ids HF's own tokenizer calls give, through the gateway's and the
-worker's caching tokenizers, /tokenize and `kv_prompt_ids` alike; each refused shape is a 400
-naming its field, and vLLM fields kvgate does not implement are refused unless at their no-op
-value."""
+"""vLLM's prompt options, read by the one parser the gateway and the workers share
+(workers/protocol.py, the options themselves in workers/prompt_options.py): `add_special_tokens`
+(text and chat), `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` give
+the ids HF's own tokenizer calls give, through the gateway's and the worker's caching tokenizers,
+/tokenize and `kv_prompt_ids` alike; each refused shape is a 400 naming its field, and vLLM fields
+kvgate does not implement are refused unless at their no-op value."""
 
 import inspect
 import json

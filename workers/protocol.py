@@ -4,15 +4,17 @@ Pure (no torch): the gateway imports it too, so the gateway and the workers turn
 request into the same token ids, and refuse the same bad input with the same 400, by running
 the same code. Every field a client may send is checked for type and range before the prompt
 is tokenized; a feature this server does not implement is refused, never silently ignored.
+How a prompt becomes text (the prompt options, the chat template) is workers/prompt_options.py.
 """
 
-import math
 import re
 import weakref
 from typing import cast
 from dataclasses import dataclass, field, replace
 
-from workers.chat_template import ChatOptions, chat_messages, render_chat, template_kwargs
+from workers.chat_template import chat_messages
+from workers.fields import as_list, flag, number
+from workers.prompt_options import PromptOptions, prompt_options, prompt_text
 from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
 
 # OpenAI and vLLM request fields this server does not implement, with the values that ask for
@@ -66,18 +68,6 @@ PREFIX_CHARS_PER_TOKEN = 8
 CUT_MARGIN = 16  # tokens a prefix cut at a word boundary may over-count (special tokens, prefix spaces)
 _LAST_CUT = re.compile(r".*\S( )", re.S)
 _token_chars: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# The chat fields, at the value that asks a text prompt for nothing (chat_options's defaults).
-CHAT_ONLY = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}
-
-
-@dataclass(frozen=True)
-class PromptOptions:
-    """How a prompt becomes token ids, as vLLM reads a request: `add_special_tokens` puts the
-    tokenizer's own special tokens (BOS, ...) around the text; `chat`, for chat messages, is
-    how the template renders them (None: a text prompt)."""
-
-    add_special_tokens: bool
-    chat: ChatOptions | None = None
 
 
 @dataclass
@@ -210,10 +200,10 @@ def _object(body: object, kind: str) -> dict:
 
 def _choices(body: dict, kind: str) -> tuple[int, bool]:
     """(n, echo): completions per prompt, and whether each completion starts with its prompt."""
-    n = _number(body, "n", 1, int)
+    n = number(body, "n", 1, int)
     if not 1 <= n <= MAX_N:
         raise InvalidRequest(f"'n' must be an integer in [1, {MAX_N}]", "n")
-    echo = _flag(body, "echo") if kind == "completion" else False
+    echo = flag(body, "echo") if kind == "completion" else False
     if echo and body.get("logprobs") is not None:
         raise InvalidRequest(
             "'echo' with 'logprobs' needs the prompt's log-probabilities, which kvgate's workers do not compute",
@@ -227,10 +217,10 @@ def _logprobs(body: dict, kind: str) -> int | None:
     """How many top alternatives to report per output token (None: no logprobs). Completions
     take `logprobs: N`; chat takes `logprobs: true` and `top_logprobs: N`."""
     if kind == "completion":
-        k = _number(body, "logprobs", None, int)
+        k = number(body, "logprobs", None, int)
     else:
-        k = _number(body, "top_logprobs", None, int)
-        if not _flag(body, "logprobs"):
+        k = number(body, "top_logprobs", None, int)
+        if not flag(body, "logprobs"):
             if k:
                 raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
             return None
@@ -247,16 +237,16 @@ def _options(body: dict) -> tuple[bool, bool, bool]:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise InvalidRequest("'stream_options' must be an object", "stream_options")
-    stream, include_usage = _flag(body, "stream"), _flag(opts or {}, "include_usage", "stream_options")
+    stream, include_usage = flag(body, "stream"), flag(opts or {}, "include_usage", "stream_options")
     if opts and not stream:
         raise InvalidRequest("'stream_options' can only be given with 'stream': true", "stream_options")
-    return stream, include_usage, _flag(body, "return_token_ids")
+    return stream, include_usage, flag(body, "return_token_ids")
 
 
 def _max_tokens(body: dict, kind: str) -> int | None:
     """The completion budget asked for (chat prefers `max_completion_tokens`), None if not given."""
     key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
-    n = _number(body, key, None, int)
+    n = number(body, key, None, int)
     if n is not None and n < 1:
         raise InvalidRequest(f"'{key}' must be at least 1", key)
     return n
@@ -266,16 +256,16 @@ def sampling_params(
     body: dict, max_tokens: int, vocab_size: int | None = None, kind: str = "completion"
 ) -> SamplingParams:
     """The body's sampling fields, each type- and range-checked."""
-    top_k = _number(body, "top_k", 0, int)
+    top_k = number(body, "top_k", 0, int)
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
+        temperature=number(body, "temperature", 1.0),
+        top_p=number(body, "top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,
-        seed=_number(body, "seed", None, int),
-        stop=_as_list(body.get("stop"), "stop", str),
-        stop_token_ids=_as_list(body.get("stop_token_ids"), "stop_token_ids", int),
-        ignore_eos=_flag(body, "ignore_eos"),
+        seed=number(body, "seed", None, int),
+        stop=as_list(body.get("stop"), "stop", str),
+        stop_token_ids=as_list(body.get("stop_token_ids"), "stop_token_ids", int),
+        ignore_eos=flag(body, "ignore_eos"),
         logprobs=_logprobs(body, kind),
     ).validate()
     if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
@@ -292,7 +282,7 @@ def _kv_transfer(body: dict) -> dict:
         raise InvalidRequest("'kv_transfer' takes only 'export_to' and 'wait_ms'", "kv_transfer")
     if "export_to" in kv and not (isinstance(kv["export_to"], str) and kv["export_to"].startswith("http")):
         raise InvalidRequest("'kv_transfer.export_to' must be an http(s) URL", "kv_transfer")
-    if not 0 <= _number(kv, "wait_ms", 0.0, param="kv_transfer") <= 60000:
+    if not 0 <= number(kv, "wait_ms", 0.0, param="kv_transfer") <= 60000:
         raise InvalidRequest("'kv_transfer.wait_ms' must be in [0, 60000]", "kv_transfer")
     return kv
 
@@ -343,51 +333,6 @@ def prompt_ids(
     return ids, text
 
 
-def prompt_text(prompt: str | list[dict], tokenizer, options: PromptOptions) -> str:
-    """The text to tokenize: chat messages through the chat template as `options.chat` asks,
-    a text prompt as it is."""
-    if options.chat is None:
-        return cast(str, prompt)
-    return render_chat(cast(list[dict], prompt), tokenizer, options.chat)
-
-
-def prompt_options(body: dict, kind: str, messages: list[dict] | None = None) -> PromptOptions:
-    """The body's prompt options, checked, with vLLM's defaults: `add_special_tokens` true for
-    text, false for chat (its template writes them); chat's by `chat_options`, on its checked
-    `messages`. A text prompt refuses the chat fields unless at their default (CHAT_ONLY): it
-    has no template to ask them of."""
-    special = _flag(body, "add_special_tokens", default=kind != "chat")
-    if kind == "chat":
-        return PromptOptions(special, chat_options(body, messages or []))
-    for name, noop in CHAT_ONLY.items():
-        v = body.get(name)
-        if v is not None and (type(v) is not type(noop) or v != noop):
-            raise InvalidRequest(f"'{name}' applies to chat messages only", name, "unsupported_parameter")
-    return PromptOptions(special)
-
-
-def chat_options(body: dict, messages: list[dict]) -> ChatOptions:
-    """How the template renders `messages`: `add_generation_prompt` (default true) opens the
-    assistant's reply; `continue_final_message` leaves the last message open instead, so it needs
-    `add_generation_prompt: false` (vLLM refuses both: two replies at once) and a last message of
-    the assistant's (any other is no reply to continue); `chat_template_kwargs` as
-    `template_kwargs` checks them."""
-    generation = _flag(body, "add_generation_prompt", default=True)
-    final = _flag(body, "continue_final_message")
-    if final and generation:
-        raise InvalidRequest(
-            "'continue_final_message' needs 'add_generation_prompt': false (its default is true): "
-            "the template cannot both continue the last message and open a new one",
-            "continue_final_message",
-        )
-    if final and (not messages or messages[-1]["role"] != "assistant"):
-        raise InvalidRequest(
-            "'continue_final_message' continues the last message, which must be the assistant's",
-            "continue_final_message",
-        )
-    return ChatOptions(generation, final, template_kwargs(body.get("chat_template_kwargs")))
-
-
 def _prompts(body: dict, kind: str, vocab_size: int | None) -> list:
     """The request's prompts, each checked: chat's messages (one prompt), or a completion's
     prompt: a string, a list of token ids, or a list of either (a batch)."""
@@ -399,7 +344,7 @@ def _prompts(body: dict, kind: str, vocab_size: int | None) -> list:
         return [_prompt(prompt, vocab_size)]
     if len(prompt) > MAX_PROMPTS:
         raise InvalidRequest(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
-    if len(prompt) * _number(body, "n", 1, int) > MAX_CHOICES:
+    if len(prompt) * number(body, "n", 1, int) > MAX_CHOICES:
         raise InvalidRequest(f"at most {MAX_CHOICES} completions (prompts x n) in one request", "n")
     return [_prompt(p, vocab_size) for p in prompt]
 
@@ -423,7 +368,7 @@ def tokenize_body(body: dict, tokenizer, max_model_len: int) -> tuple[list[int],
     through the chat template, else `prompt` text, with the options the completion and chat
     endpoints take (`prompt_options`), so /tokenize counts a prompt as they do."""
     kind = "chat" if body.get("messages") is not None else "completion"
-    strs = _flag(body, "return_token_strs")
+    strs = flag(body, "return_token_strs")
     prompt: str | list[dict]
     if kind == "chat":
         prompt = chat_messages(body["messages"])
@@ -477,43 +422,3 @@ def token_chars(tokenizer) -> int | None:
     chars = longest * (1 if backend is not None and backend.normalizer is None else 3)
     _token_chars[tokenizer] = chars
     return chars
-
-
-def _number(body: dict, name: str, default, kind: type = float, param: str | None = None):
-    """A finite number (an integer when `kind` is int), or `default` when absent or null."""
-    v = body.get(name)
-    if v is None:
-        return default
-    what = "an integer" if kind is int else "a number"
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidRequest(f"'{name}' must be {what}", param or name)
-    if isinstance(v, float) and not math.isfinite(v):
-        raise InvalidRequest(f"'{name}' must be finite", param or name)
-    if kind is int:
-        if v != int(v):
-            raise InvalidRequest(f"'{name}' must be {what}", param or name)
-        return int(v)
-    try:
-        return float(v)
-    except OverflowError:
-        raise InvalidRequest(f"'{name}' is out of range", param or name) from None
-
-
-def _flag(body: dict, name: str, param: str | None = None, default: bool = False) -> bool:
-    """A boolean field, `default` when absent or null."""
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"'{name}' must be a boolean", param or name)
-    return v
-
-
-def _as_list(v, name: str, item_type: type) -> tuple:
-    if v is None:
-        return ()
-    if type(v) is item_type:
-        return (v,)
-    if isinstance(v, list) and all(type(x) is item_type for x in v):
-        return tuple(v)
-    raise InvalidRequest(f"'{name}' must be a {item_type.__name__} or a list of them", name)
