@@ -24,6 +24,13 @@ CTX = 8192
 TOKEN = "prompt-options-token"
 # Qwen3's switch: with `enable_thinking: false` the template writes an empty thinking block.
 THINKING = "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+# What gpt-oss's template does with `reasoning_effort`, and a RAG template's `documents`.
+EFFORT = "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+DOCUMENTS = "{% if documents is not none %}<docs>{% for d in documents %}{{ d.title }}: {{ d.text }}\n{% endfor %}</docs>{% endif %}"
+DOCS = [
+    {"title": "Blocks", "text": "The cache keeps full blocks."},
+    {"title": "Hashes", "text": "Each block is hashed."},
+]
 LONG = "The cache holds the prefix of the prompt, block by block, for the next request. " * 24
 CONVERSATION = [
     {"role": "user", "content": LONG + "Say it in one line."},
@@ -43,6 +50,17 @@ CHAT_CASES = {
         {"add_generation_prompt": True, "enable_thinking": False},
         False,
     ),
+    "reasoning_effort": (  # vLLM: the effort, and thinking on unless it is "none"
+        {"reasoning_effort": "none"},
+        {"add_generation_prompt": True, "reasoning_effort": "none", "enable_thinking": False},
+        False,
+    ),
+    "reasoning_effort and chat_template_kwargs": (  # vLLM: the field's effort, the client's switch
+        {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "high"}},
+        {"add_generation_prompt": True, "reasoning_effort": "low", "enable_thinking": False},
+        False,
+    ),
+    "documents": ({"documents": DOCS}, {"add_generation_prompt": True, "documents": DOCS}, False),
 }
 REFUSED = [  # (field, a value that asks for something, its no-op value)
     ("priority", 1, 0),
@@ -55,10 +73,11 @@ REFUSED = [  # (field, a value that asks for something, its no-op value)
 
 def variant():
     """SmolLM2's tokenizer adding a BOS token (as Llama's do) under a template that reads
-    `enable_thinking` (as Qwen3's does): so every option changes the ids."""
+    `enable_thinking` (as Qwen3's does), `reasoning_effort` and `documents`: so every option
+    changes the ids."""
     tok = load_tokenizer(MODEL)
     tok.add_bos_token = True
-    tok.chat_template = tok.chat_template + THINKING
+    tok.chat_template = DOCUMENTS + tok.chat_template + EFFORT + THINKING
     return tok
 
 
@@ -134,7 +153,7 @@ def test_chat_options_give_apply_chat_templates_ids(tok, parse, case):
     assert parse({"messages": CONVERSATION, **fields}) == want
 
 
-@pytest.mark.parametrize("case", ["continue_final_message", "chat_template_kwargs"])
+@pytest.mark.parametrize("case", ["continue_final_message", "chat_template_kwargs", "reasoning_effort", "documents"])
 def test_tokenize_reads_the_options_as_the_chat_endpoint_does(tok, case):
     fields, template_args, special = CHAT_CASES[case]
     ids, _ = tokenize_body(wire({"messages": CONVERSATION, **fields}), PrefixTokenizer(tok, words=False), CTX)
@@ -187,12 +206,25 @@ def test_the_options_are_booleans(tok, name, value):
 
 @pytest.mark.parametrize(
     "name, value",
-    [("add_generation_prompt", False), ("continue_final_message", True), ("chat_template_kwargs", {"a": 1})],
+    [
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template_kwargs", {"a": 1}),
+        ("reasoning_effort", "low"),
+        ("documents", DOCS),
+        ("documents", []),
+    ],
 )
 def test_a_text_prompt_refuses_the_chat_options_unless_at_their_default(tok, name, value):
     e = refused({"prompt": "hi", name: value}, "completion", tok)
     assert e.param == name and e.code == "unsupported_parameter"
-    default = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}[name]
+    default = {
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "chat_template_kwargs": {},
+        "reasoning_effort": None,
+        "documents": None,
+    }[name]
     for noop in (default, None):
         assert parse_request(wire({"prompt": "hi", name: noop}), "completion", tok, CTX).prompt_ids == tok.encode("hi")
 
@@ -237,6 +269,41 @@ def test_chat_template_kwargs_are_bounded(tok):
     )
     with pytest.raises(InvalidRequest):
         loads(raw.encode())
+
+
+# -- reasoning_effort and documents from a hostile client ------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["extreme", "LOW", "", 1, True, ["low"], {"effort": "low"}], ids=repr)
+def test_reasoning_effort_is_one_of_vllms_efforts(tok, value):
+    for checker in (None, tok):
+        assert refused({"messages": CONVERSATION, "reasoning_effort": value}, tok=checker).param == "reasoning_effort"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "the cache",
+        {"title": "A", "text": "b"},
+        ["the cache"],
+        [{"title": "A", "text": 5}],
+        [{"title": "A", "text": None}],
+        [{"title": "A", "text": ["b"]}],
+        [{"title": "A"}] * 257,  # more documents than any RAG prompt sends
+        [{"text": "cache " * 90_000}],  # more text than MAX_DOCUMENTS_CHARS
+        [{"title": "A", "text": "b" * 300_000}, {"title": "B", "text": "c" * 300_000}],
+    ],
+    ids=lambda v: repr(v)[:40],
+)
+def test_documents_are_a_bounded_list_of_objects_of_strings(tok, value):
+    for checker in (None, tok):
+        assert refused({"messages": CONVERSATION, "documents": value}, tok=checker).param == "documents"
+
+
+def test_an_empty_documents_list_is_passed_as_vllm_passes_it(tok, parse):
+    assert parse({"messages": CONVERSATION, "documents": []}) == chat_ids(
+        tok, {"add_generation_prompt": True, "documents": []}, False
+    )
 
 
 # -- vLLM fields kvgate's workers do not implement ------------------------------------------------
@@ -310,6 +377,8 @@ def test_through_the_gateway_the_worker_counts_the_prompt_as_it_does_alone(fleet
         ({"chat_template_kwargs": {"note": "a" * 20000}}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"documents": [{"title": 5}]}, "documents"),
         *[({name: value}, name) for name, value, _ in REFUSED],
     ],
 )

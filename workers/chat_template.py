@@ -10,7 +10,8 @@ conversation (say, roles that must alternate) is the client's error, a 400, neve
 
 How the template renders is vLLM's chat fields (`ChatOptions`): the assistant's reply opened
 (`add_generation_prompt`) or the last assistant message left open to continue
-(`continue_final_message`), and the client's own template variables (`chat_template_kwargs`).
+(`continue_final_message`), the client's own template variables (`chat_template_kwargs`), its
+`reasoning_effort` and its retrieved `documents`, each passed as vLLM passes it.
 """
 
 import json
@@ -47,17 +48,23 @@ RESERVED_KWARGS = frozenset(
     }
 )
 MAX_KWARGS_CHARS = 16384  # as JSON: template switches and short strings (enable_thinking, reasoning_effort)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM 0.32's
+MAX_DOCUMENTS = 256
+MAX_DOCUMENTS_CHARS = 1 << 19  # keys and values: about 128k tokens of text, more than most contexts hold
 
 
 @dataclass(frozen=True)
 class ChatOptions:
     """How the template renders a conversation (vLLM's chat fields, its defaults): the
     assistant's reply opened, or the last (assistant) message left open for the model to
-    continue; `kwargs`: the client's variables for the template (`chat_template_kwargs`)."""
+    continue; `kwargs`: the client's variables for the template (`chat_template_kwargs`, and
+    `reasoning_effort` as `reasoning_kwargs` adds it); `documents`: the template's RAG documents
+    (None: the template is not given any)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, object] = field(default_factory=dict)
+    documents: list[dict[str, str]] | None = None
 
 
 def render_chat(conversation: list[dict], tokenizer, options: ChatOptions | None = None) -> str:
@@ -70,6 +77,7 @@ def render_chat(conversation: list[dict], tokenizer, options: ChatOptions | None
             tokenize=False,
             add_generation_prompt=o.add_generation_prompt,
             continue_final_message=o.continue_final_message,
+            documents=o.documents,
             **o.kwargs,
         )
     except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
@@ -96,6 +104,35 @@ def template_kwargs(value: object) -> dict[str, object]:
             "chat_template_kwargs",
         )
     return value
+
+
+def reasoning_kwargs(effort: object, kwargs: dict[str, object]) -> dict[str, object]:
+    """`kwargs` with the request's `reasoning_effort` (null: none; else one of REASONING_EFFORTS)
+    as vLLM hands it to the template: as `reasoning_effort`, over any that `kwargs` set, and as
+    `enable_thinking` (false only for "none") unless `kwargs` set that, so a template that thinks
+    only when asked (Qwen3's, Gemma's) thinks when an effort is asked."""
+    if effort is None:
+        return kwargs
+    if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+        raise InvalidRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+    return {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
+
+
+def template_documents(value: object) -> list[dict[str, str]] | None:
+    """`documents` (vLLM's RAG documents, each an object of strings such as {"title", "text"}),
+    checked (null: none): at most MAX_DOCUMENTS of at most MAX_DOCUMENTS_CHARS in all, so a
+    megabyte list is refused before the template renders it. Copies, as messages are."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(d, dict) for d in value):
+        raise InvalidRequest("'documents' must be a list of objects", "documents")
+    if len(value) > MAX_DOCUMENTS:
+        raise InvalidRequest(f"'documents' holds at most {MAX_DOCUMENTS} documents", "documents")
+    if not all(isinstance(k, str) and isinstance(v, str) for d in value for k, v in d.items()):
+        raise InvalidRequest("each document in 'documents' must map names to strings", "documents")
+    if sum(len(k) + len(v) for d in value for k, v in d.items()) > MAX_DOCUMENTS_CHARS:
+        raise InvalidRequest(f"'documents' holds more than {MAX_DOCUMENTS_CHARS} characters", "documents")
+    return [dict(d) for d in value]
 
 
 def chat_messages(messages: object) -> list[dict]:

@@ -1,6 +1,7 @@
 """How a request's prompt becomes the text to tokenize, as vLLM reads the request: the prompt
 options (`add_special_tokens`; for chat messages the template's `add_generation_prompt`,
-`continue_final_message` and `chat_template_kwargs`), checked once, and the text they make.
+`continue_final_message`, `chat_template_kwargs`, `reasoning_effort` and `documents`), checked
+once, and the text they make.
 
 Pure (no torch): the gateway and the workers read a body's options by this one code, so both
 tokenize a prompt into the same ids.
@@ -9,12 +10,18 @@ tokenize a prompt into the same ids.
 from dataclasses import dataclass
 from typing import cast
 
-from workers.chat_template import ChatOptions, render_chat, template_kwargs
+from workers.chat_template import ChatOptions, reasoning_kwargs, render_chat, template_documents, template_kwargs
 from workers.fields import flag
 from workers.sampling_params import InvalidRequest
 
 # The chat fields, at the value that asks a text prompt for nothing (chat_options's defaults).
-CHAT_ONLY = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}
+CHAT_ONLY = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "chat_template_kwargs": {},
+    "reasoning_effort": None,
+    "documents": None,
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ def chat_options(body: dict, messages: list[dict]) -> ChatOptions:
     assistant's reply; `continue_final_message` leaves the last message open instead, so it needs
     `add_generation_prompt: false` (vLLM refuses both: two replies at once) and a last message of
     the assistant's (any other is no reply to continue); `chat_template_kwargs` as
-    `template_kwargs` checks them."""
+    `template_kwargs` checks them, with `reasoning_effort` as `reasoning_kwargs` adds it;
+    `documents` as `template_documents` checks them."""
     generation = flag(body, "add_generation_prompt", default=True)
     final = flag(body, "continue_final_message")
     if final and generation:
@@ -69,4 +77,5 @@ def chat_options(body: dict, messages: list[dict]) -> ChatOptions:
             "'continue_final_message' continues the last message, which must be the assistant's",
             "continue_final_message",
         )
-    return ChatOptions(generation, final, template_kwargs(body.get("chat_template_kwargs")))
+    kwargs = reasoning_kwargs(body.get("reasoning_effort"), template_kwargs(body.get("chat_template_kwargs")))
+    return ChatOptions(generation, final, kwargs, template_documents(body.get("documents")))
