@@ -15,7 +15,8 @@ cached blocks as stored, which would inflate the gateway's reference counts).
 """
 
 from workers.given_ids import FIELD as GIVEN_IDS
-from workers.protocol import IMPLEMENTED, NOOP_VALUES, ParsedRequest, parse_request
+from workers.protocol import ParsedRequest, parse_request
+from workers.unsupported import IMPLEMENTED, NOOP_VALUES
 
 
 def internal_field(body: dict) -> str | None:

@@ -16,46 +16,8 @@ from workers.chat_template import chat_messages
 from workers.fields import as_list, flag, number
 from workers.prompt_options import PromptOptions, prompt_options, prompt_text
 from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
+from workers.unsupported import refuse_unsupported
 
-# OpenAI and vLLM request fields this server does not implement, with the values that ask for
-# nothing (none: any value but null asks for something).
-NOOP_VALUES: dict[str, tuple] = {
-    "best_of": (1,),
-    "echo": (False,),
-    "suffix": ("",),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "prompt_logprobs": (0,),
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
-    "min_tokens": (0,),
-    "tools": ([],),
-    "functions": ([],),
-    "tool_choice": ("none", "auto"),
-    "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "use_beam_search": (False,),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
-    "truncate_prompt_tokens": (),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "priority": (0,),
-    "prompt_embeds": (),
-    "length_penalty": (1,),
-    "truncation_side": (),
-    "logprob_token_ids": (),
-}
-# The NOOP_VALUES fields that each kind does implement (with OpenAI's types, checked below).
-IMPLEMENTED = {"completion": {"echo", "logprobs"}, "chat": {"logprobs", "top_logprobs"}}
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
 MAX_N = 128  # completions per prompt
 MAX_PROMPTS = 1024  # prompts in one completions request
@@ -182,15 +144,7 @@ def _object(body: object, kind: str) -> dict:
     """The body as a dict whose top-level fields outside the sampling parameters are sound."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    for name, noop in NOOP_VALUES.items():
-        v = body.get(name)
-        if v is not None and name not in IMPLEMENTED[kind] and v not in noop:
-            raise InvalidRequest(
-                f"'{name}' is not supported by kvgate's workers (leave it out, or serve this "
-                "model with vLLM workers, which the gateway forwards it to)",
-                name,
-                "unsupported_parameter",
-            )
+    refuse_unsupported(body, kind)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise InvalidRequest("'model' must be a string", "model")
     if body.get("user") is not None and not isinstance(body["user"], str):

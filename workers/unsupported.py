@@ -1,0 +1,62 @@
+"""The OpenAI and vLLM request fields kvgate's workers do not implement, and their one check.
+
+Such a field is refused (a 400 naming it), never silently ignored, unless it holds a value that
+asks for nothing: a client that sends `presence_penalty: 0` asks what a worker does anyway. The
+gateway forwards these fields untouched to a model served only by vLLM workers, which implement
+them (gateway/passthrough.py).
+"""
+
+from workers.sampling_params import InvalidRequest
+
+# The fields, with the values that ask for nothing (none: any value but null asks for something).
+NOOP_VALUES: dict[str, tuple] = {
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "use_beam_search": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "priority": (0,),
+    "prompt_embeds": (),
+    "length_penalty": (1,),
+    "truncation_side": (),
+    "logprob_token_ids": (),
+}
+# The NOOP_VALUES fields that each kind does implement (with OpenAI's types, read by workers/protocol.py).
+IMPLEMENTED = {"completion": {"echo", "logprobs"}, "chat": {"logprobs", "top_logprobs"}}
+
+
+def refuse_unsupported(body: dict, kind: str) -> None:
+    """Refuse the first NOOP_VALUES field of `body` that asks for something, unless `kind`
+    (completion, chat) implements it."""
+    for name, noop in NOOP_VALUES.items():
+        v = body.get(name)
+        if v is not None and name not in IMPLEMENTED[kind] and v not in noop:
+            raise InvalidRequest(
+                f"'{name}' is not supported by kvgate's workers (leave it out, or serve this "
+                "model with vLLM workers, which the gateway forwards it to)",
+                name,
+                "unsupported_parameter",
+            )
