@@ -68,6 +68,24 @@ REFUSED = [  # (field, a value that asks for something, its no-op value)
     ("length_penalty", 0.5, 1.0),
     ("truncation_side", "left", None),
     ("logprob_token_ids", [1, 2], None),
+    ("chat_template", "{{ messages[0].content }}", None),
+    ("mm_processor_kwargs", {"num_crops": 4}, {}),
+    ("media_io_kwargs", {"video": {"num_frames": 8}}, {}),
+    ("thinking_token_budget", 64, -1),
+    ("include_reasoning", False, True),
+    ("parallel_tool_calls", False, True),
+    ("watermarking", True, False),
+    ("repetition_detection", {"max_pattern_size": 4}, None),
+    ("spaces_between_special_tokens", False, True),
+    ("return_tokens_as_token_ids", True, False),
+    ("return_prompt_text", True, False),
+    ("routed_experts_prompt_start", 3, 0),
+    ("stream_interval", 8, 1),
+    ("request_id", "req-1", None),
+    ("session_id", "conversation-1", None),
+    ("vllm_xargs", {"my_logits_processor": 1}, {}),
+    ("kv_transfer_params", {"do_remote_decode": True}, None),
+    ("ec_transfer_params", {"do_remote_encode": True}, None),
 ]
 
 
@@ -317,6 +335,14 @@ def test_unimplemented_vllm_fields_are_refused_unless_at_their_noop_value(tok, n
         e = refused({**prompt, name: value}, kind, checker)
         assert e.param == name and e.code == "unsupported_parameter"
     parse_request(wire({**prompt, name: noop}), kind, tok, CTX)
+
+
+def test_a_requests_own_chat_template_is_refused_as_vllm_refuses_an_untrusted_one(tok):
+    for fields in ({"chat_template": "{{ 'x' }}"}, {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}):
+        for checker in (None, tok):
+            e = refused({"messages": CONVERSATION, **fields}, tok=checker)
+            assert e.param in fields and "chat_template" in str(e)
+    assert "--trust-request-chat-template" in str(refused({"messages": CONVERSATION, "chat_template": "{{ 'x' }}"}))
 
 
 # -- through a gateway sending its ids to a worker ------------------------------------------------

@@ -81,6 +81,9 @@ def test_fields_that_steer_vllms_cache_are_internal():
         ("structured_outputs", {"choice": ["yes", "no"]}),
         ("skip_special_tokens", False),
         ("use_beam_search", True),
+        ("chat_template", "{{ messages[0].content }}"),
+        ("vllm_xargs", {"my_logits_processor": 1}),
+        ("thinking_token_budget", 16),
     ],
 )
 def test_fields_only_vllm_implements_pass_to_vllm_and_are_refused_for_kvgate_workers(tok, field, value):

@@ -43,9 +43,36 @@ NOOP_VALUES: dict[str, tuple] = {
     "length_penalty": (1,),
     "truncation_side": (),
     "logprob_token_ids": (),
+    # vLLM 0.32's other request fields: the prompt's template and multimodal inputs,
+    "chat_template": (),
+    "mm_processor_kwargs": ({},),
+    "media_io_kwargs": ({},),
+    # reasoning and tools,
+    "thinking_token_budget": (-1,),
+    "include_reasoning": (True,),
+    "parallel_tool_calls": (True,),
+    # sampling and what the answer carries,
+    "watermarking": (False,),
+    "repetition_detection": (),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "return_prompt_text": (False,),
+    "routed_experts_prompt_start": (0,),
+    "stream_interval": (1,),
+    # the request's identity and vLLM's extensions.
+    "request_id": (),
+    "session_id": (),
+    "vllm_xargs": ({},),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
 }
 # The NOOP_VALUES fields that each kind does implement (with OpenAI's types, read by workers/protocol.py).
 IMPLEMENTED = {"completion": {"echo", "logprobs"}, "chat": {"logprobs", "top_logprobs"}}
+# Why a field is refused, where "not implemented" is not the whole reason.
+WHY = {
+    "chat_template": "a chat template sent with the request is not trusted (vLLM refuses one too unless "
+    "started with --trust-request-chat-template): kvgate's workers render the model's own template only",
+}
 
 
 def refuse_unsupported(body: dict, kind: str) -> None:
@@ -54,9 +81,10 @@ def refuse_unsupported(body: dict, kind: str) -> None:
     for name, noop in NOOP_VALUES.items():
         v = body.get(name)
         if v is not None and name not in IMPLEMENTED[kind] and v not in noop:
+            why = WHY.get(name, "not supported by kvgate's workers")
             raise InvalidRequest(
-                f"'{name}' is not supported by kvgate's workers (leave it out, or serve this "
-                "model with vLLM workers, which the gateway forwards it to)",
+                f"'{name}': {why} (leave it out, or serve this model with vLLM workers, which the "
+                "gateway forwards it to)",
                 name,
                 "unsupported_parameter",
             )
