@@ -189,6 +189,18 @@ def test_tokenize_refuses_what_the_endpoints_refuse(tok):
         assert e.value.param == param
 
 
+@pytest.mark.parametrize("name, value, noop", REFUSED)
+@pytest.mark.parametrize("prompt", [{"messages": CONVERSATION}, {"prompt": "hi"}], ids=["chat", "text"])
+def test_tokenize_refuses_the_unimplemented_fields_the_endpoints_refuse(tok, name, value, noop, prompt):
+    with pytest.raises(InvalidRequest) as e:
+        tokenize_body(wire({**prompt, name: value}), tok, CTX)
+    assert e.value.param == name and e.value.code == "unsupported_parameter"
+    tokenize_body(wire({**prompt, name: noop}), tok, CTX)
+    with pytest.raises(InvalidRequest) as e:
+        tokenize_body(wire({**prompt, "model": 5}), tok, CTX)
+    assert e.value.param == "model"
+
+
 # -- continue_final_message as vLLM takes it ------------------------------------------------------
 
 

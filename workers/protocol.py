@@ -320,8 +320,10 @@ def _prompt(prompt: object, vocab_size: int | None) -> str | list[int]:
 def tokenize_body(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], bool]:
     """(token ids, whether their strings are asked for) of a vLLM /tokenize body: `messages`
     through the chat template, else `prompt` text, with the options the completion and chat
-    endpoints take (`prompt_options`), so /tokenize counts a prompt as they do."""
+    endpoints take (`prompt_options`), so /tokenize counts a prompt as they do; the fields they
+    refuse (`_object`: workers/unsupported.py) it refuses too, so no option is silently dropped."""
     kind = "chat" if body.get("messages") is not None else "completion"
+    body = _object(body, kind)
     strs = flag(body, "return_token_strs")
     prompt: str | list[dict]
     if kind == "chat":
