@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from workers.chat_template import ChatOptions, reasoning_kwargs, render_chat, template_documents, template_kwargs
-from workers.fields import flag
+from workers.fields import flag, json_equal
 from workers.sampling_params import InvalidRequest
 
 # The chat fields, at the value that asks a text prompt for nothing (chat_options's defaults).
@@ -52,7 +52,7 @@ def prompt_options(body: dict, kind: str, messages: list[dict] | None = None) ->
         return PromptOptions(special, chat_options(body, messages or []))
     for name, noop in CHAT_ONLY.items():
         v = body.get(name)
-        if v is not None and (type(v) is not type(noop) or v != noop):
+        if v is not None and not json_equal(v, noop):
             raise InvalidRequest(f"'{name}' applies to chat messages only", name, "unsupported_parameter")
     return PromptOptions(special)
 

@@ -6,6 +6,7 @@ gateway forwards these fields untouched to a model served only by vLLM workers, 
 them (gateway/passthrough.py).
 """
 
+from workers.fields import json_equal
 from workers.sampling_params import InvalidRequest
 
 # The fields, with the values that ask for nothing (none: any value but null asks for something).
@@ -77,10 +78,11 @@ WHY = {
 
 def refuse_unsupported(body: dict, kind: str) -> None:
     """Refuse the first NOOP_VALUES field of `body` that asks for something, unless `kind`
-    (completion, chat) implements it."""
+    (completion, chat) implements it. A value is a no-op only as JSON holds it (`json_equal`):
+    `false` is no number, `0` no boolean."""
     for name, noop in NOOP_VALUES.items():
         v = body.get(name)
-        if v is not None and name not in IMPLEMENTED[kind] and v not in noop:
+        if v is not None and name not in IMPLEMENTED[kind] and not any(json_equal(v, n) for n in noop):
             why = WHY.get(name, "not supported by kvgate's workers")
             raise InvalidRequest(
                 f"'{name}': {why} (leave it out, or serve this model with vLLM workers, which the "
