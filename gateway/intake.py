@@ -133,7 +133,7 @@ class Intake:
         self, request: Request, body: dict, kind: str, model: str, prep: Prepared | None, size: int, rid: str
     ) -> RequestView:
         h = request.headers
-        session = h.get("x-session-id") or body.get("user")
+        session = h.get("x-session-id") or body.get("session_id") or body.get("user")
         return RequestView(
             request_id=rid,
             num_tokens=prep.num_tokens if prep else size // 4,

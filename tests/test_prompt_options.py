@@ -11,11 +11,14 @@ import json
 import httpx
 import pytest
 
+from starlette.requests import Request
+
+from gateway.intake import Intake
 from gateway.procs import Worker, start_gateway, stop_all
 from gateway.tokenize import ModelTokenizer
 from workers.model_store import load_tokenizer, served_name
 from workers.prefix_tokens import PrefixTokenizer
-from workers.protocol import check_request, parse_request, tokenize_body
+from workers.protocol import MAX_SESSION_ID, check_request, parse_request, tokenize_body
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import MAX_DEPTH, loads
 
@@ -73,7 +76,6 @@ REFUSED = [  # (field, a value that asks for something, its no-op value)
     ("media_io_kwargs", {"video": {"num_frames": 8}}, {}),
     ("thinking_token_budget", 64, -1),
     ("include_reasoning", False, True),
-    ("parallel_tool_calls", False, True),
     ("watermarking", True, False),
     ("repetition_detection", {"max_pattern_size": 4}, None),
     ("spaces_between_special_tokens", False, True),
@@ -82,7 +84,6 @@ REFUSED = [  # (field, a value that asks for something, its no-op value)
     ("routed_experts_prompt_start", 3, 0),
     ("stream_interval", 8, 1),
     ("request_id", "req-1", None),
-    ("session_id", "conversation-1", None),
     ("vllm_xargs", {"my_logits_processor": 1}, {}),
     ("kv_transfer_params", {"do_remote_decode": True}, None),
     ("ec_transfer_params", {"do_remote_encode": True}, None),
@@ -347,6 +348,43 @@ def test_unimplemented_vllm_fields_are_refused_unless_at_their_noop_value(tok, n
         e = refused({**prompt, name: value}, kind, checker)
         assert e.param == name and e.code == "unsupported_parameter"
     parse_request(wire({**prompt, name: noop}), kind, tok, CTX)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_parallel_tool_calls_asks_nothing_without_tools(tok, value):
+    """Tools are refused, so either value of the flag over them is a no-op; a non-boolean is not."""
+    parse_request(wire({"messages": CONVERSATION, "parallel_tool_calls": value}), "chat", tok, CTX)
+    assert refused({"messages": CONVERSATION, "parallel_tool_calls": 1}).param == "parallel_tool_calls"
+
+
+def test_a_session_id_is_a_bounded_string_that_changes_nothing_of_the_prompt(tok):
+    plain = parse_request(wire({"messages": CONVERSATION}), "chat", tok, CTX).prompt_ids
+    named = parse_request(wire({"messages": CONVERSATION, "session_id": "chat-7"}), "chat", tok, CTX)
+    assert named.prompt_ids == plain
+    for bad in (7, ["chat-7"], "s" * (MAX_SESSION_ID + 1)):
+        for checker in (None, tok):
+            assert refused({"messages": CONVERSATION, "session_id": bad}, tok=checker).param == "session_id"
+
+
+@pytest.mark.parametrize(
+    "headers, body, session",
+    [
+        ({}, {"session_id": "body", "user": "u"}, "body"),
+        ({"x-session-id": "header"}, {"session_id": "body"}, "header"),
+        ({}, {"user": "u"}, "u"),
+        ({}, {}, None),
+    ],
+)
+def test_the_gateway_reads_the_session_from_the_header_then_session_id_then_user(headers, body, session):
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+    intake = Intake(None, None, None, None, None)  # type: ignore[arg-type]  # request_view reads none of them
+    view = intake.request_view(Request(scope), body, "chat", MODEL, None, 100, "r")
+    assert view.session_id == session
 
 
 def test_a_requests_own_chat_template_is_refused_as_vllm_refuses_an_untrusted_one(tok):

@@ -22,6 +22,9 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
 MAX_N = 128  # completions per prompt
 MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_CHOICES = 1024  # prompts x n
+# vLLM's `session_id`: the chat session a request belongs to, which the gateway's policies see
+# (as they see `x-session-id`); it changes nothing of the answer, so the workers only check it.
+MAX_SESSION_ID = 256
 # On a whole (non-streaming) answer: ms from the worker's receipt of the request to its first
 # token, which the gateway adds to its own time before sending to get the client's TTFT.
 TTFT_HEADER = "x-kvgate-ttft-ms"
@@ -147,8 +150,11 @@ def _object(body: object, kind: str) -> dict:
     refuse_unsupported(body, kind)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise InvalidRequest("'model' must be a string", "model")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise InvalidRequest("'user' must be a string", "user")
+    for name in ("user", "session_id"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise InvalidRequest(f"'{name}' must be a string", name)
+    if len(body.get("session_id") or "") > MAX_SESSION_ID:
+        raise InvalidRequest(f"'session_id' is longer than {MAX_SESSION_ID} characters", "session_id")
     return body
 
 

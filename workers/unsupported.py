@@ -51,7 +51,7 @@ NOOP_VALUES: dict[str, tuple] = {
     # reasoning and tools,
     "thinking_token_budget": (-1,),
     "include_reasoning": (True,),
-    "parallel_tool_calls": (True,),
+    "parallel_tool_calls": (True, False),  # without tools (refused above) it asks for nothing
     # sampling and what the answer carries,
     "watermarking": (False,),
     "repetition_detection": (),
@@ -62,7 +62,6 @@ NOOP_VALUES: dict[str, tuple] = {
     "stream_interval": (1,),
     # the request's identity and vLLM's extensions.
     "request_id": (),
-    "session_id": (),
     "vllm_xargs": ({},),
     "kv_transfer_params": (),
     "ec_transfer_params": (),
