@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
         "--pd-min-uncached-tokens",
         type=int,
         metavar="N",
-        help="P/D-aware policies (slo_goodput) disaggregate only when the best decode/mixed worker "
-        "lacks at least N prompt tokens; shorter prefills run on the decode worker (default 512)",
+        help="P/D-aware policies (prefix_affinity, kv_cost, slo_goodput) disaggregate only when the best "
+        "decode/mixed worker lacks at least N prompt tokens; shorter prefills run on the decode worker (default 512)",
     )
     p.add_argument(
         "--pd-wait-ms",
@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
         "--no-access-log",
         dest="access_log",
         action="store_false",
-        help="no access-log line per request (logger kvgate.access, at INFO whatever --log-level)",
+        help="no access-log line per request (by default one, logger kvgate.access, at INFO whatever --log-level)",
     )
     p.add_argument(
         "--fleet-summary-s",
