@@ -9,8 +9,10 @@ and an end marker whose seq is 0xff x 8.
 
 The publisher is a process of the fleet, not a client, but a bad frame still must not stop the
 subscriber: a malformed event is left out of its batch, which keeps its other events (a dropped
-BlockRemoved would leave evicted blocks resident) and counts the ones it skipped; a message or
-envelope that is no batch raises `BadBatch` (carrying the batch's seq when its frames gave one).
+BlockRemoved would leave evicted blocks resident) and counts the ones it skipped. Each event is
+unpacked from its own bytes, so that what one holds (a map key of any type, bad UTF-8) fails it
+alone. A message or envelope that is no batch, or whose events' ends msgpack cannot find, raises
+`BadBatch` (carrying the batch's seq when its frames gave one).
 Fields are type-checked here, once, so the translation downstream handles plain, well-typed data.
 Nothing else escapes the decoder: a malformed payload the publisher keeps in its replay buffer
 would otherwise stop the subscriber again at every resync.
@@ -57,7 +59,20 @@ NEUTRAL_KEYS = {
 }
 
 MAX_SKIP_REASONS = 3  # a batch's skipped events are all counted, the first few with their reason
+# vLLM's biggest steps (a million-token prefill) pack to some 6 MB; a hostile payload of
+# one-byte items would unpack into some 60 times its size.
+MAX_PAYLOAD = 16 << 20
 T = TypeVar("T", int, str)
+
+
+class Pairs(tuple):
+    """A msgpack map as its (key, value) pairs, in order; the decoder checks the keys itself.
+    Built as a dict, a map keyed by an array or a map fails inside msgpack (TypeError:
+    unhashable), and with `strict_map_key` any key but a string fails the whole payload, the
+    good events of its batch with it."""
+
+
+READ = {"raw": False, "strict_map_key": False, "object_pairs_hook": Pairs}
 
 
 class BadBatch(ValueError):
@@ -149,52 +164,74 @@ def decode_payload(seq: int, payload: bytes) -> EngineBatch:
     """Batch `seq` from its msgpack `[ts, events, dp_rank?]`. A payload that is no such envelope
     raises BadBatch carrying `seq`, so that one bad batch costs its own events and nothing more."""
     try:
-        return _batch(seq, _unpack(payload))
+        return _batch(seq, payload)
     except BadBatch as e:
         raise BadBatch(str(e), seq) from None
-
-
-def _unpack(payload: bytes) -> object:
-    """The payload's msgpack value. vLLM (msgspec) and SGLang key every map by field name and no
-    event field is a map, so `strict_map_key` rejects any other key, unhashable ones included, as
-    msgpack's ValueError instead of a TypeError from inside it."""
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
     except (ValueError, msgpack.UnpackException) as e:  # UnicodeDecodeError and StackError among them
-        raise BadBatch(f"payload is not msgpack: {e}") from None
+        raise BadBatch(f"payload is no msgpack [ts, events, dp_rank?]: {e}", seq) from None
 
 
-def _batch(seq: int, body: object) -> EngineBatch:
+def _unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
+    """An Unpacker holding `buf`, its lengths capped by `buf`'s size as `msgpack.unpackb` caps
+    them: an array header claiming 2**32 items must not allocate them."""
+    u = msgpack.Unpacker(max_buffer_size=max(len(buf), 1), **READ)
+    u.feed(buf)
+    return u
+
+
+def _batch(seq: int, payload: bytes) -> EngineBatch:
     """A batch's envelope: `ts` a finite, non-negative time (the subscriber orders restarts by
-    it), `dp_rank` a non-negative int or nil."""
-    if not isinstance(body, list) or len(body) < 2 or not isinstance(body[1], list):
+    it), `dp_rank` a non-negative int or nil, items past it skipped. Its events are framed one
+    by one (`_events`); what hides where they end fails the batch: bytes msgpack cannot read,
+    nesting past its stack (1024 deep), a truncated payload, bytes past its end, or a payload over
+    MAX_PAYLOAD (a hostile one unpacks into tens of times its size)."""
+    if len(payload) > MAX_PAYLOAD:
+        raise BadBatch(f"payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
+    u = _unpacker(payload)
+    items = u.read_array_header()
+    if items < 2:
         raise BadBatch("payload is not [ts, events, dp_rank?]")
-    ts, rank = body[0], body[2] if len(body) > 2 else None
+    ts = u.unpack()
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
         raise BadBatch("payload's ts must be a finite, non-negative number")
+    events, skipped, reasons = _events(u, memoryview(payload))
+    rank = u.unpack() if items > 2 else None
     if rank is not None and (type(rank) is not int or rank < 0):
         raise BadBatch("payload's dp_rank must be a non-negative int or nil")
-    events, skipped, reasons = _events(body[1])
+    for _ in range(items - 3):
+        u.skip()
+    if u.tell() != len(payload):
+        raise BadBatch("payload has bytes past its batch")
     return EngineBatch(seq, float(ts), events, rank or 0, skipped, reasons)
 
 
-def _events(raw: list) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:
-    """The well-formed events of `raw`, in order, then how many were left out and why for the
-    first MAX_SKIP_REASONS: a bad event costs only itself, not its batch's BlockRemoved events."""
+def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:
+    """The well-formed events of the events array `u` is at, in order, then how many were left
+    out and why for the first MAX_SKIP_REASONS: a bad event costs only itself, not its batch's
+    BlockRemoved events. msgpack frames each event without building it (`skip`), so that what
+    one holds (a map key of any type, bad UTF-8, a malformed timestamp) fails its own decoding."""
     events: list[Event] = []
     reasons: list[str] = []
-    for i, e in enumerate(raw):
+    count = u.read_array_header()
+    for i in range(count):
+        start = u.tell()
+        u.skip()
         try:
-            events.append(decode_event(e))
+            events.append(decode_event(payload[start : u.tell()]))
         except BadBatch as bad:
             if len(reasons) < MAX_SKIP_REASONS:
                 reasons.append(f"event {i}: {bad}")
-    return tuple(events), len(raw) - len(events), tuple(reasons)
+    return tuple(events), count - len(events), tuple(reasons)
 
 
-def decode_event(e: object) -> Event:
-    """One event: a map tagged by `type` or an array led by its tag; anything else, or a field
-    this decoder reads holding the wrong type, raises BadBatch (the batch leaves the event out)."""
+def decode_event(raw: bytes | memoryview) -> Event:
+    """One event's msgpack: a map tagged by `type` or an array led by its tag; anything else, or
+    a field this decoder reads holding the wrong type, raises BadBatch (the batch leaves the
+    event out)."""
+    try:
+        e = msgpack.unpackb(raw, **READ)
+    except (ValueError, msgpack.UnpackException) as bad:  # bad UTF-8, a malformed timestamp
+        raise BadBatch(f"event does not decode: {bad}") from None
     fields = _fields(e)
     tag = fields.get("type")
     if tag == STORED_TAG:
@@ -218,11 +255,11 @@ def _fields(e: object) -> dict[str, object]:
             **dict(zip(names, e[1:])),
             **{f"field {i}": True for i in range(len(names) + 1, len(e)) if e[i] is not None},
         }
-    if not isinstance(e, dict):
+    if not isinstance(e, Pairs):
         raise BadBatch("an event is a map with a 'type' or an array starting with its tag")
-    if not all(type(k) is str for k in e):
+    if not all(type(k) is str for k, _ in e):
         raise BadBatch("an event's keys must be field names (strings)")
-    return e
+    return dict(e)
 
 
 def _stored(e: dict[str, object]) -> Stored:

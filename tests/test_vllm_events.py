@@ -173,9 +173,9 @@ def test_malformed_frames_are_bad_batches(frames):
 
 @pytest.mark.parametrize("name", list(vm.MALFORMED))
 def test_every_malformed_payload_is_a_bad_batch_naming_its_seq(name):
-    """Non-string, unhashable and mixed map keys, nesting deeper than msgpack's stack, bad
-    timestamps, a wrong envelope: a BadBatch naming the batch's seq (the subscriber steps over it
-    in order), never another exception."""
+    """Bytes that hide where the events end (nesting deeper than msgpack's stack, a reserved byte,
+    a truncated or oversized payload), bad timestamps, a wrong envelope: a BadBatch naming the
+    batch's seq (the subscriber steps over it in order), never another exception."""
     with pytest.raises(BadBatch) as e:
         decode_frames([b"kv", (5).to_bytes(8, "big"), vm.MALFORMED[name]])
     assert e.value.seq == 5
@@ -183,13 +183,26 @@ def test_every_malformed_payload_is_a_bad_batch_naming_its_seq(name):
 
 @pytest.mark.parametrize("name", list(vm.BAD_EVENTS))
 def test_a_malformed_event_is_left_out_and_its_batch_keeps_the_others(name):
-    """Ids kvgate cannot hash, wrong field types, unknown tags, nesting deeper than Python
-    recurses: the event is skipped and counted, the batch's good events stay, its removals
-    among them (dropping the batch whole once left evicted blocks resident)."""
+    """Map keys that are no field name (ints, floats, arrays, maps: once refused by msgpack for
+    the whole batch), bad UTF-8, ids kvgate cannot hash, wrong field types, unknown tags, nesting
+    deeper than Python recurses: the event is skipped and counted, the batch's good events stay,
+    its removals among them (dropping the batch whole once left evicted blocks resident)."""
     good = vd.stored([2], list(range(32)))
     batch = decode_frames([b"kv", (5).to_bytes(8, "big"), vm.payload(good, vm.BAD_EVENTS[name], vd.removed([2]))])
     assert batch.seq == 5 and [type(e) for e in batch.events] == [Stored, Removed]
     assert batch.skipped == 1 and len(batch.skip_reasons) == 1 and batch.skip_reasons[0].startswith("event 1: ")
+
+
+def test_a_map_keyed_by_anything_inside_a_field_is_a_value_and_costs_nothing_else():
+    """vLLM's extra_keys hold any msgpack value: a map there keyed by an int or an array failed
+    msgpack, and the whole batch with it. It is the block's extra hash key (kvgate cannot hash
+    the block, which is left out), and in a field the decoder does not read it is nothing."""
+    keyed = vm.Pairs([(1, "x"), ([2], "y")])
+    removal = vm.Pairs([*vd.removed([1]).items(), ("note", keyed)])
+    batch = decode_payload(0, vm.payload(vm.stored(extra_keys=[keyed]), removal))
+    assert batch.skipped == 0 and [type(e) for e in batch.events] == [Stored, Removed]
+    t = Translator(vd.MODEL, 16)
+    assert t.apply(batch.events) == [] and t.stats.reasons == {"extra hash keys (multimodal, prompt embeddings)": 1}
 
 
 def test_skipped_events_are_all_counted_and_only_the_first_few_named():
