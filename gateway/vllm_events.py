@@ -9,13 +9,14 @@ and an end marker whose seq is 0xff x 8.
 
 The publisher is a process of the fleet, not a client, but a bad frame still must not stop the
 subscriber: a malformed event is left out of its batch, which keeps its other events (a dropped
-BlockRemoved would leave evicted blocks resident) and counts the ones it skipped. Each event is
-unpacked from its own bytes, so that what one holds (a map key of any type, bad UTF-8) fails it
-alone. A message or envelope that is no batch, or whose events' ends msgpack cannot find, raises
-`BadBatch` (carrying the batch's seq when its frames gave one).
-Fields are type-checked here, once, so the translation downstream handles plain, well-typed data.
-Nothing else escapes the decoder: a malformed payload the publisher keeps in its replay buffer
-would otherwise stop the subscriber again at every resync.
+BlockRemoved would leave evicted blocks resident) and counts it; of a malformed clear or removal
+the blocks it says went are forgotten all the same (`_safe`). Each event is unpacked from its
+own bytes, so that what one holds (a map key of any type, bad UTF-8) fails it alone. A message
+or envelope that is no batch, or whose events' ends msgpack cannot find, raises `BadBatch`
+(carrying the batch's seq when its frames gave one). Fields are type-checked here, once, so the
+translation downstream handles plain, well-typed data. Nothing else escapes the decoder: a
+malformed payload the publisher keeps in its replay buffer would otherwise stop the subscriber
+again at every resync.
 """
 
 import math
@@ -41,6 +42,7 @@ STORED_FIELDS = (
     "extra_keys",
 )
 REMOVED_FIELDS = ("block_hashes", "medium")
+TYPE_KEY = msgpack.packb("type")  # a map's tag key as msgspec and msgpack pack it
 # vLLM's `medium` (kv_events.MEDIUM_*: GPU, CPU from its offloading connector, STORAGE from its
 # file and object tiers), lower-cased, as kvgate's tier; nil (older vLLM, SGLang) is the device.
 MEDIA = {"gpu": DEVICE, "cpu": HOST, "storage": DISK, "disk": DISK}
@@ -58,7 +60,7 @@ NEUTRAL_KEYS = {
     "remaining_copy_counts",
 }
 
-MAX_SKIP_REASONS = 3  # a batch's skipped events are all counted, the first few with their reason
+MAX_BATCH_REASONS = 3  # a batch's malformed events are all counted, the first few with their reason
 # vLLM's biggest steps (a million-token prefill) pack to some 6 MB; a hostile payload of
 # one-byte items would unpack into some 60 times its size.
 MAX_PAYLOAD = 16 << 20
@@ -123,18 +125,26 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
+class BadEvent(ValueError):
+    """A malformed event; `safe` is what of it still applies (`_safe`)."""
+
+    def __init__(self, why: str, safe: tuple[Event, ...] = ()):
+        super().__init__(why)
+        self.safe = safe
+
+
 @dataclass(frozen=True)
 class EngineBatch:
-    """One scheduler step's events from one data-parallel rank. `skipped` counts the malformed
-    events left out, `skip_reasons` says why for the first MAX_SKIP_REASONS of them: a publisher
-    may send a million."""
+    """One scheduler step's events from one data-parallel rank. `malformed` counts the events
+    that did not decode, each left out but for its safe reading (a clear, a removal), `reasons`
+    says why for the first MAX_BATCH_REASONS of them: a publisher may send a million."""
 
     seq: int
     ts: float
     events: tuple[Event, ...]
     rank: int = 0
-    skipped: int = 0
-    skip_reasons: tuple[str, ...] = ()
+    malformed: int = 0
+    reasons: tuple[str, ...] = ()
 
 
 def decode_frames(frames: list[bytes]) -> EngineBatch:
@@ -194,7 +204,7 @@ def _batch(seq: int, payload: bytes) -> EngineBatch:
     ts = u.unpack()
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
         raise BadBatch("payload's ts must be a finite, non-negative number")
-    events, skipped, reasons = _events(u, memoryview(payload))
+    events, malformed, reasons = _events(u, memoryview(payload))
     rank = u.unpack() if items > 2 else None
     if rank is not None and (type(rank) is not int or rank < 0):
         raise BadBatch("payload's dp_rank must be a non-negative int or nil")
@@ -202,37 +212,50 @@ def _batch(seq: int, payload: bytes) -> EngineBatch:
         u.skip()
     if u.tell() != len(payload):
         raise BadBatch("payload has bytes past its batch")
-    return EngineBatch(seq, float(ts), events, rank or 0, skipped, reasons)
+    return EngineBatch(seq, float(ts), events, rank or 0, malformed, reasons)
 
 
 def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:
-    """The well-formed events of the events array `u` is at, in order, then how many were left
-    out and why for the first MAX_SKIP_REASONS: a bad event costs only itself, not its batch's
-    BlockRemoved events. msgpack frames each event without building it (`skip`), so that what
-    one holds (a map key of any type, bad UTF-8, a malformed timestamp) fails its own decoding."""
+    """The events of the events array `u` is at, in order, the malformed ones by their safe
+    reading, then how many were malformed and why for the first MAX_BATCH_REASONS: a bad event
+    costs only itself, not its batch's BlockRemoved events. msgpack frames each event without
+    building it (`skip`), so that what one holds (a map key of any type, bad UTF-8, a malformed
+    timestamp) fails its own decoding."""
     events: list[Event] = []
     reasons: list[str] = []
-    count = u.read_array_header()
+    malformed, count = 0, u.read_array_header()
     for i in range(count):
         start = u.tell()
         u.skip()
         try:
             events.append(decode_event(payload[start : u.tell()]))
-        except BadBatch as bad:
-            if len(reasons) < MAX_SKIP_REASONS:
+        except BadEvent as bad:
+            events += bad.safe
+            malformed += 1
+            if len(reasons) < MAX_BATCH_REASONS:
                 reasons.append(f"event {i}: {bad}")
-    return tuple(events), count - len(events), tuple(reasons)
+    return tuple(events), malformed, tuple(reasons)
 
 
 def decode_event(raw: bytes | memoryview) -> Event:
-    """One event's msgpack: a map tagged by `type` or an array led by its tag; anything else, or
-    a field this decoder reads holding the wrong type, raises BadBatch (the batch leaves the
-    event out)."""
+    """One event's msgpack: a map tagged by `type` or an array led by its tag. Anything else, a
+    key that is no field name, or a field this decoder reads holding the wrong type raises
+    BadEvent, carrying what of the event still applies (`_safe`)."""
     try:
         e = msgpack.unpackb(raw, **READ)
     except (ValueError, msgpack.UnpackException) as bad:  # bad UTF-8, a malformed timestamp
-        raise BadBatch(f"event does not decode: {bad}") from None
+        raise BadEvent(f"event does not decode: {bad}", _safe({"type": _tag(raw)})) from None
     fields = _fields(e)
+    try:
+        if isinstance(e, Pairs) and any(type(k) is not str for k, _ in e):
+            raise BadEvent("an event's keys must be field names (strings)")
+        return _typed(fields)
+    except BadEvent as bad:
+        raise BadEvent(str(bad), _safe(fields)) from None
+
+
+def _typed(fields: dict[str, object]) -> Event:
+    """The event `fields` make, each field it reads type-checked."""
     tag = fields.get("type")
     if tag == STORED_TAG:
         return _stored(fields)
@@ -242,12 +265,54 @@ def decode_event(raw: bytes | memoryview) -> Event:
         return Cleared()
     # Only a string is shown: another tag may nest too deep to print (RecursionError).
     shown = repr(tag[:40]) if isinstance(tag, str) else f"of type {type(tag).__name__}"
-    raise BadBatch(f"unknown event type {shown}")
+    raise BadEvent(f"unknown event type {shown}")
+
+
+def _safe(fields: dict[str, object]) -> tuple[Event, ...]:
+    """What a malformed event still says: that blocks went. A clear clears; a removal removes the
+    blocks it names, from every tier if its medium does not read, and clears if its blocks or
+    their group do not. Forgetting a block the engine holds costs one cache miss; remembering one
+    it evicted sends requests to a cache that lost it until it is stored and removed again. A
+    malformed BlockStored, or an event whose tag does not read, only could have added blocks:
+    left out."""
+    tag = fields.get("type")
+    if tag == CLEARED_TAG:
+        return (Cleared(),)
+    if tag != REMOVED_TAG:
+        return ()
+    try:
+        hashes, group = _hashes(fields.get("block_hashes")), _group(fields)
+    except BadEvent:
+        return (Cleared(),)
+    try:
+        return (Removed(hashes, group, _medium(fields)),)
+    except BadEvent:
+        return tuple(Removed(hashes, group, m) for m in (DEVICE, HOST, DISK))
+
+
+def _tag(raw: bytes | memoryview) -> object:
+    """The tag of an event whose bytes do not all decode, read alone (None where it does not
+    either): a map's value under the key "type", an array's first item."""
+    u = _unpacker(raw)
+    try:
+        try:
+            pairs = u.read_map_header()
+        except ValueError:  # not a map: an array, or no event at all
+            return u.unpack() if u.read_array_header() else None
+        for _ in range(pairs):
+            start = u.tell()
+            u.skip()
+            if raw[start : u.tell()] == TYPE_KEY:
+                return u.unpack()
+            u.skip()
+    except (ValueError, msgpack.UnpackException):
+        pass
+    return None
 
 
 def _fields(e: object) -> dict[str, object]:
     """An event's fields by name: an array's in vLLM's order after the tag, those past the known
-    ones named `field i` (their meaning is unknown); a map's keys must all be names."""
+    ones named `field i` (their meaning is unknown); a map's under the keys that are names."""
     if isinstance(e, list) and e and isinstance(e[0], str):
         names = STORED_FIELDS if e[0] == STORED_TAG else REMOVED_FIELDS
         return {
@@ -256,10 +321,8 @@ def _fields(e: object) -> dict[str, object]:
             **{f"field {i}": True for i in range(len(names) + 1, len(e)) if e[i] is not None},
         }
     if not isinstance(e, Pairs):
-        raise BadBatch("an event is a map with a 'type' or an array starting with its tag")
-    if not all(type(k) is str for k, _ in e):
-        raise BadBatch("an event's keys must be field names (strings)")
-    return dict(e)
+        raise BadEvent("an event is a map with a 'type' or an array starting with its tag")
+    return {k: v for k, v in e if type(k) is str}
 
 
 def _stored(e: dict[str, object]) -> Stored:
@@ -268,7 +331,7 @@ def _stored(e: dict[str, object]) -> Stored:
     if type(size) is int and size == 0 and tokens == [] and parent is None:  # vLLM's offloading placeholder
         return Stored(hashes, None, (), 0, _group(e), medium=_medium(e))
     if type(size) is not int or size < 1:
-        raise BadBatch("BlockStored.block_size must be a positive int")
+        raise BadEvent("BlockStored.block_size must be a positive int")
     lora_id, lora_name = _optional(e, "lora_id", int), _optional(e, "lora_name", str)
     return Stored(
         hashes,
@@ -289,11 +352,11 @@ def _tokens(v: object, n: int) -> tuple[int, ...]:
     """`n` token ids, each one kvgate's block hash can pack (`checked_ints` to MAX_TOKEN_ID, which
     runs over every token of every event at C speed)."""
     if not isinstance(v, list) or len(v) != n:
-        raise BadBatch("BlockStored.token_ids must be block_size token ids (int64) per block")
+        raise BadEvent("BlockStored.token_ids must be block_size token ids (int64) per block")
     try:
         return checked_ints(v, MAX_TOKEN_ID, "BlockStored.token_ids")
     except ValueError as e:
-        raise BadBatch(str(e)) from None
+        raise BadEvent(str(e)) from None
 
 
 def _extra(v: object, blocks: int) -> tuple[tuple | None, ...]:
@@ -301,7 +364,7 @@ def _extra(v: object, blocks: int) -> tuple[tuple | None, ...]:
     if v is None:
         return ()
     if not isinstance(v, list) or (v and len(v) != blocks):
-        raise BadBatch("BlockStored.extra_keys must hold one entry per block")
+        raise BadEvent("BlockStored.extra_keys must hold one entry per block")
     return tuple(None if x is None else tuple(x) if isinstance(x, list) else (x,) for x in v)
 
 
@@ -318,14 +381,14 @@ def _is_hash(h: object) -> TypeGuard[EngineHash]:
 
 def _hashes(v: object) -> tuple[EngineHash, ...]:
     if not isinstance(v, list) or not set(map(type, v)) <= {int, bytes}:  # exact types: no bool
-        raise BadBatch("block_hashes must be a list of ints or bytes")
+        raise BadEvent("block_hashes must be a list of ints or bytes")
     return tuple(v)
 
 
 def _parent(v: object) -> EngineHash | None:
     if v is None or _is_hash(v):
         return v
-    raise BadBatch("BlockStored.parent_block_hash must be a hash or nil")
+    raise BadEvent("BlockStored.parent_block_hash must be a hash or nil")
 
 
 def _group(e: dict[str, object]) -> int:
@@ -338,4 +401,4 @@ def _optional(e: dict[str, object], key: str, kind: type[T]) -> T | None:
     v = e.get(key)
     if v is None or (isinstance(v, kind) and not isinstance(v, bool)):
         return v
-    raise BadBatch(f"{key} must be {kind.__name__} or nil")
+    raise BadEvent(f"{key} must be {kind.__name__} or nil")

@@ -10,17 +10,18 @@ publisher restarted (its numbering went back to 0): sync again. There is no snap
 cached before the oldest batch the publisher still holds stay unknown until they are stored
 again, which under-states residency (a missed hit), never over-states it.
 
-A malformed event is left out of its batch (vllm_events) and counted in `bad_events`; the
-batch's other events apply in order. A batch whose payload is no batch at all is stepped over in
-its place, as if it held no events, and counted in `bad_batches`: the publisher keeps the same
-bytes in its replay buffer, so a resync would meet them again, forever. Either way the events
-lost cost residency: blocks they removed stay resident here (an over-statement) until stored and
-removed again or the cache is cleared. A message without a readable seq (a wrong frame count, a
-seq frame not 8 bytes) is dropped live, where nothing tells its place. A replay sends its batches
-in seq order, so there it is stepped over as the batch after the previous one (the first: the seq
-the replay was asked from); the first of a replay from 0 has no known place and is only counted,
-the next message setting the order. Failing the replay instead would resync, meet the same bytes
-in the publisher's buffer, and resync forever.
+A malformed event is left out of its batch (vllm_events) but for a clear or the removals it
+names, and counted in `bad_events`; the batch's other events apply in order. A batch whose
+payload is no batch at all is stepped over in its place, as if it held no events, and counted in
+`bad_batches`: the publisher keeps the same bytes in its replay buffer, so a resync would meet
+them again, forever. Either way the events lost cost residency: blocks they removed stay
+resident here (an over-statement) until stored and removed again or the cache is cleared. A
+message without a readable seq (a wrong frame count, a seq frame not 8 bytes) is dropped live,
+where nothing tells its place. A replay sends its batches in seq order, so there it is stepped
+over as the batch after the previous one (the first: the seq the replay was asked from); the
+first of a replay from 0 has no known place and is only counted, the next message setting the
+order. Failing the replay instead would resync, meet the same bytes in the publisher's buffer,
+and resync forever.
 
 Everything runs in one asyncio task on the caller's loop; routing reads only the sink.
 """
@@ -73,7 +74,7 @@ class SubscriberStats:
     batches: int = 0
     duplicates: int = 0
     bad_batches: int = 0  # stepped over in order (no decode), or dropped (no readable seq, no place)
-    bad_events: int = 0  # malformed events left out of batches that applied
+    bad_events: int = 0  # malformed events of batches that applied (of each, only a clear or removal)
     gaps: int = 0
     syncs: int = 0
     restarts: int = 0
@@ -232,8 +233,8 @@ class Subscriber:
         if isinstance(batch, Dropped):
             self.bad(batch.why)
         else:
-            if batch.skipped:
-                self.skipped(batch)
+            if batch.malformed:
+                self.malformed(batch)
             changes = self.translator.apply(batch.events)
             if changes and not self.sink.apply(changes):
                 raise Resync("the sink lost its state")
@@ -246,19 +247,20 @@ class Subscriber:
         if worth_a_line(self.stats.bad_batches):
             log.warning("kv events of %s: dropped a bad batch (%d so far): %s", self.name, self.stats.bad_batches, why)
 
-    def skipped(self, batch: EngineBatch) -> None:
+    def malformed(self, batch: EngineBatch) -> None:
         """Count a batch's malformed events; the warning names only the first few (the decoder
         keeps no more), so a batch of a million costs one bounded line."""
-        self.stats.bad_events += batch.skipped
+        self.stats.bad_events += batch.malformed
         self.batches_with_bad_events += 1
         if worth_a_line(self.batches_with_bad_events):
             log.warning(
-                "kv events of %s: batch %d: skipped %d malformed event(s) (%d so far): %s",
+                "kv events of %s: batch %d: %d malformed event(s) (%d so far), left out but for "
+                "a clear or the removals they name: %s",
                 self.name,
                 batch.seq,
-                batch.skipped,
+                batch.malformed,
                 self.stats.bad_events,
-                "; ".join(batch.skip_reasons),
+                "; ".join(batch.reasons),
             )
 
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.vllm_events import (
-    MAX_SKIP_REASONS,
+    MAX_BATCH_REASONS,
     BadBatch,
     Cleared,
     Removed,
@@ -190,7 +190,7 @@ def test_a_malformed_event_is_left_out_and_its_batch_keeps_the_others(name):
     good = vd.stored([2], list(range(32)))
     batch = decode_frames([b"kv", (5).to_bytes(8, "big"), vm.payload(good, vm.BAD_EVENTS[name], vd.removed([2]))])
     assert batch.seq == 5 and [type(e) for e in batch.events] == [Stored, Removed]
-    assert batch.skipped == 1 and len(batch.skip_reasons) == 1 and batch.skip_reasons[0].startswith("event 1: ")
+    assert batch.malformed == 1 and len(batch.reasons) == 1 and batch.reasons[0].startswith("event 1: ")
 
 
 def test_a_map_keyed_by_anything_inside_a_field_is_a_value_and_costs_nothing_else():
@@ -200,17 +200,40 @@ def test_a_map_keyed_by_anything_inside_a_field_is_a_value_and_costs_nothing_els
     keyed = vm.Pairs([(1, "x"), ([2], "y")])
     removal = vm.Pairs([*vd.removed([1]).items(), ("note", keyed)])
     batch = decode_payload(0, vm.payload(vm.stored(extra_keys=[keyed]), removal))
-    assert batch.skipped == 0 and [type(e) for e in batch.events] == [Stored, Removed]
+    assert batch.malformed == 0 and [type(e) for e in batch.events] == [Stored, Removed]
     t = Translator(vd.MODEL, 16)
     assert t.apply(batch.events) == [] and t.stats.reasons == {"extra hash keys (multimodal, prompt embeddings)": 1}
+
+
+@pytest.mark.parametrize("name", list(vm.SAFE_READINGS))
+def test_a_malformed_clear_still_clears_and_a_malformed_removal_still_removes(name):
+    """What a malformed clear or removal still says is that blocks went: the ones it names, in
+    every tier where its medium does not read, else all of them. Forgetting a resident block costs
+    a cache miss; the clear or removal left out kept blocks the engine no longer holds resident."""
+    bad, safe = vm.SAFE_READINGS[name]
+    good = vd.stored([2], list(range(32)))
+    batch = decode_payload(5, vm.payload(good, bad, vd.removed([2])))
+    assert batch.events[1:] == (*safe, Removed((2,))) and type(batch.events[0]) is Stored
+    assert batch.malformed == 1 and batch.reasons[0].startswith("event 1: ")
+
+
+def test_the_safe_reading_of_a_malformed_clear_leaves_nothing_resident():
+    """A clear whose map holds an int key once was left out, and every block stayed resident."""
+    t = Translator(vd.MODEL, 16)
+    t.apply(
+        decode_payload(0, vd.payload([vd.stored([1], list(range(32))), vd.stored([2], list(range(32, 64)))])).events
+    )
+    assert len(t.resident) == 4
+    bad, _ = vm.SAFE_READINGS["clear with an int key"]
+    assert [c.kind for c in t.apply(decode_payload(1, vm.payload(bad)).events)] == [CLEARED] and t.resident == set()
 
 
 def test_skipped_events_are_all_counted_and_only_the_first_few_named():
     """A hostile batch of many bad events costs a count, not a reason per event."""
     bad = [{"type": f"Nope{i}"} for i in range(10_000)]
     batch = decode_payload(0, vd.payload([*bad, vd.removed([1])]))
-    assert batch.events == (Removed((1,)),) and batch.skipped == 10_000
-    assert batch.skip_reasons == tuple(f"event {i}: unknown event type 'Nope{i}'" for i in range(MAX_SKIP_REASONS))
+    assert batch.events == (Removed((1,)),) and batch.malformed == 10_000
+    assert batch.reasons == tuple(f"event {i}: unknown event type 'Nope{i}'" for i in range(MAX_BATCH_REASONS))
 
 
 def test_a_block_whose_parent_was_skipped_is_an_orphan_not_an_error():
@@ -219,7 +242,7 @@ def test_a_block_whose_parent_was_skipped_is_an_orphan_not_an_error():
     tokens = list(range(64))
     bad_parent = vd.stored([1], tokens[:31])  # one token short
     batch = decode_payload(0, vd.payload([bad_parent, vd.stored([2], tokens[32:], parent=1), vd.removed([1])]))
-    assert batch.skipped == 1
+    assert batch.malformed == 1
     t = Translator(vd.MODEL, 16)
     assert t.apply(batch.events) == [] and t.resident == set()
     assert t.stats.orphan_blocks == 1 and t.stats.reasons == {"parent not seen": 1}
@@ -307,7 +330,8 @@ def test_any_msgpack_value_decodes_or_is_a_bad_batch_and_translates_without_erro
     except BadBatch as e:
         assert e.seq == 7
         return
-    assert len(batch.events) + batch.skipped == len(body[1]) and len(batch.skip_reasons) <= MAX_SKIP_REASONS
+    kept = len(body[1]) - batch.malformed  # and of each malformed one its safe reading: none, one or a removal per tier
+    assert kept <= len(batch.events) <= kept + 3 * batch.malformed and len(batch.reasons) <= MAX_BATCH_REASONS
     Translator(vd.MODEL, 16).apply(batch.events)
 
 

@@ -297,7 +297,7 @@ def test_a_batch_with_malformed_events_applies_its_others_and_counts_them(caplog
     with caplog.at_level("WARNING", logger="kvgate.gateway"):
         asyncio.run(scenario(body))
     skips = [r.getMessage() for r in caplog.records if "malformed event" in r.getMessage()]
-    assert len(skips) == 1 and "skipped 1 malformed event(s) (1 so far)" in skips[0]
+    assert len(skips) == 1 and "batch 1: 1 malformed event(s) (1 so far)" in skips[0]
     assert all(len(m) < 500 for m in skips)
 
 

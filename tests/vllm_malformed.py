@@ -4,7 +4,9 @@ decoder and the subscriber."""
 
 import msgpack
 
+from gateway.vllm_events import Cleared, Removed
 from tests import vllm_data as vd
+from workers.kv.events import DEVICE, DISK, HOST
 
 TOKENS = list(range(1000, 1032))
 
@@ -83,9 +85,28 @@ BAD_EVENTS = {
     "array spec kind": stored(kv_cache_spec_kind=[1]),
     "bool group": stored(group_idx=True),
     "short array event": ["BlockStored", [1], None],
-    "bare tag": ["BlockRemoved"],
-    "ext hash": Pairs([("type", "BlockRemoved"), ("block_hashes", [msgpack.ExtType(5, b"x")])]),
     "wrong token count": stored(token_ids=TOKENS[:31]),
     "unknown type": {"type": "Nope"},
     "str hash": ["BlockStored", ["x"], None, [], 32, None],
+}
+# Malformed clears and removals, each with what of it still applies: the blocks it says went.
+REMOVED = [*vd.removed([1]).items()]
+CLEARED = [("type", "AllBlocksCleared")]
+SAFE_READINGS = {
+    "clear with an int key": (Pairs([*CLEARED, (7, 1)]), [Cleared()]),
+    "clear with invalid utf-8": (Pairs([*CLEARED, ("zz", Raw(b"\xa2\xff\xfe"))]), [Cleared()]),
+    "clear with a malformed timestamp": (Pairs([("zz", Raw(b"\xd5\xff\x00\x00")), *CLEARED]), [Cleared()]),
+    "array clear with invalid utf-8": (["AllBlocksCleared", Raw(b"\xa2\xff\xfe")], [Cleared()]),
+    "removal with an array key": (Pairs([*REMOVED, ([7], 1)]), [Removed((1,))]),
+    "removal with an int medium": (
+        Pairs([*REMOVED, ("medium", 3)]),
+        [Removed((1,), 0, m) for m in (DEVICE, HOST, DISK)],
+    ),
+    "removal with a str group": (Pairs([*REMOVED, ("group_idx", "0")]), [Cleared()]),
+    "removal of ext hashes": (
+        Pairs([("type", "BlockRemoved"), ("block_hashes", [msgpack.ExtType(5, b"x")])]),
+        [Cleared()],
+    ),
+    "removal with invalid utf-8": (Pairs([*REMOVED, ("zz", Raw(b"\xa2\xff\xfe"))]), [Cleared()]),
+    "bare removal tag": (["BlockRemoved"], [Cleared()]),
 }
