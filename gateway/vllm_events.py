@@ -136,11 +136,12 @@ class BadEvent(ValueError):
 @dataclass(frozen=True)
 class EngineBatch:
     """One scheduler step's events from one data-parallel rank. `malformed` counts the events
-    that did not decode, each left out but for its safe reading (a clear, a removal), `reasons`
-    says why for the first MAX_BATCH_REASONS of them: a publisher may send a million."""
+    that did not decode, each left out but for its safe reading (a clear, a removal), and a `ts`
+    or `dp_rank` that did not (`ts` None, `rank` 0); `reasons` says why for the first
+    MAX_BATCH_REASONS of them: a publisher may send a million."""
 
     seq: int
-    ts: float
+    ts: float | None
     events: tuple[Event, ...]
     rank: int = 0
     malformed: int = 0
@@ -191,28 +192,31 @@ def _unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
 
 def _batch(seq: int, payload: bytes) -> EngineBatch:
     """A batch's envelope: `ts` a finite, non-negative time (the subscriber orders restarts by
-    it), `dp_rank` a non-negative int or nil, items past it skipped. Its events are framed one
-    by one (`_events`); what hides where they end fails the batch: bytes msgpack cannot read,
-    nesting past its stack (1024 deep), a truncated payload, bytes past its end, or a payload over
-    MAX_PAYLOAD (a hostile one unpacks into tens of times its size)."""
+    it), `dp_rank` a non-negative int or nil, items past it skipped; either one malformed is
+    counted as such and costs the batch nothing else: its events are the engine's all the same.
+    Its events are framed one by one (`_events`); what hides where they end fails the batch:
+    bytes msgpack cannot read, nesting past its stack (1024 deep), a truncated payload, bytes
+    past its end, or a payload over MAX_PAYLOAD (a hostile one unpacks into tens of times its
+    size)."""
     if len(payload) > MAX_PAYLOAD:
         raise BadBatch(f"payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
     u = _unpacker(payload)
     items = u.read_array_header()
     if items < 2:
         raise BadBatch("payload is not [ts, events, dp_rank?]")
-    ts = u.unpack()
+    ts, bad = u.unpack(), []
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        raise BadBatch("payload's ts must be a finite, non-negative number")
+        ts, bad = None, ["ts must be a finite, non-negative number"]
     events, malformed, reasons = _events(u, memoryview(payload))
     rank = u.unpack() if items > 2 else None
     if rank is not None and (type(rank) is not int or rank < 0):
-        raise BadBatch("payload's dp_rank must be a non-negative int or nil")
+        rank, bad = None, [*bad, "dp_rank must be a non-negative int or nil"]
     for _ in range(items - 3):
         u.skip()
     if u.tell() != len(payload):
         raise BadBatch("payload has bytes past its batch")
-    return EngineBatch(seq, float(ts), events, rank or 0, malformed, reasons)
+    why = (*bad, *reasons)[:MAX_BATCH_REASONS]
+    return EngineBatch(seq, None if ts is None else float(ts), events, rank or 0, malformed + len(bad), why)
 
 
 def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:

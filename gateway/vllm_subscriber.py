@@ -11,17 +11,18 @@ cached before the oldest batch the publisher still holds stay unknown until they
 again, which under-states residency (a missed hit), never over-states it.
 
 A malformed event is left out of its batch (vllm_events) but for a clear or the removals it
-names, and counted in `bad_events`; the batch's other events apply in order. A batch whose
-payload is no batch at all is stepped over in its place, as if it held no events, and counted in
-`bad_batches`: the publisher keeps the same bytes in its replay buffer, so a resync would meet
-them again, forever. Either way the events lost cost residency: blocks they removed stay
-resident here (an over-statement) until stored and removed again or the cache is cleared. A
-message without a readable seq (a wrong frame count, a seq frame not 8 bytes) is dropped live,
-where nothing tells its place. A replay sends its batches in seq order, so there it is stepped
-over as the batch after the previous one (the first: the seq the replay was asked from); the
-first of a replay from 0 has no known place and is only counted, the next message setting the
-order. Failing the replay instead would resync, meet the same bytes in the publisher's buffer,
-and resync forever.
+names, and counted in `bad_events`; the batch's other events apply in order, and so do those of
+a batch whose ts or dp_rank is malformed (counted there too; such a ts tells no restart). A
+batch whose payload is no batch at all is stepped over in its place, as if it held no events,
+and counted in `bad_batches`: the publisher keeps the same bytes in its replay buffer, so a
+resync would meet them again, forever. Either way the events lost cost residency: blocks they
+removed stay resident here (an over-statement) until stored and removed again or the cache is
+cleared. A message without a readable seq (a wrong frame count, a seq frame not 8 bytes) is
+dropped live, where nothing tells its place. A replay sends its batches in seq order, so there
+it is stepped over as the batch after the previous one (the first: the seq the replay was asked
+from); the first of a replay from 0 has no known place and is only counted, the next message
+setting the order. Failing the replay instead would resync, meet the same bytes in the
+publisher's buffer, and resync forever.
 
 Everything runs in one asyncio task on the caller's loop; routing reads only the sink.
 """
@@ -74,7 +75,7 @@ class SubscriberStats:
     batches: int = 0
     duplicates: int = 0
     bad_batches: int = 0  # stepped over in order (no decode), or dropped (no readable seq, no place)
-    bad_events: int = 0  # malformed events of batches that applied (of each, only a clear or removal)
+    bad_events: int = 0  # malformed events (only a clear or removal of each applied), ts and dp_rank fields
     gaps: int = 0
     syncs: int = 0
     restarts: int = 0
@@ -169,13 +170,14 @@ class Subscriber:
         """Apply a live batch, or raise Resync; a gap is filled by a replay first."""
         if self.expected is None or batch.seq == self.expected:
             self.apply(batch)
-            if isinstance(batch, EngineBatch):
+            if isinstance(batch, EngineBatch) and batch.ts is not None:
                 lag = self.stats.lag_s
                 lag.append(time.time() - batch.ts)
                 if len(lag) > 1024:
                     del lag[:512]
         elif batch.seq < self.expected:
-            if isinstance(batch, EngineBatch) and batch.ts > self.last_ts:  # a dropped one has no ts
+            # A dropped batch, or one whose ts did not read, cannot tell a restart from a duplicate.
+            if isinstance(batch, EngineBatch) and batch.ts is not None and batch.ts > self.last_ts:
                 self.stats.restarts += 1
                 raise Resync(f"seq went back from {self.expected - 1} to {batch.seq}: the engine restarted")
             self.stats.duplicates += 1
@@ -238,7 +240,8 @@ class Subscriber:
             changes = self.translator.apply(batch.events)
             if changes and not self.sink.apply(changes):
                 raise Resync("the sink lost its state")
-            self.last_ts = batch.ts
+            if batch.ts is not None:
+                self.last_ts = batch.ts
             self.stats.batches += 1
         self.expected = batch.seq + 1
 

@@ -32,7 +32,7 @@ COUNTERS = (
     ("gaps", "Sequence gaps seen in the live stream", ["worker"]),
     ("restarts", "Sequence numbers that went back (the server restarted)", ["worker"]),
     ("bad_batches", "KV event messages stepped over whole: no batch, or no readable seq", ["worker"]),
-    ("bad_events", "Malformed KV events, left out but for a clear or the removals they name", ["worker"]),
+    ("bad_events", "Malformed KV events or batch ts/dp_rank; of an event only a clear or removal applied", ["worker"]),
     ("blocks", "Engine blocks by outcome: stored, removed, or skipped (no kvgate hash)", ["worker", "outcome"]),
 )
 

@@ -181,6 +181,16 @@ def test_every_malformed_payload_is_a_bad_batch_naming_its_seq(name):
     assert e.value.seq == 5
 
 
+@pytest.mark.parametrize("name", list(vm.BAD_ENVELOPES))
+def test_a_batch_whose_ts_or_dp_rank_is_malformed_keeps_its_events(name):
+    """They are the engine's all the same: dropping the batch kept the blocks it removed
+    resident. The field counts as malformed; a ts that did not read is None (it tells the
+    subscriber no restart), a rank 0."""
+    batch = decode_payload(5, vm.BAD_ENVELOPES[name])
+    assert [type(e) for e in batch.events] == [Stored, Removed] and batch.malformed == 1 and batch.rank == 0
+    assert (batch.ts is None) == name.endswith(" ts") and batch.reasons[0].startswith(name.split()[-1])
+
+
 @pytest.mark.parametrize("name", list(vm.BAD_EVENTS))
 def test_a_malformed_event_is_left_out_and_its_batch_keeps_the_others(name):
     """Map keys that are no field name (ints, floats, arrays, maps: once refused by msgpack for

@@ -14,6 +14,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.index import ResidencyIndex
+from gateway.vllm_events import EngineBatch
 from gateway.vllm_subscriber import Subscriber
 from gateway.vllm_translate import Translator
 from gateway.vllm_worker import IndexSink, VllmKind
@@ -186,6 +187,34 @@ def test_a_restarted_publisher_is_followed_from_its_new_history():
         assert index.match(vd.ours(block(9)[1])) == {WID: 2} and index.match(vd.ours(block(0)[1])) == {}
 
     asyncio.run(scenario(body))
+
+
+def test_a_batch_whose_ts_is_malformed_applies_and_a_later_restart_is_still_seen():
+    """A batch dropped for its ts kept the blocks it removed resident."""
+
+    async def body(fake, sub, index, start):
+        await start()
+        await asyncio.sleep(0.2)
+        await fake.publish([block(0)[0]])
+        await fake.publish_payload(vm.payload(vd.removed([0]), block(1)[0], ts=float("nan")))
+        await until(lambda: sub.expected == 2)
+        assert index.match(vd.ours(block(0)[1])) == {} and index.match(vd.ours(block(1)[1])) == {WID: 2}
+        assert sub.stats.bad_events == 1 and sub.stats.bad_batches == 0
+        fake.restart()
+        await asyncio.sleep(0.01)
+        await fake.publish([block(9)[0]])
+        await until(lambda: sub.stats.restarts == 1 and sub.synced.is_set() and resident(index) == 2)
+
+    asyncio.run(scenario(body))
+
+
+def test_a_batch_below_the_expected_seq_whose_ts_did_not_read_is_a_duplicate():
+    """Without a ts it cannot tell a restart (comparing None with the last ts raised TypeError)."""
+    sink = IndexSink(ResidencyIndex(), WID, lambda: False)
+    sub = Subscriber("tcp://127.0.0.1:1", False, None, "kv", Translator(vd.MODEL, 16), sink, WID)
+    sub.expected, sub.last_ts = 5, 1.0
+    sub.receive(EngineBatch(3, None, ()))
+    assert sub.stats.duplicates == 1 and sub.stats.restarts == 0 and sub.expected == 5
 
 
 def test_a_connecting_publisher_reaches_a_binding_subscriber():

@@ -47,19 +47,13 @@ def payload(*events: object, ts: object = 1.0) -> bytes:
 
 # Payloads that are no batch: where their events end is unknown (bytes msgpack cannot read,
 # nesting past its stack, an array claiming more items than the payload holds, trailing bytes,
-# a payload over the cap), or their envelope [ts, events, dp_rank?] is wrong.
+# a payload over the cap), or their envelope [ts, events, dp_rank?] is no such array.
 MALFORMED = {
     "nested past msgpack's stack": payload(Pairs([("type", nested(5000))])),
     "reserved byte in an event": payload(Raw(b"\x81\xa4type\xc1")),
     "events claim more than the payload holds": pack([1.0, Raw(b"\xdd\xff\xff\xff\xff\xc0")]),
     "truncated": payload(stored())[:-1],
     "over the size cap": payload(stored(padding=Raw(b"\xc6" + (16 << 20).to_bytes(4, "big") + bytes(16 << 20)))),
-    "nan ts": payload(stored(), ts=float("nan")),
-    "infinite ts": payload(stored(), ts=float("inf")),
-    "negative ts": payload(stored(), ts=-1.0),
-    "bool ts": payload(stored(), ts=True),
-    "timestamp ts": payload(stored(), ts=msgpack.Timestamp(1, 0)),
-    "negative dp_rank": pack([1.0, [stored()], -1]),
     "events a map": pack([1.0, Pairs([("type", "AllBlocksCleared")])]),
     "batch a map": pack(Pairs([("ts", 1.0), ("events", [])])),
     "trailing bytes": payload(stored()) + b"\x00",
@@ -109,4 +103,16 @@ SAFE_READINGS = {
     ),
     "removal with invalid utf-8": (Pairs([*REMOVED, ("zz", Raw(b"\xa2\xff\xfe"))]), [Cleared()]),
     "bare removal tag": (["BlockRemoved"], [Cleared()]),
+}
+# Batches of a stored and a removed event whose ts or dp_rank is malformed.
+EVENTS = [stored(), vd.removed([1])]
+BAD_ENVELOPES = {
+    "nan ts": payload(*EVENTS, ts=float("nan")),
+    "infinite ts": payload(*EVENTS, ts=float("inf")),
+    "negative ts": payload(*EVENTS, ts=-1.0),
+    "bool ts": payload(*EVENTS, ts=True),
+    "timestamp ts": payload(*EVENTS, ts=msgpack.Timestamp(1, 0)),
+    "array ts": payload(*EVENTS, ts=[1.0]),
+    "negative dp_rank": pack([1.0, EVENTS, -1]),
+    "float dp_rank": pack([1.0, EVENTS, 1.0]),
 }
