@@ -19,8 +19,10 @@ malformed payload the publisher keeps in its replay buffer would otherwise stop 
 again at every resync.
 """
 
+import heapq
 import math
 from dataclasses import dataclass
+from itertools import islice
 from typing import TypeGuard, TypeVar
 
 import msgpack
@@ -61,6 +63,7 @@ NEUTRAL_KEYS = {
 }
 
 MAX_BATCH_REASONS = 3  # a batch's malformed events are all counted, the first few with their reason
+MAX_UNKNOWN = 3  # one unknown field leaves a block out; the first few name why
 # vLLM's biggest steps (a million-token prefill) pack to some 6 MB; a hostile payload of
 # one-byte items would unpack into some 60 times its size.
 MAX_PAYLOAD = 16 << 20
@@ -95,7 +98,8 @@ class Stored:
     """Full blocks an engine cached, in chain order; `parent` is the engine hash of the block
     before the first (None: the first block of a prompt). `extra` holds, per block, the extra
     hash keys vLLM published (LoRA name, multimodal ids, cache salt), `salt` SGLang's cache salt,
-    and `unknown` names fields this decoder cannot vouch do not change a block's hash."""
+    and `unknown` names (the first MAX_UNKNOWN of) fields this decoder cannot vouch do not change
+    a block's hash."""
 
     hashes: tuple[EngineHash, ...]
     parent: EngineHash | None
@@ -316,14 +320,12 @@ def _tag(raw: bytes | memoryview) -> object:
 
 def _fields(e: object) -> dict[str, object]:
     """An event's fields by name: an array's in vLLM's order after the tag, those past the known
-    ones named `field i` (their meaning is unknown); a map's under the keys that are names."""
+    ones named `field i` (their meaning is unknown; the first MAX_UNKNOWN, not a dict entry per
+    item of a hostile array); a map's under the keys that are names."""
     if isinstance(e, list) and e and isinstance(e[0], str):
         names = STORED_FIELDS if e[0] == STORED_TAG else REMOVED_FIELDS
-        return {
-            "type": e[0],
-            **dict(zip(names, e[1:])),
-            **{f"field {i}": True for i in range(len(names) + 1, len(e)) if e[i] is not None},
-        }
+        past = (f"field {i}" for i in range(len(names) + 1, len(e)) if e[i] is not None)
+        return {"type": e[0], **dict(zip(names, e[1:])), **dict.fromkeys(islice(past, MAX_UNKNOWN), True)}
     if not isinstance(e, Pairs):
         raise BadEvent("an event is a map with a 'type' or an array starting with its tag")
     return {k: v for k, v in e if type(k) is str}
@@ -347,7 +349,7 @@ def _stored(e: dict[str, object]) -> Stored:
         extra=_extra(e.get("extra_keys"), len(hashes)),
         salt=_optional(e, "cache_salt", str) or None,
         full_attention=_optional(e, "kv_cache_spec_kind", str) in (None, "full_attention"),
-        unknown=tuple(sorted(k for k in e if k not in NEUTRAL_KEYS)),
+        unknown=tuple(heapq.nsmallest(MAX_UNKNOWN, (k for k in e if k not in NEUTRAL_KEYS))),
         medium=_medium(e),
     )
 

@@ -39,6 +39,7 @@ class Change:
 
 
 MAX_REASONS = 64  # distinct skip reasons kept by name
+MAX_REASON_LEN = 120  # and each cut to this many characters
 
 
 @dataclass
@@ -173,9 +174,11 @@ class Translator:
 
     def _skipped(self, why: str, n: int) -> list[int]:
         """Count `n` blocks left out, by reason; past `MAX_REASONS` distinct reasons (a reason
-        may name a publisher's field or medium) a new one counts as "other"."""
+        may name a publisher's field or medium) a new one counts as "other". A reason is cut to
+        MAX_REASON_LEN: one naming a publisher's every field, kept for good, could be megabytes."""
         self.stats.skipped_blocks += n
         reasons = self.stats.reasons
+        why = why[:MAX_REASON_LEN]
         if why not in reasons and len(reasons) >= MAX_REASONS:
             why = "other"
         reasons[why] = reasons.get(why, 0) + n

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from gateway.vllm_events import (
     MAX_BATCH_REASONS,
+    MAX_UNKNOWN,
     BadBatch,
     Cleared,
     Removed,
@@ -16,7 +17,7 @@ from gateway.vllm_events import (
     decode_replay,
 )
 from gateway.index import ResidencyIndex
-from gateway.vllm_translate import MAX_REASONS, Change, Translator
+from gateway.vllm_translate import MAX_REASON_LEN, MAX_REASONS, Change, Translator
 from gateway.vllm_worker import IndexSink
 from tests import vllm_data as vd
 from tests import vllm_malformed as vm
@@ -427,3 +428,18 @@ def test_an_engine_hash_stored_with_other_tokens_in_another_tier_releases_what_e
     assert t.apply([Removed((1,))]) == [Change(REMOVED, first[0].hashes, DEVICE)]
     assert t.tiers() == {HOST: sorted(first[0].hashes)}
     assert t.apply([Removed((1,), medium=HOST)]) == [Change(REMOVED, first[0].hashes, HOST)]
+
+
+def test_an_event_with_a_hundred_thousand_unknown_fields_names_a_few_and_no_reason_grows_long():
+    """An array event's items past the known ones each became a named field (a dict entry per
+    item: gigabytes for a payload of one-byte items), and a map's unknown keys all went into one
+    skip reason the translator keeps for good."""
+    many = ["BlockStored", [1], None, list(range(32)), 32, None, "GPU", None, None, *([1] * 100_000)]
+    keyed = {**vd.stored([2], list(range(32))), **{f"x{i:06}" + "y" * 100: 1 for i in range(1000)}}
+    batch = decode_payload(0, vd.payload([many, keyed]))
+    assert [len(e.unknown) for e in batch.events] == [MAX_UNKNOWN] * 2
+    assert batch.events[0].unknown == ("field 10", "field 11", "field 9")  # names in sorted order
+    assert batch.events[1].unknown == tuple(f"x{i:06}" + "y" * 100 for i in range(MAX_UNKNOWN))
+    t = Translator(vd.MODEL, 16)
+    t.apply(batch.events)
+    assert t.stats.skipped_blocks == 2 and all(len(r) <= MAX_REASON_LEN for r in t.stats.reasons)
