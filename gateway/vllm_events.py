@@ -64,8 +64,8 @@ NEUTRAL_KEYS = {
 
 MAX_BATCH_REASONS = 3  # a batch's malformed events are all counted, the first few with their reason
 MAX_UNKNOWN = 3  # one unknown field leaves a block out; the first few name why
-# vLLM's biggest steps (a million-token prefill) pack to some 6 MB; a hostile payload of
-# one-byte items would unpack into some 60 times its size.
+# vLLM's biggest steps (a million-token prefill, 5 bytes a token id) pack to some 6 MB; a
+# hostile payload of empty arrays unpacks into 66 times its size (1 GiB at this cap).
 MAX_PAYLOAD = 16 << 20
 T = TypeVar("T", int, str)
 
