@@ -67,6 +67,10 @@ MAX_UNKNOWN = 3  # one unknown field leaves a block out; the first few name why
 # vLLM's biggest steps (a million-token prefill, 5 bytes a token id) pack to some 6 MB; a
 # hostile payload of empty arrays unpacks into 66 times its size (1 GiB at this cap).
 MAX_PAYLOAD = 16 << 20
+# Events in one batch: a step stores and removes blocks for at most a few hundred requests, each
+# one event. Framing an event costs ~1 us even when it is one junk byte, so without this a
+# payload under MAX_PAYLOAD could hold the event loop for seconds.
+MAX_EVENTS = 1 << 16
 T = TypeVar("T", int, str)
 
 
@@ -200,8 +204,8 @@ def _batch(seq: int, payload: bytes) -> EngineBatch:
     counted as such and costs the batch nothing else: its events are the engine's all the same.
     Its events are framed one by one (`_events`); what hides where they end fails the batch:
     bytes msgpack cannot read, nesting past its stack (1024 deep), a truncated payload, bytes
-    past its end, or a payload over MAX_PAYLOAD (a hostile one unpacks into tens of times its
-    size)."""
+    past its end, a payload over MAX_PAYLOAD (a hostile one unpacks into tens of times its
+    size) or over MAX_EVENTS events."""
     if len(payload) > MAX_PAYLOAD:
         raise BadBatch(f"payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
     u = _unpacker(payload)
@@ -232,6 +236,8 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
     events: list[Event] = []
     reasons: list[str] = []
     malformed, count = 0, u.read_array_header()
+    if count > MAX_EVENTS:
+        raise BadBatch(f"batch holds {count} events, over {MAX_EVENTS}")
     for i in range(count):
         start = u.tell()
         u.skip()

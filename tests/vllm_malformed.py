@@ -4,7 +4,7 @@ decoder and the subscriber."""
 
 import msgpack
 
-from gateway.vllm_events import Cleared, Removed
+from gateway.vllm_events import MAX_EVENTS, Cleared, Removed
 from tests import vllm_data as vd
 from workers.kv.events import DEVICE, DISK, HOST
 
@@ -54,6 +54,7 @@ MALFORMED = {
     "events claim more than the payload holds": pack([1.0, Raw(b"\xdd\xff\xff\xff\xff\xc0")]),
     "truncated": payload(stored())[:-1],
     "over the size cap": payload(stored(padding=Raw(b"\xc6" + (16 << 20).to_bytes(4, "big") + bytes(16 << 20)))),
+    "over the event cap": pack([1.0, Raw(b"\xdd" + (MAX_EVENTS + 1).to_bytes(4, "big") + b"\xc0" * (MAX_EVENTS + 1))]),
     "events a map": pack([1.0, Pairs([("type", "AllBlocksCleared")])]),
     "batch a map": pack(Pairs([("ts", 1.0), ("events", [])])),
     "trailing bytes": payload(stored()) + b"\x00",
