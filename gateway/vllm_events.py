@@ -1,7 +1,8 @@
 """vLLM's (and SGLang's) KV events off the wire: ZMQ frames -> typed batches.
 
 vLLM publishes `[topic, seq, payload]` on a PUB socket, `seq` 8 bytes big-endian, one per
-scheduler step and from 0 in each process; the payload is msgpack `[ts, events, dp_rank?]`.
+scheduler step and from 0 in each process; the payload is msgpack `[ts, events, dp_rank?]`
+(or, from a publisher whose batch struct is not array-like, a map of those fields by name).
 Events are maps tagged by `"type"` (vLLM >= 0.10) or arrays whose first item is the tag (older
 vLLM and SGLang): `BlockStored`, `BlockRemoved`, `AllBlocksCleared`. The replay socket (a
 ROUTER) answers `[b"", start_seq]` with `[b"", topic, seq, payload]...` (SGLang: no topic)
@@ -21,6 +22,7 @@ again at every resync.
 
 import heapq
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import TypeGuard, TypeVar
@@ -199,32 +201,60 @@ def _unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
 
 
 def _batch(seq: int, payload: bytes) -> EngineBatch:
-    """A batch's envelope: `ts` a finite, non-negative time (the subscriber orders restarts by
-    it), `dp_rank` a non-negative int or nil, items past it skipped; either one malformed is
-    counted as such and costs the batch nothing else: its events are the engine's all the same.
-    Its events are framed one by one (`_events`); what hides where they end fails the batch:
-    bytes msgpack cannot read, nesting past its stack (1024 deep), a truncated payload, bytes
-    past its end, a payload over MAX_PAYLOAD (a hostile one unpacks into tens of times its
-    size) or over MAX_EVENTS events."""
+    """A batch's envelope (`_envelope`): `ts` a finite, non-negative time (the subscriber orders
+    restarts by it), `dp_rank` a non-negative int or nil, other fields skipped; either one
+    malformed is counted as such and costs the batch nothing else: its events are the engine's
+    all the same. Its events are framed one by one (`_events`); what hides where they end fails
+    the batch: bytes msgpack cannot read, nesting past its stack (1024 deep), a truncated
+    payload, bytes past its end, a payload over MAX_PAYLOAD (a hostile one unpacks into tens of
+    times its size) or over MAX_EVENTS events."""
     if len(payload) > MAX_PAYLOAD:
         raise BadBatch(f"payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
     u = _unpacker(payload)
+    ts, rank, read = None, None, None
+    for name in _envelope(u, payload[0] if payload else 0):
+        if name == "ts":
+            ts = u.unpack()
+        elif name == "events" and read is None:
+            read = _events(u, memoryview(payload))
+        elif name == "data_parallel_rank":
+            rank = u.unpack()
+        else:
+            u.skip()
+    if read is None:
+        raise BadBatch("payload is not [ts, events, dp_rank?]")
+    if u.tell() != len(payload):
+        raise BadBatch("payload has bytes past its batch")
+    bad = []
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+        ts, bad = None, ["ts must be a finite, non-negative number"]
+    if rank is not None and (type(rank) is not int or rank < 0):
+        rank, bad = None, [*bad, "dp_rank must be a non-negative int or nil"]
+    events, malformed, reasons = read
+    why = (*bad, *reasons)[:MAX_BATCH_REASONS]
+    return EngineBatch(seq, None if ts is None else float(ts), events, rank or 0, malformed + len(bad), why)
+
+
+ENVELOPE = ("ts", "events", "data_parallel_rank")
+
+
+def _envelope(u: msgpack.Unpacker, first: int) -> Iterator[str | None]:
+    """The names of the envelope's fields, each as `u` reaches its value: by position in vLLM's
+    batch (an array-like struct: [ts, events, dp_rank?], more items unnamed), or by key where a
+    publisher encodes the struct as a map (msgspec's default; a key that is no name is None).
+    `first`: the payload's first byte, which says which."""
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
+        for _ in range(u.read_map_header()):
+            key = u.unpack()
+            yield key if isinstance(key, str) else None
+        return
+    if not (0x90 <= first <= 0x9F or first in (0xDC, 0xDD)):
+        raise BadBatch("payload is not [ts, events, dp_rank?]")
     items = u.read_array_header()
     if items < 2:
         raise BadBatch("payload is not [ts, events, dp_rank?]")
-    ts, bad = u.unpack(), []
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        ts, bad = None, ["ts must be a finite, non-negative number"]
-    events, malformed, reasons = _events(u, memoryview(payload))
-    rank = u.unpack() if items > 2 else None
-    if rank is not None and (type(rank) is not int or rank < 0):
-        rank, bad = None, [*bad, "dp_rank must be a non-negative int or nil"]
-    for _ in range(items - 3):
-        u.skip()
-    if u.tell() != len(payload):
-        raise BadBatch("payload has bytes past its batch")
-    why = (*bad, *reasons)[:MAX_BATCH_REASONS]
-    return EngineBatch(seq, None if ts is None else float(ts), events, rank or 0, malformed + len(bad), why)
+    for i in range(items):
+        yield ENVELOPE[i] if i < len(ENVELOPE) else None
 
 
 def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:

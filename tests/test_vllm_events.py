@@ -443,3 +443,20 @@ def test_an_event_with_a_hundred_thousand_unknown_fields_names_a_few_and_no_reas
     t = Translator(vd.MODEL, 16)
     t.apply(batch.events)
     assert t.stats.skipped_blocks == 2 and all(len(r) <= MAX_REASON_LEN for r in t.stats.reasons)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [("ts", 1.0), ("events", vm.EVENTS), ("data_parallel_rank", 2)],
+        [("data_parallel_rank", 2), ("extra", [1, 2]), (7, "x"), ("events", vm.EVENTS), ("ts", 1.0)],
+    ],
+)
+def test_a_batch_encoded_as_a_map_reads_as_the_array_one(fields):
+    """msgspec encodes a struct without `array_like` as a map of its fields: a vLLM whose
+    EventBatch is such a struct sends the same batch keyed by name (keys in any order; other
+    keys, names or not, skipped)."""
+    as_array = decode_payload(3, vm.pack([1.0, vm.EVENTS, 2]))
+    as_map = decode_payload(3, vm.pack(vm.Pairs(fields)))
+    assert (as_map.ts, as_map.rank, as_map.events, as_map.malformed) == (1.0, 2, as_array.events, 0)
+    assert [type(e) for e in as_map.events] == [Stored, Removed]

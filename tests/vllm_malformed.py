@@ -56,7 +56,9 @@ MALFORMED = {
     "over the size cap": payload(stored(padding=Raw(b"\xc6" + (16 << 20).to_bytes(4, "big") + bytes(16 << 20)))),
     "over the event cap": pack([1.0, Raw(b"\xdd" + (MAX_EVENTS + 1).to_bytes(4, "big") + b"\xc0" * (MAX_EVENTS + 1))]),
     "events a map": pack([1.0, Pairs([("type", "AllBlocksCleared")])]),
-    "batch a map": pack(Pairs([("ts", 1.0), ("events", [])])),
+    "batch a map without events": pack(Pairs([("ts", 1.0), ("data_parallel_rank", 0)])),
+    "batch neither array nor map": pack("kv"),
+    "empty": b"",
     "trailing bytes": payload(stored()) + b"\x00",
 }
 # Events that are none: msgpack reads past them but cannot build them or the decoder refuses
