@@ -8,11 +8,9 @@ engine is stopped, the worker drains, or it already holds `max_num_seqs + max_qu
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
-from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -20,9 +18,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
+from workers.engine import ENGINE_STOPPED, Engine, EngineStopped
 from workers.control_routes import ControlRoutes
-from workers.job import Choices, Job
+from workers.job import Job
+from workers.job_runner import JobRunner
 from workers.given_ids import FIELD as GIVEN_IDS
 from workers.given_ids import fingerprint, given_prompts, has_text
 from workers.http_guard import (
@@ -34,11 +33,10 @@ from workers.http_guard import (
     read_body,
     wait_disconnect,
 )
-from workers.outputs import RequestOutput, call_sinks, unstarted_failure
 from workers.metrics import RequestClock, WorkerMetrics
 from workers.prefix_tokens import PrefixTokenizer
-from workers.protocol import TTFT_HEADER, ParsedRequest, error_body, parse_request, tokenize_body
-from workers.responses import choice, chunk, full_response, new_id
+from workers.protocol import TTFT_HEADER, ParsedRequest, parse_request, tokenize_body
+from workers.responses import new_id
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
 from workers.tracing import WorkerTracing
@@ -50,25 +48,11 @@ log = logging.getLogger("kvgate.worker")
 FLEET_BODY_FACTOR = 16
 RETRY_AFTER_S = 1
 SHOWN_ID = re.compile(r"[!-~]{1,128}")  # a client's x-request-id we echo: printable ASCII, no spaces
-FAILURES = {  # RequestOutput.error -> (HTTP status, message)
-    ENGINE_ERROR: (500, "the engine failed while running this request"),
-    ENGINE_STOPPED: (503, "the engine has stopped"),
-}
-
-
-def failure(out: RequestOutput) -> tuple[int, dict]:
-    """The HTTP status and OpenAI error body of a request the engine failed."""
-    status, message = FAILURES.get(out.error, FAILURES[ENGINE_ERROR])
-    return status, error_body(message, "server_error", out.error)
-
-
-def ended_as(first: RequestOutput, rid: str) -> RequestOutput:
-    """The one output of a choice never started because its prompt's first choice ended so."""
-    return RequestOutput(rid, [], "", 0, 0, 0, first.finish_reason, first.error)
 
 
 class WorkerServer:
-    """Binds one engine to HTTP. Each request gets an asyncio queue fed from the engine thread."""
+    """Binds one engine to HTTP. Each request is a `Job` its `runner` hands to the engine and
+    reads the answer of."""
 
     def __init__(
         self,
@@ -86,7 +70,6 @@ class WorkerServer:
         self.max_in_flight = engine.config.max_num_seqs + max_queued_requests
         self.stall_timeout_s = stall_timeout_s
         self.draining = False  # set on SIGTERM (workers/drain.py)
-        self.in_flight = 0  # requests handed to the engine and not finished
         self.transfer = TransferService(engine, served_model, internal_token, kv_transport, nixl_quarantine_s)
         self.model = served_model
         self.vocab_size = vocab_size
@@ -100,7 +83,7 @@ class WorkerServer:
         self.tracing = tracing or WorkerTracing()
         self.transfer.tracing = self.tracing
         self.publisher = None  # a workers.redis_publisher.RedisPublisher when --redis is given
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.runner = JobRunner(engine, self.transfer, self.metrics, self.tracing, served_model)
         self.control = ControlRoutes(self)
         self.app = Starlette(
             routes=[
@@ -137,6 +120,11 @@ class WorkerServer:
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, "chat")
+
+    @property
+    def in_flight(self) -> int:
+        """Choices handed to the engine and not ended."""
+        return self.runner.in_flight
 
     @property
     def idle(self) -> bool:
@@ -294,198 +282,28 @@ class WorkerServer:
             return refused
         if parsed.stream:
             return StreamingResponse(
-                self._stream(job), media_type="text/event-stream", headers={"x-request-id": job.shown}
+                self.runner.stream(job), media_type="text/event-stream", headers={"x-request-id": job.shown}
             )
-        return await self._collect(request, job)
+        status, body = await self.runner.collect(job, wait_disconnect(request))
+        return JSONResponse(body, status, self._headers(job))
 
     def _submit(self, job: Job) -> Response | None:
-        """Hand each prompt's first choice to the engine; a 503 if it refuses the first (it is
-        stopping: its thread may still run, so `_refusal` may not know yet). The other choices
-        of a prompt follow when its first one has a token: its prompt blocks are then cached, so
-        they share them instead of computing the prompt again."""
-        self._bind(asyncio.get_running_loop())
+        """Hand the job to the engine; a 503 if it refuses (it is stopping: its thread may
+        still run, so `_refusal` may not know yet)."""
         try:
-            self._submit_choice(job, 0)
+            self.runner.submit(job)
         except EngineStopped:
             return self._refuse(ENGINE_STOPPED, "the engine has stopped")
-        for i in range(job.parsed.n, job.parsed.num_choices, job.parsed.n):
-            self._submit_or_fail(job, i)
         return None
 
-    def _submit_or_fail(self, job: Job, i: int) -> None:
-        """Hand choice `i` to the engine, or fail it if the engine refuses; a prompt's first
-        choice fails with the choices that would follow it: each choice needs a last output, or
-        the request never ends."""
-        try:
-            self._submit_choice(job, i)
-        except EngineStopped:
-            n = job.parsed.n
-            for k in range(i, i + n if i % n == 0 else i + 1):
-                job.outputs.put_nowait((k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED)))
-
-    def _submit_choice(self, job: Job, i: int) -> None:
-        """Hand choice `i` to the engine; counted in flight from its handing over until its last
-        output arrives, so a handing over that raises counts nothing. A prompt's j-th choice
-        samples with seed + j (vLLM's rule), so seeded choices differ."""
-        p, kv = job.parsed, job.parsed.kv_transfer
-        j = i % p.n
-        params = p.params
-        if j and params.seed is not None:
-            params = replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
-        loop = asyncio.get_running_loop()
-        export = self.transfer.exporter(kv["export_to"], loop, p.cache_salt, job.span) if "export_to" in kv else None
-        kv_wait_s = (kv.get("wait_ms") or 0) / 1000.0  # a null wait_ms is no wait, as protocol reads it
-        siblings = list(range(i + 1, i + p.n)) if j == 0 else []
-
-        def sink(out: RequestOutput) -> None:
-            job.outputs.put_nowait((i, out))
-            if siblings:
-                self._follow(job, out, siblings)
-                siblings.clear()
-            if out.finish_reason is not None:
-                self.in_flight -= 1
-
-        self.in_flight += 1
-        try:
-            self.engine.submit(
-                job.engine_key(i),
-                p.prompts[i // p.n],
-                params,
-                sink,
-                kv_wait_s=kv_wait_s,
-                export=export,
-                cache_salt=p.cache_salt,
-                trace=job.span is not None and i == 0,
-            )
-        except BaseException:
-            self.in_flight -= 1
-            raise
-
-    def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
-        """Start a prompt's other choices on its first choice's first output, unless no one
-        reads the answer any more or that output ended the first choice (aborted, failed): they
-        would run to their last token for no one. Then each ends as the first did."""
-        if job.cancelled:
-            return
-        if first.finish_reason in ("abort", "error"):
-            for s in siblings:
-                job.outputs.put_nowait((s, ended_as(first, job.engine_key(s))))
-            return
-        for s in siblings:
-            self._submit_or_fail(job, s)
-
-    def _abort(self, job: Job, done: list[int]) -> None:
-        """No one reads the answer any more: abort its choices not `done`, and keep those not
-        started from starting (`_follow`)."""
-        job.cancelled = True
-        for i in range(job.parsed.num_choices):
-            if i not in done:
-                self.engine.abort(job.engine_key(i))
-
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Have the engine post each step's outputs to this loop, where the sinks (queue puts)
-        must run. Done on first use, not at startup: an app mounted elsewhere or served
-        without lifespan events never runs the startup hook."""
-        if self._loop is not loop:
-            self._loop = loop
-            self.engine.deliver = lambda batch: loop.call_soon_threadsafe(call_sinks, batch)
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
-
-    async def _collect(self, request: Request, job: Job) -> Response:
-        """Wait for every choice's whole output, aborting them if the client goes away or this
-        task is cancelled."""
-        p, headers = job.parsed, {"x-request-id": job.shown}
-        state = Choices(p, self._decode_token)
-        texts = {i: [state.echo(i)] for i in range(p.num_choices)}
-        ids: dict[int, list[int]] = {i: [] for i in range(p.num_choices)}
-        entries: dict[int, list] = {i: [] for i in range(p.num_choices)}
-        disconnect = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            while not state.done:
-                get = asyncio.ensure_future(job.outputs.get())
-                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    self.tracing.end(job.span, 499)
-                    return error(499, "client disconnected", code="client_closed")
-                i, out = get.result()
-                state.add(i, out)
-                texts[i].append(out.text)
-                ids[i].extend(out.token_ids)
-                entries[i].extend(out.logprobs or ())
-                self.metrics.observe(out, job.clocks[i])
-        finally:
-            disconnect.cancel()
-            if not state.done:  # the client left, or this task was cancelled
-                self._abort(job, state.finished)
-        self.tracing.finish(job.span, state.last[0])
+    @staticmethod
+    def _headers(job: Job) -> dict[str, str]:
+        """A whole answer's headers: its id and, once a choice had a token, the time to it."""
+        headers = {"x-request-id": job.shown}
         firsts = [c.first for c in job.clocks if c.first is not None]
         if firsts:
             headers[TTFT_HEADER] = f"{(min(firsts) - job.clocks[0].arrived) * 1000:.3f}"
-        failed = [out for out in state.last.values() if out.error is not None]
-        if failed:
-            status, body = failure(failed[0])
-            return JSONResponse(body, status, headers)
-        choices = [
-            choice(
-                p.kind,
-                i,
-                "".join(texts[i]),
-                state.last[i].finish_reason,
-                state.logprobs(i, entries[i]),
-                ids[i] if p.return_token_ids else None,
-            )
-            for i in range(p.num_choices)
-        ]
-        return JSONResponse(full_response(p.kind, job.shown, self.model, choices, state.usage()), headers=headers)
-
-    async def _stream(self, job: Job):
-        """SSE chunks as the engine produces them, each naming its choice; a cancelled stream
-        aborts the request. A request that fails ends with an OpenAI error event, then [DONE]."""
-        p, rid = job.parsed, job.shown
-        state = Choices(p, self._decode_token)
-        failed = False
-        try:
-            if p.kind == "chat":
-                for i in range(p.num_choices):
-                    yield _sse(chunk(p.kind, rid, self.model, "", None, first=True, index=i))
-            while not state.done:
-                i, out = await job.outputs.get()
-                text = out.text if i in state.last else state.echo(i) + out.text
-                state.add(i, out)
-                self.metrics.observe(out, job.clocks[i])
-                if i == 0 and out.finish_reason is not None:
-                    self.tracing.finish(job.span, out)
-                if out.error is not None:
-                    failed = True
-                    yield _sse(failure(out)[1])
-                    break
-                if text or out.finish_reason or p.return_token_ids or out.logprobs:
-                    yield _sse(
-                        chunk(
-                            p.kind,
-                            rid,
-                            self.model,
-                            text,
-                            out.finish_reason,
-                            index=i,
-                            token_ids=out.token_ids if p.return_token_ids else None,
-                            logprobs=state.logprobs(i, out.logprobs),
-                        )
-                    )
-            if p.include_usage and not failed:
-                body = chunk(p.kind, rid, self.model, "", None)
-                body["choices"] = []
-                body["usage"] = state.usage()
-                yield _sse(body)
-            yield b"data: [DONE]\n\n"
-        finally:
-            if not state.done:
-                self._abort(job, state.finished)
-                if not failed:
-                    self.tracing.end(job.span, 499)
+        return headers
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -517,7 +335,3 @@ class WorkerServer:
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

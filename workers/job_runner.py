@@ -1,0 +1,246 @@
+"""A job's choices in the engine, from their handing over to the answer read from them.
+
+Each choice is an engine request of its own whose sink routes its outputs to the job's queue.
+A prompt's first choice goes in first; its other choices follow its first output, when its
+prompt blocks are cached. The answer is read whole (`collect`) or as SSE chunks (`stream`);
+a reader that stops early (client gone, task cancelled, a failure) aborts the choices still
+running and keeps those not started from starting: nothing runs for no one.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
+
+from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
+from workers.job import Choices, Job
+from workers.metrics import WorkerMetrics
+from workers.outputs import RequestOutput, call_sinks, unstarted_failure
+from workers.protocol import error_body
+from workers.responses import choice, chunk, full_response
+from workers.tracing import WorkerTracing
+from workers.transfer_http import TransferService
+
+FAILURES = {  # RequestOutput.error -> (HTTP status, message)
+    ENGINE_ERROR: (500, "the engine failed while running this request"),
+    ENGINE_STOPPED: (503, "the engine has stopped"),
+}
+
+
+def failure(out: RequestOutput) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body of a request the engine failed."""
+    status, message = FAILURES.get(out.error, FAILURES[ENGINE_ERROR])
+    return status, error_body(message, "server_error", out.error)
+
+
+def ended_as(first: RequestOutput, rid: str) -> RequestOutput:
+    """The one output of a choice never started because its prompt's first choice ended so."""
+    return RequestOutput(rid, [], "", 0, 0, 0, first.finish_reason, first.error)
+
+
+class JobRunner:
+    """Runs jobs' choices on one engine; `in_flight` counts the choices handed to it and not
+    ended. Outputs reach the sinks on the event loop the jobs are read on (`_bind`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        transfer: TransferService,
+        metrics: WorkerMetrics,
+        tracing: WorkerTracing,
+        model: str,
+    ):
+        self.engine = engine
+        self.transfer = transfer
+        self.metrics = metrics
+        self.tracing = tracing
+        self.model = model
+        self.in_flight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def submit(self, job: Job) -> None:
+        """Hand each prompt's first choice to the engine; raises EngineStopped if it refuses the
+        first (it is stopping). The other choices of a prompt follow when its first one has a
+        token: its prompt blocks are then cached, so they share them instead of computing the
+        prompt again."""
+        self._bind(asyncio.get_running_loop())
+        self._submit_choice(job, 0)
+        for i in range(job.parsed.n, job.parsed.num_choices, job.parsed.n):
+            self._submit_or_fail(job, i)
+
+    def _submit_or_fail(self, job: Job, i: int) -> None:
+        """Hand choice `i` to the engine, or fail it if the engine refuses; a prompt's first
+        choice fails with the choices that would follow it: each choice needs a last output, or
+        the request never ends."""
+        try:
+            self._submit_choice(job, i)
+        except EngineStopped:
+            n = job.parsed.n
+            for k in range(i, i + n if i % n == 0 else i + 1):
+                job.outputs.put_nowait((k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED)))
+
+    def _submit_choice(self, job: Job, i: int) -> None:
+        """Hand choice `i` to the engine; counted in flight from its handing over until its last
+        output arrives, so a handing over that raises counts nothing. A prompt's j-th choice
+        samples with seed + j (vLLM's rule), so seeded choices differ."""
+        p, kv = job.parsed, job.parsed.kv_transfer
+        j = i % p.n
+        params = p.params
+        if j and params.seed is not None:
+            params = replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
+        loop = asyncio.get_running_loop()
+        export = self.transfer.exporter(kv["export_to"], loop, p.cache_salt, job.span) if "export_to" in kv else None
+        kv_wait_s = (kv.get("wait_ms") or 0) / 1000.0  # a null wait_ms is no wait, as protocol reads it
+        siblings = list(range(i + 1, i + p.n)) if j == 0 else []
+
+        def sink(out: RequestOutput) -> None:
+            job.outputs.put_nowait((i, out))
+            if siblings:
+                self._follow(job, out, siblings)
+                siblings.clear()
+            if out.finish_reason is not None:
+                self.in_flight -= 1
+
+        self.in_flight += 1
+        try:
+            self.engine.submit(
+                job.engine_key(i),
+                p.prompts[i // p.n],
+                params,
+                sink,
+                kv_wait_s=kv_wait_s,
+                export=export,
+                cache_salt=p.cache_salt,
+                trace=job.span is not None and i == 0,
+            )
+        except BaseException:
+            self.in_flight -= 1
+            raise
+
+    def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
+        """Start a prompt's other choices on its first choice's first output, unless no one
+        reads the answer any more or that output ended the first choice (aborted, failed): they
+        would run to their last token for no one. Then each ends as the first did."""
+        if job.cancelled:
+            return
+        if first.finish_reason in ("abort", "error"):
+            for s in siblings:
+                job.outputs.put_nowait((s, ended_as(first, job.engine_key(s))))
+            return
+        for s in siblings:
+            self._submit_or_fail(job, s)
+
+    def _abort(self, job: Job, done: list[int]) -> None:
+        """No one reads the answer any more: abort its choices not `done`, and keep those not
+        started from starting (`_follow`)."""
+        job.cancelled = True
+        for i in range(job.parsed.num_choices):
+            if i not in done:
+                self.engine.abort(job.engine_key(i))
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have the engine post each step's outputs to this loop, where the sinks (queue puts)
+        must run. Done on first use, not at startup: an app mounted elsewhere or served
+        without lifespan events never runs the startup hook."""
+        if self._loop is not loop:
+            self._loop = loop
+            self.engine.deliver = lambda batch: loop.call_soon_threadsafe(call_sinks, batch)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    async def collect(self, job: Job, gone: Awaitable[None]) -> tuple[int, dict]:
+        """The whole answer (HTTP status, body) once every choice has ended; a 499 if `gone`
+        (the client went away) completes first. The choices are aborted then, or if this task
+        is cancelled."""
+        p = job.parsed
+        state = Choices(p, self._decode_token)
+        texts = {i: [state.echo(i)] for i in range(p.num_choices)}
+        ids: dict[int, list[int]] = {i: [] for i in range(p.num_choices)}
+        entries: dict[int, list] = {i: [] for i in range(p.num_choices)}
+        disconnect = asyncio.ensure_future(gone)
+        try:
+            while not state.done:
+                get = asyncio.ensure_future(job.outputs.get())
+                done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    self.tracing.end(job.span, 499)
+                    return 499, error_body("client disconnected", "invalid_request_error", "client_closed")
+                i, out = get.result()
+                state.add(i, out)
+                texts[i].append(out.text)
+                ids[i].extend(out.token_ids)
+                entries[i].extend(out.logprobs or ())
+                self.metrics.observe(out, job.clocks[i])
+        finally:
+            disconnect.cancel()
+            if not state.done:  # the client left, or this task was cancelled
+                self._abort(job, state.finished)
+        self.tracing.finish(job.span, state.last[0])
+        failed = [out for out in state.last.values() if out.error is not None]
+        if failed:
+            return failure(failed[0])
+        choices = [
+            choice(
+                p.kind,
+                i,
+                "".join(texts[i]),
+                state.last[i].finish_reason,
+                state.logprobs(i, entries[i]),
+                ids[i] if p.return_token_ids else None,
+            )
+            for i in range(p.num_choices)
+        ]
+        return 200, full_response(p.kind, job.shown, self.model, choices, state.usage())
+
+    async def stream(self, job: Job) -> AsyncIterator[bytes]:
+        """SSE chunks as the engine produces them, each naming its choice; a cancelled stream
+        aborts the request. A request that fails ends with an OpenAI error event, then [DONE]."""
+        p, rid = job.parsed, job.shown
+        state = Choices(p, self._decode_token)
+        failed = False
+        try:
+            if p.kind == "chat":
+                for i in range(p.num_choices):
+                    yield sse(chunk(p.kind, rid, self.model, "", None, first=True, index=i))
+            while not state.done:
+                i, out = await job.outputs.get()
+                text = out.text if i in state.last else state.echo(i) + out.text
+                state.add(i, out)
+                self.metrics.observe(out, job.clocks[i])
+                if i == 0 and out.finish_reason is not None:
+                    self.tracing.finish(job.span, out)
+                if out.error is not None:
+                    failed = True
+                    yield sse(failure(out)[1])
+                    break
+                if text or out.finish_reason or p.return_token_ids or out.logprobs:
+                    yield sse(
+                        chunk(
+                            p.kind,
+                            rid,
+                            self.model,
+                            text,
+                            out.finish_reason,
+                            index=i,
+                            token_ids=out.token_ids if p.return_token_ids else None,
+                            logprobs=state.logprobs(i, out.logprobs),
+                        )
+                    )
+            if p.include_usage and not failed:
+                body = chunk(p.kind, rid, self.model, "", None)
+                body["choices"] = []
+                body["usage"] = state.usage()
+                yield sse(body)
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not state.done:
+                self._abort(job, state.finished)
+                if not failed:
+                    self.tracing.end(job.span, 499)
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
