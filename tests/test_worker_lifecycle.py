@@ -14,10 +14,16 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from workers import engine as engine_module
+from workers import job_runner
 from workers.cli import build_server, parser
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.server import WorkerServer
+from workers.tracing import WorkerTracing
 
 MODEL = "smollm2-135m"
 TOKEN = "lifecycle-token"
@@ -229,6 +235,79 @@ def test_a_failed_first_choice_fails_the_others_without_running_them(server, str
     err = stream_error(status, body) if stream else error_of(status, body)
     assert err["code"] == "engine_error" and (stream or status == 500)
     assert server.engine.stats.generated_tokens == 0 and calls == [1]
+
+
+LONG = 200  # tokens a choice would still run: far more than the few steps a failure takes to end them
+
+
+@pytest.fixture
+def lockstep(server, monkeypatch) -> dict[str, str]:
+    """Each engine step after the first waits until the server's loop has taken the outputs of
+    the step before (their sinks ran), as behind a slow device: the loop keeps up with every
+    step, whatever else the machine runs. Yields each engine request's finish reason, recorded
+    as its last output is taken."""
+    taken, last, steps = threading.Semaphore(0), {}, []
+    real = job_runner.call_sinks
+
+    def take(batch):
+        real(batch)
+        last.update((out.request_id, out.finish_reason) for _, out in batch if out.finish_reason is not None)
+        taken.release()
+
+    def wait(_: float) -> None:
+        if steps:
+            taken.acquire(timeout=GUARD_S)
+        steps.append(1)
+
+    monkeypatch.setattr(job_runner, "call_sinks", take)
+    server.engine.executor.wait = wait
+    return last
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    "body, failing",
+    [
+        ({"prompt": "hi", "n": 4}, 2),  # a sibling, handed over after choice 0's first token
+        ({"prompt": ["hi", "there"], "n": 2}, 1),  # prompt 1's first choice, before its sibling
+    ],
+    ids=["sibling", "first-of-a-prompt"],
+)
+def test_a_failed_choice_fails_the_request_at_once_and_aborts_the_others(
+    server, lockstep, monkeypatch, stream, body, failing
+):
+    """The engine fails one choice (its set-up raises: `engine_error`) while the others have
+    LONG tokens left: the client gets the error without the others running on, and each of them
+    is aborted (or never started): none runs to its end for no one. The request's span ends
+    once, failed."""
+    made, real = [], engine_module.Detokenizer
+
+    def detokenizer(*args, **kw):
+        made.append(1)
+        if len(made) == failing + 1:
+            raise RuntimeError("a request the engine cannot set up")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "Detokenizer", detokenizer)
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    server.tracing = server.runner.tracing = WorkerTracing(provider)
+    request = {"model": MODEL, **body, "max_tokens": LONG, "ignore_eos": True, "stream": stream}
+
+    async def go():
+        answer = await Call(server.app, "/v1/completions", request).response()
+        await settled(server)
+        return answer
+
+    status, _, answer = asyncio.run(go())
+    err = stream_error(status, answer) if stream else error_of(status, answer)
+    assert err["code"] == "engine_error" and (stream or status == 500)
+    reasons = list(lockstep.values())
+    assert reasons.count("error") == 1 and set(reasons) <= {"error", "abort"}, lockstep
+    assert server.engine.stats.finished == 0 and server.engine.stats.generated_tokens < LONG
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/completions"]
+    assert not span.status.is_ok
 
 
 def test_a_null_kv_wait_is_no_wait_and_leaks_nothing(server):

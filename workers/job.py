@@ -33,23 +33,36 @@ class Job:
 
 @dataclass
 class Choices:
-    """What a request's choices have produced so far, and how each must be reported."""
+    """What a request's choices have produced so far, and how each must be reported. A request
+    fails whole: its first failed choice (`failure`) ends it, as every choice ending does."""
 
     parsed: ParsedRequest
     decode: Callable[[int], str]
     last: dict[int, RequestOutput] = field(default_factory=dict)
     offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs' text offset per choice
+    failure: RequestOutput | None = None
 
     @property
     def done(self) -> bool:
         return len(self.finished) == self.parsed.num_choices
 
     @property
+    def ended(self) -> bool:
+        """Nothing more to read: every choice ended, or one failed."""
+        return self.failure is not None or self.done
+
+    @property
     def finished(self) -> list[int]:
         return [i for i, out in self.last.items() if out.finish_reason is not None]
 
+    def has_ended(self, i: int) -> bool:
+        out = self.last.get(i)
+        return out is not None and out.finish_reason is not None
+
     def add(self, i: int, out: RequestOutput) -> None:
         self.last[i] = out
+        if out.error is not None and self.failure is None:
+            self.failure = out
 
     def echo(self, i: int) -> str:
         texts = self.parsed.echo_texts

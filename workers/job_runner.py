@@ -2,9 +2,10 @@
 
 Each choice is an engine request of its own whose sink routes its outputs to the job's queue.
 A prompt's first choice goes in first; its other choices follow its first output, when its
-prompt blocks are cached. The answer is read whole (`collect`) or as SSE chunks (`stream`);
-a reader that stops early (client gone, task cancelled, a failure) aborts the choices still
-running and keeps those not started from starting: nothing runs for no one.
+prompt blocks are cached. The answer is read whole (`collect`) or as SSE chunks (`stream`),
+under one rule: a request ends when every choice has ended, or at its first failed choice (it
+fails whole), or when its reader stops (client gone, task cancelled). Ended early, its choices
+still running are aborted and those not started never start: nothing runs for no one.
 """
 
 import asyncio
@@ -131,8 +132,8 @@ class JobRunner:
             self._submit_or_fail(job, s)
 
     def _abort(self, job: Job, done: list[int]) -> None:
-        """No one reads the answer any more: abort its choices not `done`, and keep those not
-        started from starting (`_follow`)."""
+        """No one reads the answer any more (or it has failed): abort its choices not `done`,
+        and keep those not started from starting (`_follow`)."""
         job.cancelled = True
         for i in range(job.parsed.num_choices):
             if i not in done:
@@ -150,9 +151,8 @@ class JobRunner:
         return self.engine.tokenizer.decode([token_id])
 
     async def collect(self, job: Job, gone: Awaitable[None]) -> tuple[int, dict]:
-        """The whole answer (HTTP status, body) once every choice has ended; a 499 if `gone`
-        (the client went away) completes first. The choices are aborted then, or if this task
-        is cancelled."""
+        """The whole answer (HTTP status, body) once every choice has ended, or the error of the
+        first that failed; a 499 if `gone` (the client went away) completes first."""
         p = job.parsed
         state = Choices(p, self._decode_token)
         texts = {i: [state.echo(i)] for i in range(p.num_choices)}
@@ -160,27 +160,22 @@ class JobRunner:
         entries: dict[int, list] = {i: [] for i in range(p.num_choices)}
         disconnect = asyncio.ensure_future(gone)
         try:
-            while not state.done:
+            while not state.ended:
                 get = asyncio.ensure_future(job.outputs.get())
                 done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
-                    self.tracing.end(job.span, 499)
                     return 499, error_body("client disconnected", "invalid_request_error", "client_closed")
                 i, out = get.result()
-                state.add(i, out)
+                self._take(job, state, i, out)
                 texts[i].append(out.text)
                 ids[i].extend(out.token_ids)
                 entries[i].extend(out.logprobs or ())
-                self.metrics.observe(out, job.clocks[i])
         finally:
             disconnect.cancel()
-            if not state.done:  # the client left, or this task was cancelled
-                self._abort(job, state.finished)
-        self.tracing.finish(job.span, state.last[0])
-        failed = [out for out in state.last.values() if out.error is not None]
-        if failed:
-            return failure(failed[0])
+            self._close(job, state)
+        if state.failure is not None:
+            return failure(state.failure)
         choices = [
             choice(
                 p.kind,
@@ -195,27 +190,21 @@ class JobRunner:
         return 200, full_response(p.kind, job.shown, self.model, choices, state.usage())
 
     async def stream(self, job: Job) -> AsyncIterator[bytes]:
-        """SSE chunks as the engine produces them, each naming its choice; a cancelled stream
-        aborts the request. A request that fails ends with an OpenAI error event, then [DONE]."""
+        """SSE chunks as the engine produces them, each naming its choice. A request that fails
+        ends with an OpenAI error event, then [DONE]."""
         p, rid = job.parsed, job.shown
         state = Choices(p, self._decode_token)
-        failed = False
         try:
             if p.kind == "chat":
                 for i in range(p.num_choices):
                     yield sse(chunk(p.kind, rid, self.model, "", None, first=True, index=i))
-            while not state.done:
+            while not state.ended:
                 i, out = await job.outputs.get()
                 text = out.text if i in state.last else state.echo(i) + out.text
-                state.add(i, out)
-                self.metrics.observe(out, job.clocks[i])
-                if i == 0 and out.finish_reason is not None:
-                    self.tracing.finish(job.span, out)
+                self._take(job, state, i, out)
                 if out.error is not None:
-                    failed = True
                     yield sse(failure(out)[1])
-                    break
-                if text or out.finish_reason or p.return_token_ids or out.logprobs:
+                elif text or out.finish_reason or p.return_token_ids or out.logprobs:
                     yield sse(
                         chunk(
                             p.kind,
@@ -228,17 +217,36 @@ class JobRunner:
                             logprobs=state.logprobs(i, out.logprobs),
                         )
                     )
-            if p.include_usage and not failed:
+            if p.include_usage and state.failure is None:
                 body = chunk(p.kind, rid, self.model, "", None)
                 body["choices"] = []
                 body["usage"] = state.usage()
                 yield sse(body)
             yield b"data: [DONE]\n\n"
         finally:
-            if not state.done:
-                self._abort(job, state.finished)
-                if not failed:
-                    self.tracing.end(job.span, 499)
+            self._close(job, state)
+
+    def _take(self, job: Job, state: Choices, i: int, out: RequestOutput) -> None:
+        """Read choice `i`'s output into `state` and the metrics. A request fails whole: its
+        first failed choice aborts the others at once, for both answers alike. The span traces
+        choice 0: it ends with choice 0's last output, or with the failure if that comes first."""
+        traced = state.has_ended(0)
+        state.add(i, out)
+        self.metrics.observe(out, job.clocks[i])
+        if out.finish_reason is not None and (i == 0 or out.error is not None) and not traced:
+            self.tracing.finish(job.span, out)
+        if state.failure is out:
+            self._abort(job, state.finished)
+
+    def _close(self, job: Job, state: Choices) -> None:
+        """Reading stopped before the request ended (the client left, the task was cancelled):
+        abort its choices still running, keep those not started from starting, and end its span
+        with a 499 unless choice 0 has ended it."""
+        if state.ended:
+            return
+        self._abort(job, state.finished)
+        if not state.has_ended(0):
+            self.tracing.end(job.span, 499)
 
 
 def sse(obj: dict) -> bytes:
