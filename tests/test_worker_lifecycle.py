@@ -85,9 +85,11 @@ def scope_of(path: str, headers: dict[str, str]) -> dict:
 class Call:
     """One request to the app as uvicorn makes it: a JSON body (with its Content-Length) or
     chunks of one (chunked), then `http.disconnect` once the client leaves (`leave`); what the
-    app sends is kept in `sent`, and `pulled` counts the body bytes it has read."""
+    app sends is kept in `sent`, and `pulled` counts the body bytes it has read. A client that
+    `reads` nothing holds each part of the response body in its send until it leaves, as
+    uvicorn's send waits on a paused transport."""
 
-    def __init__(self, app, path: str, body: dict | Iterator[bytes], headers: dict | None = None):
+    def __init__(self, app, path: str, body: dict | Iterator[bytes], headers: dict | None = None, reads: bool = True):
         if isinstance(body, dict):
             raw = json.dumps(body).encode()
             self._parts, heads = iter([raw]), {"content-length": str(len(raw))}
@@ -98,7 +100,8 @@ class Call:
         self.sent: asyncio.Queue = asyncio.Queue()
         self.pulled = 0
         self._read = False
-        self.task = asyncio.ensure_future(app(scope_of(path, heads), self._receive, self.sent.put))
+        self.reads = reads
+        self.task = asyncio.ensure_future(app(scope_of(path, heads), self._receive, self._send))
 
     async def _receive(self) -> dict:
         if not self._read:
@@ -110,6 +113,11 @@ class Call:
             return {"type": "http.request", "body": b"", "more_body": False}
         await self.gone.wait()
         return {"type": "http.disconnect"}
+
+    async def _send(self, msg: dict) -> None:
+        await self.sent.put(msg)
+        if msg["type"] == "http.response.body" and not self.reads:
+            await self.gone.wait()
 
     def leave(self) -> None:
         self.gone.set()
@@ -203,6 +211,24 @@ def test_a_client_gone_before_the_first_token_starts_no_other_choice(server, gat
             call.task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call.task
+        gate.set()
+        await settled(server)
+
+    asyncio.run(go())
+    assert server.engine.stats.generated_tokens <= 1  # choice 0's prefill token at most
+
+
+def test_a_client_that_reads_nothing_then_leaves_leaves_nothing_running(server, gate):
+    """A streaming client reads nothing (the worker's send waits, as on a paused transport),
+    then leaves: the cancellation lands in that send, outside the stream, whose own cleanup
+    then never runs. Choice 0 is aborted all the same and choices 1-3 never start, where all
+    four once ran their 20 tokens for no one."""
+
+    async def go():
+        call = Call(server.app, "/v1/chat/completions", n_choices(True), reads=False)
+        await call.first_body()  # choice 0's role chunk, which the client does not read
+        call.leave()
+        await call.response()
         gate.set()
         await settled(server)
 
