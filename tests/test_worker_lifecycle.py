@@ -201,7 +201,7 @@ def test_a_client_gone_before_the_first_token_starts_no_other_choice(server, gat
 
     async def go():
         call = Call(server.app, "/v1/chat/completions", n_choices(stream))
-        await until(lambda: server.in_flight == 1, "choice 0 is in the engine")
+        await until(lambda: server.engine.has_work(), "choice 0 is in the engine")
         if stream:
             await call.first_body()  # the role chunks: the stream is under way
         if how == "disconnect":
@@ -334,6 +334,36 @@ def test_a_failed_choice_fails_the_request_at_once_and_aborts_the_others(
     assert server.engine.stats.finished == 0 and server.engine.stats.generated_tokens < LONG
     (span,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/completions"]
     assert not span.status.is_ok
+
+
+def test_a_requests_choices_count_in_flight_from_admission(gate):
+    """A worker holding 4 requests at most (2 running + 2 queued) admits one asking for 16
+    choices; while its choice 0 prefills, its 15 other choices (not in the engine yet) count
+    too, so the next request is refused 503 overloaded. They once counted only once started,
+    and every request admitted meanwhile would add its own 16 past the bound."""
+    s = build_server(parser().parse_args([*WORKER, "--max-num-seqs", "2", "--max-queued-requests", "2"]))
+    opened = threading.Event()
+    s.engine.executor.wait = lambda _: opened.wait(GUARD_S)
+    many = {"model": MODEL, "prompt": "hi", "n": 16, "max_tokens": 2}
+
+    async def go():
+        first = Call(s.app, "/v1/completions", many)
+        await until(lambda: s.engine.has_work(), "choice 0 is in the engine")
+        second = Call(s.app, "/v1/completions", {**many, "n": 1})
+        await until(lambda: second.task.done() or s.in_flight == 2, "the second request is answered or admitted")
+        opened.set()
+        status, _, body = await second.response()
+        answer = await first.response()
+        await settled(s)
+        return status, body, answer
+
+    try:
+        status, body, (first_status, _, first_body) = asyncio.run(go())
+    finally:
+        opened.set()
+        s.engine.stop()
+    assert status == 503 and error_of(status, body)["code"] == "overloaded"
+    assert first_status == 200 and len(json.loads(first_body)["choices"]) == 16
 
 
 def test_a_null_kv_wait_is_no_wait_and_leaks_nothing(server):

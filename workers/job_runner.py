@@ -40,8 +40,10 @@ def ended_as(first: RequestOutput, rid: str) -> RequestOutput:
 
 
 class JobRunner:
-    """Runs jobs' choices on one engine; `in_flight` counts the choices handed to it and not
-    ended. Outputs reach the sinks on the event loop the jobs are read on (`_bind`)."""
+    """Runs jobs' choices on one engine. `in_flight` counts the choices of the jobs handed to
+    it, from then until each ends, started or not: a prompt's other choices wait for its first
+    token, and counted only once started they escaped the worker's bound on what it holds.
+    Outputs reach the sinks on the event loop the jobs are read on (`_bind`)."""
 
     def __init__(
         self,
@@ -65,7 +67,12 @@ class JobRunner:
         token: its prompt blocks are then cached, so they share them instead of computing the
         prompt again."""
         self._bind(asyncio.get_running_loop())
-        self._submit_choice(job, 0)
+        self.in_flight += job.parsed.num_choices
+        try:
+            self._submit_choice(job, 0)
+        except BaseException:
+            self.in_flight -= job.parsed.num_choices
+            raise
         for i in range(job.parsed.n, job.parsed.num_choices, job.parsed.n):
             self._submit_or_fail(job, i)
 
@@ -77,13 +84,14 @@ class JobRunner:
             self._submit_choice(job, i)
         except EngineStopped:
             n = job.parsed.n
-            for k in range(i, i + n if i % n == 0 else i + 1):
+            failed = range(i, i + n if i % n == 0 else i + 1)
+            for k in failed:
                 job.outputs.put_nowait((k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED)))
+            self.in_flight -= len(failed)
 
     def _submit_choice(self, job: Job, i: int) -> None:
-        """Hand choice `i` to the engine; counted in flight from its handing over until its last
-        output arrives, so a handing over that raises counts nothing. A prompt's j-th choice
-        samples with seed + j (vLLM's rule), so seeded choices differ."""
+        """Hand choice `i` to the engine; its last output ends it in flight. A prompt's j-th
+        choice samples with seed + j (vLLM's rule), so seeded choices differ."""
         p, kv = job.parsed, job.parsed.kv_transfer
         j = i % p.n
         params = p.params
@@ -102,31 +110,28 @@ class JobRunner:
             if out.finish_reason is not None:
                 self.in_flight -= 1
 
-        self.in_flight += 1
-        try:
-            self.engine.submit(
-                job.engine_key(i),
-                p.prompts[i // p.n],
-                params,
-                sink,
-                kv_wait_s=kv_wait_s,
-                export=export,
-                cache_salt=p.cache_salt,
-                trace=job.span is not None and i == 0,
-            )
-        except BaseException:
-            self.in_flight -= 1
-            raise
+        self.engine.submit(
+            job.engine_key(i),
+            p.prompts[i // p.n],
+            params,
+            sink,
+            kv_wait_s=kv_wait_s,
+            export=export,
+            cache_salt=p.cache_salt,
+            trace=job.span is not None and i == 0,
+        )
 
     def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
         """Start a prompt's other choices on its first choice's first output, unless no one
         reads the answer any more or that output ended the first choice (aborted, failed): they
-        would run to their last token for no one. Then each ends as the first did."""
+        would run to their last token for no one. Then each ends as the first did, unstarted."""
         if job.cancelled:
+            self.in_flight -= len(siblings)
             return
         if first.finish_reason in ("abort", "error"):
             for s in siblings:
                 job.outputs.put_nowait((s, ended_as(first, job.engine_key(s))))
+            self.in_flight -= len(siblings)
             return
         for s in siblings:
             self._submit_or_fail(job, s)

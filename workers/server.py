@@ -123,7 +123,7 @@ class WorkerServer:
 
     @property
     def in_flight(self) -> int:
-        """Choices handed to the engine and not ended."""
+        """Choices of the requests handed to the engine, not ended (`JobRunner.in_flight`)."""
         return self.runner.in_flight
 
     @property
