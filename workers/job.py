@@ -16,8 +16,9 @@ class Job:
     """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries.
     Each of its choices is an engine request of its own (`engine_key`), timed by its own clock
     for the metrics; `outputs` receives (choice index, output). `span` traces choice 0 (None
-    while tracing is off). `cancelled` is set once no one reads the answer any more: a choice
-    not started by then never starts."""
+    while tracing is off). `running` holds the choices handed to the engine whose last output
+    has not arrived. `cancelled` is set once no one reads the answer any more: a choice not
+    started by then never starts."""
 
     key: str
     shown: str
@@ -25,6 +26,7 @@ class Job:
     outputs: asyncio.Queue
     clocks: list[RequestClock]
     span: object = None
+    running: set[int] = field(default_factory=set)
     cancelled: bool = False
 
     def engine_key(self, choice: int) -> str:
@@ -34,33 +36,35 @@ class Job:
 @dataclass
 class Choices:
     """What a request's choices have produced so far, and how each must be reported. A request
-    fails whole: its first failed choice (`failure`) ends it, as every choice ending does."""
+    fails whole: its first failed choice (`failure`) ends it, as every choice ending does.
+    Whether it has ended is asked on every output: `ended_choices` is counted as they end, so
+    the asking costs the same for 1 choice or MAX_CHOICES."""
 
     parsed: ParsedRequest
     decode: Callable[[int], str]
     last: dict[int, RequestOutput] = field(default_factory=dict)
     offsets: dict[int, int] = field(default_factory=dict)  # completions logprobs' text offset per choice
     failure: RequestOutput | None = None
+    ended_choices: int = 0
 
     @property
     def done(self) -> bool:
-        return len(self.finished) == self.parsed.num_choices
+        return self.ended_choices == self.parsed.num_choices
 
     @property
     def ended(self) -> bool:
         """Nothing more to read: every choice ended, or one failed."""
         return self.failure is not None or self.done
 
-    @property
-    def finished(self) -> list[int]:
-        return [i for i, out in self.last.items() if out.finish_reason is not None]
-
     def has_ended(self, i: int) -> bool:
         out = self.last.get(i)
         return out is not None and out.finish_reason is not None
 
     def add(self, i: int, out: RequestOutput) -> None:
+        """Choice `i`'s next output; its last one (finish_reason set) comes once."""
         self.last[i] = out
+        if out.finish_reason is not None:
+            self.ended_choices += 1
         if out.error is not None and self.failure is None:
             self.failure = out
 

@@ -108,6 +108,7 @@ class JobRunner:
                 self._follow(job, out, siblings)
                 siblings.clear()
             if out.finish_reason is not None:
+                job.running.discard(i)
                 self.in_flight -= 1
 
         self.engine.submit(
@@ -120,6 +121,7 @@ class JobRunner:
             cache_salt=p.cache_salt,
             trace=job.span is not None and i == 0,
         )
+        job.running.add(i)
 
     def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
         """Start a prompt's other choices on its first choice's first output, unless no one
@@ -136,13 +138,12 @@ class JobRunner:
         for s in siblings:
             self._submit_or_fail(job, s)
 
-    def _abort(self, job: Job, done: list[int]) -> None:
-        """No one reads the answer any more (or it has failed): abort its choices not `done`,
-        and keep those not started from starting (`_follow`)."""
+    def _abort(self, job: Job) -> None:
+        """No one reads the answer any more (or it has failed): abort its choices running, and
+        keep those not started from starting (`_follow`)."""
         job.cancelled = True
-        for i in range(job.parsed.num_choices):
-            if i not in done:
-                self.engine.abort(job.engine_key(i))
+        for i in job.running:
+            self.engine.abort(job.engine_key(i))
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Have the engine post each step's outputs to this loop, where the sinks (queue puts)
@@ -241,7 +242,7 @@ class JobRunner:
         if out.finish_reason is not None and (i == 0 or out.error is not None) and not traced:
             self.tracing.finish(job.span, out)
         if state.failure is out:
-            self._abort(job, state.finished)
+            self._abort(job)
 
     def _close(self, job: Job, state: Choices) -> None:
         """Reading stopped before the request ended (the client left, the task was cancelled):
@@ -249,7 +250,7 @@ class JobRunner:
         with a 499 unless choice 0 has ended it."""
         if state.ended:
             return
-        self._abort(job, state.finished)
+        self._abort(job)
         if not state.has_ended(0):
             self.tracing.end(job.span, 499)
 
