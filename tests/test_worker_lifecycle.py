@@ -218,6 +218,31 @@ def test_a_client_gone_before_the_first_token_starts_no_other_choice(server, gat
     assert server.engine.stats.generated_tokens <= 1  # choice 0's prefill token at most
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_choice_aborted_once_no_one_reads_is_counted_aborted(server, gate, stream):
+    """n=4, the client gone while choice 0 prefills: choice 0 (the one choice the engine took)
+    counts in kvgate_worker_requests_finished_total as aborted. Outputs were counted as they
+    were read, and no one reads an abandoned request's, so an abort was never counted."""
+
+    async def go():
+        call = Call(server.app, "/v1/chat/completions", n_choices(stream))
+        await until(lambda: server.engine.has_work(), "choice 0 is in the engine")
+        if stream:
+            await call.first_body()
+        call.leave()
+        await call.response()
+        gate.set()
+        await settled(server)
+
+    asyncio.run(go())
+    assert finished(server) == {"stop": 0, "length": 0, "abort": 1, "error": 0}
+
+
+def finished(server: WorkerServer) -> dict[str, float]:
+    """kvgate_worker_requests_finished_total by finish reason."""
+    return {reason: counter._value.get() for reason, counter in server.metrics.finished.items()}
+
+
 def test_a_client_that_reads_nothing_then_leaves_leaves_nothing_running(server, gate):
     """A streaming client reads nothing (the worker's send waits, as on a paused transport),
     then leaves: the cancellation lands in that send, outside the stream, whose own cleanup

@@ -86,7 +86,7 @@ class JobRunner:
             n = job.parsed.n
             failed = range(i, i + n if i % n == 0 else i + 1)
             for k in failed:
-                job.outputs.put_nowait((k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED)))
+                self._put(job, k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED))
             self.in_flight -= len(failed)
 
     def _submit_choice(self, job: Job, i: int) -> None:
@@ -103,7 +103,7 @@ class JobRunner:
         siblings = list(range(i + 1, i + p.n)) if j == 0 else []
 
         def sink(out: RequestOutput) -> None:
-            job.outputs.put_nowait((i, out))
+            self._put(job, i, out)
             if siblings:
                 self._follow(job, out, siblings)
                 siblings.clear()
@@ -123,6 +123,12 @@ class JobRunner:
         )
         job.running.add(i)
 
+    def _put(self, job: Job, i: int, out: RequestOutput) -> None:
+        """Choice `i`'s output to its job, counted in the metrics as it arrives, read or not: a
+        choice aborted once no one reads its request's answer counts as aborted."""
+        job.outputs.put_nowait((i, out))
+        self.metrics.observe(out, job.clocks[i])
+
     def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
         """Start a prompt's other choices on its first choice's first output, unless no one
         reads the answer any more or that output ended the first choice (aborted, failed): they
@@ -132,7 +138,7 @@ class JobRunner:
             return
         if first.finish_reason in ("abort", "error"):
             for s in siblings:
-                job.outputs.put_nowait((s, ended_as(first, job.engine_key(s))))
+                self._put(job, s, ended_as(first, job.engine_key(s)))
             self.in_flight -= len(siblings)
             return
         for s in siblings:
@@ -233,12 +239,11 @@ class JobRunner:
             self._close(job, state)
 
     def _take(self, job: Job, state: Choices, i: int, out: RequestOutput) -> None:
-        """Read choice `i`'s output into `state` and the metrics. A request fails whole: its
-        first failed choice aborts the others at once, for both answers alike. The span traces
-        choice 0: it ends with choice 0's last output, or with the failure if that comes first."""
+        """Read choice `i`'s output into `state`. A request fails whole: its first failed choice
+        aborts the others at once, for both answers alike. The span traces choice 0: it ends
+        with choice 0's last output, or with the failure if that comes first."""
         traced = state.has_ended(0)
         state.add(i, out)
-        self.metrics.observe(out, job.clocks[i])
         if out.finish_reason is not None and (i == 0 or out.error is not None) and not traced:
             self.tracing.finish(job.span, out)
         if state.failure is out:
