@@ -31,6 +31,6 @@ def test_reading_an_output_costs_the_same_whatever_the_number_of_choices():
     outputs = [(i, Output(reason)) for reason in (None, "length") for i in range(MAX_CHOICES)]
     for i, out in outputs:
         assert not state.ended
-        state.add(i, out)  # type: ignore[arg-type]
+        state.add(i, out)
     assert state.ended and state.done
     assert Output.looks <= 4 * len(outputs)

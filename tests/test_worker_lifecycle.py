@@ -295,9 +295,9 @@ LONG = 200  # tokens a choice would still run: far more than the few steps a fai
 def lockstep(server, monkeypatch) -> dict[str, str]:
     """Each engine step after the first waits until the server's loop has taken the outputs of
     the step before (their sinks ran), as behind a slow device: the loop keeps up with every
-    step, whatever else the machine runs. Yields each engine request's finish reason, recorded
+    step, whatever else the machine runs. Returns each engine request's finish reason, recorded
     as its last output is taken."""
-    taken, last, steps = threading.Semaphore(0), {}, []
+    taken, last, steps = threading.Semaphore(0), dict[str, str](), list[int]()
     real = job_runner.call_sinks
 
     def take(batch):

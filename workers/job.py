@@ -5,6 +5,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Span
+
 from workers.metrics import RequestClock
 from workers.outputs import RequestOutput
 from workers.protocol import ParsedRequest
@@ -25,7 +27,7 @@ class Job:
     parsed: ParsedRequest
     outputs: asyncio.Queue
     clocks: list[RequestClock]
-    span: object = None
+    span: Span | None = None
     running: set[int] = field(default_factory=set)
     cancelled: bool = False
 

@@ -10,7 +10,7 @@ still running are aborted and those not started never start: nothing runs for no
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 from workers.engine import ENGINE_ERROR, ENGINE_STOPPED, Engine, EngineStopped
@@ -30,7 +30,7 @@ FAILURES = {  # RequestOutput.error -> (HTTP status, message)
 
 def failure(out: RequestOutput) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body of a request the engine failed."""
-    status, message = FAILURES.get(out.error, FAILURES[ENGINE_ERROR])
+    status, message = FAILURES.get(out.error or ENGINE_ERROR, FAILURES[ENGINE_ERROR])
     return status, error_body(message, "server_error", out.error)
 
 
@@ -157,7 +157,11 @@ class JobRunner:
         without lifespan events never runs the startup hook."""
         if self._loop is not loop:
             self._loop = loop
-            self.engine.deliver = lambda batch: loop.call_soon_threadsafe(call_sinks, batch)
+
+            def deliver(batch: list[tuple[Callable, RequestOutput]]) -> None:
+                loop.call_soon_threadsafe(call_sinks, batch)
+
+            self.engine.deliver = deliver
 
     def _decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
