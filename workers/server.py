@@ -222,10 +222,11 @@ class WorkerServer:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's POST /tokenize: a completion `prompt` or chat `messages` (through the chat template)
-        -> token ids, read with the options the completion and chat endpoints take
-        (`add_special_tokens`, `add_generation_prompt`, `continue_final_message`,
-        `chat_template_kwargs`), with their strings when `return_token_strs`. `model` is optional
-        here, as in vLLM."""
+        -> token ids, read with the options the completion and chat endpoints take and refusing
+        the fields they refuse (workers/prompt_options.py: `add_special_tokens`, chat's
+        `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
+        `reasoning_effort`, `documents`), with their strings when `return_token_strs`. `model`
+        is optional here, as in vLLM."""
         body = await self._body(request, model_required=False)
         if isinstance(body, Response):
             return body
