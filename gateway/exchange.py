@@ -34,6 +34,7 @@ from gateway.proxy import (
 )
 from gateway.record import PREFILL, RequestRecord
 from gateway.tokenize import Prepared
+from gateway.upstream import Upstream
 from policies.api import RequestView
 from policies.api import Route as Decision
 
@@ -136,13 +137,7 @@ class Exchange:
         while reading it is still retried); a 503 is the worker's load and any other 5xx its
         failure, both retried elsewhere."""
         status = resp.status
-        body = await self.proxy.read(resp)
-        if status == 503:
-            raise WorkerBusy(
-                status, body, {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "content-type")}
-            )
-        if status >= 500:
-            raise WorkerError(status, body)
+        body = await whole_body(self.proxy, resp)
         self.fleet.end(w, rec.request_id)
         w.breaker.succeeded()
         if status == 200:
@@ -168,6 +163,20 @@ class Exchange:
 
         headers["cache-control"] = "no-cache"
         return PassThrough(resp, Relay(tap, head), self.proxy.idle_timeout, failed, closed, headers)
+
+
+async def whole_body(proxy: Proxy, resp: Upstream) -> bytes:
+    """A worker's whole answer; a 503 (its load) raises `WorkerBusy` and any other 5xx (its
+    failure) `WorkerError`, for the caller to retry elsewhere."""
+    status = resp.status
+    body = await proxy.read(resp)
+    if status == 503:
+        raise WorkerBusy(
+            status, body, {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "content-type")}
+        )
+    if status >= 500:
+        raise WorkerError(status, body)
+    return body
 
 
 def header_text(text: str, limit: int = 300) -> str:

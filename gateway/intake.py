@@ -45,6 +45,22 @@ def refused(r: Refusal) -> ApiError:
     return ApiError(r.status, r.message, "server_error", r.code, retry_after=r.retry_after_s)
 
 
+def client_body(raw: bytes) -> dict:
+    """A client's body as a JSON object (strictly parsed) setting no field internal to the
+    fleet; raises ApiError."""
+    try:
+        body = loads(raw)
+    except InvalidRequest as e:
+        raise ApiError(400, str(e), code=e.code, param=e.param)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if (field := internal_field(body)) is not None:
+        raise ApiError(
+            400, f"'{field}' is internal to the fleet: clients may not set it", param=field, code="internal_field"
+        )
+    return body
+
+
 class Intake:
     """What the gateway reads a request with: the fleet (served models), the tokenizers, the
     access rules (cache salt, token budgets) and the default SLOs."""
@@ -68,16 +84,7 @@ class Intake:
         """Body -> (model, tokenized request, the policy's request view, the body to forward:
         with the tenant's cache_salt, a stream's usage asked for, and for a fleet of kvgate
         workers the prompts' ids, `kv_prompt_ids`); raises ApiError."""
-        try:
-            body = loads(raw)
-        except InvalidRequest as e:
-            raise ApiError(400, str(e), code=e.code, param=e.param)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        if (field := internal_field(body)) is not None:
-            raise ApiError(
-                400, f"'{field}' is internal to the fleet: clients may not set it", param=field, code="internal_field"
-            )
+        body = client_body(raw)
         if self.access.apply_cache_salt(api_key(request.scope), body):
             raw = json.dumps(body).encode()
         models = self.fleet.models()
@@ -105,8 +112,11 @@ class Intake:
     async def admit_tokens(self, request: Request, view: RequestView) -> None:
         """Charge the request's key for its prompt and max_tokens; a 429 when the key's
         tokens-per-minute budget is spent."""
+        await self.charge(request, view.num_tokens + view.max_tokens)
+
+    async def charge(self, request: Request, tokens: int) -> None:
+        """Take `tokens` from the request's key's tokens-per-minute budget; a 429 when it is spent."""
         key = api_key(request.scope)
-        tokens = view.num_tokens + view.max_tokens
         wait = await self.access.admit_tokens(key, tokens)
         if wait and key is not None:
             raise ApiError(
