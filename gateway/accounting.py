@@ -17,7 +17,10 @@ from gateway.record import FAILED, MET, RequestRecord, slo_outcome
 
 access_log = logging.getLogger("kvgate.access")
 fleet_log = logging.getLogger("kvgate.fleet")
-OPERATION = {"chat": "chat", "completion": "text_completion"}
+OPERATION = {"chat": "chat", "completion": "text_completion", "embeddings": "embeddings"}  # OpenTelemetry's names
+# What the request series and SLO outcomes count: generation. They have no endpoint label, so the
+# forwarded endpoints (gateway/forward.py: /tokenize, /detokenize, /v1/embeddings) stay out of them.
+GENERATION = frozenset({"chat", "completion"})
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -78,8 +81,10 @@ class Accounting:
         """A request has ended (its status set): count it, log it, close its trace."""
         if rec.finished_at is None:
             rec.finished_at = time.monotonic()
-        outcome = slo_outcome(rec)
-        self.metrics.observe(rec)
+        counted = rec.kind in GENERATION
+        outcome = slo_outcome(rec) if counted else None
+        if counted:
+            self.metrics.observe(rec)
         self._close_trace(rec, outcome)
         if self.access and access_log.isEnabledFor(logging.INFO):
             fields = {k: v for k, v in access_fields(rec, outcome).items() if v is not None}
@@ -88,7 +93,7 @@ class Accounting:
                 access_log.name, logging.INFO, "", 0, "request", (), None, extra={"fields": fields}
             )
             access_log.handle(record)
-        if self.summary_s > 0:
+        if self.summary_s > 0 and counted:
             self._tally(rec, outcome)
 
     def _close_trace(self, rec: RequestRecord, outcome: str | None) -> None:

@@ -13,6 +13,10 @@ worker sees), so no client can name, or collide with, another request's engine s
 client's own `x-request-id` is only echoed back and logged. Bodies past `max_body_bytes` are
 refused before they are read, internal fields (`kv_transfer`) are refused, and every 5xx
 closes its connection (`CloseOn5xx`).
+
+`/tokenize`, `/detokenize` and `/v1/embeddings` need no routing decision: they are forwarded to
+the least loaded worker of their model under the same door, limits and retries
+(gateway/forward.py, which says why tokenization is the worker's and not the gateway's).
 """
 
 import asyncio
@@ -33,6 +37,9 @@ from gateway.admission import DRAINING, Admission
 from gateway.auth import Access, Guard
 from gateway.exchange import PATHS, Exchange
 from gateway.fleet import Fleet
+from gateway.forward import DETOKENIZE, EMBEDDINGS, TOKENIZE, Forwarder
+from gateway.forward import PATHS as FORWARDED
+from gateway.forward import new_id as forwarded_id
 from gateway.worker import Worker
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake, refused
@@ -100,6 +107,9 @@ class Gateway:
         self.access.register(self.metrics.registry)
         self.intake = Intake(fleet, tokenizers, self.access, slo_ttft_ms, slo_tpot_ms, bool(internal_token))
         self.exchange = Exchange(fleet, self.proxy, self.metrics, self.account, self.headers, pd_wait_ms)
+        self.forwarder = Forwarder(
+            fleet, self.proxy, self.admission, self.retry, self.metrics, self.exchange, self.intake, tokenizers
+        )
         if redis is not None:
             redis.ledgers.on_routed = self.observe_routed
             redis.ledgers.on_tally = self.add_tally
@@ -108,6 +118,9 @@ class Gateway:
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/models", self.models),
                 Route("/v1/models/{model:path}", self.retrieve_model),
                 Route("/health", self.health),
@@ -179,9 +192,23 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         return await self.handle(request, "chat")
 
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings: forwarded to a vLLM worker of the model (gateway/forward.py)."""
+        return await self.handle(request, EMBEDDINGS)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's POST /tokenize, forwarded to a worker of the model (why not answered here:
+        gateway/forward.py)."""
+        return await self.handle(request, TOKENIZE)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's POST /detokenize, forwarded as /tokenize is."""
+        return await self.handle(request, DETOKENIZE)
+
     async def handle(self, request: Request, kind: str) -> Response:
         """Admit the request (or refuse it at once) and count it until its answer ends."""
-        rec = RequestRecord(new_id(kind), kind, time.monotonic(), client_request_id=request.headers.get("x-request-id"))
+        rid = forwarded_id(kind) if kind in FORWARDED else new_id(kind)
+        rec = RequestRecord(rid, kind, time.monotonic(), client_request_id=request.headers.get("x-request-id"))
         refusal = self.admission.refuse()
         if refusal is not None:
             self.metrics.refused.labels(refusal.code).inc()
@@ -207,17 +234,14 @@ class Gateway:
         rid, client_rid = rec.request_id, rec.client_request_id
         if client_rid:
             log.info("request %s is the client's x-request-id %r", rid, client_rid[:200])
-        trace = rec.trace = self.tracing.start(f"POST {PATHS[kind]}", request.headers)
+        trace = rec.trace = self.tracing.start(f"POST {PATHS.get(kind) or FORWARDED[kind]}", request.headers)
         trace.set(request_id=rid, client_request_id=client_rid)
         try:
             raw = await read_body(request, self.max_body_bytes)
-            with trace.phase("tokenize"):
-                model, prep, view, raw = await self.intake.prepare(request, raw, kind, rec)
-            trace.set(model=model, prompt_tokens=view.num_tokens)
-            rec.model, rec.prompt_tokens = model, view.num_tokens
-            rec.slo_ttft_ms, rec.slo_tpot_ms = view.slo_ttft_ms, view.slo_tpot_ms
-            await self.intake.admit_tokens(request, view)
-            resp = await self.dispatch(request, kind, raw, model, prep, view, rec)
+            if kind in FORWARDED:
+                resp = await self.forwarder.serve(request, kind, raw, rec)
+            else:
+                resp = await self.generate(request, kind, raw, rec)
         except BodyTooLarge as e:
             resp = self.error(ApiError(413, str(e), code="request_too_large"))
         except ClientDisconnect:  # gone while sending its body (or too slow: the body timeout)
@@ -237,6 +261,17 @@ class Gateway:
             rec.status = resp.status_code
             self.account.finish(rec)
         return resp
+
+    async def generate(self, request: Request, kind: str, raw: bytes, rec: RequestRecord) -> Response:
+        """A completion or chat request: tokenized, its tokens charged, routed and forwarded."""
+        trace = rec.trace
+        with trace.phase("tokenize"):
+            model, prep, view, raw = await self.intake.prepare(request, raw, kind, rec)
+        trace.set(model=model, prompt_tokens=view.num_tokens)
+        rec.model, rec.prompt_tokens = model, view.num_tokens
+        rec.slo_ttft_ms, rec.slo_tpot_ms = view.slo_ttft_ms, view.slo_tpot_ms
+        await self.intake.admit_tokens(request, view)
+        return await self.dispatch(request, kind, raw, model, prep, view, rec)
 
     def decide(
         self, view: RequestView, model: str, exclude: set[str]

@@ -27,7 +27,7 @@ from gateway.ratelimit import Limit, RateLimiter
 from workers.protocol import MAX_CACHE_SALT, error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"})
 SCOPE_KEY = "kvgate.api_key"
 CACHE_HEADERS = (
     b"x-kvgate-worker",
@@ -250,13 +250,16 @@ class Access:
         return True
 
 
-def too_many_tokens(key: ApiKey, tokens: int, wait_s: float) -> str:
+def too_many_tokens(key: ApiKey, tokens: int, wait_s: float, embeddings: bool = False) -> str:
+    """Why a request's tokens were refused: a generation counts its prompt and max_tokens, an
+    embeddings request its inputs."""
+    what = "inputs" if embeddings else "prompt + max_tokens"
     if math.isinf(wait_s):
         return (
-            f"Request too large for key {key.name}: {tokens} tokens (prompt + max_tokens) exceed its "
-            f"limit of {key.tpm} tokens per minute; ask for fewer max_tokens"
+            f"Request too large for key {key.name}: {tokens} tokens ({what}) exceed its limit of {key.tpm} "
+            f"tokens per minute; {'send fewer inputs' if embeddings else 'ask for fewer max_tokens'}"
         )
-    return f"Rate limit reached for key {key.name}: {key.tpm} tokens per minute (prompt + max_tokens)"
+    return f"Rate limit reached for key {key.name}: {key.tpm} tokens per minute ({what})"
 
 
 class Guard:

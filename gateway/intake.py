@@ -114,14 +114,15 @@ class Intake:
         tokens-per-minute budget is spent."""
         await self.charge(request, view.num_tokens + view.max_tokens)
 
-    async def charge(self, request: Request, tokens: int) -> None:
-        """Take `tokens` from the request's key's tokens-per-minute budget; a 429 when it is spent."""
+    async def charge(self, request: Request, tokens: int, embeddings: bool = False) -> None:
+        """Take `tokens` from the request's key's tokens-per-minute budget; a 429 when it is spent
+        (`embeddings`: the tokens are an embeddings request's inputs)."""
         key = api_key(request.scope)
         wait = await self.access.admit_tokens(key, tokens)
         if wait and key is not None:
             raise ApiError(
                 429,
-                too_many_tokens(key, tokens, wait),
+                too_many_tokens(key, tokens, wait, embeddings),
                 "rate_limit_error",
                 "rate_limit_exceeded",
                 retry_after=retry_after(wait),

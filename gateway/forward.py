@@ -1,0 +1,313 @@
+"""What the gateway forwards without a routing decision: vLLM's `POST /tokenize` and
+`POST /detokenize`, and OpenAI's `POST /v1/embeddings` for a model served by vLLM workers.
+
+No KV cache is matched for these (a tokenization caches nothing; an embedding's prompt is not a
+prefix any later request reuses), so each goes to the least loaded healthy worker of its model,
+ties spread at random. It goes through the completions' upstream client: its connect,
+first-byte and idle timeouts, a retry on another worker after the backoff when one fails before
+answering (each failure counted by stage, each worker's circuit breaker told), a worker's 503
+(its load) tried elsewhere and its answer the client's when nowhere is left, every other 5xx
+the gateway's own 502. The request carries the gateway's request id (`x-request-id`, which vLLM
+keys the request by ahead of a body's `request_id`) and never the fleet's token. The body is the
+client's own bytes, unless the tenant's `cache_salt` was set in it (embeddings); every field
+internal to the fleet is refused (`gateway/passthrough.py`), and the body cap, admission control
+and a key's request rate apply as to completions (`gateway/auth.py` `LIMITED_PATHS`).
+
+**/tokenize and /detokenize are forwarded to a worker, not answered with the gateway's own
+tokenizer**, although the gateway tokenizes completions exactly as kvgate's workers do (one parse,
+`workers/protocol.py`). Only the serving engine's answer is exact for both worker kinds:
+
+- a vLLM server renders what kvgate's parse refuses (`tools`, a request's own `chat_template`,
+  multimodal content, `mm_processor_kwargs`, `media_io_kwargs`), with its own `--chat-template`
+  and tokenizer mode, which the gateway cannot see: the gateway would refuse such a request, or
+  answer ids that server would not use;
+- `max_model_len` in the answer is the worker's own context;
+- a model whose tokenizer the gateway cannot load (a path only the workers have) is routed
+  cache-blind, and still tokenizes.
+
+A kvgate worker answers /tokenize from the very parse the gateway would run, in a thread, so the
+cost of forwarding is one hop; a tokenization takes no engine step, so it is not counted as load
+(`Fleet.begin`), and a full worker's queue does not keep it from one. An embedding runs in vLLM's
+engine: it is counted in flight while it runs, goes only to a worker whose queue has room, and
+its input's tokens are charged to a key's tokens-per-minute budget (token ids counted, text by
+the gateway's tokenizer for the model, or a byte estimate as for a model routed cache-blind).
+
+kvgate's own workers do not embed: a model with none but kvgate workers is a 400
+(`model_not_supported`), as is a vLLM server's bare 404 for `/v1/embeddings` (a generative model
+mounts no embeddings route), rather than that 404 page.
+
+These requests are not counted in `kvgate_gateway_requests` and the SLO series: those have no
+endpoint label and mean generation (a 1 ms tokenization would read as a met SLO, an embedding
+as a request of the model's traffic); each still has its access-log line (`kind`) and trace, and
+its worker failures, retries and admission refusals are counted as every request's are.
+"""
+
+import asyncio
+import json
+import random
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import vllm_worker
+from gateway.admission import Admission
+from gateway.auth import api_key
+from gateway.exchange import Exchange, whole_body
+from gateway.fleet import Fleet
+from gateway.intake import ApiError, Intake, client_body, refused
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import ClientGone, Proxy, UpstreamError, WorkerBusy
+from gateway.record import RequestRecord
+from gateway.retry import RetryPolicy
+from gateway.tokenize import INLINE_CHARS, ModelTokenizer, Tokenizers
+from gateway.worker import Worker
+from policies.candidates import NO_WORKERS, cheapest
+
+TOKENIZE, DETOKENIZE, EMBEDDINGS = "tokenize", "detokenize", "embeddings"
+PATHS = {TOKENIZE: "/tokenize", DETOKENIZE: "/detokenize", EMBEDDINGS: "/v1/embeddings"}
+ID_PREFIX = {TOKENIZE: "tok-", DETOKENIZE: "detok-", EMBEDDINGS: "embd-"}
+
+MAX_INPUTS = 2048  # OpenAI's bound on an embeddings request's inputs
+MAX_TOKEN_ID = 2**63 - 1  # vLLM's bound on a token id it is sent
+ENCODING_FORMATS = ("float", "base64", "bytes", "bytes_only")  # OpenAI's two, vLLM's two more
+NO_EMBEDDINGS = "model_not_supported"
+
+
+def new_id(kind: str) -> str:
+    return ID_PREFIX[kind] + uuid.uuid4().hex[:24]
+
+
+class InvalidEmbeddings(ApiError):
+    def __init__(self, message: str, param: str):
+        super().__init__(400, message, param=param)
+
+
+def embedding_inputs(body: dict) -> tuple[list[str], int, bool]:
+    """Check an embeddings body's shape before it is forwarded: (its texts, how many token ids
+    it holds, whether it holds chat conversations). `input` is a string, a list of strings,
+    a list of token ids or a list of such lists (OpenAI), or a conversation or list of them
+    (vLLM's chat embeddings, also as `messages`), at most MAX_INPUTS of them and none empty;
+    `encoding_format`, `dimensions` and `user` have their types. What each input may hold
+    beyond that (its length against the model's, a message's content) is the server's to
+    check. Raises InvalidEmbeddings."""
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidEmbeddings("'user' must be a string", "user")
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ENCODING_FORMATS:
+        raise InvalidEmbeddings(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}", "encoding_format")
+    dims = body.get("dimensions")
+    if dims is not None and (type(dims) is not int or dims < 1):
+        raise InvalidEmbeddings("'dimensions' must be a positive integer", "dimensions")
+    given = body.get("input")
+    if body.get("messages") is not None:
+        if given is not None:
+            raise InvalidEmbeddings("send the inputs as 'input' or as 'messages', not both", "messages")
+        _conversations(body["messages"], "messages")
+        return [], 0, True
+    if given is None:
+        raise InvalidEmbeddings("'input' is required: a string, a list of strings or of token ids", "input")
+    if isinstance(given, str):
+        return [given], 0, False
+    if not isinstance(given, list) or not given:
+        raise InvalidEmbeddings("'input' must be a string, or a non-empty list of strings or token ids", "input")
+    if len(given) > MAX_INPUTS:
+        raise InvalidEmbeddings(f"'input' holds {len(given)} inputs, more than {MAX_INPUTS}", "input")
+    first = given[0]
+    if isinstance(first, str):
+        if not all(isinstance(s, str) for s in given):
+            raise InvalidEmbeddings("a list 'input' holds strings only, or token ids only", "input")
+        return given, 0, False
+    if _is_id(first):
+        if not all(_is_id(t) for t in given):
+            raise InvalidEmbeddings(f"token ids in 'input' are integers in [0, {MAX_TOKEN_ID}]", "input")
+        return [], len(given), False
+    if isinstance(first, list) and (not first or not isinstance(first[0], dict)):
+        for ids in given:
+            if not (isinstance(ids, list) and ids and all(_is_id(t) for t in ids)):
+                raise InvalidEmbeddings(
+                    f"each list of token ids in 'input' is non-empty, of integers in [0, {MAX_TOKEN_ID}]", "input"
+                )
+        return [], sum(map(len, given)), False
+    _conversations(given, "input")
+    return [], 0, True
+
+
+def _is_id(t: object) -> bool:
+    return type(t) is int and 0 <= t <= MAX_TOKEN_ID
+
+
+def _conversations(value: object, param: str) -> None:
+    """A conversation (a non-empty list of messages, objects with a string `role`), or a
+    non-empty list of at most MAX_INPUTS conversations."""
+    batch = isinstance(value, list) and bool(value) and isinstance(value[0], list)
+    convs = value if batch else [value]
+    assert isinstance(convs, list)
+    if len(convs) > MAX_INPUTS:
+        raise InvalidEmbeddings(f"'{param}' holds {len(convs)} conversations, more than {MAX_INPUTS}", param)
+    for conv in convs:
+        if not (isinstance(conv, list) and conv and all(_is_message(m) for m in conv)):
+            raise InvalidEmbeddings(
+                f"'{param}' must be inputs (strings or token ids) or conversations: lists of messages with a 'role'",
+                param,
+            )
+
+
+def _is_message(m: object) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str)
+
+
+def count_tokens(tok: ModelTokenizer | None, texts: list[str]) -> int:
+    """Tokens of `texts` by the gateway's tokenizer for the model, or a quarter of their UTF-8
+    bytes where it has none (the estimate of a model routed cache-blind)."""
+    if tok is None:
+        return sum(max(1, len(t.encode("utf-8", "surrogatepass")) // 4) for t in texts)
+    return sum(len(tok.tokenizer.encode(t)) for t in texts)
+
+
+class Forwarder:
+    """Serves the forwarded endpoints with the gateway's fleet, upstream client, admission
+    control, retry policy, metrics and client intake."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        proxy: Proxy,
+        admission: Admission,
+        retry: RetryPolicy,
+        metrics: GatewayMetrics,
+        exchange: Exchange,
+        intake: Intake,
+        tokenizers: Tokenizers,
+    ):
+        self.fleet, self.proxy, self.admission, self.retry = fleet, proxy, admission, retry
+        self.metrics, self.exchange, self.intake, self.tokenizers = metrics, exchange, intake, tokenizers
+
+    async def serve(self, request: Request, kind: str, raw: bytes, rec: RequestRecord) -> Response:
+        """Check the body, then forward it; raises ApiError."""
+        body = client_body(raw)
+        model = rec.model = self.intake.resolve_model(body.get("model"), self.fleet.models())
+        rec.trace.set(model=model)
+        if kind == EMBEDDINGS:
+            raw = await self.embeddings(request, body, raw, model)
+        return await self.forward(request, kind, raw, model, rec)
+
+    async def embeddings(self, request: Request, body: dict, raw: bytes, model: str) -> bytes:
+        """An embeddings body checked, its model one that embeds, its tokens charged; the body
+        to forward (with the tenant's cache_salt)."""
+        kinds = {w.kind for w in self.fleet.workers.values() if w.model == model and w.healthy}
+        if vllm_worker.KIND not in kinds:
+            raise no_embeddings(model)
+        texts, ids, chat = embedding_inputs(body)
+        key = api_key(request.scope)
+        if key is not None and key.tpm:
+            tok = await self.tokenizers.get(model) if texts else None
+            if sum(map(len, texts)) > INLINE_CHARS:
+                tokens = await asyncio.to_thread(count_tokens, tok, texts)
+            else:
+                tokens = count_tokens(tok, texts)
+            await self.intake.charge(request, tokens + ids + (len(raw) // 4 if chat else 0), embeddings=True)
+        if self.intake.access.apply_cache_salt(key, body):
+            return json.dumps(body).encode()
+        return raw
+
+    def pick(self, model: str, kind: str, exclude: set[str]) -> Worker | None:
+        """The least loaded candidate of `model` (not in `exclude`) that can serve `kind`; for
+        embeddings, a vLLM worker whose queue has room (none: 503 `overloaded`)."""
+        workers = [w for w in self.fleet.candidates(model) if w.worker_id not in exclude]
+        if kind == EMBEDDINGS:
+            workers = [w for w in workers if w.kind == vllm_worker.KIND]
+            room = self.admission.open_workers(workers)
+            if workers and not room:
+                self.metrics.refused.labels("worker_queues_full").inc()
+                raise refused(self.admission.full(len(workers)))
+            workers = room
+        if not workers:
+            return None
+        views = self.fleet.views(workers, {})
+        return cheapest(random.getrandbits(32), workers, [v.load for v in views])
+
+    async def forward(self, request: Request, kind: str, raw: bytes, model: str, rec: RequestRecord) -> Response:
+        """The body to the least loaded worker; one that fails before answering costs a retry
+        on another (after a backoff), up to `retry.max_retries` of them."""
+        headers = {"content-type": "application/json", "x-request-id": rec.request_id}
+        exclude: set[str] = set()
+        failure: UpstreamError | None = None
+        counted = kind == EMBEDDINGS  # engine work: load the policies see
+        for attempt in range(self.retry.max_retries + 1):
+            if failure is not None:
+                self.metrics.retries.labels(failure.stage).inc()
+                rec.retries = attempt
+                await asyncio.sleep(self.retry.delay(attempt))
+            w = self.pick(model, kind, exclude)
+            if w is None:
+                if failure is not None:
+                    break
+                raise ApiError(
+                    503,
+                    NO_WORKERS,
+                    "server_error",
+                    "no_healthy_workers",
+                    retry_after=self.admission.config.retry_after_s,
+                )
+            rec.worker = w.worker_id
+            w.breaker.attempt()
+            if counted:
+                self.fleet.begin(w)
+            try:
+                with rec.trace.client("upstream", headers, None, worker=w.worker_id) as sent:
+                    return await self.attempt(request, w, kind, raw, sent, rec)
+            except ClientGone:
+                w.breaker.released()
+                return Response(b"", 499, {"x-kvgate-worker": w.worker_id})
+            except UpstreamError as e:
+                self.exchange.worker_failed(w, e)
+                exclude.add(w.worker_id)
+                failure = e
+            except BaseException:
+                w.breaker.released()
+                raise
+            finally:
+                if counted:
+                    self.fleet.end(w)
+        rec.worker = ""  # the fleet's answer, not one worker's
+        if isinstance(failure, WorkerBusy):
+            return Response(failure.body, failure.status, failure.headers)
+        raise ApiError(
+            502,
+            f"no worker could serve the request after {len(exclude)} tries; last: {failure}",
+            "server_error",
+            "worker_failed",
+            retry_after=self.admission.config.retry_after_s,
+        )
+
+    async def attempt(
+        self, request: Request, w: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord
+    ) -> Response:
+        """One try on `w`: its whole answer, or UpstreamError."""
+        resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request, self.fleet.lost(w))
+        body = await whole_body(self.proxy, resp)
+        w.breaker.succeeded()
+        if kind == EMBEDDINGS and resp.status == 404 and not _openai_error(body):
+            raise no_embeddings(rec.model)  # the server mounts no embeddings route
+        ctype = resp.headers.get("content-type", "application/json")
+        return Response(body, resp.status, {"x-kvgate-worker": w.worker_id}, ctype)
+
+
+def no_embeddings(model: str) -> ApiError:
+    return ApiError(
+        400,
+        f"The model `{model}` serves no embeddings: only vLLM workers serving an embedding model do "
+        "(kvgate's own workers generate text only)",
+        code=NO_EMBEDDINGS,
+        param="model",
+    )
+
+
+def _openai_error(body: bytes) -> bool:
+    """Whether a body is an OpenAI error object (not a bare 404 page)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("error"), dict)
