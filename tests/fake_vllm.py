@@ -1,11 +1,14 @@
 """A stand-in vLLM server for fast gateway tests: vLLM's HTTP surface (/health, /metrics,
-/v1/models, /kv_event_sources, /v1/completions echoing the body it got) and its ZMQ KV event
-publisher (PUB + replay ROUTER, vLLM's framing), steered by the test through /_control.
+/v1/models, /kv_event_sources, /v1/completions, /tokenize, /detokenize and /v1/embeddings, each
+echoing the body it got and the `x-request-id` it was sent) and its ZMQ KV event publisher
+(PUB + replay ROUTER, vLLM's framing), steered by the test through /_control.
 
     python -m tests.fake_vllm --port P --events-port E --replay-port R
 
 /_control takes {"health": 200|503, "replay": "ok"|"stuck", "restart": true, "publish": [events],
-"answer": the status completions answer with}
+"answer": the status completions, /tokenize, /detokenize and /v1/embeddings answer with,
+"embeddings": false (the route is not mounted, as on a server of a generative model: FastAPI's
+bare 404)}
 and answers whether a control-plane request ever carried kvgate's internal token (`saw_token`);
 events are vLLM BlockStored/BlockRemoved maps; `restart` is a new process (numbering from 0, an
 empty replay buffer, a new process_start_time_seconds).
@@ -36,6 +39,7 @@ class Fake:
         self.events_port, self.replay_port = events_port, replay_port
         self.health, self.replay_mode = 200, "ok"
         self.answer = 200  # the status /v1/completions answers with (an error body unless 200)
+        self.embeddings = True  # whether /v1/embeddings is mounted (an embedding model's server)
         self.saw_token = False  # whether any request carried kvgate's internal token
         self.started = time.time()
         self.seq = 0
@@ -119,11 +123,44 @@ def app(fake: Fake) -> Starlette:
             }
         )
 
+    def failure() -> Response | None:
+        if fake.answer == 200:
+            return None
+        error = {"message": "engine failed", "type": "InternalServerError", "param": None, "code": fake.answer}
+        return JSONResponse({"error": error}, fake.answer)
+
+    def echo(request: Request, raw: bytes) -> dict:
+        return {"received": raw.decode(), "request_id": request.headers.get("x-request-id")}
+
+    async def tokenize(request: Request) -> Response:
+        raw = await request.body()
+        fake.saw_token |= "x-kvgate-token" in request.headers
+        body = {"count": 3, "max_model_len": 2048, "tokens": [1, 2, 3], "token_strs": None}
+        return failure() or JSONResponse({**body, **echo(request, raw)})
+
+    async def detokenize(request: Request) -> Response:
+        raw = await request.body()
+        fake.saw_token |= "x-kvgate-token" in request.headers
+        return failure() or JSONResponse({"prompt": "abc", **echo(request, raw)})
+
+    async def embeddings(request: Request) -> Response:
+        raw = await request.body()
+        fake.saw_token |= "x-kvgate-token" in request.headers
+        if not fake.embeddings:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        given = json.loads(raw).get("input")
+        n = len(given) if isinstance(given, list) and given and not isinstance(given[0], int) else 1
+        data = [{"object": "embedding", "index": i, "embedding": [0.5, -0.5]} for i in range(n)]
+        usage = {"prompt_tokens": n, "total_tokens": n}
+        answer = {"object": "list", "model": MODEL, "data": data, "usage": usage}
+        return failure() or JSONResponse({**answer, **echo(request, raw)})
+
     async def control(request: Request) -> Response:
         body = json.loads(await request.body())
         fake.health = body.get("health", fake.health)
         fake.replay_mode = body.get("replay", fake.replay_mode)
         fake.answer = body.get("answer", fake.answer)
+        fake.embeddings = body.get("embeddings", fake.embeddings)
         if body.get("restart"):
             fake.seq, fake.started = 0, time.time()
             fake.buffer.clear()
@@ -147,6 +184,9 @@ def app(fake: Fake) -> Starlette:
             Route("/kv_event_sources", sources),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/_control", control, methods=["POST"]),
         ],
         lifespan=lifespan,

