@@ -42,7 +42,7 @@ from gateway.forward import PATHS as FORWARDED
 from gateway.forward import new_id as forwarded_id
 from gateway.worker import Worker
 from gateway.index import ResidencyIndex
-from gateway.intake import ApiError, Intake, refused
+from gateway.intake import ApiError, Intake, refused, worker_failed
 from gateway.metrics import GatewayMetrics, RedisCollector
 from gateway.proxy import (
     ClientGone,
@@ -378,13 +378,7 @@ class Gateway:
         rec.worker = ""  # the fleet's answer, not one worker's
         if isinstance(failure, WorkerBusy):
             return Response(failure.body, failure.status, {**self.headers(), **failure.headers})
-        raise ApiError(
-            502,
-            f"no worker could serve the request after {len(exclude)} tries; last: {failure}",
-            "server_error",
-            "worker_failed",
-            retry_after=self.admission.config.retry_after_s,
-        )
+        raise worker_failed(len(exclude), failure, self.admission.config.retry_after_s)
 
     async def models(self, request: Request) -> Response:
         data = [_model_card(m, n) for m, n in sorted(self.fleet.models().items())]

@@ -55,7 +55,7 @@ from gateway.admission import Admission
 from gateway.auth import api_key
 from gateway.exchange import Exchange, whole_body
 from gateway.fleet import Fleet
-from gateway.intake import ApiError, Intake, client_body, refused
+from gateway.intake import ApiError, Intake, client_body, refused, worker_failed
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ClientGone, Proxy, UpstreamError, WorkerBusy
 from gateway.record import RequestRecord
@@ -273,13 +273,7 @@ class Forwarder:
         rec.worker = ""  # the fleet's answer, not one worker's
         if isinstance(failure, WorkerBusy):
             return Response(failure.body, failure.status, failure.headers)
-        raise ApiError(
-            502,
-            f"no worker could serve the request after {len(exclude)} tries; last: {failure}",
-            "server_error",
-            "worker_failed",
-            retry_after=self.admission.config.retry_after_s,
-        )
+        raise worker_failed(len(exclude), failure, self.admission.config.retry_after_s)
 
     async def attempt(
         self, request: Request, w: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord

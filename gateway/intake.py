@@ -45,6 +45,17 @@ def refused(r: Refusal) -> ApiError:
     return ApiError(r.status, r.message, "server_error", r.code, retry_after=r.retry_after_s)
 
 
+def worker_failed(tries: int, last: Exception | None, retry_after_s: int) -> ApiError:
+    """The gateway's 502 once every worker tried failed a request (`last`: the last failure)."""
+    return ApiError(
+        502,
+        f"no worker could serve the request after {tries} tries; last: {last}",
+        "server_error",
+        "worker_failed",
+        retry_after=retry_after_s,
+    )
+
+
 def client_body(raw: bytes) -> dict:
     """A client's body as a JSON object (strictly parsed) setting no field internal to the
     fleet; raises ApiError."""

@@ -9,28 +9,11 @@ from collections.abc import Callable
 
 import uvicorn
 import uvloop
-from starlette.types import ASGIApp
 
-from workers import cli as worker_cli
-from workers.http_server import ClientLimits, protocol_class
+from tests.client_configs import Configure, limited, worker_config
+from workers.http_server import ClientLimits
 
 MIB = 1 << 20
-Configure = Callable[[ASGIApp], uvicorn.Config]
-
-
-def limited(limits: ClientLimits) -> Configure:
-    """A bare uvicorn config serving with the client connection of `limits`."""
-    return lambda app: uvicorn.Config(app, http=protocol_class(limits), lifespan="off", log_level="warning")
-
-
-class Idle:
-    draining, in_flight, idle = False, 0, True
-
-
-def worker_config(*flags: str) -> Configure:
-    """The config of the server `kvgate worker FLAGS` runs (workers/cli.py `http_server`)."""
-    args = worker_cli.parser().parse_args(["--model", "smollm2-135m", *flags])
-    return lambda app: worker_cli.http_server(args, app, Idle()).config
 
 
 def serve(configure: Configure, chunks: int, read: Callable[[socket.socket], int]) -> tuple[bool, int, int]:
