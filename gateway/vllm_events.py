@@ -73,6 +73,17 @@ MAX_PAYLOAD = 16 << 20
 # one event. Framing an event costs ~1 us even when it is one junk byte, so without this a
 # payload under MAX_PAYLOAD could hold the event loop for seconds.
 MAX_EVENTS = 1 << 16
+# Items of a batch's envelope, entries of one encoded as a map: vLLM's has 3 fields. Each more is
+# a Python step of the decoder's, ~0.1 us even when it is one junk byte.
+MAX_ENVELOPE = 8
+# An event may hold this many items (entries) past the fields this decoder knows: a newer vLLM's,
+# read as unknown fields. An array event holds its tag, its tag's fields and these; a map event
+# its known fields (NEUTRAL_KEYS, the tag among them) and these. More fails the event, decided
+# from its header before any item is read: a payload under MAX_PAYLOAD holds 16 M one-byte items,
+# seconds of the event loop's time to build and walk.
+EVENT_SLACK = 8
+MAX_MAP_FIELDS = len(NEUTRAL_KEYS) + EVENT_SLACK
+MAX_ARRAY_ITEMS = 1 + len(STORED_FIELDS) + EVENT_SLACK  # the longest tag's; each tag's own in `_cap`
 T = TypeVar("T", int, str)
 
 
@@ -207,7 +218,7 @@ def _batch(seq: int, payload: bytes) -> EngineBatch:
     all the same. Its events are framed one by one (`_events`); what hides where they end fails
     the batch: bytes msgpack cannot read, nesting past its stack (1024 deep), a truncated
     payload, bytes past its end, a payload over MAX_PAYLOAD (a hostile one unpacks into tens of
-    times its size) or over MAX_EVENTS events."""
+    times its size), over MAX_EVENTS events or an envelope of over MAX_ENVELOPE fields."""
     if len(payload) > MAX_PAYLOAD:
         raise BadBatch(f"payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
     u = _unpacker(payload)
@@ -242,17 +253,23 @@ def _envelope(u: msgpack.Unpacker, first: int) -> Iterator[str | None]:
     """The names of the envelope's fields, each as `u` reaches its value: by position in vLLM's
     batch (an array-like struct: [ts, events, dp_rank?], more items unnamed), or by key where a
     publisher encodes the struct as a map (msgspec's default; a key that is no name is None).
-    `first`: the payload's first byte, which says which."""
-    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
-        for _ in range(u.read_map_header()):
+    `first`: the payload's first byte, which says which. An envelope of more than MAX_ENVELOPE
+    items or entries is no batch, told by its header before any is read."""
+    if _is_map(first):
+        entries = u.read_map_header()
+        if entries > MAX_ENVELOPE:
+            raise BadBatch(f"batch is a map of {entries} entries, over {MAX_ENVELOPE}")
+        for _ in range(entries):
             key = u.unpack()
             yield key if isinstance(key, str) else None
         return
-    if not (0x90 <= first <= 0x9F or first in (0xDC, 0xDD)):
+    if not _is_array(first):
         raise BadBatch("payload is not [ts, events, dp_rank?]")
     items = u.read_array_header()
     if items < 2:
         raise BadBatch("payload is not [ts, events, dp_rank?]")
+    if items > MAX_ENVELOPE:
+        raise BadBatch(f"batch is an array of {items} items, over {MAX_ENVELOPE}")
     for i in range(items):
         yield ENVELOPE[i] if i < len(ENVELOPE) else None
 
@@ -283,8 +300,11 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
 
 def decode_event(raw: bytes | memoryview) -> Event:
     """One event's msgpack: a map tagged by `type` or an array led by its tag. Anything else, a
-    key that is no field name, or a field this decoder reads holding the wrong type raises
-    BadEvent, carrying what of the event still applies (`_safe`)."""
+    key that is no field name, an event of more items than its fields and EVENT_SLACK (`_cap`),
+    or a field this decoder reads holding the wrong type raises BadEvent, carrying what of the
+    event still applies (`_safe`)."""
+    if (size := _size(raw)) > _cap(raw):  # too long for any tag: refused unread
+        raise BadEvent(f"an event holds {size} {_items(raw)}, over {_cap(raw)}", _safe(_leading(raw)))
     try:
         e = msgpack.unpackb(raw, **READ)
     except (ValueError, msgpack.UnpackException) as bad:  # bad UTF-8, a malformed timestamp
@@ -293,6 +313,8 @@ def decode_event(raw: bytes | memoryview) -> Event:
     try:
         if isinstance(e, Pairs) and any(type(k) is not str for k, _ in e):
             raise BadEvent("an event's keys must be field names (strings)")
+        if isinstance(e, list) and len(e) > _cap(raw, e[0]):  # a short list, built
+            raise BadEvent(f"a {e[0][:40]!r} event holds {len(e)} items, over {_cap(raw, e[0])}")
         return _typed(fields)
     except BadEvent as bad:
         raise BadEvent(str(bad), _safe(fields)) from None
@@ -334,6 +356,76 @@ def _safe(fields: dict[str, object]) -> tuple[Event, ...]:
         return tuple(Removed(hashes, group, m) for m in (DEVICE, HOST, DISK))
 
 
+def _is_map(first: int) -> bool:
+    """Whether msgpack bytes starting with `first` are a map (fixmap, map 16, map 32)."""
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def _is_array(first: int) -> bool:
+    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
+def _size(raw: bytes | memoryview) -> int:
+    """The items (entries) of the array (map) `raw` holds, as its header says, read alone: a
+    fix header's low nibble, else the big-endian count after its first byte (an Unpacker's
+    read_array_header costs more than a small event's decoding); 0 for another value."""
+    first = raw[0] if raw else 0
+    if _is_map(first) or _is_array(first):
+        return first & 0x0F if first < 0xA0 else int.from_bytes(raw[1 : 3 if first in (0xDC, 0xDE) else 5], "big")
+    return 0
+
+
+def _names(tag: object) -> tuple[str, ...]:
+    """The fields after an array event's tag, in order."""
+    return STORED_FIELDS if tag == STORED_TAG else REMOVED_FIELDS
+
+
+def _cap(raw: bytes | memoryview, tag: object = None) -> int:
+    """The most items an event may hold: a map's entries MAX_MAP_FIELDS, an array's its tag, the
+    tag's fields and EVENT_SLACK (tag None: the longest tag's)."""
+    if _is_map(raw[0] if raw else 0):
+        return MAX_MAP_FIELDS
+    return MAX_ARRAY_ITEMS if tag is None else 1 + len(_names(tag)) + EVENT_SLACK
+
+
+def _items(raw: bytes | memoryview) -> str:
+    return "entries" if _is_map(raw[0] if raw else 0) else "items"
+
+
+def _leading(raw: bytes | memoryview) -> dict[str, object]:
+    """The fields an event too long to read leads with, for its safe reading: an array's tag and
+    its tag's fields, a map's string-keyed entries among its first MAX_MAP_FIELDS (a map whose
+    tag comes later reads as no clear or removal). A field that does not decode ends the
+    reading as UNREAD, a value of no type the decoder takes: `_safe` reads a removal of such
+    hashes as a clear, of such a medium as one from every tier."""
+    u, fields = _unpacker(raw), dict[str, object]()
+    name: str | None = None  # the field being read
+    try:
+        if _is_map(raw[0]):
+            u.read_map_header()
+            for _ in range(MAX_MAP_FIELDS):
+                key = u.unpack()
+                name = key if type(key) is str else None
+                value = u.unpack()
+                if name is not None:
+                    fields[name] = value
+                name = None
+        else:
+            u.read_array_header()
+            name = "type"
+            fields[name] = u.unpack()
+            for name in _names(fields["type"]):
+                fields[name] = u.unpack()
+            name = None
+    except (ValueError, msgpack.UnpackException):
+        if name is not None:
+            fields[name] = UNREAD
+    return fields
+
+
+UNREAD = object()  # a field `_leading` could not decode
+
+
 def _tag(raw: bytes | memoryview) -> object:
     """The tag of an event whose bytes do not all decode, read alone (None where it does not
     either): a map's value under the key "type", an array's first item."""
@@ -359,7 +451,7 @@ def _fields(e: object) -> dict[str, object]:
     ones named `field i` (their meaning is unknown; the first MAX_UNKNOWN, not a dict entry per
     item of a hostile array); a map's under the keys that are names."""
     if isinstance(e, list) and e and isinstance(e[0], str):
-        names = STORED_FIELDS if e[0] == STORED_TAG else REMOVED_FIELDS
+        names = _names(e[0])
         past = (f"field {i}" for i in range(len(names) + 1, len(e)) if e[i] is not None)
         return {"type": e[0], **dict(zip(names, e[1:])), **dict.fromkeys(islice(past, MAX_UNKNOWN), True)}
     if not isinstance(e, Pairs):

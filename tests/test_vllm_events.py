@@ -1,12 +1,18 @@
 """vLLM / SGLang KV events: decoding recorded real bytes and re-hashing them into kvgate's chain."""
 
+import types
+
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway import vllm_events
 from gateway.vllm_events import (
+    EVENT_SLACK,
     MAX_BATCH_REASONS,
+    MAX_ENVELOPE,
+    MAX_MAP_FIELDS,
     MAX_UNKNOWN,
     BadBatch,
     Cleared,
@@ -430,13 +436,15 @@ def test_an_engine_hash_stored_with_other_tokens_in_another_tier_releases_what_e
     assert t.apply([Removed((1,), medium=HOST)]) == [Change(REMOVED, first[0].hashes, HOST)]
 
 
-def test_an_event_with_a_hundred_thousand_unknown_fields_names_a_few_and_no_reason_grows_long():
+def test_an_event_with_all_the_unknown_fields_it_may_hold_names_a_few_and_no_reason_grows_long():
     """An array event's items past the known ones each became a named field (a dict entry per
     item: gigabytes for a payload of one-byte items), and a map's unknown keys all went into one
     skip reason the translator keeps for good."""
-    many = ["BlockStored", [1], None, list(range(32)), 32, None, "GPU", None, None, *([1] * 100_000)]
-    keyed = {**vd.stored([2], list(range(32))), **{f"x{i:06}" + "y" * 100: 1 for i in range(1000)}}
+    many = [*vm.STORED_ARRAY, *([1] * EVENT_SLACK)]
+    keyed = {**vd.stored([2], list(range(32)))}
+    keyed |= {f"x{i:06}" + "y" * 100: 1 for i in range(MAX_MAP_FIELDS - len(keyed))}
     batch = decode_payload(0, vd.payload([many, keyed]))
+    assert batch.malformed == 0
     assert [len(e.unknown) for e in batch.events] == [MAX_UNKNOWN] * 2
     assert batch.events[0].unknown == ("field 10", "field 11", "field 9")  # names in sorted order
     assert batch.events[1].unknown == tuple(f"x{i:06}" + "y" * 100 for i in range(MAX_UNKNOWN))
@@ -460,3 +468,54 @@ def test_a_batch_encoded_as_a_map_reads_as_the_array_one(fields):
     as_map = decode_payload(3, vm.pack(vm.Pairs(fields)))
     assert (as_map.ts, as_map.rank, as_map.events, as_map.malformed) == (1.0, 2, as_array.events, 0)
     assert [type(e) for e in as_map.events] == [Stored, Removed]
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[int]:
+    """[values the decoder reads]: each an Unpacker unpacks or skips, and each item of the array or
+    map msgpack.unpackb builds, counted as gateway.vllm_events calls them."""
+    n = [0]
+
+    class Unpacker(msgpack.Unpacker):
+        def unpack(self):
+            n[0] += 1
+            return super().unpack()
+
+        def skip(self):
+            n[0] += 1
+            return super().skip()
+
+    def unpackb(packed, /, **kw):
+        v = msgpack.unpackb(packed, **kw)
+        n[0] += len(v) if isinstance(v, list | tuple) else 1
+        return v
+
+    monkeypatch.setattr(
+        vllm_events, "msgpack", types.SimpleNamespace(**{**vars(msgpack), "Unpacker": Unpacker, "unpackb": unpackb})
+    )
+    return n
+
+
+MANY = 100_000  # one-byte items past a batch's or an event's fields: a 16 MiB payload holds 16 M
+LONG = {
+    "envelope items": [1.0, [], *[0] * MANY],
+    "map envelope entries": vm.Pairs([("ts", 1.0), ("events", []), *[(0, 0)] * MANY]),
+    "array event items": [1.0, [["BlockRemoved", [1, 2], "gpu", *[None] * MANY]]],
+    "map event entries": [1.0, [vm.Pairs([*vd.removed([1, 2]).items(), *[(0, 0)] * MANY])]],
+}
+
+
+@pytest.mark.parametrize("name", list(LONG))
+def test_an_envelope_or_event_of_too_many_items_is_refused_by_its_header_unread(name, reads):
+    """A batch's envelope of more than MAX_ENVELOPE items or entries is no batch, an event of
+    more than its fields and EVENT_SLACK a malformed one, its removal still applied (its leading
+    fields): the decoder once read every item, seconds of the gateway's event loop for 16 M in a
+    payload under MAX_PAYLOAD, and took the array event as valid."""
+    body = vm.pack(LONG[name])
+    if "envelope" in name:
+        with pytest.raises(BadBatch, match=f"over {MAX_ENVELOPE}"):
+            decode_payload(3, body)
+    else:
+        batch = decode_payload(3, body)
+        assert batch.events == (Removed((1, 2)),) and batch.malformed == 1 and "over" in batch.reasons[0]
+    assert reads[0] < 64, f"{reads[0]} values read of {MANY} junk"

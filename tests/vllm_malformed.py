@@ -4,7 +4,15 @@ decoder and the subscriber."""
 
 import msgpack
 
-from gateway.vllm_events import MAX_EVENTS, Cleared, Removed
+from gateway.vllm_events import (
+    EVENT_SLACK,
+    MAX_ARRAY_ITEMS,
+    MAX_ENVELOPE,
+    MAX_EVENTS,
+    MAX_MAP_FIELDS,
+    Cleared,
+    Removed,
+)
 from tests import vllm_data as vd
 from workers.kv.events import DEVICE, DISK, HOST
 
@@ -45,6 +53,15 @@ def payload(*events: object, ts: object = 1.0) -> bytes:
     return pack([ts, list(events)])
 
 
+def junk(n: int) -> list[tuple[str, int]]:
+    """`n` map entries of names no decoder knows."""
+    return [(f"x{i}", 0) for i in range(n)]
+
+
+# A valid array-shaped BlockStored (tag and its 8 fields) of one 32-token block.
+STORED_ARRAY = ["BlockStored", [1], None, TOKENS, 32, None, "GPU", None, None]
+
+
 # Payloads that are no batch: where their events end is unknown (bytes msgpack cannot read,
 # nesting past its stack, an array claiming more items than the payload holds, trailing bytes,
 # a payload over the cap), or their envelope [ts, events, dp_rank?] is no such array.
@@ -60,6 +77,8 @@ MALFORMED = {
     "batch neither array nor map": pack("kv"),
     "empty": b"",
     "trailing bytes": payload(stored()) + b"\x00",
+    "envelope of too many items": pack([1.0, [], *[0] * (MAX_ENVELOPE - 1)]),
+    "map envelope of too many entries": pack(Pairs([("ts", 1.0), ("events", []), *junk(MAX_ENVELOPE - 1)])),
 }
 # Events that are none: msgpack reads past them but cannot build them or the decoder refuses
 # them. A batch leaves them out and keeps the others. The first five, a review found failing the
@@ -85,6 +104,8 @@ BAD_EVENTS = {
     "wrong token count": stored(token_ids=TOKENS[:31]),
     "unknown type": {"type": "Nope"},
     "str hash": ["BlockStored", ["x"], None, [], 32, None],
+    "array event of too many items": STORED_ARRAY + [None] * (MAX_ARRAY_ITEMS + 1 - len(STORED_ARRAY)),
+    "map event of too many entries": stored(*junk(MAX_MAP_FIELDS + 1 - len(stored()))),
 }
 # Malformed clears and removals, each with what of it still applies: the blocks it says went.
 REMOVED = [*vd.removed([1]).items()]
@@ -106,6 +127,21 @@ SAFE_READINGS = {
     ),
     "removal with invalid utf-8": (Pairs([*REMOVED, ("zz", Raw(b"\xa2\xff\xfe"))]), [Cleared()]),
     "bare removal tag": (["BlockRemoved"], [Cleared()]),
+    # Longer than their tag's fields and EVENT_SLACK: built (a short array), or refused unread, of
+    # their leading fields.
+    "removal array of too many items": (["BlockRemoved", [1], "GPU", *[None] * (EVENT_SLACK + 1)], [Removed((1,))]),
+    "clear array of too many items": (["AllBlocksCleared", *[None] * (EVENT_SLACK + 3)], [Cleared()]),
+    "removal array past any tag's items": (["BlockRemoved", [1], "GPU", *[None] * MAX_ARRAY_ITEMS], [Removed((1,))]),
+    "removal map past its entries": (Pairs([*REMOVED, *junk(MAX_MAP_FIELDS)]), [Removed((1,))]),
+    "clear map past its entries": (Pairs([*junk(3), *CLEARED, *junk(MAX_MAP_FIELDS)]), [Cleared()]),
+    "removal past its items with an unreadable medium": (
+        ["BlockRemoved", [1], Raw(b"\xa2\xff\xfe"), *[None] * MAX_ARRAY_ITEMS],
+        [Removed((1,), 0, m) for m in (DEVICE, HOST, DISK)],
+    ),
+    "removal past its entries with unreadable hashes": (
+        Pairs([("type", "BlockRemoved"), ("block_hashes", Raw(b"\x91\xa2\xff\xfe")), *junk(MAX_MAP_FIELDS)]),
+        [Cleared()],
+    ),
 }
 # Batches of a stored and a removed event whose ts or dp_rank is malformed.
 EVENTS = [stored(), vd.removed([1])]
