@@ -220,9 +220,11 @@ def test_a_client_gone_before_the_first_token_starts_no_other_choice(server, gat
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_choice_aborted_once_no_one_reads_is_counted_aborted(server, gate, stream):
-    """n=4, the client gone while choice 0 prefills: choice 0 (the one choice the engine took)
-    counts in kvgate_worker_requests_finished_total as aborted. Outputs were counted as they
-    were read, and no one reads an abandoned request's, so an abort was never counted."""
+    """n=4, the client gone while choice 0 prefills: each choice counts once in
+    kvgate_worker_requests_finished_total as aborted, choice 0 (the one the engine took) and
+    choices 1-3 (never started), as a failure of choice 0 counts each failed. Outputs were
+    counted as they were read, and no one reads an abandoned request's, so an abort was never
+    counted; then choice 0's abort alone. Only choice 0 adds histogram samples."""
 
     async def go():
         call = Call(server.app, "/v1/chat/completions", n_choices(stream))
@@ -235,12 +237,33 @@ def test_a_choice_aborted_once_no_one_reads_is_counted_aborted(server, gate, str
         await settled(server)
 
     asyncio.run(go())
-    assert finished(server) == {"stop": 0, "length": 0, "abort": 1, "error": 0}
+    assert finished(server) == {"stop": 0, "length": 0, "abort": 4, "error": 0}
+    assert samples(server) == ONE_EACH and observed(server, "time_to_first_token_seconds") <= 1
 
 
 def finished(server: WorkerServer) -> dict[str, float]:
     """kvgate_worker_requests_finished_total by finish reason."""
     return {reason: counter._value.get() for reason, counter in server.metrics.finished.items()}
+
+
+# The histograms observed once per engine request as it ends.
+PER_REQUEST = ("request_prompt_tokens", "request_generation_tokens", "e2e_request_latency_seconds")
+ONE_EACH = dict.fromkeys(PER_REQUEST, 1.0)
+
+
+def observed(server: WorkerServer, histogram: str) -> float:
+    """Observations of histogram kvgate_worker_`histogram`."""
+    (count,) = [
+        s.value
+        for m in server.metrics.registry.collect()
+        for s in m.samples
+        if s.name == f"kvgate_worker_{histogram}_count"
+    ]
+    return count
+
+
+def samples(server: WorkerServer) -> dict[str, float]:
+    return {h: observed(server, h) for h in PER_REQUEST}
 
 
 def test_a_client_that_reads_nothing_then_leaves_leaves_nothing_running(server, gate):
@@ -286,6 +309,9 @@ def test_a_failed_first_choice_fails_the_others_without_running_them(server, str
     err = stream_error(status, body) if stream else error_of(status, body)
     assert err["code"] == "engine_error" and (stream or status == 500)
     assert server.engine.stats.generated_tokens == 0 and calls == [1]
+    # Each choice counted failed once; choices 1-3, never started, once added prompt_tokens=0.
+    assert finished(server) == {"stop": 0, "length": 0, "abort": 0, "error": 4}
+    assert samples(server) == ONE_EACH and observed(server, "time_to_first_token_seconds") == 0
 
 
 LONG = 200  # tokens a choice would still run: far more than the few steps a failure takes to end them
@@ -356,6 +382,9 @@ def test_a_failed_choice_fails_the_request_at_once_and_aborts_the_others(
     assert err["code"] == "engine_error" and (stream or status == 500)
     reasons = list(lockstep.values())
     assert reasons.count("error") == 1 and set(reasons) <= {"error", "abort"}, lockstep
+    # Each choice counted once, a choice never started as its prompt's first (failed, aborted),
+    # and in the histograms only those the engine took.
+    assert sum(finished(server).values()) == 4 and observed(server, "request_prompt_tokens") == len(lockstep)
     assert server.engine.stats.finished == 0 and server.engine.stats.generated_tokens < LONG
     (span,) = [s for s in spans.get_finished_spans() if s.name == "POST /v1/completions"]
     assert not span.status.is_ok
@@ -508,6 +537,9 @@ def test_an_engine_stopping_between_prompts_fails_every_choice_left(server, stre
     status, _, answer = asyncio.run(go())
     err = stream_error(status, answer) if stream else error_of(status, answer)
     assert err["code"] == "engine_stopped" and (stream or status == 503)
+    # Choices 2-3 refused count failed, choice 1 failed or aborted, and only choice 0 has samples.
+    assert sum(finished(server).values()) == 4 and finished(server)["error"] >= 2
+    assert samples(server) == ONE_EACH
 
 
 def test_a_client_gone_mid_body_is_a_499_not_an_internal_error(server, caplog):

@@ -6,6 +6,13 @@ prompt blocks are cached. The answer is read whole (`collect`) or as SSE chunks 
 under one rule: a request ends when every choice has ended, or at its first failed choice (it
 fails whole), or when its reader stops (client gone, task cancelled). Ended early, its choices
 still running are aborted and those not started never start: nothing runs for no one.
+
+Every choice of a request counts once in the worker's requests_finished, by how it ended. One
+never handed to the engine ends as what kept it from starting: its prompt's first choice ending
+(aborted: the client left; failed), the engine refusing it (failed), or its request ending while
+that first choice ran on (aborted, as that choice is then: the client left, or another prompt's
+choice failed). It adds no sample to the latency and token histograms: it had no prompt, token
+or latency of its own.
 """
 
 import asyncio
@@ -34,8 +41,11 @@ def failure(out: RequestOutput) -> tuple[int, dict]:
     return status, error_body(message, "server_error", out.error)
 
 
-def ended_as(first: RequestOutput, rid: str) -> RequestOutput:
-    """The one output of a choice never started because its prompt's first choice ended so."""
+def ended_as(first: RequestOutput | None, rid: str) -> RequestOutput:
+    """The one output of a choice never started: ended as its prompt's first choice did
+    (aborted, failed), or aborted (`first` None) where its request ended while that ran on."""
+    if first is None:
+        return RequestOutput(rid, [], "", 0, 0, 0, "abort")
     return RequestOutput(rid, [], "", 0, 0, 0, first.finish_reason, first.error)
 
 
@@ -86,7 +96,7 @@ class JobRunner:
             n = job.parsed.n
             failed = range(i, i + n if i % n == 0 else i + 1)
             for k in failed:
-                self._put(job, k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED))
+                self._put(job, k, unstarted_failure(job.engine_key(k), [], ENGINE_STOPPED), started=False)
             self.in_flight -= len(failed)
 
     def _submit_choice(self, job: Job, i: int) -> None:
@@ -123,22 +133,26 @@ class JobRunner:
         )
         job.running.add(i)
 
-    def _put(self, job: Job, i: int, out: RequestOutput) -> None:
+    def _put(self, job: Job, i: int, out: RequestOutput, started: bool = True) -> None:
         """Choice `i`'s output to its job, counted in the metrics as it arrives, read or not: a
-        choice aborted once no one reads its request's answer counts as aborted."""
+        choice aborted once no one reads its request's answer counts as aborted. The one output
+        of a choice never handed to the engine (`started` False) counts how it ended, alone."""
         job.outputs.put_nowait((i, out))
-        self.metrics.observe(out, job.clocks[i])
+        if started:
+            self.metrics.observe(out, job.clocks[i])
+        else:
+            self.metrics.count_finished(out)
 
     def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
-        """Start a prompt's other choices on its first choice's first output, unless no one
-        reads the answer any more or that output ended the first choice (aborted, failed): they
-        would run to their last token for no one. Then each ends as the first did, unstarted."""
-        if job.cancelled:
-            self.in_flight -= len(siblings)
-            return
-        if first.finish_reason in ("abort", "error"):
+        """Start a prompt's other choices on its first choice's first output, unless that output
+        ended the first choice (aborted, failed) or no one reads the answer any more: they would
+        run to their last token for no one. Then each ends unstarted, as the first did, or
+        aborted where the first runs on (`_abort` aborts it): counted once either way, where a
+        client leaving once counted none of them and a failure each."""
+        ended = first.finish_reason in ("abort", "error")
+        if ended or job.cancelled:
             for s in siblings:
-                self._put(job, s, ended_as(first, job.engine_key(s)))
+                self._put(job, s, ended_as(first if ended else None, job.engine_key(s)), started=False)
             self.in_flight -= len(siblings)
             return
         for s in siblings:

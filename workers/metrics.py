@@ -214,7 +214,7 @@ class WorkerMetrics:
             self.finish(out, clock, now)
 
     def finish(self, out: RequestOutput, clock: RequestClock, now: float) -> None:
-        self.finished.get(out.finish_reason or "error", self.finished["error"]).inc()
+        self.count_finished(out)
         self.e2e.observe(now - clock.arrived)
         self.prompt_tokens.observe(out.num_prompt)
         self.generation_tokens.observe(out.num_output)
@@ -226,6 +226,12 @@ class WorkerMetrics:
             if t.first_token is not None:
                 self.prefill.observe(t.first_token - t.scheduled)
                 self.decode.observe(t.finished - t.first_token)
+
+    def count_finished(self, out: RequestOutput) -> None:
+        """Count a request's end by its last output's finish reason. Alone (not by `observe`)
+        for a request that ended before the engine took it in (a choice never started): it is
+        in no histogram, having no prompt, token or latency of its own."""
+        self.finished.get(out.finish_reason or "error", self.finished["error"]).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
