@@ -73,6 +73,11 @@ MAX_PAYLOAD = 16 << 20
 # one event. Framing an event costs ~1 us even when it is one junk byte, so without this a
 # payload under MAX_PAYLOAD could hold the event loop for seconds.
 MAX_EVENTS = 1 << 16
+# Token ids the BlockStored events of one batch may carry: twice a million-token prefill. Decoding
+# and hashing them costs ~0.2 us each on the event loop; a payload of one-byte ids under
+# MAX_PAYLOAD held it ~3 s. Past the budget a batch's BlockStored events are left out (they could
+# only add blocks: a cache miss at worst), its removals and clears still read.
+MAX_BATCH_TOKENS = 1 << 21
 # Items of a batch's envelope, entries of one encoded as a map: vLLM's has 3 fields. Each more is
 # a Python step of the decoder's, ~0.1 us even when it is one junk byte.
 MAX_ENVELOPE = 8
@@ -279,17 +284,27 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
     reading, then how many were malformed and why for the first MAX_BATCH_REASONS: a bad event
     costs only itself, not its batch's BlockRemoved events. msgpack frames each event without
     building it (`skip`), so that what one holds (a map key of any type, bad UTF-8, a malformed
-    timestamp) fails its own decoding."""
+    timestamp) fails its own decoding. BlockStored events past MAX_BATCH_TOKENS are malformed
+    too, read by their tag alone."""
     events: list[Event] = []
     reasons: list[str] = []
     malformed, count = 0, u.read_array_header()
     if count > MAX_EVENTS:
         raise BadBatch(f"batch holds {count} events, over {MAX_EVENTS}")
+    tokens = 0
     for i in range(count):
         start = u.tell()
         u.skip()
+        raw = payload[start : u.tell()]
         try:
-            events.append(decode_event(payload[start : u.tell()]))
+            if tokens > MAX_BATCH_TOKENS and _tag(raw) == STORED_TAG:
+                raise BadEvent(f"the batch's BlockStored events hold over {MAX_BATCH_TOKENS} token ids")
+            event = decode_event(raw)
+            if isinstance(event, Stored):
+                tokens += len(event.token_ids)
+                if tokens > MAX_BATCH_TOKENS:
+                    raise BadEvent(f"the batch's BlockStored events hold over {MAX_BATCH_TOKENS} token ids")
+            events.append(event)
         except BadEvent as bad:
             events += bad.safe
             malformed += 1

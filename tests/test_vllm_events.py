@@ -519,3 +519,12 @@ def test_an_envelope_or_event_of_too_many_items_is_refused_by_its_header_unread(
         batch = decode_payload(3, body)
         assert batch.events == (Removed((1, 2)),) and batch.malformed == 1 and "over" in batch.reasons[0]
     assert reads[0] < 64, f"{reads[0]} values read of {MANY} junk"
+
+
+def test_block_stored_events_past_the_batch_token_budget_are_left_out_and_removals_kept(monkeypatch):
+    """Two 32-token BlockStored events fill a budget of 64 token ids: the third, and every
+    BlockStored after it (read by its tag alone), is malformed; the removal between them is read."""
+    monkeypatch.setattr(vllm_events, "MAX_BATCH_TOKENS", 64)
+    batch = decode_payload(1, vm.payload(vm.stored(), vm.stored(), vm.stored(), vd.removed([1]), vm.stored()))
+    assert [type(e) for e in batch.events] == [Stored, Stored, Removed]
+    assert batch.malformed == 2 and "token ids" in batch.reasons[0]
