@@ -10,8 +10,10 @@ all prompts and completions against the client's token budget.
 Fields that steer the workers' internals are refused from clients whatever the fleet:
 kvgate's `kv_transfer` (P/D legs) and `kv_prompt_ids` (the gateway's own tokenization of the
 prompts, workers/given_ids.py), vLLM's `kv_transfer_params` (its disaggregation: which host
-a worker pulls KV from or pushes it to) and `vllm_xargs.kv_cache_report_mode` (re-announces
-cached blocks as stored, which would inflate the gateway's reference counts).
+a worker pulls KV from or pushes it to), `ec_transfer_params` (the same for its encoder cache:
+which host a multimodal input's encoder outputs are pulled from or pushed to) and
+`vllm_xargs.kv_cache_report_mode` (re-announces cached blocks as stored, which would inflate
+the gateway's reference counts).
 """
 
 from workers.given_ids import FIELD as GIVEN_IDS
@@ -21,7 +23,7 @@ from workers.unsupported import IMPLEMENTED, NOOP_VALUES
 
 def internal_field(body: dict) -> str | None:
     """The internal field a client's body sets, if any."""
-    for name in ("kv_transfer", "kv_transfer_params", GIVEN_IDS):
+    for name in ("kv_transfer", "kv_transfer_params", "ec_transfer_params", GIVEN_IDS):
         if name in body:
             return name
     xargs = body.get("vllm_xargs")

@@ -135,14 +135,15 @@ INTERNAL = [
     ("kv_prompt_ids", {"kv_prompt_ids": {"tokenizer": "x", "ids": [[1, 2]]}}),
     ("kv_transfer", {"kv_transfer": {"role": "prefill"}}),
     ("kv_transfer_params", {"kv_transfer_params": {"do_remote_decode": True}}),
+    ("ec_transfer_params", {"ec_transfer_params": {"do_remote_encode": True}}),
     ("vllm_xargs", {"vllm_xargs": {"kv_cache_report_mode": "stored"}}),
 ]
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/embeddings"])
 @pytest.mark.parametrize("field, fields", INTERNAL, ids=[f for f, _ in INTERNAL])
 def test_fields_internal_to_the_fleet_are_refused(fleet, path, field, fields):
-    body = {"model": MODEL, "prompt": "hi", "tokens": [1], **fields}
+    body = {"model": MODEL, "prompt": "hi", "tokens": [1], "input": "hi", **fields}
     err = openai_error(post(fleet["gw"].url, path, body), 400)
     assert err["code"] == "internal_field" and err["param"] == field
 

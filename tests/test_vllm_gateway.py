@@ -268,8 +268,9 @@ def test_embeddings_reach_a_vllm_worker_whole_once_their_shape_is_checked(fake, 
         for fields, param in BAD_EMBEDDINGS:
             r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, **fields})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
-        r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a", "kv_transfer_params": {"x": 1}})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "internal_field"
+        for field in ("kv_transfer_params", "ec_transfer_params"):  # vLLM's KV and encoder-cache transfers
+            r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a", field: {"x": 1}})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "internal_field", field
         r = post_as(gw, "/v1/embeddings", {"model": "no-such-model", "input": "a"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 

@@ -67,6 +67,7 @@ def test_what_the_gateway_still_refuses(tok, body, param):
 
 def test_fields_that_steer_vllms_cache_are_internal():
     assert internal_field({"kv_transfer_params": {}}) == "kv_transfer_params"
+    assert internal_field({"ec_transfer_params": {"do_remote_encode": True}}) == "ec_transfer_params"
     assert internal_field({"kv_transfer": {}}) == "kv_transfer"
     assert internal_field({"vllm_xargs": {"kv_cache_report_mode": "full"}}) == "vllm_xargs"
     assert internal_field({"vllm_xargs": {"my_logits_processor": 1}, "n": 2}) is None
