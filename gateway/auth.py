@@ -24,7 +24,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 from gateway.ratelimit import Limit, RateLimiter
-from workers.protocol import MAX_CACHE_SALT, error_body
+from workers.protocol import checked_cache_salt, error_body
+from workers.sampling_params import InvalidRequest
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"})
@@ -237,9 +238,13 @@ class Access:
     def apply_cache_salt(self, key: ApiKey | None, body: dict) -> bool:
         """Set `body`'s cache_salt to what the key's tenant runs with; True when it changed.
         Without keys a client's own salt stands (vLLM's meaning: it only narrows sharing)."""
+        if key is None:
+            return False
+        try:
+            checked_cache_salt(body)
+        except InvalidRequest:
+            return False  # the client's own bad salt: refused where its body is checked, by the same rule
         given = body.get("cache_salt")
-        if key is None or not (given is None or (isinstance(given, str) and len(given) <= MAX_CACHE_SALT)):
-            return False  # a bad salt of the client's own is left for the parse to refuse
         salt = key.salt_for(given)
         if salt == given:
             return False

@@ -63,6 +63,8 @@ from gateway.retry import RetryPolicy
 from gateway.tokenize import INLINE_CHARS, ModelTokenizer, Tokenizers
 from gateway.worker import Worker
 from policies.candidates import NO_WORKERS, cheapest
+from workers.protocol import checked_cache_salt
+from workers.sampling_params import InvalidRequest
 
 TOKENIZE, DETOKENIZE, EMBEDDINGS = "tokenize", "detokenize", "embeddings"
 PATHS = {TOKENIZE: "/tokenize", DETOKENIZE: "/detokenize", EMBEDDINGS: "/v1/embeddings"}
@@ -88,11 +90,16 @@ def embedding_inputs(body: dict) -> tuple[list[str], int, bool]:
     it holds, whether it holds chat conversations). `input` is a string, a list of strings,
     a list of token ids or a list of such lists (OpenAI), or a conversation or list of them
     (vLLM's chat embeddings, also as `messages`), at most MAX_INPUTS of them and none empty;
-    `encoding_format`, `dimensions` and `user` have their types. What each input may hold
-    beyond that (its length against the model's, a message's content) is the server's to
-    check. Raises InvalidEmbeddings."""
+    `encoding_format`, `dimensions` and `user` have their types, and `cache_salt` is a salt as
+    for completions (`checked_cache_salt`: a bad one would reach vLLM as the client sent it, in
+    place of the tenant's). What each input may hold beyond that (its length against the
+    model's, a message's content) is the server's to check. Raises InvalidEmbeddings."""
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidEmbeddings("'user' must be a string", "user")
+    try:
+        checked_cache_salt(body)
+    except InvalidRequest as e:
+        raise InvalidEmbeddings(str(e), "cache_salt") from None
     fmt = body.get("encoding_format")
     if fmt is not None and fmt not in ENCODING_FORMATS:
         raise InvalidEmbeddings(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}", "encoding_format")

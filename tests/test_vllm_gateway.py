@@ -232,6 +232,9 @@ BAD_EMBEDDINGS = [
     ({"input": "a", "dimensions": 1.5}, "dimensions"),
     ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
     ({"input": "a", "user": 5}, "user"),
+    ({"input": "a", "cache_salt": "x" * 300}, "cache_salt"),  # else vLLM would get it, not the tenant's salt
+    ({"input": "a", "cache_salt": 7}, "cache_salt"),
+    ({"input": "a", "cache_salt": ["a"]}, "cache_salt"),
 ]
 
 
@@ -260,6 +263,8 @@ def test_embeddings_reach_a_vllm_worker_whole_once_their_shape_is_checked(fake, 
         assert json.loads(got["received"]) == {**body, "cache_salt": "tenant:a"}  # the tenant's salt, as completions
         assert got["request_id"] == r.headers["x-kvgate-request-id"] and got["request_id"].startswith("embd-")
         assert r.headers["x-kvgate-worker"] == f"vllm@127.0.0.1:{fake.port}"
+        r = post_as(gw, "/v1/embeddings", {**body, "cache_salt": "tenant:b"})  # a client's own: the tenant's stands
+        assert json.loads(r.json()["received"])["cache_salt"] == "tenant:a"
         chat = [{"role": "user", "content": "hi"}]
         for fields in ({"input": "text"}, {"input": [1, 2, 3]}, {"input": [[1, 2], [3]]}, {"input": chat}):
             assert post_as(gw, "/v1/embeddings", {"model": vd.MODEL, **fields}).status_code == 200, fields

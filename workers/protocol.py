@@ -93,7 +93,7 @@ def parse_request(
     asked = _max_tokens(body, kind)
     n, echo = _choices(body, kind)
     params = sampling_params(body, asked or 1, vocab_size, kind)
-    kv, salt = _kv_transfer(body), _cache_salt(body)
+    kv, salt = _kv_transfer(body), checked_cache_salt(body)
     prompts, texts = [], []
     checked = _prompts(body, kind, vocab_size)
     options = prompt_options(body, kind, checked[0] if kind == "chat" else None)
@@ -138,7 +138,7 @@ def check_request(body: object, kind: str) -> None:
     _choices(body, kind)
     sampling_params(body, _max_tokens(body, kind) or 1, None, kind)
     _kv_transfer(body)
-    _cache_salt(body)
+    checked_cache_salt(body)
     checked = _prompts(body, kind, None)
     prompt_options(body, kind, checked[0] if kind == "chat" else None)
 
@@ -250,8 +250,10 @@ def _kv_transfer(body: dict) -> dict:
 MAX_CACHE_SALT = 256
 
 
-def _cache_salt(body: dict) -> str | None:
-    """vLLM's `cache_salt`: requests share cached blocks only with requests of the same salt."""
+def checked_cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt`: requests share cached blocks only with requests of the same salt.
+    The one rule for a client's salt (completions, chat, and embeddings at the gateway);
+    raises InvalidRequest."""
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and len(salt) <= MAX_CACHE_SALT):
         raise InvalidRequest(f"'cache_salt' must be a string of at most {MAX_CACHE_SALT} characters", "cache_salt")
