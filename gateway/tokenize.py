@@ -56,6 +56,7 @@ class ModelTokenizer:
         self.name = name
         self.tokenizer = PrefixTokenizer(tokenizer)
         self.inline = Budgeted(self.tokenizer)  # used on the event loop only
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust side
         self.fingerprint = fingerprint(tokenizer)  # a worker with the same takes the gateway's ids
         on = {True: "on", False: "off"}
         log.info(
@@ -68,6 +69,14 @@ class ModelTokenizer:
         self.seed = seed_hash(name, block_size)
         for checked in (self.tokenizer, self.inline):  # the prompt-length bound's vocabulary scan, at load
             token_chars(checked)
+
+    def count(self, texts: list[str]) -> int:
+        """Tokens of `texts` as `encode` counts them (special tokens included), in one batched
+        call of a fast tokenizer (its Rust side, which releases the GIL): not one call a text,
+        which for an embeddings request's 2048 inputs held the GIL for tens of ms."""
+        if self.backend is None:
+            return sum(len(self.tokenizer.encode(t)) for t in texts)
+        return sum(len(e.ids) for e in self.backend.encode_batch(texts, add_special_tokens=True))
 
     def prepare(
         self, body: object, kind: str, max_model_len: int, whole: bool = False, budget: int | None = None
