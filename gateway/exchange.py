@@ -116,17 +116,22 @@ class Exchange:
         pd.start_prefill(self.proxy, p.url, PATHS[kind], pd.prefill_leg(body, d.url), headers, done)
         return pd.decode_leg(body, self.pd_wait_ms), span
 
-    def worker_failed(self, w: Worker, e: UpstreamError) -> str:
+    def worker_failed(self, w: Worker, e: UpstreamError, engine: bool = True) -> str:
         """Count a worker's failure: metrics, its breaker, and (when it could not be reached or
-        broke a response off) exclusion until its next good health poll."""
+        broke a response off) exclusion until its next good health poll. `engine`: the request
+        ran on the worker's engine, whose failures the breaker counts; a tokenization's
+        (`gateway/forward.py`) is told to the breaker only when the worker could not be reached
+        or broke its answer off, which says the same of its engine's requests."""
         self.metrics.upstream_failures.labels(w.model or "", w.worker_id, e.stage).inc()
+        unreachable = type(e) in (ConnectFailed, UpstreamFailed)
         if isinstance(e, WorkerBusy):
-            w.breaker.released()
-        elif w.breaker.failed():
+            if engine:
+                w.breaker.released()
+        elif (engine or unreachable) and w.breaker.failed():
             log.warning(
                 "worker %s: circuit breaker open after %d failures (last: %s)", w.worker_id, w.breaker.consecutive, e
             )
-        if type(e) in (ConnectFailed, UpstreamFailed):
+        if unreachable:
             self.fleet.mark_suspect(w, str(e))
         return f"worker {w.worker_id} failed: {e}"
 

@@ -5,7 +5,7 @@ No KV cache is matched for these (a tokenization caches nothing; an embedding's 
 prefix any later request reuses), so each goes to the least loaded healthy worker of its model,
 ties spread at random. It goes through the completions' upstream client: its connect,
 first-byte and idle timeouts, a retry on another worker after the backoff when one fails before
-answering (each failure counted by stage, each worker's circuit breaker told), a worker's 503
+answering (each failure counted by stage), a worker's 503
 (its load) tried elsewhere and its answer the client's when nowhere is left, every other 5xx
 the gateway's own 502. The request carries the gateway's request id (`x-request-id`, which vLLM
 keys the request by ahead of a body's `request_id`) and never the fleet's token. The body is the
@@ -27,9 +27,15 @@ tokenizer**, although the gateway tokenizes completions exactly as kvgate's work
 
 A kvgate worker answers /tokenize from the very parse the gateway would run, in a thread, so the
 cost of forwarding is one hop; a tokenization takes no engine step, so it is not counted as load
-(`Fleet.begin`), and a full worker's queue does not keep it from one. An embedding runs in vLLM's
-engine: it is counted in flight while it runs, goes only to a worker whose queue has room, and
-its input's tokens are charged to a key's tokens-per-minute budget (token ids counted, text by
+(`Fleet.begin`), and a full worker's queue does not keep it from one. Nor does it tell the
+worker's circuit breaker (gateway/breaker.py), which guards the engine, of its success: an
+engine that fails every generation while its server still tokenizes must open it, so a
+tokenization goes only to a worker whose breaker is closed (never takes a half-open one's
+single trial), does not close or reset a breaker by succeeding, and counts against it only
+when the worker could not be reached or broke its answer off (`Exchange.worker_failed`); a
+worker's 5xx to it is still retried elsewhere. An embedding runs in vLLM's engine: it is counted
+in flight while it runs, goes only to a worker whose queue has room, takes a half-open breaker's
+trial and reports its outcome to the breaker as a completion does, and its input's tokens are charged to a key's tokens-per-minute budget (token ids counted, text by
 the gateway's tokenizer for the model, or a byte estimate as for a model routed cache-blind).
 
 kvgate's own workers do not embed: a model with none but kvgate workers is a 400
@@ -53,6 +59,7 @@ from starlette.responses import Response
 from gateway import vllm_worker
 from gateway.admission import Admission
 from gateway.auth import api_key
+from gateway.breaker import CLOSED
 from gateway.exchange import Exchange, whole_body
 from gateway.fleet import Fleet
 from gateway.intake import ApiError, Intake, client_body, refused, worker_failed
@@ -227,9 +234,13 @@ class Forwarder:
 
     def pick(self, model: str, kind: str, exclude: set[str]) -> Worker | None:
         """The least loaded candidate of `model` (not in `exclude`) that can serve `kind`; for
-        embeddings, a vLLM worker whose queue has room (none: 503 `overloaded`)."""
+        embeddings, a vLLM worker whose queue has room (none: 503 `overloaded`); for a
+        tokenization, one whose breaker is closed (a half-open one's single trial is a
+        request of its engine's)."""
         workers = [w for w in self.fleet.candidates(model) if w.worker_id not in exclude]
-        if kind == EMBEDDINGS:
+        if kind != EMBEDDINGS:
+            workers = [w for w in workers if w.breaker.state == CLOSED]
+        else:
             workers = [w for w in workers if w.kind == vllm_worker.KIND]
             room = self.admission.open_workers(workers)
             if workers and not room:
@@ -247,7 +258,7 @@ class Forwarder:
         headers = {"content-type": "application/json", "x-request-id": rec.request_id}
         exclude: set[str] = set()
         failure: UpstreamError | None = None
-        counted = kind == EMBEDDINGS  # engine work: load the policies see
+        engine = kind == EMBEDDINGS  # engine work: load the policies see, its breaker's to count
         for attempt in range(self.retry.max_retries + 1):
             if failure is not None:
                 self.metrics.retries.labels(failure.stage).inc()
@@ -265,24 +276,26 @@ class Forwarder:
                     retry_after=self.admission.config.retry_after_s,
                 )
             rec.worker = w.worker_id
-            w.breaker.attempt()
-            if counted:
+            if engine:
+                w.breaker.attempt()
                 self.fleet.begin(w)
             try:
                 with rec.trace.client("upstream", headers, None, worker=w.worker_id) as sent:
                     return await self.attempt(request, w, kind, raw, sent, rec)
             except ClientGone:
-                w.breaker.released()
+                if engine:
+                    w.breaker.released()
                 return Response(b"", 499, {"x-kvgate-worker": w.worker_id})
             except UpstreamError as e:
-                self.exchange.worker_failed(w, e)
+                self.exchange.worker_failed(w, e, engine)
                 exclude.add(w.worker_id)
                 failure = e
             except BaseException:
-                w.breaker.released()
+                if engine:
+                    w.breaker.released()
                 raise
             finally:
-                if counted:
+                if engine:
                     self.fleet.end(w)
         rec.worker = ""  # the fleet's answer, not one worker's
         if isinstance(failure, WorkerBusy):
@@ -295,7 +308,8 @@ class Forwarder:
         """One try on `w`: its whole answer, or UpstreamError."""
         resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request, self.fleet.lost(w))
         body = await whole_body(self.proxy, resp)
-        w.breaker.succeeded()
+        if kind == EMBEDDINGS:
+            w.breaker.succeeded()
         if kind == EMBEDDINGS and resp.status == 404 and not _openai_error(body):
             raise no_embeddings(rec.model)  # the server mounts no embeddings route
         ctype = resp.headers.get("content-type", "application/json")

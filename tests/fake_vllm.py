@@ -7,6 +7,8 @@ echoing the body it got and the `x-request-id` it was sent) and its ZMQ KV event
 
 /_control takes {"health": 200|503, "replay": "ok"|"stuck", "restart": true, "publish": [events],
 "answer": the status completions, /tokenize, /detokenize and /v1/embeddings answer with,
+"answers": {path: status} for one path's own (an engine failing generations that still
+tokenizes),
 "embeddings": false (the route is not mounted, as on a server of a generative model: FastAPI's
 bare 404)}
 and answers whether a control-plane request ever carried kvgate's internal token (`saw_token`);
@@ -39,6 +41,7 @@ class Fake:
         self.events_port, self.replay_port = events_port, replay_port
         self.health, self.replay_mode = 200, "ok"
         self.answer = 200  # the status /v1/completions answers with (an error body unless 200)
+        self.answers: dict[str, int] = {}  # a path's own status, in place of `answer`
         self.embeddings = True  # whether /v1/embeddings is mounted (an embedding model's server)
         self.saw_token = False  # whether any request carried kvgate's internal token
         self.started = time.time()
@@ -106,9 +109,8 @@ def app(fake: Fake) -> Starlette:
 
     async def completions(request: Request) -> Response:
         raw = await request.body()
-        if fake.answer != 200:
-            error = {"message": "engine failed", "type": "InternalServerError", "param": None, "code": fake.answer}
-            return JSONResponse({"error": error}, fake.answer)
+        if (failed := failure(request)) is not None:
+            return failed
         return JSONResponse(
             {
                 "object": "text_completion",
@@ -123,11 +125,12 @@ def app(fake: Fake) -> Starlette:
             }
         )
 
-    def failure() -> Response | None:
-        if fake.answer == 200:
+    def failure(request: Request) -> Response | None:
+        status = fake.answers.get(request.url.path, fake.answer)
+        if status == 200:
             return None
-        error = {"message": "engine failed", "type": "InternalServerError", "param": None, "code": fake.answer}
-        return JSONResponse({"error": error}, fake.answer)
+        error = {"message": "engine failed", "type": "InternalServerError", "param": None, "code": status}
+        return JSONResponse({"error": error}, status)
 
     def echo(request: Request, raw: bytes) -> dict:
         return {"received": raw.decode(), "request_id": request.headers.get("x-request-id")}
@@ -136,12 +139,12 @@ def app(fake: Fake) -> Starlette:
         raw = await request.body()
         fake.saw_token |= "x-kvgate-token" in request.headers
         body = {"count": 3, "max_model_len": 2048, "tokens": [1, 2, 3], "token_strs": None}
-        return failure() or JSONResponse({**body, **echo(request, raw)})
+        return failure(request) or JSONResponse({**body, **echo(request, raw)})
 
     async def detokenize(request: Request) -> Response:
         raw = await request.body()
         fake.saw_token |= "x-kvgate-token" in request.headers
-        return failure() or JSONResponse({"prompt": "abc", **echo(request, raw)})
+        return failure(request) or JSONResponse({"prompt": "abc", **echo(request, raw)})
 
     async def embeddings(request: Request) -> Response:
         raw = await request.body()
@@ -153,13 +156,14 @@ def app(fake: Fake) -> Starlette:
         data = [{"object": "embedding", "index": i, "embedding": [0.5, -0.5]} for i in range(n)]
         usage = {"prompt_tokens": n, "total_tokens": n}
         answer = {"object": "list", "model": MODEL, "data": data, "usage": usage}
-        return failure() or JSONResponse({**answer, **echo(request, raw)})
+        return failure(request) or JSONResponse({**answer, **echo(request, raw)})
 
     async def control(request: Request) -> Response:
         body = json.loads(await request.body())
         fake.health = body.get("health", fake.health)
         fake.replay_mode = body.get("replay", fake.replay_mode)
         fake.answer = body.get("answer", fake.answer)
+        fake.answers = body.get("answers", fake.answers)
         fake.embeddings = body.get("embeddings", fake.embeddings)
         if body.get("restart"):
             fake.seq, fake.started = 0, time.time()

@@ -347,3 +347,58 @@ def test_a_failing_vllm_worker_costs_a_retry_on_another(fake, tmp_path):
         assert retried >= 1 and gw.metric("kvgate_gateway_upstream_failures_total", stage="response") == retried
     finally:
         stop_all([gw, bad])
+
+
+# -- the circuit breaker guards the engine: tokenizations neither open nor close it ------------
+
+OPENED = "circuit breaker open after"  # the gateway's log line when a breaker opens or reopens
+
+
+def complete(gw: Proc) -> httpx.Response:
+    return httpx.post(gw.url + "/v1/completions", json={"model": vd.MODEL, "prompt": "a", "max_tokens": 1}, timeout=30)
+
+
+def tokenize(gw: Proc, path: str = "/tokenize") -> httpx.Response:
+    return httpx.post(gw.url + path, json={"model": vd.MODEL, "prompt": "a", "tokens": [1]}, timeout=30)
+
+
+def test_a_server_that_tokenizes_but_fails_every_generation_opens_its_breaker(fake, tmp_path):
+    """A tokenization's success says nothing of the engine (it never reset the failures of the
+    generations between), and a tokenization's 5xx nothing either (it never opened the breaker
+    that keeps generations off the worker)."""
+    extra = ("--breaker-failures", "2", "--breaker-cooldown-s", "600", "--max-retries", "0")
+    gw = gateway(fake, tmp_path, extra=extra)
+    try:
+        control(fake, answers={"/tokenize": 500, "/detokenize": 500})
+        for path in ("/tokenize", "/detokenize") * 2:
+            assert tokenize(gw, path).status_code == 502, path  # the worker's failure: the gateway's 502
+        assert complete(gw).status_code == 200  # its engine serves: the breaker stayed closed
+        assert OPENED not in gw.log_tail(100_000)
+
+        control(fake, answers={"/v1/completions": 500})  # the engine fails; tokenizing still works
+        assert complete(gw).status_code == 502
+        assert tokenize(gw).status_code == 200 and tokenize(gw, "/detokenize").status_code == 200
+        assert complete(gw).status_code == 502  # the second failure in a row: the breaker opens
+        r = complete(gw)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_workers", r.text
+        assert tokenize(gw).status_code == 503  # an open breaker keeps tokenizations off it too
+        assert gw.log_tail(100_000).count(OPENED) == 1
+    finally:
+        gw.stop()
+
+
+def test_a_half_open_breakers_trial_is_a_generations(fake, tmp_path):
+    """Once the cooldown is over the breaker lets one request through as its trial: never a
+    tokenization, whose success would close it with the engine still failing."""
+    gw = gateway(fake, tmp_path, extra=("--breaker-failures", "2", "--breaker-cooldown-s", "1", "--max-retries", "0"))
+    try:
+        control(fake, answers={"/v1/completions": 500})
+        assert [complete(gw).status_code for _ in range(2)] == [502, 502]  # opens
+        wait_for(lambda: gw.healthy() == 1, 30, what="the breaker half-open after its cooldown")
+        for path in ("/tokenize", "/detokenize"):
+            r = tokenize(gw, path)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_workers", (path, r.text)
+        assert complete(gw).status_code == 502  # the trial: it fails, and the breaker reopens
+        assert gw.log_tail(100_000).count(OPENED) == 2
+    finally:
+        gw.stop()
