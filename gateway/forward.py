@@ -5,9 +5,11 @@ No KV cache is matched for these (a tokenization caches nothing; an embedding's 
 prefix any later request reuses), so each goes to the least loaded healthy worker of its model,
 ties spread at random. It goes through the completions' upstream client: its connect,
 first-byte and idle timeouts, a retry on another worker after the backoff when one fails before
-answering (each failure counted by stage), a worker's 503
-(its load) tried elsewhere and its answer the client's when nowhere is left, every other 5xx
-the gateway's own 502. The request carries the gateway's request id (`x-request-id`, which vLLM
+answering (each failure counted by stage), a worker's 503 (its load) tried elsewhere and its
+answer the client's when nowhere is left, every other 5xx the gateway's own 502. Once a
+worker's answer has started it is relayed to the client as it arrives, never held whole (a
+worker silent past the idle timeout, or breaking off, then cuts the client's connection:
+`Forwarder.attempt`). The request carries the gateway's request id (`x-request-id`, which vLLM
 keys the request by ahead of a body's `request_id`) and never the fleet's token. The body is the
 client's own bytes, unless the tenant's `cache_salt` was set in it (embeddings); every field
 internal to the fleet is refused (`gateway/passthrough.py`), and the body cap, admission control
@@ -35,8 +37,9 @@ single trial), does not close or reset a breaker by succeeding, and counts again
 when the worker could not be reached or broke its answer off (`Exchange.worker_failed`); a
 worker's 5xx to it is still retried elsewhere. An embedding runs in vLLM's engine: it is counted
 in flight while it runs, goes only to a worker whose queue has room, takes a half-open breaker's
-trial and reports its outcome to the breaker as a completion does, and its input's tokens are charged to a key's tokens-per-minute budget (token ids counted, text by
-the gateway's tokenizer for the model, or a byte estimate as for a model routed cache-blind).
+trial and reports its outcome to the breaker as a completion does, and its input's tokens are
+charged to a key's tokens-per-minute budget (token ids counted, text by the gateway's tokenizer
+for the model, or a byte estimate as for a model routed cache-blind).
 
 kvgate's own workers do not embed: a model with none but kvgate workers is a 400
 (`model_not_supported`), as is a vLLM server's bare 404 for `/v1/embeddings` (a generative model
@@ -64,10 +67,11 @@ from gateway.exchange import Exchange, whole_body
 from gateway.fleet import Fleet
 from gateway.intake import ApiError, Intake, client_body, refused, worker_failed
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import ClientGone, Proxy, UpstreamError, WorkerBusy
+from gateway.proxy import BodyPassThrough, ClientGone, PassThrough, Proxy, UpstreamError, UpstreamTimeout, WorkerBusy
 from gateway.record import RequestRecord
 from gateway.retry import RetryPolicy
 from gateway.tokenize import INLINE_CHARS, ModelTokenizer, Tokenizers
+from gateway.upstream import Upstream
 from gateway.worker import Worker
 from policies.candidates import NO_WORKERS, cheapest
 from workers.protocol import checked_cache_salt
@@ -279,9 +283,11 @@ class Forwarder:
             if engine:
                 w.breaker.attempt()
                 self.fleet.begin(w)
+            answer: Response | None = None
             try:
                 with rec.trace.client("upstream", headers, None, worker=w.worker_id) as sent:
-                    return await self.attempt(request, w, kind, raw, sent, rec)
+                    answer = await self.attempt(request, w, kind, raw, sent, rec)
+                    return answer
             except ClientGone:
                 if engine:
                     w.breaker.released()
@@ -295,7 +301,7 @@ class Forwarder:
                     w.breaker.released()
                 raise
             finally:
-                if engine:
+                if engine and not isinstance(answer, PassThrough):  # a relayed answer ends when its body does
                     self.fleet.end(w)
         rec.worker = ""  # the fleet's answer, not one worker's
         if isinstance(failure, WorkerBusy):
@@ -305,15 +311,53 @@ class Forwarder:
     async def attempt(
         self, request: Request, w: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord
     ) -> Response:
-        """One try on `w`: its whole answer, or UpstreamError."""
+        """One try on `w`: UpstreamError while nothing is committed to the client, else its
+        answer. **Relayed, not read whole**: once the head is in, the body goes to the client
+        as it arrives (`BodyPassThrough`: an idle timeout per chunk, no retry after the head,
+        nothing held in memory; an embeddings answer of 2048 inputs of a 4096-dimension model
+        is ~170 MB of JSON). Only what the gateway must read before it answers is read whole,
+        and is small: a 5xx (a 503 is the worker's load, any other its failure: retried
+        elsewhere) and an embeddings 404 (a server without the route, or vLLM's own error)."""
         resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request, self.fleet.lost(w))
+        engine = kind == EMBEDDINGS
+        out = {"x-kvgate-worker": w.worker_id, "content-type": resp.headers.get("content-type", "application/json")}
+        if resp.status < 500 and not (engine and resp.status == 404):
+            return self.relay(w, resp, engine, out, rec)
         body = await whole_body(self.proxy, resp)
-        if kind == EMBEDDINGS:
-            w.breaker.succeeded()
-        if kind == EMBEDDINGS and resp.status == 404 and not _openai_error(body):
+        w.breaker.succeeded()  # an embeddings 404: the server answered as it should
+        if not _openai_error(body):
             raise no_embeddings(rec.model)  # the server mounts no embeddings route
-        ctype = resp.headers.get("content-type", "application/json")
-        return Response(body, resp.status, {"x-kvgate-worker": w.worker_id}, ctype)
+        return Response(body, resp.status, out)
+
+    def relay(self, w: Worker, resp: Upstream, engine: bool, headers: dict, rec: RequestRecord) -> BodyPassThrough:
+        """`resp`'s body relayed to the client. Its end is the try's: the worker's count in
+        flight ends, and for an embedding (engine work) the breaker is told of its success, its
+        failure or nothing (the client left); a tokenization's failure counts against the
+        breaker only when the worker broke the answer off, not when it fell silent."""
+        rec.status = resp.status
+        broken = False
+
+        def failed(e: Exception) -> str:
+            nonlocal broken
+            broken, rec.status = True, 502
+            self.metrics.upstream_failures.labels(w.model or "", w.worker_id, "stream").inc()
+            silent = isinstance(e, UpstreamTimeout)
+            if engine or not silent:
+                w.breaker.failed()
+            if not silent:  # broken off: likely dead until its next good poll
+                self.fleet.mark_suspect(w, str(e))
+            return f"worker {w.worker_id} failed: {e}"
+
+        def closed() -> None:
+            if engine:
+                self.fleet.end(w)
+                if not broken and resp.complete:
+                    w.breaker.succeeded()
+                elif not broken:  # the client left before the end
+                    w.breaker.released()
+            self.exchange.account.finish(rec)
+
+        return BodyPassThrough(resp, resp.status, self.proxy.idle_timeout, failed, closed, headers)
 
 
 def no_embeddings(model: str) -> ApiError:

@@ -9,11 +9,13 @@ worker (the worker aborts a request whose client went away).
 
 Every wait on a worker is bounded: connecting (`connect_timeout`), the answer's first byte
 (`first_byte_timeout`: a non-streaming answer comes whole, so this bounds the whole request;
-a stream's first token event), and silence inside a stream after that (`idle_timeout`).
+a stream's first token event), and silence inside a stream, or a relayed answer's body
+(`BodyPassThrough`), after that (`idle_timeout`).
 A wait is also cut short when the worker is lost (the fleet's liveness check resolves a
 future) or the client disconnects. Any failure before the answer is committed to the client
 is an `UpstreamError` for the caller to retry elsewhere; a failure in a committed stream ends
-it with an SSE error event and `[DONE]`.
+it with an SSE error event and `[DONE]`, in a relayed answer's body by cutting the client's
+connection.
 """
 
 import asyncio
@@ -303,7 +305,7 @@ class PassThrough(Response):
     One plain task watches for the client's disconnect and cancels the stream, instead of
     starlette's task group (anyio, ~0.1 ms a response)."""
 
-    media_type = "text/event-stream"
+    media_type: str | None = "text/event-stream"
 
     def __init__(
         self,
@@ -327,7 +329,8 @@ class PassThrough(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             last = await self.relay_upstream(body)
-            await send({"type": "http.response.body", "body": last, "more_body": False})
+            if last is not None:  # None: the client's connection was cut (`BodyPassThrough`)
+                await send({"type": "http.response.body", "body": last, "more_body": False})
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled():
                 raise  # not the client's disconnect: the server's own cancellation
@@ -338,7 +341,7 @@ class PassThrough(Response):
             for callback in self.on_close:
                 callback()
 
-    async def relay_upstream(self, body: RawBody) -> bytes:
+    async def relay_upstream(self, body: RawBody) -> bytes | None:
         """Relay the stream to its end; returns what goes with the response's end: what the
         relay held back, or an error event and `[DONE]` if the worker failed."""
         self.relay.start(body.write)
@@ -353,6 +356,47 @@ class PassThrough(Response):
                 else UpstreamFailed(f"{type(e).__name__}: {e}")
             )
             return sse_error(message) + DONE
+
+
+class BodyPassThrough(PassThrough):
+    """A worker's answer that is not an event stream (an embedding, a tokenization) relayed to
+    the client as its bytes arrive, with the worker's status and `headers` (its content type):
+    never held whole in the gateway however large, and cut only after `idle_timeout` without a
+    byte (time waiting on a slow client does not count), not after a total time, which failed a
+    large healthy answer on a slow link. The answer is committed with its head: a worker that
+    fails after it cannot be retried or turned into an error answer, so `on_error` is told and
+    the client's connection is cut before the body's last chunk (`RawBody.abort`), and a
+    broken-off answer never reads as a whole one. `on_close` runs however it ends, as for a
+    stream."""
+
+    media_type = None  # the worker's, in `headers`
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        status: int,
+        idle_timeout: float,
+        on_error: Callable[[Exception], str],
+        on_close: Callable[[], None],
+        headers: dict[str, str],
+    ):
+        self.status_code, self.background = status, None
+        self.init_headers(headers)
+        self.upstream, self.idle_timeout, self.on_error = upstream, idle_timeout, on_error
+        self.on_close = [on_close]
+
+    async def relay_upstream(self, body: RawBody) -> bytes | None:
+        try:
+            await self.upstream.pipe(body.write, body.drain, self.idle_timeout)
+            return b""
+        except OSError as e:  # TimeoutError too
+            self.on_error(
+                UpstreamTimeout(f"no data for {self.idle_timeout:g} s")
+                if isinstance(e, TimeoutError)
+                else UpstreamFailed(f"{type(e).__name__}: {e}")
+            )
+            body.abort()
+            return None
 
 
 async def _cancel_on_disconnect(receive, task: asyncio.Task) -> None:

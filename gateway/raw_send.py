@@ -33,6 +33,14 @@ class RawBody:
         """Until the client's buffer has room again (or the client is gone)."""
         await self.cycle.flow.drain()
 
+    def abort(self) -> None:
+        """Cut the client's connection before the body's end: its last chunk is never sent, so
+        the client sees a broken answer, not a short whole one. uvicorn takes the response as
+        ended by a disconnect (nothing more is written, nothing logged)."""
+        cycle = self.cycle
+        cycle.disconnected = True
+        cycle.transport.close()
+
 
 class RawSendConnection(ClientConnection):
     """A hardened client connection whose requests carry their `RawBody` in the scope."""

@@ -10,7 +10,10 @@ echoing the body it got and the `x-request-id` it was sent) and its ZMQ KV event
 "answers": {path: status} for one path's own (an engine failing generations that still
 tokenizes),
 "embeddings": false (the route is not mounted, as on a server of a generative model: FastAPI's
-bare 404)}
+bare 404), "embeddings_body": how the embeddings answer is sent: {} whole, {"pieces": n, "gap_s": s,
+"dims": d} in n pieces s apart (vectors of d numbers), {"hold": true} its last piece only once
+/_control gets {"release": true} (the answer's "released" says whether it did, or 30 s passed),
+{"drop": true} its connection dropped after its first piece}
 and answers whether a control-plane request ever carried kvgate's internal token (`saw_token`);
 events are vLLM BlockStored/BlockRemoved maps; `restart` is a new process (numbering from 0, an
 empty replay buffer, a new process_start_time_seconds).
@@ -29,7 +32,7 @@ import zmq
 import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 MODEL = "smollm2-135m"
@@ -43,6 +46,8 @@ class Fake:
         self.answer = 200  # the status /v1/completions answers with (an error body unless 200)
         self.answers: dict[str, int] = {}  # a path's own status, in place of `answer`
         self.embeddings = True  # whether /v1/embeddings is mounted (an embedding model's server)
+        self.embeddings_body: dict = {}  # how its answer is sent (the docstring's embeddings_body)
+        self.release = asyncio.Event()
         self.saw_token = False  # whether any request carried kvgate's internal token
         self.started = time.time()
         self.seq = 0
@@ -153,10 +158,33 @@ def app(fake: Fake) -> Starlette:
             return JSONResponse({"detail": "Not Found"}, 404)
         given = json.loads(raw).get("input")
         n = len(given) if isinstance(given, list) and given and not isinstance(given[0], int) else 1
-        data = [{"object": "embedding", "index": i, "embedding": [0.5, -0.5]} for i in range(n)]
+        how = fake.embeddings_body
+        vector = [0.5] * how["dims"] if "dims" in how else [0.5, -0.5]
+        data = [{"object": "embedding", "index": i, "embedding": vector} for i in range(n)]
         usage = {"prompt_tokens": n, "total_tokens": n}
         answer = {"object": "list", "model": MODEL, "data": data, "usage": usage}
-        return failure(request) or JSONResponse({**answer, **echo(request, raw)})
+        if (failed := failure(request)) is not None or not how:
+            return failed or JSONResponse({**answer, **echo(request, raw)})
+        text = json.dumps({**answer, **echo(request, raw)}).encode()
+        return StreamingResponse(pieces(text, how), media_type="application/json")
+
+    async def pieces(text: bytes, how: dict):
+        if how.get("hold"):
+            yield text[:-1] + b', "released": '
+            try:
+                await asyncio.wait_for(fake.release.wait(), 30)
+                yield b'"control"}'
+            except TimeoutError:
+                yield b'"timeout"}'
+            return
+        n = how.get("pieces", 2)
+        size = -(-len(text) // n)
+        for i in range(n):
+            if i:
+                await asyncio.sleep(how.get("gap_s", 0))
+            yield text[i * size : (i + 1) * size]
+            if how.get("drop"):
+                raise ConnectionAbortedError("the fake drops the answer")  # uvicorn cuts the connection
 
     async def control(request: Request) -> Response:
         body = json.loads(await request.body())
@@ -165,6 +193,9 @@ def app(fake: Fake) -> Starlette:
         fake.answer = body.get("answer", fake.answer)
         fake.answers = body.get("answers", fake.answers)
         fake.embeddings = body.get("embeddings", fake.embeddings)
+        fake.embeddings_body = body.get("embeddings_body", fake.embeddings_body)
+        if body.get("release"):
+            fake.release.set()
         if body.get("restart"):
             fake.seq, fake.started = 0, time.time()
             fake.buffer.clear()

@@ -402,3 +402,46 @@ def test_a_half_open_breakers_trial_is_a_generations(fake, tmp_path):
         assert gw.log_tail(100_000).count(OPENED) == 2
     finally:
         gw.stop()
+
+
+# -- a worker's answer relayed as it arrives, never held whole -----------------------------------
+
+
+def test_an_embeddings_answer_is_relayed_as_it_arrives(fake, tmp_path):
+    """The client has an answer's first bytes while the worker still holds its last, and a long
+    answer whose every piece comes within the idle timeout is whole however long it takes in
+    all (the gateway read answers whole, under a total timeout of the idle timeout's length)."""
+    gw = gateway(fake, tmp_path, extra=("--upstream-idle-timeout", "4"))
+    try:
+        control(fake, embeddings_body={"hold": True})
+        body = {"model": vd.MODEL, "input": ["a", "b"]}
+        with httpx.stream("POST", gw.url + "/v1/embeddings", json=body, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+            assert r.headers["x-kvgate-request-id"].startswith("embd-")
+            chunks = r.iter_raw()
+            first = next(chunks)
+            control(fake, release=True)  # the worker sends the rest only now
+            got = json.loads(first + b"".join(chunks))
+        assert got["released"] == "control" and len(got["data"]) == 2
+
+        control(fake, embeddings_body={"pieces": 8, "gap_s": 0.75, "dims": 4096})  # ~5 s in all
+        r = httpx.post(gw.url + "/v1/embeddings", json={"model": vd.MODEL, "input": ["x"] * 16}, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        assert [len(d["embedding"]) for d in r.json()["data"]] == [4096] * 16
+        assert gw.metric("kvgate_gateway_upstream_failures_total") == 0
+    finally:
+        gw.stop()
+
+
+def test_an_answer_broken_off_after_its_head_cuts_the_clients_connection(fake, tmp_path):
+    """A relayed answer is committed with its head: a worker that breaks it off costs no retry,
+    and the client sees a broken answer, never a short one that reads as whole."""
+    gw = gateway(fake, tmp_path)
+    try:
+        control(fake, embeddings_body={"drop": True, "dims": 1000})
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.post(gw.url + "/v1/embeddings", json={"model": vd.MODEL, "input": ["a", "b"]}, timeout=30)
+        assert gw.metric("kvgate_gateway_upstream_failures_total", stage="stream") == 1
+        assert gw.metric("kvgate_gateway_retries_total") == 0
+    finally:
+        gw.stop()
