@@ -19,7 +19,7 @@ from policies.api import RequestView
 from policies.candidates import NO_WORKERS
 from workers.given_ids import FIELD as GIVEN_IDS
 from workers.given_ids import field_value, has_text
-from workers.protocol import check_request
+from workers.protocol import check_request, checked_cache_salt
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
 
@@ -109,6 +109,8 @@ class Intake:
                 prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole)
             elif not whole:
                 check_request(body, kind)
+            else:  # vLLM checks its fields; the salt is the tenant's boundary, checked here
+                checked_cache_salt(body)
         except InvalidRequest as e:
             raise ApiError(400, str(e), code=e.code, param=e.param)
         rec.stream = body.get("stream") is True

@@ -445,3 +445,21 @@ def test_an_answer_broken_off_after_its_head_cuts_the_clients_connection(fake, t
         assert gw.metric("kvgate_gateway_retries_total") == 0
     finally:
         gw.stop()
+
+
+def test_a_model_routed_cache_blind_still_refuses_a_malformed_cache_salt(fake, tmp_path):
+    """A model whose tokenizer the gateway cannot load is forwarded whole, for vLLM to check its
+    fields; but the cache salt is the tenant's boundary: a malformed one was forwarded in place of
+    the tenant's."""
+    (tmp_path / "keys.json").write_text(json.dumps(EMBED_KEYS))
+    missing = tmp_path / "absent" / vd.MODEL  # the served name, from a folder that is not there
+    gw = gateway(fake, tmp_path, extra=("--api-key-file", str(tmp_path / "keys.json"), "--model", str(missing)))
+    try:
+        body = {"model": vd.MODEL, "prompt": "a b c", "max_tokens": 2}
+        r = post_as(gw, "/v1/completions", body)
+        assert r.status_code == 200 and r.headers["x-kvgate-predicted-cached-tokens"] == "0", r.text
+        for salt in ("x" * 300, 7, ["a"]):
+            r = post_as(gw, "/v1/completions", {**body, "cache_salt": salt})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    finally:
+        gw.stop()
