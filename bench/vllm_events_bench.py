@@ -16,7 +16,7 @@ from pathlib import Path
 import msgpack
 
 from gateway.index import ResidencyIndex
-from gateway.vllm_events import decode_frames, decode_replay
+from gateway.vllm_batch import decode_frames, decode_replay
 from gateway.vllm_translate import Translator
 from gateway.vllm_worker import IndexSink
 

@@ -1,28 +1,17 @@
-"""vLLM's (and SGLang's) KV events off the wire: ZMQ frames -> typed batches.
+"""One vLLM (or SGLang) KV event off the wire: its msgpack bytes -> a typed event (batches:
+gateway/vllm_batch.py).
 
-vLLM publishes `[topic, seq, payload]` on a PUB socket, `seq` 8 bytes big-endian, one per
-scheduler step and from 0 in each process; the payload is msgpack `[ts, events, dp_rank?]`
-(or, from a publisher whose batch struct is not array-like, a map of those fields by name).
 Events are maps tagged by `"type"` (vLLM >= 0.10) or arrays whose first item is the tag (older
-vLLM and SGLang): `BlockStored`, `BlockRemoved`, `AllBlocksCleared`. The replay socket (a
-ROUTER) answers `[b"", start_seq]` with `[b"", topic, seq, payload]...` (SGLang: no topic)
-and an end marker whose seq is 0xff x 8.
-
-The publisher is a process of the fleet, not a client, but a bad frame still must not stop the
-subscriber: a malformed event is left out of its batch, which keeps its other events (a dropped
-BlockRemoved would leave evicted blocks resident) and counts it; of a malformed clear or removal
-the blocks it says went are forgotten all the same (`_safe`). Each event is unpacked from its
-own bytes, so that what one holds (a map key of any type, bad UTF-8) fails it alone. A message
-or envelope that is no batch, or whose events' ends msgpack cannot find, raises `BadBatch`
-(carrying the batch's seq when its frames gave one). Fields are type-checked here, once, so the
-translation downstream handles plain, well-typed data. Nothing else escapes the decoder: a
-malformed payload the publisher keeps in its replay buffer would otherwise stop the subscriber
-again at every resync.
+vLLM and SGLang): `BlockStored`, `BlockRemoved`, `AllBlocksCleared`. The publisher is a process
+of the fleet, not a client, but a bad event still must not stop the subscriber or cost its
+batch's other events (a dropped BlockRemoved would leave evicted blocks resident): a malformed
+one raises `BadEvent` carrying what of it still applies (`_safe`: of a malformed clear or
+removal the blocks it says went are forgotten all the same). An event's size is bounded by its
+header before any item is read (EVENT_SLACK). Fields are type-checked here, once, so the
+translation downstream handles plain, well-typed data.
 """
 
 import heapq
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import TypeGuard, TypeVar
@@ -32,7 +21,6 @@ import msgpack
 from workers.kv.events import DEVICE, DISK, HOST, checked_ints
 from workers.kv.hashing import MAX_TOKEN_ID
 
-END_SEQ = b"\xff" * 8
 STORED_TAG, REMOVED_TAG, CLEARED_TAG = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 # The array form's fields, in order after the tag (vLLM's BlockStored / BlockRemoved order).
 STORED_FIELDS = (
@@ -64,23 +52,7 @@ NEUTRAL_KEYS = {
     "remaining_copy_counts",
 }
 
-MAX_BATCH_REASONS = 3  # a batch's malformed events are all counted, the first few with their reason
 MAX_UNKNOWN = 3  # one unknown field leaves a block out; the first few name why
-# vLLM's biggest steps (a million-token prefill, 5 bytes a token id) pack to some 6 MB; a
-# hostile payload of empty arrays unpacks into 66 times its size (1 GiB at this cap).
-MAX_PAYLOAD = 16 << 20
-# Events in one batch: a step stores and removes blocks for at most a few hundred requests, each
-# one event. Framing an event costs ~1 us even when it is one junk byte, so without this a
-# payload under MAX_PAYLOAD could hold the event loop for seconds.
-MAX_EVENTS = 1 << 16
-# Token ids the BlockStored events of one batch may carry: twice a million-token prefill. Decoding
-# and hashing them costs ~0.2 us each on the event loop; a payload of one-byte ids under
-# MAX_PAYLOAD held it ~3 s. Past the budget a batch's BlockStored events are left out (they could
-# only add blocks: a cache miss at worst), its removals and clears still read.
-MAX_BATCH_TOKENS = 1 << 21
-# Items of a batch's envelope, entries of one encoded as a map: vLLM's has 3 fields. Each more is
-# a Python step of the decoder's, ~0.1 us even when it is one junk byte.
-MAX_ENVELOPE = 8
 # An event may hold this many items (entries) past the fields this decoder knows: a newer vLLM's,
 # read as unknown fields. An array event holds its tag, its tag's fields and these; a map event
 # its known fields (NEUTRAL_KEYS, the tag among them) and these. More fails the event, decided
@@ -100,16 +72,6 @@ class Pairs(tuple):
 
 
 READ = {"raw": False, "strict_map_key": False, "object_pairs_hook": Pairs}
-
-
-class BadBatch(ValueError):
-    """A frame or payload that is not a KV event batch. `seq` is its sequence number when its
-    frames gave one: the subscriber steps over it in order, since the publisher would replay the
-    same bytes, just as bad."""
-
-    def __init__(self, why: str, seq: int | None = None):
-        super().__init__(why)
-        self.seq = seq
 
 
 EngineHash = int | bytes
@@ -159,160 +121,6 @@ class BadEvent(ValueError):
         self.safe = safe
 
 
-@dataclass(frozen=True)
-class EngineBatch:
-    """One scheduler step's events from one data-parallel rank. `malformed` counts the events
-    that did not decode, each left out but for its safe reading (a clear, a removal), and a `ts`
-    or `dp_rank` that did not (`ts` None, `rank` 0); `reasons` says why for the first
-    MAX_BATCH_REASONS of them: a publisher may send a million."""
-
-    seq: int
-    ts: float | None
-    events: tuple[Event, ...]
-    rank: int = 0
-    malformed: int = 0
-    reasons: tuple[str, ...] = ()
-
-
-def decode_frames(frames: list[bytes]) -> EngineBatch:
-    """A live PUB message `[topic, seq, payload]` (or `[seq, payload]` without a topic)."""
-    if len(frames) not in (2, 3):
-        raise BadBatch(f"a KV event message has 2 or 3 frames, not {len(frames)}")
-    return decode_payload(_seq(frames[-2]), frames[-1])
-
-
-def decode_replay(frames: list[bytes]) -> EngineBatch | None:
-    """A replay answer as a DEALER receives it: `[b"", topic, seq, payload]` (vLLM) or
-    `[b"", seq, payload]` (SGLang); None for the end marker."""
-    if len(frames) not in (3, 4) or frames[0] != b"":
-        raise BadBatch(f"a replay message is [b'', (topic,) seq, payload], not {len(frames)} frames")
-    if frames[-2] == END_SEQ:
-        return None
-    return decode_payload(_seq(frames[-2]), frames[-1])
-
-
-def _seq(frame: bytes) -> int:
-    if len(frame) != 8:
-        raise BadBatch(f"a sequence number is 8 bytes, not {len(frame)}")
-    return int.from_bytes(frame, "big")
-
-
-def decode_payload(seq: int, payload: bytes) -> EngineBatch:
-    """Batch `seq` from its msgpack `[ts, events, dp_rank?]`. A payload that is no such envelope
-    raises BadBatch carrying `seq`, so that one bad batch costs its own events and nothing more."""
-    try:
-        return _batch(seq, payload)
-    except BadBatch as e:
-        raise BadBatch(str(e), seq) from None
-    except (ValueError, msgpack.UnpackException) as e:  # UnicodeDecodeError and StackError among them
-        raise BadBatch(f"payload is no msgpack [ts, events, dp_rank?]: {e}", seq) from None
-
-
-def _unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
-    """An Unpacker holding `buf`, its lengths capped by `buf`'s size as `msgpack.unpackb` caps
-    them: an array header claiming 2**32 items must not allocate them."""
-    u = msgpack.Unpacker(max_buffer_size=max(len(buf), 1), **READ)
-    u.feed(buf)
-    return u
-
-
-def _batch(seq: int, payload: bytes) -> EngineBatch:
-    """A batch's envelope (`_envelope`): `ts` a finite, non-negative time (the subscriber orders
-    restarts by it), `dp_rank` a non-negative int or nil, other fields skipped; either one
-    malformed is counted as such and costs the batch nothing else: its events are the engine's
-    all the same. Its events are framed one by one (`_events`); what hides where they end fails
-    the batch: bytes msgpack cannot read, nesting past its stack (1024 deep), a truncated
-    payload, bytes past its end, a payload over MAX_PAYLOAD (a hostile one unpacks into tens of
-    times its size), over MAX_EVENTS events or an envelope of over MAX_ENVELOPE fields."""
-    if len(payload) > MAX_PAYLOAD:
-        raise BadBatch(f"payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
-    u = _unpacker(payload)
-    ts, rank, read = None, None, None
-    for name in _envelope(u, payload[0] if payload else 0):
-        if name == "ts":
-            ts = u.unpack()
-        elif name == "events" and read is None:
-            read = _events(u, memoryview(payload))
-        elif name == "data_parallel_rank":
-            rank = u.unpack()
-        else:
-            u.skip()
-    if read is None:
-        raise BadBatch("payload is not [ts, events, dp_rank?]")
-    if u.tell() != len(payload):
-        raise BadBatch("payload has bytes past its batch")
-    bad = []
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        ts, bad = None, ["ts must be a finite, non-negative number"]
-    if rank is not None and (type(rank) is not int or rank < 0):
-        rank, bad = None, [*bad, "dp_rank must be a non-negative int or nil"]
-    events, malformed, reasons = read
-    why = (*bad, *reasons)[:MAX_BATCH_REASONS]
-    return EngineBatch(seq, None if ts is None else float(ts), events, rank or 0, malformed + len(bad), why)
-
-
-ENVELOPE = ("ts", "events", "data_parallel_rank")
-
-
-def _envelope(u: msgpack.Unpacker, first: int) -> Iterator[str | None]:
-    """The names of the envelope's fields, each as `u` reaches its value: by position in vLLM's
-    batch (an array-like struct: [ts, events, dp_rank?], more items unnamed), or by key where a
-    publisher encodes the struct as a map (msgspec's default; a key that is no name is None).
-    `first`: the payload's first byte, which says which. An envelope of more than MAX_ENVELOPE
-    items or entries is no batch, told by its header before any is read."""
-    if _is_map(first):
-        entries = u.read_map_header()
-        if entries > MAX_ENVELOPE:
-            raise BadBatch(f"batch is a map of {entries} entries, over {MAX_ENVELOPE}")
-        for _ in range(entries):
-            key = u.unpack()
-            yield key if isinstance(key, str) else None
-        return
-    if not _is_array(first):
-        raise BadBatch("payload is not [ts, events, dp_rank?]")
-    items = u.read_array_header()
-    if items < 2:
-        raise BadBatch("payload is not [ts, events, dp_rank?]")
-    if items > MAX_ENVELOPE:
-        raise BadBatch(f"batch is an array of {items} items, over {MAX_ENVELOPE}")
-    for i in range(items):
-        yield ENVELOPE[i] if i < len(ENVELOPE) else None
-
-
-def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...], int, tuple[str, ...]]:
-    """The events of the events array `u` is at, in order, the malformed ones by their safe
-    reading, then how many were malformed and why for the first MAX_BATCH_REASONS: a bad event
-    costs only itself, not its batch's BlockRemoved events. msgpack frames each event without
-    building it (`skip`), so that what one holds (a map key of any type, bad UTF-8, a malformed
-    timestamp) fails its own decoding. BlockStored events past MAX_BATCH_TOKENS are malformed
-    too, read by their tag alone."""
-    events: list[Event] = []
-    reasons: list[str] = []
-    malformed, count = 0, u.read_array_header()
-    if count > MAX_EVENTS:
-        raise BadBatch(f"batch holds {count} events, over {MAX_EVENTS}")
-    tokens = 0
-    for i in range(count):
-        start = u.tell()
-        u.skip()
-        raw = payload[start : u.tell()]
-        try:
-            if tokens > MAX_BATCH_TOKENS and _tag(raw) == STORED_TAG:
-                raise BadEvent(f"the batch's BlockStored events hold over {MAX_BATCH_TOKENS} token ids")
-            event = decode_event(raw)
-            if isinstance(event, Stored):
-                tokens += len(event.token_ids)
-                if tokens > MAX_BATCH_TOKENS:
-                    raise BadEvent(f"the batch's BlockStored events hold over {MAX_BATCH_TOKENS} token ids")
-            events.append(event)
-        except BadEvent as bad:
-            events += bad.safe
-            malformed += 1
-            if len(reasons) < MAX_BATCH_REASONS:
-                reasons.append(f"event {i}: {bad}")
-    return tuple(events), malformed, tuple(reasons)
-
-
 def decode_event(raw: bytes | memoryview) -> Event:
     """One event's msgpack: a map tagged by `type` or an array led by its tag. Anything else, a
     key that is no field name, an event of more items than its fields and EVENT_SLACK (`_cap`),
@@ -323,7 +131,7 @@ def decode_event(raw: bytes | memoryview) -> Event:
     try:
         e = msgpack.unpackb(raw, **READ)
     except (ValueError, msgpack.UnpackException) as bad:  # bad UTF-8, a malformed timestamp
-        raise BadEvent(f"event does not decode: {bad}", _safe({"type": _tag(raw)})) from None
+        raise BadEvent(f"event does not decode: {bad}", _safe({"type": tag_of(raw)})) from None
     fields = _fields(e)
     try:
         if isinstance(e, Pairs) and any(type(k) is not str for k, _ in e):
@@ -371,12 +179,20 @@ def _safe(fields: dict[str, object]) -> tuple[Event, ...]:
         return tuple(Removed(hashes, group, m) for m in (DEVICE, HOST, DISK))
 
 
-def _is_map(first: int) -> bool:
+def unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
+    """An Unpacker holding `buf`, its lengths capped by `buf`'s size as `msgpack.unpackb` caps
+    them: an array header claiming 2**32 items must not allocate them."""
+    u = msgpack.Unpacker(max_buffer_size=max(len(buf), 1), **READ)
+    u.feed(buf)
+    return u
+
+
+def is_map(first: int) -> bool:
     """Whether msgpack bytes starting with `first` are a map (fixmap, map 16, map 32)."""
     return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
 
 
-def _is_array(first: int) -> bool:
+def is_array(first: int) -> bool:
     return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
 
 
@@ -385,7 +201,7 @@ def _size(raw: bytes | memoryview) -> int:
     fix header's low nibble, else the big-endian count after its first byte (an Unpacker's
     read_array_header costs more than a small event's decoding); 0 for another value."""
     first = raw[0] if raw else 0
-    if _is_map(first) or _is_array(first):
+    if is_map(first) or is_array(first):
         return first & 0x0F if first < 0xA0 else int.from_bytes(raw[1 : 3 if first in (0xDC, 0xDE) else 5], "big")
     return 0
 
@@ -398,13 +214,13 @@ def _names(tag: object) -> tuple[str, ...]:
 def _cap(raw: bytes | memoryview, tag: object = None) -> int:
     """The most items an event may hold: a map's entries MAX_MAP_FIELDS, an array's its tag, the
     tag's fields and EVENT_SLACK (tag None: the longest tag's)."""
-    if _is_map(raw[0] if raw else 0):
+    if is_map(raw[0] if raw else 0):
         return MAX_MAP_FIELDS
     return MAX_ARRAY_ITEMS if tag is None else 1 + len(_names(tag)) + EVENT_SLACK
 
 
 def _items(raw: bytes | memoryview) -> str:
-    return "entries" if _is_map(raw[0] if raw else 0) else "items"
+    return "entries" if is_map(raw[0] if raw else 0) else "items"
 
 
 def _leading(raw: bytes | memoryview) -> dict[str, object]:
@@ -413,10 +229,10 @@ def _leading(raw: bytes | memoryview) -> dict[str, object]:
     tag comes later reads as no clear or removal). A field that does not decode ends the
     reading as UNREAD, a value of no type the decoder takes: `_safe` reads a removal of such
     hashes as a clear, of such a medium as one from every tier."""
-    u, fields = _unpacker(raw), dict[str, object]()
+    u, fields = unpacker(raw), dict[str, object]()
     name: str | None = None  # the field being read
     try:
-        if _is_map(raw[0]):
+        if is_map(raw[0]):
             u.read_map_header()
             for _ in range(MAX_MAP_FIELDS):
                 key = u.unpack()
@@ -441,10 +257,10 @@ def _leading(raw: bytes | memoryview) -> dict[str, object]:
 UNREAD = object()  # a field `_leading` could not decode
 
 
-def _tag(raw: bytes | memoryview) -> object:
+def tag_of(raw: bytes | memoryview) -> object:
     """The tag of an event whose bytes do not all decode, read alone (None where it does not
     either): a map's value under the key "type", an array's first item."""
-    u = _unpacker(raw)
+    u = unpacker(raw)
     try:
         try:
             pairs = u.read_map_header()

@@ -10,7 +10,7 @@ publisher restarted (its numbering went back to 0): sync again. There is no snap
 cached before the oldest batch the publisher still holds stay unknown until they are stored
 again, which under-states residency (a missed hit), never over-states it.
 
-A malformed event is left out of its batch (vllm_events) but for a clear or the removals it
+A malformed event is left out of its batch (vllm_batch, vllm_events) but for a clear or the removals it
 names, and counted in `bad_events`; the batch's other events apply in order, and so do those of
 a batch whose ts or dp_rank is malformed (counted there too; such a ts tells no restart). A
 batch whose payload is no batch at all is stepped over in its place, as if it held no events,
@@ -36,7 +36,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from gateway.vllm_events import BadBatch, EngineBatch, decode_frames, decode_replay
+from gateway.vllm_batch import BadBatch, EngineBatch, decode_frames, decode_replay
 from gateway.vllm_translate import Change, Translator
 
 log = logging.getLogger("kvgate.gateway")

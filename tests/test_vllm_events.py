@@ -7,21 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import vllm_events
-from gateway.vllm_events import (
-    EVENT_SLACK,
-    MAX_BATCH_REASONS,
-    MAX_ENVELOPE,
-    MAX_MAP_FIELDS,
-    MAX_UNKNOWN,
-    BadBatch,
-    Cleared,
-    Removed,
-    Stored,
-    decode_frames,
-    decode_payload,
-    decode_replay,
-)
+from gateway import vllm_batch, vllm_events
+from gateway.vllm_batch import MAX_BATCH_REASONS, MAX_ENVELOPE, BadBatch, decode_frames, decode_payload, decode_replay
+from gateway.vllm_events import EVENT_SLACK, MAX_MAP_FIELDS, MAX_UNKNOWN, Cleared, Removed, Stored
 from gateway.index import ResidencyIndex
 from gateway.vllm_translate import MAX_REASON_LEN, MAX_REASONS, Change, Translator
 from gateway.vllm_worker import IndexSink
@@ -473,7 +461,7 @@ def test_a_batch_encoded_as_a_map_reads_as_the_array_one(fields):
 @pytest.fixture
 def reads(monkeypatch) -> list[int]:
     """[values the decoder reads]: each an Unpacker unpacks or skips, and each item of the array or
-    map msgpack.unpackb builds, counted as gateway.vllm_events calls them."""
+    map msgpack.unpackb builds, counted as gateway.vllm_batch and vllm_events call them."""
     n = [0]
 
     class Unpacker(msgpack.Unpacker):
@@ -524,7 +512,7 @@ def test_an_envelope_or_event_of_too_many_items_is_refused_by_its_header_unread(
 def test_block_stored_events_past_the_batch_token_budget_are_left_out_and_removals_kept(monkeypatch):
     """Two 32-token BlockStored events fill a budget of 64 token ids: the third, and every
     BlockStored after it (read by its tag alone), is malformed; the removal between them is read."""
-    monkeypatch.setattr(vllm_events, "MAX_BATCH_TOKENS", 64)
+    monkeypatch.setattr(vllm_batch, "MAX_BATCH_TOKENS", 64)
     batch = decode_payload(1, vm.payload(vm.stored(), vm.stored(), vm.stored(), vd.removed([1]), vm.stored()))
     assert [type(e) for e in batch.events] == [Stored, Stored, Removed]
     assert batch.malformed == 2 and "token ids" in batch.reasons[0]

@@ -14,7 +14,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.index import ResidencyIndex
-from gateway.vllm_events import EngineBatch
+from gateway.vllm_batch import EngineBatch
 from gateway.vllm_subscriber import Subscriber
 from gateway.vllm_translate import Translator
 from gateway.vllm_worker import IndexSink, VllmKind

@@ -4,15 +4,8 @@ decoder and the subscriber."""
 
 import msgpack
 
-from gateway.vllm_events import (
-    EVENT_SLACK,
-    MAX_ARRAY_ITEMS,
-    MAX_ENVELOPE,
-    MAX_EVENTS,
-    MAX_MAP_FIELDS,
-    Cleared,
-    Removed,
-)
+from gateway.vllm_batch import MAX_ENVELOPE, MAX_EVENTS
+from gateway.vllm_events import EVENT_SLACK, MAX_ARRAY_ITEMS, MAX_MAP_FIELDS, Cleared, Removed
 from tests import vllm_data as vd
 from workers.kv.events import DEVICE, DISK, HOST
 
