@@ -14,8 +14,8 @@ client's own `x-request-id` is only echoed back and logged. Bodies past `max_bod
 refused before they are read, internal fields (`kv_transfer`) are refused, and every 5xx
 closes its connection (`CloseOn5xx`).
 
-`/tokenize`, `/detokenize` and `/v1/embeddings` need no routing decision: they are forwarded to
-the least loaded worker of their model under the same door, limits and retries
+`/tokenize`, `/detokenize`, `/v1/embeddings` and vLLM's other pooling endpoints need no routing
+decision: they are forwarded to the least loaded worker of their model under the same door, limits and retries
 (gateway/forward.py, which says why tokenization is the worker's and not the gateway's).
 """
 
@@ -37,7 +37,7 @@ from gateway.admission import DRAINING, Admission
 from gateway.auth import Access, Guard
 from gateway.exchange import PATHS, Exchange
 from gateway.fleet import Fleet
-from gateway.forward import DETOKENIZE, EMBEDDINGS, TOKENIZE, Forwarder
+from gateway.forward import DETOKENIZE, POOLING_KINDS, TOKENIZE, Forwarder
 from gateway.forward import PATHS as FORWARDED
 from gateway.forward import new_id as forwarded_id
 from gateway.worker import Worker
@@ -118,7 +118,7 @@ class Gateway:
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                *(Route(FORWARDED[kind], self.pooling(kind), methods=["POST"]) for kind in sorted(POOLING_KINDS)),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/models", self.models),
@@ -192,9 +192,15 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         return await self.handle(request, "chat")
 
-    async def embeddings(self, request: Request) -> Response:
-        """POST /v1/embeddings: forwarded to a vLLM worker of the model (gateway/forward.py)."""
-        return await self.handle(request, EMBEDDINGS)
+    def pooling(self, kind: str):
+        """The endpoint of a pooling kind (POST /v1/embeddings, /v2/embed, /pooling, /classify,
+        /score, /rerank...): forwarded to a vLLM worker of the model (gateway/forward.py)."""
+
+        async def endpoint(request: Request) -> Response:
+            return await self.handle(request, kind)
+
+        endpoint.__name__ = kind
+        return endpoint
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's POST /tokenize, forwarded to a worker of the model (why not answered here:

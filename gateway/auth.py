@@ -28,7 +28,25 @@ from workers.protocol import checked_cache_salt, error_body
 from workers.sampling_params import InvalidRequest
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"})
+# the paths a key's request rate limits: generation, tokenization and vLLM's pooling endpoints
+# (gateway/forward.py PATHS)
+LIMITED_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/embeddings",
+        "/v2/embed",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    }
+)
 SCOPE_KEY = "kvgate.api_key"
 CACHE_HEADERS = (
     b"x-kvgate-worker",

@@ -1,5 +1,8 @@
 """What the gateway forwards without a routing decision: vLLM's `POST /tokenize` and
-`POST /detokenize`, and OpenAI's `POST /v1/embeddings` for a model served by vLLM workers.
+`POST /detokenize`, and the pooling endpoints for a model served by vLLM workers: OpenAI's
+`POST /v1/embeddings` and vLLM's `/v2/embed` (Cohere's), `/pooling`, `/classify`, `/score`,
+`/v1/score`, `/rerank`, `/v1/rerank` and `/v2/rerank` (Jina's and Cohere's), one family of kinds
+(`POOLING_KINDS`) sharing one code path: "an embedding" below is any of them.
 
 No KV cache is matched for these (a tokenization caches nothing; an embedding's prompt is not a
 prefix any later request reuses), so each goes to the least loaded healthy worker of its model,
@@ -11,7 +14,7 @@ worker's answer has started it is relayed to the client as it arrives, never hel
 worker silent past the idle timeout, or breaking off, then cuts the client's connection:
 `Forwarder.attempt`). The request carries the gateway's request id (`x-request-id`, which vLLM
 keys the request by ahead of a body's `request_id`) and never the fleet's token. The body is the
-client's own bytes, unless the tenant's `cache_salt` was set in it (embeddings); every field
+client's own bytes, unless the tenant's `cache_salt` was set in it (pooling); every field
 internal to the fleet is refused (`gateway/passthrough.py`), and the body cap, admission control
 and a key's request rate apply as to completions (`gateway/auth.py` `LIMITED_PATHS`).
 
@@ -39,11 +42,14 @@ worker's 5xx to it is still retried elsewhere. An embedding runs in vLLM's engin
 in flight while it runs, goes only to a worker whose queue has room, takes a half-open breaker's
 trial and reports its outcome to the breaker as a completion does, and its input's tokens are
 charged to a key's tokens-per-minute budget (token ids counted, text by the gateway's tokenizer
-for the model, or a byte estimate as for a model routed cache-blind).
+for the model, or a byte estimate as for a model routed cache-blind; a score's or rerank's every
+pair, a query paired with N documents N times; conversations, multimodal parts and a plugin's
+data at a quarter of the body's bytes). Its main inputs' shapes are checked first
+(`pooling_inputs`), the rest left to vLLM.
 
-kvgate's own workers do not embed: a model with none but kvgate workers is a 400
-(`model_not_supported`), as is a vLLM server's bare 404 for `/v1/embeddings` (a generative model
-mounts no embeddings route), rather than that 404 page.
+kvgate's own workers do not pool: a model with none but kvgate workers is a 400
+(`model_not_supported`), as is a vLLM server's bare 404 for a pooling path (a generative model
+mounts no such route), rather than that 404 page.
 
 These requests are not counted in `kvgate_gateway_requests` and the SLO series: those have no
 endpoint label and mean generation (a 1 ms tokenization would read as a met SLO, an embedding
@@ -78,78 +84,208 @@ from workers.protocol import checked_cache_salt
 from workers.sampling_params import InvalidRequest
 
 TOKENIZE, DETOKENIZE, EMBEDDINGS = "tokenize", "detokenize", "embeddings"
-PATHS = {TOKENIZE: "/tokenize", DETOKENIZE: "/detokenize", EMBEDDINGS: "/v1/embeddings"}
-ID_PREFIX = {TOKENIZE: "tok-", DETOKENIZE: "detok-", EMBEDDINGS: "embd-"}
+# vLLM's other pooling endpoints: a kind per path, forwarded to the path it came in on
+EMBED, POOLING, CLASSIFY = "embed", "pooling", "classify"
+SCORE, SCORE_V1, RERANK, RERANK_V1, RERANK_V2 = "score", "score_v1", "rerank", "rerank_v1", "rerank_v2"
+PATHS = {
+    TOKENIZE: "/tokenize",
+    DETOKENIZE: "/detokenize",
+    EMBEDDINGS: "/v1/embeddings",
+    EMBED: "/v2/embed",
+    POOLING: "/pooling",
+    CLASSIFY: "/classify",
+    SCORE: "/score",
+    SCORE_V1: "/v1/score",
+    RERANK: "/rerank",
+    RERANK_V1: "/v1/rerank",
+    RERANK_V2: "/v2/rerank",
+}
+# the pooling kinds: engine work only a vLLM server of a pooling model does (one code path)
+POOLING_KINDS = frozenset({EMBEDDINGS, EMBED, POOLING, CLASSIFY, SCORE, SCORE_V1, RERANK, RERANK_V1, RERANK_V2})
+ID_PREFIX = {
+    TOKENIZE: "tok-",
+    DETOKENIZE: "detok-",
+    EMBEDDINGS: "embd-",
+    EMBED: "embd-",
+    POOLING: "pool-",
+    CLASSIFY: "classify-",
+    SCORE: "score-",
+    SCORE_V1: "score-",
+    RERANK: "rerank-",
+    RERANK_V1: "rerank-",
+    RERANK_V2: "rerank-",
+}
+SERVES = {EMBEDDINGS: "embeddings", EMBED: "embeddings", POOLING: "pooling", CLASSIFY: "classifications"}
 
 MAX_INPUTS = 2048  # OpenAI's bound on an embeddings request's inputs
 INLINE_INPUTS = 64  # inputs counted on the event loop at most (with INLINE_CHARS of text)
 MAX_TOKEN_ID = 2**63 - 1  # vLLM's bound on a token id it is sent
 ENCODING_FORMATS = ("float", "base64", "bytes", "bytes_only")  # OpenAI's two, vLLM's two more
-NO_EMBEDDINGS = "model_not_supported"
+NOT_POOLING = "model_not_supported"
+SCORE_PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 
 
 def new_id(kind: str) -> str:
     return ID_PREFIX[kind] + uuid.uuid4().hex[:24]
 
 
-class InvalidEmbeddings(ApiError):
+class InvalidPooling(ApiError):
     def __init__(self, message: str, param: str):
         super().__init__(400, message, param=param)
 
 
-def embedding_inputs(body: dict) -> tuple[list[str], int, bool]:
-    """Check an embeddings body's shape before it is forwarded: (its texts, how many token ids
-    it holds, whether it holds chat conversations). `input` is a string, a list of strings,
-    a list of token ids or a list of such lists (OpenAI), or a conversation or list of them
-    (vLLM's chat embeddings, also as `messages`), at most MAX_INPUTS of them and none empty;
-    `encoding_format`, `dimensions` and `user` have their types, and `cache_salt` is a salt as
-    for completions (`checked_cache_salt`: a bad one would reach vLLM as the client sent it, in
-    place of the tenant's). What each input may hold beyond that (its length against the
-    model's, a message's content) is the server's to check. Raises InvalidEmbeddings."""
+Inputs = tuple[list[str], int, bool]  # (texts, token ids, whether to estimate the rest by bytes)
+
+
+def pooling_inputs(kind: str, body: dict) -> Inputs:
+    """Check a pooling body's shape before it is forwarded: (the texts whose tokens it is
+    charged, how many token ids it holds, whether it holds inputs charged by a byte estimate:
+    conversations, multimodal objects, a plugin's `data`). Common to all: `user` is a string and
+    `cache_salt` a salt as for completions (`checked_cache_salt`: a bad one would reach vLLM as the
+    client sent it, in place of the tenant's). Then the main inputs' shapes, after vLLM's protocol
+    classes (vllm/entrypoints/pooling/*/protocol.py), each list at most MAX_INPUTS long:
+
+    - /v1/embeddings, /classify, /pooling: `input` or `messages` (`embedding_inputs`); /pooling
+      also a plugin's `data` (IOProcessorRequest), unchecked;
+    - /v2/embed (Cohere's): `texts` (strings), `images` (strings) and/or `inputs` (objects with a
+      `content` list);
+    - /score, /v1/score: one pair of `text_1`/`text_2`, `queries`/`documents`, `queries`/`items`
+      or `data_1`/`data_2`, each side an input (a string, or an object with a `content` list) or
+      a non-empty list of them;
+    - the reranks: `query` an input, `documents` an input or a non-empty list of them, `top_n` a
+      non-negative integer (vLLM's 0: all of them).
+
+    A score or rerank is charged for every pair the engine reads (a query paired with N
+    documents is its text N times). What each input may hold beyond that (its length against
+    the model's, a message's or a part's content) is the server's to check. Raises InvalidPooling."""
     if body.get("user") is not None and not isinstance(body["user"], str):
-        raise InvalidEmbeddings("'user' must be a string", "user")
+        raise InvalidPooling("'user' must be a string", "user")
     try:
         checked_cache_salt(body)
     except InvalidRequest as e:
-        raise InvalidEmbeddings(str(e), "cache_salt") from None
+        raise InvalidPooling(str(e), "cache_salt") from None
+    if kind in (SCORE, SCORE_V1):
+        return score_inputs(body)
+    if kind in (RERANK, RERANK_V1, RERANK_V2):
+        return rerank_inputs(body)
+    if kind == EMBED:
+        return cohere_inputs(body)
+    if kind == POOLING and body.get("data") is not None and body.get("input") is None and body.get("messages") is None:
+        return [], 0, True  # a plugin's request (IOProcessorRequest): its data is the plugin's to read
+    return embedding_inputs(body)
+
+
+def embedding_inputs(body: dict) -> Inputs:
+    """`input` is a string, a list of strings, a list of token ids or a list of such lists
+    (OpenAI), or a conversation or list of them (vLLM's chat embeddings, also as `messages`), at
+    most MAX_INPUTS of them and none empty; `encoding_format` and `dimensions` have their types."""
     fmt = body.get("encoding_format")
     if fmt is not None and fmt not in ENCODING_FORMATS:
-        raise InvalidEmbeddings(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}", "encoding_format")
+        raise InvalidPooling(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}", "encoding_format")
     dims = body.get("dimensions")
     if dims is not None and (type(dims) is not int or dims < 1):
-        raise InvalidEmbeddings("'dimensions' must be a positive integer", "dimensions")
+        raise InvalidPooling("'dimensions' must be a positive integer", "dimensions")
     given = body.get("input")
     if body.get("messages") is not None:
         if given is not None:
-            raise InvalidEmbeddings("send the inputs as 'input' or as 'messages', not both", "messages")
+            raise InvalidPooling("send the inputs as 'input' or as 'messages', not both", "messages")
         _conversations(body["messages"], "messages")
         return [], 0, True
     if given is None:
-        raise InvalidEmbeddings("'input' is required: a string, a list of strings or of token ids", "input")
+        raise InvalidPooling("'input' is required: a string, a list of strings or of token ids", "input")
     if isinstance(given, str):
         return [given], 0, False
     if not isinstance(given, list) or not given:
-        raise InvalidEmbeddings("'input' must be a string, or a non-empty list of strings or token ids", "input")
+        raise InvalidPooling("'input' must be a string, or a non-empty list of strings or token ids", "input")
     if len(given) > MAX_INPUTS:
-        raise InvalidEmbeddings(f"'input' holds {len(given)} inputs, more than {MAX_INPUTS}", "input")
+        raise InvalidPooling(f"'input' holds {len(given)} inputs, more than {MAX_INPUTS}", "input")
     first = given[0]
     if isinstance(first, str):
         if not all(isinstance(s, str) for s in given):
-            raise InvalidEmbeddings("a list 'input' holds strings only, or token ids only", "input")
+            raise InvalidPooling("a list 'input' holds strings only, or token ids only", "input")
         return given, 0, False
     if _is_id(first):
         if not all(_is_id(t) for t in given):
-            raise InvalidEmbeddings(f"token ids in 'input' are integers in [0, {MAX_TOKEN_ID}]", "input")
+            raise InvalidPooling(f"token ids in 'input' are integers in [0, {MAX_TOKEN_ID}]", "input")
         return [], len(given), False
     if isinstance(first, list) and (not first or not isinstance(first[0], dict)):
         for ids in given:
             if not (isinstance(ids, list) and ids and all(_is_id(t) for t in ids)):
-                raise InvalidEmbeddings(
+                raise InvalidPooling(
                     f"each list of token ids in 'input' is non-empty, of integers in [0, {MAX_TOKEN_ID}]", "input"
                 )
         return [], sum(map(len, given)), False
     _conversations(given, "input")
     return [], 0, True
+
+
+def cohere_inputs(body: dict) -> Inputs:
+    """/v2/embed: `texts`, `images` (strings) and `inputs` (objects with a `content` list), at
+    least one of them given, each a non-empty list of at most MAX_INPUTS."""
+    given = {f: body.get(f) for f in ("texts", "images", "inputs") if body.get(f) is not None}
+    if not given:
+        raise InvalidPooling("one of 'texts', 'images' or 'inputs' is required", "texts")
+    for field, value in given.items():
+        if not isinstance(value, list) or not value:
+            raise InvalidPooling(f"'{field}' must be a non-empty list", field)
+        if len(value) > MAX_INPUTS:
+            raise InvalidPooling(f"'{field}' holds {len(value)} inputs, more than {MAX_INPUTS}", field)
+        if field != "inputs" and not all(isinstance(v, str) for v in value):
+            raise InvalidPooling(f"'{field}' holds strings only", field)
+        if field == "inputs" and not all(isinstance(v, dict) and isinstance(v.get("content"), list) for v in value):
+            raise InvalidPooling("'inputs' holds objects with a 'content' list", field)
+    return given.get("texts") or [], 0, "images" in given or "inputs" in given
+
+
+def score_inputs(body: dict) -> Inputs:
+    """/score: one pair of sides (SCORE_PAIRS), each an input or a list of them; N to N sides
+    pair up in order, 1 to N pairs the one with each (its text charged N times)."""
+    for a, b in SCORE_PAIRS:
+        if body.get(a) is not None and body.get(b) is not None:
+            return _paired(_side(body[a], a), _side(body[b], b))
+    given = [(a, b) for a, b in SCORE_PAIRS if body.get(a) is not None or body.get(b) is not None]
+    missing = next((b if body.get(a) is not None else a for a, b in given), "text_1")
+    names = ", ".join(f"{a}/{b}" for a, b in SCORE_PAIRS)
+    raise InvalidPooling(f"a score needs one pair of inputs ({names}): '{missing}' is missing", missing)
+
+
+def rerank_inputs(body: dict) -> Inputs:
+    """A rerank: `query` an input, `documents` one or a list, `top_n` a non-negative integer."""
+    top = body.get("top_n")
+    if top is not None and (type(top) is not int or top < 0):
+        raise InvalidPooling("'top_n' must be a non-negative integer (0: all the documents)", "top_n")
+    query = body.get("query")
+    if query is None:
+        raise InvalidPooling("'query' is required: a string, or an object with a 'content' list", "query")
+    if not _is_score_input(query):
+        raise InvalidPooling("'query' must be a string, or an object with a 'content' list", "query")
+    return _paired([query], _side(body.get("documents"), "documents"))
+
+
+def _side(value: object, param: str) -> list:
+    """A score's side as a list of inputs (strings, or objects with a `content` list)."""
+    if value is None:
+        raise InvalidPooling(f"'{param}' is required: an input or a non-empty list of them", param)
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise InvalidPooling(f"'{param}' must be an input or a non-empty list of them", param)
+    if len(items) > MAX_INPUTS:
+        raise InvalidPooling(f"'{param}' holds {len(items)} inputs, more than {MAX_INPUTS}", param)
+    if not all(_is_score_input(v) for v in items):
+        raise InvalidPooling(f"'{param}' holds strings, or objects with a 'content' list", param)
+    return items
+
+
+def _is_score_input(v: object) -> bool:
+    return isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), list))
+
+
+def _paired(left: list, right: list) -> Inputs:
+    """The texts of a score's pairs: 1 to N repeats the one; objects are estimated by bytes."""
+    if len(left) == 1 and len(right) > 1:
+        left = left * len(right)
+    texts = [t for t in left + right if isinstance(t, str)]
+    return texts, 0, len(texts) < len(left) + len(right)
 
 
 def _is_id(t: object) -> bool:
@@ -163,10 +299,10 @@ def _conversations(value: object, param: str) -> None:
     convs = value if batch else [value]
     assert isinstance(convs, list)
     if len(convs) > MAX_INPUTS:
-        raise InvalidEmbeddings(f"'{param}' holds {len(convs)} conversations, more than {MAX_INPUTS}", param)
+        raise InvalidPooling(f"'{param}' holds {len(convs)} conversations, more than {MAX_INPUTS}", param)
     for conv in convs:
         if not (isinstance(conv, list) and conv and all(_is_message(m) for m in conv)):
-            raise InvalidEmbeddings(
+            raise InvalidPooling(
                 f"'{param}' must be inputs (strings or token ids) or conversations: lists of messages with a 'role'",
                 param,
             )
@@ -216,33 +352,35 @@ class Forwarder:
         body = client_body(raw)
         model = rec.model = self.intake.resolve_model(body.get("model"), self.fleet.models())
         rec.trace.set(model=model)
-        if kind == EMBEDDINGS:
-            raw = await self.embeddings(request, body, raw, model)
+        if kind in POOLING_KINDS:
+            raw = await self.pooling(request, kind, body, raw, model)
         return await self.forward(request, kind, raw, model, rec)
 
-    async def embeddings(self, request: Request, body: dict, raw: bytes, model: str) -> bytes:
-        """An embeddings body checked, its model one that embeds, its tokens charged; the body
-        to forward (with the tenant's cache_salt)."""
+    async def pooling(self, request: Request, kind: str, body: dict, raw: bytes, model: str) -> bytes:
+        """A pooling body (embeddings, a score, a rerank...) checked, its model one a vLLM worker
+        serves, its inputs' tokens charged (texts by the model's tokenizer, token ids counted,
+        what `pooling_inputs` cannot extract texts from at a quarter of the body's bytes); the
+        body to forward (with the tenant's cache_salt)."""
         kinds = {w.kind for w in self.fleet.workers.values() if w.model == model and w.healthy}
         if vllm_worker.KIND not in kinds:
-            raise no_embeddings(model)
-        texts, ids, chat = embedding_inputs(body)
+            raise not_pooling(model, kind)
+        texts, ids, estimated = pooling_inputs(kind, body)
         key = api_key(request.scope)
         if key is not None and key.tpm:
             tok = await self.tokenizers.get(model) if texts else None
             tokens = await input_tokens(tok, texts)
-            await self.intake.charge(request, tokens + ids + (len(raw) // 4 if chat else 0), embeddings=True)
+            await self.intake.charge(request, tokens + ids + (len(raw) // 4 if estimated else 0), embeddings=True)
         if self.intake.access.apply_cache_salt(key, body):
             return json.dumps(body).encode()
         return raw
 
     def pick(self, model: str, kind: str, exclude: set[str]) -> Worker | None:
         """The least loaded candidate of `model` (not in `exclude`) that can serve `kind`; for
-        embeddings, a vLLM worker whose queue has room (none: 503 `overloaded`); for a
+        a pooling kind (embeddings, a score...), a vLLM worker whose queue has room (none: 503 `overloaded`); for a
         tokenization, one whose breaker is closed (a half-open one's single trial is a
         request of its engine's)."""
         workers = [w for w in self.fleet.candidates(model) if w.worker_id not in exclude]
-        if kind != EMBEDDINGS:
+        if kind not in POOLING_KINDS:
             workers = [w for w in workers if w.breaker.state == CLOSED]
         else:
             workers = [w for w in workers if w.kind == vllm_worker.KIND]
@@ -262,7 +400,7 @@ class Forwarder:
         headers = {"content-type": "application/json", "x-request-id": rec.request_id}
         exclude: set[str] = set()
         failure: UpstreamError | None = None
-        engine = kind == EMBEDDINGS  # engine work: load the policies see, its breaker's to count
+        engine = kind in POOLING_KINDS  # engine work: load the policies see, its breaker's to count
         for attempt in range(self.retry.max_retries + 1):
             if failure is not None:
                 self.metrics.retries.labels(failure.stage).inc()
@@ -317,16 +455,16 @@ class Forwarder:
         nothing held in memory; an embeddings answer of 2048 inputs of a 4096-dimension model
         is ~170 MB of JSON). Only what the gateway must read before it answers is read whole,
         and is small: a 5xx (a 503 is the worker's load, any other its failure: retried
-        elsewhere) and an embeddings 404 (a server without the route, or vLLM's own error)."""
+        elsewhere) and a pooling 404 (a server without the route, or vLLM's own error)."""
         resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request, self.fleet.lost(w))
-        engine = kind == EMBEDDINGS
+        engine = kind in POOLING_KINDS
         out = {"x-kvgate-worker": w.worker_id, "content-type": resp.headers.get("content-type", "application/json")}
         if resp.status < 500 and not (engine and resp.status == 404):
             return self.relay(w, resp, engine, out, rec)
         body = await whole_body(self.proxy, resp)
-        w.breaker.succeeded()  # an embeddings 404: the server answered as it should
+        w.breaker.succeeded()  # a pooling 404: the server answered as it should
         if not _openai_error(body):
-            raise no_embeddings(rec.model)  # the server mounts no embeddings route
+            raise not_pooling(rec.model, kind)  # the server mounts no such route (not a pooling model)
         return Response(body, resp.status, out)
 
     def relay(self, w: Worker, resp: Upstream, engine: bool, headers: dict, rec: RequestRecord) -> BodyPassThrough:
@@ -360,12 +498,13 @@ class Forwarder:
         return BodyPassThrough(resp, resp.status, self.proxy.idle_timeout, failed, closed, headers)
 
 
-def no_embeddings(model: str) -> ApiError:
+def not_pooling(model: str, kind: str) -> ApiError:
+    what = SERVES.get(kind, "scores" if kind in (SCORE, SCORE_V1) else "reranking")
     return ApiError(
         400,
-        f"The model `{model}` serves no embeddings: only vLLM workers serving an embedding model do "
-        "(kvgate's own workers generate text only)",
-        code=NO_EMBEDDINGS,
+        f"The model `{model}` serves no {what} ({PATHS[kind]}): only vLLM workers serving a pooling model "
+        "of that task do (kvgate's own workers generate text only)",
+        code=NOT_POOLING,
         param="model",
     )
 

@@ -1,6 +1,7 @@
 """A stand-in vLLM server for fast gateway tests: vLLM's HTTP surface (/health, /metrics,
-/v1/models, /kv_event_sources, /v1/completions, /tokenize, /detokenize and /v1/embeddings, each
-echoing the body it got and the `x-request-id` it was sent) and its ZMQ KV event publisher
+/v1/models, /kv_event_sources, /v1/completions, /tokenize, /detokenize, /v1/embeddings and the
+other pooling endpoints (/v2/embed, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank,
+/v2/rerank: a small answer of each one's shape), each echoing the body it got and the `x-request-id` it was sent) and its ZMQ KV event publisher
 (PUB + replay ROUTER, vLLM's framing), steered by the test through /_control.
 
     python -m tests.fake_vllm --port P --events-port E --replay-port R
@@ -9,8 +10,8 @@ echoing the body it got and the `x-request-id` it was sent) and its ZMQ KV event
 "answer": the status completions, /tokenize, /detokenize and /v1/embeddings answer with,
 "answers": {path: status} for one path's own (an engine failing generations that still
 tokenizes),
-"embeddings": false (the route is not mounted, as on a server of a generative model: FastAPI's
-bare 404), "embeddings_body": how the embeddings answer is sent: {} whole, {"pieces": n, "gap_s": s,
+"embeddings": false (the pooling routes are not mounted, as on a server of a generative model:
+FastAPI's bare 404), "embeddings_body": how the embeddings answer is sent: {} whole, {"pieces": n, "gap_s": s,
 "dims": d} in n pieces s apart (vectors of d numbers), {"hold": true} its last piece only once
 /_control gets {"release": true} (the answer's "released" says whether it did, or 30 s passed),
 {"drop": true} its connection dropped after its first piece}
@@ -37,6 +38,7 @@ from starlette.routing import Route
 
 MODEL = "smollm2-135m"
 END = b"\xff" * 8
+POOLED = ("/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 
 class Fake:
@@ -168,6 +170,26 @@ def app(fake: Fake) -> Starlette:
         text = json.dumps({**answer, **echo(request, raw)}).encode()
         return StreamingResponse(pieces(text, how), media_type="application/json")
 
+    async def pooled(request: Request) -> Response:
+        """The other pooling endpoints: a small answer of the path's shape, with the echo."""
+        raw = await request.body()
+        fake.saw_token |= "x-kvgate-token" in request.headers
+        if not fake.embeddings:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        usage = {"prompt_tokens": 3, "total_tokens": 3}
+        path = request.url.path
+        if "rerank" in path:
+            answer: dict = {"results": [{"index": 0, "document": {"text": "d"}, "relevance_score": 0.9}]}
+        elif "score" in path:
+            answer = {"object": "list", "data": [{"index": 0, "object": "score", "score": 0.9}]}
+        elif path == "/classify":
+            answer = {"object": "list", "data": [{"index": 0, "label": "yes", "probs": [0.9, 0.1], "num_classes": 2}]}
+        elif path == "/v2/embed":
+            answer = {"embeddings": {"float": [[0.5, -0.5]]}, "texts": ["t"]}
+        else:
+            answer = {"object": "list", "data": [{"index": 0, "object": "pooling", "data": [0.5, -0.5]}]}
+        return failure(request) or JSONResponse({"model": MODEL, "usage": usage, **answer, **echo(request, raw)})
+
     async def pieces(text: bytes, how: dict):
         if how.get("hold"):
             yield text[:-1] + b', "released": '
@@ -222,6 +244,7 @@ def app(fake: Fake) -> Starlette:
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
+            *(Route(p, pooled, methods=["POST"]) for p in POOLED),
             Route("/_control", control, methods=["POST"]),
         ],
         lifespan=lifespan,

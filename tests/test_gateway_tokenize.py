@@ -155,6 +155,24 @@ def test_a_model_of_kvgate_workers_serves_no_embeddings(fleet):
         assert err["code"] == "model_not_supported" and err["param"] == "model" and "embeddings" in err["message"]
 
 
+POOLED = [
+    ("/v2/embed", {"texts": ["a"]}),
+    ("/pooling", {"input": "a"}),
+    ("/classify", {"input": ["a", "b"]}),
+    ("/score", {"text_1": "q", "text_2": ["a"]}),
+    ("/v1/score", {"queries": "q", "documents": "a"}),
+    ("/rerank", {"query": "q", "documents": ["a"]}),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 1}),
+    ("/v2/rerank", {"query": "q", "documents": "a"}),
+]
+
+
+@pytest.mark.parametrize("path, fields", POOLED, ids=[p for p, _ in POOLED])
+def test_a_model_of_kvgate_workers_serves_no_pooling(fleet, path, fields):
+    err = openai_error(post(fleet["gw"].url, path, {"model": MODEL, **fields}), 400)
+    assert err["code"] == "model_not_supported" and err["param"] == "model" and path in err["message"]
+
+
 def test_these_requests_stay_out_of_the_generation_series(fleet):
     gw = fleet["gw"]
     before = gw.metric("kvgate_gateway_requests_total")

@@ -301,6 +301,79 @@ def test_embeddings_reach_a_vllm_worker_whole_once_their_shape_is_checked(fake, 
         gw.stop()
 
 
+POOLED = [  # vLLM's other pooling endpoints, each with a body of its shape and a bad one
+    ("/v2/embed", {"texts": ["a", "b"], "input_type": "search_document"}, {"texts": "a"}, "texts"),
+    ("/pooling", {"input": ["a", "b"], "task": "embed"}, {"input": 5}, "input"),
+    ("/classify", {"input": "a"}, {"input": []}, "input"),
+    ("/score", {"text_1": "q", "text_2": ["a", "b"]}, {"text_1": "q"}, "text_2"),
+    ("/v1/score", {"queries": ["q"], "documents": ["a"]}, {"queries": ["q"], "documents": [1]}, "documents"),
+    (
+        "/rerank",
+        {"query": "q", "documents": ["a", "b"], "top_n": 1},
+        {"query": "q", "documents": ["a"], "top_n": -1},
+        "top_n",
+    ),
+    (
+        "/v1/rerank",
+        {"query": "q", "documents": [{"content": [{"type": "text", "text": "a"}]}]},
+        {"documents": ["a"]},
+        "query",
+    ),
+    ("/v2/rerank", {"query": "q", "documents": "a"}, {"query": "q", "documents": ["a"] * 2049}, "documents"),
+]
+
+
+def test_the_other_pooling_endpoints_reach_a_vllm_worker_whole_once_their_shape_is_checked(fake, tmp_path):
+    keys = [*EMBED_KEYS, {"key": "sk-once", "name": "once", "rpm": 1}]
+    (tmp_path / "keys.json").write_text(json.dumps(keys))
+    extra = ("--api-key-file", str(tmp_path / "keys.json"), "--internal-token", "fleet-secret")
+    gw = gateway(fake, tmp_path, extra=extra)
+    try:
+        for path, fields, bad, param in POOLED:
+            body = {"model": vd.MODEL, **fields, "truncate_prompt_tokens": 8}
+            r = post_as(gw, path, body)
+            assert r.status_code == 200, (path, r.text)
+            got = r.json()
+            assert json.loads(got["received"]) == {**body, "cache_salt": "tenant:a"}, path  # whole, the tenant's salt
+            assert got["request_id"] == r.headers["x-kvgate-request-id"], path
+            assert r.headers["x-kvgate-worker"] == f"vllm@127.0.0.1:{fake.port}"
+            r = post_as(gw, path, {"model": vd.MODEL, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+            r = post_as(gw, path, {**body, "kv_transfer_params": {"x": 1}})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "internal_field", path
+            r = post_as(gw, path, {**body, "cache_salt": "x" * 300})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", path
+            r = post_as(gw, path, {k: v for k, v in body.items() if k != "model"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model", path
+            r = httpx.post(gw.url + path, json=body, timeout=30)  # no key: refused before routing
+            assert r.status_code == 401, path
+        # a key's request rate counts them: its one request a minute, then 429
+        assert (
+            post_as(gw, "/rerank", {"model": vd.MODEL, "query": "q", "documents": ["a"]}, "sk-once").status_code == 200
+        )
+        r = post_as(gw, "/v1/score", {"model": vd.MODEL, "text_1": "q", "text_2": "a"}, "sk-once")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        # a key's tokens per minute count the pairs: 3 x 150 words of query pass, 3 more do not
+        query = " ".join(["word"] * 120)
+        rerank = {"model": vd.MODEL, "query": query, "documents": ["a", "b", "c"]}
+        assert post_as(gw, "/v1/rerank", rerank, "sk-tokens").status_code == 200
+        r = post_as(gw, "/v2/rerank", rerank, "sk-tokens")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+
+        control(fake, answer=500)  # the worker's failure: the gateway's 502, counted against the engine
+        r = post_as(gw, "/score", {"model": vd.MODEL, "text_1": "q", "text_2": "a"})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed"
+        control(fake, answer=200, embeddings=False)  # a generative model's server: no pooling routes
+        for path, fields, _, _ in POOLED:
+            r = post_as(gw, path, {"model": vd.MODEL, **fields})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "model_not_supported" and path in err["message"], r.text
+        assert gw.metric("kvgate_gateway_requests_total") == 0  # the generation series count none of these
+        assert control(fake)["saw_token"] is False
+    finally:
+        gw.stop()
+
+
 def test_tokenize_reaches_vllm_with_the_fields_only_vllm_reads(fake, tmp_path):
     """vLLM's /tokenize renders `tools` (and a request's chat template, multimodal content)
     that kvgate's own parse refuses: the gateway forwards, so vLLM's answer is the client's."""
