@@ -37,7 +37,8 @@ from gateway.admission import DRAINING, Admission
 from gateway.auth import Access, Guard
 from gateway.exchange import PATHS, Exchange
 from gateway.fleet import Fleet
-from gateway.forward import DETOKENIZE, POOLING_KINDS, TOKENIZE, Forwarder
+from gateway.pooling import POOLING_KINDS
+from gateway.forward import DETOKENIZE, TOKENIZE, Forwarder
 from gateway.forward import PATHS as FORWARDED
 from gateway.forward import new_id as forwarded_id
 from gateway.worker import Worker

@@ -1,4 +1,4 @@
-"""gateway/forward.py without processes: an embeddings request's input tokens, counted exactly
+"""gateway/forward.py and gateway/pooling.py without processes: an embeddings request's input tokens, counted exactly
 in one batched tokenizer call, and off the event loop when the inputs are many."""
 
 import asyncio
@@ -10,7 +10,8 @@ from starlette.requests import Request
 
 from gateway import vllm_worker
 from gateway.auth import LIMITED_PATHS, SCOPE_KEY, Access, ApiKey
-from gateway.forward import MAX_INPUTS, PATHS, POOLING_KINDS, Forwarder, pooling_inputs
+from gateway.forward import PATHS, Forwarder
+from gateway.pooling import MAX_INPUTS, POOLING_KINDS, pooling_inputs
 from gateway.intake import ApiError
 from gateway.tokenize import ModelTokenizer
 from workers.model_store import load_tokenizer
