@@ -12,6 +12,7 @@ import asyncio
 
 from gateway.intake import ApiError
 from gateway.tokenize import INLINE_CHARS, ModelTokenizer
+from workers.kv.hashing import MAX_TOKEN_ID
 from workers.protocol import checked_cache_salt
 from workers.sampling_params import InvalidRequest
 
@@ -26,7 +27,6 @@ SERVES = {EMBEDDINGS: "embeddings", EMBED: "embeddings", POOLING: "pooling", CLA
 
 MAX_INPUTS = 2048  # OpenAI's bound on an embeddings request's inputs
 INLINE_INPUTS = 64  # inputs counted on the event loop at most (with INLINE_CHARS of text)
-MAX_TOKEN_ID = 2**63 - 1  # vLLM's bound on a token id it is sent
 ENCODING_FORMATS = ("float", "base64", "bytes", "bytes_only")  # OpenAI's two, vLLM's two more
 SCORE_PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 
