@@ -47,12 +47,12 @@ from gateway.intake import ApiError, Intake, refused, worker_failed
 from gateway.metrics import GatewayMetrics, RedisCollector
 from gateway.proxy import (
     ClientGone,
-    PassThrough,
     Proxy,
     UpstreamError,
     WorkerBusy,
 )
 from gateway.record import RequestRecord
+from gateway.relay import PassThrough
 from gateway.retry import RetryPolicy
 from gateway.shared_ledger import LedgerNote
 from gateway.tokenize import Prepared, Tokenizers

@@ -21,18 +21,16 @@ from gateway.worker import Worker
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import (
     ConnectFailed,
-    PassThrough,
     Proxy,
-    Relay,
-    StreamTap,
     UpstreamError,
     UpstreamFailed,
     UpstreamTimeout,
     WorkerBusy,
     WorkerError,
-    whole_answer,
 )
 from gateway.record import PREFILL, RequestRecord
+from gateway.relay import PassThrough, Relay
+from gateway.tap import StreamTap, whole_answer
 from gateway.tokenize import Prepared
 from gateway.upstream import Upstream
 from policies.api import RequestView

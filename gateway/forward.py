@@ -88,7 +88,8 @@ from gateway.pooling import (
     input_tokens,
     pooling_inputs,
 )
-from gateway.proxy import BodyPassThrough, ClientGone, PassThrough, Proxy, UpstreamError, UpstreamTimeout, WorkerBusy
+from gateway.proxy import ClientGone, Proxy, UpstreamError, UpstreamTimeout, WorkerBusy
+from gateway.relay import BodyPassThrough, PassThrough
 from gateway.record import RequestRecord
 from gateway.retry import RetryPolicy
 from gateway.tokenize import Tokenizers

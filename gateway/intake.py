@@ -12,7 +12,7 @@ from gateway.auth import Access, api_key, retry_after, too_many_tokens
 from gateway.fleet import Fleet
 from gateway.worker import KVGATE
 from gateway.passthrough import internal_field
-from gateway.proxy import ask_usage
+from gateway.tap import ask_usage
 from gateway.record import RequestRecord
 from gateway.tokenize import Prepared, Tokenizers
 from policies.api import RequestView

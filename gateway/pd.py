@@ -16,7 +16,8 @@ import json
 import logging
 from collections.abc import Callable
 
-from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed, cached_tokens
+from gateway.proxy import ConnectFailed, Proxy, UpstreamFailed
+from gateway.tap import cached_tokens
 from workers.background import background
 from workers.internal_auth import internal_headers
 

@@ -1,6 +1,6 @@
 """The gateway's client connections offer each request a `RawBody` (the `RAW_SEND` scope
 extension), so a relayed stream's events are written to the client's transport as they arrive,
-past the middlewares' send wrappers and uvicorn's `send` (gateway/proxy.py `PassThrough`).
+past the middlewares' send wrappers and uvicorn's `send` (gateway/relay.py `PassThrough`).
 Gateway-only: a worker's streams go through `send`."""
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle

@@ -14,7 +14,7 @@ from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.metrics import STAGES, GatewayMetrics, RedisCollector
 from gateway.redis_state import RedisState
-from gateway.proxy import StreamTap, ask_usage, whole_answer
+from gateway.tap import StreamTap, ask_usage, whole_answer
 from gateway.record import FAILED, MET, REJECTED, TPOT_MISS, TTFT_MISS, RequestRecord, slo_outcome
 from gateway.procs import Worker, start_gateway, stop_all, wait_for
 from tests.test_deploy import need_prometheus

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from gateway.proxy import Proxy, StreamFailed, StreamTap, UpstreamFailed, UpstreamTimeout, WorkerLost
+from gateway.proxy import Proxy, StreamFailed, UpstreamFailed, UpstreamTimeout, WorkerLost
+from gateway.tap import StreamTap
 
 
 class FakeResponse:

@@ -1,5 +1,5 @@
 """The gateway's own upstream client (gateway/upstream.py) and the stream relay on it
-(gateway/proxy.py), against a real worker stand-in process that misbehaves on cue
+(gateway/proxy.py, gateway/relay.py), against a real worker stand-in process that misbehaves on cue
 (tests/scripted_upstream.py): a stream cut mid-way, a stream gone silent, a stream the
 gateway closes early, keep-alive connections reused and dropped once the server closed them."""
 
@@ -11,7 +11,9 @@ import pytest
 import uvloop
 
 from gateway.procs import Proc, free_port, stop_all, wait_for
-from gateway.proxy import DONE, PassThrough, Proxy, Relay, StreamTap, UpstreamFailed, UpstreamTimeout
+from gateway.proxy import Proxy, UpstreamFailed, UpstreamTimeout
+from gateway.relay import DONE, PassThrough, Relay
+from gateway.tap import StreamTap
 
 EVENT = b'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
 
