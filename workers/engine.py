@@ -2,7 +2,8 @@
 
 The HTTP server talks to it only through `submit`/`abort` (thread-safe queues) and the
 per-request `sink` callbacks it passes in; everything else runs on the engine thread.
-Outputs leave once per step, as one batch of (sink, output) pairs handed to `deliver`.
+Outputs leave once per step, as one batch of (sink, output) pairs handed to `deliver`
+(workers/output_processor.py keeps the requests owed an answer and queues their outputs).
 
 A fault never leaves a request unanswered: a step whose executor raises fails that step's
 requests (`error="engine_error"`) and the engine goes on; any other exception in the loop fails
@@ -32,11 +33,12 @@ from workers.kv.read_back import ReadBack
 from workers.kv.host_pool import HostPool
 from workers.kv.worker_state import WorkerState
 from workers.kv_manager import KVCacheManager
-from workers.outputs import RequestOutput, RequestTimes, TokenLogprobs, call_sinks, ended, unstarted_failure
+from workers.output_processor import OutputProcessor
+from workers.outputs import RequestOutput, RequestTimes, call_sinks, ended, unstarted_failure
 from workers.pending import PendingKV
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Sampled, Scheduler, StepPlan
+from workers.scheduler import Scheduler, StepPlan
 from workers.step_stats import StepRecord, StepStats, step_means
 from workers.tier_copies import TierCopies
 
@@ -79,10 +81,9 @@ class Engine:
         self.stats = StepStats()
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._requests: dict[str, tuple[Request, Detokenizer | None, Callable]] = {}
+        self.output_processor = OutputProcessor(self.stats)
         self._pending = PendingKV(self.kv)
         self.copies = TierCopies(self.pool, self.disk_io, self.stats)
-        self._outbox: list[tuple[Callable, RequestOutput]] = []
         self.deliver: Callable[[list[tuple[Callable, RequestOutput]]], None] = call_sinks
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -177,10 +178,10 @@ class Engine:
                 self.stats.calls_s += time.perf_counter() - t0
 
     def _abort(self, rid: str) -> None:
-        entry = self._requests.pop(rid, None)
-        if entry:
-            self._drop(entry[0])
-            self._outbox.append((entry[2], ended(entry[0], "abort", timed=True)))
+        state = self.output_processor.pop(rid)
+        if state:
+            self._drop(state.req)
+            self.output_processor.send(state.sink, ended(state.req, "abort", timed=True))
 
     def _add(self, cmd: Add) -> None:
         rid = cmd.request_id
@@ -197,9 +198,9 @@ class Engine:
         except Exception:
             log.exception("request %s could not be set up", rid)
             self.stats.failed += 1
-            self._outbox.append((cmd.sink, unstarted_failure(rid, cmd.prompt_ids, ENGINE_ERROR)))
+            self.output_processor.send(cmd.sink, unstarted_failure(rid, cmd.prompt_ids, ENGINE_ERROR))
             return
-        self._requests[rid] = (req, d, cmd.sink)
+        self.output_processor.add_request(req, d, cmd.sink)
         if cmd.kv_wait_s > 0:
             self._pending.hold(req, time.monotonic() + cmd.kv_wait_s)
         else:
@@ -231,7 +232,8 @@ class Engine:
         if not plan.scheduled and self._inflight is None and self.copies.copying:
             self.copies.poll(self.executor, wait=True)  # nothing runs until a copy back lands: wait, do not spin
         self.stats.preemptions += len(plan.preempted)
-        outputs = [ended(r, r.finish_reason) for r in plan.evicted if r.request_id in self._requests]
+        live = self.output_processor.request_states
+        outputs = [ended(r, r.finish_reason) for r in plan.evicted if r.request_id in live]
         launched = self._launch(plan, start, outputs) if plan.scheduled else None
         if self._overlap:
             launched, self._inflight = self._inflight, launched
@@ -239,16 +241,9 @@ class Engine:
             outputs += self._resolve(launched)
         self._snapshot = self._make_state()
         self.events.publish()
-        for out in outputs:
-            entry = self._requests.get(out.request_id)
-            if entry:
-                self._outbox.append((entry[2], out))
-            if out.finish_reason is not None:
-                self._requests.pop(out.request_id, None)
-                if entry:
-                    out.times = RequestTimes.of(entry[0])
-        if self._outbox:
-            batch, self._outbox = self._outbox, []
+        self.output_processor.process_outputs(outputs)
+        batch = self.output_processor.take()
+        if batch:
             self.deliver(batch)
         return outputs
 
@@ -280,38 +275,12 @@ class Engine:
         for req, n in step.plan.scheduled:
             if req.chunks is not None and req.first_token_at is None and req.status != FINISHED:
                 req.chunks.append((launched, now, n))
-        done = self.scheduler.update_from_output(step.plan, sampled, now, self._hit_stop_string)
+        processor = self.output_processor
+        done = self.scheduler.update_from_output(step.plan, sampled, now, processor.hit_stop_string)
         self.stats.record(StepRecord(ms, step.work, (time.perf_counter() - step.start) * 1000))
         logprobs = getattr(step.handle, "logprobs", None) or ()
         by_request = {id(req): lp for (req, _), lp in zip(step.plan.scheduled, logprobs) if lp is not None}
-        return [self._output(s, by_request.get(id(s.req))) for s in done]
-
-    def _hit_stop_string(self, req: Request, tok: int) -> bool:
-        detok = self._requests[req.request_id][1]
-        return detok.add(tok) if detok else False
-
-    def _output(self, s: Sampled, logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        """The delta for a resolved token (its text flushed whole when the request ended), with
-        its logprobs when the executor computed them."""
-        req = s.req
-        if s.first:
-            self.stats.prompt_tokens += req.num_prompt
-            self.stats.cached_tokens += max(req.num_cached, 0)
-        self.stats.generated_tokens += 1
-        if s.finish_reason is not None:
-            self.stats.finished += 1
-        detok = self._requests[req.request_id][1]
-        text = detok.flush(s.finish_reason is not None) if detok else ""
-        return RequestOutput(
-            req.request_id,
-            [s.token],
-            text,
-            req.num_prompt,
-            max(req.num_cached, 0),
-            req.num_output,
-            s.finish_reason,
-            logprobs=None if logprobs is None else [logprobs],
-        )
+        return [processor.make_output(s, by_request.get(id(s.req))) for s in done]
 
     def _drop(self, req: Request) -> None:
         """Take a request out of the pending list or the scheduler and free its blocks."""
@@ -328,22 +297,23 @@ class Engine:
     def _fail_all(self, why: str) -> None:
         """Fail every request in flight and hand out what is owed (after a fault outside the
         executor, when the engine's state can no longer be trusted for them)."""
-        for rid, (req, _, sink) in list(self._requests.items()):
+        processor = self.output_processor
+        for rid, state in list(processor.request_states.items()):
             try:
-                out = self._fail(req, why)
+                out = self._fail(state.req, why)
             except Exception:
                 log.exception("request %s could not be released", rid)
-                out = ended(req, "error", why)
-            out.times = RequestTimes.of(req)
-            self._outbox.append((sink, out))
-        self._requests.clear()
+                out = ended(state.req, "error", why)
+            out.times = RequestTimes.of(state.req)
+            processor.send(state.sink, out)
+        processor.request_states.clear()
         self._pending.clear()
         self._inflight = None
         self._flush()
 
     def _flush(self) -> None:
-        if self._outbox:
-            batch, self._outbox = self._outbox, []
+        batch = self.output_processor.take()
+        if batch:
             try:
                 self.deliver(batch)
             except Exception:
@@ -415,7 +385,7 @@ class Engine:
         self.copies.close()
         for cmd in self._take_inbox():
             if isinstance(cmd, Add):
-                self._outbox.append((cmd.sink, unstarted_failure(cmd.request_id, cmd.prompt_ids, ENGINE_STOPPED)))
+                self.output_processor.send(cmd.sink, unstarted_failure(cmd.request_id, cmd.prompt_ids, ENGINE_STOPPED))
             elif isinstance(cmd, Call):
                 cmd.future.set_exception(EngineStopped("the engine has stopped"))
         self._flush()
