@@ -36,10 +36,10 @@ if want agree; then
   fi
 fi
 if want tests; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rP tests/test_kernels.py tests/test_fast_path.py tests/test_overlap.py > $OUT/tests.log 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rP tests/test_kernels.py tests/test_attention_kernels.py tests/test_fast_path.py tests/test_overlap.py > $OUT/tests.log 2>&1
 fi
 if want quicktests; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rP tests/test_kernels.py tests/test_fast_path.py tests/test_overlap.py -k "not fills_placeholders and (test_fast_path or test_overlap or runner or graph or bf16)" > $OUT/tests.log 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rP tests/test_kernels.py tests/test_attention_kernels.py tests/test_fast_path.py tests/test_overlap.py -k "not fills_placeholders and (test_fast_path or test_overlap or runner or graph or bf16)" > $OUT/tests.log 2>&1
 fi
 if want tests || want quicktests; then
   grep -E "passed|failed|error|FAILED" $OUT/tests.log | tail -8; grep -E "^[0-9.e-]+$" $OUT/tests.log | sort -g | tail -2
