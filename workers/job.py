@@ -1,13 +1,13 @@
 """One admitted request in the worker's HTTP server: its engine requests (one per choice) and
 what its choices have produced, shaped the OpenAI way."""
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
 from workers.metrics import RequestClock
+from workers.output_collector import RequestOutputCollector
 from workers.outputs import RequestOutput
 from workers.protocol import ParsedRequest
 from workers.responses import chat_logprobs, completion_logprobs, usage
@@ -17,16 +17,16 @@ from workers.responses import chat_logprobs, completion_logprobs, usage
 class Job:
     """One admitted request: `key` keys it in the engine, `shown` is the id its answer carries.
     Each of its choices is an engine request of its own (`engine_key`), timed by its own clock
-    for the metrics; `outputs` receives (choice index, output). `span` traces choice 0 (None
-    while tracing is off). `running` holds the choices handed to the engine whose last output
-    has not arrived. `cancelled` is set once no one reads the answer any more: a choice not
-    started by then never starts."""
+    for the metrics; `outputs` holds its choices' outputs until read (merged per choice while
+    the reader lags). `span` traces choice 0 (None while tracing is off). `running` holds the
+    choices handed to the engine whose last output has not arrived. `cancelled` is set once no
+    one reads the answer any more: a choice not started by then never starts."""
 
     key: str
     shown: str
     parsed: ParsedRequest
-    outputs: asyncio.Queue
     clocks: list[RequestClock]
+    outputs: RequestOutputCollector = field(default_factory=RequestOutputCollector)
     span: Span | None = None
     running: set[int] = field(default_factory=set)
     cancelled: bool = False

@@ -1,6 +1,7 @@
 """A job's choices in the engine, from their handing over to the answer read from them.
 
-Each choice is an engine request of its own whose sink routes its outputs to the job's queue.
+Each choice is an engine request of its own whose sink routes its outputs to the job's
+collector, which merges those its reader has not read yet.
 A prompt's first choice goes in first; its other choices follow its first output, when its
 prompt blocks are cached. The answer is read whole (`collect`) or as SSE chunks (`stream`),
 under one rule: a request ends when every choice has ended, or at its first failed choice (it
@@ -134,14 +135,15 @@ class JobRunner:
         job.running.add(i)
 
     def _put(self, job: Job, i: int, out: RequestOutput, started: bool = True) -> None:
-        """Choice `i`'s output to its job, counted in the metrics as it arrives, read or not: a
-        choice aborted once no one reads its request's answer counts as aborted. The one output
-        of a choice never handed to the engine (`started` False) counts how it ended, alone."""
-        job.outputs.put_nowait((i, out))
+        """Choice `i`'s output to its job, counted in the metrics as it arrives, read or not and
+        before any merge: a choice aborted once no one reads its request's answer counts as
+        aborted, and each engine output's tokens are timed as they came. The one output of a
+        choice never handed to the engine (`started` False) counts how it ended, alone."""
         if started:
             self.metrics.observe(out, job.clocks[i])
         else:
             self.metrics.count_finished(out)
+        job.outputs.put(i, out)
 
     def _follow(self, job: Job, first: RequestOutput, siblings: list[int]) -> None:
         """Start a prompt's other choices on its first choice's first output, unless that output
@@ -166,7 +168,7 @@ class JobRunner:
             self.engine.abort(job.engine_key(i))
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Have the engine post each step's outputs to this loop, where the sinks (queue puts)
+        """Have the engine post each step's outputs to this loop, where the sinks (collector puts)
         must run. Done on first use, not at startup: an app mounted elsewhere or served
         without lifespan events never runs the startup hook."""
         if self._loop is not loop:
@@ -220,8 +222,9 @@ class JobRunner:
         return 200, full_response(p.kind, job.shown, self.model, choices, state.usage())
 
     async def stream(self, job: Job) -> AsyncIterator[bytes]:
-        """SSE chunks as the engine produces them, each naming its choice. A request that fails
-        ends with an OpenAI error event, then [DONE]."""
+        """SSE chunks as the engine produces them, each naming its choice; a client reading
+        slower than that gets one chunk per choice for all it produced meanwhile (the collector
+        merges them). A request that fails ends with an OpenAI error event, then [DONE]."""
         p, rid = job.parsed, job.shown
         state = Choices(p, self._decode_token)
         try:

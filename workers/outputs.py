@@ -53,6 +53,19 @@ class RequestOutput:
     times: RequestTimes | None = None  # on the last output of a request the engine took in
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, when asked for
 
+    def add(self, later: "RequestOutput") -> None:
+        """Merge the same request's next delta into this one (vLLM's `RequestOutput.add`):
+        tokens, their text and logprobs appended; counts, end and times are the later's, as
+        they are the request's so far. A reader that lags reads the merge as it would both."""
+        self.token_ids.extend(later.token_ids)
+        self.text += later.text
+        if later.logprobs:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
+        self.num_prompt, self.num_cached, self.num_output = later.num_prompt, later.num_cached, later.num_output
+        self.finish_reason, self.error, self.times = later.finish_reason, later.error, later.times
+
 
 def ended(req: "Request", finish_reason: str | None, error: str | None = None, timed: bool = False) -> RequestOutput:
     """The last output of a request the engine took in that ends without a token (aborted,

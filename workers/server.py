@@ -273,7 +273,6 @@ class WorkerServer:
             key,
             given if given and SHOWN_ID.fullmatch(given) else key,
             parsed,
-            asyncio.Queue(),
             [RequestClock(arrived) for _ in range(parsed.num_choices)],
         )
         job.span = self.tracing.start(f"POST {request.url.path}", request.headers, parsed, key)
