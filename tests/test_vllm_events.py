@@ -1,4 +1,5 @@
-"""vLLM / SGLang KV events: decoding recorded real bytes and re-hashing them into kvgate's chain."""
+"""vLLM / SGLang KV events (gateway/vllm_events.py): one event's decoding, its safe reading when
+malformed, and re-hashing the decoded events into kvgate's chain (batches: tests/test_vllm_batch.py)."""
 
 import types
 
@@ -7,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import vllm_batch, vllm_events
-from gateway.vllm_batch import MAX_BATCH_REASONS, MAX_ENVELOPE, BadBatch, decode_frames, decode_payload, decode_replay
+from gateway import vllm_events
+from gateway.vllm_batch import MAX_BATCH_REASONS, BadBatch, decode_frames, decode_payload, decode_replay
 from gateway.vllm_events import EVENT_SLACK, MAX_MAP_FIELDS, MAX_UNKNOWN, Cleared, Removed, Stored
 from gateway.index import ResidencyIndex
 from gateway.vllm_translate import MAX_REASON_LEN, MAX_REASONS, Change, Translator
@@ -18,30 +19,10 @@ from tests import vllm_malformed as vm
 from workers.kv.events import CLEARED, DEVICE, DISK, HOST, REMOVED, STORED
 
 
-def decoded_replay():
-    frames = vd.replay_frames()
-    batches = [decode_replay(f) for f in frames]
-    assert batches[-1] is None
-    return batches[:-1]
-
-
-def test_recorded_live_and_replayed_batches_decode_alike():
-    live = [decode_frames(f) for f in vd.recorded()["live"]]
-    replayed = decoded_replay()
-    assert [b.seq for b in replayed] == list(range(12)) == [b.seq for b in live]
-    assert live == replayed
-    kinds = [type(e).__name__ for b in replayed for e in b.events]
-    assert kinds.count("Stored") == 12 and kinds.count("Removed") == 40 and kinds.count("Cleared") == 1
-    first = replayed[0].events[0]
-    assert isinstance(first, Stored) and first.block_size == 32 and len(first.hashes) == 7
-    assert first.parent is None and len(first.token_ids) == 7 * 32 and first.unknown == ()
-    assert replayed[2].events[0].extra[0] == ("tenant-a",)
-
-
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_recorded_blocks_get_the_hashes_the_gateway_computes_for_the_same_prompts(block_size):
     t = Translator(vd.MODEL, block_size)
-    batches = decoded_replay()
+    batches = vd.decoded_replay()
     a, chat = vd.prompt_ids("A"), vd.prompt_ids("chat")
     for b in batches[:4]:
         t.apply(b.events)
@@ -57,7 +38,7 @@ def test_recorded_blocks_get_the_hashes_the_gateway_computes_for_the_same_prompt
 def test_evictions_are_mirrored_block_for_block():
     t = Translator(vd.MODEL, 16)
     cached: set = set()
-    for b in decoded_replay():
+    for b in vd.decoded_replay():
         changes = t.apply(b.events)
         for e in b.events:
             if isinstance(e, Stored):
@@ -109,7 +90,7 @@ def test_lora_multimodal_and_other_groups_are_left_out_and_so_are_their_children
 
 def test_a_gateway_block_size_that_does_not_divide_the_engines_indexes_nothing():
     t = Translator(vd.MODEL, 64)
-    for b in decoded_replay():
+    for b in vd.decoded_replay():
         t.apply(b.events)
     assert t.resident == set() and t.stats.skipped_blocks > 0
 
@@ -150,40 +131,6 @@ def test_sglang_shaped_batches_decode_and_translate():
     assert t.resident == set(vd.ours(tokens[:32]))  # the removed block went; the LoRA one never came
     t.apply(b2.events)
     assert set(vd.ours(tokens[:32], salt="t1")) <= t.resident
-
-
-@pytest.mark.parametrize(
-    "frames",
-    [
-        [b"kv", b"\x00" * 7, b""],
-        [b"kv"],
-        [b"kv", b"\x00" * 8, b"\xc1"],
-        [b"kv", b"\x00" * 8, msgpack.packb({"ts": 1})],
-    ],
-)
-def test_malformed_frames_are_bad_batches(frames):
-    with pytest.raises(BadBatch):
-        decode_frames(frames)
-
-
-@pytest.mark.parametrize("name", list(vm.MALFORMED))
-def test_every_malformed_payload_is_a_bad_batch_naming_its_seq(name):
-    """Bytes that hide where the events end (nesting deeper than msgpack's stack, a reserved byte,
-    a truncated or oversized payload), bad timestamps, a wrong envelope: a BadBatch naming the
-    batch's seq (the subscriber steps over it in order), never another exception."""
-    with pytest.raises(BadBatch) as e:
-        decode_frames([b"kv", (5).to_bytes(8, "big"), vm.MALFORMED[name]])
-    assert e.value.seq == 5
-
-
-@pytest.mark.parametrize("name", list(vm.BAD_ENVELOPES))
-def test_a_batch_whose_ts_or_dp_rank_is_malformed_keeps_its_events(name):
-    """They are the engine's all the same: dropping the batch kept the blocks it removed
-    resident. The field counts as malformed; a ts that did not read is None (it tells the
-    subscriber no restart), a rank 0."""
-    batch = decode_payload(5, vm.BAD_ENVELOPES[name])
-    assert [type(e) for e in batch.events] == [Stored, Removed] and batch.malformed == 1 and batch.rank == 0
-    assert (batch.ts is None) == name.endswith(" ts") and batch.reasons[0].startswith(name.split()[-1])
 
 
 @pytest.mark.parametrize("name", list(vm.BAD_EVENTS))
@@ -231,14 +178,6 @@ def test_the_safe_reading_of_a_malformed_clear_leaves_nothing_resident():
     assert len(t.resident) == 4
     bad, _ = vm.SAFE_READINGS["clear with an int key"]
     assert [c.kind for c in t.apply(decode_payload(1, vm.payload(bad)).events)] == [CLEARED] and t.resident == set()
-
-
-def test_skipped_events_are_all_counted_and_only_the_first_few_named():
-    """A hostile batch of many bad events costs a count, not a reason per event."""
-    bad = [{"type": f"Nope{i}"} for i in range(10_000)]
-    batch = decode_payload(0, vd.payload([*bad, vd.removed([1])]))
-    assert batch.events == (Removed((1,)),) and batch.malformed == 10_000
-    assert batch.reasons == tuple(f"event {i}: unknown event type 'Nope{i}'" for i in range(MAX_BATCH_REASONS))
 
 
 def test_a_block_whose_parent_was_skipped_is_an_orphan_not_an_error():
@@ -441,23 +380,6 @@ def test_an_event_with_all_the_unknown_fields_it_may_hold_names_a_few_and_no_rea
     assert t.stats.skipped_blocks == 2 and all(len(r) <= MAX_REASON_LEN for r in t.stats.reasons)
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        [("ts", 1.0), ("events", vm.EVENTS), ("data_parallel_rank", 2)],
-        [("data_parallel_rank", 2), ("extra", [1, 2]), (7, "x"), ("events", vm.EVENTS), ("ts", 1.0)],
-    ],
-)
-def test_a_batch_encoded_as_a_map_reads_as_the_array_one(fields):
-    """msgspec encodes a struct without `array_like` as a map of its fields: a vLLM whose
-    EventBatch is such a struct sends the same batch keyed by name (keys in any order; other
-    keys, names or not, skipped)."""
-    as_array = decode_payload(3, vm.pack([1.0, vm.EVENTS, 2]))
-    as_map = decode_payload(3, vm.pack(vm.Pairs(fields)))
-    assert (as_map.ts, as_map.rank, as_map.events, as_map.malformed) == (1.0, 2, as_array.events, 0)
-    assert [type(e) for e in as_map.events] == [Stored, Removed]
-
-
 @pytest.fixture
 def reads(monkeypatch) -> list[int]:
     """[values the decoder reads]: each an Unpacker unpacks or skips, and each item of the array or
@@ -486,33 +408,16 @@ def reads(monkeypatch) -> list[int]:
 
 MANY = 100_000  # one-byte items past a batch's or an event's fields: a 16 MiB payload holds 16 M
 LONG = {
-    "envelope items": [1.0, [], *[0] * MANY],
-    "map envelope entries": vm.Pairs([("ts", 1.0), ("events", []), *[(0, 0)] * MANY]),
     "array event items": [1.0, [["BlockRemoved", [1, 2], "gpu", *[None] * MANY]]],
     "map event entries": [1.0, [vm.Pairs([*vd.removed([1, 2]).items(), *[(0, 0)] * MANY])]],
 }
 
 
 @pytest.mark.parametrize("name", list(LONG))
-def test_an_envelope_or_event_of_too_many_items_is_refused_by_its_header_unread(name, reads):
-    """A batch's envelope of more than MAX_ENVELOPE items or entries is no batch, an event of
-    more than its fields and EVENT_SLACK a malformed one, its removal still applied (its leading
-    fields): the decoder once read every item, seconds of the gateway's event loop for 16 M in a
-    payload under MAX_PAYLOAD, and took the array event as valid."""
-    body = vm.pack(LONG[name])
-    if "envelope" in name:
-        with pytest.raises(BadBatch, match=f"over {MAX_ENVELOPE}"):
-            decode_payload(3, body)
-    else:
-        batch = decode_payload(3, body)
-        assert batch.events == (Removed((1, 2)),) and batch.malformed == 1 and "over" in batch.reasons[0]
+def test_an_event_of_too_many_items_is_refused_by_its_header_unread(name, reads):
+    """An event of more than its fields and EVENT_SLACK is a malformed one, its removal still
+    applied (its leading fields): the decoder once read every item, seconds of the gateway's event
+    loop for 16 M in a payload under MAX_PAYLOAD, and took the array event as valid."""
+    batch = decode_payload(3, vm.pack(LONG[name]))
+    assert batch.events == (Removed((1, 2)),) and batch.malformed == 1 and "over" in batch.reasons[0]
     assert reads[0] < 64, f"{reads[0]} values read of {MANY} junk"
-
-
-def test_block_stored_events_past_the_batch_token_budget_are_left_out_and_removals_kept(monkeypatch):
-    """Two 32-token BlockStored events fill a budget of 64 token ids: the third, and every
-    BlockStored after it (read by its tag alone), is malformed; the removal between them is read."""
-    monkeypatch.setattr(vllm_batch, "MAX_BATCH_TOKENS", 64)
-    batch = decode_payload(1, vm.payload(vm.stored(), vm.stored(), vm.stored(), vd.removed([1]), vm.stored()))
-    assert [type(e) for e in batch.events] == [Stored, Stored, Removed]
-    assert batch.malformed == 2 and "token ids" in batch.reasons[0]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgpack
 
+from gateway.vllm_batch import decode_replay
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 
 DATA = Path(__file__).parent / "data"
@@ -72,3 +73,10 @@ def sglang_stored(
 
 def sglang_removed(hashes: list[int]) -> list:
     return ["BlockRemoved", hashes]
+
+
+def decoded_replay() -> list:
+    """The recorded replay's batches, decoded (its end marker checked and dropped)."""
+    batches = [decode_replay(f) for f in replay_frames()]
+    assert batches[-1] is None
+    return batches[:-1]
