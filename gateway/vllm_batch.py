@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from gateway.vllm_events import STORED_TAG, BadEvent, Event, Stored, decode_event, is_array, is_map, tag_of, unpacker
+from gateway.vllm_events import BadEvent, Event, Stored, decode_event, is_array, is_map, stored_tokens, unpacker
 
 END_SEQ = b"\xff" * 8
 MAX_BATCH_REASONS = 3  # a batch's malformed events are all counted, the first few with their reason
@@ -33,8 +33,9 @@ MAX_PAYLOAD = 16 << 20
 MAX_EVENTS = 1 << 16
 # Token ids the BlockStored events of one batch may carry: twice a million-token prefill. Decoding
 # and hashing them costs ~0.2 us each on the event loop; a payload of one-byte ids under
-# MAX_PAYLOAD held it ~3 s. Past the budget a batch's BlockStored events are left out (they could
-# only add blocks: a cache miss at worst), its removals and clears still read.
+# MAX_PAYLOAD held it ~3 s. A BlockStored event whose ids would take the batch past the budget is
+# left out unread, weighed by its headers (it could only add blocks: a cache miss at worst); its
+# batch's removals and clears are still read, and so are its later BlockStored events that fit.
 MAX_BATCH_TOKENS = 1 << 21
 # Items of a batch's envelope, entries of one encoded as a map: vLLM's has 3 fields. Each more is
 # a Python step of the decoder's, ~0.1 us even when it is one junk byte.
@@ -168,8 +169,7 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
     reading, then how many were malformed and why for the first MAX_BATCH_REASONS: a bad event
     costs only itself, not its batch's BlockRemoved events. msgpack frames each event without
     building it (`skip`), so that what one holds (a map key of any type, bad UTF-8, a malformed
-    timestamp) fails its own decoding. BlockStored events past MAX_BATCH_TOKENS are malformed
-    too, read by their tag alone."""
+    timestamp) fails its own decoding (`_read`), within the batch's MAX_BATCH_TOKENS."""
     events: list[Event] = []
     reasons: list[str] = []
     malformed, count = 0, u.read_array_header()
@@ -179,19 +179,29 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
     for i in range(count):
         start = u.tell()
         u.skip()
-        raw = payload[start : u.tell()]
-        try:
-            if tokens > MAX_BATCH_TOKENS and tag_of(raw) == STORED_TAG:
-                raise BadEvent(f"the batch's BlockStored events hold over {MAX_BATCH_TOKENS} token ids")
-            event = decode_event(raw)
-            if isinstance(event, Stored):
-                tokens += len(event.token_ids)
-                if tokens > MAX_BATCH_TOKENS:
-                    raise BadEvent(f"the batch's BlockStored events hold over {MAX_BATCH_TOKENS} token ids")
-            events.append(event)
-        except BadEvent as bad:
-            events += bad.safe
+        read, cost, why = _read(payload[start : u.tell()], MAX_BATCH_TOKENS - tokens)
+        events += read
+        tokens += cost
+        if why is not None:
             malformed += 1
             if len(reasons) < MAX_BATCH_REASONS:
-                reasons.append(f"event {i}: {bad}")
+                reasons.append(f"event {i}: {why}")
     return tuple(events), malformed, tuple(reasons)
+
+
+def _read(raw: memoryview, left: int) -> tuple[tuple[Event, ...], int, str | None]:
+    """Event `raw` as the events it stands for (itself, or a malformed one's safe reading), what
+    it cost the batch's token budget, `left` of which remain, and why it is malformed (None: it
+    is not). A BlockStored event carrying more ids than are left is left out unread, weighed by
+    its headers (`stored_tokens`) only where its bytes could hold more, an item being at least a
+    byte: weighing costs about what decoding a small event does. A valid BlockStored costs its
+    ids; a malformed event that could only have added blocks (no safe reading) its bytes, more
+    than the items it had the decoder build (uncharged, a payload of them would all be decoded),
+    or what is left: the cost never passes `left`, so an event of no token ids always fits."""
+    if len(raw) > left and (claimed := stored_tokens(raw)) > left:
+        return (), 0, f"its {claimed} token ids would take the batch's BlockStored events over {MAX_BATCH_TOKENS}"
+    try:
+        event = decode_event(raw)
+    except BadEvent as bad:
+        return bad.safe, 0 if bad.safe else min(len(raw), left), str(bad)
+    return (event,), len(event.token_ids) if isinstance(event, Stored) else 0, None

@@ -7,8 +7,9 @@ of the fleet, not a client, but a bad event still must not stop the subscriber o
 batch's other events (a dropped BlockRemoved would leave evicted blocks resident): a malformed
 one raises `BadEvent` carrying what of it still applies (`_safe`: of a malformed clear or
 removal the blocks it says went are forgotten all the same). An event's size is bounded by its
-header before any item is read (EVENT_SLACK). Fields are type-checked here, once, so the
-translation downstream handles plain, well-typed data.
+header before any item is read (EVENT_SLACK), and a BlockStored's token ids are counted by theirs
+(`stored_tokens`) for its batch's budget. Fields are type-checked here, once, so the translation
+downstream handles plain, well-typed data.
 """
 
 import heapq
@@ -255,6 +256,66 @@ def _leading(raw: bytes | memoryview) -> dict[str, object]:
 
 
 UNREAD = object()  # a field `_leading` could not decode
+
+
+def _spellings(*names: str) -> dict[bytes, str]:
+    """Each of `names` by its every msgpack encoding: a fixstr, a str 8, 16 or 32 all decode to
+    it, and a publisher may send any."""
+    out = {}
+    for name in names:
+        data, n = name.encode(), len(name.encode())
+        for head in (
+            bytes([0xA0 | n]),
+            bytes([0xD9, n]),
+            b"\xda" + n.to_bytes(2, "big"),
+            b"\xdb" + n.to_bytes(4, "big"),
+        ):
+            out[head + data] = name
+    return out
+
+
+SPELLED = _spellings("type", "token_ids", STORED_TAG)  # what `stored_tokens` reads, by its bytes
+LONGEST = max(map(len, SPELLED))
+TOKENS_AT = 1 + STORED_FIELDS.index("token_ids")  # token_ids' place in an array event
+
+
+def stored_tokens(raw: bytes | memoryview) -> int:
+    """The token ids a BlockStored event carries, by the headers of its token_ids (each one a map
+    repeats: the decoder builds them all), no item read; 0 for an event of another tag, as
+    `decode_event` reads the tag (a map's last "type" among the entries it reads). A batch weighs
+    an event against its token budget by this before decoding it: building 16 M one-byte ids
+    held the event loop for a second. `raw` is one whole msgpack value, as a batch frames its
+    events: read by skips and byte compares, nothing decoded, it raises nothing."""
+    first = raw[0] if raw else 0
+    u = unpacker(raw)
+    if is_array(first):
+        if u.read_array_header() <= TOKENS_AT or _spelled(_next(u, raw)) != STORED_TAG:
+            return 0
+        for _ in range(TOKENS_AT - 1):  # block_hashes, parent_block_hash
+            u.skip()
+        return _size(_next(u, raw))
+    if not is_map(first):
+        return 0
+    tag, tokens = None, 0
+    for _ in range(min(u.read_map_header(), MAX_MAP_FIELDS)):  # as many as decode_event reads
+        key, value = _spelled(_next(u, raw)), _next(u, raw)
+        if key == "type":
+            tag = _spelled(value)
+        elif key == "token_ids":
+            tokens += _size(value)
+    return tokens if tag == STORED_TAG else 0
+
+
+def _next(u: msgpack.Unpacker, raw: bytes | memoryview) -> bytes | memoryview:
+    """The bytes of the value `u` is at, skipped."""
+    start = u.tell()
+    u.skip()
+    return raw[start : u.tell()]
+
+
+def _spelled(value: bytes | memoryview) -> str | None:
+    """The name msgpack bytes `value` spell (SPELLED), compared as bytes, not decoded."""
+    return SPELLED.get(bytes(value)) if len(value) <= LONGEST else None
 
 
 def tag_of(raw: bytes | memoryview) -> object:

@@ -6,7 +6,7 @@ import pytest
 
 from gateway import vllm_batch
 from gateway.vllm_batch import MAX_BATCH_REASONS, MAX_ENVELOPE, BadBatch, decode_frames, decode_payload
-from gateway.vllm_events import Removed, Stored
+from gateway.vllm_events import MAX_MAP_FIELDS, Removed, Stored, decode_event
 from tests import vllm_data as vd
 from tests import vllm_malformed as vm
 from tests.test_vllm_events import MANY, reads  # noqa: F401 (reads: a fixture)
@@ -101,8 +101,61 @@ def test_an_envelope_of_too_many_items_is_refused_by_its_header_unread(name, rea
 
 def test_block_stored_events_past_the_batch_token_budget_are_left_out_and_removals_kept(monkeypatch):
     """Two 32-token BlockStored events fill a budget of 64 token ids: the third, and every
-    BlockStored after it (read by its tag alone), is malformed; the removal between them is read."""
+    BlockStored after it (weighed by its headers), is malformed; the removal between them is read."""
     monkeypatch.setattr(vllm_batch, "MAX_BATCH_TOKENS", 64)
     batch = decode_payload(1, vm.payload(vm.stored(), vm.stored(), vm.stored(), vd.removed([1]), vm.stored()))
     assert [type(e) for e in batch.events] == [Stored, Stored, Removed]
     assert batch.malformed == 2 and "token ids" in batch.reasons[0]
+
+
+@pytest.fixture
+def decoded(monkeypatch) -> list[bytes]:
+    """[the bytes of each event gateway.vllm_batch hands decode_event], in order."""
+    seen: list[bytes] = []
+
+    def spy(raw: memoryview):
+        seen.append(bytes(raw))
+        return decode_event(raw)
+
+    monkeypatch.setattr(vllm_batch, "decode_event", spy)
+    return seen
+
+
+STR8 = {name: vm.Raw(bytes([0xD9, len(name)]) + name.encode()) for name in ("type", "token_ids", "BlockStored")}
+TOKENS = list(range(64))
+# A 64-token BlockStored as each encoding may send it; msgpack decodes them all to the same event.
+BIG = {
+    "map": vd.stored([1, 2], TOKENS),
+    "array (SGLang)": vd.sglang_stored([1, 2], TOKENS),
+    "map keyed by str 8 names": vm.Pairs(
+        [(STR8["type"], STR8["BlockStored"]), (STR8["token_ids"], TOKENS)]
+        + [(k, v) for k, v in vd.stored([1, 2], TOKENS).items() if k not in ("type", "token_ids")]
+    ),
+    "map whose last tag is BlockStored": vm.Pairs([("type", "BlockRemoved"), *vd.stored([1, 2], TOKENS).items()]),
+    "map of too many entries": vm.stored(*vm.junk(MAX_MAP_FIELDS), token_ids=TOKENS, block_hashes=[1, 2]),
+}
+
+
+@pytest.mark.parametrize("name", list(BIG))
+def test_a_block_stored_event_past_the_token_budget_is_left_out_unread(name, decoded, monkeypatch):
+    """A budget of 64 token ids, 32 of them spent: a 64-token BlockStored is weighed by the header
+    of its token_ids and never decoded (the first past the budget once was: 16 M one-byte ids held
+    the event loop ~1 s before being left out); it costs only itself: a 32-token one after it fits
+    and is read, and so is the removal."""
+    monkeypatch.setattr(vllm_batch, "MAX_BATCH_TOKENS", 64)
+    small = vd.stored([3], list(range(32)))
+    batch = decode_payload(1, vm.payload(small, BIG[name], small, vd.removed([1])))
+    assert vm.pack(BIG[name]) not in decoded and len(decoded) == 3
+    assert [type(e) for e in batch.events] == [Stored, Stored, Removed]
+    assert batch.malformed == 1 and batch.reasons[0].startswith("event 1: its 64 token ids")
+
+
+def test_malformed_block_stored_events_spend_the_budget_and_removals_are_still_read(decoded, monkeypatch):
+    """A malformed BlockStored costs the budget its bytes, at most what is left: uncounted, a
+    payload of them was decoded whole whatever the budget. Once it is spent the next ones are
+    left out unread; a removal, of no token ids, still fits."""
+    bad = vm.BAD_EVENTS["wrong token count"]
+    monkeypatch.setattr(vllm_batch, "MAX_BATCH_TOKENS", 3 * len(vm.pack(bad)) - 1)
+    batch = decode_payload(1, vm.payload(*[bad] * 10, vd.removed([1])))
+    assert decoded == [vm.pack(bad)] * 3 + [vm.pack(vd.removed([1]))]
+    assert batch.events == (Removed((1,)),) and batch.malformed == 10

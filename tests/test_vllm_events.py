@@ -10,7 +10,17 @@ from hypothesis import strategies as st
 
 from gateway import vllm_events
 from gateway.vllm_batch import MAX_BATCH_REASONS, BadBatch, decode_frames, decode_payload, decode_replay
-from gateway.vllm_events import EVENT_SLACK, MAX_MAP_FIELDS, MAX_UNKNOWN, Cleared, Removed, Stored
+from gateway.vllm_events import (
+    EVENT_SLACK,
+    MAX_MAP_FIELDS,
+    MAX_UNKNOWN,
+    BadEvent,
+    Cleared,
+    Removed,
+    Stored,
+    decode_event,
+    stored_tokens,
+)
 from gateway.index import ResidencyIndex
 from gateway.vllm_translate import MAX_REASON_LEN, MAX_REASONS, Change, Translator
 from gateway.vllm_worker import IndexSink
@@ -277,6 +287,50 @@ def test_any_msgpack_value_decodes_or_is_a_bad_batch_and_translates_without_erro
     kept = len(body[1]) - batch.malformed  # and of each malformed one its safe reading: none, one or a removal per tier
     assert kept <= len(batch.events) <= kept + 3 * batch.malformed and len(batch.reasons) <= MAX_BATCH_REASONS
     Translator(vd.MODEL, 16).apply(batch.events)
+
+
+@settings(max_examples=500, deadline=None)
+@given(event=EVENTS)
+def test_an_events_token_ids_are_weighed_as_it_decodes(event):
+    """`stored_tokens`, read by headers alone, counts at least a decoded BlockStored's token ids,
+    and none of a clear or a removal: a batch over its token budget still reads those."""
+    raw = vm.pack(event)
+    weighed = stored_tokens(raw)
+    try:
+        decoded = decode_event(raw)
+    except BadEvent as bad:
+        assert weighed == 0 or bad.safe == ()
+        return
+    assert weighed >= len(decoded.token_ids) if isinstance(decoded, Stored) else weighed == 0
+
+
+STR8_TYPE, STR32_TAG = vm.Raw(b"\xd9\x04type"), vm.Raw(b"\xdb\x00\x00\x00\x0bBlockStored")
+WEIGHED = {
+    "map": (vd.stored([1, 2], list(range(64))), 64),
+    "array (SGLang)": (vd.sglang_stored([1], list(range(32))), 32),
+    "removal": (vd.removed([1]), 0),
+    "clear": ({"type": "AllBlocksCleared"}, 0),
+    "array of no token_ids": (["BlockStored", [1], None], 0),
+    "no event": (7, 0),
+    "token_ids a map": (vm.stored(token_ids=vm.Pairs([(1, 2)] * 5)), 5),
+    "token_ids nil": (vm.stored(token_ids=None), 0),
+    "tag and key spelled long": (vm.Pairs([(STR8_TYPE, STR32_TAG), ("token_ids", [1] * 9)]), 9),
+    "token_ids repeated": (vm.Pairs([("type", "BlockStored"), ("token_ids", [1] * 3), ("token_ids", [1] * 4)]), 7),
+    "last tag a removal's": (vm.stored(("type", "BlockRemoved")), 0),
+    "token_ids past the entries read": (
+        vm.Pairs([("type", "BlockStored"), *vm.junk(MAX_MAP_FIELDS), ("token_ids", [1])]),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WEIGHED))
+def test_a_block_stored_events_token_ids_are_counted_by_their_headers(name):
+    """A map's every token_ids among the entries the decoder reads (a long event's first
+    MAX_MAP_FIELDS), an array's fourth item, under the tag the decoder reads (a map's last), in
+    any of msgpack's string encodings; an array's or map's header gives its count, unread."""
+    event, tokens = WEIGHED[name]
+    assert stored_tokens(vm.pack(event)) == tokens
 
 
 def test_array_events_with_fields_past_the_known_ones_are_left_out():
