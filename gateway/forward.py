@@ -61,6 +61,7 @@ import asyncio
 import json
 import random
 import uuid
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -197,18 +198,35 @@ class Forwarder:
         return cheapest(random.getrandbits(32), workers, [v.load for v in views])
 
     async def forward(self, request: Request, kind: str, raw: bytes, model: str, rec: RequestRecord) -> Response:
-        """The body to the least loaded worker; one that fails before answering costs a retry
-        on another (after a backoff), up to `retry.max_retries` of them."""
+        """The body to the least loaded worker, retried elsewhere as `tries` says."""
+
+        def attempt(w: Worker, headers: dict) -> Awaitable[Response]:
+            return self.attempt(request, w, kind, raw, headers, rec)
+
+        return await self.tries(
+            rec, kind in POOLING_KINDS, self.retry.max_retries, lambda ex: self.pick(model, kind, ex), attempt
+        )
+
+    async def tries(
+        self,
+        rec: RequestRecord,
+        engine: bool,
+        retries: int,
+        pick: Callable[[set[str]], Worker | None],
+        attempt: Callable[[Worker, dict], Awaitable[Response]],
+    ) -> Response:
+        """Tries on the workers `pick` offers (given those that failed): one that fails before
+        answering costs a retry on another (after a backoff), up to `retries` of them. `engine`:
+        the request is engine work, counted in flight and in the worker's breaker."""
         headers = {"content-type": "application/json", "x-request-id": rec.request_id}
         exclude: set[str] = set()
         failure: UpstreamError | None = None
-        engine = kind in POOLING_KINDS  # engine work: load the policies see, its breaker's to count
-        for attempt in range(self.retry.max_retries + 1):
+        for n in range(retries + 1):
             if failure is not None:
                 self.metrics.retries.labels(failure.stage).inc()
-                rec.retries = attempt
-                await asyncio.sleep(self.retry.delay(attempt))
-            w = self.pick(model, kind, exclude)
+                rec.retries = n
+                await asyncio.sleep(self.retry.delay(n))
+            w = pick(exclude)
             if w is None:
                 if failure is not None:
                     break
@@ -226,7 +244,7 @@ class Forwarder:
             answer: Response | None = None
             try:
                 with rec.trace.client("upstream", headers, None, worker=w.worker_id) as sent:
-                    answer = await self.attempt(request, w, kind, raw, sent, rec)
+                    answer = await attempt(w, sent)
                     return answer
             except ClientGone:
                 if engine:
@@ -265,15 +283,23 @@ class Forwarder:
             return self.relay(w, resp, engine, out, rec)
         body = await whole_body(self.proxy, resp)
         w.breaker.succeeded()  # a pooling 404: the server answered as it should
-        if not _openai_error(body):
+        if not openai_error(body):
             raise not_pooling(rec.model, kind)  # the server mounts no such route (not a pooling model)
         return Response(body, resp.status, out)
 
     def relay(self, w: Worker, resp: Upstream, engine: bool, headers: dict, rec: RequestRecord) -> BodyPassThrough:
-        """`resp`'s body relayed to the client. Its end is the try's: the worker's count in
-        flight ends, and for an embedding (engine work) the breaker is told of its success, its
-        failure or nothing (the client left); a tokenization's failure counts against the
-        breaker only when the worker broke the answer off, not when it fell silent."""
+        """`resp`'s body relayed to the client, ended as `ends` says."""
+        failed, closed = self.ends(w, resp, engine, rec)
+        return BodyPassThrough(resp, resp.status, self.proxy.idle_timeout, failed, closed, headers)
+
+    def ends(
+        self, w: Worker, resp: Upstream, engine: bool, rec: RequestRecord
+    ) -> tuple[Callable[[Exception], str], Callable[[], None]]:
+        """The callbacks of a relayed answer's failure and end (`BodyPassThrough`). Its end is
+        the try's: the worker's count in flight ends, and for an embedding (engine work) the
+        breaker is told of its success, its failure or nothing (the client left); a
+        tokenization's failure counts against the breaker only when the worker broke the answer
+        off, not when it fell silent."""
         rec.status = resp.status
         broken = False
 
@@ -297,7 +323,7 @@ class Forwarder:
                     w.breaker.released()
             self.exchange.account.finish(rec)
 
-        return BodyPassThrough(resp, resp.status, self.proxy.idle_timeout, failed, closed, headers)
+        return failed, closed
 
 
 def not_pooling(model: str, kind: str) -> ApiError:
@@ -311,7 +337,7 @@ def not_pooling(model: str, kind: str) -> ApiError:
     )
 
 
-def _openai_error(body: bytes) -> bool:
+def openai_error(body: bytes) -> bool:
     """Whether a body is an OpenAI error object (not a bare 404 page)."""
     try:
         doc = json.loads(body)
