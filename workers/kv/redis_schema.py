@@ -21,6 +21,8 @@ served model: their block hashes share a seed, so their residency is comparable.
                                    of its ledger (gateway/shared_ledger.py); a message holds
                                    what one flush of the replica's outbox had queued
   kvgate:ratelimit:{key}:{limit}   a gateway API key's token bucket {tokens, ts}, expires
+  kvgate:response:{id}             a stored Responses API response's worker and tenant (a signed
+                                   JSON record, gateway/shared_response_ids.py), expires
 
 A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
 whoever can write to Redis but lacks the token cannot point gateways at a server of theirs. An
@@ -137,6 +139,12 @@ def _event(parts: list[bytes]) -> KVEvent:
 
 def ratelimit_key(key_name: str, limit: str) -> str:
     return f"{PREFIX}:ratelimit:{key_name}:{limit}"
+
+
+def response_key(response_id: str) -> str:
+    """Where gateway replicas share which worker holds a stored response (its id bounded and
+    of safe characters: gateway/response_ids.py `valid_id`)."""
+    return f"{PREFIX}:response:{response_id}"
 
 
 MAX_REGISTRATION_AGE_S = 60.0
