@@ -16,7 +16,8 @@ closes its connection (`CloseOn5xx`).
 
 `/tokenize`, `/detokenize`, `/v1/embeddings` and vLLM's other pooling endpoints need no routing
 decision: they are forwarded to the least loaded worker of their model under the same door, limits and retries
-(gateway/forward.py, which says why tokenization is the worker's and not the gateway's).
+(gateway/forward.py, which says why tokenization is the worker's and not the gateway's); so does
+`/v1/responses`, but a stored response's requests go to the worker that holds it (gateway/responses.py).
 """
 
 import asyncio
@@ -45,6 +46,9 @@ from gateway.worker import Worker
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake, refused, worker_failed
 from gateway.metrics import GatewayMetrics, RedisCollector
+from gateway.responses import RESPONSES_KINDS, TRACE_NAMES, Responses, routes, new_id as responses_id
+from gateway.response_ids import ResponseIds
+from gateway.shared_response_ids import SharedResponseIds
 from gateway.proxy import (
     ClientGone,
     Proxy,
@@ -89,6 +93,8 @@ class Gateway:
         retry: RetryPolicy | None = None,
         access_log: bool = True,
         fleet_summary_s: float = 0.0,
+        response_ids: ResponseIds | None = None,
+        shared_response_ids: SharedResponseIds | None = None,
     ):
         self.fleet = fleet
         self.admission = admission or Admission()
@@ -111,6 +117,7 @@ class Gateway:
         self.forwarder = Forwarder(
             fleet, self.proxy, self.admission, self.retry, self.metrics, self.exchange, self.intake, tokenizers
         )
+        self.responses = Responses(self.forwarder, response_ids or ResponseIds(), shared_response_ids)
         if redis is not None:
             redis.ledgers.on_routed = self.observe_routed
             redis.ledgers.on_tally = self.add_tally
@@ -119,7 +126,8 @@ class Gateway:
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                *(Route(FORWARDED[kind], self.pooling(kind), methods=["POST"]) for kind in sorted(POOLING_KINDS)),
+                *(Route(FORWARDED[kind], self.endpoint(kind), methods=["POST"]) for kind in sorted(POOLING_KINDS)),
+                *routes(self.endpoint),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/models", self.models),
@@ -149,6 +157,7 @@ class Gateway:
             await self.fleet.stop()
             await self.proxy.close()
             await self.access.limiter.close()
+            await self.responses.close()
             self.tracing.shutdown()
 
     def observe_routed(self, note: LedgerNote) -> None:
@@ -193,9 +202,10 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         return await self.handle(request, "chat")
 
-    def pooling(self, kind: str):
+    def endpoint(self, kind: str):
         """The endpoint of a pooling kind (POST /v1/embeddings, /v2/embed, /pooling, /classify,
-        /score, /rerank...): forwarded to a vLLM worker of the model (gateway/forward.py)."""
+        /score, /rerank...: forwarded to a vLLM worker of the model, gateway/forward.py) or of
+        the Responses API (gateway/responses.py)."""
 
         async def endpoint(request: Request) -> Response:
             return await self.handle(request, kind)
@@ -214,7 +224,7 @@ class Gateway:
 
     async def handle(self, request: Request, kind: str) -> Response:
         """Admit the request (or refuse it at once) and count it until its answer ends."""
-        rid = forwarded_id(kind) if kind in FORWARDED else new_id(kind)
+        rid = forwarded_id(kind) if kind in FORWARDED else (responses_id if kind in RESPONSES_KINDS else new_id)(kind)
         rec = RequestRecord(rid, kind, time.monotonic(), client_request_id=request.headers.get("x-request-id"))
         refusal = self.admission.refuse()
         if refusal is not None:
@@ -241,12 +251,15 @@ class Gateway:
         rid, client_rid = rec.request_id, rec.client_request_id
         if client_rid:
             log.info("request %s is the client's x-request-id %r", rid, client_rid[:200])
-        trace = rec.trace = self.tracing.start(f"POST {PATHS.get(kind) or FORWARDED[kind]}", request.headers)
+        name = TRACE_NAMES.get(kind) or f"POST {PATHS.get(kind) or FORWARDED[kind]}"
+        trace = rec.trace = self.tracing.start(name, request.headers)
         trace.set(request_id=rid, client_request_id=client_rid)
         try:
             raw = await read_body(request, self.max_body_bytes)
             if kind in FORWARDED:
                 resp = await self.forwarder.serve(request, kind, raw, rec)
+            elif kind in RESPONSES_KINDS:
+                resp = await self.responses.serve(request, kind, raw, rec)
             else:
                 resp = await self.generate(request, kind, raw, rec)
         except BodyTooLarge as e:

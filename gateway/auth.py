@@ -28,8 +28,8 @@ from workers.protocol import checked_cache_salt, error_body
 from workers.sampling_params import InvalidRequest
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-# the paths a key's request rate limits: generation, tokenization and vLLM's pooling endpoints
-# (gateway/forward.py PATHS)
+# the paths a key's request rate limits: generation, tokenization, vLLM's pooling endpoints
+# (gateway/forward.py PATHS) and its Responses API
 LIMITED_PATHS = frozenset(
     {
         "/v1/completions",
@@ -45,8 +45,10 @@ LIMITED_PATHS = frozenset(
         "/rerank",
         "/v1/rerank",
         "/v2/rerank",
+        "/v1/responses",
     }
 )
+LIMITED_PREFIX = "/v1/responses/"  # a stored response's retrieve and cancel (gateway/responses.py)
 SCOPE_KEY = "kvgate.api_key"
 CACHE_HEADERS = (
     b"x-kvgate-worker",
@@ -206,6 +208,11 @@ def api_key(scope: MutableMapping[str, Any]) -> ApiKey | None:
     return scope.get(SCOPE_KEY)
 
 
+def limited(path: str) -> bool:
+    """Whether a key's request rate limits requests to `path`."""
+    return path in LIMITED_PATHS or path.startswith(LIMITED_PREFIX)
+
+
 def retry_after(wait_s: float) -> int:
     """Whole seconds for Retry-After; a request that can never fit is told a minute."""
     return 60 if math.isinf(wait_s) else max(1, math.ceil(wait_s))
@@ -306,7 +313,7 @@ class Guard:
             if key is None:
                 return await self._unauthenticated(scope, receive, send)
             scope[SCOPE_KEY] = key
-            wait = await self.access.admit_request(key) if scope["path"] in LIMITED_PATHS else 0.0
+            wait = await self.access.admit_request(key) if limited(scope["path"]) else 0.0
             if wait:
                 msg = f"Rate limit reached for key {key.name}: {key.rpm} requests per minute"
                 resp = JSONResponse(

@@ -6,6 +6,7 @@ import os
 
 from policies.api import DEFAULT_TIER_CREDITS
 from workers.cli_help import HelpFormatter
+from gateway.response_ids import DEFAULT_SIZE, DEFAULT_TTL_S
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.http_server import add_client_args
 from workers.logs import add_log_args
@@ -134,6 +135,22 @@ def parser() -> argparse.ArgumentParser:
         help="largest request body taken, checked before it is read (larger: 413)",
     )
     p.add_argument("--replica-id", help="this gateway's id among replicas sharing Redis (default: random)")
+    p.add_argument(
+        "--response-ids",
+        type=int,
+        default=DEFAULT_SIZE,
+        metavar="N",
+        help="stored Responses API responses (/v1/responses) whose worker the gateway remembers, the least "
+        "recently used forgotten first: their follow-ups, retrieves and cancels go to that worker (with "
+        "--redis shared by the replicas); a forgotten one is a 404",
+    )
+    p.add_argument(
+        "--response-ttl-s",
+        type=float,
+        default=DEFAULT_TTL_S,
+        metavar="S",
+        help="how long the gateway remembers a stored response's worker after its creation",
+    )
     add_log_args(p)
     p.add_argument(
         "--no-access-log",

@@ -21,7 +21,9 @@ from gateway.index import ResidencyIndex
 from gateway.proxy import Proxy
 from gateway.raw_send import RawSendConnection
 from gateway.ratelimit import RateLimiter
+from gateway.response_ids import ResponseIds
 from gateway.retry import RetryPolicy
+from gateway.shared_response_ids import SharedResponseIds
 from gateway.tokenize import Tokenizers
 from gateway.tracing import Tracing, make_exporter
 from policies.api import Policy, TierCredits
@@ -69,6 +71,10 @@ def build(args: argparse.Namespace) -> Gateway:
     proxy = Proxy(args.upstream_connect_timeout, args.upstream_first_byte_timeout, args.upstream_idle_timeout)
     admission = Admission(AdmissionConfig(args.max_pending, args.max_queue_per_worker, args.retry_after_s))
     retry = RetryPolicy(args.max_retries, args.retry_backoff_ms / 1000.0)
+    try:
+        response_ids = ResponseIds(args.response_ids, args.response_ttl_s)
+    except ValueError:
+        raise SystemExit("kvgate gateway: --response-ids must be at least 1 and --response-ttl-s positive")
     return Gateway(
         fleet,
         Tokenizers(args.block_size, args.model),
@@ -86,6 +92,8 @@ def build(args: argparse.Namespace) -> Gateway:
         retry=retry,
         access_log=args.access_log,
         fleet_summary_s=args.fleet_summary_s,
+        response_ids=response_ids,
+        shared_response_ids=SharedResponseIds(args.redis, args.internal_token) if redis is not None else None,
     )
 
 

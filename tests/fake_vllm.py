@@ -1,7 +1,10 @@
 """A stand-in vLLM server for fast gateway tests: vLLM's HTTP surface (/health, /metrics,
 /v1/models, /kv_event_sources, /v1/completions, /tokenize, /detokenize, /v1/embeddings and the
 other pooling endpoints (/v2/embed, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank,
-/v2/rerank: a small answer of each one's shape), each echoing the body it got and the `x-request-id` it was sent) and its ZMQ KV event publisher
+/v2/rerank: a small answer of each one's shape), each echoing the body it got and the `x-request-id` it was sent,
+the Responses API (POST /v1/responses, GET /v1/responses/{id}, POST /v1/responses/{id}/cancel)
+over an in-memory store as vLLM's with VLLM_ENABLE_RESPONSES_API_STORE=1 (a stream opens with
+`response.created`; a background response stays queued until cancelled)) and its ZMQ KV event publisher
 (PUB + replay ROUTER, vLLM's framing), steered by the test through /_control.
 
     python -m tests.fake_vllm --port P --events-port E --replay-port R
@@ -10,6 +13,7 @@ other pooling endpoints (/v2/embed, /pooling, /classify, /score, /v1/score, /rer
 "answer": the status completions, /tokenize, /detokenize and /v1/embeddings answer with,
 "answers": {path: status} for one path's own (an engine failing generations that still
 tokenizes),
+"responses": false (the Responses API answers 501, as vLLM's does for a model without it),
 "embeddings": false (the pooling routes are not mounted, as on a server of a generative model:
 FastAPI's bare 404), "embeddings_body": how the embeddings answer is sent: {} whole, {"pieces": n, "gap_s": s,
 "dims": d} in n pieces s apart (vectors of d numbers), {"hold": true} its last piece only once
@@ -25,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections import deque
 
 import msgpack
@@ -48,6 +53,8 @@ class Fake:
         self.answer = 200  # the status /v1/completions answers with (an error body unless 200)
         self.answers: dict[str, int] = {}  # a path's own status, in place of `answer`
         self.embeddings = True  # whether /v1/embeddings is mounted (an embedding model's server)
+        self.responses = True  # whether the Responses API serves (a generative model's server)
+        self.stored: dict[str, dict] = {}  # response id -> the stored response
         self.embeddings_body: dict = {}  # how its answer is sent (the docstring's embeddings_body)
         self.release = asyncio.Event()
         self.saw_token = False  # whether any request carried kvgate's internal token
@@ -190,6 +197,70 @@ def app(fake: Fake) -> Starlette:
             answer = {"object": "list", "data": [{"index": 0, "object": "pooling", "data": [0.5, -0.5]}]}
         return failure(request) or JSONResponse({"model": MODEL, "usage": usage, **answer, **echo(request, raw)})
 
+    def not_found(response_id: str) -> Response:
+        error = {"message": f"Response with id '{response_id}' not found.", "type": "invalid_request_error"}
+        return JSONResponse({"error": {**error, "param": "response_id", "code": 404}}, 404)
+
+    def responses_failure(request: Request) -> Response | None:
+        if not fake.responses:
+            error = {"message": "The model does not support Responses API", "type": "NotImplementedError"}
+            return JSONResponse({"error": {**error, "param": None, "code": 501}}, 501)
+        return failure(request)
+
+    async def create_response(request: Request) -> Response:
+        """vLLM's create: the previous response must be stored here; the answer (or a stream's
+        `response.created`) names the new one, stored unless `store` is false."""
+        raw = await request.body()
+        if (failed := responses_failure(request)) is not None:
+            return failed
+        body = json.loads(raw)
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in fake.stored:
+            return not_found(previous)
+        response = {
+            "id": f"resp_{uuid.uuid4().hex[:16]}",
+            "object": "response",
+            "model": MODEL,
+            "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
+            "status": "queued" if body.get("background") else "completed",
+            "previous_response_id": previous,
+            **echo(request, raw),
+        }
+        if body.get("store", True):
+            fake.stored[response["id"]] = response
+        if not body.get("stream"):
+            return JSONResponse(response)
+        events = [("response.created", {**response, "status": "in_progress"}), ("response.completed", response)]
+        return StreamingResponse(sse(events), media_type="text/event-stream")
+
+    async def sse(events: list[tuple[str, dict]]):
+        for n, (kind, response) in enumerate(events):
+            yield f"event: {kind}\ndata: {json.dumps({'response': response, 'sequence_number': n, 'type': kind})}\n\n"
+
+    async def retrieve_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if (failed := responses_failure(request)) is not None:
+            return failed
+        if response_id not in fake.stored:
+            return not_found(response_id)
+        response = {**fake.stored[response_id], "query": request.url.query}
+        if request.query_params.get("stream") == "true":
+            return StreamingResponse(sse([("response.completed", response)]), media_type="text/event-stream")
+        return JSONResponse(response)
+
+    async def cancel_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if (failed := responses_failure(request)) is not None:
+            return failed
+        if response_id not in fake.stored:
+            return not_found(response_id)
+        response = fake.stored[response_id]
+        if response["status"] not in ("queued", "in_progress"):
+            error = {"message": "Cannot cancel a synchronous response.", "type": "invalid_request_error"}
+            return JSONResponse({"error": {**error, "param": "response_id", "code": 400}}, 400)
+        response["status"] = "cancelled"
+        return JSONResponse(response)
+
     async def pieces(text: bytes, how: dict):
         if how.get("hold"):
             yield text[:-1] + b', "released": '
@@ -215,6 +286,7 @@ def app(fake: Fake) -> Starlette:
         fake.answer = body.get("answer", fake.answer)
         fake.answers = body.get("answers", fake.answers)
         fake.embeddings = body.get("embeddings", fake.embeddings)
+        fake.responses = body.get("responses", fake.responses)
         fake.embeddings_body = body.get("embeddings_body", fake.embeddings_body)
         if body.get("release"):
             fake.release.set()
@@ -245,6 +317,9 @@ def app(fake: Fake) -> Starlette:
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             *(Route(p, pooled, methods=["POST"]) for p in POOLED),
+            Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", retrieve_response),
+            Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
             Route("/_control", control, methods=["POST"]),
         ],
         lifespan=lifespan,

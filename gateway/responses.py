@@ -1,0 +1,313 @@
+"""vLLM's Responses API through the gateway: `POST /v1/responses` (create), `GET
+/v1/responses/{response_id}` (retrieve; `?stream=true` replays a background response's events)
+and `POST /v1/responses/{response_id}/cancel`, for models served by vLLM workers.
+
+A vLLM server keeps a stored response in its own memory (with VLLM_ENABLE_RESPONSES_API_STORE;
+`store` is a create's default), and only that server can continue it (`previous_response_id`),
+return it or cancel it: another server answers 404, as it has never seen the id. So:
+
+- a create without `previous_response_id` goes to the least loaded vLLM worker of its model
+  with room in its queue, retried elsewhere when one fails before answering, as an embedding
+  does (gateway/forward.py: the same body cap, admission, API keys, per-key rates, breakers);
+- the gateway learns each response's id from the answer as it relays it (gateway/response_tap.py)
+  and records the worker and the key's tenant (gateway/response_ids.py: an LRU with a TTL; with
+  `--redis` shared by the replicas, gateway/shared_response_ids.py); a `store: false` create is
+  not recorded;
+- a follow-up, a retrieve and a cancel go to the recorded worker only, one try, never
+  elsewhere. An id the gateway does not know, or recorded for another tenant, is the same 404
+  (`response_not_found`: nothing says it exists); a recorded worker that is unavailable now (down,
+  out of service, suspect, its breaker open, or gone from the fleet) is a 503
+  (`response_worker_unavailable`, with Retry-After): the response may come back with its worker,
+  and no other server could answer for it.
+
+A create is engine work (counted in flight, its breaker's to count); a retrieve or cancel is
+not. A create's input (`instructions`, `input`'s texts, by the model's tokenizer; other items at
+a quarter of the body's bytes) and its `max_output_tokens` are charged to a key's
+tokens-per-minute budget; a previous response's history, which only the worker sees, is not.
+The body goes to vLLM unchanged but for the tenant's `cache_salt`; fields internal to the fleet
+and `request_id` (the stored response's name, response_fields.py) are refused. These requests
+count in the metrics as the forwarded ones do (gateway/forward.py): an access-log line (`kind`)
+and a trace each, worker failures, retries and refusals, not the generation series.
+"""
+
+import json
+import logging
+import random
+import uuid
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import vllm_worker
+from gateway.auth import api_key
+from gateway.exchange import whole_body
+from gateway.forward import NOT_POOLING, Forwarder, openai_error
+from gateway.intake import ApiError, client_body, refused
+from gateway.pooling import input_tokens
+from gateway.proxy import BodyPassThrough, ConnectFailed, Watch
+from gateway.record import RequestRecord
+from gateway.response_fields import create_fields, input_texts
+from gateway.response_ids import Owner, ResponseIds, valid_id
+from gateway.response_tap import IdTap, TappedPassThrough
+from gateway.shared_response_ids import LookupFailed, SharedResponseIds
+from gateway.upstream import Upstream
+from gateway.worker import Worker
+from policies.candidates import cheapest
+
+log = logging.getLogger("kvgate.gateway")
+
+CREATE, RETRIEVE, CANCEL = "responses", "responses_retrieve", "responses_cancel"
+RESPONSES_KINDS = frozenset({CREATE, RETRIEVE, CANCEL})
+TRACE_NAMES = {
+    CREATE: "POST /v1/responses",
+    RETRIEVE: "GET /v1/responses/{response_id}",
+    CANCEL: "POST /v1/responses/{response_id}/cancel",
+}
+NOT_FOUND, UNAVAILABLE, LOOKUP_FAILED = "response_not_found", "response_worker_unavailable", "response_lookup_failed"
+MAX_STARTING_AFTER = 2**31 - 1
+
+
+def new_id(kind: str) -> str:
+    return "respreq-" + uuid.uuid4().hex[:24]
+
+
+def routes(endpoint: Callable[[str], Callable[[Request], Awaitable[Response]]]) -> list[Route]:
+    """The three routes, each served by `endpoint(kind)`."""
+    return [
+        Route("/v1/responses", endpoint(CREATE), methods=["POST"]),
+        Route("/v1/responses/{response_id}", endpoint(RETRIEVE), methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", endpoint(CANCEL), methods=["POST"]),
+    ]
+
+
+class Responses:
+    """Serves the Responses API with the forwarder's fleet, client and limits (`forwarder`), the
+    gateway's ledger of response ids (`ids`) and, with Redis, the replicas' (`shared`)."""
+
+    def __init__(self, forwarder: Forwarder, ids: ResponseIds, shared: SharedResponseIds | None = None):
+        self.forwarder, self.ids, self.shared = forwarder, ids, shared
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.close()
+
+    async def serve(self, request: Request, kind: str, raw: bytes, rec: RequestRecord) -> Response:
+        """One request of `kind`; raises ApiError."""
+        if kind == CREATE:
+            return await self.create(request, raw, rec)
+        return await self.stored(request, kind, rec)
+
+    async def create(self, request: Request, raw: bytes, rec: RequestRecord) -> Response:
+        """A create: checked, charged, to the previous response's worker or the least loaded."""
+        fwd = self.forwarder
+        body = client_body(raw)
+        model = rec.model = fwd.intake.resolve_model(body.get("model"), fwd.fleet.models())
+        rec.trace.set(model=model)
+        fields = create_fields(body)
+        texts, estimated = input_texts(body)
+        rec.stream = fields.stream
+        if not any(w.kind == vllm_worker.KIND and w.healthy and w.model == model for w in fwd.fleet.workers.values()):
+            raise not_supported(model)
+        key = api_key(request.scope)
+        tenant = key.tenant if key is not None else ""
+        holder = None
+        if fields.previous_response_id is not None:
+            holder = await self.holder(fields.previous_response_id, tenant, "previous_response_id")
+        raw = await self.charged(request, body, raw, model, texts, estimated, fields.max_output_tokens)
+        keep = tenant if fields.store else None
+
+        def attempt(w: Worker, headers: dict) -> Awaitable[Response]:
+            return self.attempt(request, w, "POST", "/v1/responses", raw, headers, rec, True, keep)
+
+        if holder is None:
+            return await fwd.tries(rec, True, fwd.retry.max_retries, lambda ex: self.pick(model, ex), attempt)
+        return await fwd.tries(rec, True, 0, lambda ex: self.with_room(holder), attempt)
+
+    async def stored(self, request: Request, kind: str, rec: RequestRecord) -> Response:
+        """A retrieve or a cancel, to the worker that stored the response."""
+        response_id = request.path_params["response_id"]
+        key = api_key(request.scope)
+        w = await self.holder(response_id, key.tenant if key is not None else "", "response_id")
+        rec.model = w.model or ""
+        if kind == CANCEL:
+            method, path = "POST", f"/v1/responses/{response_id}/cancel"
+        else:
+            method, path = "GET", f"/v1/responses/{response_id}{retrieve_query(request)}"
+            rec.stream = request.query_params.get("stream") == "true"
+
+        def attempt(w: Worker, headers: dict) -> Awaitable[Response]:
+            return self.attempt(request, w, method, path, b"", headers, rec, False, None)
+
+        return await self.forwarder.tries(rec, False, 0, lambda ex: w, attempt)
+
+    async def charged(
+        self, request: Request, body: dict, raw: bytes, model: str, texts: list[str], estimated: bool, most: int | None
+    ) -> bytes:
+        """Charge the key for a create's input (`texts` by the model's tokenizer, with a quarter
+        of the body's bytes when it holds `estimated` inputs, response_fields.input_texts) and
+        its max_output_tokens (`most`); the body to forward, with the tenant's cache_salt."""
+        intake = self.forwarder.intake
+        key = api_key(request.scope)
+        if key is not None and key.tpm:
+            tok = await self.forwarder.tokenizers.get(model) if texts else None
+            tokens = await input_tokens(tok, texts) + (len(raw) // 4 if estimated else 0)
+            await intake.charge(request, tokens + (most or 0))
+        if intake.access.apply_cache_salt(key, body):
+            return json.dumps(body).encode()
+        return raw
+
+    async def holder(self, response_id: str, tenant: str, param: str) -> Worker:
+        """The worker that stored `response_id` for `tenant`: a 404 when the gateway knows of no
+        such response of the tenant's, a 503 when its worker cannot take a request now."""
+        owner = await self.owner(response_id)
+        if owner is None or owner.tenant != tenant:
+            raise ApiError(404, f"Response with id '{response_id[:200]}' not found.", code=NOT_FOUND, param=param)
+        w = self.forwarder.fleet.by_id(owner.worker_id)
+        if w is None or not w.available:
+            raise ApiError(
+                503,
+                f"the server that stored response '{response_id}' is unavailable now, and no other holds it; retry later",
+                "server_error",
+                UNAVAILABLE,
+                retry_after=self.forwarder.admission.config.retry_after_s,
+            )
+        return w
+
+    async def owner(self, response_id: str) -> Owner | None:
+        """Who holds `response_id`: this replica's ledger, else (with Redis) the replicas'."""
+        if not valid_id(response_id):
+            return None
+        owner = self.ids.find(response_id)
+        if owner is not None or self.shared is None:
+            return owner
+        try:
+            found = await self.shared.find(response_id)
+        except LookupFailed as e:
+            raise ApiError(
+                503,
+                f"cannot look the response up: {e}",
+                "server_error",
+                LOOKUP_FAILED,
+                retry_after=self.forwarder.admission.config.retry_after_s,
+            )
+        if found is None:
+            return None
+        self.ids.record(response_id, found[0], found[1])
+        return found[0]
+
+    def record(self, response_id: str, owner: Owner) -> None:
+        """Remember (and share) which worker and tenant a response is; an id the ledger cannot
+        hold (valid_id) is logged and left out: its follow-ups will be 404s."""
+        if not self.ids.record(response_id, owner):
+            log.warning(
+                "worker %s answered a response id the gateway cannot record: %r", owner.worker_id, response_id[:200]
+            )
+        elif self.shared is not None:
+            self.shared.put(response_id, owner, self.ids.ttl_s)
+
+    def pick(self, model: str, exclude: set[str]) -> Worker | None:
+        """The least loaded vLLM worker of `model` (not in `exclude`) whose queue has room; a 503
+        `overloaded` when every one is full."""
+        fwd = self.forwarder
+        workers = [w for w in fwd.fleet.candidates(model) if w.worker_id not in exclude and w.kind == vllm_worker.KIND]
+        room = fwd.admission.open_workers(workers)
+        if workers and not room:
+            fwd.metrics.refused.labels("worker_queues_full").inc()
+            raise refused(fwd.admission.full(len(workers)))
+        if not room:
+            return None
+        return cheapest(random.getrandbits(32), room, [v.load for v in fwd.fleet.views(room, {})])
+
+    def with_room(self, w: Worker) -> Worker:
+        """`w` if its queue has room, else a 503 `overloaded` (no other worker can serve it)."""
+        fwd = self.forwarder
+        if not fwd.admission.open_workers([w]):
+            fwd.metrics.refused.labels("worker_queues_full").inc()
+            raise refused(fwd.admission.full(1))
+        return w
+
+    async def attempt(
+        self,
+        request: Request,
+        w: Worker,
+        method: str,
+        path: str,
+        raw: bytes,
+        headers: dict,
+        rec: RequestRecord,
+        engine: bool,
+        keep: str | None,
+    ) -> Response:
+        """One try on `w`: UpstreamError while nothing is committed to the client, else its
+        answer, relayed as it arrives. A 404 that is not an OpenAI error (no such route) or a
+        501 (vLLM serves no Responses API for the model) is the client's 400
+        `model_not_supported`; a 503 is the worker's load and any other 5xx its failure.
+        `engine`: a create, engine work. A 200 answer's id is recorded for tenant `keep` (None:
+        not recorded) as it passes."""
+        fwd = self.forwarder
+        resp = await self.send(w, method, path, raw, headers, request)
+        kind = resp.headers.get("content-type", "application/json")
+        out = {"x-kvgate-worker": w.worker_id, "content-type": kind}
+        if resp.status in (404, 501):
+            body = await fwd.proxy.read(resp)
+            if engine:
+                w.breaker.succeeded()  # the server answered as it should
+            if resp.status == 404 and openai_error(body):
+                return Response(body, 404, out)
+            raise not_supported(rec.model)
+        if resp.status >= 500:
+            await whole_body(fwd.proxy, resp)  # raises: WorkerBusy (503) or WorkerError
+        streamed = kind.startswith("text/event-stream")
+        if streamed:
+            out["cache-control"] = "no-cache"
+        failed, closed = fwd.ends(w, resp, engine, rec)
+        if keep is None or resp.status != 200:
+            return BodyPassThrough(resp, resp.status, fwd.proxy.idle_timeout, failed, closed, out)
+        tap = IdTap(streamed, lambda rid: self.record(rid, Owner(w.worker_id, keep)))
+
+        def ended() -> None:
+            if tap.id is None and resp.complete:
+                log.warning("worker %s answered a response whose id the gateway did not find", w.worker_id)
+            closed()
+
+        return TappedPassThrough(resp, 200, fwd.proxy.idle_timeout, failed, ended, out, tap)
+
+    async def send(self, w: Worker, method: str, path: str, body: bytes, headers: dict, request: Request) -> Upstream:
+        """Send the request and wait for the response head, as `Proxy.open` does for a POST: cut
+        short when the client leaves or the worker is lost, bounded by the first-byte timeout."""
+        proxy = self.forwarder.proxy
+        try:
+            async with Watch(proxy.first_byte_timeout, request, self.forwarder.fleet.lost(w)):
+                return await proxy.pool.request(method, w.url, path, headers, body if method == "POST" else None)
+        except OSError as e:  # refused, reset, a connect timeout
+            raise ConnectFailed(f"{type(e).__name__}: {e}") from e
+
+
+def retrieve_query(request: Request) -> str:
+    """A retrieve's query as vLLM reads it, checked: `stream` true or false, `starting_after`
+    (the event to replay after) a non-negative integer; other parameters are not forwarded."""
+    q = request.query_params
+    out = []
+    stream = q.get("stream")
+    if stream is not None:
+        if stream not in ("true", "false"):
+            raise ApiError(400, "'stream' must be true or false", param="stream")
+        out.append(f"stream={stream}")
+    after = q.get("starting_after")
+    if after is not None:
+        if not (after.isascii() and after.isdigit() and int(after) <= MAX_STARTING_AFTER):
+            raise ApiError(400, "'starting_after' must be a non-negative integer", param="starting_after")
+        out.append(f"starting_after={int(after)}")
+    return "?" + "&".join(out) if out else ""
+
+
+def not_supported(model: str) -> ApiError:
+    return ApiError(
+        400,
+        f"The model `{model}` serves no Responses API (/v1/responses): only vLLM workers of a generative model "
+        "do (kvgate's own workers serve completions and chat)",
+        code=NOT_POOLING,
+        param="model",
+    )

@@ -1,0 +1,183 @@
+"""vLLM's Responses API through a real gateway in front of fake vLLM servers (tests/fake_vllm.py,
+whose in-memory store answers 404 for an id it did not make, as vLLM's does): a response's
+follow-ups, retrieves and cancels reach the server that stored it, among several, through one
+gateway or another replica sharing Redis; other tenants and unknown ids get the same 404."""
+
+import json
+
+import httpx
+import pytest
+
+from tests import vllm_data as vd
+from tests.test_vllm_gateway import control, start_fake
+from gateway.procs import Proc, start_gateway, start_redis, stop_all, wait_redis
+
+KEYS = [
+    {"key": "sk-a", "name": "a"},
+    {"key": "sk-a2", "name": "a2", "tenant": "a"},
+    {"key": "sk-b", "name": "b"},
+    {"key": "sk-tokens", "name": "tokens", "tpm": 40},
+]
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    procs = [start_fake(tmp_path, f"fake-vllm-{i}") for i in range(2)]
+    try:
+        yield [p.wait_ready("/health", 60) for p in procs]
+    finally:
+        stop_all(procs)
+
+
+def gateway(fakes: list[Proc], tmp_path, name: str = "gateway", redis: str | None = None, extra: tuple = ()) -> Proc:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "keys.json").write_text(json.dumps(KEYS))
+    argv = ["--api-key-file", str(tmp_path / "keys.json"), "--breaker-failures", "100", *extra]
+    gw = start_gateway([f"vllm:{f.url}" for f in fakes], extra=argv, name=name, redis=redis, log_dir=str(tmp_path))
+    gw.wait_ready(timeout=60)
+    gw.wait_healthy(len(fakes), 30, what="the fake vLLMs up")
+    return gw
+
+
+def call(gw: Proc, method: str, path: str, body: object = None, key: str = "sk-a", **kw) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"}
+    return httpx.request(method, gw.url + path, json=body, headers=headers, timeout=30, **kw)
+
+
+def create(gw: Proc, key: str = "sk-a", **fields) -> httpx.Response:
+    return call(gw, "POST", "/v1/responses", {"model": vd.MODEL, "input": "hi", **fields}, key)
+
+
+def worker(fake: Proc) -> str:
+    return f"vllm@127.0.0.1:{fake.port}"
+
+
+def assert_not_found(r: httpx.Response, param: str) -> None:
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["code"] == "response_not_found", r.text
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert not r.headers["x-kvgate-worker"]  # the gateway's answer: no worker was asked
+
+
+def test_a_conversation_stays_on_the_server_that_stored_it(fakes, tmp_path):
+    gw = gateway(fakes, tmp_path)
+    try:
+        first = create(gw)
+        assert first.status_code == 200, first.text
+        holder, rid = first.headers["x-kvgate-worker"], first.json()["id"]
+        assert holder in {worker(f) for f in fakes}
+        assert json.loads(first.json()["received"])["cache_salt"] == "tenant:a"  # the tenant's, as completions
+        for _ in range(8):  # load ties are broken at random: a new create lands on either server
+            r = create(gw, previous_response_id=rid)
+            assert r.status_code == 200 and r.headers["x-kvgate-worker"] == holder, r.text
+            assert r.json()["previous_response_id"] == rid
+            rid = r.json()["id"]  # the chain goes on from the newest
+        with httpx.stream(
+            "POST",
+            gw.url + "/v1/responses",
+            json={"model": vd.MODEL, "input": "hi", "stream": True, "previous_response_id": rid},
+            headers={"authorization": "Bearer sk-a2"},  # another key of the same tenant
+            timeout=30,
+        ) as r:
+            text = r.read().decode()
+        assert r.status_code == 200 and r.headers["x-kvgate-worker"] == holder, text
+        assert text.startswith("event: response.created\ndata: ") and text.count("event: ") == 2  # relayed as sent
+        streamed = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
+        got = call(gw, "GET", f"/v1/responses/{streamed}", params={"stream": "false", "starting_after": "3", "x": "y"})
+        assert got.status_code == 200 and got.headers["x-kvgate-worker"] == holder, got.text
+        assert got.json()["id"] == streamed and got.json()["query"] == "stream=false&starting_after=3"
+
+        queued = create(gw, background=True, previous_response_id=streamed)
+        assert queued.status_code == 200 and queued.json()["status"] == "queued", queued.text
+        cancelled = call(gw, "POST", f"/v1/responses/{queued.json()['id']}/cancel")
+        assert cancelled.status_code == 200 and cancelled.headers["x-kvgate-worker"] == holder, cancelled.text
+        assert cancelled.json()["status"] == "cancelled"
+        again = call(gw, "POST", f"/v1/responses/{queued.json()['id']}/cancel")
+        assert again.status_code == 400 and again.json()["error"]["code"] == 400  # the server's own answer, relayed
+
+        assert gw.metric("kvgate_gateway_requests_total") == 0  # counted as the forwarded endpoints are
+    finally:
+        gw.stop()
+
+
+def test_other_tenants_unknown_and_unstored_ids_are_one_404(fakes, tmp_path):
+    gw = gateway(fakes, tmp_path)
+    try:
+        rid = create(gw).json()["id"]
+        for r in (
+            create(gw, "sk-b", previous_response_id=rid),
+            create(gw, previous_response_id="resp_0123456789abcdef"),
+        ):
+            assert_not_found(r, "previous_response_id")
+        for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/cancel"):
+            method = "GET" if path.endswith(rid) else "POST"
+            assert_not_found(call(gw, method, path, key="sk-b"), "response_id")
+            assert_not_found(call(gw, method, path.replace(rid, "resp_nope")), "response_id")
+        other = call(gw, "GET", f"/v1/responses/{rid}", key="sk-b").json()["error"]["message"]
+        unknown = call(gw, "GET", "/v1/responses/resp_0123456789abcdef", key="sk-b").json()["error"]["message"]
+        assert other.replace(rid, "resp_0123456789abcdef") == unknown  # nothing tells one from the other
+
+        unstored = create(gw, store=False)
+        assert unstored.status_code == 200, unstored.text
+        assert_not_found(create(gw, previous_response_id=unstored.json()["id"]), "previous_response_id")
+        assert call(gw, "GET", "/v1/responses/" + "r" * 129).status_code == 404
+        assert call(gw, "GET", f"/v1/responses/{rid}", params={"stream": "yes"}).json()["error"]["param"] == "stream"
+
+        # a create is charged for its input and max_output_tokens: 30 tokens, then 1 + 15 more are over 40
+        assert create(gw, "sk-tokens", input=" ".join(["word"] * 30)).status_code == 200
+        r = create(gw, "sk-tokens", input="word", max_output_tokens=15)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+    finally:
+        gw.stop()
+
+
+def test_a_stored_responses_unavailable_server_is_a_503_never_another_server(fakes, tmp_path):
+    gw = gateway(fakes, tmp_path)
+    try:
+        first = create(gw)
+        rid, holder = first.json()["id"], first.headers["x-kvgate-worker"]
+        down = next(f for f in fakes if worker(f) == holder)
+        control(down, health=503)
+        gw.wait_healthy(1, 30, what="the holder out")
+        for r in (create(gw, previous_response_id=rid), call(gw, "GET", f"/v1/responses/{rid}")):
+            error = r.json()["error"]
+            assert r.status_code == 503 and error["code"] == "response_worker_unavailable", r.text
+            assert error["type"] == "server_error" and r.headers["retry-after"] == "1"
+        assert create(gw).headers["x-kvgate-worker"] != holder  # a new conversation goes to the other
+        control(down, health=200)
+        gw.wait_healthy(2, 30, what="the holder back")
+        assert create(gw, previous_response_id=rid).headers["x-kvgate-worker"] == holder
+
+        for fake in fakes:  # servers without the Responses API (a pooling model): the client's 400
+            control(fake, responses=False)
+        r = create(gw)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+        for fake in fakes:
+            control(fake, responses=True, answer=500)
+        r = create(gw, previous_response_id=rid)  # the holder's failure: one try, the gateway's 502
+        assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed", r.text
+        assert gw.metric("kvgate_gateway_retries_total") == 0
+    finally:
+        gw.stop()
+
+
+def test_replicas_sharing_redis_send_a_follow_up_to_the_server_that_stored_it(fakes, tmp_path):
+    redis = start_redis(log_dir=str(tmp_path))
+    procs = [redis]
+    try:
+        wait_redis(redis)
+        url = f"redis://127.0.0.1:{redis.port}"
+        one = gateway(fakes, tmp_path / "one", "gateway-one", url)
+        procs.append(one)
+        two = gateway(fakes, tmp_path / "two", "gateway-two", url)
+        procs.append(two)
+        for _ in range(4):  # a create lands on either server; the other replica learns which from Redis
+            first = create(one)
+            rid, holder = first.json()["id"], first.headers["x-kvgate-worker"]
+            r = create(two, previous_response_id=rid)
+            assert r.status_code == 200 and r.headers["x-kvgate-worker"] == holder, r.text
+            got = call(two, "GET", f"/v1/responses/{rid}")
+            assert got.status_code == 200 and got.headers["x-kvgate-worker"] == holder, got.text
+            assert_not_found(call(two, "GET", f"/v1/responses/{rid}", key="sk-b"), "response_id")
+    finally:
+        stop_all(procs)
