@@ -12,7 +12,7 @@ head that never ends costs nothing.
 import re
 from collections.abc import Callable
 
-from gateway.proxy import BodyPassThrough
+from gateway.relay import BodyPassThrough
 from gateway.raw_send import RawBody
 from gateway.upstream import Upstream
 

@@ -46,7 +46,8 @@ from gateway.exchange import whole_body
 from gateway.forward import NOT_POOLING, Forwarder, openai_error
 from gateway.intake import ApiError, client_body, refused
 from gateway.pooling import input_tokens
-from gateway.proxy import BodyPassThrough, ConnectFailed, Watch
+from gateway.proxy import ConnectFailed, Watch
+from gateway.relay import BodyPassThrough
 from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import Owner, ResponseIds, valid_id

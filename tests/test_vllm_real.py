@@ -6,6 +6,7 @@ what vLLM reports (usage.prompt_tokens_details.cached_tokens). The gateway learn
 asynchronously, so before each request the test waits until the gateways' resident-block
 counts stop changing (`settle`), never for a fixed time."""
 
+import json
 import signal
 import time
 
@@ -39,7 +40,8 @@ def text(seed: int, n: int) -> str:
 # Each server runs its engine and model in its API server's process (vLLM's own switches): one
 # process to start instead of three, about a third of a server's start-up (37 s -> 23 s, busy
 # host), and a killed server is one process. The gateway sees the same HTTP API and KV events.
-IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# A stored response lives in the vLLM server that made it, only where the store is on.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 IN_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
 
 
@@ -213,6 +215,32 @@ def test_n_prompt_lists_and_content_parts_pass_through(fleet):
     assert len(out["choices"]) == 3
     r = httpx.post(pa.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and r.json()["error"]["code"] == "internal_field"
+
+
+def test_responses_follow_ups_and_retrieves_reach_the_server_that_stored_them(fleet):
+    """Real vLLM: each follow-up names the response before it, which only its server holds
+    (vLLM answers 404 elsewhere); round robin would alternate the two servers."""
+    rr = fleet["rr"]
+    body = {"model": "smollm2-135m", "max_output_tokens": 4, "input": text(7, 20)}
+    r = httpx.post(rr.url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    holder, last = r.headers["x-kvgate-worker"], r.json()["id"]
+    for i in range(3):
+        r = httpx.post(
+            rr.url + "/v1/responses", json={**body, "input": text(8 + i, 5), "previous_response_id": last}, timeout=120
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvgate-worker"] == holder
+        last = r.json()["id"]
+    got = httpx.get(f"{rr.url}/v1/responses/{last}", timeout=60)
+    assert got.status_code == 200 and got.json()["id"] == last
+    with httpx.stream("POST", rr.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as s:
+        assert s.status_code == 200
+        events = [line for line in s.iter_lines() if line.startswith("data:")]
+    streamed = json.loads(events[0][len("data:") :])["response"]["id"]
+    r = httpx.post(rr.url + "/v1/responses", json={**body, "previous_response_id": streamed}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{rr.url}/v1/responses/resp_unknown", timeout=60).status_code == 404
 
 
 def test_a_killed_and_restarted_worker_is_resynced(fleet):
