@@ -50,6 +50,7 @@ from gateway.responses import RESPONSES_KINDS, TRACE_NAMES, Responses, routes, n
 from gateway.response_ids import ResponseIds
 from gateway.shared_response_ids import SharedResponseIds
 from gateway.proxy import (
+    AnswerTimeout,
     ClientGone,
     Proxy,
     UpstreamError,
@@ -345,7 +346,8 @@ class Gateway:
         rec: RequestRecord,
     ) -> Response:
         """Decide and forward; a worker that fails before the answer is committed costs a
-        retry elsewhere (after a backoff), up to `retry.max_retries` of them."""
+        retry elsewhere (after a backoff), up to `retry.max_retries` of them, but a whole
+        answer past the answer timeout, which is the client's 504."""
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
         if rec.ids_sent:  # kv_prompt_ids is internal, as kv_transfer is
             headers.update(internal_headers(self.internal_token))
@@ -391,6 +393,8 @@ class Gateway:
                 self.exchange.worker_failed(w, e)
                 exclude.add(w.worker_id)
                 failure = e
+                if isinstance(e, AnswerTimeout):  # not retried: gateway/proxy.py says why
+                    break
             except BaseException:
                 self.fleet.end(w, rec.request_id)
                 w.breaker.released()

@@ -222,7 +222,17 @@ def add_reliability_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=120.0,
         metavar="S",
-        help="seconds until a worker's answer starts: a stream's first token, a whole non-streaming answer",
+        help="seconds until a stream's first token, or the answer of a P/D prefill leg, a tokenization or "
+        "a pooling request (none more work than a prefill)",
+    )
+    g.add_argument(
+        "--upstream-answer-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="seconds for a whole non-streaming completion or chat answer, which comes only after its last "
+        "token; past it the client gets 504 `worker_timeout` and the request is not sent to another worker "
+        "(a hung worker is taken out sooner by liveness: --health-interval, --engine-stall-s)",
     )
     g.add_argument(
         "--upstream-idle-timeout",

@@ -70,10 +70,11 @@ class Exchange:
         rec: RequestRecord,
     ) -> Response:
         """One try on `w`: the response head, then a non-streaming body whole or a stream up to
-        its first token. Raises `UpstreamError` while nothing is committed to the client."""
+        its first token. Raises `UpstreamError` while nothing is committed to the client; a
+        non-streaming answer's head is its end, awaited within the answer timeout."""
         lost = self.fleet.lost(w)
         started = time.monotonic()
-        resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request, lost)
+        resp = await self.proxy.open(w.url, PATHS[kind], payload, headers, request, lost, whole=not rec.stream)
         out = self.headers(w.worker_id, route.predicted_cached_tokens)
         out["x-kvgate-route-reason"] = header_text(rec.route_reason)
         out["x-kvgate-candidates"] = rec.candidates

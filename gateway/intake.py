@@ -12,6 +12,7 @@ from gateway.auth import Access, api_key, retry_after, too_many_tokens
 from gateway.fleet import Fleet
 from gateway.worker import KVGATE
 from gateway.passthrough import internal_field
+from gateway.proxy import AnswerTimeout
 from gateway.tap import ask_usage
 from gateway.record import RequestRecord
 from gateway.tokenize import Prepared, Tokenizers
@@ -46,7 +47,10 @@ def refused(r: Refusal) -> ApiError:
 
 
 def worker_failed(tries: int, last: Exception | None, retry_after_s: int) -> ApiError:
-    """The gateway's 502 once every worker tried failed a request (`last`: the last failure)."""
+    """The gateway's 502 once every worker tried failed a request (`last`: the last failure),
+    or its 504 when the last was a whole answer past the answer timeout (not retried)."""
+    if isinstance(last, AnswerTimeout):
+        return ApiError(504, f"no answer in time: {last}", "server_error", "worker_timeout")
     return ApiError(
         502,
         f"no worker could serve the request after {tries} tries; last: {last}",

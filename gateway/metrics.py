@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gateway.redis_state import RedisState
 
 DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
-STATUSES = ("200", "400", "404", "413", "429", "499", "500", "502", "503")
+STATUSES = ("200", "400", "404", "413", "429", "499", "500", "502", "503", "504")
 STAGES = ("connect", "timeout", "lost", "response", "error_event", "busy", "stream")
 REFUSALS = ("overloaded", "draining", "worker_queues_full", "policy")
 LEGS = (WHOLE, PREFILL, DECODE)

@@ -49,7 +49,8 @@ def expected_cached(num_tokens: int, block_size: int) -> int:
 
 async def run_prefill(proxy: Proxy, url: str, path: str, payload: bytes, headers: dict[str, str]) -> int | None:
     """Send the prefill leg and wait for it; the prompt tokens it found cached when the prefill
-    worker finished it, None when it did not."""
+    worker finished it, None when it did not. Its answer comes whole but is one token, the
+    work of a stream's first, so it keeps the first-byte timeout, not a whole answer's."""
     try:
         resp = await proxy.open(url, path, payload, headers)
     except ConnectFailed as e:

@@ -8,14 +8,20 @@ client as the worker writes it (gateway/relay.py). Closing an
 upstream response early closes its connection, which is how a client's disconnect reaches the
 worker (the worker aborts a request whose client went away).
 
-Every wait on a worker is bounded: connecting (`connect_timeout`), the answer's first byte
-(`first_byte_timeout`: a non-streaming answer comes whole, so this bounds the whole request;
-a stream's first token event), and silence inside a stream, or a relayed answer's body
-(`BodyPassThrough`), after that (`idle_timeout`).
+Every wait on a worker is bounded: connecting (`connect_timeout`), a stream's start and first
+token event (`first_byte_timeout`), and silence inside a stream, or a relayed answer's body
+(`BodyPassThrough`), after that (`idle_timeout`). A completion's or chat's non-streaming answer
+comes whole, after its last token, so its wait is the whole generation: it is bounded by
+`answer_timeout` (`open(whole=True)`), long by default as sglang-router's and vllm-router's
+request timeout (1800 s) is, since 4096 tokens at 35 ms each on a busy worker (143 s) is a
+legitimate answer, not a fault; a worker that really hangs is taken out sooner by liveness
+(below: an engine making no progress, `/state` failing). A P/D prefill leg's, a tokenization's
+or a pooling request's answer is whole too but no more work than a prefill, so it keeps the
+first-byte bound.
 A wait is also cut short when the worker is lost (the fleet's liveness check resolves a
 future) or the client disconnects. Any failure before the answer is committed to the client
-is an `UpstreamError` for the caller to retry elsewhere; what follows a commitment is
-gateway/relay.py's.
+is an `UpstreamError` for the caller to retry elsewhere (but an `AnswerTimeout`: its class
+says why); what follows a commitment is gateway/relay.py's.
 """
 
 import asyncio
@@ -47,6 +53,12 @@ class UpstreamTimeout(ConnectFailed):
     """The worker did not start its answer within the first-byte timeout."""
 
     stage = "timeout"
+
+
+class AnswerTimeout(UpstreamTimeout):
+    """A whole answer did not come within the answer timeout. Not retried: the worker is
+    likely still generating it (a hung one is taken out by liveness first), and another would
+    take as long, doubling the load when the fleet is slowest; the client gets a 504."""
 
 
 class WorkerLost(ConnectFailed):
@@ -91,10 +103,17 @@ class ClientGone(Exception):
 
 
 class Proxy:
-    def __init__(self, connect_timeout: float = 2.0, first_byte_timeout: float = 120.0, idle_timeout: float = 30.0):
+    def __init__(
+        self,
+        connect_timeout: float = 2.0,
+        first_byte_timeout: float = 120.0,
+        idle_timeout: float = 30.0,
+        answer_timeout: float = 1800.0,
+    ):
         self.pool = Pool(connect_timeout, UPSTREAM_KEEPALIVE_S)
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
+        self.answer_timeout = answer_timeout
 
     async def close(self) -> None:
         self.pool.close()
@@ -107,16 +126,24 @@ class Proxy:
         headers: dict[str, str],
         client: Request | None = None,
         lost: asyncio.Future | None = None,
+        whole: bool = False,
     ) -> Upstream:
-        """Send the request and wait for the response head (the body stays unread).
+        """Send the request and wait for the response head (the body stays unread), within the
+        first-byte timeout, or with `whole` (a completion's answer that comes only when its
+        last token is made) the answer timeout, past which `AnswerTimeout`.
 
         A non-streaming worker answers only when the whole completion is done, so with
         `client` given the wait is abandoned (`ClientGone`, upstream connection closed, the
         worker aborts) as soon as that client disconnects; likewise when `lost` resolves.
         """
+        bound = self.answer_timeout if whole else self.first_byte_timeout
         try:
-            async with Watch(self.first_byte_timeout, client, lost):
+            async with Watch(bound, client, lost):
                 return await self.pool.post(url, path, body, headers)
+        except UpstreamTimeout:
+            if whole:
+                raise AnswerTimeout(f"the worker did not finish its answer within {bound:g} s") from None
+            raise
         except OSError as e:  # refused, reset, a connect timeout
             raise ConnectFailed(f"{type(e).__name__}: {e}") from e
 

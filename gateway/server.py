@@ -68,7 +68,12 @@ def build(args: argparse.Namespace) -> Gateway:
         tracing = Tracing(make_exporter(args.trace, args.trace_endpoint), args.trace_sample_ratio)
     except ValueError as e:
         raise SystemExit(f"kvgate gateway: {e}")
-    proxy = Proxy(args.upstream_connect_timeout, args.upstream_first_byte_timeout, args.upstream_idle_timeout)
+    proxy = Proxy(
+        args.upstream_connect_timeout,
+        args.upstream_first_byte_timeout,
+        args.upstream_idle_timeout,
+        args.upstream_answer_timeout,
+    )
     admission = Admission(AdmissionConfig(args.max_pending, args.max_queue_per_worker, args.retry_after_s))
     retry = RetryPolicy(args.max_retries, args.retry_backoff_ms / 1000.0)
     try:

@@ -3,7 +3,9 @@
 events 5 ms apart), POST /whole
 (a JSON answer kept alive, the connection closed by the server after 0.3 s idle, as uvicorn
 does after its 5 s), POST /drop (a stream cut after two events), POST /hang (a stream silent after one event; its connection's
-closing is counted), GET /log (the counts as JSON), GET /health."""
+closing is counted), POST /late (a whole JSON answer after LATE_S, as a worker sends a
+non-streaming completion; a connection closed before it is counted), GET /log (the counts as
+JSON), GET /health."""
 
 import asyncio
 import json
@@ -12,9 +14,11 @@ import sys
 import httptools
 
 IDLE_CLOSE_S = 0.3
+LATE_S = 1.0
+LATE_BODY = b'{"usage":{"completion_tokens":40}}'
 DONE = b"data: [DONE]\n\n"
 EVENT = b'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
-counts = {"whole_connections": 0, "hang_closed": 0}
+counts = {"whole_connections": 0, "hang_closed": 0, "late_cut": 0}
 
 
 def chunk(data: bytes) -> bytes:
@@ -33,6 +37,7 @@ class Conn(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport, self.parser, self.url, self.served = transport, httptools.HttpRequestParser(self), b"", set()
         self.idle: asyncio.TimerHandle | None = None
+        self.late: asyncio.TimerHandle | None = None
 
     def data_received(self, data: bytes) -> None:
         if self.idle is not None:
@@ -62,6 +67,8 @@ class Conn(asyncio.Protocol):
             asyncio.get_running_loop().call_later(0.05, self.transport.abort)
         elif path == "/hang":
             self.transport.write(STREAM_HEAD + chunk(EVENT))
+        elif path == "/late":
+            self.late = asyncio.get_running_loop().call_later(LATE_S, self.answer_late)
         elif path == "/log":
             self.transport.write(answer("200 OK", json.dumps(counts).encode(), close=True))
             self.transport.close()
@@ -70,9 +77,16 @@ class Conn(asyncio.Protocol):
             self.transport.close()
         self.served.add(path.strip("/"))
 
+    def answer_late(self) -> None:
+        self.late = None
+        self.transport.write(answer("200 OK", LATE_BODY))
+
     def connection_lost(self, exc) -> None:
         if "hang" in self.served:
             counts["hang_closed"] += 1
+        if self.late is not None:  # closed by the client before its answer
+            counts["late_cut"] += 1
+            self.late.cancel()
 
 
 async def main(port: int) -> None:

@@ -47,9 +47,10 @@ def stream(url: str, prompt, max_tokens: int = 4, timeout: float = 60) -> tuple[
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory):
-    """Fault workers f0, f1 behind two round-robin gateways: "live" with default liveness, and
+    """Fault workers f0, f1 behind three round-robin gateways: "live" with default liveness,
     "blind", which polls health once a minute and ignores stalls, so that only its upstream
-    timeouts and circuit breakers can find a frozen engine."""
+    timeouts and circuit breakers can find a frozen engine, and "bounded", with default
+    liveness, a 0.3 s first-byte timeout and a 4 s answer timeout."""
     tmp = tmp_path_factory.mktemp("faults")
     logs = str(tmp)
     faulty = [start_fault_worker(f"f{i}", logs, ("--sim-profile", slow_profile(tmp))) for i in range(2)]
@@ -80,6 +81,13 @@ def procs(tmp_path_factory):
                     "3",
                 ],
             ),
+            "bounded": start_gateway(
+                urls,
+                "round_robin",
+                name="gw-bounded",
+                log_dir=logs,
+                extra=["--upstream-first-byte-timeout", "0.3", "--upstream-answer-timeout", "4"],
+            ),
         }
         procs += list(gateways.values())
         for g in gateways.values():
@@ -96,6 +104,60 @@ def freeze(pool: cf.ThreadPoolExecutor, worker: Proc) -> cf.Future:
     frozen = pool.submit(complete, worker.url, [fw.FREEZE, 1, 2], 1)
     wait_for(lambda: worker.state()["engine_stall_s"] > 0.1, what="the freeze to start")
     return frozen
+
+
+def finished(workers: list[Proc], reason: str) -> float:
+    """Requests the workers ended with `reason` (length, abort...), all of them together."""
+    return sum(w.metric("kvgate_worker_requests_finished_total", finished_reason=reason) for w in workers)
+
+
+def test_a_whole_answer_may_outlast_the_first_byte_timeout(procs):
+    """A non-streaming answer of 50 tokens (at least 1 s of 20 ms steps) comes whole only
+    after its last token: past the 0.3 s first-byte timeout it is still awaited, within the
+    4 s answer timeout, and the request goes to one worker only."""
+    gw, faulty = procs["bounded"], procs["faulty"]
+    retries, ended = gw.metric("kvgate_gateway_retries_total"), finished(faulty, "length")
+    r = complete(gw.url, [70, 71], 50)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 50
+    assert gw.metric("kvgate_gateway_retries_total") == retries
+    assert finished(faulty, "length") == ended + 1
+
+
+def test_a_whole_answer_past_the_answer_timeout_is_a_504_and_not_retried(procs):
+    """400 tokens (at least 8 s of steps) past the 4 s answer timeout: the client gets an
+    OpenAI-shaped 504 `worker_timeout`, the request is not sent to another worker (which would
+    take as long), and its worker, its connection closed, aborts it."""
+    gw, faulty = procs["bounded"], procs["faulty"]
+    retries, timeouts = (
+        gw.metric("kvgate_gateway_retries_total"),
+        gw.metric("kvgate_gateway_upstream_failures_total", stage="timeout"),
+    )
+    aborted, ended = finished(faulty, "abort"), finished(faulty, "length")
+    r = complete(gw.url, [72, 73], 400)
+    assert r.status_code == 504, r.text
+    error = r.json()["error"]
+    assert error["code"] == "worker_timeout" and error["type"] == "server_error", error
+    assert gw.metric("kvgate_gateway_retries_total") == retries
+    assert gw.metric("kvgate_gateway_upstream_failures_total", stage="timeout") == timeouts + 1
+    wait_for(lambda: all(w.state()["running"] == 0 for w in faulty), timeout=30, what="the request to end")
+    assert finished(faulty, "length") == ended and finished(faulty, "abort") >= aborted + 1  # aborted, not run out
+
+
+def test_a_whole_answer_on_a_frozen_engine_is_cut_loose_by_liveness(procs):
+    """f0's engine freezes for 3 s: of two non-streaming requests sent round robin, the one on
+    f0 is cut loose when liveness takes f0 out (within the 4 s answer timeout, not waiting it
+    out) and retried on f1."""
+    gw, (f0, _) = procs["bounded"], procs["faulty"]
+    lost = gw.metric("kvgate_gateway_retries_total", stage="lost")
+    with cf.ThreadPoolExecutor(3) as pool:
+        frozen = freeze(pool, f0)
+        answers = [pool.submit(complete, gw.url, [80 + i, 81], 2) for i in range(2)]
+        assert all(a.result().status_code == 200 for a in answers), [a.result().text for a in answers]
+        assert {a.result().headers["x-kvgate-worker"] for a in answers} == {"f1"}
+        frozen.result()
+    assert gw.metric("kvgate_gateway_retries_total", stage="lost") == lost + 1
+    gw.wait_healthy(2, timeout=10, what="f0 back in service")
 
 
 def test_frozen_engine_is_taken_out_and_its_waiting_requests_retried(procs):
@@ -183,16 +245,16 @@ def test_worker_killed_before_the_first_token_is_retried(tmp_path, streaming):
 
 
 def test_frozen_worker_times_out_and_its_breaker_opens(procs):
-    """f0's engine freezes for 3 s and the gateway does not look at liveness: requests sent to
+    """f0's engine freezes for 3 s and the gateway does not look at liveness: streams sent to
     f0 time out after the 0.5 s first-byte timeout and go to f1; after two such failures f0's
-    breaker opens and no request tries it; after the freeze and the cooldown a trial closes it."""
+    breaker opens and no request tries it; after the freeze and the cooldown a trial closes it.
+    (A whole answer is bounded by the answer timeout instead: test_a_whole_answer_*.)"""
     gw, (f0, _) = procs["blind"], procs["faulty"]
     with cf.ThreadPoolExecutor(1) as pool:
         frozen = freeze(pool, f0)
-        answers = [complete(gw.url, [40 + i, 41]) if i % 2 else stream(gw.url, [40 + i, 41]) for i in range(6)]
+        answers = [stream(gw.url, [40 + i, 41]) for i in range(6)]
         frozen.result()
-    for a in answers:
-        status, headers = (a.status_code, a.headers) if isinstance(a, httpx.Response) else a[:2]
+    for status, headers, _ in answers:
         assert status == 200 and headers["x-kvgate-worker"] == "f1"
     assert gw.metric("kvgate_gateway_retries_total", stage="timeout") == 2
     assert gw.metric("kvgate_gateway_upstream_failures_total", worker="f0") == 2

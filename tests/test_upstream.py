@@ -1,7 +1,8 @@
 """The gateway's own upstream client (gateway/upstream.py) and the stream relay on it
 (gateway/proxy.py, gateway/relay.py), against a real worker stand-in process that misbehaves on cue
 (tests/scripted_upstream.py): a stream cut mid-way, a stream gone silent, a stream the
-gateway closes early, keep-alive connections reused and dropped once the server closed them."""
+gateway closes early, keep-alive connections reused and dropped once the server closed them, a
+whole answer bounded by the answer timeout and not the first-byte one."""
 
 import asyncio
 import sys
@@ -10,10 +11,12 @@ import httpx
 import pytest
 import uvloop
 
+from gateway import pd
 from gateway.procs import Proc, free_port, stop_all, wait_for
-from gateway.proxy import Proxy, UpstreamFailed, UpstreamTimeout
+from gateway.proxy import AnswerTimeout, Proxy, UpstreamFailed, UpstreamTimeout
 from gateway.relay import DONE, PassThrough, Relay
 from gateway.tap import StreamTap
+from tests.scripted_upstream import LATE_BODY
 
 EVENT = b'data: {"choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
 
@@ -130,3 +133,37 @@ def test_keep_alive_connections_are_reused_until_the_server_closes_them(upstream
     bodies = uvloop.run(run())
     assert bodies == [b'{"usage":{"completion_tokens":1}}'] * 3
     assert counts(upstream)["whole_connections"] == before + 2  # the first reused once, then a fresh one
+
+
+def test_a_whole_answer_is_bounded_by_the_answer_timeout_not_the_first_byte_one(upstream):
+    """/late answers whole after 1 s. With a 0.3 s first-byte timeout a whole answer still
+    comes (the worker sends it only after its last token); a wait that is not for a whole
+    answer (a stream's head) and a P/D prefill leg (one token: a first token's work) are cut at 0.3 s."""
+
+    async def run() -> tuple[bytes, type, int | None]:
+        proxy = Proxy(first_byte_timeout=0.3, answer_timeout=30.0)
+        body = await proxy.read(await proxy.open(upstream.url, "/late", b"{}", {}, whole=True))
+        try:
+            await proxy.open(upstream.url, "/late", b"{}", {})
+            cut: type = type(None)
+        except UpstreamTimeout as e:
+            cut = type(e)
+        cached = await pd.run_prefill(proxy, upstream.url, "/late", b"{}", {})
+        await proxy.close()
+        return body, cut, cached
+
+    assert uvloop.run(run()) == (LATE_BODY, UpstreamTimeout, None)
+
+
+def test_a_whole_answer_past_the_answer_timeout_is_cut_and_its_connection_closed(upstream):
+    """Past the answer timeout the wait ends in `AnswerTimeout` (not retried: gateway/app.py)
+    and the worker's connection is closed, which is how the worker learns to abort it."""
+    before = counts(upstream)["late_cut"]
+
+    async def run() -> None:
+        proxy = Proxy(first_byte_timeout=30.0, answer_timeout=0.3)
+        with pytest.raises(AnswerTimeout):
+            await proxy.open(upstream.url, "/late", b"{}", {}, whole=True)
+
+    uvloop.run(run())
+    wait_for(lambda: counts(upstream)["late_cut"] == before + 1, timeout=10, what="the worker to see it closed")
