@@ -89,7 +89,7 @@ from gateway.pooling import (
     input_tokens,
     pooling_inputs,
 )
-from gateway.proxy import ClientGone, Proxy, UpstreamError, UpstreamTimeout, WorkerBusy
+from gateway.proxy import AnswerTimeout, ClientGone, Proxy, UpstreamError, UpstreamTimeout, WorkerBusy
 from gateway.relay import BodyPassThrough, PassThrough
 from gateway.record import RequestRecord
 from gateway.retry import RetryPolicy
@@ -254,6 +254,8 @@ class Forwarder:
                 self.exchange.worker_failed(w, e, engine)
                 exclude.add(w.worker_id)
                 failure = e
+                if isinstance(e, AnswerTimeout):  # not retried: gateway/proxy.py says why
+                    break
             except BaseException:
                 if engine:
                     w.breaker.released()

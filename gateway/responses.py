@@ -46,7 +46,7 @@ from gateway.exchange import whole_body
 from gateway.forward import NOT_POOLING, Forwarder, openai_error
 from gateway.intake import ApiError, client_body, refused
 from gateway.pooling import input_tokens
-from gateway.proxy import ConnectFailed, Watch
+from gateway.proxy import AnswerTimeout, ConnectFailed, UpstreamTimeout, Watch
 from gateway.relay import BodyPassThrough
 from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
@@ -118,9 +118,10 @@ class Responses:
             holder = await self.holder(fields.previous_response_id, tenant, "previous_response_id")
         raw = await self.charged(request, body, raw, model, texts, estimated, fields.max_output_tokens)
         keep = tenant if fields.store else None
+        whole = not (fields.stream or fields.background)  # answered only once generated
 
         def attempt(w: Worker, headers: dict) -> Awaitable[Response]:
-            return self.attempt(request, w, "POST", "/v1/responses", raw, headers, rec, True, keep)
+            return self.attempt(request, w, "POST", "/v1/responses", raw, headers, rec, True, keep, whole)
 
         if holder is None:
             return await fwd.tries(rec, True, fwd.retry.max_retries, lambda ex: self.pick(model, ex), attempt)
@@ -240,15 +241,17 @@ class Responses:
         rec: RequestRecord,
         engine: bool,
         keep: str | None,
+        whole: bool = False,
     ) -> Response:
         """One try on `w`: UpstreamError while nothing is committed to the client, else its
         answer, relayed as it arrives. A 404 that is not an OpenAI error (no such route) or a
         501 (vLLM serves no Responses API for the model) is the client's 400
         `model_not_supported`; a 503 is the worker's load and any other 5xx its failure.
-        `engine`: a create, engine work. A 200 answer's id is recorded for tenant `keep` (None:
-        not recorded) as it passes."""
+        `engine`: a create, engine work; `whole`: one answered only once generated, so bounded by
+        the answer timeout (gateway/proxy.py). A 200 answer's id is recorded for tenant `keep`
+        (None: not recorded) as it passes."""
         fwd = self.forwarder
-        resp = await self.send(w, method, path, raw, headers, request)
+        resp = await self.send(w, method, path, raw, headers, request, whole)
         kind = resp.headers.get("content-type", "application/json")
         out = {"x-kvgate-worker": w.worker_id, "content-type": kind}
         if resp.status in (404, 501):
@@ -275,15 +278,23 @@ class Responses:
 
         return TappedPassThrough(resp, 200, fwd.proxy.idle_timeout, failed, ended, out, tap)
 
-    async def send(self, w: Worker, method: str, path: str, body: bytes, headers: dict, request: Request) -> Upstream:
+    async def send(
+        self, w: Worker, method: str, path: str, body: bytes, headers: dict, request: Request, whole: bool
+    ) -> Upstream:
         """Send the request and wait for the response head, as `Proxy.open` does for a POST: cut
-        short when the client leaves or the worker is lost, bounded by the first-byte timeout."""
+        short when the client leaves or the worker is lost, bounded by the first-byte timeout or,
+        `whole`, the answer timeout (past it `AnswerTimeout`, not retried)."""
         proxy = self.forwarder.proxy
+        bound = proxy.answer_timeout if whole else proxy.first_byte_timeout
         try:
-            async with Watch(proxy.first_byte_timeout, request, self.forwarder.fleet.lost(w)):
+            async with Watch(bound, request, self.forwarder.fleet.lost(w)):
                 return await proxy.pool.request(method, w.url, path, headers, body if method == "POST" else None)
         except OSError as e:  # refused, reset, a connect timeout
             raise ConnectFailed(f"{type(e).__name__}: {e}") from e
+        except UpstreamTimeout:
+            if whole:
+                raise AnswerTimeout(f"the worker did not finish its answer within {bound:g} s") from None
+            raise
 
 
 def retrieve_query(request: Request) -> str:

@@ -54,6 +54,8 @@ class Fake:
         self.answers: dict[str, int] = {}  # a path's own status, in place of `answer`
         self.embeddings = True  # whether /v1/embeddings is mounted (an embedding model's server)
         self.responses = True  # whether the Responses API serves (a generative model's server)
+        self.create_delay_s = 0.0  # how long a create takes to generate its answer
+        self.creates = 0  # creates received
         self.stored: dict[str, dict] = {}  # response id -> the stored response
         self.embeddings_body: dict = {}  # how its answer is sent (the docstring's embeddings_body)
         self.release = asyncio.Event()
@@ -211,8 +213,10 @@ def app(fake: Fake) -> Starlette:
         """vLLM's create: the previous response must be stored here; the answer (or a stream's
         `response.created`) names the new one, stored unless `store` is false."""
         raw = await request.body()
+        fake.creates += 1
         if (failed := responses_failure(request)) is not None:
             return failed
+        await asyncio.sleep(fake.create_delay_s)
         body = json.loads(raw)
         previous = body.get("previous_response_id")
         if previous is not None and previous not in fake.stored:
@@ -287,6 +291,7 @@ def app(fake: Fake) -> Starlette:
         fake.answers = body.get("answers", fake.answers)
         fake.embeddings = body.get("embeddings", fake.embeddings)
         fake.responses = body.get("responses", fake.responses)
+        fake.create_delay_s = body.get("create_delay_s", fake.create_delay_s)
         fake.embeddings_body = body.get("embeddings_body", fake.embeddings_body)
         if body.get("release"):
             fake.release.set()
@@ -295,7 +300,7 @@ def app(fake: Fake) -> Starlette:
             fake.buffer.clear()
         for events in body.get("publish", []):
             await fake.publish(events)
-        return JSONResponse({"seq": fake.seq, "saw_token": fake.saw_token})
+        return JSONResponse({"seq": fake.seq, "saw_token": fake.saw_token, "creates": fake.creates})
 
     @contextlib.asynccontextmanager
     async def lifespan(_):

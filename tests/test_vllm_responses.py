@@ -181,3 +181,38 @@ def test_replicas_sharing_redis_send_a_follow_up_to_the_server_that_stored_it(fa
             assert_not_found(call(two, "GET", f"/v1/responses/{rid}", key="sk-b"), "response_id")
     finally:
         stop_all(procs)
+
+
+def test_a_create_generating_past_the_first_byte_timeout_is_answered_once_and_past_the_answer_timeout_is_a_504(
+    fakes, tmp_path
+):
+    """A whole (non-streaming) create is answered only once generated: bounded by the answer
+    timeout, not the first-byte one, and never re-sent to another server past it (that one
+    would take as long)."""
+    bounds = ("--upstream-first-byte-timeout", "0.3", "--upstream-answer-timeout", "1.5")
+    gw = gateway(fakes, tmp_path, extra=bounds)
+    try:
+        for fake in fakes:
+            control(fake, create_delay_s=0.8)
+        r = create(gw)
+        assert r.status_code == 200, r.text
+        assert sum(control(f)["creates"] for f in fakes) == 1
+        with httpx.stream(
+            "POST",
+            gw.url + "/v1/responses",
+            json={"model": vd.MODEL, "input": "hi", "stream": True},
+            headers={"authorization": "Bearer sk-a"},
+            timeout=30,
+        ) as s:
+            assert s.status_code == 502  # a stream's head is bounded by the first-byte timeout
+        for fake in fakes:
+            control(fake, create_delay_s=3.0)
+        before = sum(control(f)["creates"] for f in fakes)
+        r = create(gw)
+        error = r.json()["error"]
+        assert r.status_code == 504 and error["code"] == "worker_timeout", r.text
+        assert sum(control(f)["creates"] for f in fakes) == before + 1
+    finally:
+        for fake in fakes:
+            control(fake, create_delay_s=0.0)
+        gw.stop()
