@@ -29,7 +29,7 @@ CTX = 1024
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("hostile"))
-    worker = Worker(worker_id="h0", log_dir=logs, extra=("--max-model-len", str(CTX)))
+    worker = Worker(worker_id="h0", log_dir=logs, extra=("--max-model-len", str(CTX), "--log-level", "info"))
     gw = start_gateway([worker.url], "prefix_affinity", name="gw", log_dir=logs)
     dead = start_gateway([f"http://127.0.0.1:{free_port()}"], name="gw-dead", log_dir=logs)
     try:
@@ -272,6 +272,29 @@ def test_the_gateway_owns_request_ids(fleet):
     assert len(own) == 2 and all(i.startswith("cmpl-") for i in own)
     plain = run("no id", None)
     assert plain.headers["x-request-id"] == plain.headers["x-kvgate-request-id"]
+
+
+def test_a_body_request_id_reaches_the_worker_as_sent_and_keys_nothing(fleet):
+    """vLLM's body `request_id`, the same in two concurrent requests: each reaches the worker as
+    sent (its log names it) and gets its own tokens under the gateway's own id, which the answer
+    shows (the gateway's x-request-id comes first at the worker, as vLLM puts a header first)."""
+    url = fleet["gw"].url + "/v1/completions"
+
+    def run(prompt: str, rid: str | None) -> httpx.Response:
+        named = {"request_id": rid} if rid else {}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "return_token_ids": True, **named}
+        return httpx.post(url, timeout=30, json=body)
+
+    prompts = ["a body id on caches", "a body id on routing"]
+    solo = [run(p, None).json()["choices"][0]["token_ids"] for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda p: run(p, "body-id-7"), prompts))
+    assert [r.json()["choices"][0]["token_ids"] for r in both] == solo
+    own = [r.headers["x-kvgate-request-id"] for r in both]
+    assert len(set(own)) == 2 and [r.json()["id"] for r in both] == own == [r.headers["x-request-id"] for r in both]
+    assert fleet["worker"].log_path.read_text().count("has request_id 'body-id-7'") == 2
+    bad = run("x", "two words")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id", bad.text
 
 
 def test_a_5xx_says_connection_close_and_the_client_reconnects_cleanly(fleet):

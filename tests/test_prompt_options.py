@@ -83,7 +83,6 @@ REFUSED = [  # (field, a value that asks for something, its no-op value)
     ("return_prompt_text", True, False),
     ("routed_experts_prompt_start", 3, 0),
     ("stream_interval", 8, 1),
-    ("request_id", "req-1", None),
     ("vllm_xargs", {"my_logits_processor": 1}, {}),
     ("kv_transfer_params", {"do_remote_decode": True}, None),
     ("ec_transfer_params", {"do_remote_encode": True}, None),

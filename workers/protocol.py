@@ -25,6 +25,12 @@ MAX_CHOICES = 1024  # prompts x n
 # vLLM's `session_id`: the chat session a request belongs to, which the gateway's policies see
 # (as they see `x-session-id`); it changes nothing of the answer, so the workers only check it.
 MAX_SESSION_ID = 256
+# A client's own id of its request (the `x-request-id` header, vLLM's body `request_id`): it is only
+# shown (the answer's `id`, the x-request-id response header) and logged, never a key of engine or
+# gateway state. Printable ASCII without spaces, as a header value and a log line may hold safely;
+# 128 characters hold any UUID (vLLM's own are 32) behind a prefix.
+MAX_CLIENT_ID = 128
+CLIENT_ID = re.compile(rf"[!-~]{{1,{MAX_CLIENT_ID}}}")
 # On a whole (non-streaming) answer: ms from the worker's receipt of the request to its first
 # token, which the gateway adds to its own time before sending to get the client's TTFT.
 TTFT_HEADER = "x-kvgate-ttft-ms"
@@ -53,6 +59,7 @@ class ParsedRequest:
     prompts: list[list[int]] = field(default_factory=list)
     n: int = 1
     echo_texts: list[str] | None = None
+    client_request_id: str | None = None  # vLLM's body `request_id`: shown to its client, never a key
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -128,6 +135,7 @@ def parse_request(
         prompts,
         n,
         echo_texts,
+        body.get("request_id"),
     )
 
 
@@ -155,6 +163,12 @@ def _object(body: object, kind: str) -> dict:
             raise InvalidRequest(f"'{name}' must be a string", name)
     if len(body.get("session_id") or "") > MAX_SESSION_ID:
         raise InvalidRequest(f"'session_id' is longer than {MAX_SESSION_ID} characters", "session_id")
+    rid = body.get("request_id")
+    if rid is not None and not (isinstance(rid, str) and CLIENT_ID.fullmatch(rid)):
+        raise InvalidRequest(
+            f"'request_id' must be a string of 1 to {MAX_CLIENT_ID} printable ASCII characters without spaces",
+            "request_id",
+        )
     return body
 
 

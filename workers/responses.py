@@ -10,7 +10,12 @@ LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is reported as (JSON has 
 
 
 def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    return id_prefix(kind) + uuid.uuid4().hex[:24]
+
+
+def id_prefix(kind: str) -> str:
+    """What an answer's id starts with, by its kind: vLLM puts it before a client's `request_id` too."""
+    return "chatcmpl-" if kind == "chat" else "cmpl-"
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

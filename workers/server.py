@@ -1,7 +1,8 @@
 """The worker's HTTP API (starlette): OpenAI endpoints plus state, KV events and snapshots.
 
-Every request is keyed in the engine by an id this server makes; a client's `x-request-id` is
-only echoed (response header and body `id`) and logged. A body's `kv_transfer` is read only
+Every request is keyed in the engine by an id this server makes; a client's own id (its
+`x-request-id`, vLLM's body `request_id`) is only shown (response header and body `id`) and logged,
+so two requests with one id never meet in the engine. A body's `kv_transfer` is read only
 with the fleet's internal token. New requests are refused with 503 + Retry-After while the
 engine is stopped, the worker drains, or it already holds `max_num_seqs + max_queued_requests`.
 """
@@ -9,7 +10,6 @@ engine is stopped, the worker drains, or it already holds `max_num_seqs + max_qu
 import asyncio
 import contextlib
 import logging
-import re
 import time
 
 from starlette.applications import Starlette
@@ -35,8 +35,8 @@ from workers.http_guard import (
 )
 from workers.metrics import RequestClock, WorkerMetrics
 from workers.prefix_tokens import PrefixTokenizer
-from workers.protocol import TTFT_HEADER, ParsedRequest, parse_request, tokenize_body
-from workers.responses import new_id
+from workers.protocol import CLIENT_ID, MAX_CLIENT_ID, TTFT_HEADER, ParsedRequest, parse_request, tokenize_body
+from workers.responses import id_prefix, new_id
 from workers.sampling_params import InvalidRequest
 from workers.strict_json import loads
 from workers.tracing import WorkerTracing
@@ -47,7 +47,6 @@ log = logging.getLogger("kvgate.worker")
 # a gateway's body: the client's (up to the gateway's cap) and the prompts' ids, a few bytes each
 FLEET_BODY_FACTOR = 16
 RETRY_AFTER_S = 1
-SHOWN_ID = re.compile(r"[!-~]{1,128}")  # a client's x-request-id we echo: printable ASCII, no spaces
 
 
 class WorkerServer:
@@ -268,10 +267,12 @@ class WorkerServer:
         key = new_id(kind)
         given = request.headers.get("x-request-id")
         if given:
-            log.info("request %s has x-request-id %r", key, given[:128])
+            log.info("request %s has x-request-id %r", key, given[:MAX_CLIENT_ID])
+        if parsed.client_request_id is not None:
+            log.info("request %s has request_id %r", key, parsed.client_request_id)
         job = Job(
             key,
-            given if given and SHOWN_ID.fullmatch(given) else key,
+            shown_id(key, given, parsed),
             parsed,
             [RequestClock(arrived) for _ in range(parsed.num_choices)],
         )
@@ -335,3 +336,16 @@ class WorkerServer:
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
+
+
+def shown_id(key: str, header: str | None, parsed: ParsedRequest) -> str:
+    """The id a request's answer carries, in vLLM's order: the client's `x-request-id` header
+    (as sent: the gateway sends its own answer id there), else its body `request_id` behind the
+    kind's prefix (`cmpl-`, `chatcmpl-`, as vLLM shows it), else the engine key `key`. A header
+    that breaks CLIENT_ID is not shown (a body's was refused): a client's id goes into a response
+    header and log lines only as printable ASCII of bounded length."""
+    if header and CLIENT_ID.fullmatch(header):
+        return header
+    if parsed.client_request_id is not None:
+        return id_prefix(parsed.kind) + parsed.client_request_id
+    return key

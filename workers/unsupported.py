@@ -60,8 +60,7 @@ NOOP_VALUES: dict[str, tuple] = {
     "return_prompt_text": (False,),
     "routed_experts_prompt_start": (0,),
     "stream_interval": (1,),
-    # the request's identity and vLLM's extensions.
-    "request_id": (),
+    # vLLM's extensions.
     "vllm_xargs": ({},),
     "kv_transfer_params": (),
     "ec_transfer_params": (),
