@@ -69,7 +69,7 @@ from policies.ledger import Sent
 from policies.predict import cached_tokens
 from workers.internal_auth import internal_headers
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
-from workers.protocol import error_body
+from workers.protocol import CLIENT_ID, error_body
 from workers.responses import new_id
 
 log = logging.getLogger("kvgate.gateway")
@@ -226,7 +226,7 @@ class Gateway:
     async def handle(self, request: Request, kind: str) -> Response:
         """Admit the request (or refuse it at once) and count it until its answer ends."""
         rid = forwarded_id(kind) if kind in FORWARDED else (responses_id if kind in RESPONSES_KINDS else new_id)(kind)
-        rec = RequestRecord(rid, kind, time.monotonic(), client_request_id=request.headers.get("x-request-id"))
+        rec = RequestRecord(rid, kind, time.monotonic(), client_request_id=client_request_id(request))
         refusal = self.admission.refuse()
         if refusal is not None:
             self.metrics.refused.labels(refusal.code).inc()
@@ -251,7 +251,7 @@ class Gateway:
     async def serve(self, request: Request, kind: str, rec: RequestRecord) -> Response:
         rid, client_rid = rec.request_id, rec.client_request_id
         if client_rid:
-            log.info("request %s is the client's x-request-id %r", rid, client_rid[:200])
+            log.info("request %s is the client's x-request-id %r", rid, client_rid)
         name = TRACE_NAMES.get(kind) or f"POST {PATHS.get(kind) or FORWARDED[kind]}"
         trace = rec.trace = self.tracing.start(name, request.headers)
         trace.set(request_id=rid, client_request_id=client_rid)
@@ -454,3 +454,11 @@ def candidates_summary(view: RequestView, fleet: FleetView) -> str:
 
 def _model_card(model: str, max_model_len: int) -> dict:
     return {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "max_model_len": max_model_len}
+
+
+def client_request_id(request: Request) -> str | None:
+    """The client's `x-request-id` where it keeps the rule the workers hold it and a body's
+    `request_id` to (workers.protocol.CLIENT_ID); else None, as if not sent: it is echoed in a
+    header, logged and traced, so one of kilobytes or of spaces is not taken."""
+    given = request.headers.get("x-request-id")
+    return given if given is not None and CLIENT_ID.fullmatch(given) else None

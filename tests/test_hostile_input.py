@@ -272,6 +272,9 @@ def test_the_gateway_owns_request_ids(fleet):
     assert len(own) == 2 and all(i.startswith("cmpl-") for i in own)
     plain = run("no id", None)
     assert plain.headers["x-request-id"] == plain.headers["x-kvgate-request-id"]
+    for bad in ("two words", "x" * 129):  # outside the one rule for a client's id: as if not sent
+        r = run("a bad id", bad)
+        assert r.status_code == 200 and r.headers["x-request-id"] == r.headers["x-kvgate-request-id"], bad
 
 
 def test_a_body_request_id_reaches_the_worker_as_sent_and_keys_nothing(fleet):
