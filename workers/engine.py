@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 from workers.detokenizer import Detokenizer
+from workers.engine_state import engine_state
 from workers.executors.batch import Executor, step_work
 from workers.export_batch import export_span
 from workers.inflight import InFlight, SyncLaunch, advance, chunks_of
@@ -39,7 +40,7 @@ from workers.pending import PendingKV
 from workers.request import FINISHED, Request
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, StepPlan
-from workers.step_stats import StepRecord, StepStats, step_means
+from workers.step_stats import StepRecord, StepStats
 from workers.tier_copies import TierCopies
 
 ENGINE_ERROR = "engine_error"  # the step running the request raised
@@ -90,7 +91,7 @@ class Engine:
         self._dead = False
         self._submit_lock = threading.Lock()
         self._beat = time.monotonic()
-        self._snapshot = self._make_state()
+        self._snapshot = engine_state(self, len(self._pending))
 
     def _read_back(self) -> ReadBack | None:
         """The read-or-recompute choice for slow-tier hits: it needs a host tier and the
@@ -239,7 +240,7 @@ class Engine:
             launched, self._inflight = self._inflight, launched
         if launched is not None:
             outputs += self._resolve(launched)
-        self._snapshot = self._make_state()
+        self._snapshot = engine_state(self, len(self._pending))
         self.events.publish()
         self.output_processor.process_outputs(outputs)
         batch = self.output_processor.take()
@@ -417,39 +418,5 @@ class Engine:
         return self.call(self.pool.clear_cache)
 
     def state(self) -> WorkerState:
-        """Load as the gateway's policies need it (GET /state), as of the last step."""
+        """Load as the gateway's policies need it (GET /state: workers/engine_state.py), as of the last step."""
         return self._snapshot
-
-    def _make_state(self) -> WorkerState:
-        s, c = self.scheduler, self.config
-        return WorkerState(
-            worker_id=c.worker_id,
-            role=c.role,
-            model=c.model_id,
-            block_size=c.block_size,
-            total_blocks=self.pool.num_blocks,
-            free_blocks=self.pool.num_free,
-            shared_blocks=self.pool.num_shared,
-            waiting=len(s.waiting) + len(s.loading),
-            host_blocks=c.host_blocks,
-            host_free_blocks=self.pool.host.num_free if self.pool.host else 0,
-            disk_blocks=self.pool.disk.num_blocks if self.pool.disk else 0,
-            disk_free_blocks=self.pool.disk.num_free if self.pool.disk else 0,
-            host_gbps=c.host_gbps,
-            disk_gbps=c.disk_gbps,
-            load_every_hit=c.load_every_hit or c.cost_model is None,  # as `_read_back` decides
-            running=len(s.running),
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            kv_tokens=sum(r.num_computed for r in s.running),
-            max_batched_tokens=s.max_batched_tokens,
-            max_num_seqs=s.max_num_seqs,
-            **step_means(self.stats.last()),
-            cost_model=c.cost_model.to_json() if c.cost_model else None,
-            kv_bytes_per_token=getattr(self.executor, "kv_bytes_per_token", 0),
-            kv_seq=self.events.last_seq,
-            preemptions=self.stats.preemptions,
-            pending_kv=len(self._pending),
-            engine_calls_s=self.stats.calls_s,
-            max_model_len=self.max_model_len,
-            export_batch_blocks=c.export_batch_blocks,
-        )
