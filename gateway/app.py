@@ -8,11 +8,10 @@ original bytes. Admission control refuses what the fleet cannot take in time (50
 (a non-streaming answer, or a stream before its first token) costs a retry on another
 worker; each worker's circuit breaker counts its failures.
 
-Every request gets the gateway's own id (`x-kvgate-request-id`, and the `x-request-id` the
-worker sees), so no client can name, or collide with, another request's engine state; a
-client's own `x-request-id` is only echoed back and logged. Bodies past `max_body_bytes` are
-refused before they are read, internal fields (`kv_transfer`) are refused, and every 5xx
-closes its connection (`CloseOn5xx`).
+Every request gets the gateway's own id, and a client's own `x-request-id` is only echoed back
+and logged (gateway/request_ids.py). Bodies past `max_body_bytes` are refused before they are
+read, internal fields (`kv_transfer`) are refused, and every 5xx closes its connection
+(`CloseOn5xx`).
 
 `/tokenize`, `/detokenize`, `/v1/embeddings` and vLLM's other pooling endpoints need no routing
 decision: they are forwarded to the least loaded worker of their model under the same door, limits and retries
@@ -41,12 +40,11 @@ from gateway.fleet import Fleet
 from gateway.pooling import POOLING_KINDS
 from gateway.forward import DETOKENIZE, TOKENIZE, Forwarder
 from gateway.forward import PATHS as FORWARDED
-from gateway.forward import new_id as forwarded_id
 from gateway.worker import Worker
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake, refused, worker_failed
 from gateway.metrics import GatewayMetrics, RedisCollector
-from gateway.responses import RESPONSES_KINDS, TRACE_NAMES, Responses, routes, new_id as responses_id
+from gateway.responses import RESPONSES_KINDS, TRACE_NAMES, Responses, routes
 from gateway.response_ids import ResponseIds
 from gateway.shared_response_ids import SharedResponseIds
 from gateway.proxy import (
@@ -57,6 +55,7 @@ from gateway.proxy import (
     WorkerBusy,
 )
 from gateway.record import RequestRecord
+from gateway.request_ids import client_request_id, gateway_request_id
 from gateway.relay import PassThrough
 from gateway.retry import RetryPolicy
 from gateway.shared_ledger import LedgerNote
@@ -69,8 +68,7 @@ from policies.ledger import Sent
 from policies.predict import cached_tokens
 from workers.internal_auth import internal_headers
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES, JSON_HTTP_ERRORS, BodyTooLarge, CloseOn5xx, read_body
-from workers.protocol import CLIENT_ID, error_body
-from workers.responses import new_id
+from workers.protocol import error_body
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -225,7 +223,7 @@ class Gateway:
 
     async def handle(self, request: Request, kind: str) -> Response:
         """Admit the request (or refuse it at once) and count it until its answer ends."""
-        rid = forwarded_id(kind) if kind in FORWARDED else (responses_id if kind in RESPONSES_KINDS else new_id)(kind)
+        rid = gateway_request_id(kind)
         rec = RequestRecord(rid, kind, time.monotonic(), client_request_id=client_request_id(request))
         refusal = self.admission.refuse()
         if refusal is not None:
@@ -454,11 +452,3 @@ def candidates_summary(view: RequestView, fleet: FleetView) -> str:
 
 def _model_card(model: str, max_model_len: int) -> dict:
     return {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "max_model_len": max_model_len}
-
-
-def client_request_id(request: Request) -> str | None:
-    """The client's `x-request-id` where it keeps the rule the workers hold it and a body's
-    `request_id` to (workers.protocol.CLIENT_ID); else None, as if not sent: it is echoed in a
-    header, logged and traced, so one of kilobytes or of spaces is not taken."""
-    given = request.headers.get("x-request-id")
-    return given if given is not None and CLIENT_ID.fullmatch(given) else None
