@@ -44,6 +44,7 @@ from gateway.worker import Worker
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake, refused, worker_failed
 from gateway.metrics import GatewayMetrics, RedisCollector
+from gateway.peer_decisions import PeerDecisions
 from gateway.responses import RESPONSES_KINDS, TRACE_NAMES, Responses, routes
 from gateway.response_ids import ResponseIds
 from gateway.shared_response_ids import SharedResponseIds
@@ -58,10 +59,9 @@ from gateway.record import RequestRecord
 from gateway.request_ids import client_request_id, gateway_request_id
 from gateway.relay import PassThrough
 from gateway.retry import RetryPolicy
-from gateway.shared_ledger import LedgerNote
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import Tracing
-from policies.api import FleetView, Observer, Policy, RequestView, Tallied, Tally
+from policies.api import FleetView, Policy, RequestView
 from policies.api import Route as Decision
 from policies.candidates import NO_WORKERS
 from policies.ledger import Sent
@@ -118,8 +118,8 @@ class Gateway:
         )
         self.responses = Responses(self.forwarder, response_ids or ResponseIds(), shared_response_ids)
         if redis is not None:
-            redis.ledgers.on_routed = self.observe_routed
-            redis.ledgers.on_tally = self.add_tally
+            peers = PeerDecisions(fleet, policy)
+            redis.ledgers.on_routed, redis.ledgers.on_tally = peers.observe_routed, peers.add_tally
             self.metrics.registry.register(RedisCollector(redis))
         self.app = Starlette(
             routes=[
@@ -158,29 +158,6 @@ class Gateway:
             await self.access.limiter.close()
             await self.responses.close()
             self.tracing.shutdown()
-
-    def observe_routed(self, note: LedgerNote) -> None:
-        """Another replica sent a prompt to a worker: the policy, where it remembers its own
-        sends (`policies.api.Observer`), remembers it too. A policy's failure here is logged,
-        not the Redis state's end."""
-        w = self.fleet.by_id(note.worker_id)
-        if not isinstance(self.policy, Observer) or w is None or w.base is None or note.at is None:
-            return
-        view = RequestView(note.request_id, note.num_tokens, note.prompt)
-        (seen,) = self.fleet.views([w], {})  # the worker as a decision here would see it
-        try:
-            self.policy.observe(view, seen, note.at)
-        except Exception:
-            log.exception("policy %s failed to observe another replica's routing", self.policy.name)
-
-    def add_tally(self, tally: Tally) -> None:
-        """Another replica's decision: into the policy's windows, where it keeps them
-        (`policies.api.Tallied`). A policy's failure here is logged, not the Redis state's end."""
-        if isinstance(self.policy, Tallied):
-            try:
-                self.policy.add_tally(tally, time.time())
-            except Exception:
-                log.exception("policy %s failed to count another replica's decision", self.policy.name)
 
     def headers(self, worker: str = "", predicted: int = 0) -> dict[str, str]:
         return {
