@@ -11,7 +11,9 @@ A message or envelope that is no batch, or whose events' ends msgpack cannot fin
 `BadBatch` (carrying the batch's seq when its frames gave one); nothing else escapes: a
 malformed payload the publisher keeps in its replay buffer would otherwise stop the subscriber
 again at every resync. The work one message may cost the event loop is bounded (MAX_PAYLOAD,
-MAX_EVENTS, MAX_ENVELOPE, MAX_BATCH_TOKENS).
+MAX_EVENTS, MAX_ENVELOPE, MAX_BATCH_TOKENS), and so are the items decoding one event may build
+(MAX_EVENT_ITEMS); what a batch's events build together is bounded by its bytes alone: its
+removals are all read, and BlockStored events of no token ids fit any budget.
 """
 
 import math
@@ -37,6 +39,14 @@ MAX_EVENTS = 1 << 16
 # left out unread, weighed by its headers (it could only add blocks: a cache miss at worst); its
 # batch's removals and clears are still read, and so are its later BlockStored events that fit.
 MAX_BATCH_TOKENS = 1 << 21
+# Items (array items, map entries, in any field at any depth) the decoding of one event may build.
+# A valid BlockStored of a whole budget's token ids holds, at vLLM's smallest block size (1), per
+# token a token id, a block hash and an extra_keys entry of one key (a LoRA name, a cache salt);
+# a BlockRemoved names no more blocks than a step stores. An event that would build more is
+# malformed (a removal's safe reading, its hashes unread, is a clear): a payload under MAX_PAYLOAD
+# holds 16 M one-byte items, which took ~0.6 s to build in a removal's or a BlockStored's
+# block_hashes before the event failed.
+MAX_EVENT_ITEMS = 4 * MAX_BATCH_TOKENS
 # Items of a batch's envelope, entries of one encoded as a map: vLLM's has 3 fields. Each more is
 # a Python step of the decoder's, ~0.1 us even when it is one junk byte.
 MAX_ENVELOPE = 8
@@ -169,7 +179,8 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
     reading, then how many were malformed and why for the first MAX_BATCH_REASONS: a bad event
     costs only itself, not its batch's BlockRemoved events. msgpack frames each event without
     building it (`skip`), so that what one holds (a map key of any type, bad UTF-8, a malformed
-    timestamp) fails its own decoding (`_read`), within the batch's MAX_BATCH_TOKENS."""
+    timestamp) fails its own decoding (`_read`), within the batch's MAX_BATCH_TOKENS and each event's
+    MAX_EVENT_ITEMS."""
     events: list[Event] = []
     reasons: list[str] = []
     malformed, count = 0, u.read_array_header()
@@ -201,7 +212,7 @@ def _read(raw: memoryview, left: int) -> tuple[tuple[Event, ...], int, str | Non
     if len(raw) > left and (claimed := stored_tokens(raw)) > left:
         return (), 0, f"its {claimed} token ids would take the batch's BlockStored events over {MAX_BATCH_TOKENS}"
     try:
-        event = decode_event(raw)
+        event = decode_event(raw, MAX_EVENT_ITEMS)
     except BadEvent as bad:
         return bad.safe, 0 if bad.safe else min(len(raw), left), str(bad)
     return (event,), len(event.token_ids) if isinstance(event, Stored) else 0, None

@@ -1,12 +1,14 @@
 """vLLM / SGLang KV event batches off the wire (gateway/vllm_batch.py): framing of a message, the
 live and replayed batch, its envelope and the caps on what one batch may cost."""
 
+import types
+
 import msgpack
 import pytest
 
-from gateway import vllm_batch
+from gateway import vllm_batch, vllm_events
 from gateway.vllm_batch import MAX_BATCH_REASONS, MAX_ENVELOPE, BadBatch, decode_frames, decode_payload
-from gateway.vllm_events import MAX_MAP_FIELDS, Removed, Stored, decode_event
+from gateway.vllm_events import MAX_MAP_FIELDS, NESTED, BadEvent, Cleared, Removed, Stored, decode_event
 from tests import vllm_data as vd
 from tests import vllm_malformed as vm
 from tests.test_vllm_events import MANY, reads  # noqa: F401 (reads: a fixture)
@@ -113,9 +115,9 @@ def decoded(monkeypatch) -> list[bytes]:
     """[the bytes of each event gateway.vllm_batch hands decode_event], in order."""
     seen: list[bytes] = []
 
-    def spy(raw: memoryview):
+    def spy(raw: memoryview, items: int):
         seen.append(bytes(raw))
-        return decode_event(raw)
+        return decode_event(raw, items)
 
     monkeypatch.setattr(vllm_batch, "decode_event", spy)
     return seen
@@ -159,3 +161,125 @@ def test_malformed_block_stored_events_spend_the_budget_and_removals_are_still_r
     batch = decode_payload(1, vm.payload(*[bad] * 10, vd.removed([1])))
     assert decoded == [vm.pack(bad)] * 3 + [vm.pack(vd.removed([1]))]
     assert batch.events == (Removed((1,)),) and batch.malformed == 10
+
+
+@pytest.fixture
+def built(monkeypatch) -> list[int]:
+    """[items msgpack built for gateway.vllm_events]: each array item and map entry, counted as its
+    container is completed (a hook run before the decoder's own), and each value an Unpacker hands
+    out."""
+    n = [0]
+
+    def counting(kw: dict) -> dict:
+        arrays, pairs = kw.get("list_hook", list), kw["object_pairs_hook"]
+
+        def list_hook(v: list) -> object:
+            n[0] += len(v)
+            return arrays(v)
+
+        def pairs_hook(v: list) -> object:
+            n[0] += len(v)
+            return pairs(v)
+
+        return {**kw, "list_hook": list_hook, "object_pairs_hook": pairs_hook}
+
+    class Unpacker(msgpack.Unpacker):
+        def __init__(self, **kw):
+            super().__init__(**counting({"object_pairs_hook": dict, **kw}))
+
+        def __next__(self):
+            n[0] += 1
+            return super().__next__()
+
+        def unpack(self):
+            n[0] += 1
+            return super().unpack()
+
+    def unpackb(packed, /, **kw):
+        return msgpack.unpackb(packed, **counting(kw))
+
+    monkeypatch.setattr(
+        vllm_events, "msgpack", types.SimpleNamespace(**{**vars(msgpack), "Unpacker": Unpacker, "unpackb": unpackb})
+    )
+    return n
+
+
+ALLOWED, MANY = 1000, 100_000  # items an event may build here; items a hostile event holds
+
+
+def staircase(levels: int, per: int) -> list:
+    """`levels` arrays of `per` items, each but the innermost ending with the next: every level
+    nearly full, so msgpack's one limit per container, at a batch's token ids, lets them all be built."""
+    inner: list = [1] * per
+    for _ in range(levels - 1):
+        inner = [*[1] * (per - 1), inner]
+    return inner
+
+
+TOO_MANY = {  # (an event holding MANY items, what a batch keeps of it)
+    "token_ids nested one level": (vm.stored(token_ids=[[1] * MANY]), ()),
+    "token_ids, a staircase": (vm.stored(token_ids=staircase(MANY // ALLOWED, ALLOWED)), ()),
+    "block_hashes": (vm.stored(block_hashes=[1] * MANY), ()),
+    "extra_keys": (vm.stored(extra_keys=[1] * MANY), ()),
+    "extra_keys entries": (vm.stored(extra_keys=[[1] * 250] * (MANY // 250)), ()),
+    "an unknown field of a map": (vm.stored(("note", vm.Pairs([(i, 0) for i in range(MANY)]))), ()),
+    "block_hashes of an array event": (["BlockStored", [1] * MANY, None, [], 32], ()),
+    "the tag": (vm.Pairs([("type", [1] * MANY), ("x", vm.Raw(b"\xa1\xff"))]), ()),
+    "a removal's block_hashes": (vd.removed([1] * MANY), (Cleared(),)),
+    "a removal's block_hashes, its event too long": (
+        vm.Pairs([*vd.removed([1] * MANY).items(), *vm.junk(MAX_MAP_FIELDS)]),
+        (Cleared(),),
+    ),
+    "a removal's medium": (vm.Pairs([*vd.removed([1]).items(), ("medium", [1] * MANY)]), (Cleared(),)),
+}
+
+
+@pytest.mark.parametrize("name", list(TOO_MANY))
+def test_an_event_is_refused_before_building_more_items_than_it_may(name, built, monkeypatch):
+    """Whatever field holds them, at whatever depth, an event builds at most about its allowance of
+    items (MAX_EVENT_ITEMS) before it is refused: the decoder once built all of a payload's 16 M
+    one-byte items (~0.6 s) wherever they were but in a flat token_ids. Refused, it is malformed:
+    a BlockStored left out, a removal whose hashes were not read a clear; its batch's other events
+    are read."""
+    monkeypatch.setattr(vllm_batch, "MAX_EVENT_ITEMS", ALLOWED)
+    event, kept = TOO_MANY[name]
+    batch = decode_payload(1, vm.payload(vd.stored([2], list(range(32))), event, vd.removed([2])))
+    assert batch.events[1:] == (*kept, Removed((2,))) and type(batch.events[0]) is Stored and batch.malformed == 1
+    assert built[0] < ALLOWED + NESTED + 100, f"{built[0]} items built of {MANY}"
+
+
+def held(v: object) -> int:
+    """The items inside `v`, at every depth: its own, then theirs."""
+    if isinstance(v, list):
+        return len(v) + sum(map(held, v))
+    if isinstance(v, vm.Pairs | dict):
+        pairs = list(v.items()) if isinstance(v, dict) else v
+        return len(pairs) + sum(held(k) + held(x) for k, x in pairs)
+    return 0
+
+
+def recorded_events() -> list[bytes]:
+    """Each event of the recorded vLLM batches that holds items (a clear holds none), packed alone."""
+    bodies = [msgpack.unpackb(frames[-1], strict_map_key=False) for frames in vd.recorded()["live"]]
+    return [msgpack.packb(e, use_bin_type=True) for body in bodies for e in body[1] if e["type"] != "AllBlocksCleared"]
+
+
+SALTED_LORA = vd.stored([1, 2], list(range(64)), lora_name="a", extra_keys=[["a", "salt"], ["a"]])
+REAL = {
+    **{f"recorded {i}": raw for i, raw in enumerate(recorded_events())},
+    "salted LoRA map": msgpack.packb(SALTED_LORA),
+    "array (SGLang)": msgpack.packb(vd.sglang_stored([1, 2], list(range(64)), lora_id=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_an_event_of_more_bytes_than_items_reads_as_it_does_whole_and_not_an_item_more(name):
+    """A vLLM event (its block hashes, token ids, extra_keys per block, LoRA fields, medium) given
+    exactly the items it holds, fewer than its bytes, is read field by field and decodes as it
+    does whole; an item less is refused."""
+    raw = REAL[name]
+    fields = msgpack.unpackb(raw, strict_map_key=False)
+    items = sum(map(held, fields.values() if isinstance(fields, dict) else fields))
+    assert items < len(raw) and decode_event(raw, items) == decode_event(raw, len(raw))
+    with pytest.raises(BadEvent, match=f"over {items - 1} items"):
+        decode_event(raw, items - 1)

@@ -181,7 +181,7 @@ def test_an_events_token_ids_are_weighed_as_it_decodes(event):
     raw = vm.pack(event)
     weighed = stored_tokens(raw)
     try:
-        decoded = decode_event(raw)
+        decoded = decode_event(raw, len(raw))
     except BadEvent as bad:
         assert weighed == 0 or bad.safe == ()
         return
