@@ -4,11 +4,14 @@ the client's transport as they arrive, past starlette's and uvicorn's send path.
 
 Silence past `idle_timeout` (time waiting on a slow client does not count) or a broken
 connection ends it: a stream with an SSE error event and `[DONE]`, another answer by cutting
-the client's connection, since a committed answer can no longer be retried elsewhere.
+the client's connection, since a committed answer can no longer be retried elsewhere. A
+failure on the gateway's side of the relay (`SinkFailed`: the client's end raised) is logged
+and cuts the client's connection, and is never told to `on_error`: it says nothing of the worker.
 """
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 
 from starlette.responses import Response
@@ -16,7 +19,9 @@ from starlette.responses import Response
 from gateway.proxy import UpstreamFailed, UpstreamTimeout
 from gateway.raw_send import RAW_SEND, RawBody
 from gateway.tap import StreamTap
-from gateway.upstream import Upstream
+from gateway.upstream import SinkFailed, Upstream
+
+log = logging.getLogger("kvgate.gateway")
 
 DONE = b"data: [DONE]\n\n"
 
@@ -117,6 +122,9 @@ class PassThrough(Response):
         try:
             await self.upstream.pipe(self.relay, body.drain, self.idle_timeout)
             return self.relay.end()
+        except SinkFailed:
+            cut_off(body)
+            return None
         except OSError as e:  # TimeoutError too
             silent = isinstance(e, TimeoutError)
             message = self.on_error(
@@ -158,14 +166,22 @@ class BodyPassThrough(PassThrough):
         try:
             await self.upstream.pipe(body.write, body.drain, self.idle_timeout)
             return b""
-        except OSError as e:  # TimeoutError too
+        except SinkFailed:
+            cut_off(body)
+            return None
+        except OSError as e:  # TimeoutError too (its bound may have changed: `Upstream.bound_idle`)
             self.on_error(
-                UpstreamTimeout(f"no data for {self.idle_timeout:g} s")
-                if isinstance(e, TimeoutError)
-                else UpstreamFailed(f"{type(e).__name__}: {e}")
+                UpstreamTimeout(str(e)) if isinstance(e, TimeoutError) else UpstreamFailed(f"{type(e).__name__}: {e}")
             )
             body.abort()
             return None
+
+
+def cut_off(body: RawBody) -> None:
+    """The relay failed on the gateway's side (a bug, not the worker's failure): logged, and
+    the client's connection cut, as nothing more can be written to it in order."""
+    log.exception("relaying a worker's answer failed on the gateway's side; the client's connection is cut")
+    body.abort()
 
 
 async def _cancel_on_disconnect(receive, task: asyncio.Task) -> None:

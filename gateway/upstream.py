@@ -29,6 +29,11 @@ import httptools
 UPSTREAM_KEEPALIVE_S = 4.0
 
 
+class SinkFailed(Exception):
+    """A piped body's sink (the gateway's side of a relay, the client's end) raised: the
+    gateway's failure, never the worker's, so it is not a `ConnectionError`."""
+
+
 class Upstream(asyncio.Protocol):
     """One connection to a worker, carrying one request at a time; after `send`, `head` resolves
     with the response's status and headers (lowercased names) and the body is read with
@@ -86,10 +91,13 @@ class Upstream(asyncio.Protocol):
         self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self.sink is not None and not self.blocked:
-            if not self.sink(body):
-                self.blocked = True
-                self._wake()
+        if self.sink is not None and not self.blocked and self.error is None:
+            try:
+                if not self.give(body):
+                    self.blocked = True
+                    self._wake()
+            except SinkFailed:
+                pass  # the pipe's waiter has it; raised here it would read as the worker's bad response
         else:
             self.body.append(body)
             self._wake()
@@ -104,7 +112,10 @@ class Upstream(asyncio.Protocol):
             self.waiter.set_result(None)
 
     def _fail(self, e: Exception) -> None:
-        self.error = e
+        """The response failed: the first failure is the one its reader is told of (a closed
+        connection follows most)."""
+        if self.error is None:
+            self.error = e
         if not self.head.done():
             self.head.set_exception(e)
             self.head.exception()  # retrieved: the request's waiter may be gone already
@@ -143,21 +154,42 @@ class Upstream(asyncio.Protocol):
         """Pass the rest of the body to `sink` as it arrives, from `data_received` itself, until
         its end. `sink` returns False when its reader is full: reading stops until `drain()`
         returns. Raises `TimeoutError` after `idle_s` seconds without a byte (time spent waiting
-        on a full reader does not count), `ConnectionError` if the response breaks off."""
-        if self.body:
-            sink(self.read_buffered())
-        self.sink = sink
-        self.idle_handle = self.loop.call_at(self.last_data + idle_s, self._idle, idle_s)
+        on a full reader does not count; `bound_idle` changes the bound), `ConnectionError` if
+        the response breaks off, `SinkFailed` if `sink` raises (the connection is closed)."""
+        self.sink, self.idle_s = sink, idle_s
+        self.idle_handle = self.loop.call_at(self.last_data + idle_s, self._idle)
         try:
+            if self.body:
+                self.give(self.read_buffered())
             while not self.complete:
                 await self._wait()
                 if self.blocked:
-                    await self._unblock(sink, drain)
+                    await self._unblock(drain)
+            if self.error is not None:  # the sink failed on the body's last bytes
+                raise self.error
         finally:
             self.idle_handle.cancel()
             self.sink = None
 
-    async def _unblock(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable]) -> None:
+    def give(self, data: bytes) -> bool:
+        """`data` to the pipe's sink: what it returns, or `SinkFailed` if it raises, after which
+        the response has failed and its connection is closed (the rest of the body unread)."""
+        assert self.sink is not None
+        try:
+            return self.sink(data)
+        except Exception as e:
+            failure = SinkFailed(f"{type(e).__name__}: {e}")
+            self._fail(failure)
+            self.close()
+            raise failure from e
+
+    def bound_idle(self, idle_s: float) -> None:
+        """A running pipe's silence is bounded by `idle_s` from now on, counted from its last byte."""
+        self.idle_s = idle_s
+        self.idle_handle.cancel()
+        self.idle_handle = self.loop.call_at(self.last_data + idle_s, self._idle)
+
+    async def _unblock(self, drain: Callable[[], Awaitable]) -> None:
         """Stop reading until the sink's reader has room, and has taken what came meanwhile."""
         assert self.transport is not None
         if not self.closed:
@@ -165,16 +197,16 @@ class Upstream(asyncio.Protocol):
         while self.blocked:
             await drain()
             self.last_data = self.loop.time()
-            self.blocked = bool(self.body) and not sink(self.read_buffered())
+            self.blocked = bool(self.body) and not self.give(self.read_buffered())
         if not self.closed:
             self.transport.resume_reading()
 
-    def _idle(self, idle_s: float) -> None:
-        due = self.last_data + idle_s
+    def _idle(self) -> None:
+        due = self.last_data + self.idle_s
         if self.blocked or self.loop.time() < due:
-            self.idle_handle = self.loop.call_at(max(due, self.loop.time() + 0.001), self._idle, idle_s)
+            self.idle_handle = self.loop.call_at(max(due, self.loop.time() + 0.001), self._idle)
             return
-        self._fail(TimeoutError(f"no data for {idle_s:g} s"))
+        self._fail(TimeoutError(f"no data for {self.idle_s:g} s"))
 
     def release(self) -> None:
         """Done with the response: the connection goes back to the pool when the response came

@@ -1,7 +1,7 @@
 """The gateway's own upstream client (gateway/upstream.py) and the stream relay on it
 (gateway/proxy.py, gateway/relay.py), against a real worker stand-in process that misbehaves on cue
 (tests/scripted_upstream.py): a stream cut mid-way, a stream gone silent, a stream the
-gateway closes early, keep-alive connections reused and dropped once the server closed them, a
+gateway closes early, a relay whose client end fails (the gateway's fault, not the worker's), keep-alive connections reused and dropped once the server closed them, a
 whole answer bounded by the answer timeout and not the first-byte one."""
 
 import asyncio
@@ -14,7 +14,7 @@ import uvloop
 from gateway import pd
 from gateway.procs import Proc, free_port, stop_all, wait_for
 from gateway.proxy import AnswerTimeout, Proxy, UpstreamFailed, UpstreamTimeout
-from gateway.relay import DONE, PassThrough, Relay
+from gateway.relay import DONE, BodyPassThrough, PassThrough, Relay
 from gateway.tap import StreamTap
 from tests.scripted_upstream import LATE_BODY
 
@@ -102,6 +102,46 @@ def test_a_stream_gone_silent_ends_with_an_error_event_after_the_idle_timeout(up
     got, failures = relay(upstream.url, "/hang", idle_timeout=0.3)
     assert got.startswith(EVENT) and got.endswith(DONE)
     assert len(failures) == 1 and isinstance(failures[0], UpstreamTimeout)
+
+
+class Failing(Client):
+    """A client end whose write number `at` raises, as a gateway bug would (uvicorn's HEAD
+    answer had no chunked framing for `RawBody.write` to assert)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.writes, self.aborted = at, 0, False
+
+    def write(self, body: bytes) -> bool:
+        self.writes += 1
+        if self.writes == self.at:
+            raise AssertionError("the client end failed")
+        return super().write(body)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize("path, at", [("/stream", 1), ("/slow", 2)])  # the body there before the relay, then after
+def test_a_relay_whose_client_end_fails_cuts_the_client_off_and_blames_no_worker(upstream, path, at):
+    failures: list[Exception] = []
+
+    def failed(e: Exception) -> str:
+        failures.append(e)
+        return "it failed"
+
+    async def run() -> tuple[bytes | None, bool]:
+        proxy = Proxy()
+        resp = await proxy.open(upstream.url, path, b"{}", {})
+        passing = BodyPassThrough(resp, 200, 30.0, failed, lambda: None, {})
+        try:
+            return await passing.relay_upstream(client), resp.closed  # a RawBody in duck type
+        finally:
+            resp.release()
+
+    client = Failing(at)
+    assert uvloop.run(run()) == (None, True)  # nothing more for the client; the worker's connection not reused
+    assert client.aborted and client.writes == at and failures == []
 
 
 def test_a_stream_closed_before_its_end_closes_the_workers_connection(upstream):
