@@ -295,13 +295,16 @@ class Forwarder:
         return BodyPassThrough(resp, resp.status, self.proxy.idle_timeout, failed, closed, headers)
 
     def ends(
-        self, w: Worker, resp: Upstream, engine: bool, rec: RequestRecord
+        self, w: Worker, resp: Upstream, engine: bool, rec: RequestRecord, steered: bool = False
     ) -> tuple[Callable[[Exception], str], Callable[[], None]]:
         """The callbacks of a relayed answer's failure and end (`BodyPassThrough`). Its end is
         the try's: the worker's count in flight ends, and for an embedding (engine work) the
         breaker is told of its success, its failure or nothing (the client left); a
         tokenization's failure counts against the breaker only when the worker broke the answer
-        off, not when it fell silent."""
+        off, not when it fell silent. A `steered` answer's failure (one the client shapes: a
+        stored response's retrieve or cancel, which vLLM breaks off for some queries) is counted
+        in the metrics only, neither in the breaker nor as suspect: else any client could take
+        a worker out for everyone."""
         rec.status = resp.status
         broken = False
 
@@ -310,9 +313,9 @@ class Forwarder:
             broken, rec.status = True, 502
             self.metrics.upstream_failures.labels(w.model or "", w.worker_id, "stream").inc()
             silent = isinstance(e, UpstreamTimeout)
-            if engine or not silent:
+            if (engine or not silent) and not steered:
                 w.breaker.failed()
-            if not silent:  # broken off: likely dead until its next good poll
+            if not (silent or steered):  # broken off: likely dead until its next good poll
                 self.fleet.mark_suspect(w, str(e))
             return f"worker {w.worker_id} failed: {e}"
 

@@ -31,10 +31,13 @@ def valid_id(response_id: str) -> bool:
 @dataclass(frozen=True)
 class Owner:
     """Who holds a response and whose it is: the worker that stored it and the tenant whose key
-    made it ("" when the gateway has no API keys)."""
+    made it ("" when the gateway has no API keys); and whether its events can be streamed again
+    (`GET ...?stream=true`): only where it was created with both `background` and `stream`, the
+    one case vLLM keeps a response's events (any other it starts to answer, then breaks off)."""
 
     worker_id: str
     tenant: str
+    replayable: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """vLLM's Responses API through the gateway: `POST /v1/responses` (create), `GET
-/v1/responses/{response_id}` (retrieve; `?stream=true` replays a background response's events)
+/v1/responses/{response_id}` (retrieve; `?stream=true` replays the events of a response created
+with both `background` and `stream`)
 and `POST /v1/responses/{response_id}/cancel`, for models served by vLLM workers.
 
 A vLLM server keeps a stored response in its own memory (with VLLM_ENABLE_RESPONSES_API_STORE;
@@ -10,19 +11,26 @@ return it or cancel it: another server answers 404, as it has never seen the id.
   with room in its queue, retried elsewhere when one fails before answering, as an embedding
   does (gateway/forward.py: the same body cap, admission, API keys, per-key rates, breakers);
 - the gateway learns each response's id from the answer as it relays it (gateway/response_tap.py)
-  and records the worker and the key's tenant (gateway/response_ids.py: an LRU with a TTL; with
-  `--redis` shared by the replicas, gateway/shared_response_ids.py); a `store: false` create is
-  not recorded;
+  and records the worker, the key's tenant and whether the response's events can be streamed
+  again (created with both `background` and `stream`: vLLM keeps no events of any other, and
+  breaks off a `?stream=true` retrieve of one after its head, so that is the gateway's own 400)
+  (gateway/response_ids.py: an LRU with a TTL; with `--redis` shared by the replicas,
+  gateway/shared_response_ids.py); a `store: false` create is not recorded;
 - a follow-up, a retrieve and a cancel go to the recorded worker only, one try, never
   elsewhere. An id the gateway does not know, or recorded for another tenant, is the same 404
-  (`response_not_found`: nothing says it exists); a recorded worker that is unavailable now (down,
+  (`response_not_found`: nothing says it exists; Redis not answering, the same 503
+  `response_lookup_failed` for both); a recorded worker that is unavailable now (down,
   out of service, suspect, its breaker open, or gone from the fleet) is a 503
   (`response_worker_unavailable`, with Retry-After): the response may come back with its worker,
   and no other server could answer for it.
 
 A create is engine work (counted in flight, its breaker's to count); a retrieve or cancel is
-not. A create's input (`instructions`, `input`'s texts, by the model's tokenizer; other items at
-a quarter of the body's bytes) and its `max_output_tokens` are charged to a key's
+not, and its broken answer is counted in the metrics only, never against the worker (the client
+steers it). A stream opens with two events at once, then waits for its first token: until an
+event past those its silence is bounded by the first-byte timeout, as a chat stream's first
+token is, then by the idle timeout. A create's input (`instructions`, `input`'s texts, by the
+model's tokenizer; other items at a quarter of the body's bytes) and its `max_output_tokens`
+(without it, the rest of the model's context, which vLLM may generate) are charged to a key's
 tokens-per-minute budget; a previous response's history, which only the worker sees, is not.
 The body goes to vLLM unchanged but for the tenant's `cache_salt`; fields internal to the fleet
 and `request_id` (the stored response's name, response_fields.py) are refused. These requests
@@ -47,11 +55,10 @@ from gateway.forward import NOT_POOLING, Forwarder, openai_error
 from gateway.intake import ApiError, client_body, refused
 from gateway.pooling import input_tokens
 from gateway.proxy import AnswerTimeout, ConnectFailed, UpstreamTimeout, Watch
-from gateway.relay import BodyPassThrough
 from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import Owner, ResponseIds, valid_id
-from gateway.response_tap import IdTap, TappedPassThrough
+from gateway.response_tap import IdTap, Opening, TappedPassThrough
 from gateway.shared_response_ids import LookupFailed, SharedResponseIds
 from gateway.upstream import Upstream
 from gateway.worker import Worker
@@ -75,10 +82,15 @@ def new_id(kind: str) -> str:
 
 
 def routes(endpoint: Callable[[str], Callable[[Request], Awaitable[Response]]]) -> list[Route]:
-    """The three routes, each served by `endpoint(kind)`."""
+    """The three routes, each served by `endpoint(kind)`. The retrieve takes GET only, where
+    starlette adds HEAD to a GET route: a HEAD's answer has no body, but a worker's body is
+    relayed past uvicorn's send (gateway/raw_send.py), so HEAD is the 405 every other method is."""
+    retrieve = Route("/v1/responses/{response_id}", endpoint(RETRIEVE), methods=["GET"])
+    assert retrieve.methods is not None
+    retrieve.methods.discard("HEAD")
     return [
         Route("/v1/responses", endpoint(CREATE), methods=["POST"]),
-        Route("/v1/responses/{response_id}", endpoint(RETRIEVE), methods=["GET"]),
+        retrieve,
         Route("/v1/responses/{response_id}/cancel", endpoint(CANCEL), methods=["POST"]),
     ]
 
@@ -115,29 +127,41 @@ class Responses:
         tenant = key.tenant if key is not None else ""
         holder = None
         if fields.previous_response_id is not None:
-            holder = await self.holder(fields.previous_response_id, tenant, "previous_response_id")
+            previous = await self.owned(fields.previous_response_id, tenant, "previous_response_id")
+            holder = self.holder(fields.previous_response_id, previous)
         raw = await self.charged(request, body, raw, model, texts, estimated, fields.max_output_tokens)
         keep = tenant if fields.store else None
         whole = not (fields.stream or fields.background)  # answered only once generated
+        replayable = fields.stream and fields.background
 
         def attempt(w: Worker, headers: dict) -> Awaitable[Response]:
-            return self.attempt(request, w, "POST", "/v1/responses", raw, headers, rec, True, keep, whole)
+            return self.attempt(request, w, "POST", "/v1/responses", raw, headers, rec, True, keep, whole, replayable)
 
         if holder is None:
             return await fwd.tries(rec, True, fwd.retry.max_retries, lambda ex: self.pick(model, ex), attempt)
         return await fwd.tries(rec, True, 0, lambda ex: self.with_room(holder), attempt)
 
     async def stored(self, request: Request, kind: str, rec: RequestRecord) -> Response:
-        """A retrieve or a cancel, to the worker that stored the response."""
+        """A retrieve or a cancel, to the worker that stored the response. A retrieve's
+        `stream=true` of a response that cannot be replayed (`Owner.replayable`) is the
+        gateway's 400: vLLM would start its answer, then break it off."""
         response_id = request.path_params["response_id"]
         key = api_key(request.scope)
-        w = await self.holder(response_id, key.tenant if key is not None else "", "response_id")
-        rec.model = w.model or ""
+        owner = await self.owned(response_id, key.tenant if key is not None else "", "response_id")
         if kind == CANCEL:
             method, path = "POST", f"/v1/responses/{response_id}/cancel"
         else:
             method, path = "GET", f"/v1/responses/{response_id}{retrieve_query(request)}"
             rec.stream = request.query_params.get("stream") == "true"
+            if rec.stream and not owner.replayable:
+                raise ApiError(
+                    400,
+                    f"response '{response_id}' was not created with both background and stream true, so it has "
+                    "no events to stream again: retrieve it without stream=true",
+                    param="stream",
+                )
+        w = self.holder(response_id, owner)
+        rec.model = w.model or ""
 
         def attempt(w: Worker, headers: dict) -> Awaitable[Response]:
             return self.attempt(request, w, method, path, b"", headers, rec, False, None)
@@ -149,23 +173,30 @@ class Responses:
     ) -> bytes:
         """Charge the key for a create's input (`texts` by the model's tokenizer, with a quarter
         of the body's bytes when it holds `estimated` inputs, response_fields.input_texts) and
-        its max_output_tokens (`most`); the body to forward, with the tenant's cache_salt."""
+        its max_output_tokens (`most`), or without it the rest of the model's context (vLLM's
+        default: it may generate that much), as a chat without max_tokens is charged; the body
+        to forward, with the tenant's cache_salt."""
         intake = self.forwarder.intake
         key = api_key(request.scope)
         if key is not None and key.tpm:
             tok = await self.forwarder.tokenizers.get(model) if texts else None
             tokens = await input_tokens(tok, texts) + (len(raw) // 4 if estimated else 0)
-            await intake.charge(request, tokens + (most or 0))
+            context = self.forwarder.fleet.models().get(model, 0)
+            await intake.charge(request, tokens + (most if most is not None else max(0, context - tokens)))
         if intake.access.apply_cache_salt(key, body):
             return json.dumps(body).encode()
         return raw
 
-    async def holder(self, response_id: str, tenant: str, param: str) -> Worker:
-        """The worker that stored `response_id` for `tenant`: a 404 when the gateway knows of no
-        such response of the tenant's, a 503 when its worker cannot take a request now."""
-        owner = await self.owner(response_id)
-        if owner is None or owner.tenant != tenant:
+    async def owned(self, response_id: str, tenant: str, param: str) -> Owner:
+        """Who holds `response_id` for `tenant`: a 404 when the gateway knows of no such
+        response of the tenant's (another's answers as an unknown one does)."""
+        owner = await self.owner(response_id, tenant)
+        if owner is None:
             raise ApiError(404, f"Response with id '{response_id[:200]}' not found.", code=NOT_FOUND, param=param)
+        return owner
+
+    def holder(self, response_id: str, owner: Owner) -> Worker:
+        """The worker that stored `response_id` (`owner`'s): a 503 when it cannot take a request now."""
         w = self.forwarder.fleet.by_id(owner.worker_id)
         if w is None or not w.available:
             raise ApiError(
@@ -177,13 +208,18 @@ class Responses:
             )
         return w
 
-    async def owner(self, response_id: str) -> Owner | None:
-        """Who holds `response_id`: this replica's ledger, else (with Redis) the replicas'."""
+    async def owner(self, response_id: str, tenant: str) -> Owner | None:
+        """Who holds `response_id` for `tenant`: this replica's ledger, else (with Redis) the
+        replicas'. Another tenant's entry here is a miss that asks Redis too, as an unknown id
+        does, so that Redis failing answers both alike (else a 404 against a 503 tells which ids
+        exist)."""
         if not valid_id(response_id):
             return None
         owner = self.ids.find(response_id)
-        if owner is not None or self.shared is None:
+        if owner is not None and owner.tenant == tenant:
             return owner
+        if self.shared is None:
+            return None
         try:
             found = await self.shared.find(response_id)
         except LookupFailed as e:
@@ -197,7 +233,7 @@ class Responses:
         if found is None:
             return None
         self.ids.record(response_id, found[0], found[1])
-        return found[0]
+        return found[0] if found[0].tenant == tenant else None
 
     def record(self, response_id: str, owner: Owner) -> None:
         """Remember (and share) which worker and tenant a response is; an id the ledger cannot
@@ -242,14 +278,18 @@ class Responses:
         engine: bool,
         keep: str | None,
         whole: bool = False,
+        replayable: bool = False,
     ) -> Response:
         """One try on `w`: UpstreamError while nothing is committed to the client, else its
         answer, relayed as it arrives. A 404 that is not an OpenAI error (no such route) or a
         501 (vLLM serves no Responses API for the model) is the client's 400
         `model_not_supported`; a 503 is the worker's load and any other 5xx its failure.
-        `engine`: a create, engine work; `whole`: one answered only once generated, so bounded by
-        the answer timeout (gateway/proxy.py). A 200 answer's id is recorded for tenant `keep`
-        (None: not recorded) as it passes."""
+        `engine`: a create, engine work, else a retrieve or cancel, whose broken answer says
+        nothing of the worker (the client steers it: `Forwarder.ends`); `whole`: one answered
+        only once generated, so bounded by the answer timeout (gateway/proxy.py). A stream's
+        silence is bounded by the first-byte timeout until its first event past the opening
+        ones, by the idle timeout after (response_tap.Opening). A 200 answer's id is recorded
+        for tenant `keep` (None: not recorded), `replayable` or not, as it passes."""
         fwd = self.forwarder
         resp = await self.send(w, method, path, raw, headers, request, whole)
         kind = resp.headers.get("content-type", "application/json")
@@ -263,20 +303,24 @@ class Responses:
             raise not_supported(rec.model)
         if resp.status >= 500:
             await whole_body(fwd.proxy, resp)  # raises: WorkerBusy (503) or WorkerError
+        failed, closed = fwd.ends(w, resp, engine, rec, steered=not engine)
+        taps: list[Callable[[bytes], None]] = []
+        idle = fwd.proxy.idle_timeout
         streamed = kind.startswith("text/event-stream")
         if streamed:
             out["cache-control"] = "no-cache"
-        failed, closed = fwd.ends(w, resp, engine, rec)
+            taps.append(Opening(lambda: resp.bound_idle(fwd.proxy.idle_timeout)))
+            idle = fwd.proxy.first_byte_timeout
         if keep is None or resp.status != 200:
-            return BodyPassThrough(resp, resp.status, fwd.proxy.idle_timeout, failed, closed, out)
-        tap = IdTap(streamed, lambda rid: self.record(rid, Owner(w.worker_id, keep)))
+            return TappedPassThrough(resp, resp.status, idle, failed, closed, out, taps)
+        tap = IdTap(streamed, lambda rid: self.record(rid, Owner(w.worker_id, keep, replayable)))
 
         def ended() -> None:
             if tap.id is None and resp.complete:
                 log.warning("worker %s answered a response whose id the gateway did not find", w.worker_id)
             closed()
 
-        return TappedPassThrough(resp, 200, fwd.proxy.idle_timeout, failed, ended, out, tap)
+        return TappedPassThrough(resp, 200, idle, failed, ended, out, [tap, *taps])
 
     async def send(
         self, w: Worker, method: str, path: str, body: bytes, headers: dict, request: Request, whole: bool

@@ -6,8 +6,10 @@ the response's creation, so each replica writes every id it records to
 does not know an id looks it up there before it calls it unknown. The write goes out in the
 background as the answer is relayed (a follow-up sent to another replica within that round
 trip is not found there). A record is signed with the fleet's internal token over the id, the
-worker and the tenant: whoever can write to Redis but lacks the token can neither hand a
-tenant's response to another tenant nor point an id at another worker. A record read back is
+worker, the tenant and whether its events can be replayed (`Owner.replayable`): whoever can
+write to Redis but lacks the token can neither hand a tenant's response to another tenant, nor
+point an id at another worker, nor make the gateway ask a worker to replay what it kept no
+events of. A record read back is
 checked as every Redis record is (bounded size, strict JSON, its fields' types and lengths);
 a bad one is counted and taken as absent. Without Redis the ledger is each replica's own.
 """
@@ -63,7 +65,12 @@ class SharedResponseIds:
         background(self._put(response_id, owner, ttl_s))
 
     async def _put(self, response_id: str, owner: Owner, ttl_s: float) -> None:
-        record = {"worker": owner.worker_id, "tenant": owner.tenant, "sig": self.sign(response_id, owner)}
+        record = {
+            "worker": owner.worker_id,
+            "tenant": owner.tenant,
+            "replayable": owner.replayable,
+            "sig": self.sign(response_id, owner),
+        }
         try:
             await self.client().set(rs.response_key(response_id), json.dumps(record), px=max(1, int(ttl_s * 1000)))
             self._answered()
@@ -104,19 +111,22 @@ class SharedResponseIds:
     def checked(self, response_id: str, raw: bytes) -> Owner:
         """The owner a record names; ValueError unless it is this fleet's record for this id."""
         d = peer_object(raw, "a response record", MAX_RECORD_BYTES)
-        worker, tenant, sig = d.get("worker"), d.get("tenant"), d.get("sig")
+        worker, tenant, replayable, sig = d.get("worker"), d.get("tenant"), d.get("replayable"), d.get("sig")
         if not (isinstance(worker, str) and isinstance(tenant, str) and isinstance(sig, str)):
             raise ValueError("its worker, tenant and sig are not strings")
+        if not isinstance(replayable, bool):
+            raise ValueError("its replayable is not a boolean")
         if not (0 < len(worker) <= MAX_FIELD_CHARS and len(tenant) <= MAX_FIELD_CHARS):
             raise ValueError("a field is empty or too long")
-        owner = Owner(worker, tenant)
+        owner = Owner(worker, tenant, replayable)
         if not hmac.compare_digest(sig.encode(errors="replace"), self.sign(response_id, owner).encode()):
             raise ValueError("bad signature")
         return owner
 
     def sign(self, response_id: str, owner: Owner) -> str:
-        """HMAC-SHA256 over the id, the worker and the tenant (a record is valid under its own key only)."""
-        text = json.dumps([response_id, owner.worker_id, owner.tenant])
+        """HMAC-SHA256 over the id, the worker, the tenant and whether it is replayable (a record
+        is valid under its own key only, and as it was written)."""
+        text = json.dumps([response_id, owner.worker_id, owner.tenant, owner.replayable])
         return hmac.new(self.token.encode(), text.encode(), hashlib.sha256).hexdigest()
 
     def _answered(self) -> None:

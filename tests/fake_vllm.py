@@ -4,7 +4,10 @@ other pooling endpoints (/v2/embed, /pooling, /classify, /score, /v1/score, /rer
 /v2/rerank: a small answer of each one's shape), each echoing the body it got and the `x-request-id` it was sent,
 the Responses API (POST /v1/responses, GET /v1/responses/{id}, POST /v1/responses/{id}/cancel)
 over an in-memory store as vLLM's with VLLM_ENABLE_RESPONSES_API_STORE=1 (a stream opens with
-`response.created`; a background response stays queued until cancelled)) and its ZMQ KV event publisher
+`response.created` and `response.in_progress`, then a text delta and `response.completed`; a
+background response stays queued until cancelled; a `?stream=true` retrieve replays the events
+of a response created with both background and stream, and of any other answers a 200 head,
+then breaks off, as vLLM's does)) and its ZMQ KV event publisher
 (PUB + replay ROUTER, vLLM's framing), steered by the test through /_control.
 
     python -m tests.fake_vllm --port P --events-port E --replay-port R
@@ -14,6 +17,9 @@ over an in-memory store as vLLM's with VLLM_ENABLE_RESPONSES_API_STORE=1 (a stre
 "answers": {path: status} for one path's own (an engine failing generations that still
 tokenizes),
 "responses": false (the Responses API answers 501, as vLLM's does for a model without it),
+"stream_wait_s": a create stream's silence after its opening events, "stream_gap_s": after its
+first output event (a queued request's wait, a stall between tokens), "replays": false (every
+`?stream=true` retrieve breaks off after its head),
 "embeddings": false (the pooling routes are not mounted, as on a server of a generative model:
 FastAPI's bare 404), "embeddings_body": how the embeddings answer is sent: {} whole, {"pieces": n, "gap_s": s,
 "dims": d} in n pieces s apart (vectors of d numbers), {"hold": true} its last piece only once
@@ -55,6 +61,10 @@ class Fake:
         self.embeddings = True  # whether /v1/embeddings is mounted (an embedding model's server)
         self.responses = True  # whether the Responses API serves (a generative model's server)
         self.create_delay_s = 0.0  # how long a create takes to generate its answer
+        self.stream_wait_s = 0.0  # a create stream's silence between its opening and its first output
+        self.stream_gap_s = 0.0  # and after its first output event
+        self.replays = True  # whether a `?stream=true` retrieve replays the events kept of a response
+        self.events: dict[str, list[tuple[str, dict]]] = {}  # a background stream's events, by response id
         self.creates = 0  # creates received
         self.stored: dict[str, dict] = {}  # response id -> the stored response
         self.embeddings_body: dict = {}  # how its answer is sent (the docstring's embeddings_body)
@@ -234,12 +244,28 @@ def app(fake: Fake) -> Starlette:
             fake.stored[response["id"]] = response
         if not body.get("stream"):
             return JSONResponse(response)
-        events = [("response.created", {**response, "status": "in_progress"}), ("response.completed", response)]
-        return StreamingResponse(sse(events), media_type="text/event-stream")
+        started = {"response": {**response, "status": "in_progress"}}
+        delta = {"item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "ok"}
+        events = [
+            ("response.created", started),
+            ("response.in_progress", started),
+            ("response.output_text.delta", delta),
+            ("response.completed", {"response": response}),
+        ]
+        if body.get("background"):
+            fake.events[response["id"]] = events
+        waits = {2: fake.stream_wait_s, 3: fake.stream_gap_s}  # before the first output, after it
+        return StreamingResponse(sse(events, waits), media_type="text/event-stream")
 
-    async def sse(events: list[tuple[str, dict]]):
-        for n, (kind, response) in enumerate(events):
-            yield f"event: {kind}\ndata: {json.dumps({'response': response, 'sequence_number': n, 'type': kind})}\n\n"
+    async def sse(events: list[tuple[str, dict]], waits: dict[int, float], first: int = 0):
+        for n, (kind, data) in enumerate(events):
+            if n >= first:
+                await asyncio.sleep(waits.get(n, 0.0))
+                yield f"event: {kind}\ndata: {json.dumps({**data, 'sequence_number': n, 'type': kind})}\n\n"
+
+    async def unknown_events(response_id: str):
+        raise ValueError(f"Unknown response_id: {response_id}")  # vLLM's: uvicorn cuts the connection
+        yield ""
 
     async def retrieve_response(request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -248,9 +274,12 @@ def app(fake: Fake) -> Starlette:
         if response_id not in fake.stored:
             return not_found(response_id)
         response = {**fake.stored[response_id], "query": request.url.query}
-        if request.query_params.get("stream") == "true":
-            return StreamingResponse(sse([("response.completed", response)]), media_type="text/event-stream")
-        return JSONResponse(response)
+        if request.query_params.get("stream") != "true":
+            return JSONResponse(response)
+        if response_id not in fake.events or not fake.replays:
+            return StreamingResponse(unknown_events(response_id), media_type="text/event-stream")
+        after = int(request.query_params.get("starting_after", -1))
+        return StreamingResponse(sse(fake.events[response_id], {}, after + 1), media_type="text/event-stream")
 
     async def cancel_response(request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -292,6 +321,9 @@ def app(fake: Fake) -> Starlette:
         fake.embeddings = body.get("embeddings", fake.embeddings)
         fake.responses = body.get("responses", fake.responses)
         fake.create_delay_s = body.get("create_delay_s", fake.create_delay_s)
+        fake.stream_wait_s = body.get("stream_wait_s", fake.stream_wait_s)
+        fake.stream_gap_s = body.get("stream_gap_s", fake.stream_gap_s)
+        fake.replays = body.get("replays", fake.replays)
         fake.embeddings_body = body.get("embeddings_body", fake.embeddings_body)
         if body.get("release"):
             fake.release.set()

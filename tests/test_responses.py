@@ -18,7 +18,7 @@ from gateway.intake import ApiError, Intake
 from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import MAX_ID_CHARS, Owner, ResponseIds, valid_id
-from gateway.response_tap import HEAD_BYTES, IdTap, answer_id
+from gateway.response_tap import HEAD_BYTES, IdTap, Opening, answer_id
 from gateway.responses import CREATE, LOOKUP_FAILED, NOT_FOUND, UNAVAILABLE, Responses, retrieve_query
 from gateway.shared_response_ids import SharedResponseIds
 from gateway.vllm_worker import KIND as VLLM
@@ -142,6 +142,24 @@ def test_an_answers_id_is_found_in_its_head_however_it_is_cut():
     assert answer_id(CREATED, False) is None and answer_id(WHOLE, True) is None
 
 
+def test_a_streams_opening_ends_with_its_first_event_past_created_and_in_progress_however_it_is_cut():
+    progress = CREATED.replace(b"response.created", b"response.in_progress")
+    long = b'event: response.in_progress\ndata: {"response":{"instructions":"' + b"x" * 5000 + b'"}}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"delta":"ok"}\n\n'
+    stream = CREATED + progress + long + delta
+    end = len(stream) - len(delta) + delta.index(b"\n")  # where the first output event's `event:` line ends
+    for size in (1, 7, 200, len(stream)):
+        calls: list[int] = []
+        opening = Opening(lambda: calls.append(1))
+        at = None
+        for i in range(0, len(stream), size):
+            opening(stream[i : i + size])
+            if calls and at is None:
+                at = i
+        opening(delta)
+        assert len(calls) == 1 and at == end // size * size, size  # once, on the chunk that ends that line
+
+
 def test_the_tap_gives_up_after_its_head_bytes():
     found: list[str] = []
     tap = IdTap(False, found.append)
@@ -169,12 +187,21 @@ def test_a_retrieves_query_is_checked_and_only_vllms_parameters_go_on():
 
 def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id():
     shared = SharedResponseIds("redis://127.0.0.1:1", "fleet-secret")
-    record = {"worker": "w0", "tenant": "a", "sig": shared.sign("resp_1", A)}
+    record = {"worker": "w0", "tenant": "a", "replayable": False, "sig": shared.sign("resp_1", A)}
     assert shared.parse("resp_1", json.dumps(record).encode()) == A
+    replayable = Owner("w0", "a", True)
+    assert (
+        shared.parse(
+            "resp_1", json.dumps({**record, "replayable": True, "sig": shared.sign("resp_1", replayable)}).encode()
+        )
+        == replayable
+    )
     forged = [
         ("resp_2", record),  # copied under another id
         ("resp_1", {**record, "tenant": "b"}),  # handed to another tenant
         ("resp_1", {**record, "worker": "w1"}),  # pointed at another worker
+        ("resp_1", {**record, "replayable": True}),  # a replay asked of a server that kept no events
+        ("resp_1", {"worker": "w0", "tenant": "a", "sig": record["sig"]}),
         ("resp_1", {**record, "sig": SharedResponseIds("redis://x", "other").sign("resp_1", A)}),
         ("resp_1", {"worker": 5, "tenant": "a", "sig": "x"}),
         ("resp_1", {**record, "worker": "w" * 300}),
@@ -232,6 +259,18 @@ def test_a_follow_up_goes_nowhere_but_where_its_response_is():
     r.forwarder.fleet.workers["http://127.0.0.1:1"].suspect = True  # it broke an answer off
     e = refusal(r, {"previous_response_id": "resp_a"}, key_a)
     assert (e.status, e.code) == (503, UNAVAILABLE)
+
+
+def test_another_tenants_id_known_here_is_asked_of_redis_as_an_unknown_one_is():
+    """Redis not answering, both are the same 503: a 404 for one against a 503 for the other
+    told a client which ids exist."""
+    key_b = ApiKey("b", b"b", "b", None)
+    for rid in ("resp_a", "resp_0123456789abcdef"):
+        r = responses(VLLM)
+        r.shared = SharedResponseIds("redis://127.0.0.1:1", "fleet-secret")  # nothing listens there
+        r.ids.record("resp_a", Owner("w0", "a"))
+        e = refusal(r, {"previous_response_id": rid}, key_b)
+        assert (e.status, e.code) == (503, LOOKUP_FAILED), rid
 
 
 def test_an_id_redis_cannot_be_asked_about_is_a_503_not_a_404():

@@ -81,7 +81,7 @@ def test_a_conversation_stays_on_the_server_that_stored_it(fakes, tmp_path):
         ) as r:
             text = r.read().decode()
         assert r.status_code == 200 and r.headers["x-kvgate-worker"] == holder, text
-        assert text.startswith("event: response.created\ndata: ") and text.count("event: ") == 2  # relayed as sent
+        assert text.startswith("event: response.created\ndata: ") and text.count("event: ") == 4  # relayed as sent
         streamed = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
         got = call(gw, "GET", f"/v1/responses/{streamed}", params={"stream": "false", "starting_after": "3", "x": "y"})
         assert got.status_code == 200 and got.headers["x-kvgate-worker"] == holder, got.text
@@ -123,10 +123,13 @@ def test_other_tenants_unknown_and_unstored_ids_are_one_404(fakes, tmp_path):
         assert call(gw, "GET", "/v1/responses/" + "r" * 129).status_code == 404
         assert call(gw, "GET", f"/v1/responses/{rid}", params={"stream": "yes"}).json()["error"]["param"] == "stream"
 
-        # a create is charged for its input and max_output_tokens: 30 tokens, then 1 + 15 more are over 40
-        assert create(gw, "sk-tokens", input=" ".join(["word"] * 30)).status_code == 200
+        # a create is charged for its input and max_output_tokens: 30 + 1 tokens, then 1 + 15 more are over 40
+        assert create(gw, "sk-tokens", input=" ".join(["word"] * 30), max_output_tokens=1).status_code == 200
         r = create(gw, "sk-tokens", input="word", max_output_tokens=15)
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+        # without max_output_tokens, for the rest of the model's context (2048), which vLLM may generate
+        r = create(gw, "sk-tokens", input="word")
+        assert r.status_code == 429 and "2048 tokens" in r.json()["error"]["message"], r.text
     finally:
         gw.stop()
 
@@ -215,4 +218,77 @@ def test_a_create_generating_past_the_first_byte_timeout_is_answered_once_and_pa
     finally:
         for fake in fakes:
             control(fake, create_delay_s=0.0)
+        gw.stop()
+
+
+def stream_create(gw: Proc, **fields) -> str:
+    """A streamed create's whole text (httpx raises if the gateway cuts it)."""
+    body = {"model": vd.MODEL, "input": "hi", "stream": True, **fields}
+    with httpx.stream(
+        "POST", gw.url + "/v1/responses", json=body, headers={"authorization": "Bearer sk-a"}, timeout=30
+    ) as r:
+        assert r.status_code == 200
+        return r.read().decode()
+
+
+def test_only_a_background_stream_is_streamed_again_and_no_retrieve_counts_against_its_server(fakes, tmp_path):
+    """vLLM keeps a response's events only when it was created with both background and
+    stream; a `?stream=true` retrieve of any other it starts to answer, then breaks off. The
+    gateway answers that one itself, and a retrieve a server does break off (the client steers
+    it) counts in the metrics only: neither the server's breaker (one failure opens it here) nor
+    suspect. HEAD on the retrieve route is a 405: a HEAD's answer has no body to relay."""
+    gw = gateway(fakes, tmp_path, extra=("--breaker-failures", "1"))
+    try:
+        rid = create(gw).json()["id"]
+        r = call(gw, "GET", f"/v1/responses/{rid}", params={"stream": "true"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and (error["type"], error["param"]) == ("invalid_request_error", "stream"), r.text
+        assert not r.headers["x-kvgate-worker"]  # the gateway's answer: no worker was asked
+        assert call(gw, "GET", f"/v1/responses/{rid}").status_code == 200
+
+        text = stream_create(gw, background=True)
+        sid = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])["response"]["id"]
+        r = call(gw, "GET", f"/v1/responses/{sid}", params={"stream": "true", "starting_after": "1"})
+        assert r.status_code == 200 and r.text == text[text.index("event: response.output_text.delta") :], r.text
+        holder = r.headers["x-kvgate-worker"]
+
+        control(next(f for f in fakes if worker(f) == holder), replays=False)
+        with pytest.raises(httpx.RemoteProtocolError):  # the server broke it off: so does the gateway
+            call(gw, "GET", f"/v1/responses/{sid}", params={"stream": "true"})
+        assert gw.metric("kvgate_gateway_upstream_failures_total", stage="stream") == 1
+        r = create(gw, previous_response_id=sid)
+        assert r.status_code == 200 and r.headers["x-kvgate-worker"] == holder, r.text
+
+        r = httpx.head(gw.url + f"/v1/responses/{sid}", headers={"authorization": "Bearer sk-a"}, timeout=30)
+        assert r.status_code == 405 and r.headers["allow"] == "GET", r.headers
+        assert call(gw, "GET", f"/v1/responses/{sid}").status_code == 200
+        assert gw.metric("kvgate_gateway_upstream_failures_total") == 1
+        assert "is suspect" not in gw.log_path.read_text()
+    finally:
+        gw.stop()
+
+
+def test_a_streams_wait_for_its_first_output_is_bounded_by_the_first_byte_timeout_not_the_idle_one(fakes, tmp_path):
+    """vLLM opens a stream with response.created and response.in_progress at once, then says
+    nothing until its first token (a loaded server's queue, a long prefill): that wait is a
+    chat stream's wait for its first token, bounded by the first-byte timeout; the idle timeout
+    bounds the silences after. Bytes are relayed as they come either way."""
+    gw = gateway(fakes, tmp_path, extra=("--upstream-idle-timeout", "0.3", "--upstream-first-byte-timeout", "2"))
+    try:
+        for fake in fakes:
+            control(fake, stream_wait_s=1.0)
+        text = stream_create(gw)
+        assert text.count("event: ") == 4 and "event: response.completed" in text, text
+        assert gw.metric("kvgate_gateway_upstream_failures_total") == 0
+        for fake in fakes:
+            control(fake, stream_wait_s=0.0, stream_gap_s=1.0)
+        with pytest.raises(httpx.RemoteProtocolError):  # silent past the idle timeout after its first output
+            stream_create(gw)
+        assert gw.metric("kvgate_gateway_upstream_failures_total", stage="stream") == 1
+        for fake in fakes:
+            control(fake, stream_wait_s=3.0, stream_gap_s=0.0)
+        with pytest.raises(httpx.RemoteProtocolError):  # silent past the first-byte timeout before it
+            stream_create(gw)
+        assert gw.metric("kvgate_gateway_upstream_failures_total", stage="stream") == 2
+    finally:
         gw.stop()
