@@ -277,16 +277,20 @@ class Forwarder:
         nothing held in memory; an embeddings answer of 2048 inputs of a 4096-dimension model
         is ~170 MB of JSON). Only what the gateway must read before it answers is read whole,
         and is small: a 5xx (a 503 is the worker's load, any other its failure: retried
-        elsewhere) and a pooling 404 (a server without the route, or vLLM's own error)."""
+        elsewhere) a pooling 404 (a server without the route, or vLLM's own error) and a pooling 501 (vLLM's
+        server of a model without that pooling task: the client's 400, not the worker's failure)."""
         resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request, self.fleet.lost(w))
         engine = kind in POOLING_KINDS
         out = {"x-kvgate-worker": w.worker_id, "content-type": resp.headers.get("content-type", "application/json")}
-        if resp.status < 500 and not (engine and resp.status == 404):
+        unserved = engine and resp.status in (404, 501)
+        if resp.status < 500 and not unserved:
             return self.relay(w, resp, engine, out, rec)
-        body = await whole_body(self.proxy, resp)
-        w.breaker.succeeded()  # a pooling 404: the server answered as it should
-        if not openai_error(body):
-            raise not_pooling(rec.model, kind)  # the server mounts no such route (not a pooling model)
+        if not unserved:
+            await whole_body(self.proxy, resp)  # raises: WorkerBusy (503) or WorkerError
+        body = await self.proxy.read(resp)
+        w.breaker.succeeded()  # the server answered as it should
+        if resp.status == 501 or not openai_error(body):
+            raise not_pooling(rec.model, kind)  # no such route, or vLLM's "does not support" 501
         return Response(body, resp.status, out)
 
     def relay(self, w: Worker, resp: Upstream, engine: bool, headers: dict, rec: RequestRecord) -> BodyPassThrough:

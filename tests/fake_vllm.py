@@ -175,6 +175,9 @@ def app(fake: Fake) -> Starlette:
     async def embeddings(request: Request) -> Response:
         raw = await request.body()
         fake.saw_token |= "x-kvgate-token" in request.headers
+        if fake.embeddings == 501:  # vLLM 0.32 serving a model without the task: the route is there
+            error = {"message": "The model does not support Embeddings API", "type": "NotImplementedError"}
+            return JSONResponse({"error": {**error, "param": None, "code": 501}}, 501)
         if not fake.embeddings:
             return JSONResponse({"detail": "Not Found"}, 404)
         given = json.loads(raw).get("input")

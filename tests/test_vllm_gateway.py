@@ -292,9 +292,12 @@ def test_embeddings_reach_a_vllm_worker_whole_once_their_shape_is_checked(fake, 
         assert gw.metric("kvgate_gateway_upstream_failures_total", stage="response") == 1
         control(fake, answer=503)  # its load: its answer stands when no other worker is left
         assert post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a"}).status_code == 503
-        control(fake, answer=200, embeddings=False)  # a generative model's server: no embeddings route
-        r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+        failures = gw.metric("kvgate_gateway_upstream_failures_total", stage="response")
+        for unserved in (False, 501):  # a generative model's server: no route, or vLLM's 501 on it
+            control(fake, answer=200, embeddings=unserved)
+            r = post_as(gw, "/v1/embeddings", {"model": vd.MODEL, "input": "a"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+        assert gw.metric("kvgate_gateway_upstream_failures_total", stage="response") == failures  # not the worker's
         assert gw.metric("kvgate_gateway_requests_total") == 0  # the generation series count none of these
         assert control(fake)["saw_token"] is False
     finally:
