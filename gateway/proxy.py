@@ -122,15 +122,17 @@ class Proxy:
         self,
         url: str,
         path: str,
-        body: bytes,
+        body: bytes | None,
         headers: dict[str, str],
         client: Request | None = None,
         lost: asyncio.Future | None = None,
         whole: bool = False,
+        method: str = "POST",
     ) -> Upstream:
-        """Send the request and wait for the response head (the body stays unread), within the
-        first-byte timeout, or with `whole` (a completion's answer that comes only when its
-        last token is made) the answer timeout, past which `AnswerTimeout`.
+        """Send the request (a POST unless `method` says, `body` None for none) and wait for the
+        response head (the body stays unread), within the first-byte timeout, or with `whole`
+        (an answer that comes only when its last token is made) the answer timeout, past which
+        `AnswerTimeout`.
 
         A non-streaming worker answers only when the whole completion is done, so with
         `client` given the wait is abandoned (`ClientGone`, upstream connection closed, the
@@ -139,7 +141,7 @@ class Proxy:
         bound = self.answer_timeout if whole else self.first_byte_timeout
         try:
             async with Watch(bound, client, lost):
-                return await self.pool.post(url, path, body, headers)
+                return await self.pool.request(method, url, path, headers, body)
         except UpstreamTimeout:
             if whole:
                 raise AnswerTimeout(f"the worker did not finish its answer within {bound:g} s") from None

@@ -54,13 +54,11 @@ from gateway.exchange import whole_body
 from gateway.forward import NOT_POOLING, Forwarder, openai_error
 from gateway.intake import ApiError, client_body, refused
 from gateway.pooling import input_tokens
-from gateway.proxy import AnswerTimeout, ConnectFailed, UpstreamTimeout, Watch
 from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import Owner, ResponseIds, valid_id
 from gateway.response_tap import IdTap, Opening, TappedPassThrough
 from gateway.shared_response_ids import LookupFailed, SharedResponseIds
-from gateway.upstream import Upstream
 from gateway.worker import Worker
 from policies.candidates import cheapest
 
@@ -291,7 +289,8 @@ class Responses:
         ones, by the idle timeout after (response_tap.Opening). A 200 answer's id is recorded
         for tenant `keep` (None: not recorded), `replayable` or not, as it passes."""
         fwd = self.forwarder
-        resp = await self.send(w, method, path, raw, headers, request, whole)
+        sent = raw if method == "POST" else None
+        resp = await fwd.proxy.open(w.url, path, sent, headers, request, fwd.fleet.lost(w), whole, method)
         kind = resp.headers.get("content-type", "application/json")
         out = {"x-kvgate-worker": w.worker_id, "content-type": kind}
         if resp.status in (404, 501):
@@ -321,24 +320,6 @@ class Responses:
             closed()
 
         return TappedPassThrough(resp, 200, idle, failed, ended, out, [tap, *taps])
-
-    async def send(
-        self, w: Worker, method: str, path: str, body: bytes, headers: dict, request: Request, whole: bool
-    ) -> Upstream:
-        """Send the request and wait for the response head, as `Proxy.open` does for a POST: cut
-        short when the client leaves or the worker is lost, bounded by the first-byte timeout or,
-        `whole`, the answer timeout (past it `AnswerTimeout`, not retried)."""
-        proxy = self.forwarder.proxy
-        bound = proxy.answer_timeout if whole else proxy.first_byte_timeout
-        try:
-            async with Watch(bound, request, self.forwarder.fleet.lost(w)):
-                return await proxy.pool.request(method, w.url, path, headers, body if method == "POST" else None)
-        except OSError as e:  # refused, reset, a connect timeout
-            raise ConnectFailed(f"{type(e).__name__}: {e}") from e
-        except UpstreamTimeout:
-            if whole:
-                raise AnswerTimeout(f"the worker did not finish its answer within {bound:g} s") from None
-            raise
 
 
 def retrieve_query(request: Request) -> str:
