@@ -277,21 +277,27 @@ class Forwarder:
         nothing held in memory; an embeddings answer of 2048 inputs of a 4096-dimension model
         is ~170 MB of JSON). Only what the gateway must read before it answers is read whole,
         and is small: a 5xx (a 503 is the worker's load, any other its failure: retried
-        elsewhere) a pooling 404 (a server without the route, or vLLM's own error) and a pooling 501 (vLLM's
-        server of a model without that pooling task: the client's 400, not the worker's failure)."""
+        elsewhere) and a pooling request's UNSERVED answer (`unserved`)."""
         resp = await self.proxy.open(w.url, PATHS[kind], raw, headers, request, self.fleet.lost(w))
         engine = kind in POOLING_KINDS
         out = {"x-kvgate-worker": w.worker_id, "content-type": resp.headers.get("content-type", "application/json")}
-        unserved = engine and resp.status in (404, 501)
-        if resp.status < 500 and not unserved:
-            return self.relay(w, resp, engine, out, rec)
-        if not unserved:
+        if engine and resp.status in UNSERVED:
+            return await self.unserved(w, resp, engine, out, not_pooling(rec.model, kind))
+        if resp.status >= 500:
             await whole_body(self.proxy, resp)  # raises: WorkerBusy (503) or WorkerError
+        return self.relay(w, resp, engine, out, rec)
+
+    async def unserved(self, w: Worker, resp: Upstream, engine: bool, out: dict, refusal: ApiError) -> Response:
+        """A vLLM server's answer that it does not serve the endpoint for its model (UNSERVED):
+        the server answered as it should (its breaker is told so for engine work), and the client
+        gets `refusal` (a 400 `model_not_supported`), or vLLM's own OpenAI 404 (an unknown model,
+        a missing response) as it is."""
         body = await self.proxy.read(resp)
-        w.breaker.succeeded()  # the server answered as it should
-        if resp.status == 501 or not openai_error(body):
-            raise not_pooling(rec.model, kind)  # no such route, or vLLM's "does not support" 501
-        return Response(body, resp.status, out)
+        if engine:
+            w.breaker.succeeded()
+        if resp.status == 404 and _openai_error(body):
+            return Response(body, 404, out)
+        raise refusal
 
     def relay(self, w: Worker, resp: Upstream, engine: bool, headers: dict, rec: RequestRecord) -> BodyPassThrough:
         """`resp`'s body relayed to the client, ended as `ends` says."""
@@ -335,6 +341,11 @@ class Forwarder:
         return failed, closed
 
 
+# A server's answers that it does not serve an endpoint for its model: no such route (a bare 404
+# page), or vLLM 0.32's 501 "The model does not support ... API" where the route is mounted.
+UNSERVED = (404, 501)
+
+
 def not_pooling(model: str, kind: str) -> ApiError:
     what = SERVES.get(kind, "scores" if kind in (SCORE, SCORE_V1) else "reranking")
     return ApiError(
@@ -346,7 +357,7 @@ def not_pooling(model: str, kind: str) -> ApiError:
     )
 
 
-def openai_error(body: bytes) -> bool:
+def _openai_error(body: bytes) -> bool:
     """Whether a body is an OpenAI error object (not a bare 404 page)."""
     try:
         doc = json.loads(body)

@@ -19,7 +19,7 @@ def gateway_request_id(kind: str) -> str:
     if kind in FORWARDED:
         return forwarded_id(kind)
     if kind in RESPONSES_KINDS:
-        return responses_id(kind)
+        return responses_id()
     return new_id(kind)
 
 

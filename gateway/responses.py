@@ -51,7 +51,7 @@ from starlette.routing import Route
 from gateway import vllm_worker
 from gateway.auth import api_key
 from gateway.exchange import whole_body
-from gateway.forward import NOT_POOLING, Forwarder, openai_error
+from gateway.forward import NOT_POOLING, UNSERVED, Forwarder
 from gateway.intake import ApiError, client_body, refused
 from gateway.pooling import input_tokens
 from gateway.record import RequestRecord
@@ -75,7 +75,8 @@ NOT_FOUND, UNAVAILABLE, LOOKUP_FAILED = "response_not_found", "response_worker_u
 MAX_STARTING_AFTER = 2**31 - 1
 
 
-def new_id(kind: str) -> str:
+def new_id() -> str:
+    """A Responses API request's gateway id (not the response's: vLLM names that)."""
     return "respreq-" + uuid.uuid4().hex[:24]
 
 
@@ -293,13 +294,8 @@ class Responses:
         resp = await fwd.proxy.open(w.url, path, sent, headers, request, fwd.fleet.lost(w), whole, method)
         kind = resp.headers.get("content-type", "application/json")
         out = {"x-kvgate-worker": w.worker_id, "content-type": kind}
-        if resp.status in (404, 501):
-            body = await fwd.proxy.read(resp)
-            if engine:
-                w.breaker.succeeded()  # the server answered as it should
-            if resp.status == 404 and openai_error(body):
-                return Response(body, 404, out)
-            raise not_supported(rec.model)
+        if resp.status in UNSERVED:
+            return await fwd.unserved(w, resp, engine, out, not_supported(rec.model))
         if resp.status >= 500:
             await whole_body(fwd.proxy, resp)  # raises: WorkerBusy (503) or WorkerError
         failed, closed = fwd.ends(w, resp, engine, rec, steered=not engine)
