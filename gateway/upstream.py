@@ -235,6 +235,10 @@ class Pool:
         self.idle: dict[tuple[str, int], list[Upstream]] = {}
         self.hosts: dict[str, tuple[tuple[str, int], str, bytes]] = {}
 
+    async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Upstream:
+        """Send a POST and wait for its response's head (`request`)."""
+        return await self.request("POST", url, path, headers, body)
+
     async def get(self, url: str, path: str, headers: dict[str, str]) -> Upstream:
         """Send a GET (`path` with its query) and wait for its response's head (`request`)."""
         return await self.request("GET", url, path, headers)
