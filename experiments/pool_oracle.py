@@ -9,6 +9,11 @@ room per refusal). It is an upper bound for route-on-arrival plus refusal, not a
 no gateway sees this state. Run beside `pool_bound.py`'s Little's-law ceiling, it says how
 much of the gap between slo_goodput and that ceiling any router could close.
 
+Each refusal is also weighed against the whole fleet's room: `fragmented` counts those the
+fleet's free blocks together (each worker's free less what its running requests will still
+grow into and its queue will take) would have held at once, what moving running requests
+between workers (Llumnix-style migration) could at most win back beyond routing.
+
 `--queue smallest|arrival` makes it a gateway-side queue instead (late binding, as llm-d's
 flow control holds requests): a request waits in the router, not at a worker, and is sent
 when some worker's true pool can start it at once; the queue is served smallest prompt first
@@ -48,6 +53,7 @@ class Oracle:
     def __init__(self, args: argparse.Namespace, shared_blocks: int, block_size: int):
         self.args, self.shared, self.block = args, shared_blocks, block_size
         self.sim: FleetSim | None = None
+        self.refused = self.fragmented = 0
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block)
@@ -68,6 +74,15 @@ class Oracle:
         needs = [(self.blocks(n + steps) - self.shared, steps) for n, steps in [*queued, (prompt, out)]]
         return first_come_start(free, ends, needs, step_s)
 
+    def room(self, w: SimWorker) -> int:
+        """Blocks of `w` no running request will grow into and no queued one will take."""
+        free = w.pool.num_free
+        for r in w.scheduler.running:
+            free -= max(0, self.blocks(len(r.prompt_ids) + r.params.max_tokens) - len(r.blocks))
+        for r in [*w.scheduler.waiting, *w.inbox]:
+            free -= self.blocks(len(r.prompt_ids) + r.params.max_tokens) - self.shared
+        return max(0, free)
+
     def budget_s(self, prompt_tokens: int) -> float:
         """How long a request may wait to start before it is refused."""
         big = prompt_tokens > self.args.big_tokens
@@ -77,6 +92,9 @@ class Oracle:
         assert self.sim is not None, "run() sets the simulation"
         start, i = min((self.start_s(w, req.num_tokens, req.max_tokens), i) for i, w in enumerate(self.sim.workers))
         if start > self.budget_s(req.num_tokens):
+            self.refused += 1
+            need = self.blocks(req.num_tokens + req.max_tokens) - self.shared
+            self.fragmented += sum(map(self.room, self.sim.workers)) >= need
             return Route(reject=f"start in {start:.2f} s")
         return Route(worker=self.sim.workers[i].worker_id)
 
@@ -145,7 +163,8 @@ class Placed:
         return Route(worker=self.worker)
 
 
-def attainment(job: tuple[argparse.Namespace, float, int]) -> float:
+def attainment(job: tuple[argparse.Namespace, float, int]) -> tuple[float, int, int]:
+    """(SLO attainment, refusals, refusals the fleet's room together would have held) of one run."""
     args, rate, seed = job
     sim_cfg = SimConfig(num_blocks=args.num_blocks)
     wl = WorkloadConfig(name=args.workload, rate=rate, duration_s=args.duration, seed=seed)
@@ -159,7 +178,8 @@ def attainment(job: tuple[argparse.Namespace, float, int]) -> float:
     )
     oracle = Oracle(args, (wl.get("prefix_len") or 0) // sim_cfg.block_size, sim_cfg.block_size)
     sim = oracle.sim = QueuedFleet(oracle, fleet, args.queue) if args.queue else FleetSim(oracle, fleet)
-    return summarize(sim.run(generate(wl), args.duration), 2000.0, 100.0)["slo_attainment"]
+    att = summarize(sim.run(generate(wl), args.duration), 2000.0, 100.0)["slo_attainment"]
+    return att, oracle.refused, oracle.fragmented
 
 
 def plot(report: dict, path: str) -> None:
@@ -201,11 +221,13 @@ def main() -> None:
     jobs = [(args, r, s) for r in args.rates for s in range(args.seeds)]
     with ProcessPoolExecutor(args.jobs) as ex:
         got = list(ex.map(attainment, jobs))
-    by_rate = {r: sum(got[i * args.seeds : (i + 1) * args.seeds]) / args.seeds for i, r in enumerate(args.rates)}
-    report = {k: v for k, v in vars(args).items() if k != "out"} | {"attainment": by_rate}
+    runs = {r: got[i * args.seeds : (i + 1) * args.seeds] for i, r in enumerate(args.rates)}
+    by_rate = {r: sum(a for a, _, _ in g) / args.seeds for r, g in runs.items()}
+    refusals = {r: {"refused": sum(n for _, n, _ in g), "fragmented": sum(f for _, _, f in g)} for r, g in runs.items()}
+    report = {k: v for k, v in vars(args).items() if k != "out"} | {"attainment": by_rate, "refusals": refusals}
     Path(args.out).write_text(json.dumps(report, indent=1))
     plot(report, str(Path(args.out).with_suffix(".png")))
-    print(json.dumps({r: round(a, 3) for r, a in by_rate.items()}))
+    print(json.dumps({r: round(a, 3) for r, a in by_rate.items()}), json.dumps(refusals))
 
 
 if __name__ == "__main__":
