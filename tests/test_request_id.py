@@ -11,7 +11,7 @@ import pytest
 
 from gateway.passthrough import parse_whole
 from gateway.tokenize import ModelTokenizer
-from tests.test_worker_lifecycle import GUARD_S, MODEL, Call, error_of, server, settled, until  # noqa: F401
+from tests.asgi_worker import GUARD_S, MODEL, Call, error_of, server, settled, until  # noqa: F401
 from workers.model_store import load_tokenizer
 from workers.protocol import check_request, parse_request
 from workers.sampling_params import InvalidRequest

@@ -10,7 +10,7 @@ import pytest
 
 from workers import job_runner
 from workers.outputs import RequestOutput
-from tests.test_worker_lifecycle import MODEL, Call, server, until  # noqa: F401 (server: a fixture)
+from tests.asgi_worker import MODEL, Call, server, until  # noqa: F401 (server: a fixture)
 
 TOKENS = 40  # per choice
 
