@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests import vllm_data as vd
-from tests.test_vllm_gateway import control, start_fake
+from tests.fake_vllm_gateway import control, start_fake
 from gateway.procs import Proc, start_gateway, start_redis, stop_all, wait_redis
 
 KEYS = [
