@@ -1,0 +1,128 @@
+"""The responses stored for kvgate's workers, shared by gateway replicas through Redis (`--redis`).
+
+A follow-up, retrieve or cancel may reach another replica than the one that created the
+response, so each replica writes every response it stores to `kvgate:stored-response:{id}`
+(workers/kv/redis_schema.py) with the store's TTL, in the background as the answer goes out (a
+follow-up sent to another replica within that round trip is not found there), and a replica
+that does not hold an id reads it there before it calls it unknown. A record is its
+HMAC-SHA256 signature with the fleet's internal token over the id and the record's bytes, then
+the record (gateway/stored_response.py): whoever can write to Redis but lacks
+the token can neither hand a tenant's conversation to another tenant nor put words in its
+history. The signature is checked before the record is parsed, and the record then as every
+Redis record is (bounded size, strict JSON, its fields' types); a bad one is counted and taken
+as absent.
+"""
+
+import hashlib
+import hmac
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.shared_response_ids import REDIS_TIMEOUT_S, LookupFailed
+from gateway.stored_response import StoredResponse
+from workers.background import background
+from workers.kv import redis_schema as rs
+from workers.strict_json import peer_object
+
+log = logging.getLogger("kvgate.gateway")
+
+MAX_RECORD_BYTES = 16 << 20  # a conversation of a long context is some MiB of text at most
+SIG_BYTES = 64  # hex digits of the HMAC-SHA256
+
+
+class SharedResponseStore:
+    """The stored responses in Redis at `url`, signed with `token`."""
+
+    def __init__(self, url: str, token: str):
+        if not token:
+            raise ValueError("the shared response store needs the fleet's internal token to sign its records")
+        self.url, self.token = url, token
+        self.redis: aioredis.Redis | None = None
+        self.failing = False
+        self.malformed = 0  # records read back and dropped
+
+    def client(self) -> aioredis.Redis:
+        if self.redis is None:
+            self.redis = aioredis.from_url(
+                self.url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+            )
+        return self.redis
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    def put(self, response_id: str, encoded: bytes, ttl_s: float) -> None:
+        """Write the record (`encoded`: its JSON) for `ttl_s`, in the background."""
+        background(self._put(response_id, self.sign(response_id, encoded) + encoded, ttl_s))
+
+    async def _put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+        try:
+            await self.client().set(rs.stored_response_key(response_id), value, px=max(1, int(ttl_s * 1000)))
+            self._answered()
+        except (RedisError, OSError) as e:
+            self._failed(e)
+
+    async def find(self, response_id: str) -> tuple[StoredResponse, float] | None:
+        """The record Redis holds for `response_id` and the seconds it has left, or None (absent,
+        expired, or not one this fleet signed). Raises LookupFailed when Redis does not answer."""
+        key = rs.stored_response_key(response_id)
+        try:
+            async with self.client().pipeline(transaction=False) as p:
+                p.get(key)
+                p.pttl(key)
+                raw, ttl_ms = await p.execute()
+            self._answered()
+        except (RedisError, OSError) as e:
+            self._failed(e)
+            raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
+        if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0:
+            return None
+        record = self.parse(response_id, raw)
+        return None if record is None else (record, ttl_ms / 1000.0)
+
+    def parse(self, response_id: str, raw: bytes) -> StoredResponse | None:
+        """A record read back if this fleet's token signed it for this id and it is well formed;
+        else None, the record counted and logged (the first and every 1000th)."""
+        try:
+            return self.checked(response_id, raw)
+        except ValueError as e:
+            self.malformed += 1
+            if self.malformed == 1 or self.malformed % 1000 == 0:
+                log.warning(
+                    "dropped a stored response read from redis (%d so far): %r: %s", self.malformed, response_id, e
+                )
+            return None
+
+    def checked(self, response_id: str, raw: bytes) -> StoredResponse:
+        if len(raw) > SIG_BYTES + MAX_RECORD_BYTES:
+            raise ValueError(f"over {MAX_RECORD_BYTES} bytes")
+        sig, encoded = raw[:SIG_BYTES], raw[SIG_BYTES:]
+        if not hmac.compare_digest(sig, self.sign(response_id, encoded)):
+            raise ValueError("bad signature")
+        record = StoredResponse.from_json(peer_object(encoded, "a stored response", MAX_RECORD_BYTES))
+        if record.response_id != response_id:
+            raise ValueError("a record of another id")
+        return record
+
+    def sign(self, response_id: str, encoded: bytes) -> bytes:
+        """HMAC-SHA256 over the id and the record (valid under its own key only, and as written)."""
+        return (
+            hmac.new(self.token.encode(), response_id.encode() + b"\n" + encoded, hashlib.sha256).hexdigest().encode()
+        )
+
+    def _answered(self) -> None:
+        if self.failing:
+            log.warning("stored responses: redis at %s answers again", rs.redact_url(self.url))
+        self.failing = False
+
+    def _failed(self, e: Exception) -> None:
+        if not self.failing:
+            log.warning(
+                "stored responses: redis at %s failed (%r): responses stored meanwhile stay with this replica",
+                rs.redact_url(self.url),
+                e,
+            )
+        self.failing = True

@@ -1,0 +1,80 @@
+"""The responses the gateway stores for kvgate's workers: the in-memory store's bounds (entries,
+bytes, age) and tenants, the records' JSON, and the signed records replicas share in Redis."""
+
+import asyncio
+import json
+
+import pytest
+
+from gateway.response_request import Message
+from gateway.response_store import ResponseStore
+from gateway.shared_response_store import SharedResponseStore
+from gateway.stored_response import StoredResponse
+
+
+def record(rid: str, tenant: str = "a", words: int = 1) -> StoredResponse:
+    response = {"id": rid, "object": "response", "output": []}
+    return StoredResponse(rid, tenant, response, (Message("user", "w " * words),))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_store_is_bounded_by_entries_bytes_and_age_and_scoped_to_its_tenant():
+    clock = Clock()
+    size = len(record("resp_0").encoded())
+    store = ResponseStore(size=3, ttl_s=10.0, max_bytes=size * 3, clock=clock)
+
+    def find(rid: str, tenant: str = "a") -> StoredResponse | None:
+        return asyncio.run(store.find(rid, tenant))
+
+    for i in range(3):
+        assert store.put(record(f"resp_{i}"))
+    assert find("resp_0") == record("resp_0") and find("resp_0", "b") is None  # another tenant's: unknown
+    store.put(record("resp_3"))  # past 3 entries: the least recently used (resp_1) goes
+    assert find("resp_1") is None and len(store) == 3
+    store.put(record("resp_big", words=3))  # past the byte bound: as many go as it takes
+    assert store.bytes <= size * 3 and find("resp_big") is not None and find("resp_0") is None
+    assert not store.put(record("resp_huge", words=10 * size))  # alone past the bound: not stored
+    clock.now = 10.0
+    assert find("resp_big") is None and len(store) == 1  # expired on its lookup
+    with pytest.raises(ValueError):
+        ResponseStore(max_bytes=0)
+
+
+def test_a_stored_record_round_trips_and_a_bad_one_is_refused():
+    r = record("resp_1")
+    assert StoredResponse.from_json(json.loads(r.encoded())) == r
+    for bad in (
+        {**r.to_json(), "id": "resp x"},
+        {**r.to_json(), "tenant": 5},
+        {**r.to_json(), "response": {"id": "resp_2", "object": "response"}},
+        {**r.to_json(), "conversation": [{"role": "tool", "content": "x"}]},
+        {**r.to_json(), "conversation": [{"role": "user", "content": "x", "extra": 1}]},
+    ):
+        with pytest.raises(ValueError):
+            StoredResponse.from_json(bad)
+
+
+def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id():
+    shared = SharedResponseStore("redis://127.0.0.1:1", "fleet-secret")
+    r = record("resp_1")
+    good = shared.sign("resp_1", r.encoded()) + r.encoded()
+    assert shared.parse("resp_1", good) == r
+    other_tenant = StoredResponse("resp_1", "b", r.response, r.conversation).encoded()
+    forged = [
+        ("resp_2", good),  # copied under another id
+        ("resp_1", good[:64] + other_tenant),  # handed to another tenant
+        ("resp_1", SharedResponseStore("redis://x", "other").sign("resp_1", r.encoded()) + r.encoded()),
+        ("resp_1", b"x" * 10),
+    ]
+    for rid, bad in forged:
+        assert shared.parse(rid, bad) is None
+    wrong_id = record("resp_2").encoded()  # signed for resp_1, but the record says resp_2
+    assert shared.parse("resp_1", shared.sign("resp_1", wrong_id) + wrong_id) is None
+    assert shared.malformed == len(forged) + 1
