@@ -19,7 +19,8 @@ access_log = logging.getLogger("kvgate.access")
 fleet_log = logging.getLogger("kvgate.fleet")
 OPERATION = {"chat": "chat", "completion": "text_completion", "embeddings": "embeddings"}  # OpenTelemetry's names
 # What the request series and SLO outcomes count: generation. They have no endpoint label, so the
-# forwarded endpoints (gateway/forward.py: /tokenize, /detokenize, /v1/embeddings) stay out of them.
+# forwarded endpoints (gateway/forward.py: /tokenize, /detokenize, /v1/embeddings) stay out of them;
+# a Responses API create the gateway serves as a chat (`RequestRecord.generation`) is counted in.
 GENERATION = frozenset({"chat", "completion"})
 
 
@@ -81,7 +82,7 @@ class Accounting:
         """A request has ended (its status set): count it, log it, close its trace."""
         if rec.finished_at is None:
             rec.finished_at = time.monotonic()
-        counted = rec.kind in GENERATION
+        counted = rec.kind in GENERATION or rec.generation
         outcome = slo_outcome(rec) if counted else None
         if counted:
             self.metrics.observe(rec)
@@ -106,7 +107,7 @@ class Accounting:
         )
         t.set_raw(
             {
-                "gen_ai.operation.name": OPERATION.get(rec.kind),
+                "gen_ai.operation.name": OPERATION.get("chat" if rec.generation else rec.kind),
                 "gen_ai.request.model": rec.model or None,
                 "gen_ai.response.model": rec.model or None,
                 "gen_ai.request.id": rec.request_id,

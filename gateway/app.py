@@ -46,7 +46,9 @@ from gateway.intake import ApiError, Intake, refused, worker_failed
 from gateway.metrics import GatewayMetrics, RedisCollector
 from gateway.peer_decisions import PeerDecisions
 from gateway.responses import RESPONSES_KINDS, TRACE_NAMES, Responses, routes
+from gateway.local_responses import LocalResponses
 from gateway.response_ids import ResponseIds
+from gateway.response_store import ResponseStore
 from gateway.shared_response_ids import SharedResponseIds
 from gateway.proxy import (
     AnswerTimeout,
@@ -94,6 +96,7 @@ class Gateway:
         fleet_summary_s: float = 0.0,
         response_ids: ResponseIds | None = None,
         shared_response_ids: SharedResponseIds | None = None,
+        response_store: ResponseStore | None = None,
     ):
         self.fleet = fleet
         self.admission = admission or Admission()
@@ -116,7 +119,10 @@ class Gateway:
         self.forwarder = Forwarder(
             fleet, self.proxy, self.admission, self.retry, self.metrics, self.exchange, self.intake, tokenizers
         )
-        self.responses = Responses(self.forwarder, response_ids or ResponseIds(), shared_response_ids)
+        store = response_store if response_store is not None else ResponseStore()  # an empty one is falsy
+        local = LocalResponses(lambda r, raw, rec: self.generate(r, "chat", raw, rec), store)
+        ids = response_ids if response_ids is not None else ResponseIds()
+        self.responses = Responses(self.forwarder, ids, shared_response_ids, local)
         if redis is not None:
             peers = PeerDecisions(fleet, policy)
             redis.ledgers.on_routed, redis.ledgers.on_tally = peers.observe_routed, peers.add_tally

@@ -7,6 +7,7 @@ import os
 from policies.api import DEFAULT_TIER_CREDITS
 from workers.cli_help import HelpFormatter
 from gateway.response_ids import DEFAULT_SIZE, DEFAULT_TTL_S
+from gateway.response_store import DEFAULT_MB
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.http_server import add_client_args
 from workers.logs import add_log_args
@@ -140,16 +141,25 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_SIZE,
         metavar="N",
-        help="stored Responses API responses (/v1/responses) whose worker the gateway remembers, the least "
-        "recently used forgotten first: their follow-ups, retrieves and cancels go to that worker (with "
-        "--redis shared by the replicas); a forgotten one is a 404",
+        help="stored Responses API responses (/v1/responses) the gateway remembers, the least recently used "
+        "forgotten first: of a vLLM worker's, which worker holds it (its follow-ups, retrieves and cancels go "
+        "there); of kvgate's workers, the response and its conversation, which the gateway keeps (with --redis "
+        "shared by the replicas); a forgotten one is a 404",
     )
     p.add_argument(
         "--response-ttl-s",
         type=float,
         default=DEFAULT_TTL_S,
         metavar="S",
-        help="how long the gateway remembers a stored response's worker after its creation",
+        help="how long the gateway remembers a stored response after its creation",
+    )
+    p.add_argument(
+        "--response-store-mb",
+        type=float,
+        default=DEFAULT_MB,
+        metavar="MB",
+        help="the most memory (as JSON) the responses the gateway keeps for kvgate's workers take, the least "
+        "recently used forgotten first",
     )
     add_log_args(p)
     p.add_argument(

@@ -31,6 +31,7 @@ class RequestRecord:
     stream: bool = False
     hide_usage: bool = False  # usage was asked of the worker by the gateway, not the client
     ids_sent: bool = False  # the prompts' ids went to the worker (kv_prompt_ids), with the fleet's token
+    generation: bool = False  # a Responses API create served as a chat (gateway/local_responses.py): counted as one
     prompt_tokens: int | None = None
     predicted_cached: int | None = None
     cached_tokens: int | None = None

@@ -16,7 +16,7 @@ from gateway.response_object import Usage
 from gateway.response_request import CreateRequest, Message
 
 # a chat field's name as the create calls it, where the two differ
-RESPONSES_PARAM = {"messages": "input", "max_tokens": "max_output_tokens"}
+RESPONSES_PARAM = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens"}
 
 
 def chat_messages(req: CreateRequest, conversation: tuple[Message, ...]) -> list[dict]:
@@ -60,7 +60,8 @@ def answered(response: dict) -> tuple[Message, ...]:
 
 def as_responses_error(e: ApiError) -> ApiError:
     """The chat path's refusal of the translated body, its param named as the create names it
-    (`messages` is the create's `input` and history, `max_tokens` its `max_output_tokens`)."""
+    (`messages` and the prompt they make are the create's `input` and history, `max_tokens` its
+    `max_output_tokens`)."""
     if e.param in RESPONSES_PARAM:
         e.param = RESPONSES_PARAM[e.param]
     return e

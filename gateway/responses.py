@@ -1,7 +1,10 @@
-"""vLLM's Responses API through the gateway: `POST /v1/responses` (create), `GET
+"""The Responses API through the gateway: `POST /v1/responses` (create), `GET
 /v1/responses/{response_id}` (retrieve; `?stream=true` replays the events of a response created
 with both `background` and `stream`)
-and `POST /v1/responses/{response_id}/cancel`, for models served by vLLM workers.
+and `POST /v1/responses/{response_id}/cancel`. A model with a healthy vLLM worker is served by
+its vLLM workers, as below; a model of kvgate's own workers by the gateway itself, over its chat
+path (gateway/local_responses.py), the gateway keeping the responses: a retrieve or cancel finds
+an id among those first, then in the ledger of vLLM's.
 
 A vLLM server keeps a stored response in its own memory (with VLLM_ENABLE_RESPONSES_API_STORE;
 `store` is a create's default), and only that server can continue it (`previous_response_id`),
@@ -43,6 +46,7 @@ import logging
 import random
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -53,6 +57,7 @@ from gateway.auth import api_key
 from gateway.exchange import whole_body
 from gateway.forward import NOT_POOLING, UNSERVED, Forwarder
 from gateway.intake import ApiError, client_body, refused
+from gateway.local_responses import LocalResponses
 from gateway.pooling import input_tokens
 from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
@@ -73,6 +78,7 @@ TRACE_NAMES = {
 }
 NOT_FOUND, UNAVAILABLE, LOOKUP_FAILED = "response_not_found", "response_worker_unavailable", "response_lookup_failed"
 MAX_STARTING_AFTER = 2**31 - 1
+T = TypeVar("T")
 
 
 def new_id() -> str:
@@ -96,14 +102,23 @@ def routes(endpoint: Callable[[str], Callable[[Request], Awaitable[Response]]]) 
 
 class Responses:
     """Serves the Responses API with the forwarder's fleet, client and limits (`forwarder`), the
-    gateway's ledger of response ids (`ids`) and, with Redis, the replicas' (`shared`)."""
+    gateway's ledger of response ids (`ids`) and, with Redis, the replicas' (`shared`); and
+    with `local` for the models of kvgate's workers."""
 
-    def __init__(self, forwarder: Forwarder, ids: ResponseIds, shared: SharedResponseIds | None = None):
-        self.forwarder, self.ids, self.shared = forwarder, ids, shared
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        ids: ResponseIds,
+        shared: SharedResponseIds | None = None,
+        local: LocalResponses | None = None,
+    ):
+        self.forwarder, self.ids, self.shared, self.local = forwarder, ids, shared, local
 
     async def close(self) -> None:
         if self.shared is not None:
             await self.shared.close()
+        if self.local is not None:
+            await self.local.store.close()
 
     async def serve(self, request: Request, kind: str, raw: bytes, rec: RequestRecord) -> Response:
         """One request of `kind`; raises ApiError."""
@@ -117,13 +132,16 @@ class Responses:
         body = client_body(raw)
         model = rec.model = fwd.intake.resolve_model(body.get("model"), fwd.fleet.models())
         rec.trace.set(model=model)
+        key = api_key(request.scope)
+        tenant = key.tenant if key is not None else ""
+        served = any(w.kind == vllm_worker.KIND and w.healthy and w.model == model for w in fwd.fleet.workers.values())
+        if not served and self.local is not None:
+            return await self.lookup(self.local.create(request, body, model, tenant, rec))
         fields = create_fields(body)
         texts, estimated = input_texts(body)
         rec.stream = fields.stream
-        if not any(w.kind == vllm_worker.KIND and w.healthy and w.model == model for w in fwd.fleet.workers.values()):
+        if not served:
             raise not_supported(model)
-        key = api_key(request.scope)
-        tenant = key.tenant if key is not None else ""
         holder = None
         if fields.previous_response_id is not None:
             previous = await self.owned(fields.previous_response_id, tenant, "previous_response_id")
@@ -146,11 +164,20 @@ class Responses:
         gateway's 400: vLLM would start its answer, then break it off."""
         response_id = request.path_params["response_id"]
         key = api_key(request.scope)
-        owner = await self.owned(response_id, key.tenant if key is not None else "", "response_id")
+        tenant = key.tenant if key is not None else ""
+        query = retrieve_query(request) if kind == RETRIEVE else ""
+        if self.local is not None:
+            record = await self.lookup(self.local.store.find(response_id, tenant))
+            if record is not None:
+                rec.model = record.response.get("model") or ""
+                if kind == CANCEL:
+                    return self.local.cancel(record)
+                return self.local.retrieve(record, request.query_params.get("stream") == "true")
+        owner = await self.owned(response_id, tenant, "response_id")
         if kind == CANCEL:
             method, path = "POST", f"/v1/responses/{response_id}/cancel"
         else:
-            method, path = "GET", f"/v1/responses/{response_id}{retrieve_query(request)}"
+            method, path = "GET", f"/v1/responses/{response_id}{query}"
             rec.stream = request.query_params.get("stream") == "true"
             if rec.stream and not owner.replayable:
                 raise ApiError(
@@ -219,8 +246,17 @@ class Responses:
             return owner
         if self.shared is None:
             return None
+        found = await self.lookup(self.shared.find(response_id))
+        if found is None:
+            return None
+        self.ids.record(response_id, found[0], found[1])
+        return found[0] if found[0].tenant == tenant else None
+
+    async def lookup(self, lookup: Awaitable[T]) -> T:
+        """`lookup`'s result; Redis not answering it (LookupFailed) is a 503: another replica may
+        hold the response, so "unknown" would tell the client it is gone."""
         try:
-            found = await self.shared.find(response_id)
+            return await lookup
         except LookupFailed as e:
             raise ApiError(
                 503,
@@ -229,10 +265,6 @@ class Responses:
                 LOOKUP_FAILED,
                 retry_after=self.forwarder.admission.config.retry_after_s,
             )
-        if found is None:
-            return None
-        self.ids.record(response_id, found[0], found[1])
-        return found[0] if found[0].tenant == tenant else None
 
     def record(self, response_id: str, owner: Owner) -> None:
         """Remember (and share) which worker and tenant a response is; an id the ledger cannot
@@ -339,8 +371,8 @@ def retrieve_query(request: Request) -> str:
 def not_supported(model: str) -> ApiError:
     return ApiError(
         400,
-        f"The model `{model}` serves no Responses API (/v1/responses): only vLLM workers of a generative model "
-        "do (kvgate's own workers serve completions and chat)",
+        f"The model `{model}` serves no Responses API (/v1/responses): its workers do not serve it "
+        "(a vLLM server of a pooling model)",
         code=NOT_POOLING,
         param="model",
     )

@@ -24,6 +24,8 @@ from gateway.ratelimit import RateLimiter
 from gateway.response_ids import ResponseIds
 from gateway.retry import RetryPolicy
 from gateway.shared_response_ids import SharedResponseIds
+from gateway.response_store import ResponseStore
+from gateway.shared_response_store import SharedResponseStore
 from gateway.tokenize import Tokenizers
 from gateway.tracing import Tracing, make_exporter
 from policies.api import Policy, TierCredits
@@ -78,8 +80,14 @@ def build(args: argparse.Namespace) -> Gateway:
     retry = RetryPolicy(args.max_retries, args.retry_backoff_ms / 1000.0)
     try:
         response_ids = ResponseIds(args.response_ids, args.response_ttl_s)
+        store_bytes = int(args.response_store_mb * 2**20)
+        shared_store = SharedResponseStore(args.redis, args.internal_token) if redis is not None else None
+        response_store = ResponseStore(args.response_ids, args.response_ttl_s, store_bytes, shared_store)
     except ValueError:
-        raise SystemExit("kvgate gateway: --response-ids must be at least 1 and --response-ttl-s positive")
+        raise SystemExit(
+            "kvgate gateway: --response-ids must be at least 1, --response-ttl-s positive and "
+            "--response-store-mb at least 1 byte's worth"
+        )
     return Gateway(
         fleet,
         Tokenizers(args.block_size, args.model),
@@ -99,6 +107,7 @@ def build(args: argparse.Namespace) -> Gateway:
         fleet_summary_s=args.fleet_summary_s,
         response_ids=response_ids,
         shared_response_ids=SharedResponseIds(args.redis, args.internal_token) if redis is not None else None,
+        response_store=response_store,
     )
 
 

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from gateway.cli_args import parser
 from gateway.response_request import Message
 from gateway.response_store import ResponseStore
+from gateway.server import build
 from gateway.shared_response_store import SharedResponseStore
 from gateway.stored_response import StoredResponse
 
@@ -78,3 +80,13 @@ def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id(
     wrong_id = record("resp_2").encoded()  # signed for resp_1, but the record says resp_2
     assert shared.parse("resp_1", shared.sign("resp_1", wrong_id) + wrong_id) is None
     assert shared.malformed == len(forged) + 1
+
+
+def test_the_flags_bound_the_gateways_store_and_ledger():
+    """An empty store or ledger is falsy (it has a length): the gateway once took its flags' empty
+    ledger for none given and bounded it by the defaults."""
+    argv = ["--worker", "http://127.0.0.1:1", "--model", "smollm2-135m", "--response-ids", "7"]
+    gw = build(parser().parse_args([*argv, "--response-ttl-s", "30", "--response-store-mb", "2"]))
+    store = gw.responses.local.store if gw.responses.local is not None else None
+    assert (gw.responses.ids.size, gw.responses.ids.ttl_s) == (7, 30.0)
+    assert store is not None and (store.size, store.ttl_s, store.max_bytes) == (7, 30.0, 2 << 20)

@@ -240,7 +240,9 @@ def refusal(r: Responses, body: dict, key: ApiKey | None = None) -> ApiError:
     return e.value
 
 
-def test_a_model_served_by_kvgate_workers_only_has_no_responses_api():
+def test_a_model_of_kvgate_workers_has_no_responses_api_without_the_gateways_own():
+    """The gateway serves one for them over its chat path (gateway/local_responses.py,
+    tests/test_local_responses.py); without it, the model is not supported."""
     e = refusal(responses("kvgate"), {})
     assert e.status == 400 and e.code == "model_not_supported" and e.param == "model"
 

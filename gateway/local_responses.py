@@ -1,0 +1,113 @@
+"""The Responses API for a model of kvgate's own workers, served by the gateway on top of its
+chat path (as SGLang's gateway does): the gateway owns the responses and their history, the
+workers only ever see chat completions.
+
+A create is checked (gateway/response_request.py), turned into a chat completion whose prompt
+is the whole conversation (gateway/response_chat.py), and sent through the gateway's chat
+pipeline as any chat is: tokenized, admitted, charged, routed by the policy on its KV blocks,
+retried, counted and traced. So a follow-up (`previous_response_id`), whose prompt starts with
+its previous turn's, is routed to where that turn is cached. The chat's answer is turned back
+into the Responses API's: a whole one read and converted (gateway/response_object.py), a stream
+converted event by event as it is relayed (gateway/response_stream.py). A response created
+with `store` (the default) is kept by the gateway (gateway/response_store.py, shared through
+Redis), scoped to the tenant whose key made it, for its retrieve and its follow-ups.
+"""
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.intake import ApiError
+from gateway.record import RequestRecord
+from gateway.relay import PassThrough
+from gateway.response_chat import ChatAnswer, answered, as_responses_error, chat_body
+from gateway.response_events import ResponseEvents
+from gateway.response_object import (
+    COMPLETED,
+    INCOMPLETE,
+    new_message_id,
+    new_response_id,
+    output_message,
+    response_json,
+    status_of,
+)
+from gateway.response_request import Message, parse_create
+from gateway.response_store import ResponseStore
+from gateway.response_stream import ResponseStream
+from gateway.stored_response import StoredResponse
+
+Chat = Callable[[Request, bytes, RequestRecord], Awaitable[Response]]
+NOT_FOUND = "response_not_found"
+KEPT_HEADERS = ("x-kvgate-",)  # the chat answer's headers a Responses answer keeps: routing's
+
+
+class LocalResponses:
+    """Creates served by `chat` (the gateway's chat pipeline: body -> answer, raising ApiError),
+    stored in `store`."""
+
+    def __init__(self, chat: Chat, store: ResponseStore):
+        self.chat, self.store = chat, store
+
+    async def create(self, request: Request, body: dict, model: str, tenant: str, rec: RequestRecord) -> Response:
+        """A create for `model` by `tenant`; raises ApiError."""
+        req = parse_create(body, model)
+        rec.generation = True
+        history: tuple[Message, ...] = ()
+        if req.previous_response_id is not None:
+            history = (await self.owned(req.previous_response_id, tenant, "previous_response_id")).conversation
+        conversation = history + req.input
+        response_id, created_at = new_response_id(), int(time.time())
+
+        def keep(response: dict) -> None:
+            if req.store:
+                self.store.put(StoredResponse(response_id, tenant, response, conversation + answered(response)))
+
+        try:
+            answer = await self.chat(request, json.dumps(chat_body(req, conversation)).encode(), rec)
+        except ApiError as e:
+            raise as_responses_error(e)
+        if isinstance(answer, PassThrough):
+            return ResponseStream(answer, ResponseEvents(req, response_id, created_at, keep))
+        if answer.status_code != 200:
+            return answer  # the chat path's own answer: an OpenAI error, or a client gone (499)
+        try:
+            chat = ChatAnswer.from_whole(bytes(answer.body))
+        except ValueError as e:
+            rec.status = 502
+            raise ApiError(502, f"the worker's answer is not a chat completion: {e}", "server_error", "worker_failed")
+        status = status_of(chat.finish_reason)
+        item_status = COMPLETED if status == COMPLETED else INCOMPLETE
+        output = [output_message(new_message_id(), chat.text, item_status)]
+        error = None if status != "failed" else f"the generation ended: {chat.finish_reason or 'no finish reason'}"
+        response = response_json(req, response_id, created_at, status, output, chat.usage, error)
+        keep(response)
+        headers = {k: v for k, v in answer.headers.items() if k.startswith(KEPT_HEADERS)}
+        return JSONResponse(response, headers=headers)
+
+    async def owned(self, response_id: str, tenant: str, param: str) -> StoredResponse:
+        """The stored response `response_id` of `tenant`: a 404 when the gateway stores no such
+        response of the tenant's (another's answers as an unknown one does). Raises
+        LookupFailed when Redis does not answer."""
+        record = await self.store.find(response_id, tenant)
+        if record is None:
+            raise ApiError(404, f"Response with id '{response_id[:200]}' not found.", code=NOT_FOUND, param=param)
+        return record
+
+    def retrieve(self, record: StoredResponse, stream: bool) -> Response:
+        """A stored response as it was answered; its events are not kept, so `stream` is a 400."""
+        if stream:
+            raise ApiError(
+                400,
+                f"response '{record.response_id}' has no events to stream again (the gateway keeps a response of "
+                "kvgate's workers, not its events): retrieve it without stream=true",
+                param="stream",
+            )
+        return JSONResponse(record.response)
+
+    def cancel(self, record: StoredResponse) -> Response:
+        """A response of kvgate's workers is never a background one, so it cannot be cancelled:
+        vLLM's and OpenAI's 400 for a synchronous response."""
+        raise ApiError(400, "Cannot cancel a synchronous response.", param="response_id")
