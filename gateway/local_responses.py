@@ -76,7 +76,6 @@ class LocalResponses:
         try:
             chat = ChatAnswer.from_whole(bytes(answer.body))
         except ValueError as e:
-            rec.status = 502
             raise ApiError(502, f"the worker's answer is not a chat completion: {e}", "server_error", "worker_failed")
         status = status_of(chat.finish_reason)
         item_status = COMPLETED if status == COMPLETED else INCOMPLETE

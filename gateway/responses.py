@@ -64,6 +64,7 @@ from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import Owner, ResponseIds, valid_id
 from gateway.response_tap import IdTap, Opening, TappedPassThrough
 from gateway.shared_response_ids import LookupFailed, SharedResponseIds
+from gateway.stored_response import StoredResponse
 from gateway.worker import Worker
 from policies.candidates import cheapest
 
@@ -167,7 +168,7 @@ class Responses:
         tenant = key.tenant if key is not None else ""
         query = retrieve_query(request) if kind == RETRIEVE else ""
         if self.local is not None:
-            record = await self.lookup(self.local.store.find(response_id, tenant))
+            record = await self.local_record(self.local, response_id, tenant)
             if record is not None:
                 rec.model = record.response.get("model") or ""
                 if kind == CANCEL:
@@ -193,6 +194,18 @@ class Responses:
             return self.attempt(request, w, method, path, b"", headers, rec, False, None)
 
         return await self.forwarder.tries(rec, False, 0, lambda ex: w, attempt)
+
+    async def local_record(self, local: LocalResponses, response_id: str, tenant: str) -> StoredResponse | None:
+        """The response of kvgate's workers `response_id` of `tenant`, if the gateway stores one.
+        Redis is asked only where neither this replica's store nor its ledger of vLLM's holds the
+        id for the tenant: a vLLM response known here is served while Redis does not answer."""
+        record = local.store.get(response_id)
+        if record is not None and record.tenant == tenant:
+            return record
+        known = self.ids.find(response_id)
+        if known is not None and known.tenant == tenant:
+            return None
+        return await self.lookup(local.store.find(response_id, tenant))
 
     async def charged(
         self, request: Request, body: dict, raw: bytes, model: str, texts: list[str], estimated: bool, most: int | None

@@ -10,6 +10,7 @@ from gateway.cli_args import parser
 from gateway.response_request import Message
 from gateway.response_store import ResponseStore
 from gateway.server import build
+from gateway.shared_response_ids import LookupFailed
 from gateway.shared_response_store import SharedResponseStore
 from gateway.stored_response import StoredResponse
 
@@ -90,3 +91,14 @@ def test_the_flags_bound_the_gateways_store_and_ledger():
     store = gw.responses.local.store if gw.responses.local is not None else None
     assert (gw.responses.ids.size, gw.responses.ids.ttl_s) == (7, 30.0)
     assert store is not None and (store.size, store.ttl_s, store.max_bytes) == (7, 30.0, 2 << 20)
+
+
+def test_another_tenants_id_held_here_is_asked_of_redis_as_an_unknown_one_is():
+    """Redis not answering, both fail alike (a 503 upstream): a miss for one against a failure
+    for the other would tell a client which ids exist."""
+    store = ResponseStore(shared=SharedResponseStore("redis://127.0.0.1:1", "fleet-secret"))  # nothing listens
+    store.remember(record("resp_a"), 1, 60.0)
+    assert asyncio.run(store.find("resp_a", "a")) == record("resp_a")  # its own tenant's: no need to ask
+    for rid in ("resp_a", "resp_unknown"):
+        with pytest.raises(LookupFailed):
+            asyncio.run(store.find(rid, "b"))

@@ -19,7 +19,10 @@ from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import MAX_ID_CHARS, Owner, ResponseIds, valid_id
 from gateway.response_tap import HEAD_BYTES, IdTap, Opening, answer_id
-from gateway.responses import CREATE, LOOKUP_FAILED, NOT_FOUND, UNAVAILABLE, Responses, retrieve_query
+from gateway.local_responses import LocalResponses
+from gateway.response_store import ResponseStore
+from gateway.responses import CREATE, LOOKUP_FAILED, NOT_FOUND, RETRIEVE, UNAVAILABLE, Responses, retrieve_query
+from gateway.shared_response_store import SharedResponseStore
 from gateway.shared_response_ids import SharedResponseIds
 from gateway.vllm_worker import KIND as VLLM
 
@@ -281,3 +284,31 @@ def test_an_id_redis_cannot_be_asked_about_is_a_503_not_a_404():
     r.shared = SharedResponseIds("redis://127.0.0.1:1", "fleet-secret")  # nothing listens there
     e = refusal(r, {"previous_response_id": "resp_elsewhere"})
     assert (e.status, e.code, e.type) == (503, LOOKUP_FAILED, "server_error")
+
+
+def test_a_vllm_response_known_here_is_not_asked_of_redis_for_the_gateways_own():
+    """A retrieve looks an id up among the gateway's own responses first (kvgate's workers), but
+    Redis not answering that lookup must not fail a vLLM response this replica knows."""
+    dead = "redis://127.0.0.1:1"  # nothing listens there
+    r = responses(VLLM)
+    r.shared = SharedResponseIds(dead, "fleet-secret")
+    r.local = LocalResponses(None, ResponseStore(shared=SharedResponseStore(dead, "fleet-secret")))  # type: ignore[arg-type]
+    r.ids.record("resp_v", Owner("w9", ""))  # its worker has left: a 503 of its own, not of the lookup
+
+    def retrieve(rid: str) -> ApiError:
+        scope = {"type": "http", "method": "GET", "path": f"/v1/responses/{rid}", "headers": [], "query_string": b""}
+
+        async def go() -> None:
+            try:
+                await r.stored(
+                    Request({**scope, "path_params": {"response_id": rid}}), RETRIEVE, RequestRecord("r", RETRIEVE, 0.0)
+                )
+            finally:
+                await r.close()
+
+        with pytest.raises(ApiError) as e:
+            asyncio.run(go())
+        return e.value
+
+    assert retrieve("resp_v").code == UNAVAILABLE
+    assert retrieve("resp_unknown").code == LOOKUP_FAILED
