@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from gateway.vllm_events import BadEvent, Event, Stored, decode_event, is_array, is_map, stored_tokens, unpacker
+from gateway.bounded_msgpack import is_array, is_map, unpacker
+from gateway.vllm_events import BadEvent, Event, Stored, decode_event, stored_tokens
 
 END_SEQ = b"\xff" * 8
 MAX_BATCH_REASONS = 3  # a batch's malformed events are all counted, the first few with their reason

@@ -9,8 +9,7 @@ one raises `BadEvent` carrying what of it still applies (`_safe`: of a malformed
 removal the blocks it says went are forgotten all the same). An event's fields are bounded by
 its header before any item is read (EVENT_SLACK), a BlockStored's token ids are counted by theirs
 (`stored_tokens`) for its batch's budget, and the items its decoding builds, in whatever field,
-by the allowance its batch gives it (`decode_event`'s `items`: every container's items counted as
-it is built, a field's array refused by its header, a nested container past NESTED by msgpack).
+by the allowance its batch gives it (`decode_event`'s `items`: gateway/bounded_msgpack.py).
 Fields are type-checked here, once, so the translation downstream handles plain, well-typed data.
 """
 
@@ -21,6 +20,18 @@ from typing import TypeGuard, TypeVar
 
 import msgpack
 
+from gateway.bounded_msgpack import (
+    Pairs,
+    Spellings,
+    header_size,
+    is_array,
+    is_map,
+    reader,
+    skipped,
+    unpack,
+    unpacker,
+    value,
+)
 from workers.kv.events import DEVICE, DISK, HOST, checked_ints
 from workers.kv.hashing import MAX_TOKEN_ID
 
@@ -64,26 +75,7 @@ MAX_UNKNOWN = 3  # one unknown field leaves a block out; the first few name why
 EVENT_SLACK = 8
 MAX_MAP_FIELDS = len(NEUTRAL_KEYS) + EVENT_SLACK
 MAX_ARRAY_ITEMS = 1 + len(STORED_FIELDS) + EVENT_SLACK  # the longest tag's; each tag's own in `_cap`
-# Items of a container inside an event's field (read by `_unpack` where an event's bytes exceed its
-# items). vLLM's are an extra_keys entry (a LoRA name, a cache salt, a prompt-embeds digest and an
-# (id, offset) pair per multimodal item in its block: at most a block's tokens and 3, at vLLM's
-# block sizes up to 256) and such a pair; a longer entry would name multimodal keys, whose blocks
-# kvgate leaves out anyway. msgpack applies one limit at every depth, so a field's own array,
-# which may hold a batch's token ids, is read by its header instead; under this limit containers
-# nested 1024 deep (msgpack's stack), each full but for the next, build ~266 K items before any
-# is counted.
-NESTED = 256 + 3
 T = TypeVar("T", int, str)
-
-
-class Pairs(tuple):
-    """A msgpack map as its (key, value) pairs, in order; the decoder checks the keys itself.
-    Built as a dict, a map keyed by an array or a map fails inside msgpack (TypeError:
-    unhashable), and with `strict_map_key` any key but a string fails the whole payload, the
-    good events of its batch with it."""
-
-
-READ = {"raw": False, "strict_map_key": False, "object_pairs_hook": Pairs}
 
 
 EngineHash = int | bytes
@@ -136,13 +128,13 @@ class BadEvent(ValueError):
 def decode_event(raw: bytes | memoryview, items: int) -> Event:
     """One event's msgpack: a map tagged by `type` or an array led by its tag. Anything else, a
     key that is no field name, an event of more items than its fields and EVENT_SLACK (`_cap`),
-    one whose decoding would build more than `items` items (`_unpack`), or a field this decoder
+    one whose decoding would build more than `items` items (`unpack`), or a field this decoder
     reads holding the wrong type raises BadEvent, carrying what of the event still applies
     (`_safe`: a removal whose hashes were not read clears)."""
-    if (size := _size(raw)) > _cap(raw):  # too long for any tag: refused unread
+    if (size := header_size(raw)) > _cap(raw):  # too long for any tag: refused unread
         raise BadEvent(f"an event holds {size} {_items(raw)}, over {_cap(raw)}", _safe(_leading(raw, items)))
     try:
-        e = _unpack(raw, items)
+        e = unpack(raw, items)
     except (ValueError, msgpack.UnpackException) as bad:  # bad UTF-8, a malformed timestamp, over `items`
         raise BadEvent(f"event does not decode: {bad}", _safe({"type": tag_of(raw, items)})) from None
     fields = _fields(e)
@@ -192,108 +184,6 @@ def _safe(fields: dict[str, object]) -> tuple[Event, ...]:
         return tuple(Removed(hashes, group, m) for m in (DEVICE, HOST, DISK))
 
 
-class Items:
-    """The items one event's decoding may still build: `spend` refuses (ValueError, as msgpack's
-    own limits do) once past them. msgpack's hooks spend each container's items as it is built."""
-
-    __slots__ = ("allowed", "left")
-
-    def __init__(self, allowed: int):
-        self.allowed = self.left = allowed
-
-    def spend(self, n: int) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise ValueError(f"its decoding builds over {self.allowed} items")
-
-    def array(self, items: list) -> list:
-        self.spend(len(items))
-        return items
-
-    def pairs(self, pairs: list[tuple[object, object]]) -> Pairs:
-        self.spend(len(pairs))
-        return Pairs(pairs)
-
-
-def _unpack(raw: bytes | memoryview, items: int) -> object:
-    """The value `raw` holds, built from at most `items` items (and the containers still open
-    when they run out: NESTED). Every msgpack item takes a byte at least, so an event of no more
-    bytes is unpacked whole at C speed. A longer one (vLLM's largest, a step's megabytes of token
-    ids, among them) is read field by field (`_value`): an array by its header, spent before any
-    item is built; each value inside it, and every other field, under NESTED, its containers
-    spent as built. vLLM's long arrays are an event's own fields (token ids, block hashes,
-    extra_keys entries), so both ways read its events alike."""
-    if len(raw) <= items:
-        return msgpack.unpackb(raw, **READ)
-    u, left = _reader(raw, items)
-    first = raw[0]
-    e: object
-    if is_map(first):
-        e = Pairs([(u.unpack(), _value(u, raw, left)) for _ in range(u.read_map_header())])
-    elif is_array(first):
-        e = [_value(u, raw, left) for _ in range(u.read_array_header())]
-    else:
-        e = u.unpack()
-    if u.tell() != len(raw):
-        raise ValueError("an event has bytes past its value")
-    return e
-
-
-def _reader(raw: bytes | memoryview, items: int) -> tuple[msgpack.Unpacker, Items]:
-    """An Unpacker of `raw` whose containers hold at most NESTED items each and spend what they
-    hold from `items`, and the Items they spend."""
-    left = Items(items)
-    u = msgpack.Unpacker(
-        max_buffer_size=max(len(raw), 1),
-        max_array_len=NESTED,
-        max_map_len=NESTED,
-        **{**READ, "object_pairs_hook": left.pairs},
-        list_hook=left.array,
-    )
-    u.feed(raw)
-    return u, left
-
-
-def _value(u: msgpack.Unpacker, raw: bytes | memoryview, left: Items) -> object:
-    """The field `u` is at: an array of any length its items allow, read by its header and spent
-    before any item is built, then each item under NESTED; any other value under NESTED."""
-    if not (u.tell() < len(raw) and is_array(raw[u.tell()])):
-        return u.unpack()
-    n = u.read_array_header()
-    left.spend(n)
-    v = list(islice(u, n))
-    if len(v) < n:  # islice stops quietly where the bytes end
-        raise ValueError("an event's array is truncated")
-    return v
-
-
-def unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
-    """An Unpacker holding `buf`, its lengths capped by `buf`'s size as `msgpack.unpackb` caps
-    them: an array header claiming 2**32 items must not allocate them."""
-    u = msgpack.Unpacker(max_buffer_size=max(len(buf), 1), **READ)
-    u.feed(buf)
-    return u
-
-
-def is_map(first: int) -> bool:
-    """Whether msgpack bytes starting with `first` are a map (fixmap, map 16, map 32)."""
-    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
-
-
-def is_array(first: int) -> bool:
-    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
-
-
-def _size(raw: bytes | memoryview) -> int:
-    """The items (entries) of the array (map) `raw` holds, as its header says, read alone: a
-    fix header's low nibble, else the big-endian count after its first byte (an Unpacker's
-    read_array_header costs more than a small event's decoding); 0 for another value."""
-    first = raw[0] if raw else 0
-    if is_map(first) or is_array(first):
-        return first & 0x0F if first < 0xA0 else int.from_bytes(raw[1 : 3 if first in (0xDC, 0xDE) else 5], "big")
-    return 0
-
-
 def _names(tag: object) -> tuple[str, ...]:
     """The fields after an array event's tag, in order."""
     return STORED_FIELDS if tag == STORED_TAG else REMOVED_FIELDS
@@ -314,11 +204,11 @@ def _items(raw: bytes | memoryview) -> str:
 def _leading(raw: bytes | memoryview, items: int) -> dict[str, object]:
     """The fields an event too long to read leads with, for its safe reading: an array's tag and
     its tag's fields, a map's string-keyed entries among its first MAX_MAP_FIELDS (a map whose
-    tag comes later reads as no clear or removal), built from at most `items` items (`_value`).
+    tag comes later reads as no clear or removal), built from at most `items` items (`value`).
     A field that does not decode within them ends the reading as UNREAD, a value of no type the
     decoder takes: `_safe` reads a removal of such hashes as a clear, of such a medium as one
     from every tier."""
-    (u, left), fields = _reader(raw, items), dict[str, object]()
+    (u, left), fields = reader(raw, items), dict[str, object]()
     name: str | None = None  # the field being read
     try:
         if is_map(raw[0]):
@@ -326,16 +216,16 @@ def _leading(raw: bytes | memoryview, items: int) -> dict[str, object]:
             for _ in range(MAX_MAP_FIELDS):
                 key = u.unpack()
                 name = key if type(key) is str else None
-                value = _value(u, raw, left)
+                v = value(u, raw, left)
                 if name is not None:
-                    fields[name] = value
+                    fields[name] = v
                 name = None
         else:
             u.read_array_header()
             name = "type"
-            fields[name] = _value(u, raw, left)
+            fields[name] = value(u, raw, left)
             for name in _names(fields["type"]):
-                fields[name] = _value(u, raw, left)
+                fields[name] = value(u, raw, left)
             name = None
     except (ValueError, msgpack.UnpackException):
         if name is not None:
@@ -346,24 +236,7 @@ def _leading(raw: bytes | memoryview, items: int) -> dict[str, object]:
 UNREAD = object()  # a field `_leading` could not decode
 
 
-def _spellings(*names: str) -> dict[bytes, str]:
-    """Each of `names` by its every msgpack encoding: a fixstr, a str 8, 16 or 32 all decode to
-    it, and a publisher may send any."""
-    out = {}
-    for name in names:
-        data, n = name.encode(), len(name.encode())
-        for head in (
-            bytes([0xA0 | n]),
-            bytes([0xD9, n]),
-            b"\xda" + n.to_bytes(2, "big"),
-            b"\xdb" + n.to_bytes(4, "big"),
-        ):
-            out[head + data] = name
-    return out
-
-
-SPELLED = _spellings("type", "token_ids", STORED_TAG)  # what `stored_tokens` reads, by its bytes
-LONGEST = max(map(len, SPELLED))
+SPELLED = Spellings("type", "token_ids", STORED_TAG)  # what `stored_tokens` reads, by its bytes
 TOKENS_AT = 1 + STORED_FIELDS.index("token_ids")  # token_ids' place in an array event
 
 
@@ -377,49 +250,37 @@ def stored_tokens(raw: bytes | memoryview) -> int:
     first = raw[0] if raw else 0
     u = unpacker(raw)
     if is_array(first):
-        if u.read_array_header() <= TOKENS_AT or _spelled(_next(u, raw)) != STORED_TAG:
+        if u.read_array_header() <= TOKENS_AT or SPELLED.of(skipped(u, raw)) != STORED_TAG:
             return 0
         for _ in range(TOKENS_AT - 1):  # block_hashes, parent_block_hash
             u.skip()
-        return _size(_next(u, raw))
+        return header_size(skipped(u, raw))
     if not is_map(first):
         return 0
     tag, tokens = None, 0
     for _ in range(min(u.read_map_header(), MAX_MAP_FIELDS)):  # as many as decode_event reads
-        key, value = _spelled(_next(u, raw)), _next(u, raw)
+        key, v = SPELLED.of(skipped(u, raw)), skipped(u, raw)
         if key == "type":
-            tag = _spelled(value)
+            tag = SPELLED.of(v)
         elif key == "token_ids":
-            tokens += _size(value)
+            tokens += header_size(v)
     return tokens if tag == STORED_TAG else 0
-
-
-def _next(u: msgpack.Unpacker, raw: bytes | memoryview) -> bytes | memoryview:
-    """The bytes of the value `u` is at, skipped."""
-    start = u.tell()
-    u.skip()
-    return raw[start : u.tell()]
-
-
-def _spelled(value: bytes | memoryview) -> str | None:
-    """The name msgpack bytes `value` spell (SPELLED), compared as bytes, not decoded."""
-    return SPELLED.get(bytes(value)) if len(value) <= LONGEST else None
 
 
 def tag_of(raw: bytes | memoryview, items: int) -> object:
     """The tag of an event whose bytes do not all decode, read alone (None where it does not
     either, within `items` items): a map's value under the key "type", an array's first item."""
-    u, left = _reader(raw, items)
+    u, left = reader(raw, items)
     try:
         try:
             pairs = u.read_map_header()
         except ValueError:  # not a map: an array, or no event at all
-            return _value(u, raw, left) if u.read_array_header() else None
+            return value(u, raw, left) if u.read_array_header() else None
         for _ in range(pairs):
             start = u.tell()
             u.skip()
             if raw[start : u.tell()] == TYPE_KEY:
-                return _value(u, raw, left)
+                return value(u, raw, left)
             u.skip()
     except (ValueError, msgpack.UnpackException):
         pass

@@ -6,9 +6,10 @@ import types
 import msgpack
 import pytest
 
-from gateway import vllm_batch, vllm_events
+from gateway import bounded_msgpack, vllm_batch
 from gateway.vllm_batch import MAX_BATCH_REASONS, MAX_ENVELOPE, BadBatch, decode_frames, decode_payload
-from gateway.vllm_events import MAX_MAP_FIELDS, NESTED, BadEvent, Cleared, Removed, Stored, decode_event
+from gateway.bounded_msgpack import NESTED
+from gateway.vllm_events import MAX_MAP_FIELDS, BadEvent, Cleared, Removed, Stored, decode_event
 from tests import vllm_data as vd
 from tests import vllm_malformed as vm
 from tests.test_vllm_events import MANY, reads  # noqa: F401 (reads: a fixture)
@@ -165,9 +166,9 @@ def test_malformed_block_stored_events_spend_the_budget_and_removals_are_still_r
 
 @pytest.fixture
 def built(monkeypatch) -> list[int]:
-    """[items msgpack built for gateway.vllm_events]: each array item and map entry, counted as its
-    container is completed (a hook run before the decoder's own), and each value an Unpacker hands
-    out."""
+    """[items msgpack built for gateway.vllm_events (by gateway.bounded_msgpack)]: each array item
+    and map entry, counted as its container is completed (a hook run before the decoder's own),
+    and each value an Unpacker hands out."""
     n = [0]
 
     def counting(kw: dict) -> dict:
@@ -199,7 +200,7 @@ def built(monkeypatch) -> list[int]:
         return msgpack.unpackb(packed, **counting(kw))
 
     monkeypatch.setattr(
-        vllm_events, "msgpack", types.SimpleNamespace(**{**vars(msgpack), "Unpacker": Unpacker, "unpackb": unpackb})
+        bounded_msgpack, "msgpack", types.SimpleNamespace(**{**vars(msgpack), "Unpacker": Unpacker, "unpackb": unpackb})
     )
     return n
 

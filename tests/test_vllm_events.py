@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import vllm_events
+from gateway import bounded_msgpack
 from gateway.vllm_batch import MAX_BATCH_REASONS, BadBatch, decode_frames, decode_payload
 from gateway.vllm_events import (
     EVENT_SLACK,
@@ -249,7 +249,8 @@ def test_an_event_with_all_the_unknown_fields_it_may_hold_names_a_few_and_no_rea
 @pytest.fixture
 def reads(monkeypatch) -> list[int]:
     """[values the decoder reads]: each an Unpacker unpacks or skips, and each item of the array or
-    map msgpack.unpackb builds, counted as gateway.vllm_batch and vllm_events call them."""
+    map msgpack.unpackb builds, counted as gateway.vllm_batch and vllm_events call them (by
+    gateway.bounded_msgpack)."""
     n = [0]
 
     class Unpacker(msgpack.Unpacker):
@@ -267,7 +268,7 @@ def reads(monkeypatch) -> list[int]:
         return v
 
     monkeypatch.setattr(
-        vllm_events, "msgpack", types.SimpleNamespace(**{**vars(msgpack), "Unpacker": Unpacker, "unpackb": unpackb})
+        bounded_msgpack, "msgpack", types.SimpleNamespace(**{**vars(msgpack), "Unpacker": Unpacker, "unpackb": unpackb})
     )
     return n
 

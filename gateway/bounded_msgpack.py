@@ -1,0 +1,165 @@
+"""msgpack read with bounded work, for what another process of the fleet sends (vLLM's KV events:
+gateway/vllm_events.py, their batches: gateway/vllm_batch.py).
+
+A container's header says how many items it holds before any is built (`header_size`, read
+alone), and a value's bytes can be found and compared without decoding them (`skipped`,
+`Spellings`). A value is built within an allowance of items (`Items`): whole at C speed where its
+bytes could not hold more, else field by field (`unpack`), each of its arrays spent by its header
+before any item is built and everything inside under msgpack's per-container limit (NESTED), its
+containers spent by msgpack's hooks as they are built.
+"""
+
+from itertools import islice
+
+import msgpack
+
+# Items of a container inside a field (read where a value's bytes exceed its items). vLLM's are an
+# extra_keys entry (a LoRA name, a cache salt, a prompt-embeds digest and an (id, offset) pair per
+# multimodal item in its block: at most a block's tokens and 3, at vLLM's block sizes up to 256)
+# and such a pair; a longer entry would name multimodal keys, whose blocks kvgate leaves out
+# anyway. msgpack applies one limit at every depth, so a field's own array, which may hold a
+# batch's token ids, is read by its header instead; under this limit containers nested 1024 deep
+# (msgpack's stack), each full but for the next, build ~266 K items before any is counted.
+NESTED = 256 + 3
+
+
+class Pairs(tuple):
+    """A msgpack map as its (key, value) pairs, in order; the decoder checks the keys itself.
+    Built as a dict, a map keyed by an array or a map fails inside msgpack (TypeError:
+    unhashable), and with `strict_map_key` any key but a string fails the whole payload, the
+    good events of its batch with it."""
+
+
+READ = {"raw": False, "strict_map_key": False, "object_pairs_hook": Pairs}
+
+
+class Items:
+    """The items a decoding may still build: `spend` refuses (ValueError, as msgpack's own limits
+    do) once past them. msgpack's hooks spend each container's items as it is built."""
+
+    __slots__ = ("allowed", "left")
+
+    def __init__(self, allowed: int):
+        self.allowed = self.left = allowed
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ValueError(f"its decoding builds over {self.allowed} items")
+
+    def array(self, items: list) -> list:
+        self.spend(len(items))
+        return items
+
+    def pairs(self, pairs: list[tuple[object, object]]) -> Pairs:
+        self.spend(len(pairs))
+        return Pairs(pairs)
+
+
+def unpack(raw: bytes | memoryview, items: int) -> object:
+    """The value `raw` holds, built from at most `items` items (and the containers still open
+    when they run out: NESTED). Every msgpack item takes a byte at least, so a value of no more
+    bytes is unpacked whole at C speed. A longer one (vLLM's largest event, a step's megabytes of
+    token ids, among them) is read field by field (`value`): an array by its header, spent before
+    any item is built; each value inside it, and every other field, under NESTED, its containers
+    spent as built. vLLM's long arrays are an event's own fields (token ids, block hashes,
+    extra_keys entries), so both ways read its events alike."""
+    if len(raw) <= items:
+        return msgpack.unpackb(raw, **READ)
+    u, left = reader(raw, items)
+    first = raw[0]
+    e: object
+    if is_map(first):
+        e = Pairs([(u.unpack(), value(u, raw, left)) for _ in range(u.read_map_header())])
+    elif is_array(first):
+        e = [value(u, raw, left) for _ in range(u.read_array_header())]
+    else:
+        e = u.unpack()
+    if u.tell() != len(raw):
+        raise ValueError("an event has bytes past its value")
+    return e
+
+
+def reader(raw: bytes | memoryview, items: int) -> tuple[msgpack.Unpacker, Items]:
+    """An Unpacker of `raw` whose containers hold at most NESTED items each and spend what they
+    hold from `items`, and the Items they spend."""
+    left = Items(items)
+    u = msgpack.Unpacker(
+        max_buffer_size=max(len(raw), 1),
+        max_array_len=NESTED,
+        max_map_len=NESTED,
+        **{**READ, "object_pairs_hook": left.pairs},
+        list_hook=left.array,
+    )
+    u.feed(raw)
+    return u, left
+
+
+def value(u: msgpack.Unpacker, raw: bytes | memoryview, left: Items) -> object:
+    """The field `u` is at: an array of any length its items allow, read by its header and spent
+    before any item is built, then each item under NESTED; any other value under NESTED."""
+    if not (u.tell() < len(raw) and is_array(raw[u.tell()])):
+        return u.unpack()
+    n = u.read_array_header()
+    left.spend(n)
+    v = list(islice(u, n))
+    if len(v) < n:  # islice stops quietly where the bytes end
+        raise ValueError("an event's array is truncated")
+    return v
+
+
+def unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
+    """An Unpacker holding `buf`, its lengths capped by `buf`'s size as `msgpack.unpackb` caps
+    them: an array header claiming 2**32 items must not allocate them."""
+    u = msgpack.Unpacker(max_buffer_size=max(len(buf), 1), **READ)
+    u.feed(buf)
+    return u
+
+
+def is_map(first: int) -> bool:
+    """Whether msgpack bytes starting with `first` are a map (fixmap, map 16, map 32)."""
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def is_array(first: int) -> bool:
+    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
+def header_size(raw: bytes | memoryview) -> int:
+    """The items (entries) of the array (map) `raw` holds, as its header says, read alone: a
+    fix header's low nibble, else the big-endian count after its first byte (an Unpacker's
+    read_array_header costs more than a small event's decoding); 0 for another value."""
+    first = raw[0] if raw else 0
+    if is_map(first) or is_array(first):
+        return first & 0x0F if first < 0xA0 else int.from_bytes(raw[1 : 3 if first in (0xDC, 0xDE) else 5], "big")
+    return 0
+
+
+def skipped(u: msgpack.Unpacker, raw: bytes | memoryview) -> bytes | memoryview:
+    """The bytes of the value `u` is at, skipped."""
+    start = u.tell()
+    u.skip()
+    return raw[start : u.tell()]
+
+
+class Spellings:
+    """Names by their every msgpack encoding: a fixstr, a str 8, 16 or 32 all decode to a name,
+    and a publisher may send any. `of` reads which name msgpack bytes spell by comparing them,
+    nothing decoded."""
+
+    def __init__(self, *names: str):
+        self.names: dict[bytes, str] = {}
+        for name in names:
+            data, n = name.encode(), len(name.encode())
+            for head in (
+                bytes([0xA0 | n]),
+                bytes([0xD9, n]),
+                b"\xda" + n.to_bytes(2, "big"),
+                b"\xdb" + n.to_bytes(4, "big"),
+            ):
+                self.names[head + data] = name
+        self.longest = max(map(len, self.names))
+
+    def of(self, value: bytes | memoryview) -> str | None:
+        """The name msgpack bytes `value` spell, or None."""
+        return self.names.get(bytes(value)) if len(value) <= self.longest else None
