@@ -108,6 +108,14 @@ def value(u: msgpack.Unpacker, raw: bytes | memoryview, left: Items) -> object:
     return v
 
 
+def scalar(raw: bytes | memoryview) -> object:
+    """The value msgpack bytes `raw` hold where a scalar is due (a number, a string, nil): a
+    container is refused by its header, unbuilt (ValueError), as is what does not decode."""
+    if is_map(raw[0] if raw else 0) or is_array(raw[0] if raw else 0):
+        raise ValueError("a container where a scalar is due")
+    return msgpack.unpackb(raw, **READ)
+
+
 def unpacker(buf: bytes | memoryview) -> msgpack.Unpacker:
     """An Unpacker holding `buf`, its lengths capped by `buf`'s size as `msgpack.unpackb` caps
     them: an array header claiming 2**32 items must not allocate them."""

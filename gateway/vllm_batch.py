@@ -12,7 +12,8 @@ A message or envelope that is no batch, or whose events' ends msgpack cannot fin
 malformed payload the publisher keeps in its replay buffer would otherwise stop the subscriber
 again at every resync. The work one message may cost the event loop is bounded (MAX_PAYLOAD,
 MAX_EVENTS, MAX_ENVELOPE, MAX_BATCH_TOKENS), and so are the items decoding one event may build
-(MAX_EVENT_ITEMS); what a batch's events build together is bounded by its bytes alone: its
+(MAX_EVENT_ITEMS) and its envelope's fields (a scalar each: a container there is refused by its
+header, unbuilt); what a batch's events build together is bounded by its bytes alone: its
 removals are all read, and BlockStored events of no token ids fit any budget.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from gateway.bounded_msgpack import is_array, is_map, unpacker
+from gateway.bounded_msgpack import Spellings, is_array, is_map, scalar, skipped, unpacker
 from gateway.vllm_events import BadEvent, Event, Stored, decode_event, stored_tokens
 
 END_SEQ = b"\xff" * 8
@@ -114,23 +115,25 @@ def decode_payload(seq: int, payload: bytes) -> EngineBatch:
 
 def _batch(seq: int, payload: bytes) -> EngineBatch:
     """A batch's envelope (`_envelope`): `ts` a finite, non-negative time (the subscriber orders
-    restarts by it), `dp_rank` a non-negative int or nil, other fields skipped; either one
-    malformed is counted as such and costs the batch nothing else: its events are the engine's
-    all the same. Its events are framed one by one (`_events`); what hides where they end fails
-    the batch: bytes msgpack cannot read, nesting past its stack (1024 deep), a truncated
-    payload, bytes past its end, a payload over MAX_PAYLOAD (a hostile one unpacks into tens of
-    times its size), over MAX_EVENTS events or an envelope of over MAX_ENVELOPE fields."""
+    restarts by it), `dp_rank` a non-negative int or nil, each a scalar read from its own bytes
+    (`_scalar`), other fields skipped; either one malformed is counted as such and costs the
+    batch nothing else: its events are the engine's all the same. Its events are framed one by
+    one (`_events`); what hides where they end fails the batch: bytes msgpack cannot read,
+    nesting past its stack (1024 deep), a truncated payload, bytes past its end, a payload over
+    MAX_PAYLOAD (a hostile one unpacks into tens of times its size), over MAX_EVENTS events or
+    an envelope of over MAX_ENVELOPE fields."""
     if len(payload) > MAX_PAYLOAD:
         raise BadBatch(f"payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
     u = unpacker(payload)
+    view = memoryview(payload)
     ts, rank, read = None, None, None
-    for name in _envelope(u, payload[0] if payload else 0):
+    for name in _envelope(u, view):
         if name == "ts":
-            ts = u.unpack()
+            ts = _scalar(skipped(u, view))
         elif name == "events" and read is None:
-            read = _events(u, memoryview(payload))
+            read = _events(u, view)
         elif name == "data_parallel_rank":
-            rank = u.unpack()
+            rank = _scalar(skipped(u, view))
         else:
             u.skip()
     if read is None:
@@ -147,22 +150,34 @@ def _batch(seq: int, payload: bytes) -> EngineBatch:
     return EngineBatch(seq, None if ts is None else float(ts), events, rank or 0, malformed + len(bad), why)
 
 
+def _scalar(raw: bytes | memoryview) -> object:
+    """An envelope field's value, a scalar; UNREAD for a container (refused by its header,
+    unbuilt: a hostile `ts` of 16 M items once took ~0.2 s to build) or bytes that do not decode
+    (bad UTF-8), which the batch counts as its malformed field."""
+    try:
+        return scalar(raw)
+    except (ValueError, msgpack.UnpackException):
+        return UNREAD
+
+
+UNREAD = object()  # an envelope field that did not read
 ENVELOPE = ("ts", "events", "data_parallel_rank")
+NAMES = Spellings(*ENVELOPE)
 
 
-def _envelope(u: msgpack.Unpacker, first: int) -> Iterator[str | None]:
+def _envelope(u: msgpack.Unpacker, payload: memoryview) -> Iterator[str | None]:
     """The names of the envelope's fields, each as `u` reaches its value: by position in vLLM's
     batch (an array-like struct: [ts, events, dp_rank?], more items unnamed), or by key where a
-    publisher encodes the struct as a map (msgspec's default; a key that is no name is None).
-    `first`: the payload's first byte, which says which. An envelope of more than MAX_ENVELOPE
-    items or entries is no batch, told by its header before any is read."""
+    publisher encodes the struct as a map (msgspec's default; a key that is no name is None, told
+    by its bytes, unbuilt). An envelope of more than MAX_ENVELOPE items or entries is no batch,
+    told by its header before any is read."""
+    first = payload[0] if payload else 0
     if is_map(first):
         entries = u.read_map_header()
         if entries > MAX_ENVELOPE:
             raise BadBatch(f"batch is a map of {entries} entries, over {MAX_ENVELOPE}")
         for _ in range(entries):
-            key = u.unpack()
-            yield key if isinstance(key, str) else None
+            yield NAMES.of(skipped(u, payload))
         return
     if not is_array(first):
         raise BadBatch("payload is not [ts, events, dp_rank?]")

@@ -145,6 +145,7 @@ BAD_ENVELOPES = {
     "bool ts": payload(*EVENTS, ts=True),
     "timestamp ts": payload(*EVENTS, ts=msgpack.Timestamp(1, 0)),
     "array ts": payload(*EVENTS, ts=[1.0]),
+    "invalid utf-8 ts": payload(*EVENTS, ts=Raw(b"\xa2\xff\xfe")),
     "negative dp_rank": pack([1.0, EVENTS, -1]),
     "float dp_rank": pack([1.0, EVENTS, 1.0]),
 }
