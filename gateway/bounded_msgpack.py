@@ -33,46 +33,84 @@ class Pairs(tuple):
 READ = {"raw": False, "strict_map_key": False, "object_pairs_hook": Pairs}
 
 
-class Items:
-    """The items a decoding may still build: `spend` refuses (ValueError, as msgpack's own limits
-    do) once past them. msgpack's hooks spend each container's items as it is built."""
+class Refused(ValueError):
+    """Items refused by their container's header, before any was built."""
 
-    __slots__ = ("allowed", "left")
+
+class Items:
+    """The items a decoding may still build, spent as they are built: each array item and map
+    entry. A container read by its header is spent before its items are built (`claim`: past
+    what is left, refused unbuilt); msgpack's hooks spend the others as they are completed
+    (`array`, `pairs`: past what is left, ValueError, as msgpack's own limits raise). A read that
+    fails but by `claim` spends its bytes, at most all that is left (`failed`): the containers
+    still open and their items, built, were not counted, and each took a byte at least. Once all
+    is spent every container is refused by its header (`reader` limits each to what is left).
+    `options` are msgpack's for reading within them, built once (a decoding's)."""
+
+    __slots__ = ("allowed", "left", "options")
 
     def __init__(self, allowed: int):
         self.allowed = self.left = allowed
+        self.options = {**READ, "object_pairs_hook": self.pairs, "list_hook": self.array}
 
-    def spend(self, n: int) -> None:
+    def claim(self, n: int) -> None:
+        if n > self.left:
+            raise Refused(f"{n} items, over the {self.left} left of the {self.allowed} its batch may build")
         self.left -= n
-        if self.left < 0:
-            raise ValueError(f"its decoding builds over {self.allowed} items")
 
+    def failed(self, size: int, why: Exception) -> None:
+        """A read of `size` bytes failed of `why`."""
+        if not isinstance(why, Refused):
+            self.left -= min(self.left, size)
+
+    # The hooks, one Python call each per container msgpack builds: each checks for itself.
     def array(self, items: list) -> list:
-        self.spend(len(items))
+        n = len(items)
+        if n > self.left:
+            raise self.over()
+        self.left -= n
         return items
 
     def pairs(self, pairs: list[tuple[object, object]]) -> Pairs:
-        self.spend(len(pairs))
+        n = len(pairs)
+        if n > self.left:
+            raise self.over()
+        self.left -= n
         return Pairs(pairs)
 
+    def over(self) -> ValueError:
+        return ValueError(f"decoding builds over the {self.allowed} items its batch may")
 
-def unpack(raw: bytes | memoryview, items: int) -> object:
-    """The value `raw` holds, built from at most `items` items (and the containers still open
-    when they run out: NESTED). Every msgpack item takes a byte at least, so a value of no more
-    bytes is unpacked whole at C speed. A longer one (vLLM's largest event, a step's megabytes of
-    token ids, among them) is read field by field (`value`): an array by its header, spent before
-    any item is built; each value inside it, and every other field, under NESTED, its containers
-    spent as built. vLLM's long arrays are an event's own fields (token ids, block hashes,
-    extra_keys entries), so both ways read its events alike."""
-    if len(raw) <= items:
-        return msgpack.unpackb(raw, **READ)
-    u, left = reader(raw, items)
-    first = raw[0]
+
+def unpack(raw: bytes | memoryview, left: Items) -> object:
+    """The value `raw` holds, built within `left` (and the containers still open when it runs
+    out: NESTED). A value of no more bytes than are left is unpacked whole at C speed: what it
+    builds uncounted before a refusal, a byte each at least, its failure spends. A longer one
+    (vLLM's largest event, a step's megabytes of token ids, among them) is read field by field
+    (`value`): its own items and an array by their header, spent before any is built; each value
+    inside an array, and every other field, under NESTED, its containers spent as built. vLLM's
+    long arrays are an event's own fields (token ids, block hashes, extra_keys entries), so both
+    ways read its events alike and spend the same."""
+    try:
+        if len(raw) <= left.left:
+            return msgpack.unpackb(raw, **left.options)
+        return _by_field(raw, left)
+    except (ValueError, msgpack.UnpackException) as bad:
+        left.failed(len(raw), bad)
+        raise
+
+
+def _by_field(raw: bytes | memoryview, left: Items) -> object:
+    u, first = reader(raw, left), raw[0]
     e: object
     if is_map(first):
-        e = Pairs([(u.unpack(), value(u, raw, left)) for _ in range(u.read_map_header())])
+        n = u.read_map_header()
+        left.claim(n)
+        e = Pairs([(u.unpack(), value(u, raw, left)) for _ in range(n)])
     elif is_array(first):
-        e = [value(u, raw, left) for _ in range(u.read_array_header())]
+        n = u.read_array_header()
+        left.claim(n)
+        e = [value(u, raw, left) for _ in range(n)]
     else:
         e = u.unpack()
     if u.tell() != len(raw):
@@ -80,28 +118,22 @@ def unpack(raw: bytes | memoryview, items: int) -> object:
     return e
 
 
-def reader(raw: bytes | memoryview, items: int) -> tuple[msgpack.Unpacker, Items]:
-    """An Unpacker of `raw` whose containers hold at most NESTED items each and spend what they
-    hold from `items`, and the Items they spend."""
-    left = Items(items)
-    u = msgpack.Unpacker(
-        max_buffer_size=max(len(raw), 1),
-        max_array_len=NESTED,
-        max_map_len=NESTED,
-        **{**READ, "object_pairs_hook": left.pairs},
-        list_hook=left.array,
-    )
+def reader(raw: bytes | memoryview, left: Items) -> msgpack.Unpacker:
+    """An Unpacker of `raw` whose containers hold at most NESTED items each, and no more than
+    `left` has, and spend what they build from it."""
+    most = min(NESTED, left.left)
+    u = msgpack.Unpacker(max_buffer_size=max(len(raw), 1), max_array_len=most, max_map_len=most, **left.options)
     u.feed(raw)
-    return u, left
+    return u
 
 
 def value(u: msgpack.Unpacker, raw: bytes | memoryview, left: Items) -> object:
-    """The field `u` is at: an array of any length its items allow, read by its header and spent
+    """The field `u` is at: an array of any length `left` allows, read by its header and spent
     before any item is built, then each item under NESTED; any other value under NESTED."""
     if not (u.tell() < len(raw) and is_array(raw[u.tell()])):
         return u.unpack()
     n = u.read_array_header()
-    left.spend(n)
+    left.claim(n)
     v = list(islice(u, n))
     if len(v) < n:  # islice stops quietly where the bytes end
         raise ValueError("an event's array is truncated")

@@ -11,10 +11,9 @@ A message or envelope that is no batch, or whose events' ends msgpack cannot fin
 `BadBatch` (carrying the batch's seq when its frames gave one); nothing else escapes: a
 malformed payload the publisher keeps in its replay buffer would otherwise stop the subscriber
 again at every resync. The work one message may cost the event loop is bounded (MAX_PAYLOAD,
-MAX_EVENTS, MAX_ENVELOPE, MAX_BATCH_TOKENS), and so are the items decoding one event may build
-(MAX_EVENT_ITEMS) and its envelope's fields (a scalar each: a container there is refused by its
-header, unbuilt); what a batch's events build together is bounded by its bytes alone: its
-removals are all read, and BlockStored events of no token ids fit any budget.
+MAX_EVENTS, MAX_ENVELOPE, MAX_BATCH_TOKENS), and so are the items decoding it may build, its
+events together (MAX_BATCH_ITEMS) and its envelope's fields (a scalar each: a container there is
+refused by its header, unbuilt).
 """
 
 import math
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from gateway.bounded_msgpack import Spellings, is_array, is_map, scalar, skipped, unpacker
+from gateway.bounded_msgpack import Items, Spellings, is_array, is_map, scalar, skipped, unpacker
 from gateway.vllm_events import BadEvent, Event, Stored, decode_event, stored_tokens
 
 END_SEQ = b"\xff" * 8
@@ -41,14 +40,15 @@ MAX_EVENTS = 1 << 16
 # left out unread, weighed by its headers (it could only add blocks: a cache miss at worst); its
 # batch's removals and clears are still read, and so are its later BlockStored events that fit.
 MAX_BATCH_TOKENS = 1 << 21
-# Items (array items, map entries, in any field at any depth) the decoding of one event may build.
-# A valid BlockStored of a whole budget's token ids holds, at vLLM's smallest block size (1), per
-# token a token id, a block hash and an extra_keys entry of one key (a LoRA name, a cache salt);
-# a BlockRemoved names no more blocks than a step stores. An event that would build more is
-# malformed (a removal's safe reading, its hashes unread, is a clear): a payload under MAX_PAYLOAD
-# holds 16 M one-byte items, which took ~0.6 s to build in a removal's or a BlockStored's
-# block_hashes before the event failed.
-MAX_EVENT_ITEMS = 4 * MAX_BATCH_TOKENS
+# Items (array items and map entries, in any field at any depth) the decoding of one batch's
+# events may build, each event taking from what the ones before it left. A valid batch of a
+# whole budget's token ids holds, at vLLM's default block size (16), some 2.1 M (a hash per
+# block) and 2.4 M with an extra_keys entry of one key per block (a LoRA name); its removals name
+# no more blocks than a step stores. An event that would build more than is left is malformed (a
+# removal's safe reading, its hashes unread, is a clear), and so, their items spent, are those
+# after it but for their tag: a payload under MAX_PAYLOAD holds 16 M one-byte items, which took
+# ~0.6 s to build in two removals' block_hashes when each event had an allowance of its own.
+MAX_BATCH_ITEMS = 4 * MAX_BATCH_TOKENS
 # Items of a batch's envelope, entries of one encoded as a map: vLLM's has 3 fields. Each more is
 # a Python step of the decoder's, ~0.1 us even when it is one junk byte.
 MAX_ENVELOPE = 8
@@ -195,18 +195,18 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
     reading, then how many were malformed and why for the first MAX_BATCH_REASONS: a bad event
     costs only itself, not its batch's BlockRemoved events. msgpack frames each event without
     building it (`skip`), so that what one holds (a map key of any type, bad UTF-8, a malformed
-    timestamp) fails its own decoding (`_read`), within the batch's MAX_BATCH_TOKENS and each event's
-    MAX_EVENT_ITEMS."""
+    timestamp) fails its own decoding (`_read`), within the batch's MAX_BATCH_TOKENS and
+    MAX_BATCH_ITEMS."""
     events: list[Event] = []
     reasons: list[str] = []
     malformed, count = 0, u.read_array_header()
     if count > MAX_EVENTS:
         raise BadBatch(f"batch holds {count} events, over {MAX_EVENTS}")
-    tokens = 0
+    tokens, items = 0, Items(MAX_BATCH_ITEMS)
     for i in range(count):
         start = u.tell()
         u.skip()
-        read, cost, why = _read(payload[start : u.tell()], MAX_BATCH_TOKENS - tokens)
+        read, cost, why = _read(payload[start : u.tell()], MAX_BATCH_TOKENS - tokens, items)
         events += read
         tokens += cost
         if why is not None:
@@ -216,19 +216,20 @@ def _events(u: msgpack.Unpacker, payload: memoryview) -> tuple[tuple[Event, ...]
     return tuple(events), malformed, tuple(reasons)
 
 
-def _read(raw: memoryview, left: int) -> tuple[tuple[Event, ...], int, str | None]:
-    """Event `raw` as the events it stands for (itself, or a malformed one's safe reading), what
-    it cost the batch's token budget, `left` of which remain, and why it is malformed (None: it
-    is not). A BlockStored event carrying more ids than are left is left out unread, weighed by
-    its headers (`stored_tokens`) only where its bytes could hold more, an item being at least a
-    byte: weighing costs about what decoding a small event does. A valid BlockStored costs its
-    ids; a malformed event that could only have added blocks (no safe reading) its bytes, more
-    than the items it had the decoder build (uncharged, a payload of them would all be decoded),
-    or what is left: the cost never passes `left`, so an event of no token ids always fits."""
+def _read(raw: memoryview, left: int, items: Items) -> tuple[tuple[Event, ...], int, str | None]:
+    """Event `raw` as the events it stands for (itself, or a malformed one's safe reading, built
+    from the batch's `items`), what it cost the batch's token budget, `left` of which remain, and
+    why it is malformed (None: it is not). A BlockStored event carrying more ids than are left
+    is left out unread, weighed by its headers (`stored_tokens`) only where its bytes could hold
+    more, an item being at least a byte: weighing costs about what decoding a small event does.
+    A valid BlockStored costs its ids; a malformed event that could only have added blocks (no
+    safe reading) its bytes, more than the items it had the decoder build (uncharged, a payload
+    of them would all be decoded), or what is left: the cost never passes `left`, so an event of
+    no token ids always fits."""
     if len(raw) > left and (claimed := stored_tokens(raw)) > left:
         return (), 0, f"its {claimed} token ids would take the batch's BlockStored events over {MAX_BATCH_TOKENS}"
     try:
-        event = decode_event(raw, MAX_EVENT_ITEMS)
+        event = decode_event(raw, items)
     except BadEvent as bad:
         return bad.safe, 0 if bad.safe else min(len(raw), left), str(bad)
     return (event,), len(event.token_ids) if isinstance(event, Stored) else 0, None

@@ -9,7 +9,8 @@ one raises `BadEvent` carrying what of it still applies (`_safe`: of a malformed
 removal the blocks it says went are forgotten all the same). An event's fields are bounded by
 its header before any item is read (EVENT_SLACK), a BlockStored's token ids are counted by theirs
 (`stored_tokens`) for its batch's budget, and the items its decoding builds, in whatever field,
-by the allowance its batch gives it (`decode_event`'s `items`: gateway/bounded_msgpack.py).
+by what its batch has left to build (`decode_event`'s `left`: gateway/bounded_msgpack.py); its
+tag is read whatever is left, so that an event past it still reads as its tag's safe reading.
 Fields are type-checked here, once, so the translation downstream handles plain, well-typed data.
 """
 
@@ -21,6 +22,7 @@ from typing import TypeGuard, TypeVar
 import msgpack
 
 from gateway.bounded_msgpack import (
+    Items,
     Pairs,
     Spellings,
     header_size,
@@ -48,7 +50,6 @@ STORED_FIELDS = (
     "extra_keys",
 )
 REMOVED_FIELDS = ("block_hashes", "medium")
-TYPE_KEY = msgpack.packb("type")  # a map's tag key as msgspec and msgpack pack it
 # vLLM's `medium` (kv_events.MEDIUM_*: GPU, CPU from its offloading connector, STORAGE from its
 # file and object tiers), lower-cased, as kvgate's tier; nil (older vLLM, SGLang) is the device.
 MEDIA = {"gpu": DEVICE, "cpu": HOST, "storage": DISK, "disk": DISK}
@@ -125,18 +126,18 @@ class BadEvent(ValueError):
         self.safe = safe
 
 
-def decode_event(raw: bytes | memoryview, items: int) -> Event:
-    """One event's msgpack: a map tagged by `type` or an array led by its tag. Anything else, a
-    key that is no field name, an event of more items than its fields and EVENT_SLACK (`_cap`),
-    one whose decoding would build more than `items` items (`unpack`), or a field this decoder
-    reads holding the wrong type raises BadEvent, carrying what of the event still applies
-    (`_safe`: a removal whose hashes were not read clears)."""
+def decode_event(raw: bytes | memoryview, left: Items) -> Event:
+    """One event's msgpack: a map tagged by `type` or an array led by its tag, built from what
+    its batch has `left`. Anything else, a key that is no field name, an event of more items than
+    its fields and EVENT_SLACK (`_cap`), one whose decoding would build more than is left
+    (`unpack`), or a field this decoder reads holding the wrong type raises BadEvent, carrying
+    what of the event still applies (`_safe`: a removal whose hashes were not read clears)."""
     if (size := header_size(raw)) > _cap(raw):  # too long for any tag: refused unread
-        raise BadEvent(f"an event holds {size} {_items(raw)}, over {_cap(raw)}", _safe(_leading(raw, items)))
+        raise BadEvent(f"an event holds {size} {_items(raw)}, over {_cap(raw)}", _safe(_leading(raw, left)))
     try:
-        e = unpack(raw, items)
-    except (ValueError, msgpack.UnpackException) as bad:  # bad UTF-8, a malformed timestamp, over `items`
-        raise BadEvent(f"event does not decode: {bad}", _safe({"type": tag_of(raw, items)})) from None
+        e = unpack(raw, left)
+    except (ValueError, msgpack.UnpackException) as bad:  # bad UTF-8, a malformed timestamp, over `left`
+        raise BadEvent(f"event does not decode: {bad}", _safe({"type": tag_of(raw, left)})) from None
     fields = _fields(e)
     try:
         if isinstance(e, Pairs) and any(type(k) is not str for k, _ in e):
@@ -201,39 +202,44 @@ def _items(raw: bytes | memoryview) -> str:
     return "entries" if is_map(raw[0] if raw else 0) else "items"
 
 
-def _leading(raw: bytes | memoryview, items: int) -> dict[str, object]:
+def _leading(raw: bytes | memoryview, left: Items) -> dict[str, object]:
     """The fields an event too long to read leads with, for its safe reading: an array's tag and
     its tag's fields, a map's string-keyed entries among its first MAX_MAP_FIELDS (a map whose
-    tag comes later reads as no clear or removal), built from at most `items` items (`value`).
-    A field that does not decode within them ends the reading as UNREAD, a value of no type the
-    decoder takes: `_safe` reads a removal of such hashes as a clear, of such a medium as one
-    from every tier."""
-    (u, left), fields = reader(raw, items), dict[str, object]()
-    name: str | None = None  # the field being read
+    tag comes later reads as no clear or removal), built from what is `left` (`value`), each
+    field spent as it is read but the tag. A field that does not decode within it ends the
+    reading as UNREAD, a value of no type the decoder takes (`_safe` reads a removal of such
+    hashes or group as a clear, of such a medium as one from every tier); in a map so does every
+    field `_safe` reads that the reading did not reach (its later entries may hold any), and its
+    tag, if not reached, is read alone (`tag_of`)."""
+    u, fields, mapped = reader(raw, left), dict[str, object](), is_map(raw[0])
     try:
-        if is_map(raw[0]):
+        if mapped:
             u.read_map_header()
             for _ in range(MAX_MAP_FIELDS):
+                left.claim(1)
                 key = u.unpack()
-                name = key if type(key) is str else None
                 v = value(u, raw, left)
-                if name is not None:
-                    fields[name] = v
-                name = None
+                if type(key) is str:
+                    fields[key] = v
         else:
             u.read_array_header()
-            name = "type"
-            fields[name] = value(u, raw, left)
+            fields["type"] = UNREAD
+            fields["type"] = value(u, raw, left)
             for name in _names(fields["type"]):
+                fields[name] = UNREAD
+                left.claim(1)
                 fields[name] = value(u, raw, left)
-            name = None
-    except (ValueError, msgpack.UnpackException):
-        if name is not None:
-            fields[name] = UNREAD
+    except (ValueError, msgpack.UnpackException) as bad:
+        left.failed(len(raw), bad)
+        if mapped:  # its entries past the failure may hold any field
+            fields = {**dict.fromkeys(SAFE_FIELDS, UNREAD), **fields}
+            if "type" not in fields:
+                fields["type"] = tag_of(raw, left)
     return fields
 
 
 UNREAD = object()  # a field `_leading` could not decode
+SAFE_FIELDS = ("block_hashes", "medium", "group_idx")  # what `_safe` reads of a removal
 
 
 SPELLED = Spellings("type", "token_ids", STORED_TAG)  # what `stored_tokens` reads, by its bytes
@@ -267,23 +273,24 @@ def stored_tokens(raw: bytes | memoryview) -> int:
     return tokens if tag == STORED_TAG else 0
 
 
-def tag_of(raw: bytes | memoryview, items: int) -> object:
+def tag_of(raw: bytes | memoryview, left: Items) -> object:
     """The tag of an event whose bytes do not all decode, read alone (None where it does not
-    either, within `items` items): a map's value under the key "type", an array's first item."""
-    u, left = reader(raw, items)
+    either, within what is `left`): a map's value under the key "type" among its first
+    MAX_MAP_FIELDS entries, an array's first item. A string tag is read whatever is left (one
+    per event, MAX_EVENTS a batch): an event past its batch's items still reads as its tag's
+    safe reading (a removal as a clear)."""
+    u = reader(raw, left)
     try:
         try:
             pairs = u.read_map_header()
         except ValueError:  # not a map: an array, or no event at all
             return value(u, raw, left) if u.read_array_header() else None
-        for _ in range(pairs):
-            start = u.tell()
-            u.skip()
-            if raw[start : u.tell()] == TYPE_KEY:
+        for _ in range(min(pairs, MAX_MAP_FIELDS)):
+            if SPELLED.of(skipped(u, raw)) == "type":
                 return value(u, raw, left)
             u.skip()
-    except (ValueError, msgpack.UnpackException):
-        pass
+    except (ValueError, msgpack.UnpackException) as bad:
+        left.failed(len(raw), bad)
     return None
 
 

@@ -7,9 +7,10 @@ import msgpack
 import pytest
 
 from gateway import bounded_msgpack, vllm_batch
+from gateway.bounded_msgpack import NESTED, Items
 from gateway.vllm_batch import MAX_BATCH_REASONS, MAX_ENVELOPE, BadBatch, decode_frames, decode_payload
-from gateway.bounded_msgpack import NESTED
 from gateway.vllm_events import MAX_MAP_FIELDS, BadEvent, Cleared, Removed, Stored, decode_event
+from gateway.vllm_translate import Translator
 from tests import vllm_data as vd
 from tests import vllm_malformed as vm
 from tests.test_vllm_events import MANY, reads  # noqa: F401 (reads: a fixture)
@@ -116,9 +117,9 @@ def decoded(monkeypatch) -> list[bytes]:
     """[the bytes of each event gateway.vllm_batch hands decode_event], in order."""
     seen: list[bytes] = []
 
-    def spy(raw: memoryview, items: int):
+    def spy(raw: memoryview, left: Items):
         seen.append(bytes(raw))
-        return decode_event(raw, items)
+        return decode_event(raw, left)
 
     monkeypatch.setattr(vllm_batch, "decode_event", spy)
     return seen
@@ -205,7 +206,7 @@ def built(monkeypatch) -> list[int]:
     return n
 
 
-ALLOWED, MANY = 1000, 100_000  # items an event may build here; items a hostile event holds
+ALLOWED, MANY = 1000, 100_000  # items a batch may build here; items a hostile event holds
 
 
 def staircase(levels: int, per: int) -> list:
@@ -217,36 +218,69 @@ def staircase(levels: int, per: int) -> list:
     return inner
 
 
-TOO_MANY = {  # (an event holding MANY items, what a batch keeps of it)
-    "token_ids nested one level": (vm.stored(token_ids=[[1] * MANY]), ()),
-    "token_ids, a staircase": (vm.stored(token_ids=staircase(MANY // ALLOWED, ALLOWED)), ()),
-    "block_hashes": (vm.stored(block_hashes=[1] * MANY), ()),
-    "extra_keys": (vm.stored(extra_keys=[1] * MANY), ()),
-    "extra_keys entries": (vm.stored(extra_keys=[[1] * 250] * (MANY // 250)), ()),
-    "an unknown field of a map": (vm.stored(("note", vm.Pairs([(i, 0) for i in range(MANY)]))), ()),
-    "block_hashes of an array event": (["BlockStored", [1] * MANY, None, [], 32], ()),
-    "the tag": (vm.Pairs([("type", [1] * MANY), ("x", vm.Raw(b"\xa1\xff"))]), ()),
-    "a removal's block_hashes": (vd.removed([1] * MANY), (Cleared(),)),
+REFUSED_UNBUILT, BUILT = Removed((2,)), Cleared()  # how a removal after the refused event reads
+TOO_MANY = {  # (an event holding MANY items, what a batch keeps of it, how a removal after it reads)
+    "token_ids nested one level": (vm.stored(token_ids=[[1] * MANY]), (), BUILT),
+    "token_ids, a staircase": (vm.stored(token_ids=staircase(MANY // ALLOWED, ALLOWED)), (), REFUSED_UNBUILT),
+    "block_hashes": (vm.stored(block_hashes=[1] * MANY), (), REFUSED_UNBUILT),
+    "extra_keys": (vm.stored(extra_keys=[1] * MANY), (), REFUSED_UNBUILT),
+    "extra_keys entries": (vm.stored(extra_keys=[[1] * 250] * (MANY // 250)), (), BUILT),
+    "an unknown field of a map": (vm.stored(("note", vm.Pairs([(i, 0) for i in range(MANY)]))), (), BUILT),
+    "block_hashes of an array event": (["BlockStored", [1] * MANY, None, [], 32], (), REFUSED_UNBUILT),
+    "the tag": (vm.Pairs([("type", [1] * MANY), ("x", vm.Raw(b"\xa1\xff"))]), (), REFUSED_UNBUILT),
+    "a removal's block_hashes": (vd.removed([1] * MANY), (Cleared(),), REFUSED_UNBUILT),
     "a removal's block_hashes, its event too long": (
         vm.Pairs([*vd.removed([1] * MANY).items(), *vm.junk(MAX_MAP_FIELDS)]),
         (Cleared(),),
+        REFUSED_UNBUILT,
     ),
-    "a removal's medium": (vm.Pairs([*vd.removed([1]).items(), ("medium", [1] * MANY)]), (Cleared(),)),
+    "a removal's medium": (
+        vm.Pairs([*vd.removed([1]).items(), ("medium", [1] * MANY)]),
+        (Cleared(),),
+        REFUSED_UNBUILT,
+    ),
+    "a removal's block_hashes before its tag, its event too long": (
+        vm.Pairs([("block_hashes", [1] * MANY), ("type", "BlockRemoved"), *vm.junk(MAX_MAP_FIELDS)]),
+        (Cleared(),),
+        REFUSED_UNBUILT,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(TOO_MANY))
-def test_an_event_is_refused_before_building_more_items_than_it_may(name, built, monkeypatch):
-    """Whatever field holds them, at whatever depth, an event builds at most about its allowance of
-    items (MAX_EVENT_ITEMS) before it is refused: the decoder once built all of a payload's 16 M
-    one-byte items (~0.6 s) wherever they were but in a flat token_ids. Refused, it is malformed:
-    a BlockStored left out, a removal whose hashes were not read a clear; its batch's other events
-    are read."""
-    monkeypatch.setattr(vllm_batch, "MAX_EVENT_ITEMS", ALLOWED)
-    event, kept = TOO_MANY[name]
+def test_an_event_is_refused_before_building_more_items_than_its_batch_may(name, built, monkeypatch):
+    """Whatever field holds them, at whatever depth, an event builds at most about what its batch
+    has left (MAX_BATCH_ITEMS) before it is refused: the decoder once built all of a payload's 16
+    M one-byte items (~0.6 s) wherever they were but in a flat token_ids. Refused, it is
+    malformed: a BlockStored left out, a removal whose hashes were not read a clear. Refused by a
+    header, unbuilt, it leaves the batch its items: a removal after it is read; refused once
+    built (msgpack's limit inside a field, a hook), it spends what its bytes could have built,
+    and a removal after it, past the batch's items, reads as a clear."""
+    monkeypatch.setattr(vllm_batch, "MAX_BATCH_ITEMS", ALLOWED)
+    event, kept, after = TOO_MANY[name]
     batch = decode_payload(1, vm.payload(vd.stored([2], list(range(32))), event, vd.removed([2])))
-    assert batch.events[1:] == (*kept, Removed((2,))) and type(batch.events[0]) is Stored and batch.malformed == 1
+    assert batch.events[1:] == (*kept, after) and type(batch.events[0]) is Stored
+    assert batch.malformed == 1 + (after == BUILT)
     assert built[0] < ALLOWED + NESTED + 100, f"{built[0]} items built of {MANY}"
+
+
+def test_a_batchs_events_build_no_more_than_its_items_together_and_a_removal_past_them_clears(built, monkeypatch):
+    """Each event's decoding takes from what the batch's earlier ones left (MAX_BATCH_ITEMS), so
+    one batch's decoding is bounded whatever its event count: with an allowance per event, two
+    removals of 8 M hashes in one payload built 16 M items (~0.7 s). Once the items are spent, a
+    removal, its hashes unread, is read as a clear, as any unreadable removal: the index forgets
+    blocks no removal named rather than keep ones an unread removal evicted."""
+    monkeypatch.setattr(vllm_batch, "MAX_BATCH_ITEMS", ALLOWED)
+    t = Translator(vd.MODEL, 16)
+    t.apply(decode_payload(0, vd.payload([vd.stored([1], list(range(32)))])).events)
+    named = [list(range(1000 + i * 100, 1100 + i * 100)) for i in range(20)]
+    batch = decode_payload(1, vm.payload(*(vd.removed(h) for h in named)))
+    read = [e for e in batch.events if e != Cleared()]
+    assert 0 < len(read) < len(named) and read == [Removed(tuple(h)) for h in named[: len(read)]]
+    assert batch.events[len(read) :] == (Cleared(),) * (len(named) - len(read))
+    assert batch.malformed == len(named) - len(read) and built[0] < ALLOWED + 64  # and keys, values handed out
+    t.apply(batch.events)
+    assert t.resident == set()
 
 
 # A batch whose envelope holds MANY items where a scalar or a name is due, and its malformed fields.
@@ -271,12 +305,12 @@ def test_an_envelope_field_of_many_items_is_refused_by_its_header_unbuilt(name, 
 
 
 def held(v: object) -> int:
-    """The items inside `v`, at every depth: its own, then theirs."""
+    """The items building `v` spends (bounded_msgpack.Items): a container's items, a map's
+    entries, then theirs, at every depth."""
+    if isinstance(v, vm.Pairs):  # a list of pairs: before a list
+        return len(v) + sum(held(k) + held(x) for k, x in v)
     if isinstance(v, list):
         return len(v) + sum(map(held, v))
-    if isinstance(v, vm.Pairs | dict):
-        pairs = list(v.items()) if isinstance(v, dict) else v
-        return len(pairs) + sum(held(k) + held(x) for k, x in pairs)
     return 0
 
 
@@ -290,18 +324,20 @@ SALTED_LORA = vd.stored([1, 2], list(range(64)), lora_name="a", extra_keys=[["a"
 REAL = {
     **{f"recorded {i}": raw for i, raw in enumerate(recorded_events())},
     "salted LoRA map": msgpack.packb(SALTED_LORA),
-    "array (SGLang)": msgpack.packb(vd.sglang_stored([1, 2], list(range(64)), lora_id=3)),
+    "array (SGLang)": msgpack.packb(vd.sglang_stored([1, 2], list(range(1000, 1064)), lora_id=3)),
 }
 
 
 @pytest.mark.parametrize("name", list(REAL))
-def test_an_event_of_more_bytes_than_items_reads_as_it_does_whole_and_not_an_item_more(name):
+def test_an_event_read_field_by_field_reads_and_spends_as_it_does_whole_and_not_an_item_more(name):
     """A vLLM event (its block hashes, token ids, extra_keys per block, LoRA fields, medium) given
     exactly the items it holds, fewer than its bytes, is read field by field and decodes as it
-    does whole; an item less is refused."""
+    does whole, each way spending them all; an item less is refused."""
     raw = REAL[name]
-    fields = msgpack.unpackb(raw, strict_map_key=False)
-    items = sum(map(held, fields.values() if isinstance(fields, dict) else fields))
-    assert items < len(raw) and decode_event(raw, items) == decode_event(raw, len(raw))
-    with pytest.raises(BadEvent, match=f"over {items - 1} items"):
-        decode_event(raw, items - 1)
+    items = held(msgpack.unpackb(raw, strict_map_key=False, object_pairs_hook=vm.Pairs))
+    exact, whole = Items(items), Items(len(raw))
+    assert items < len(raw)
+    assert decode_event(raw, exact) == decode_event(raw, whole) and exact.left == 0
+    assert whole.allowed - whole.left == items
+    with pytest.raises(BadEvent, match="over the"):
+        decode_event(raw, Items(items - 1))

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import bounded_msgpack
-from gateway.vllm_batch import MAX_BATCH_REASONS, BadBatch, decode_frames, decode_payload
+from gateway.bounded_msgpack import Items
+from gateway.vllm_batch import MAX_BATCH_ITEMS, MAX_BATCH_REASONS, BadBatch, decode_frames, decode_payload
 from gateway.vllm_events import (
     EVENT_SLACK,
     MAX_MAP_FIELDS,
@@ -181,7 +182,7 @@ def test_an_events_token_ids_are_weighed_as_it_decodes(event):
     raw = vm.pack(event)
     weighed = stored_tokens(raw)
     try:
-        decoded = decode_event(raw, len(raw))
+        decoded = decode_event(raw, Items(MAX_BATCH_ITEMS))
     except BadEvent as bad:
         assert weighed == 0 or bad.safe == ()
         return

@@ -131,6 +131,10 @@ SAFE_READINGS = {
         ["BlockRemoved", [1], Raw(b"\xa2\xff\xfe"), *[None] * MAX_ARRAY_ITEMS],
         [Removed((1,), 0, m) for m in (DEVICE, HOST, DISK)],
     ),
+    "removal past its entries, a field unreadable before its medium and group": (
+        Pairs([*REMOVED[:2], ("zz", Raw(b"\xa2\xff\xfe")), *REMOVED[2:], *junk(MAX_MAP_FIELDS)]),
+        [Cleared()],
+    ),
     "removal past its entries with unreadable hashes": (
         Pairs([("type", "BlockRemoved"), ("block_hashes", Raw(b"\x91\xa2\xff\xfe")), *junk(MAX_MAP_FIELDS)]),
         [Cleared()],
