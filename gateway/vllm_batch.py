@@ -40,14 +40,15 @@ MAX_EVENTS = 1 << 16
 # left out unread, weighed by its headers (it could only add blocks: a cache miss at worst); its
 # batch's removals and clears are still read, and so are its later BlockStored events that fit.
 MAX_BATCH_TOKENS = 1 << 21
-# Items (array items and map entries, in any field at any depth) the decoding of one batch's
-# events may build, each event taking from what the ones before it left. A valid batch of a
-# whole budget's token ids holds, at vLLM's default block size (16), some 2.1 M (a hash per
-# block) and 2.4 M with an extra_keys entry of one key per block (a LoRA name); its removals name
-# no more blocks than a step stores. An event that would build more than is left is malformed (a
-# removal's safe reading, its hashes unread, is a clear), and so, their items spent, are those
-# after it but for their tag: a payload under MAX_PAYLOAD holds 16 M one-byte items, which took
-# ~0.6 s to build in two removals' block_hashes when each event had an allowance of its own.
+# Items (gateway/bounded_msgpack.py's count: array items, map entries, containers and ext values,
+# in any field at any depth) the decoding of one batch's events may build, each event taking from
+# what the ones before it left. A valid batch of a whole budget's token ids holds, at vLLM's
+# default block size (16), some 2.1 M (a hash per block) and 4.5 M with an extra_keys entry of
+# one key per block (a LoRA name); its removals name no more blocks than a step stores. An event
+# that would build more than is left is malformed (a removal's safe reading, its hashes unread,
+# is a clear), and so, their items spent, are those after it but for their tag: a payload under
+# MAX_PAYLOAD holds 16 M one-byte items, which took ~0.6 s to build in two removals'
+# block_hashes when each event had an allowance of its own.
 MAX_BATCH_ITEMS = 4 * MAX_BATCH_TOKENS
 # Items of a batch's envelope, entries of one encoded as a map: vLLM's has 3 fields. Each more is
 # a Python step of the decoder's, ~0.1 us even when it is one junk byte.

@@ -22,6 +22,7 @@ from typing import TypeGuard, TypeVar
 import msgpack
 
 from gateway.bounded_msgpack import (
+    PAIR,
     Items,
     Pairs,
     Spellings,
@@ -216,7 +217,7 @@ def _leading(raw: bytes | memoryview, left: Items) -> dict[str, object]:
         if mapped:
             u.read_map_header()
             for _ in range(MAX_MAP_FIELDS):
-                left.claim(1)
+                left.claim(PAIR)
                 key = u.unpack()
                 v = value(u, raw, left)
                 if type(key) is str:

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from gateway import bounded_msgpack, vllm_batch
-from gateway.bounded_msgpack import NESTED, Items
+from gateway.bounded_msgpack import CALL, NESTED, PAIR, Items
 from gateway.vllm_batch import MAX_BATCH_REASONS, MAX_ENVELOPE, BadBatch, decode_frames, decode_payload
 from gateway.vllm_events import MAX_MAP_FIELDS, BadEvent, Cleared, Removed, Stored, decode_event
 from gateway.vllm_translate import Translator
@@ -283,6 +283,57 @@ def test_a_batchs_events_build_no_more_than_its_items_together_and_a_removal_pas
     assert t.resident == set()
 
 
+# A field's values of one kind, each of which costs the decoder a Python call and an object the
+# collector tracks, or map entries: under a batch's 500 items by their count, over by their cost.
+COSTLY = {
+    "empty arrays": [[]] * 100,
+    "empty maps": [vm.Pairs([])] * 100,
+    "one-entry maps": [vm.Pairs([(None, None)])] * 100,
+    "ext values": [msgpack.ExtType(5, b"")] * 100,
+    "map entries": vm.Pairs([(i, None) for i in range(200)]),
+}
+
+
+@pytest.mark.parametrize("name", list(COSTLY))
+def test_a_value_spends_what_building_it_costs_not_only_its_count(name, monkeypatch):
+    """A container or an ext value spends CALL items more than its own, a map entry PAIR (its
+    key, its value, their pair): counted as one item, 2.8 M ext values in a 16 MiB payload cost
+    ~3.8 s, 5 M one-entry maps ~2 s, within an allowance of 8 M. A removal whose unknown field
+    holds more than its batch may build is read as a clear."""
+    monkeypatch.setattr(vllm_batch, "MAX_BATCH_ITEMS", 500)
+    batch = decode_payload(1, vm.payload(vm.Pairs([*vd.removed([1]).items(), ("note", COSTLY[name])])))
+    assert batch.events == (Cleared(),) and "over the" in batch.reasons[0]
+
+
+def test_a_timestamp_is_read_as_a_float_and_no_msgpack_timestamp_is_built(monkeypatch):
+    """msgpack builds a Timestamp through Python, uncounted by any hook (~0.5 us each: 2.8 M in a
+    payload ~1 s); as a float it is an item of its container. No field the decoder reads takes
+    either: a removal's note of them is nothing, its hashes of them unreadable (a clear)."""
+    made = []
+    init = msgpack.Timestamp.__init__
+
+    def counted(self, *args):
+        made.append(1)
+        init(self, *args)
+
+    stamps = [msgpack.Timestamp(1, 0)] * 100
+    monkeypatch.setattr(msgpack.Timestamp, "__init__", counted)
+    note = vm.Pairs([*vd.removed([1]).items(), ("note", stamps)])
+    batch = decode_payload(1, vm.payload(note, vd.removed(stamps)))
+    assert batch.events == (Removed((1,)), Cleared()) and made == []
+
+
+def test_a_string_or_bytes_value_is_one_item_whatever_its_length(monkeypatch):
+    """A string or bytes value is built by one copy at C speed (a 16 MiB one in ~10 ms, and a
+    payload holds no more): its length needs no bound of its own, its count does, and has one as
+    its container's items."""
+    monkeypatch.setattr(vllm_batch, "MAX_BATCH_ITEMS", ALLOWED)
+    long = vm.Pairs([*vd.removed([1]).items(), ("note", ["x" * (1 << 20), b"y" * (1 << 20)])])
+    many = vm.Pairs([*vd.removed([1]).items(), ("note", [""] * ALLOWED)])
+    assert decode_payload(1, vm.payload(long)).events == (Removed((1,)),)
+    assert decode_payload(1, vm.payload(many)).events == (Cleared(),)
+
+
 # A batch whose envelope holds MANY items where a scalar or a name is due, and its malformed fields.
 ENVELOPE_JUNK = {
     "ts an array": ([[1] * MANY, vm.EVENTS], 1),
@@ -305,12 +356,12 @@ def test_an_envelope_field_of_many_items_is_refused_by_its_header_unbuilt(name, 
 
 
 def held(v: object) -> int:
-    """The items building `v` spends (bounded_msgpack.Items): a container's items, a map's
-    entries, then theirs, at every depth."""
+    """The items building `v` spends (bounded_msgpack.Items): a container CALL and its items, a
+    map's entries PAIR each, then theirs, at every depth."""
     if isinstance(v, vm.Pairs):  # a list of pairs: before a list
-        return len(v) + sum(held(k) + held(x) for k, x in v)
+        return CALL + PAIR * len(v) + sum(held(k) + held(x) for k, x in v)
     if isinstance(v, list):
-        return len(v) + sum(map(held, v))
+        return CALL + len(v) + sum(map(held, v))
     return 0
 
 
