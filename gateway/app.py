@@ -19,7 +19,6 @@ decision: they are forwarded to the least loaded worker of their model under the
 `/v1/responses`, but a stored response's requests go to the worker that holds it (gateway/responses.py).
 """
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -42,7 +41,7 @@ from gateway.forward import DETOKENIZE, TOKENIZE, Forwarder
 from gateway.forward import PATHS as FORWARDED
 from gateway.worker import Worker
 from gateway.index import ResidencyIndex
-from gateway.intake import ApiError, Intake, refused, worker_failed
+from gateway.intake import ApiError, Intake, refused
 from gateway.metrics import GatewayMetrics, RedisCollector
 from gateway.peer_decisions import PeerDecisions
 from gateway.responses import RESPONSES_KINDS, TRACE_NAMES, Responses, routes
@@ -50,17 +49,11 @@ from gateway.local_responses import LocalResponses
 from gateway.response_ids import ResponseIds
 from gateway.response_store import ResponseStore
 from gateway.shared_response_ids import SharedResponseIds
-from gateway.proxy import (
-    AnswerTimeout,
-    ClientGone,
-    Proxy,
-    UpstreamError,
-    WorkerBusy,
-)
+from gateway.proxy import Proxy
 from gateway.record import RequestRecord
 from gateway.request_ids import client_request_id, gateway_request_id
 from gateway.relay import PassThrough
-from gateway.retry import RetryPolicy
+from gateway.retry import RetryPolicy, Tries, Way
 from gateway.tokenize import Prepared, Tokenizers
 from gateway.tracing import Tracing
 from policies.api import FleetView, Policy, RequestView
@@ -119,6 +112,7 @@ class Gateway:
         self.forwarder = Forwarder(
             fleet, self.proxy, self.admission, self.retry, self.metrics, self.exchange, self.intake, tokenizers
         )
+        self.tries = Tries(self.retry, self.metrics, self.exchange, self.admission)
         store = response_store if response_store is not None else ResponseStore()  # an empty one is falsy
         local = LocalResponses(lambda r, raw, rec: self.generate(r, "chat", raw, rec), store)
         ids = response_ids if response_ids is not None else ResponseIds()
@@ -326,64 +320,14 @@ class Gateway:
         view: RequestView,
         rec: RequestRecord,
     ) -> Response:
-        """Decide and forward; a worker that fails before the answer is committed costs a
-        retry elsewhere (after a backoff), up to `retry.max_retries` of them, but a whole
-        answer past the answer timeout, which is the client's 504."""
+        """Decide and forward, retried as `Tries.run` says (gateway/retry.py): each try routed
+        by the policy among the workers that have not failed the request (`Routing`)."""
         headers = {"content-type": "application/json", "x-request-id": view.request_id}
         if rec.ids_sent:  # kv_prompt_ids is internal, as kv_transfer is
             headers.update(internal_headers(self.internal_token))
-        trace = rec.trace
-        exclude: set[str] = set()
-        failure: UpstreamError | None = None
-        for attempt in range(self.retry.max_retries + 1):
-            if failure is not None:  # each later attempt follows a failure
-                self.metrics.retries.labels(failure.stage).inc()
-                rec.retries = attempt
-                await asyncio.sleep(self.retry.delay(attempt))
-            try:
-                with trace.phase("route"):
-                    w, route, p, seen = self.decide(view, model, exclude)
-            except ApiError:
-                if failure is None:
-                    raise
-                break
-            trace.set(policy=self.policy.name, worker=w.worker_id, prefill_worker=route.prefill)
-            rec.worker, rec.prefill_worker = w.worker_id, route.prefill
-            rec.route_reason, rec.candidates = route.reason, candidates_summary(view, seen)
-            rec.predicted_cached = (
-                route.predicted_cached_tokens
-                if p is None
-                else pd.expected_cached(view.num_tokens, w.state.get("block_size", 16))
-            )
-            self.fleet.begin(w, rec.request_id, ledger_entry(view, route, w, prep))
-            self.fleet.routed(p or w, rec.request_id, view.block_hashes, view.num_tokens, time.time())
-            w.breaker.attempt()
-            leg = headers if p is None or not self.internal_token else pd.leg_headers(headers, self.internal_token)
-            try:
-                payload, prefill = (
-                    (raw, None) if p is None else self.exchange.start_prefill(p, w, kind, raw, leg, rec, route)
-                )
-                with trace.client("upstream", leg, prefill, worker=w.worker_id) as sent:
-                    return await self.exchange.attempt(request, w, route, view, prep, kind, payload, sent, rec)
-            except ClientGone:
-                self.fleet.end(w, rec.request_id)
-                w.breaker.released()
-                return Response(b"", 499, self.headers(w.worker_id, route.predicted_cached_tokens))
-            except UpstreamError as e:
-                self.fleet.end(w, rec.request_id)
-                self.exchange.worker_failed(w, e)
-                exclude.add(w.worker_id)
-                failure = e
-                if isinstance(e, AnswerTimeout):  # not retried: gateway/proxy.py says why
-                    break
-            except BaseException:
-                self.fleet.end(w, rec.request_id)
-                w.breaker.released()
-                raise
-        rec.worker = ""  # the fleet's answer, not one worker's
-        if isinstance(failure, WorkerBusy):
-            return Response(failure.body, failure.status, {**self.headers(), **failure.headers})
-        raise worker_failed(len(exclude), failure, self.admission.config.retry_after_s)
+        routing = Routing(self, request, kind, raw, model, prep, view, rec, headers)
+        way = Way(routing.pick, routing.attempt, routing.headers, routing.begin, routing.end)
+        return await self.tries.run(rec, self.retry.max_retries, way)
 
     async def models(self, request: Request) -> Response:
         data = [_model_card(m, n) for m, n in sorted(self.fleet.models().items())]
@@ -413,6 +357,76 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         body, ctype = self.metrics.render()
         return Response(body, media_type=ctype)
+
+
+@dataclasses.dataclass
+class Routing:
+    """A completion's or chat's tries (the `Way` of gateway/retry.py): each routed by the
+    policy, entered in the worker's ledger, a P/D route's prefill leg started before the decode
+    leg is sent. `route` and `prefill` are the current try's."""
+
+    gateway: Gateway
+    request: Request
+    kind: str
+    raw: bytes
+    model: str
+    prep: Prepared | None
+    view: RequestView
+    rec: RequestRecord
+    sent: dict[str, str]  # the request's headers to a worker
+    route: Decision = dataclasses.field(init=False)
+    prefill: Worker | None = dataclasses.field(init=False)
+
+    def pick(self, exclude: set[str]) -> Worker | None:
+        """The policy's worker among those not in `exclude`, its route on the record. After a
+        failure (`exclude` not empty) a refusal is None: the answer is the request's failure."""
+        gw, rec, view = self.gateway, self.rec, self.view
+        try:
+            with rec.trace.phase("route"):
+                w, self.route, self.prefill, seen = gw.decide(view, self.model, exclude)
+        except ApiError:
+            if not exclude:
+                raise
+            return None
+        route = self.route
+        rec.trace.set(policy=gw.policy.name, worker=w.worker_id, prefill_worker=route.prefill)
+        rec.prefill_worker = route.prefill
+        rec.route_reason, rec.candidates = route.reason, candidates_summary(view, seen)
+        rec.predicted_cached = (
+            route.predicted_cached_tokens
+            if self.prefill is None
+            else pd.expected_cached(view.num_tokens, w.state.get("block_size", 16))
+        )
+        return w
+
+    def begin(self, w: Worker) -> None:
+        """`w`'s count and ledger take the request; the other replicas' policies hear where its prefill runs."""
+        rec, view = self.rec, self.view
+        self.gateway.fleet.begin(w, rec.request_id, ledger_entry(view, self.route, w, self.prep))
+        self.gateway.fleet.routed(self.prefill or w, rec.request_id, view.block_hashes, view.num_tokens, time.time())
+
+    def end(self, w: Worker) -> None:
+        self.gateway.fleet.end(w, self.rec.request_id)
+
+    async def attempt(self, w: Worker) -> Response:
+        """One try on `w`, after the prefill leg on `prefill` for a P/D route (gateway/exchange.py)."""
+        gw, p, route = self.gateway, self.prefill, self.route
+        leg = self.sent if p is None or not gw.internal_token else pd.leg_headers(self.sent, gw.internal_token)
+        payload, span = (
+            (self.raw, None)
+            if p is None
+            else gw.exchange.start_prefill(p, w, self.kind, self.raw, leg, self.rec, route)
+        )
+        with self.rec.trace.client("upstream", leg, span, worker=w.worker_id) as sent:
+            return await gw.exchange.attempt(
+                self.request, w, route, self.view, self.prep, self.kind, payload, sent, self.rec
+            )
+
+    def headers(self, w: Worker | None) -> dict[str, str]:
+        """The gateway's headers: about `w`'s try (a 499), or none's (a worker's 503 passed on)."""
+        if w is None:
+            return self.gateway.headers()
+        return self.gateway.headers(w.worker_id, self.route.predicted_cached_tokens)
 
 
 MAX_CANDIDATES_SHOWN = 8

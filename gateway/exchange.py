@@ -1,8 +1,9 @@
 """One try of a request on one worker, and its end: the response head, then a non-streaming
 answer read whole or a stream relayed from its first token (a prefill leg started first for a
 P/D pair). Until something is committed to the client a failure raises `UpstreamError`, which
-the gateway retries elsewhere; on every way a try ends the fleet's count and ledger, the
-worker's breaker and the metrics are kept.
+the gateway retries elsewhere (gateway/retry.py, which also ends the fleet's count and ledger of
+a try whose answer is not relayed); on every way a try ends the worker's breaker and the
+metrics are kept, and a relayed stream's count and ledger end with it.
 """
 
 import json
@@ -142,7 +143,6 @@ class Exchange:
         failure, both retried elsewhere."""
         status = resp.status
         body = await whole_body(self.proxy, resp)
-        self.fleet.end(w, rec.request_id)
         w.breaker.succeeded()
         if status == 200:
             whole_answer(rec, body, resp.headers, started)

@@ -57,7 +57,6 @@ as a request of the model's traffic); each still has its access-log line (`kind`
 its worker failures, retries and admission refusals are counted as every request's are.
 """
 
-import asyncio
 import json
 import random
 import uuid
@@ -72,7 +71,7 @@ from gateway.auth import api_key
 from gateway.breaker import CLOSED
 from gateway.exchange import Exchange, whole_body
 from gateway.fleet import Fleet
-from gateway.intake import ApiError, Intake, client_body, refused, worker_failed
+from gateway.intake import ApiError, Intake, client_body, refused
 from gateway.metrics import GatewayMetrics
 from gateway.pooling import (
     CLASSIFY,
@@ -89,14 +88,14 @@ from gateway.pooling import (
     input_tokens,
     pooling_inputs,
 )
-from gateway.proxy import AnswerTimeout, ClientGone, Proxy, UpstreamError, UpstreamTimeout, WorkerBusy
-from gateway.relay import BodyPassThrough, PassThrough
+from gateway.proxy import Proxy, UpstreamTimeout
+from gateway.relay import BodyPassThrough
 from gateway.record import RequestRecord
-from gateway.retry import RetryPolicy
+from gateway.retry import RetryPolicy, Tries, Way
 from gateway.tokenize import Tokenizers
 from gateway.upstream import Upstream
 from gateway.worker import Worker
-from policies.candidates import NO_WORKERS, cheapest
+from policies.candidates import cheapest
 
 TOKENIZE, DETOKENIZE = "tokenize", "detokenize"
 PATHS = {
@@ -149,6 +148,7 @@ class Forwarder:
     ):
         self.fleet, self.proxy, self.admission, self.retry = fleet, proxy, admission, retry
         self.metrics, self.exchange, self.intake, self.tokenizers = metrics, exchange, intake, tokenizers
+        self.retries = Tries(retry, metrics, exchange, admission)
 
     async def serve(self, request: Request, kind: str, raw: bytes, rec: RequestRecord) -> Response:
         """Check the body, then forward it; raises ApiError."""
@@ -215,58 +215,19 @@ class Forwarder:
         pick: Callable[[set[str]], Worker | None],
         attempt: Callable[[Worker, dict], Awaitable[Response]],
     ) -> Response:
-        """Tries on the workers `pick` offers (given those that failed): one that fails before
-        answering costs a retry on another (after a backoff), up to `retries` of them. `engine`:
-        the request is engine work, counted in flight and in the worker's breaker."""
+        """Tries on the workers `pick` offers (given those that failed), retried as
+        `Tries.run` says (gateway/retry.py), each sent with the gateway's request id and
+        traced. `engine`: the request is engine work, counted in flight and in the worker's
+        breaker."""
         headers = {"content-type": "application/json", "x-request-id": rec.request_id}
-        exclude: set[str] = set()
-        failure: UpstreamError | None = None
-        for n in range(retries + 1):
-            if failure is not None:
-                self.metrics.retries.labels(failure.stage).inc()
-                rec.retries = n
-                await asyncio.sleep(self.retry.delay(n))
-            w = pick(exclude)
-            if w is None:
-                if failure is not None:
-                    break
-                raise ApiError(
-                    503,
-                    NO_WORKERS,
-                    "server_error",
-                    "no_healthy_workers",
-                    retry_after=self.admission.config.retry_after_s,
-                )
-            rec.worker = w.worker_id
-            if engine:
-                w.breaker.attempt()
-                self.fleet.begin(w)
-            answer: Response | None = None
-            try:
-                with rec.trace.client("upstream", headers, None, worker=w.worker_id) as sent:
-                    answer = await attempt(w, sent)
-                    return answer
-            except ClientGone:
-                if engine:
-                    w.breaker.released()
-                return Response(b"", 499, {"x-kvgate-worker": w.worker_id})
-            except UpstreamError as e:
-                self.exchange.worker_failed(w, e, engine)
-                exclude.add(w.worker_id)
-                failure = e
-                if isinstance(e, AnswerTimeout):  # not retried: gateway/proxy.py says why
-                    break
-            except BaseException:
-                if engine:
-                    w.breaker.released()
-                raise
-            finally:
-                if engine and not isinstance(answer, PassThrough):  # a relayed answer ends when its body does
-                    self.fleet.end(w)
-        rec.worker = ""  # the fleet's answer, not one worker's
-        if isinstance(failure, WorkerBusy):
-            return Response(failure.body, failure.status, failure.headers)
-        raise worker_failed(len(exclude), failure, self.admission.config.retry_after_s)
+
+        async def traced(w: Worker) -> Response:
+            with rec.trace.client("upstream", headers, None, worker=w.worker_id) as sent:
+                return await attempt(w, sent)
+
+        if not engine:
+            return await self.retries.run(rec, retries, Way(pick, traced, worker_header, engine=False))
+        return await self.retries.run(rec, retries, Way(pick, traced, worker_header, self.fleet.begin, self.fleet.end))
 
     async def attempt(
         self, request: Request, w: Worker, kind: str, raw: bytes, headers: dict, rec: RequestRecord
@@ -344,6 +305,11 @@ class Forwarder:
 # A server's answers that it does not serve an endpoint for its model: no such route (a bare 404
 # page), or vLLM 0.32's 501 "The model does not support ... API" where the route is mounted.
 UNSERVED = (404, 501)
+
+
+def worker_header(w: Worker | None) -> dict[str, str]:
+    """The worker a forwarded request's own answer (a 499) is about; none on a worker's 503."""
+    return {"x-kvgate-worker": w.worker_id} if w is not None else {}
 
 
 def not_pooling(model: str, kind: str) -> ApiError:
