@@ -153,18 +153,21 @@ class Upstream(asyncio.Protocol):
     async def pipe(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable], idle_s: float) -> None:
         """Pass the rest of the body to `sink` as it arrives, from `data_received` itself, until
         its end. `sink` returns False when its reader is full: reading stops until `drain()`
-        returns. Raises `TimeoutError` after `idle_s` seconds without a byte (time spent waiting
-        on a full reader does not count; `bound_idle` changes the bound), `ConnectionError` if
-        the response breaks off, `SinkFailed` if `sink` raises (the connection is closed)."""
+        returns, and the pipe ends only after that, so a sink may hold what it took until its
+        `drain` (response_tap.TappedBody). Raises `TimeoutError` after `idle_s` seconds without
+        a byte (time spent waiting on a full reader does not count; `bound_idle` changes the
+        bound), `ConnectionError` if the response breaks off, `SinkFailed` if `sink` raises (the
+        connection is closed)."""
         self.sink, self.idle_s = sink, idle_s
         self.idle_handle = self.loop.call_at(self.last_data + idle_s, self._idle)
         try:
             if self.body:
-                self.give(self.read_buffered())
-            while not self.complete:
-                await self._wait()
+                self.blocked = not self.give(self.read_buffered())
+            while self.blocked or not self.complete:
                 if self.blocked:
                     await self._unblock(drain)
+                else:
+                    await self._wait()
             if self.error is not None:  # the sink failed on the body's last bytes
                 raise self.error
         finally:
