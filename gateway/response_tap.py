@@ -7,7 +7,10 @@ they arrive (`TappedPassThrough`), and `IdTap` reads only the head of the answer
 the id first: a whole answer is a `ResponsesResponse`, `{"id": ...`, and a stream opens with its
 `response.created` event, `event: response.created` then `data: {"response": {"id": ...`
 (pydantic's field order, OpenAI's too). The tap gives up after HEAD_BYTES without one, so a
-head that never ends costs nothing.
+head that never ends costs nothing. Where the id is shared with other replicas, recording it
+returns the write's acknowledgement, and the chunk that ends the id (its closing quote: before
+it the client cannot tell the id whole) and what follows are held from the client until then
+(`TappedBody`; gateway/shared_response_ids.py says why and for how long).
 
 A stream opens with `response.created` and `response.in_progress` at once, then says nothing
 until its first token: its queue and prefill are a chat stream's wait for its first token, which
@@ -17,7 +20,7 @@ the idle timeout from then on.
 """
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.relay import BodyPassThrough
 from gateway.raw_send import RawBody
@@ -30,6 +33,10 @@ _EVENT = re.compile(rb"^event:[ \t]*(\S*)[ \t]*\r?$", re.M)
 _WHOLE = re.compile(rb'\s*\{\s*"id"\s*:\s*"([^"\\]*)"')
 _CREATED = re.compile(rb'\s*event:\s*response\.created\r?\ndata:\s*\{\s*"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]*)"')
 
+# reads a relayed chunk before the client gets it; what it returns (when not None), the client
+# gets that chunk and the rest only once it is done
+Tap = Callable[[bytes], Awaitable[None] | None]
+
 
 def answer_id(head: bytes, streamed: bool) -> str | None:
     """The response id at the start of an answer's `head` (a stream's first event), or None."""
@@ -39,22 +46,22 @@ def answer_id(head: bytes, streamed: bool) -> str | None:
 
 class IdTap:
     """Reads a relayed answer's chunks until its head names the response's id, then tells
-    `found` (before the chunk that holds it reaches the client); `streamed`: an event stream."""
+    `found` (before the chunk that holds it reaches the client), and returns what `found`
+    returns: what that chunk waits for (a `Tap`); `streamed`: an event stream."""
 
-    def __init__(self, streamed: bool, found: Callable[[str], None]):
+    def __init__(self, streamed: bool, found: Callable[[str], Awaitable[None] | None]):
         self.streamed, self.found = streamed, found
         self.head = b""
         self.done = False
         self.id: str | None = None
 
-    def __call__(self, chunk: bytes) -> None:
+    def __call__(self, chunk: bytes) -> Awaitable[None] | None:
         if self.done:
-            return
+            return None
         self.head += chunk[: HEAD_BYTES - len(self.head)]
         self.id = answer_id(self.head, self.streamed)
-        if self.id is not None:
-            self.found(self.id)
         self.done = self.id is not None or len(self.head) >= HEAD_BYTES
+        return None if self.id is None else self.found(self.id)
 
 
 class Opening:
@@ -79,18 +86,36 @@ class Opening:
 
 
 class TappedBody(RawBody):
-    """A client's raw body whose writes `taps` read first."""
+    """A client's raw body whose writes `taps` read first. A tap's hold keeps that chunk and
+    every later one from the client until it is done: they are taken, and the write says the
+    client is full, so the relay reads no more of the worker's answer (`Upstream.pipe`) and
+    waits on `drain`, which waits for the hold, then writes what it kept, in order."""
 
-    __slots__ = ("taps",)
+    __slots__ = ("taps", "hold", "held")
 
-    def __init__(self, body: RawBody, taps: list[Callable[[bytes], None]]):
+    def __init__(self, body: RawBody, taps: Sequence[Tap]):
         super().__init__(body.cycle)
         self.taps = taps
+        self.hold: Awaitable[None] | None = None
+        self.held: list[bytes] = []
 
     def write(self, body: bytes) -> bool:
         for tap in self.taps:
-            tap(body)
-        return super().write(body)
+            hold = tap(body)
+            if hold is not None:
+                self.hold = hold
+        if self.hold is None:
+            return super().write(body)
+        self.held.append(body)
+        return False
+
+    async def drain(self) -> None:
+        if self.hold is not None:
+            await self.hold
+            self.hold = None
+            super().write(b"".join(self.held))
+            self.held.clear()
+        await super().drain()
 
 
 class TappedPassThrough(BodyPassThrough):
@@ -105,7 +130,7 @@ class TappedPassThrough(BodyPassThrough):
         on_error: Callable[[Exception], str],
         on_close: Callable[[], None],
         headers: dict[str, str],
-        taps: list[Callable[[bytes], None]],
+        taps: Sequence[Tap],
     ):
         super().__init__(upstream, status, idle_timeout, on_error, on_close, headers)
         self.taps = taps

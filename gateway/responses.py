@@ -279,15 +279,17 @@ class Responses:
                 retry_after=self.forwarder.admission.config.retry_after_s,
             )
 
-    def record(self, response_id: str, owner: Owner) -> None:
+    def record(self, response_id: str, owner: Owner) -> Awaitable[None] | None:
         """Remember (and share) which worker and tenant a response is; an id the ledger cannot
-        hold (valid_id) is logged and left out: its follow-ups will be 404s."""
+        hold (valid_id) is logged and left out: its follow-ups will be 404s. Returns what the
+        id's bytes wait for (the shared write: gateway/shared_response_ids.py), or None."""
         if not self.ids.record(response_id, owner):
             log.warning(
                 "worker %s answered a response id the gateway cannot record: %r", owner.worker_id, response_id[:200]
             )
         elif self.shared is not None:
-            self.shared.put(response_id, owner, self.ids.ttl_s)
+            return self.shared.put(response_id, owner, self.ids.ttl_s)
+        return None
 
     def pick(self, model: str, exclude: set[str]) -> Worker | None:
         """The least loaded vLLM worker of `model` (not in `exclude`) whose queue has room; a 503

@@ -3,16 +3,32 @@
 A client's follow-up, retrieve or cancel may reach another replica than the one that relayed
 the response's creation, so each replica writes every id it records to
 `kvgate:response:{id}` (workers/kv/redis_schema.py) with the ledger's TTL, and a replica that
-does not know an id looks it up there before it calls it unknown. The write goes out in the
-background as the answer is relayed (a follow-up sent to another replica within that round
-trip is not found there). A record is signed with the fleet's internal token over the id, the
-worker, the tenant and whether its events can be replayed (`Owner.replayable`): whoever can
-write to Redis but lacks the token can neither hand a tenant's response to another tenant, nor
-point an id at another worker, nor make the gateway ask a worker to replay what it kept no
-events of. A record read back is
-checked as every Redis record is (bounded size, strict JSON, its fields' types and lengths);
-a bad one is counted and taken as absent. Without Redis the ledger is each replica's own.
+does not know an id looks it up there before it calls it unknown. A record is signed with the
+fleet's internal token over the id, the worker, the tenant and whether its events can be
+replayed (`Owner.replayable`): whoever can write to Redis but lacks the token can neither hand a
+tenant's response to another tenant, nor point an id at another worker, nor make the gateway ask
+a worker to replay what it kept no events of. A record read back is checked as every Redis
+record is (bounded size, strict JSON, its fields' types and lengths); a bad one is counted and
+taken as absent. Without Redis the ledger is each replica's own.
+
+**The id reaches the client only once its record is in Redis**: the write goes out as the
+answer is relayed, and the relay holds the bytes that complete the id until Redis has
+acknowledged it (`put`; gateway/response_tap.py), for at most `wait_s`. A client may send its
+follow-up to another replica the instant it reads the id; that replica's lookup then comes after
+the acknowledgement and finds the record. Waiting at the reader instead (a miss read again for a
+while) cannot know how long a record takes to come or whether one ever will: every unknown id's
+404 would pay the wait, and an unknown id waiting where another tenant's is found at once would
+tell the two apart. The hold costs a create one Redis round trip on its first bytes.
+
+Redis slower than `wait_s` (WRITE_WAIT_S: a new connection's connect and answer timeouts): the
+bytes go on, the write with them, and a follow-up at another replica before it lands is a 404.
+Redis failing (its last command here failed): the bytes are not held, the write is still sent;
+the other replicas' lookups in the same Redis fail too, and there an unknown id and another
+tenant's are both a 503, never a 404 (gateway/responses.py), so an outage costs one create the
+wait, not each one.
 """
+
+import asyncio
 
 import hashlib
 import hmac
@@ -30,6 +46,7 @@ from workers.strict_json import peer_object
 log = logging.getLogger("kvgate.gateway")
 
 REDIS_TIMEOUT_S = 0.25
+WRITE_WAIT_S = 2 * REDIS_TIMEOUT_S
 MAX_RECORD_BYTES = 1024
 MAX_FIELD_CHARS = 256  # a worker id or a tenant in a record
 
@@ -41,10 +58,10 @@ class LookupFailed(Exception):
 class SharedResponseIds:
     """The ledger's entries in Redis at `url`, signed with `token`."""
 
-    def __init__(self, url: str, token: str):
+    def __init__(self, url: str, token: str, wait_s: float = WRITE_WAIT_S):
         if not token:
             raise ValueError("the shared response ledger needs the fleet's internal token to sign its records")
-        self.url, self.token = url, token
+        self.url, self.token, self.wait_s = url, token, wait_s
         self.redis: aioredis.Redis | None = None
         self.failing = False
         self.malformed = 0  # records read back and dropped
@@ -60,9 +77,15 @@ class SharedResponseIds:
         if self.redis is not None:
             await self.redis.aclose()
 
-    def put(self, response_id: str, owner: Owner, ttl_s: float) -> None:
-        """Write the entry for `ttl_s` in the background (the caller is relaying an answer)."""
-        background(self._put(response_id, owner, ttl_s))
+    def put(self, response_id: str, owner: Owner, ttl_s: float) -> "asyncio.Future[None] | None":
+        """Write the entry for `ttl_s` in the background (the caller is relaying an answer);
+        returns what the relay holds the id's bytes on: done once Redis has answered the write
+        (or failed it), at most `wait_s` later, the write going on; None while Redis is failing."""
+        write = background(self._put(response_id, owner, ttl_s))
+        return None if self.failing else background(self._answered_within(write))
+
+    async def _answered_within(self, write: "asyncio.Future[None]") -> None:
+        await asyncio.wait({write}, timeout=self.wait_s)
 
     async def _put(self, response_id: str, owner: Owner, ttl_s: float) -> None:
         record = {
