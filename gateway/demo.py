@@ -1,4 +1,5 @@
-"""`kvgate demo`: two SmolLM2 workers and a gateway on this machine, and three multi-turn chats.
+"""`kvgate demo`: two SmolLM2 workers and a gateway on this machine, three multi-turn chats,
+and one conversation over the Responses API (gateway/demo_responses.py).
 
 Each chat turn resends the whole conversation, so from its second turn on a chat's prompt
 starts with blocks already cached on the worker that served its previous turn. Per request the
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from gateway.demo_responses import run_responses
 from gateway.procs import Proc, Worker, start_gateway
 from workers.cli_help import HelpFormatter
 
@@ -294,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         wait_healthy(children, t0)
         names = [c.name for c in children[:-1]]
         summary(run_chat(children[-1].url, children[0].url, names, args.max_tokens), names)
+        run_responses(children[-1].url, MODEL, args.max_tokens)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
     except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as e:

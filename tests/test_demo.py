@@ -10,6 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_explains_each_routing_decision_and_compares_with_round_robin():
+    """Nine chat turns explained, the cache compared with round robin's, and a Responses API
+    conversation whose follow-ups go where their history is cached."""
     r = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "demo", "--executor", "sim", "--max-tokens", "8"],
         capture_output=True,
@@ -34,3 +36,8 @@ def test_demo_explains_each_routing_decision_and_compares_with_round_robin():
     )
     assert m, out
     assert int(m.group(1)) > int(m.group(3)), "prefix affinity keeps each chat's history where it is cached"
+    turns = re.findall(r"^ +(\d)  (resp_\w+) +(cpu\d) +(\d+) +(\d+) +(\d+)$", out, re.M)
+    assert [int(t[0]) for t in turns] == [1, 2, 3], out
+    for before, after in zip(turns, turns[1:]):
+        assert after[2] == before[2], "a follow-up goes where its history is cached"
+        assert int(after[4]) == int(after[5]) >= int(before[3]) // 16 * 16, "the previous prompt's blocks hit"
