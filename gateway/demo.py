@@ -1,5 +1,6 @@
-"""`kvgate demo`: two SmolLM2 workers and a gateway on this machine, three multi-turn chats,
-and one conversation over the Responses API (gateway/demo_responses.py).
+"""`kvgate demo`: two SmolLM2 workers and a gateway here, three chats and a Responses API one.
+
+The Responses API conversation is gateway/demo_responses.py.
 
 Each chat turn resends the whole conversation, so from its second turn on a chat's prompt
 starts with blocks already cached on the worker that served its previous turn. Per request the
