@@ -56,7 +56,7 @@ class SyncLaunch:
 
 
 def chunks_of(plan: StepPlan) -> list[SeqChunk]:
-    """The step's chunks; each hands the request's own block-id list (no copy per step). A chunk
+    """The step's chunks; each hands the request's own block-id and token lists (no copy per step). A chunk
     whose one token is a placeholder names the previous step's sampled row it comes from."""
     chunks = []
     for req, n in plan.scheduled:
@@ -64,7 +64,13 @@ def chunks_of(plan: StepPlan) -> list[SeqChunk]:
         end = start + n
         total = len(req.token_ids)
         chunk = SeqChunk(
-            req.token_ids[start:end], start, req.block_ids, end == total, req.params, total - len(req.prompt_ids)
+            req.token_ids[start:end],
+            start,
+            req.block_ids,
+            end == total,
+            req.params,
+            total - len(req.prompt_ids),
+            all_token_ids=req.token_ids,
         )
         if req.unresolved:
             assert n == 1 and end == total, "only a decode's input token can be unresolved"

@@ -1,9 +1,10 @@
-"""Next-token sampling for one step: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Next-token sampling for one step: greedy, temperature, min_p, top-k, top-p, and per-request seeds.
 
 All rows are processed as one tensor; only the random noise of seeded rows is drawn row by row,
 from a generator seeded by (seed, output_index), so a seeded request produces the same tokens
 whatever else shares its batch. Sampling uses the exponential race (argmax of p / Exp(1)), which
-draws from p exactly and turns the whole batch into one argmax.
+draws from p exactly and turns the whole batch into one argmax. Rows whose request asks for
+penalties, a logit bias or min_tokens arrive processed (workers/logits_processors.py).
 """
 
 import torch
@@ -59,9 +60,11 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def _sample_rows(logits: Tensor, params: list[SamplingParams], noise: Tensor) -> Tensor:
-    """Temperature, then top-k, then top-p on the renormalised remainder (the HF/vLLM order)."""
+    """Temperature, then min_p, then top-k, then top-p on the renormalised remainder (vLLM's order)."""
     temperature = to_device([p.temperature for p in params], logits.dtype, logits.device)[:, None]
     logits, order = (logits / temperature).sort(dim=-1, descending=True, stable=True)
+    if any(p.min_p for p in params):
+        logits = _min_p(logits, to_device([p.min_p for p in params], logits.dtype, logits.device)[:, None])
     rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
     top_k = to_device([p.top_k or logits.shape[1] for p in params], logits.dtype, logits.device)[:, None]
     logits = logits.masked_fill(rank >= top_k, float("-inf"))
@@ -73,6 +76,13 @@ def _sample_rows(logits: Tensor, params: list[SamplingParams], noise: Tensor) ->
     # Exp(1) noise can be exactly 0; clamping keeps masked tokens at 0 instead of NaN.
     choice = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1, keepdim=True)
     return order.gather(1, choice)[:, 0]
+
+
+def _min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """vLLM's min_p on logits sorted in descending order: a token less probable than `min_p`
+    times the most probable one is dropped (-inf). It never drops the argmax, so greedy rows skip it."""
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < probs[:, :1] * min_p, float("-inf"))
 
 
 def _exponential_noise(

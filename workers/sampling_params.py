@@ -7,6 +7,9 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP = 32  # stop strings are matched on every token: bounded count and length
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # vLLM's GPU runner's MAX_NUM_LOGIT_BIAS_TOKENS; OpenAI's map is a few hundred
+LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-100, 100], as vLLM clamps them
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI, vLLM)
 
 
 class InvalidRequest(ValueError):
@@ -29,11 +32,27 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the sampled token's log-probability and this many top ones
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids distinct
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the sequence's tokens (the only control that does)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def processes_logits(self, output_index: int) -> bool:
+        """Whether the logits of this request's next token (its `output_index`-th) are changed
+        before sampling: a penalty, a logit bias, or stop tokens held back by `min_tokens`."""
+        return self.penalized or bool(self.logit_bias) or output_index < self.min_tokens
 
     def validate(self) -> "SamplingParams":
         """Check every field's range, so no value a client can send reaches the engine as an
@@ -54,4 +73,26 @@ class SamplingParams:
             raise InvalidRequest(
                 f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids in [0, {MAX_INT32}]", "stop_token_ids"
             )
+        self._validate_controls()
         return self
+
+    def _validate_controls(self) -> None:
+        """vLLM's ranges for penalties, min_p, min_tokens and logit_bias (`min_tokens` against
+        `max_tokens` is the caller's: the budget may be known only after the prompt)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidRequest(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]", name)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequest("repetition_penalty must be a finite number > 0", "repetition_penalty")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest("min_p must be in [0, 1]", "min_p")
+        if not 0 <= self.min_tokens <= MAX_INT32:
+            raise InvalidRequest(f"min_tokens must be an integer in [0, {MAX_INT32}]", "min_tokens")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
+            0 <= t <= MAX_INT32 and abs(b) <= LOGIT_BIAS_LIMIT for t, b in self.logit_bias
+        ):
+            raise InvalidRequest(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids in [0, {MAX_INT32}] with biases "
+                f"in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+                "logit_bias",
+            )

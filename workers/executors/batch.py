@@ -16,6 +16,8 @@ class SeqChunk:
     blocks of `block_table`, and, when `sample` is set, returns the next token. `block_table`
     is the sequence's own list and may hold blocks past the chunk: read only the first
     ceil((start_pos + len(token_ids)) / block_size), and never keep or change it.
+    `all_token_ids` is the request's own token list too (prompt, then output), read by the
+    penalties only: its first start_pos + len(token_ids) entries are the sequence so far.
     """
 
     token_ids: list[int]
@@ -25,6 +27,12 @@ class SeqChunk:
     params: SamplingParams
     output_index: int = 0
     prev_sample: int = -1  # >= 0: token_ids[0] is a placeholder for row prev_sample of the last step's samples
+    all_token_ids: Sequence[int] = ()
+
+    @property
+    def num_prompt(self) -> int:
+        """The request's prompt length (a sampling chunk ends its sequence so far)."""
+        return self.start_pos + len(self.token_ids) - self.output_index
 
 
 def is_decode(chunk: SeqChunk) -> bool:

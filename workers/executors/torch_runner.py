@@ -27,6 +27,7 @@ from workers.executors.kv_copies import KVBlockCopies
 from workers.executors.kernel_inputs import Staging, decode_inputs, is_decode, kernel_inputs
 from workers.models.llama import ModelConfig
 from workers.models.loader import default_dtype, load_config, load_model
+from workers.logits_processors import process_logits
 from workers.outputs import TokenLogprobs
 from workers.sampling import sample_tensor, to_device, token_logprobs
 from workers.sampling_params import SamplingParams
@@ -151,11 +152,13 @@ class TorchRunner(KVBlockCopies):
                 events[0].record()
             replays = self._replays(chunks)
             logits = self._logits(chunks, sampled, events[1] if events else None, replays)
-            params = [chunks[i].params for i in sampled]
-            tokens = (
-                None if logits is None else sample_tensor(logits, params, [chunks[i].output_index for i in sampled])
-            )
-            logprobs = None if logits is None else token_logprobs(logits, tokens, params)
+            tokens, logprobs = None, None
+            if logits is not None:
+                rows = [chunks[i] for i in sampled]
+                params = [c.params for c in rows]
+                processed = process_logits(logits, rows, self.eos_token_ids, self._last_sampled)
+                tokens = sample_tensor(processed, params, [c.output_index for c in rows])
+                logprobs = token_logprobs(logits, tokens, params)
             if events:
                 # Copied out now, in stream order: read later, after the next step was queued, the
                 # copy would wait for that step too.

@@ -1,0 +1,134 @@
+"""vLLM's logits processors that can change the argmax: min_tokens, logit_bias, and the
+repetition, frequency and presence penalties, in vLLM v1's order, before greedy picks and before
+temperature (min_p, which keeps the argmax, is applied after temperature in workers/sampling.py).
+
+Plain data until here. Only the rows that ask are gathered, once per step: what they need goes to
+the device in one copy of integers and one of floats (pinned memory, asynchronous), and their
+token counts are built there from their token ids, as vLLM v1 does. A step where no row asks
+gets its logits back untouched: no tensor, no copy. A row whose last token is a placeholder (the
+sample of a step launched but not read yet, workers/inflight.py) takes it from that step's tokens
+on the device, so nothing waits for the step before.
+"""
+
+from array import array
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from workers.executors.batch import SeqChunk
+
+# repetition_penalty is any finite number > 0 (vLLM); the device divides and multiplies by it
+# clamped here, where float32 logits stay finite (a penalty past float32's range made inf * 0 NaN).
+REPETITION_RANGE = (2.0**-100, 2.0**100)
+
+
+def process_logits(
+    logits: Tensor, chunks: Sequence[SeqChunk], stop_ids: Sequence[int], prev_sampled: Tensor | None
+) -> Tensor:
+    """`logits` [n, V] of the sampling `chunks` as vLLM v1 processes them before sampling: while a
+    row has emitted fewer than `min_tokens`, its stop tokens (`stop_ids`, the model's EOS, and its
+    own `stop_token_ids`) are -inf; then its `logit_bias` is added; then the repetition penalty
+    (on tokens of the prompt or output: a positive logit divided by it, a negative one multiplied),
+    the frequency penalty (times the token's count in the output) and the presence penalty (once
+    for a token in the output) are applied. `prev_sampled`: the previous launch's sampled tokens,
+    which placeholders name by row.
+
+    A batch where no row asks returns `logits` itself; otherwise a float32 copy (vLLM processes in
+    float32), `logits` left raw for the logprobs."""
+    rows = [i for i, c in enumerate(chunks) if c.params.processes_logits(c.output_index)]
+    if not rows:
+        return logits
+    ints, floats = _gather(chunks, rows, stop_ids)
+    device = logits.device
+    index, mask_rows, mask_ids, bias_rows, bias_ids, flat, lengths, prompts, pen_rows, holes, sources = _upload(
+        ints, torch.long, device
+    )
+    biases, presence, frequency, repetition = _upload(floats, torch.float32, device)
+    out = logits.to(torch.float32, copy=True)
+    x = out[index]
+    x[mask_rows, mask_ids] = float("-inf")
+    x.index_put_((bias_rows, bias_ids), biases, accumulate=True)
+    if pen_rows.numel():
+        if holes.numel():
+            assert prev_sampled is not None, "a placeholder without a launched step before it"
+            flat[holes] = prev_sampled[sources]
+        seen, counts = _token_counts(flat, lengths, prompts, logits.shape[1])
+        x[pen_rows] = apply_penalties(x[pen_rows], seen, counts, presence, frequency, repetition)
+    out[index] = x
+    return out
+
+
+def apply_penalties(
+    logits: Tensor, seen: Tensor, counts: Tensor, presence: Tensor, frequency: Tensor, repetition: Tensor
+) -> Tensor:
+    """The penalties on float32 `logits` [P, V]: `seen` marks tokens of the prompt or output,
+    `counts` the output's token counts; one penalty of each kind per row. vLLM's (and HF's)
+    repetition penalty, then OpenAI's frequency and presence penalties."""
+    r = repetition.clamp(*REPETITION_RANGE)[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def _token_counts(flat: Tensor, lengths: Tensor, prompts: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """From the rows' token ids laid end to end (`lengths` each, the first `prompts` of a row its
+    prompt): which tokens each row has seen [P, V] and how often each is in its output [P, V]."""
+    n, rows = flat.shape[0], lengths.shape[0]
+    row_of = torch.repeat_interleave(torch.arange(rows, device=flat.device), lengths, output_size=n)
+    starts = lengths.cumsum(0) - lengths
+    is_output = torch.arange(n, device=flat.device) - starts[row_of] >= prompts[row_of]
+    keys = row_of * vocab + flat
+    counts = torch.zeros(rows * vocab, dtype=torch.float32, device=flat.device).index_add_(0, keys, is_output.float())
+    seen = torch.zeros(rows * vocab, dtype=torch.bool, device=flat.device).index_fill_(0, keys, True)
+    return seen.view(rows, vocab), counts.view(rows, vocab)
+
+
+def _gather(chunks: Sequence[SeqChunk], rows: list[int], stop_ids: Sequence[int]) -> tuple[list[array], list[array]]:
+    """The plain data of the asking `rows`, in `process_logits`' order: integer lists (the rows, the
+    (gathered row, token) pairs min_tokens masks and logit_bias raises, the penalised rows' token ids end
+    to end with their lengths, prompt lengths and rows, placeholder positions and their sources)
+    and float lists (the biases, the three penalties)."""
+    ints = [array("q") for _ in range(11)]
+    floats = [array("f") for _ in range(4)]
+    index, mask_rows, mask_ids, bias_rows, bias_ids, flat, lengths, prompts, pen_rows, holes, sources = ints
+    biases, presence, frequency, repetition = floats
+    for row, i in enumerate(rows):
+        c, p = chunks[i], chunks[i].params
+        index.append(i)
+        if c.output_index < p.min_tokens:
+            stops = dict.fromkeys([*stop_ids, *p.stop_token_ids])
+            mask_rows.extend([row] * len(stops))
+            mask_ids.extend(stops)
+        for token, bias in p.logit_bias:
+            bias_rows.append(row)
+            bias_ids.append(token)
+            biases.append(bias)
+        if p.penalized:
+            end = c.start_pos + len(c.token_ids)
+            assert len(c.all_token_ids) >= end, "a penalised row needs its request's token ids"
+            if c.prev_sample >= 0:
+                holes.append(len(flat) + end - 1)
+                sources.append(c.prev_sample)
+            flat.extend(c.all_token_ids[:end])
+            lengths.append(end)
+            prompts.append(c.num_prompt)
+            pen_rows.append(row)
+            presence.append(p.presence_penalty)
+            frequency.append(p.frequency_penalty)
+            repetition.append(p.repetition_penalty)
+    for hole in holes:
+        flat[hole] = 0  # written over on the device, from the step that sampled it
+    return ints, floats
+
+
+def _upload(lists: list[array], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """The lists as tensors on `device`, through one host buffer and one copy (pinned and
+    asynchronous on CUDA)."""
+    sizes = [len(values) for values in lists]
+    joined = array(lists[0].typecode)
+    for values in lists:
+        joined.extend(values)
+    host = torch.frombuffer(joined, dtype=dtype) if joined else torch.empty(0, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    return list(host.split(sizes))
