@@ -98,7 +98,7 @@ HOSTILE = [
     ("/v1/chat/completions", raw_json({"messages": [{"role": "user", "content": 5}]}), 400),
     ("/v1/completions", raw_json({"prompt": "hi", "stream_options": 5, "max_tokens": 2}), 400),
     ("/v1/completions", raw_json({"prompt": "hi", "stream": "yes", "max_tokens": 2}), 400),
-    ("/v1/completions", raw_json({"prompt": "hi", "presence_penalty": 1.5}), 400),
+    ("/v1/completions", raw_json({"prompt": "hi", "presence_penalty": 2.5}), 400),
 ]
 # standard OpenAI shapes that were 500s before
 VALID_CHATS = [

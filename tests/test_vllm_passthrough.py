@@ -20,7 +20,7 @@ def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(to
         "n": 3,
         "max_tokens": 5,
         "logprobs": 2,
-        "presence_penalty": 0.5,
+        "bad_words": ["the"],
     }
     first = parse_whole(body, "completion", tok, 1024)
     assert first.prompt_ids == tok.encode("one two three")
@@ -30,9 +30,9 @@ def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(to
     prep = m.prepare(body, "completion", 1024, whole=True)
     assert (prep.num_tokens, prep.max_tokens) == (tokens, 5 * 6)
     with pytest.raises(InvalidRequest) as e:
-        m.prepare(body, "completion", 1024)  # kvgate's own workers take n, lists, logprobs, not penalties
-    assert e.value.param == "presence_penalty"
-    del body["presence_penalty"]
+        m.prepare(body, "completion", 1024)  # kvgate's own workers take n, lists, logprobs, not bad_words
+    assert e.value.param == "bad_words"
+    del body["bad_words"]
     assert m.prepare(body, "completion", 1024).max_tokens == 5 * 6
 
 
@@ -78,7 +78,7 @@ def test_fields_that_steer_vllms_cache_are_internal():
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
-        ("logit_bias", {"1": 5}),
+        ("allowed_token_ids", [5]),
         ("structured_outputs", {"choice": ["yes", "no"]}),
         ("skip_special_tokens", False),
         ("use_beam_search", True),

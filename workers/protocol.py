@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from workers.chat_template import chat_messages
 from workers.fields import as_list, flag, number
 from workers.prompt_options import PromptOptions, prompt_options, prompt_text
-from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
+from workers.sampling_params import LOGIT_BIAS_LIMIT, MAX_INT32, MAX_LOGIT_BIAS, InvalidRequest, SamplingParams
 from workers.unsupported import refuse_unsupported
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
@@ -117,6 +117,7 @@ def parse_request(
         texts.append(text)
     if asked is None:
         asked = max_model_len - max(map(len, prompts)) if kind == "chat" else 16
+    _check_min_tokens(params, asked)
     for ids in prompts:
         _check_context(len(ids), asked, max_model_len)
     if kv and len(prompts) * n > 1:
@@ -144,7 +145,10 @@ def check_request(body: object, kind: str) -> None:
     body = _object(body, kind)
     _options(body)
     _choices(body, kind)
-    sampling_params(body, _max_tokens(body, kind) or 1, None, kind)
+    asked = _max_tokens(body, kind)
+    params = sampling_params(body, asked or 1, None, kind)
+    if asked is not None or kind != "chat":
+        _check_min_tokens(params, asked or 16)
     _kv_transfer(body)
     checked_cache_salt(body)
     checked = _prompts(body, kind, None)
@@ -241,10 +245,49 @@ def sampling_params(
         stop_token_ids=as_list(body.get("stop_token_ids"), "stop_token_ids", int),
         ignore_eos=flag(body, "ignore_eos"),
         logprobs=_logprobs(body, kind),
+        presence_penalty=number(body, "presence_penalty", 0.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0),
+        repetition_penalty=number(body, "repetition_penalty", 1.0),
+        min_p=number(body, "min_p", 0.0),
+        min_tokens=number(body, "min_tokens", 0, int),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     ).validate()
     if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if vocab_size is not None and any(t >= vocab_size for t, _ in params.logit_bias):
+        raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     return params
+
+
+def _logit_bias(v: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` as vLLM reads it: an object of token id (a string `int()` takes)
+    -> bias (a number, clamped to [-100, 100]), the last of equal ids kept; sorted pairs."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise InvalidRequest("'logit_bias' must be an object of token ids to numbers", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    bias: dict[int, float] = {}
+    for key in v:
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"'logit_bias' key {str(key)[:32]!r} is not a token id", "logit_bias") from None
+        b = number(v, key, None, param="logit_bias")
+        if b is None:
+            raise InvalidRequest(f"'logit_bias' of token {token} must be a number", "logit_bias")
+        bias[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, b))
+    if any(t < 0 for t in bias):
+        raise InvalidRequest(f"'logit_bias' token ids must be in [0, {MAX_INT32}]", "logit_bias")
+    return tuple(sorted(bias.items()))
+
+
+def _check_min_tokens(params: SamplingParams, max_tokens: int) -> None:
+    """vLLM's rule: `min_tokens` at most the completion budget (when not given, what the
+    context leaves a chat, 16 for a completion)."""
+    if params.min_tokens > max_tokens:
+        raise InvalidRequest(f"'min_tokens' must be at most max_tokens ({max_tokens})", "min_tokens")
 
 
 def _kv_transfer(body: dict) -> dict:

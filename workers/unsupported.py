@@ -1,7 +1,7 @@
 """The OpenAI and vLLM request fields kvgate's workers do not implement, and their one check.
 
 Such a field is refused (a 400 naming it), never silently ignored, unless it holds a value that
-asks for nothing: a client that sends `presence_penalty: 0` asks what a worker does anyway. The
+asks for nothing: a client that sends `best_of: 1` asks what a worker does anyway. The
 gateway forwards these fields untouched to a model served only by vLLM workers, which implement
 them (gateway/passthrough.py).
 """
@@ -17,12 +17,6 @@ NOOP_VALUES: dict[str, tuple] = {
     "logprobs": (False,),
     "top_logprobs": (0,),
     "prompt_logprobs": (0,),
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
-    "min_tokens": (0,),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none", "auto"),
