@@ -13,7 +13,9 @@ CONTEXT = 4  # prompt ids before the output: how the first output token's text s
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), min_tokens: int = 0):
+        """`min_tokens`: stop strings count only once more tokens than this were added, and only
+        where they end in the text after the first `min_tokens` tokens' (vLLM's rule)."""
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-CONTEXT:])
         self.prefix_offset = 0
@@ -21,6 +23,8 @@ class Detokenizer:
         self.text = ""
         self.emitted = 0
         self.stop = stop
+        self.min_tokens = min_tokens
+        self.num_added = 0
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.stream = DecodeStream(self.ids, skip_special_tokens=True) if self._streamable() else None
@@ -55,12 +59,15 @@ class Detokenizer:
 
     def add(self, token_id: int) -> bool:
         """Append a token; True when a stop string has appeared (the text is cut before it)."""
+        self.num_added += 1
         new = self._new_text(token_id)
         if not new:
             return False
-        start = max(0, len(self.text) - self.holdback)
+        before = len(self.text)
         self.text += new
-        hits = [at for at in (self.text.find(s, start) for s in self.stop) if at >= 0]
+        if self.num_added <= self.min_tokens:
+            return False
+        hits = [at for at in (self.text.find(s, max(0, before - len(s) + 1)) for s in self.stop) if at >= 0]
         if hits:
             self.text = self.text[: min(hits)]
         return bool(hits)

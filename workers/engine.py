@@ -195,7 +195,8 @@ class Engine:
                 cache_salt=cmd.cache_salt,
                 chunks=[] if cmd.trace else None,
             )
-            d = Detokenizer(self.tokenizer, cmd.prompt_ids, cmd.params.stop) if cmd.detokenize else None
+            p = cmd.params
+            d = Detokenizer(self.tokenizer, cmd.prompt_ids, p.stop, p.min_tokens) if cmd.detokenize else None
         except Exception:
             log.exception("request %s could not be set up", rid)
             self.stats.failed += 1

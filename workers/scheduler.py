@@ -115,9 +115,12 @@ class Scheduler:
 
     def check_stop(self, req: Request, token: int, stop_string: bool = False) -> str | None:
         """Why `req` stops after appending `token`: "stop" (a stop token or string, or EOS unless
-        ignored), "length" (max_tokens, or the context is full), or None."""
+        ignored; none of them among the first `min_tokens`, where the sampler masks the tokens and
+        the detokenizer skips the strings, and an executor without logits may still emit one),
+        "length" (max_tokens, or the context is full), or None."""
         p = req.params
-        if token in p.stop_token_ids or stop_string or (not p.ignore_eos and token in self.eos_token_ids):
+        stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        if (stop_token or stop_string) and req.num_output > p.min_tokens:
             return "stop"
         if req.num_output >= p.max_tokens or len(req.token_ids) - req.unresolved >= self.max_model_len:
             return "length"
