@@ -101,7 +101,7 @@ def test_overlapped_steps_penalise_what_one_step_at_a_time_does(tiny_llama, devi
 
     def engine(overlap: bool) -> Engine:
         cls = OverlappingRunner if overlap and device == "cpu" else TorchRunner
-        runner = cls(str(tiny_llama), blocks, 4, device, torch.float32)
+        runner = cls(str(tiny_llama), blocks, 4, device, torch.float32, max_num_seqs=8)
         eng = Engine(runner, tok, EngineConfig("m", 4, blocks, 64, 8))
         eng._overlap = overlap
         return eng

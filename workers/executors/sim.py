@@ -12,7 +12,9 @@ from workers.kv.cost_model import CostModel
 
 
 class SimExecutor:
-    """Emits deterministic token ids (never EOS) after waiting the modelled step time."""
+    """Emits deterministic token ids (never EOS) after waiting the modelled step time. It has no
+    logits: penalties, logit_bias and min_p change none of its tokens; min_tokens holds back an
+    early stop token of its in the scheduler (`check_stop`) and stop strings in the detokenizer."""
 
     def __init__(
         self,
