@@ -52,9 +52,10 @@ class LocalResponses:
         self.chat, self.store = chat, store
 
     async def create(self, request: Request, body: dict, model: str, tenant: str, rec: RequestRecord) -> Response:
-        """A create for `model` by `tenant`; raises ApiError."""
-        req = parse_create(body, model)
+        """A create for `model` by `tenant`; raises ApiError. It is a generation request from
+        the start: its refusals count as the chat path's do."""
         rec.generation = True
+        req = parse_create(body, model)
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
             history = (await self.owned(req.previous_response_id, tenant, "previous_response_id")).conversation

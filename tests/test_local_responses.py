@@ -234,6 +234,15 @@ def test_a_field_not_served_is_an_openai_400_naming_it(fleet, fields, param):
     assert error["param"] == param, error
 
 
+def test_a_create_refused_for_its_fields_is_counted_as_a_refused_chat_is(fleet):
+    """Both are generation requests: their 400s count in kvgate_gateway_requests_total."""
+    gw = fleet["a"]
+    before = gw.metric("kvgate_gateway_requests_total", status="400")
+    assert create(gw, input="x", truncation="auto").status_code == 400
+    assert call(gw, "POST", "/v1/chat/completions", {"model": MODEL, "messages": "x"}).status_code == 400
+    assert gw.metric("kvgate_gateway_requests_total", status="400") == before + 2
+
+
 @pytest.fixture
 def dying(tmp_path):
     """A sim worker whose every step takes 30 ms, behind a gateway of its own."""
