@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import json
+import math
 import os
 import socket
 import sys
@@ -80,13 +81,14 @@ def build(args: argparse.Namespace) -> Gateway:
     retry = RetryPolicy(args.max_retries, args.retry_backoff_ms / 1000.0)
     try:
         response_ids = ResponseIds(args.response_ids, args.response_ttl_s)
-        store_bytes = int(args.response_store_mb * 2**20)
         shared_store = SharedResponseStore(args.redis, args.internal_token) if redis is not None else None
-        response_store = ResponseStore(args.response_ids, args.response_ttl_s, store_bytes, shared_store)
+        response_store = ResponseStore(
+            args.response_ids, args.response_ttl_s, mb_bytes(args.response_store_mb), shared_store
+        )
     except ValueError:
         raise SystemExit(
             "kvgate gateway: --response-ids must be at least 1, --response-ttl-s positive and "
-            "--response-store-mb at least 1 byte's worth"
+            "--response-store-mb a finite size of at least 1 byte"
         )
     return Gateway(
         fleet,
@@ -109,6 +111,13 @@ def build(args: argparse.Namespace) -> Gateway:
         shared_response_ids=SharedResponseIds(args.redis, args.internal_token) if redis is not None else None,
         response_store=response_store,
     )
+
+
+def mb_bytes(mb: float) -> int:
+    """`mb` MiB as bytes; ValueError unless finite and positive (int() of inf overflows)."""
+    if not (math.isfinite(mb) and mb > 0):
+        raise ValueError(f"{mb} MiB is not a finite positive size")
+    return int(mb * 2**20)
 
 
 def vllm_kind(args: argparse.Namespace) -> vllm_worker.VllmKind:

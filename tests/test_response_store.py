@@ -93,6 +93,14 @@ def test_the_flags_bound_the_gateways_store_and_ledger():
     assert store is not None and (store.size, store.ttl_s, store.max_bytes) == (7, 30.0, 2 << 20)
 
 
+@pytest.mark.parametrize("mb", ["inf", "nan", "-1", "0"])
+def test_a_store_bound_that_is_not_a_finite_positive_size_is_a_clean_exit(mb):
+    argv = ["--worker", "http://127.0.0.1:1", "--model", "smollm2-135m", "--response-store-mb", mb]
+    with pytest.raises(SystemExit) as e:
+        build(parser().parse_args(argv))
+    assert "--response-store-mb" in str(e.value.code)
+
+
 def test_another_tenants_id_held_here_is_asked_of_redis_as_an_unknown_one_is():
     """Redis not answering, both fail alike (a 503 upstream): a miss for one against a failure
     for the other would tell a client which ids exist."""
