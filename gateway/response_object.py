@@ -31,7 +31,8 @@ def status_of(finish_reason: str | None) -> str:
 
 @dataclass(frozen=True)
 class Usage:
-    """A response's token counts, from its chat's usage."""
+    """A response's token counts, from its chat's usage. `cache_write_tokens` (vLLM's and
+    OpenAI's, which the OpenAI SDK's types require) is 0: a chat's usage reports no cache writes."""
 
     input_tokens: int
     cached_tokens: int
@@ -53,7 +54,7 @@ class Usage:
     def to_json(self) -> dict:
         return {
             "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": self.output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.input_tokens + self.output_tokens,

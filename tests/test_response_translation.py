@@ -194,7 +194,7 @@ def test_a_whole_chat_answer_is_read_and_its_status_follows_its_finish_reason():
     assert answer == ChatAnswer("hello", "length", Usage(10, 8, 2))
     assert answer.usage is not None and answer.usage.to_json() == {
         "input_tokens": 10,
-        "input_tokens_details": {"cached_tokens": 8},
+        "input_tokens_details": {"cached_tokens": 8, "cache_write_tokens": 0},
         "output_tokens": 2,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 12,
@@ -207,6 +207,34 @@ def test_a_whole_chat_answer_is_read_and_its_status_follows_its_finish_reason():
             ChatAnswer.from_whole(bad)
     assert Usage.from_chat({"prompt_tokens": -1, "completion_tokens": 2}) is None
     assert Usage.from_chat({"prompt_tokens": True, "completion_tokens": 2}) is None
+
+
+# The usage fields vLLM 0.32 (vllm/entrypoints/openai/responses/protocol.py: ResponseUsage,
+# InputTokensDetails, OutputTokensDetails) and the openai package's types (openai 2.x,
+# openai/types/responses/response_usage.py) require, which the OpenAI SDK's Response refuses
+# a usage without: `input_tokens`, `input_tokens_details` {`cached_tokens`,
+# `cache_write_tokens`}, `output_tokens`, `output_tokens_details` {`reasoning_tokens`},
+# `total_tokens`.
+USAGE_FIELDS = {"input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details", "total_tokens"}
+INPUT_DETAILS, OUTPUT_DETAILS = {"cached_tokens", "cache_write_tokens"}, {"reasoning_tokens"}
+
+
+def assert_usage_fields(usage: dict) -> None:
+    assert set(usage) >= USAGE_FIELDS, usage
+    assert set(usage["input_tokens_details"]) >= INPUT_DETAILS and set(usage["output_tokens_details"]) >= OUTPUT_DETAILS
+
+
+def test_a_whole_answer_and_a_streams_responses_carry_every_usage_field_openai_requires():
+    """openai is not installed in the gateway's venv: the required fields are listed above, as
+    read from vLLM's and openai's code (tests/test_response_openai_types.py validates against
+    the types themselves, in vLLM's venv)."""
+    assert_usage_fields(Usage(10, 8, 2).to_json())
+    events, _ = converted(STREAM, [])
+    for _, event in events:
+        usage = event["response"]["usage"] if "response" in event else None
+        if usage is not None:
+            assert_usage_fields(usage)
+    assert events[-1][1]["response"]["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
 
 
 def test_a_response_echoes_its_request():
