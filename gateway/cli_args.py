@@ -158,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_MB,
         metavar="MB",
-        help="the most memory (as JSON) the responses the gateway keeps for kvgate's workers take, the least "
+        help="the most memory the responses the gateway keeps for kvgate's workers take (each held as its JSON), the least "
         "recently used forgotten first",
     )
     add_log_args(p)

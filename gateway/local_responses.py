@@ -58,13 +58,13 @@ class LocalResponses:
         req = parse_create(body, model)
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
-            history = (await self.owned(req.previous_response_id, tenant, "previous_response_id")).conversation
+            history = (await self.owned(req.previous_response_id, tenant, "previous_response_id")).messages()
         conversation = history + req.input
         response_id, created_at = new_response_id(), int(time.time())
 
         def keep(response: dict) -> None:
             if req.store:
-                self.store.put(StoredResponse(response_id, tenant, response, conversation + answered(response)))
+                self.store.put(StoredResponse.of(response_id, tenant, response, conversation + answered(response)))
 
         try:
             answer = await self.chat(request, json.dumps(chat_body(req, conversation)).encode(), rec)
@@ -105,7 +105,7 @@ class LocalResponses:
                 "kvgate's workers, not its events): retrieve it without stream=true",
                 param="stream",
             )
-        return JSONResponse(record.response)
+        return Response(record.response, media_type="application/json")
 
     def cancel(self, record: StoredResponse) -> Response:
         """A response of kvgate's workers is never a background one, so it cannot be cancelled:

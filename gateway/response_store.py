@@ -3,8 +3,8 @@ answered and the conversation a follow-up (`previous_response_id`) continues.
 
 The gateway, not a worker, owns a kvgate model's Responses storage (workers only serve chat
 completions), so any worker can serve a follow-up and the router sends it where its history is
-cached. The store is an LRU bounded by entries (`--response-ids`), by bytes (the records' JSON,
-`--response-store-mb`) and by age (`--response-ttl-s`, from the response's creation): a response
+cached. The store is an LRU bounded by entries (`--response-ids`), by bytes (what the records
+hold: their JSON, `StoredResponse.held_bytes`; `--response-store-mb`) and by age (`--response-ttl-s`, from the response's creation): a response
 past any bound is unknown (a 404), where an unbounded store would grow with every conversation.
 With `--redis` every record is also written to Redis (gateway/shared_response_store.py), so a
 replica that did not create a response can return or continue it.
@@ -28,12 +28,12 @@ DEFAULT_MB = 128.0
 @dataclass(frozen=True)
 class Entry:
     record: StoredResponse
-    size: int  # its JSON's bytes
+    size: int  # what it holds (`StoredResponse.held_bytes`)
     expires: float  # clock() time
 
 
 class ResponseStore:
-    """Stored responses by id: at most `size` of them and `max_bytes` of their JSON (the least
+    """Stored responses by id: at most `size` of them holding `max_bytes` (the least
     recently used go first), each for `ttl_s` after it was stored; with `shared`, the replicas'
     too. `clock` is time.monotonic unless a test steps it."""
 
@@ -59,15 +59,15 @@ class ResponseStore:
             await self.shared.close()
 
     def put(self, record: StoredResponse) -> bool:
-        """Store `record` (and share it, in the background); False, storing nothing, when its
-        JSON alone is past the byte bound: its follow-ups will be 404s."""
+        """Store `record` (and share it, in the background); False, storing nothing, when it
+        alone is past the byte bound: its follow-ups will be 404s."""
         encoded = record.encoded()
-        if len(encoded) > min(self.max_bytes, MAX_RECORD_BYTES):
+        if len(encoded) > MAX_RECORD_BYTES or record.held_bytes() > self.max_bytes:
             log.warning(
                 "response %s is %d bytes, past what the store takes: not stored", record.response_id, len(encoded)
             )
             return False
-        self.remember(record, len(encoded), self.ttl_s)
+        self.remember(record, self.ttl_s)
         if self.shared is not None:
             self.shared.put(record.response_id, encoded, self.ttl_s)
         return True
@@ -88,7 +88,7 @@ class ResponseStore:
         if found is None:
             return None
         shared, ttl_s = found
-        self.remember(shared, len(shared.encoded()), ttl_s)
+        self.remember(shared, ttl_s)
         return shared if shared.tenant == tenant else None
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -102,10 +102,11 @@ class ResponseStore:
         self.entries.move_to_end(response_id)
         return entry.record
 
-    def remember(self, record: StoredResponse, size: int, ttl_s: float) -> None:
+    def remember(self, record: StoredResponse, ttl_s: float) -> None:
         """Hold `record` here for `ttl_s` (at most the store's own TTL), the least recently used
         going past the bounds."""
         self.drop(record.response_id)
+        size = record.held_bytes()
         self.entries[record.response_id] = Entry(record, size, self.clock() + min(ttl_s, self.ttl_s))
         self.bytes += size
         while len(self.entries) > self.size or self.bytes > self.max_bytes:

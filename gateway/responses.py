@@ -170,7 +170,7 @@ class Responses:
         if self.local is not None:
             record = await self.local_record(self.local, response_id, tenant)
             if record is not None:
-                rec.model = record.response.get("model") or ""
+                rec.model = record.model
                 if kind == CANCEL:
                     return self.local.cancel(record)
                 return self.local.retrieve(record, request.query_params.get("stream") == "true")

@@ -3,6 +3,7 @@ bytes, age) and tenants, the records' JSON, and the signed records replicas shar
 
 import asyncio
 import json
+import tracemalloc
 
 import pytest
 
@@ -16,8 +17,8 @@ from gateway.stored_response import StoredResponse
 
 
 def record(rid: str, tenant: str = "a", words: int = 1) -> StoredResponse:
-    response = {"id": rid, "object": "response", "output": []}
-    return StoredResponse(rid, tenant, response, (Message("user", "w " * words),))
+    response = {"id": rid, "object": "response", "model": "m", "output": []}
+    return StoredResponse.of(rid, tenant, response, (Message("user", "w " * words),))
 
 
 class Clock:
@@ -30,7 +31,7 @@ class Clock:
 
 def test_the_store_is_bounded_by_entries_bytes_and_age_and_scoped_to_its_tenant():
     clock = Clock()
-    size = len(record("resp_0").encoded())
+    size = record("resp_0").held_bytes()
     store = ResponseStore(size=3, ttl_s=10.0, max_bytes=size * 3, clock=clock)
 
     def find(rid: str, tenant: str = "a") -> StoredResponse | None:
@@ -52,16 +53,39 @@ def test_the_store_is_bounded_by_entries_bytes_and_age_and_scoped_to_its_tenant(
 
 def test_a_stored_record_round_trips_and_a_bad_one_is_refused():
     r = record("resp_1")
-    assert StoredResponse.from_json(json.loads(r.encoded())) == r
+    d = json.loads(r.encoded())
+    assert StoredResponse.from_json(d) == r
     for bad in (
-        {**r.to_json(), "id": "resp x"},
-        {**r.to_json(), "tenant": 5},
-        {**r.to_json(), "response": {"id": "resp_2", "object": "response"}},
-        {**r.to_json(), "conversation": [{"role": "tool", "content": "x"}]},
-        {**r.to_json(), "conversation": [{"role": "user", "content": "x", "extra": 1}]},
+        {**d, "id": "resp x"},
+        {**d, "tenant": 5},
+        {**d, "response": {"id": "resp_2", "object": "response"}},
+        {**d, "conversation": [{"role": "tool", "content": "x"}]},
+        {**d, "conversation": [{"role": "user", "content": "x", "extra": 1}]},
     ):
         with pytest.raises(ValueError):
             StoredResponse.from_json(bad)
+
+
+def test_what_the_store_holds_stays_within_a_small_factor_of_what_it_counts():
+    """A conversation held as message objects took five times its JSON's bytes (400 records of
+    many empty messages: 21.1 MB counted, 108 MB held), so --response-store-mb bounded a fifth
+    of what the store used. Each record is built as a replica reads one from Redis, a fresh
+    object per message."""
+    empty = {"role": "user", "content": ""}
+    raws = [
+        json.dumps({**json.loads(record(f"resp_{i}").encoded()), "conversation": [empty] * 1000}).encode()
+        for i in range(40)
+    ]
+    store = ResponseStore(size=1000, max_bytes=1 << 30)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for raw in raws:
+            assert store.put(StoredResponse.from_json(json.loads(raw)))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(store) == len(raws) and held <= 1.5 * store.bytes, (held, store.bytes)
 
 
 def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id():
@@ -69,7 +93,7 @@ def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id(
     r = record("resp_1")
     good = shared.sign("resp_1", r.encoded()) + r.encoded()
     assert shared.parse("resp_1", good) == r
-    other_tenant = StoredResponse("resp_1", "b", r.response, r.conversation).encoded()
+    other_tenant = StoredResponse("resp_1", "b", r.model, r.response, r.conversation).encoded()
     forged = [
         ("resp_2", good),  # copied under another id
         ("resp_1", good[:64] + other_tenant),  # handed to another tenant
@@ -105,7 +129,7 @@ def test_another_tenants_id_held_here_is_asked_of_redis_as_an_unknown_one_is():
     """Redis not answering, both fail alike (a 503 upstream): a miss for one against a failure
     for the other would tell a client which ids exist."""
     store = ResponseStore(shared=SharedResponseStore("redis://127.0.0.1:1", "fleet-secret"))  # nothing listens
-    store.remember(record("resp_a"), 1, 60.0)
+    store.remember(record("resp_a"), 60.0)
     assert asyncio.run(store.find("resp_a", "a")) == record("resp_a")  # its own tenant's: no need to ask
     for rid in ("resp_a", "resp_unknown"):
         with pytest.raises(LookupFailed):
