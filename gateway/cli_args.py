@@ -158,8 +158,25 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_MB,
         metavar="MB",
-        help="the most memory the responses the gateway keeps for kvgate's workers take (each held as its JSON), the least "
-        "recently used forgotten first",
+        help="the most memory the responses the gateway keeps for kvgate's workers take (each held as its JSON), the "
+        "least recently used of the tenant holding the most forgotten first",
+    )
+    p.add_argument(
+        "--response-store-ids-per-tenant",
+        type=int,
+        metavar="N",
+        help="the most responses one tenant may have the gateway keep for kvgate's workers, in each replica's memory "
+        "and (with --redis) in Redis: past it the tenant's own least recently used (in Redis: oldest) are forgotten, "
+        "never another tenant's (default: a quarter of --response-ids with API keys, all of it without: every "
+        "response is then one tenant's)",
+    )
+    p.add_argument(
+        "--response-store-mb-per-tenant",
+        type=float,
+        metavar="MB",
+        help="the most memory one tenant's responses kept for kvgate's workers may take, in each replica's memory "
+        "and (with --redis) in Redis, as --response-store-ids-per-tenant counts them (default: a quarter of "
+        "--response-store-mb with API keys, all of it without)",
     )
     add_log_args(p)
     p.add_argument(

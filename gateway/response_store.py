@@ -3,18 +3,23 @@ answered and the conversation a follow-up (`previous_response_id`) continues.
 
 The gateway, not a worker, owns a kvgate model's Responses storage (workers only serve chat
 completions), so any worker can serve a follow-up and the router sends it where its history is
-cached. The store is an LRU bounded by entries (`--response-ids`), by bytes (what the records
-hold: their JSON, `StoredResponse.held_bytes`; `--response-store-mb`) and by age (`--response-ttl-s`, from the response's creation): a response
-past any bound is unknown (a 404), where an unbounded store would grow with every conversation.
-With `--redis` every record is also written to Redis (gateway/shared_response_store.py), so a
-replica that did not create a response can return or continue it.
+cached. The store is bounded by entries (`--response-ids`), by bytes (what the records hold:
+`StoredResponse.held_bytes`; `--response-store-mb`) and by age (`--response-ttl-s`, from the
+response's creation): a response past any bound is unknown (a 404), where an unbounded store
+would grow with every conversation. Each tenant has an LRU of its own, under a quota of entries
+and bytes (`--response-store-ids-per-tenant`, `--response-store-mb-per-tenant`): a tenant past
+its quota forgets its own least recently used, so no tenant's traffic evicts another's. Past a
+store-wide bound the tenant holding the most (entries, or bytes) forgets its least recently
+used. With `--redis` every record is also written to Redis (gateway/shared_response_store.py,
+under the same quota per tenant), so a replica that did not create a response can return or
+continue it.
 """
 
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.response_ids import DEFAULT_SIZE, DEFAULT_TTL_S, valid_id
 from gateway.shared_response_store import MAX_RECORD_BYTES, SharedResponseStore
@@ -32,10 +37,19 @@ class Entry:
     expires: float  # clock() time
 
 
+@dataclass
+class Tenant:
+    """One tenant's records, the least recently used first, and the bytes they hold."""
+
+    name: str
+    entries: OrderedDict[str, Entry] = field(default_factory=OrderedDict)
+    bytes: int = 0
+
+
 class ResponseStore:
-    """Stored responses by id: at most `size` of them holding `max_bytes` (the least
-    recently used go first), each for `ttl_s` after it was stored; with `shared`, the replicas'
-    too. `clock` is time.monotonic unless a test steps it."""
+    """Stored responses by tenant and id: at most `size` of them holding `max_bytes`, at most
+    `tenant_size` and `tenant_bytes` of them a tenant's, each for `ttl_s` after it was stored;
+    with `shared`, the replicas' too. `clock` is time.monotonic unless a test steps it."""
 
     def __init__(
         self,
@@ -44,15 +58,19 @@ class ResponseStore:
         max_bytes: int = int(DEFAULT_MB * 2**20),
         shared: SharedResponseStore | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tenant_size: int | None = None,
+        tenant_bytes: int | None = None,
     ):
-        if size < 1 or not ttl_s > 0 or max_bytes < 1:
-            raise ValueError("the response store needs a size and a byte bound of at least 1 and a positive TTL")
+        self.tenant_size = size if tenant_size is None else tenant_size
+        self.tenant_bytes = max_bytes if tenant_bytes is None else tenant_bytes
+        if min(size, max_bytes, self.tenant_size, self.tenant_bytes) < 1 or not ttl_s > 0:
+            raise ValueError("the response store needs its sizes and byte bounds at least 1 and a positive TTL")
         self.size, self.ttl_s, self.max_bytes, self.shared, self.clock = size, ttl_s, max_bytes, shared, clock
-        self.entries: OrderedDict[str, Entry] = OrderedDict()
-        self.bytes = 0
+        self.tenants: dict[str, Tenant] = {}
+        self.count = self.bytes = 0
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return self.count
 
     async def close(self) -> None:
         if self.shared is not None:
@@ -60,9 +78,9 @@ class ResponseStore:
 
     def put(self, record: StoredResponse) -> bool:
         """Store `record` (and share it, in the background); False, storing nothing, when it
-        alone is past the byte bound: its follow-ups will be 404s."""
+        alone is past a byte bound: its follow-ups will be 404s."""
         encoded = record.encoded()
-        if len(encoded) > MAX_RECORD_BYTES or record.held_bytes() > self.max_bytes:
+        if len(encoded) > MAX_RECORD_BYTES or record.held_bytes() > min(self.max_bytes, self.tenant_bytes):
             log.warning(
                 "response %s is %d bytes, past what the store takes: not stored", record.response_id, len(encoded)
             )
@@ -79,8 +97,8 @@ class ResponseStore:
         Redis does not answer."""
         if not valid_id(response_id):
             return None
-        record = self.get(response_id)
-        if record is not None and record.tenant == tenant:
+        record = self.get(response_id, tenant)
+        if record is not None:
             return record
         if self.shared is None:
             return None
@@ -91,28 +109,49 @@ class ResponseStore:
         self.remember(shared, ttl_s)
         return shared if shared.tenant == tenant else None
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """This replica's record of `response_id` (of any tenant), which becomes the most recently used."""
-        entry = self.entries.get(response_id)
-        if entry is None:
+    def get(self, response_id: str, tenant: str) -> StoredResponse | None:
+        """This replica's record of `response_id` for `tenant`, which becomes its most recently used."""
+        t = self.tenants.get(tenant)
+        entry = t.entries.get(response_id) if t is not None else None
+        if t is None or entry is None:
             return None
         if self.clock() >= entry.expires:
-            self.drop(response_id)
+            self.drop(t, response_id)
             return None
-        self.entries.move_to_end(response_id)
+        t.entries.move_to_end(response_id)
         return entry.record
 
     def remember(self, record: StoredResponse, ttl_s: float) -> None:
-        """Hold `record` here for `ttl_s` (at most the store's own TTL), the least recently used
-        going past the bounds."""
-        self.drop(record.response_id)
+        """Hold `record` here for `ttl_s` (at most the store's own TTL): its tenant's least
+        recently used go past the tenant's quota, then the least recently used of the tenant
+        holding the most past the store's bounds."""
+        t = self.tenants.get(record.tenant)
+        if t is not None:
+            self.drop(t, record.response_id)
+        t = self.tenants.get(record.tenant)
+        if t is None:
+            t = self.tenants[record.tenant] = Tenant(record.tenant)
         size = record.held_bytes()
-        self.entries[record.response_id] = Entry(record, size, self.clock() + min(ttl_s, self.ttl_s))
+        t.entries[record.response_id] = Entry(record, size, self.clock() + min(ttl_s, self.ttl_s))
+        t.bytes += size
+        self.count += 1
         self.bytes += size
-        while len(self.entries) > self.size or self.bytes > self.max_bytes:
-            self.drop(next(iter(self.entries)))
+        while len(t.entries) > self.tenant_size or t.bytes > self.tenant_bytes:
+            self.drop_oldest(t)
+        while self.count > self.size:
+            self.drop_oldest(max(self.tenants.values(), key=lambda t: len(t.entries)))
+        while self.bytes > self.max_bytes:
+            self.drop_oldest(max(self.tenants.values(), key=lambda t: t.bytes))
 
-    def drop(self, response_id: str) -> None:
-        entry = self.entries.pop(response_id, None)
-        if entry is not None:
-            self.bytes -= entry.size
+    def drop_oldest(self, t: Tenant) -> None:
+        self.drop(t, next(iter(t.entries)))
+
+    def drop(self, t: Tenant, response_id: str) -> None:
+        entry = t.entries.pop(response_id, None)
+        if entry is None:
+            return
+        t.bytes -= entry.size
+        self.count -= 1
+        self.bytes -= entry.size
+        if not t.entries:
+            del self.tenants[t.name]

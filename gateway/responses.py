@@ -199,8 +199,8 @@ class Responses:
         """The response of kvgate's workers `response_id` of `tenant`, if the gateway stores one.
         Redis is asked only where neither this replica's store nor its ledger of vLLM's holds the
         id for the tenant: a vLLM response known here is served while Redis does not answer."""
-        record = local.store.get(response_id)
-        if record is not None and record.tenant == tenant:
+        record = local.store.get(response_id, tenant)
+        if record is not None:
             return record
         known = self.ids.find(response_id)
         if known is not None and known.tenant == tenant:

@@ -81,14 +81,12 @@ def build(args: argparse.Namespace) -> Gateway:
     retry = RetryPolicy(args.max_retries, args.retry_backoff_ms / 1000.0)
     try:
         response_ids = ResponseIds(args.response_ids, args.response_ttl_s)
-        shared_store = SharedResponseStore(args.redis, args.internal_token) if redis is not None else None
-        response_store = ResponseStore(
-            args.response_ids, args.response_ttl_s, mb_bytes(args.response_store_mb), shared_store
-        )
+        response_store = store(args, redis is not None)
     except ValueError:
         raise SystemExit(
-            "kvgate gateway: --response-ids must be at least 1, --response-ttl-s positive and "
-            "--response-store-mb a finite size of at least 1 byte"
+            "kvgate gateway: --response-ids and --response-store-ids-per-tenant must be at least 1, "
+            "--response-ttl-s positive and --response-store-mb and --response-store-mb-per-tenant finite sizes "
+            "of at least 1 byte"
         )
     return Gateway(
         fleet,
@@ -110,6 +108,29 @@ def build(args: argparse.Namespace) -> Gateway:
         response_ids=response_ids,
         shared_response_ids=SharedResponseIds(args.redis, args.internal_token) if redis is not None else None,
         response_store=response_store,
+    )
+
+
+def store(args: argparse.Namespace, shared: bool) -> ResponseStore:
+    """The store of the responses the gateway keeps for kvgate's workers (with Redis, `shared`).
+    A tenant's quota is by default a quarter of each bound with API keys (whose tenants share
+    the store), all of it without (every response is then one tenant's). Raises ValueError for
+    a bound that is not one."""
+    keyed = bool(args.api_key or args.api_key_file)
+    max_bytes = mb_bytes(args.response_store_mb)
+    tenant_size, tenant_bytes = args.response_store_ids_per_tenant, args.response_store_mb_per_tenant
+    if tenant_size is None:
+        tenant_size = max(1, args.response_ids // 4) if keyed else args.response_ids
+    tenant_bytes = (
+        mb_bytes(tenant_bytes) if tenant_bytes is not None else max(1, max_bytes // 4) if keyed else max_bytes
+    )
+    return ResponseStore(
+        args.response_ids,
+        args.response_ttl_s,
+        max_bytes,
+        SharedResponseStore(args.redis, args.internal_token) if shared else None,
+        tenant_size=tenant_size,
+        tenant_bytes=tenant_bytes,
     )
 
 

@@ -107,6 +107,38 @@ def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id(
     assert shared.malformed == len(forged) + 1
 
 
+def test_a_tenant_past_its_quota_forgets_its_own_least_recently_used_never_anothers():
+    one = record("resp_a0").held_bytes()
+    for quota in ({"tenant_size": 3}, {"tenant_bytes": one * 3}):
+        store = ResponseStore(size=100, max_bytes=one * 100, **quota)
+        assert store.put(record("resp_b0", "b"))
+        for i in range(5):
+            assert store.put(record(f"resp_a{i}"))
+            if i == 2:
+                assert store.get("resp_a0", "a") is not None  # used: its tenant's most recent
+        assert list(store.tenants["a"].entries) == ["resp_a0", "resp_a3", "resp_a4"]
+        assert store.get("resp_b0", "b") is not None and len(store) == 4, quota
+
+
+def test_past_a_store_wide_bound_the_tenant_holding_the_most_forgets_its_least_recently_used():
+    one = record("resp_a0").held_bytes()
+    for bound in ({"size": 4}, {"max_bytes": one * 4}):
+        store = ResponseStore(**{"size": 100, "max_bytes": one * 100, **bound}, tenant_size=3)
+        for rid, tenant in (("resp_a0", "a"), ("resp_a1", "a"), ("resp_a2", "a"), ("resp_b0", "b"), ("resp_c0", "c")):
+            assert store.put(record(rid, tenant))
+        assert store.get("resp_a0", "a") is None and len(store) == 4, bound
+        assert all(store.get(rid, t) is not None for rid, t in (("resp_a1", "a"), ("resp_b0", "b"), ("resp_c0", "c")))
+    with pytest.raises(ValueError):
+        ResponseStore(tenant_bytes=0)
+
+
+def gateway_store(*flags: str) -> ResponseStore:
+    argv = ["--worker", "http://127.0.0.1:1", "--model", "smollm2-135m", *flags]
+    gw = build(parser().parse_args(argv))
+    assert gw.responses.local is not None
+    return gw.responses.local.store
+
+
 def test_the_flags_bound_the_gateways_store_and_ledger():
     """An empty store or ledger is falsy (it has a length): the gateway once took its flags' empty
     ledger for none given and bounded it by the defaults."""
@@ -115,14 +147,28 @@ def test_the_flags_bound_the_gateways_store_and_ledger():
     store = gw.responses.local.store if gw.responses.local is not None else None
     assert (gw.responses.ids.size, gw.responses.ids.ttl_s) == (7, 30.0)
     assert store is not None and (store.size, store.ttl_s, store.max_bytes) == (7, 30.0, 2 << 20)
+    assert (store.tenant_size, store.tenant_bytes) == (7, 2 << 20)  # without API keys: one tenant, all of it
+    store = gateway_store("--response-ids", "8", "--response-store-mb", "4", "--api-key", "sk-a", "--api-key", "sk-b")
+    assert (store.tenant_size, store.tenant_bytes) == (2, 1 << 20)  # with them: a quarter each
+    store = gateway_store("--response-store-ids-per-tenant", "5", "--response-store-mb-per-tenant", "0.5")
+    assert (store.tenant_size, store.tenant_bytes) == (5, 1 << 19)
 
 
+def test_with_api_keys_one_tenants_responses_do_not_evict_anothers():
+    store = gateway_store("--response-ids", "8", "--api-key", "sk-a", "--api-key", "sk-b")
+    store.put(record("resp_b", "b"))
+    for i in range(10):
+        store.put(record(f"resp_a{i}", "a"))
+    assert asyncio.run(store.find("resp_b", "b")) is not None
+
+
+@pytest.mark.parametrize("flag", ["--response-store-mb", "--response-store-mb-per-tenant"])
 @pytest.mark.parametrize("mb", ["inf", "nan", "-1", "0"])
-def test_a_store_bound_that_is_not_a_finite_positive_size_is_a_clean_exit(mb):
-    argv = ["--worker", "http://127.0.0.1:1", "--model", "smollm2-135m", "--response-store-mb", mb]
+def test_a_store_bound_that_is_not_a_finite_positive_size_is_a_clean_exit(flag, mb):
+    argv = ["--worker", "http://127.0.0.1:1", "--model", "smollm2-135m", flag, mb]
     with pytest.raises(SystemExit) as e:
         build(parser().parse_args(argv))
-    assert "--response-store-mb" in str(e.value.code)
+    assert flag in str(e.value.code)
 
 
 def test_another_tenants_id_held_here_is_asked_of_redis_as_an_unknown_one_is():
