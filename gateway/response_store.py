@@ -87,27 +87,25 @@ class ResponseStore:
             return False
         self.remember(record, self.ttl_s)
         if self.shared is not None:
-            self.shared.put(record.response_id, encoded, self.ttl_s)
+            self.shared.put(record, encoded, self.ttl_s)
         return True
 
     async def find(self, response_id: str, tenant: str) -> StoredResponse | None:
         """The response `response_id` of `tenant`: this replica's, else (with Redis) the
-        replicas'. Another tenant's here is asked of Redis as an unknown id is, so that Redis
-        failing answers both alike. Raises LookupFailed (gateway/shared_response_ids.py) when
-        Redis does not answer."""
+        replicas'. Another tenant's is looked up as an unknown id is, here (by tenant) and in
+        Redis (under the tenant's key): both cost and answer alike, Redis failing too. Raises
+        LookupFailed (gateway/shared_response_ids.py) when Redis does not answer."""
         if not valid_id(response_id):
             return None
         record = self.get(response_id, tenant)
-        if record is not None:
+        if record is not None or self.shared is None:
             return record
-        if self.shared is None:
-            return None
-        found = await self.shared.find(response_id)
+        found = await self.shared.find(response_id, tenant)
         if found is None:
             return None
         shared, ttl_s = found
         self.remember(shared, ttl_s)
-        return shared if shared.tenant == tenant else None
+        return shared
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """This replica's record of `response_id` for `tenant`, which becomes its most recently used."""

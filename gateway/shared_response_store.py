@@ -1,16 +1,20 @@
 """The responses stored for kvgate's workers, shared by gateway replicas through Redis (`--redis`).
 
 A follow-up, retrieve or cancel may reach another replica than the one that created the
-response, so each replica writes every response it stores to `kvgate:stored-response:{id}`
-(workers/kv/redis_schema.py) with the store's TTL, in the background as the answer goes out (a
-follow-up sent to another replica within that round trip is not found there), and a replica
-that does not hold an id reads it there before it calls it unknown. A record is its
-HMAC-SHA256 signature with the fleet's internal token over the id and the record's bytes, then
-the record (gateway/stored_response.py): whoever can write to Redis but lacks
-the token can neither hand a tenant's conversation to another tenant nor put words in its
-history. The signature is checked before the record is parsed, and the record then as every
-Redis record is (bounded size, strict JSON, its fields' types); a bad one is counted and taken
-as absent.
+response, so each replica writes every response it stores to
+`kvgate:stored-response:{tenant}:{id}` (workers/kv/redis_schema.py) with the store's TTL, in
+the background as the answer goes out (a follow-up sent to another replica within that round
+trip is not found there), and a replica that does not hold an id reads it there before it calls
+it unknown. `{tenant}` is the tenant's tag, an HMAC of the tenant with the fleet's internal
+token: a lookup reads the asking tenant's key only, so another tenant's id is the same plain
+miss as an unknown one, in what it answers and in what it costs (a record fetched, checked and
+parsed before its tenant was compared took longer than a miss, and told the two apart). A
+record is its HMAC-SHA256 signature with the token over the id and the record's bytes, then the
+record (gateway/stored_response.py): whoever can write to Redis but lacks the token can neither
+hand a tenant's conversation to another tenant (a record copied under another tenant's tag
+names its own tenant) nor put words in its history. The signature is checked before the record
+is parsed, and the record then as every Redis record is (bounded size, strict JSON, its fields'
+types); a bad one is counted and taken as absent.
 """
 
 import hashlib
@@ -30,6 +34,7 @@ log = logging.getLogger("kvgate.gateway")
 
 MAX_RECORD_BYTES = 16 << 20  # a conversation of a long context is some MiB of text at most
 SIG_BYTES = 64  # hex digits of the HMAC-SHA256
+TAG_CHARS = 32  # hex digits of a tenant's tag: 128 bits
 
 
 class SharedResponseStore:
@@ -54,21 +59,29 @@ class SharedResponseStore:
         if self.redis is not None:
             await self.redis.aclose()
 
-    def put(self, response_id: str, encoded: bytes, ttl_s: float) -> None:
-        """Write the record (`encoded`: its JSON) for `ttl_s`, in the background."""
-        background(self._put(response_id, self.sign(response_id, encoded) + encoded, ttl_s))
+    def tenant_tag(self, tenant: str) -> str:
+        """The tenant's name in its records' keys: an HMAC with the fleet's token, so the keys
+        name no tenant and no one without the token can tell whose a key is."""
+        text = b"tenant\n" + tenant.encode("utf-8", "surrogatepass")
+        return hmac.new(self.token.encode(), text, hashlib.sha256).hexdigest()[:TAG_CHARS]
 
-    async def _put(self, response_id: str, value: bytes, ttl_s: float) -> None:
+    def put(self, record: StoredResponse, encoded: bytes, ttl_s: float) -> None:
+        """Write `record` (`encoded`: its JSON) for `ttl_s`, in the background."""
+        key = rs.stored_response_key(self.tenant_tag(record.tenant), record.response_id)
+        background(self._put(key, self.sign(record.response_id, encoded) + encoded, ttl_s))
+
+    async def _put(self, key: str, value: bytes, ttl_s: float) -> None:
         try:
-            await self.client().set(rs.stored_response_key(response_id), value, px=max(1, int(ttl_s * 1000)))
+            await self.client().set(key, value, px=max(1, int(ttl_s * 1000)))
             self._answered()
         except (RedisError, OSError) as e:
             self._failed(e)
 
-    async def find(self, response_id: str) -> tuple[StoredResponse, float] | None:
-        """The record Redis holds for `response_id` and the seconds it has left, or None (absent,
-        expired, or not one this fleet signed). Raises LookupFailed when Redis does not answer."""
-        key = rs.stored_response_key(response_id)
+    async def find(self, response_id: str, tenant: str) -> tuple[StoredResponse, float] | None:
+        """The record Redis holds for `response_id` of `tenant` and the seconds it has left, or
+        None (absent, another tenant's, expired, or not one this fleet signed). Raises
+        LookupFailed when Redis does not answer."""
+        key = rs.stored_response_key(self.tenant_tag(tenant), response_id)
         try:
             async with self.client().pipeline(transaction=False) as p:
                 p.get(key)
@@ -80,14 +93,15 @@ class SharedResponseStore:
             raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
         if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0:
             return None
-        record = self.parse(response_id, raw)
+        record = self.parse(response_id, tenant, raw)
         return None if record is None else (record, ttl_ms / 1000.0)
 
-    def parse(self, response_id: str, raw: bytes) -> StoredResponse | None:
-        """A record read back if this fleet's token signed it for this id and it is well formed;
-        else None, the record counted and logged (the first and every 1000th)."""
+    def parse(self, response_id: str, tenant: str, raw: bytes) -> StoredResponse | None:
+        """A record read back under `tenant`'s key if this fleet's token signed it for this id,
+        it is well formed and `tenant`'s; else None, the record counted and logged (the first
+        and every 1000th)."""
         try:
-            return self.checked(response_id, raw)
+            return self.checked(response_id, tenant, raw)
         except ValueError as e:
             self.malformed += 1
             if self.malformed == 1 or self.malformed % 1000 == 0:
@@ -96,7 +110,7 @@ class SharedResponseStore:
                 )
             return None
 
-    def checked(self, response_id: str, raw: bytes) -> StoredResponse:
+    def checked(self, response_id: str, tenant: str, raw: bytes) -> StoredResponse:
         if len(raw) > SIG_BYTES + MAX_RECORD_BYTES:
             raise ValueError(f"over {MAX_RECORD_BYTES} bytes")
         sig, encoded = raw[:SIG_BYTES], raw[SIG_BYTES:]
@@ -105,6 +119,8 @@ class SharedResponseStore:
         record = StoredResponse.from_json(peer_object(encoded, "a stored response", MAX_RECORD_BYTES))
         if record.response_id != response_id:
             raise ValueError("a record of another id")
+        if record.tenant != tenant:
+            raise ValueError("a record of another tenant, under this one's key")
         return record
 
     def sign(self, response_id: str, encoded: bytes) -> bytes:

@@ -88,23 +88,26 @@ def test_what_the_store_holds_stays_within_a_small_factor_of_what_it_counts():
     assert len(store) == len(raws) and held <= 1.5 * store.bytes, (held, store.bytes)
 
 
-def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id():
+def test_a_shared_record_counts_only_when_the_fleets_token_signed_it_for_its_id_and_tenant():
     shared = SharedResponseStore("redis://127.0.0.1:1", "fleet-secret")
     r = record("resp_1")
     good = shared.sign("resp_1", r.encoded()) + r.encoded()
-    assert shared.parse("resp_1", good) == r
+    assert shared.parse("resp_1", "a", good) == r
     other_tenant = StoredResponse("resp_1", "b", r.model, r.response, r.conversation).encoded()
     forged = [
-        ("resp_2", good),  # copied under another id
-        ("resp_1", good[:64] + other_tenant),  # handed to another tenant
-        ("resp_1", SharedResponseStore("redis://x", "other").sign("resp_1", r.encoded()) + r.encoded()),
-        ("resp_1", b"x" * 10),
+        ("resp_2", "a", good),  # copied under another id
+        ("resp_1", "b", good),  # copied under another tenant's key: it names its own
+        ("resp_1", "a", good[:64] + other_tenant),  # handed to another tenant
+        ("resp_1", "a", SharedResponseStore("redis://x", "other").sign("resp_1", r.encoded()) + r.encoded()),
+        ("resp_1", "a", b"x" * 10),
     ]
-    for rid, bad in forged:
-        assert shared.parse(rid, bad) is None
+    for rid, tenant, bad in forged:
+        assert shared.parse(rid, tenant, bad) is None
     wrong_id = record("resp_2").encoded()  # signed for resp_1, but the record says resp_2
-    assert shared.parse("resp_1", shared.sign("resp_1", wrong_id) + wrong_id) is None
+    assert shared.parse("resp_1", "a", shared.sign("resp_1", wrong_id) + wrong_id) is None
     assert shared.malformed == len(forged) + 1
+    tags = {shared.tenant_tag(t) for t in ("a", "b", "")} | {SharedResponseStore("redis://x", "o").tenant_tag("a")}
+    assert len(tags) == 4 and all(len(t) == 32 for t in tags)  # keyed by the token: no tenant shows in a key
 
 
 def test_a_tenant_past_its_quota_forgets_its_own_least_recently_used_never_anothers():

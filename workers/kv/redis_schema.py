@@ -23,9 +23,11 @@ served model: their block hashes share a seed, so their residency is comparable.
   kvgate:ratelimit:{key}:{limit}   a gateway API key's token bucket {tokens, ts}, expires
   kvgate:response:{id}             a stored Responses API response's worker and tenant (a signed
                                    JSON record, gateway/shared_response_ids.py), expires
-  kvgate:stored-response:{id}      a Responses API response the gateway stored for kvgate's
+  kvgate:stored-response:{tenant}:{id}
+                                   a Responses API response the gateway stored for kvgate's
                                    workers (its signature, then its JSON record:
-                                   gateway/shared_response_store.py), expires
+                                   gateway/shared_response_store.py), expires; {tenant} is
+                                   the tenant's tag, a keyed hash of it
 
 A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
 whoever can write to Redis but lacks the token cannot point gateways at a server of theirs. An
@@ -150,10 +152,11 @@ def response_key(response_id: str) -> str:
     return f"{PREFIX}:response:{response_id}"
 
 
-def stored_response_key(response_id: str) -> str:
-    """Where gateway replicas share a response the gateway stored for kvgate's workers (its id
-    bounded and of safe characters, as `response_key`'s)."""
-    return f"{PREFIX}:stored-response:{response_id}"
+def stored_response_key(tenant_tag: str, response_id: str) -> str:
+    """Where gateway replicas share a response the gateway stored for kvgate's workers: under
+    its tenant's tag (a keyed hash of the tenant: gateway/shared_response_store.py), its id
+    bounded and of safe characters, as `response_key`'s."""
+    return f"{PREFIX}:stored-response:{tenant_tag}:{response_id}"
 
 
 MAX_REGISTRATION_AGE_S = 60.0
