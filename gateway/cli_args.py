@@ -7,7 +7,7 @@ import os
 from policies.api import DEFAULT_TIER_CREDITS
 from workers.cli_help import HelpFormatter
 from gateway.response_ids import DEFAULT_SIZE, DEFAULT_TTL_S
-from gateway.response_store import DEFAULT_MB
+from gateway.shared_response_store import DEFAULT_MB
 from workers.http_guard import DEFAULT_MAX_BODY_BYTES
 from workers.http_server import add_client_args
 from workers.logs import add_log_args

@@ -22,12 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.response_ids import DEFAULT_SIZE, DEFAULT_TTL_S, valid_id
-from gateway.shared_response_store import MAX_RECORD_BYTES, SharedResponseStore
+from gateway.shared_response_store import DEFAULT_MB, MAX_RECORD_BYTES, SharedResponseStore
 from gateway.stored_response import StoredResponse
 
 log = logging.getLogger("kvgate.gateway")
-
-DEFAULT_MB = 128.0
 
 
 @dataclass(frozen=True)

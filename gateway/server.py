@@ -128,7 +128,7 @@ def store(args: argparse.Namespace, shared: bool) -> ResponseStore:
         args.response_ids,
         args.response_ttl_s,
         max_bytes,
-        SharedResponseStore(args.redis, args.internal_token) if shared else None,
+        SharedResponseStore(args.redis, args.internal_token, tenant_size, tenant_bytes) if shared else None,
         tenant_size=tenant_size,
         tenant_bytes=tenant_bytes,
     )

@@ -15,6 +15,19 @@ hand a tenant's conversation to another tenant (a record copied under another te
 names its own tenant) nor put words in its history. The signature is checked before the record
 is parsed, and the record then as every Redis record is (bounded size, strict JSON, its fields'
 types); a bad one is counted and taken as absent.
+
+**A tenant's quota holds in Redis too**, fleet-wide (`--response-store-ids-per-tenant`,
+`--response-store-mb-per-tenant`): each record would otherwise stay a day
+(`--response-ttl-s`), and Redis also holds the fleet's registry, residency and rate limits. A
+tenant's records are indexed in `kvgate:stored-responses:{tenant}` (a sorted set of "id size"
+members scored by their expiry, in ms on Redis's clock) beside the bytes they hold
+(`kvgate:stored-response-bytes:{tenant}`), and one Lua script (STORE) writes a record: it drops
+from the index what expired, then takes the tenant's oldest records out (index and record) until
+the new one fits, then writes it; both keys expire with the tenant's last record. One script is
+atomic, so replicas writing one tenant's records at once keep its count and bytes exact, and
+never touch another tenant's. A counter lost alone is counted again from the index, and an empty
+index restarts it at 0. The script names the records it evicts from their ids (a key it is not
+given): one Redis, not a cluster, as the rest of kvgate's layout.
 """
 
 import hashlib
@@ -22,8 +35,10 @@ import hmac
 import logging
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
+from gateway.response_ids import DEFAULT_SIZE
 from gateway.shared_response_ids import REDIS_TIMEOUT_S, LookupFailed
 from gateway.stored_response import StoredResponse
 from workers.background import background
@@ -32,19 +47,61 @@ from workers.strict_json import peer_object
 
 log = logging.getLogger("kvgate.gateway")
 
+DEFAULT_MB = 128.0  # the store's bound, and a tenant's without API keys
 MAX_RECORD_BYTES = 16 << 20  # a conversation of a long context is some MiB of text at most
 SIG_BYTES = 64  # hex digits of the HMAC-SHA256
 TAG_CHARS = 32  # hex digits of a tenant's tag: 128 bits
 
+# KEYS: the record, the tenant's index, its bytes. ARGV: the record's value, its TTL (ms), the
+# tenant's quota of records and of bytes, its records' key prefix, the record's id. Returns the
+# records evicted, or -1 (nothing written) for a record alone past the bytes.
+STORE = """
+local value, ttl, most, most_bytes = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local size = string.len(value)
+if size > most_bytes then return -1 end
+local function size_of(member) return tonumber(string.match(member, ' (%d+)$')) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local total = tonumber(redis.call('GET', KEYS[3]))
+if total == nil then
+  total = 0
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do total = total + size_of(m) end
+end
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do total = total - size_of(m) end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local count = redis.call('ZCARD', KEYS[2])
+if count == 0 then total = 0 end
+local evicted = 0
+while count > 0 and (count >= most or total + size > most_bytes) do
+  local m = redis.call('ZPOPMIN', KEYS[2])[1]
+  total = total - size_of(m)
+  redis.call('DEL', ARGV[5] .. string.match(m, '^(%S+) '))
+  count, evicted = count - 1, evicted + 1
+end
+redis.call('SET', KEYS[1], value, 'PX', ttl)
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[6] .. ' ' .. size)
+local last = math.floor(tonumber(redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')[2]))
+redis.call('SET', KEYS[3], total + size)
+redis.call('PEXPIREAT', KEYS[3], last)
+redis.call('PEXPIREAT', KEYS[2], last)
+return evicted
+"""
+
 
 class SharedResponseStore:
-    """The stored responses in Redis at `url`, signed with `token`."""
+    """The stored responses in Redis at `url`, signed with `token`, at most `tenant_size` of a
+    tenant's holding `tenant_bytes` (their records' bytes in Redis)."""
 
-    def __init__(self, url: str, token: str):
+    def __init__(
+        self, url: str, token: str, tenant_size: int = DEFAULT_SIZE, tenant_bytes: int = int(DEFAULT_MB * 2**20)
+    ):
         if not token:
             raise ValueError("the shared response store needs the fleet's internal token to sign its records")
-        self.url, self.token = url, token
+        if min(tenant_size, tenant_bytes) < 1:
+            raise ValueError("a tenant's quota is at least one response and one byte")
+        self.url, self.token, self.tenant_size, self.tenant_bytes = url, token, tenant_size, tenant_bytes
         self.redis: aioredis.Redis | None = None
+        self.script: AsyncScript | None = None
         self.failing = False
         self.malformed = 0  # records read back and dropped
 
@@ -66,16 +123,35 @@ class SharedResponseStore:
         return hmac.new(self.token.encode(), text, hashlib.sha256).hexdigest()[:TAG_CHARS]
 
     def put(self, record: StoredResponse, encoded: bytes, ttl_s: float) -> None:
-        """Write `record` (`encoded`: its JSON) for `ttl_s`, in the background."""
-        key = rs.stored_response_key(self.tenant_tag(record.tenant), record.response_id)
-        background(self._put(key, self.sign(record.response_id, encoded) + encoded, ttl_s))
+        """Write `record` (`encoded`: its JSON) for `ttl_s` within its tenant's quota (STORE),
+        in the background."""
+        background(self._put(record, self.sign(record.response_id, encoded) + encoded, ttl_s))
 
-    async def _put(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def _put(self, record: StoredResponse, value: bytes, ttl_s: float) -> None:
+        tag = self.tenant_tag(record.tenant)
+        keys = [
+            rs.stored_response_key(tag, record.response_id),
+            rs.stored_responses_key(tag),
+            rs.stored_response_bytes_key(tag),
+        ]
+        args: list[bytes | str | int] = [
+            value,
+            max(1, int(ttl_s * 1000)),
+            self.tenant_size,
+            self.tenant_bytes,
+            rs.stored_response_key(tag, ""),
+            record.response_id,
+        ]
         try:
-            await self.client().set(key, value, px=max(1, int(ttl_s * 1000)))
+            if self.script is None:
+                self.script = self.client().register_script(STORE)
+            evicted = await self.script(keys=keys, args=args)
             self._answered()
         except (RedisError, OSError) as e:
             self._failed(e)
+            return
+        if evicted == -1:
+            log.warning("response %s is past its tenant's quota alone: not stored in redis", record.response_id)
 
     async def find(self, response_id: str, tenant: str) -> tuple[StoredResponse, float] | None:
         """The record Redis holds for `response_id` of `tenant` and the seconds it has left, or

@@ -1,17 +1,23 @@
 """The responses the gateway stores for kvgate's workers, shared by replicas through a private
-redis-server (gateway/shared_response_store.py): another tenant's id is a plain miss there."""
+redis-server (gateway/shared_response_store.py): each tenant's quota holds in Redis, whichever
+replica writes and however records expire, and another tenant's id is a plain miss there."""
 
 import asyncio
 
 import pytest
+import redis
 
-from gateway.procs import start_redis, stop_all, wait_redis
+from gateway.cli_args import parser
+from gateway.procs import TEST_TOKEN, start_redis, stop_all, wait_redis
+from gateway.server import build
 from gateway.response_request import Message
 from gateway.response_store import ResponseStore
 from gateway.shared_response_store import SharedResponseStore
 from gateway.stored_response import StoredResponse
+from workers.kv import redis_schema as rs
 
 TOKEN = "fleet-secret"
+RECORDS = "kvgate:stored-response:*"
 
 
 @pytest.fixture
@@ -70,3 +76,91 @@ def test_another_tenants_id_costs_what_an_unknown_one_does(redis_url):
     seen_before, other_missed, unknown_missed, own_found = asyncio.run(go())
     assert other_missed and unknown_missed and own_found
     assert seen_before == []  # neither read a record, nor checked a signature
+
+
+def held(url: str) -> dict[str, int]:
+    """The stored responses' records in Redis: key -> bytes."""
+    r = redis.Redis.from_url(url)
+    try:
+        return {k.decode(): r.strlen(k) for k in r.scan_iter(RECORDS)}
+    finally:
+        r.close()
+
+
+def test_with_api_keys_redis_holds_a_tenants_quota_of_responses_not_every_one(redis_url):
+    """Each create wrote its whole conversation to Redis for a day, bounded by nothing: a
+    tenant's quota (here the default, a quarter of --response-ids: 2) holds there too."""
+    argv = ["--redis", redis_url, "--internal-token", TEST_TOKEN, "--model", "smollm2-135m", "--response-ids", "8"]
+    gw = build(parser().parse_args([*argv, "--api-key", "sk-a", "--api-key", "sk-b"]))
+    assert gw.responses.local is not None
+    store = gw.responses.local.store
+
+    async def go() -> None:
+        try:
+            store.put(record("resp_b0", "b"))
+            await stored(store, "resp_b0", "b")
+            for i in range(10):
+                store.put(record(f"resp_a{i}"))
+                await stored(store, f"resp_a{i}", "a")
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+    assert len(held(redis_url)) == 3
+
+
+def test_a_tenants_quota_holds_in_redis_across_replicas_and_expiry(redis_url):
+    """Two replicas write one tenant's responses in turn: Redis keeps its newest within its
+    entries or its bytes, and every other tenant's; a lost counter is counted again from the
+    tenant's index."""
+    size = len(record("resp_a00").encoded()) + 64  # in Redis: its signature, then its JSON
+
+    async def go(quota: dict) -> tuple[list[str], int, int]:
+        r = redis.Redis.from_url(redis_url)
+        r.flushdb()  # this test's own redis-server
+        replicas = [ResponseStore(shared=SharedResponseStore(redis_url, TOKEN, **quota)) for _ in range(2)]
+        counter = rs.stored_response_bytes_key(SharedResponseStore(redis_url, TOKEN).tenant_tag("a"))
+        try:
+            replicas[0].put(record("resp_b00", "b"))
+            await stored(replicas[0], "resp_b00", "b")
+            for i in range(6):
+                replicas[i % 2].put(record(f"resp_a{i:02}"))
+                await stored(replicas[i % 2], f"resp_a{i:02}", "a")
+            kept = sorted(k.rsplit(":", 1)[1] for k in held(redis_url))
+            counted = int(r.get(counter))
+            r.delete(counter)
+            replicas[1].put(record("resp_a06"))
+            await stored(replicas[1], "resp_a06", "a")
+            return kept, counted, int(r.get(counter))
+        finally:
+            for replica in replicas:
+                await replica.close()
+            r.close()
+
+    newest = ["resp_a03", "resp_a04", "resp_a05", "resp_b00"]
+    assert asyncio.run(go({"tenant_size": 3})) == (newest, 3 * size, 3 * size)
+    assert asyncio.run(go({"tenant_bytes": 3 * size})) == (newest, 3 * size, 3 * size)
+
+
+def test_what_expired_in_redis_no_longer_counts_against_its_tenant(redis_url):
+    size = len(record("resp_c00").encoded()) + 64
+
+    async def go() -> tuple[int, int]:
+        store = ResponseStore(ttl_s=0.2, shared=SharedResponseStore(redis_url, TOKEN, tenant_size=3))
+        r = redis.Redis.from_url(redis_url)
+        tag = SharedResponseStore(redis_url, TOKEN).tenant_tag("c")
+        try:
+            for i in range(3):
+                store.put(record(f"resp_c{i:02}", "c"))
+            await stored(store, "resp_c02", "c")
+            while held(redis_url):
+                await asyncio.sleep(0.05)  # until they expire
+            store.ttl_s = 60.0
+            store.put(record("resp_c03", "c"))
+            await stored(store, "resp_c03", "c")
+            return int(r.get(rs.stored_response_bytes_key(tag))), r.zcard(rs.stored_responses_key(tag))
+        finally:
+            await store.close()
+            r.close()
+
+    assert asyncio.run(go()) == (size, 1)

@@ -28,6 +28,9 @@ served model: their block hashes share a seed, so their residency is comparable.
                                    workers (its signature, then its JSON record:
                                    gateway/shared_response_store.py), expires; {tenant} is
                                    the tenant's tag, a keyed hash of it
+  kvgate:stored-responses:{tenant} a tenant's stored responses, "id size" members scored by
+                                   their expiry (ms), and kvgate:stored-response-bytes:{tenant}
+                                   their bytes: its quota (gateway/shared_response_store.py)
 
 A registration is signed with the fleet's internal token (HMAC-SHA256 over its canonical JSON):
 whoever can write to Redis but lacks the token cannot point gateways at a server of theirs. An
@@ -157,6 +160,17 @@ def stored_response_key(tenant_tag: str, response_id: str) -> str:
     its tenant's tag (a keyed hash of the tenant: gateway/shared_response_store.py), its id
     bounded and of safe characters, as `response_key`'s."""
     return f"{PREFIX}:stored-response:{tenant_tag}:{response_id}"
+
+
+def stored_responses_key(tenant_tag: str) -> str:
+    """A tenant's stored responses for kvgate's workers: a sorted set of "id size" members
+    scored by their expiry (ms), which its quota in Redis is kept by."""
+    return f"{PREFIX}:stored-responses:{tenant_tag}"
+
+
+def stored_response_bytes_key(tenant_tag: str) -> str:
+    """The bytes a tenant's stored responses hold in Redis (`stored_responses_key`'s sizes summed)."""
+    return f"{PREFIX}:stored-response-bytes:{tenant_tag}"
 
 
 MAX_REGISTRATION_AGE_S = 60.0
