@@ -62,9 +62,11 @@ class LocalResponses:
         conversation = history + req.input
         response_id, created_at = new_response_id(), int(time.time())
 
-        def keep(response: dict) -> None:
-            if req.store:
-                self.store.put(StoredResponse.of(response_id, tenant, response, conversation + answered(response)))
+        def keep(response: dict) -> Awaitable[None] | None:
+            """Store the response (unless `store: false`); returns what its answer's end waits for."""
+            if not req.store:
+                return None
+            return self.store.put(StoredResponse.of(response_id, tenant, response, conversation + answered(response)))
 
         try:
             answer = await self.chat(request, json.dumps(chat_body(req, conversation)).encode(), rec)
@@ -83,7 +85,9 @@ class LocalResponses:
         output = [output_message(new_message_id(), chat.text, item_status)]
         error = None if status != "failed" else f"the generation ended: {chat.finish_reason or 'no finish reason'}"
         response = response_json(req, response_id, created_at, status, output, chat.usage, error)
-        keep(response)
+        stored = keep(response)
+        if stored is not None:
+            await stored  # a follow-up sent to another replica the instant this answer ends finds it
         headers = {k: v for k, v in answer.headers.items() if k.startswith(KEPT_HEADERS)}
         return JSONResponse(response, headers=headers)
 

@@ -10,7 +10,7 @@ Pure: fed the chat stream's bytes, it returns the bytes of the events they make.
 """
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from gateway.response_object import (
     FAILED,
@@ -33,10 +33,18 @@ TERMINAL = {"completed": "response.completed", INCOMPLETE: "response.incomplete"
 class ResponseEvents:
     """The events of response `response_id` (created at `created_at`) of `req`, from its chat
     stream's events fed in order (`feed`, then `finish` with the stream's last bytes).
-    `on_end` gets the final Response object once, just before its terminal event is made."""
+    `on_end` gets the final Response object once, just before its terminal event is made, and
+    returns what that event must wait for before it reaches the client (`take_hold`), or None."""
 
-    def __init__(self, req: CreateRequest, response_id: str, created_at: int, on_end: Callable[[dict], None]):
+    def __init__(
+        self,
+        req: CreateRequest,
+        response_id: str,
+        created_at: int,
+        on_end: Callable[[dict], Awaitable[None] | None],
+    ):
         self.req, self.response_id, self.created_at, self.on_end = req, response_id, created_at, on_end
+        self.hold: Awaitable[None] | None = None
         self.message_id = new_message_id()
         self.sequence = 0
         self.texts: list[str] = []
@@ -130,8 +138,13 @@ class ResponseEvents:
     def end(self, status: str, output: list[dict], error: str | None = None) -> bytes:
         self.ended = True
         final = self.response(status, output, error)
-        self.on_end(final)
+        self.hold = self.on_end(final)
         return self.event(TERMINAL[status], {"response": final})
+
+    def take_hold(self) -> Awaitable[None] | None:
+        """What the terminal event made since the last call waits for (`on_end`'s), once."""
+        hold, self.hold = self.hold, None
+        return hold
 
     def response(self, status: str, output: list[dict], error: str | None = None) -> dict:
         usage = self.usage if status != IN_PROGRESS else None

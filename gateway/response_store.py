@@ -18,7 +18,7 @@ continue it.
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.response_ids import DEFAULT_SIZE, DEFAULT_TTL_S, valid_id
@@ -74,19 +74,18 @@ class ResponseStore:
         if self.shared is not None:
             await self.shared.close()
 
-    def put(self, record: StoredResponse) -> bool:
-        """Store `record` (and share it, in the background); False, storing nothing, when it
-        alone is past a byte bound: its follow-ups will be 404s."""
+    def put(self, record: StoredResponse) -> Awaitable[None] | None:
+        """Store `record` and (with Redis) share it; returns what the answer that ends the
+        response holds on until Redis has it (gateway/shared_records.py), or None. A record
+        alone past a byte bound is not stored: its follow-ups will be 404s."""
         encoded = record.encoded()
         if len(encoded) > MAX_RECORD_BYTES or record.held_bytes() > min(self.max_bytes, self.tenant_bytes):
             log.warning(
                 "response %s is %d bytes, past what the store takes: not stored", record.response_id, len(encoded)
             )
-            return False
+            return None
         self.remember(record, self.ttl_s)
-        if self.shared is not None:
-            self.shared.put(record, encoded, self.ttl_s)
-        return True
+        return self.shared.put(record, encoded, self.ttl_s) if self.shared is not None else None
 
     async def find(self, response_id: str, tenant: str) -> StoredResponse | None:
         """The response `response_id` of `tenant`: this replica's, else (with Redis) the

@@ -6,21 +6,26 @@ stream's whole events to the request's `RawBody` as they arrive, and its last by
 back `[DONE]`, or the error event of a worker that failed mid-stream) through `send`. Here it
 is handed a body and a `send` that turn what it writes into the Responses events before they
 reach the client, so the chat relay stays as fast as it was, and this stream gets the same
-bounds, failure handling, accounting and disconnect watch.
+bounds, failure handling, accounting and disconnect watch. The terminal event (response.completed,
+incomplete or failed) reaches the client only once the response is stored (with Redis, once
+Redis has it: gateway/shared_records.py), in a write's chunk or the final send alike.
 """
 
 from gateway.raw_send import RAW_SEND, RawBody
 from gateway.relay import PassThrough
 from gateway.response_events import ResponseEvents
+from gateway.response_tap import TappedBody
 
 
 class EventsBody:
-    """The client's `RawBody` behind the conversion of what the chat relay writes."""
+    """The client's `RawBody` behind the conversion of what the chat relay writes. The
+    terminal event, when a write makes it, is held until the response is stored
+    (`ResponseEvents.take_hold`, as response_tap.TappedBody holds an id)."""
 
     __slots__ = ("body", "events")
 
     def __init__(self, body: RawBody, events: ResponseEvents):
-        self.body, self.events = body, events
+        self.body, self.events = TappedBody(body, [lambda chunk: events.take_hold()]), events
 
     def write(self, chunk: bytes) -> bool:
         return self.body.write(self.events.feed(chunk))
@@ -51,6 +56,9 @@ class ResponseStream(PassThrough):
         async def converted(message: dict) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 message = {**message, "body": self.events.finish(message.get("body", b""))}
+                stored = self.events.take_hold()
+                if stored is not None:
+                    await stored
             await send(message)
 
         await self.chat(scope, receive, converted)

@@ -63,7 +63,8 @@ from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import Owner, ResponseIds, valid_id
 from gateway.response_tap import IdTap, Opening, TappedPassThrough
-from gateway.shared_response_ids import LookupFailed, SharedResponseIds
+from gateway.shared_records import LookupFailed
+from gateway.shared_response_ids import SharedResponseIds
 from gateway.stored_response import StoredResponse
 from gateway.worker import Worker
 from policies.candidates import cheapest

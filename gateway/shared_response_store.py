@@ -2,10 +2,10 @@
 
 A follow-up, retrieve or cancel may reach another replica than the one that created the
 response, so each replica writes every response it stores to
-`kvgate:stored-response:{tenant}:{id}` (workers/kv/redis_schema.py) with the store's TTL, in
-the background as the answer goes out (a follow-up sent to another replica within that round
-trip is not found there), and a replica that does not hold an id reads it there before it calls
-it unknown. `{tenant}` is the tenant's tag, an HMAC of the tenant with the fleet's internal
+`kvgate:stored-response:{tenant}:{id}` (workers/kv/redis_schema.py) with the store's TTL as
+the answer goes out, the answer's end held until Redis has acknowledged it (a whole answer, or
+a stream's last event: gateway/shared_records.py says why and for how long), and a replica
+that does not hold an id reads it there before it calls it unknown. `{tenant}` is the tenant's tag, an HMAC of the tenant with the fleet's internal
 token: a lookup reads the asking tenant's key only, so another tenant's id is the same plain
 miss as an unknown one, in what it answers and in what it costs (a record fetched, checked and
 parsed before its tenant was compared took longer than a miss, and told the two apart). A
@@ -30,18 +30,17 @@ index restarts it at 0. The script names the records it evicts from their ids (a
 given): one Redis, not a cluster, as the rest of kvgate's layout.
 """
 
+import asyncio
 import hashlib
 import hmac
 import logging
 
-import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from gateway.response_ids import DEFAULT_SIZE
-from gateway.shared_response_ids import REDIS_TIMEOUT_S, LookupFailed
+from gateway.shared_records import WRITE_WAIT_S, LookupFailed, SharedRecords
 from gateway.stored_response import StoredResponse
-from workers.background import background
 from workers.kv import redis_schema as rs
 from workers.strict_json import peer_object
 
@@ -88,33 +87,23 @@ return evicted
 """
 
 
-class SharedResponseStore:
+class SharedResponseStore(SharedRecords):
     """The stored responses in Redis at `url`, signed with `token`, at most `tenant_size` of a
     tenant's holding `tenant_bytes` (their records' bytes in Redis)."""
 
     def __init__(
-        self, url: str, token: str, tenant_size: int = DEFAULT_SIZE, tenant_bytes: int = int(DEFAULT_MB * 2**20)
+        self,
+        url: str,
+        token: str,
+        tenant_size: int = DEFAULT_SIZE,
+        tenant_bytes: int = int(DEFAULT_MB * 2**20),
+        wait_s: float = WRITE_WAIT_S,
     ):
-        if not token:
-            raise ValueError("the shared response store needs the fleet's internal token to sign its records")
+        super().__init__(url, token, "stored responses", "responses stored", wait_s)
         if min(tenant_size, tenant_bytes) < 1:
             raise ValueError("a tenant's quota is at least one response and one byte")
-        self.url, self.token, self.tenant_size, self.tenant_bytes = url, token, tenant_size, tenant_bytes
-        self.redis: aioredis.Redis | None = None
+        self.tenant_size, self.tenant_bytes = tenant_size, tenant_bytes
         self.script: AsyncScript | None = None
-        self.failing = False
-        self.malformed = 0  # records read back and dropped
-
-    def client(self) -> aioredis.Redis:
-        if self.redis is None:
-            self.redis = aioredis.from_url(
-                self.url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
-            )
-        return self.redis
-
-    async def close(self) -> None:
-        if self.redis is not None:
-            await self.redis.aclose()
 
     def tenant_tag(self, tenant: str) -> str:
         """The tenant's name in its records' keys: an HMAC with the fleet's token, so the keys
@@ -122,10 +111,11 @@ class SharedResponseStore:
         text = b"tenant\n" + tenant.encode("utf-8", "surrogatepass")
         return hmac.new(self.token.encode(), text, hashlib.sha256).hexdigest()[:TAG_CHARS]
 
-    def put(self, record: StoredResponse, encoded: bytes, ttl_s: float) -> None:
+    def put(self, record: StoredResponse, encoded: bytes, ttl_s: float) -> "asyncio.Future[None] | None":
         """Write `record` (`encoded`: its JSON) for `ttl_s` within its tenant's quota (STORE),
-        in the background."""
-        background(self._put(record, self.sign(record.response_id, encoded) + encoded, ttl_s))
+        in the background; returns what the answer that ends the response holds on
+        (`SharedRecords.held`)."""
+        return self.held(self._put(record, self.sign(record.response_id, encoded) + encoded, ttl_s))
 
     async def _put(self, record: StoredResponse, value: bytes, ttl_s: float) -> None:
         tag = self.tenant_tag(record.tenant)
@@ -146,9 +136,9 @@ class SharedResponseStore:
             if self.script is None:
                 self.script = self.client().register_script(STORE)
             evicted = await self.script(keys=keys, args=args)
-            self._answered()
+            self.answered()
         except (RedisError, OSError) as e:
-            self._failed(e)
+            self.failed(e)
             return
         if evicted == -1:
             log.warning("response %s is past its tenant's quota alone: not stored in redis", record.response_id)
@@ -163,9 +153,9 @@ class SharedResponseStore:
                 p.get(key)
                 p.pttl(key)
                 raw, ttl_ms = await p.execute()
-            self._answered()
+            self.answered()
         except (RedisError, OSError) as e:
-            self._failed(e)
+            self.failed(e)
             raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
         if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0:
             return None
@@ -179,11 +169,7 @@ class SharedResponseStore:
         try:
             return self.checked(response_id, tenant, raw)
         except ValueError as e:
-            self.malformed += 1
-            if self.malformed == 1 or self.malformed % 1000 == 0:
-                log.warning(
-                    "dropped a stored response read from redis (%d so far): %r: %s", self.malformed, response_id, e
-                )
+            self.dropped(response_id, e)
             return None
 
     def checked(self, response_id: str, tenant: str, raw: bytes) -> StoredResponse:
@@ -204,17 +190,3 @@ class SharedResponseStore:
         return (
             hmac.new(self.token.encode(), response_id.encode() + b"\n" + encoded, hashlib.sha256).hexdigest().encode()
         )
-
-    def _answered(self) -> None:
-        if self.failing:
-            log.warning("stored responses: redis at %s answers again", rs.redact_url(self.url))
-        self.failing = False
-
-    def _failed(self, e: Exception) -> None:
-        if not self.failing:
-            log.warning(
-                "stored responses: redis at %s failed (%r): responses stored meanwhile stay with this replica",
-                rs.redact_url(self.url),
-                e,
-            )
-        self.failing = True

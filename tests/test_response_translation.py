@@ -3,17 +3,22 @@ client's, its chat completion, the chat's answer and stream turned back into a R
 events (the store: tests/test_response_store.py; through a real gateway and sim workers:
 tests/test_local_responses.py)."""
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.intake import ApiError
+from gateway.raw_send import RawBody
+from gateway.relay import DONE
 from gateway.response_chat import ChatAnswer, answered, as_responses_error, chat_body, chat_messages
 from gateway.response_events import CUT_SHORT, ResponseEvents
 from gateway.response_object import Usage, output_message, response_json, status_of
 from gateway.response_request import MAX_ITEMS, CreateRequest, Message, parse_create
+from gateway.response_stream import EventsBody
 
 MODEL = "smollm2-135m"
 
@@ -342,3 +347,40 @@ def test_a_worker_failure_mid_stream_is_response_failed():
     }
     assert final["output"][0]["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == "hel"
     assert ended_by_error == [final] and [d["sequence_number"] for _, d in out] == list(range(len(out)))
+
+
+class Client:
+    """A client connection as `RawBody` writes to it: what reached it, chunk by chunk."""
+
+    def __init__(self):
+        self.disconnected, self.chunked_encoding, self.response_started, self.response_complete = (
+            False,
+            True,
+            True,
+            False,
+        )
+        self.got: list[bytes] = []
+        self.transport = SimpleNamespace(write=self.got.append)
+        self.flow = SimpleNamespace(write_paused=False, drain=lambda: asyncio.sleep(0))
+
+
+def test_a_terminal_event_a_write_makes_waits_until_the_response_is_stored():
+    """The chat relay holds a stream's last `[DONE]` for its final send (ResponseStream waits
+    there), but a worker's error event, or a `[DONE]` inside a chunk, ends the response in a
+    write: that chunk and any after it wait for the store's hold too."""
+
+    async def go() -> tuple[list[bool], list[str], list[str]]:
+        stored = asyncio.Event()
+        events = ResponseEvents(parse(), "resp_1", 7, lambda response: asyncio.ensure_future(stored.wait()))
+        client = Client()
+        body = EventsBody(RawBody(client), events)
+        wrote = [body.write(chunk("", role=True) + chunk("hel")), body.write(chunk("lo", "stop") + USAGE + DONE)]
+        before = [n for n, _ in events_of(b"".join(c.split(b"\r\n")[1] for c in client.got))]
+        stored.set()
+        await body.drain()
+        after = [n for n, _ in events_of(b"".join(c.split(b"\r\n")[1] for c in client.got))]
+        return wrote, before, after
+
+    wrote, before, after = asyncio.run(go())
+    assert wrote == [True, False]  # the relay stops reading and drains
+    assert before == ORDER[:5] and after[-1] == "response.completed" and after[:5] == before

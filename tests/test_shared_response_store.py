@@ -1,20 +1,26 @@
 """The responses the gateway stores for kvgate's workers, shared by replicas through a private
 redis-server (gateway/shared_response_store.py): each tenant's quota holds in Redis, whichever
-replica writes and however records expire, and another tenant's id is a plain miss there."""
+replica writes and however records expire; another tenant's id is a plain miss there; and an
+answer ends only once Redis has its record, so a follow-up sent to another replica at once
+finds it."""
 
 import asyncio
+import json
+import signal
 
+import httpx
 import pytest
 import redis
 
 from gateway.cli_args import parser
-from gateway.procs import TEST_TOKEN, start_redis, stop_all, wait_redis
-from gateway.server import build
+from gateway.procs import TEST_TOKEN, Worker, free_port, start_redis, stop_all, wait_redis
+from gateway.server import build, http_server
 from gateway.response_request import Message
 from gateway.response_store import ResponseStore
 from gateway.shared_response_store import SharedResponseStore
 from gateway.stored_response import StoredResponse
 from workers.kv import redis_schema as rs
+from workers.listen import listen
 
 TOKEN = "fleet-secret"
 RECORDS = "kvgate:stored-response:*"
@@ -62,7 +68,7 @@ def test_another_tenants_id_costs_what_an_unknown_one_does(redis_url):
 
         reader.shared.checked = counted
         try:
-            assert writer.put(record("resp_a"))
+            writer.put(record("resp_a"))
             await stored(writer, "resp_a", "a")
             other = await reader.find("resp_a", "b")
             unknown = await reader.find("resp_unknown", "b")
@@ -164,3 +170,93 @@ def test_what_expired_in_redis_no_longer_counts_against_its_tenant(redis_url):
             r.close()
 
     assert asyncio.run(go()) == (size, 1)
+
+
+SLOW_WRITE_S = 1.0  # replica A's Redis write, against a client that reads and sends at once
+
+
+async def until(check, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def answer_end(r, streamed: bool) -> dict:
+    """The response in a create's answer, read the instant it ends: a whole one's last byte, a
+    stream's last event (response.completed or response.incomplete)."""
+    if not streamed:
+        return json.loads(await r.aread())
+    text = ""
+    async for chunk in r.aiter_text():
+        text += chunk
+        for name in ("response.completed", "response.incomplete"):
+            if f"event: {name}\ndata: " in text and text.endswith("\n\n"):
+                data = text.split(f"event: {name}\ndata: ", 1)[1].split("\n", 1)[0]
+                return json.loads(data)["response"]
+    raise AssertionError(f"no final event in {text[-300:]!r}")
+
+
+def test_a_follow_up_sent_to_another_replica_the_instant_the_answer_ends_finds_its_history(redis_url, tmp_path):
+    """The store's Redis write went out in the background as the answer was returned: a
+    follow-up at another replica within that round trip was a 404. Replica A's write is slowed;
+    the answer (a whole one, or a stream's last event) waits for it."""
+    worker = Worker(worker_id="w0", log_dir=str(tmp_path))
+    ports = [free_port(), free_port()]
+    argvs = [
+        ["--port", str(port), "--redis", redis_url, "--internal-token", TEST_TOKEN, "--model", "smollm2-135m"]
+        + ["--worker", worker.url]
+        for port in ports
+    ]
+    try:
+        worker.ready()
+        args = [parser().parse_args(argv) for argv in argvs]
+        one, two = (build(a) for a in args)
+        servers = [http_server(gw, a) for gw, a in zip((one, two), args)]
+
+        async def go() -> list[tuple[int, str]]:
+            serving = []
+            for server, port in zip(servers, ports):  # one after the other: their tokenizers load in threads
+                serving.append(asyncio.create_task(server.serve(sockets=[listen("127.0.0.1", port, "test gateway")])))
+                await until(lambda: server.started)
+            try:
+                await until(lambda: all(any(w.available for w in gw.fleet.workers.values()) for gw in (one, two)))
+                assert one.responses.local is not None and one.responses.local.store.shared is not None
+                shared = one.responses.local.store.shared
+                shared.wait_s = 60.0  # this test's bound on the hold, not the one it checks
+                client = shared.client()
+                for name in ("evalsha", "set"):
+                    write = getattr(client, name)
+
+                    async def slow(*a, write=write, **kw):
+                        await asyncio.sleep(SLOW_WRITE_S)
+                        return await write(*a, **kw)
+
+                    setattr(client, name, slow)
+                got = []
+                async with httpx.AsyncClient(timeout=60) as c:
+                    for streamed in (True, False):
+                        body = {"model": "smollm2-135m", "input": "hi", "max_output_tokens": 4, "stream": streamed}
+                        async with c.stream("POST", f"http://127.0.0.1:{ports[0]}/v1/responses", json=body) as r:
+                            assert r.status_code == 200
+                            made = await answer_end(r, streamed)
+                            follow = await c.post(
+                                f"http://127.0.0.1:{ports[1]}/v1/responses",
+                                json={
+                                    "model": "smollm2-135m",
+                                    "input": "and?",
+                                    "max_output_tokens": 4,
+                                    "previous_response_id": made["id"],
+                                },
+                            )
+                            got.append((follow.status_code, follow.text[:300]))
+                return got
+            finally:
+                for s in servers:
+                    s.handle_exit(signal.SIGTERM, None)
+                await asyncio.gather(*serving)
+
+        for status, text in asyncio.run(go()):
+            assert status == 200, text
+    finally:
+        stop_all([worker])
