@@ -34,13 +34,12 @@ from gateway.response_object import (
     response_json,
     status_of,
 )
-from gateway.response_request import Message, parse_create
+from gateway.response_request import parse_create
 from gateway.response_store import ResponseStore
 from gateway.response_stream import ResponseStream
 from gateway.stored_response import StoredResponse
 
 Chat = Callable[[Request, bytes, RequestRecord], Awaitable[Response]]
-NOT_FOUND = "response_not_found"
 KEPT_HEADERS = ("x-kvgate-",)  # the chat answer's headers a Responses answer keeps: routing's
 
 
@@ -51,14 +50,24 @@ class LocalResponses:
     def __init__(self, chat: Chat, store: ResponseStore):
         self.chat, self.store = chat, store
 
-    async def create(self, request: Request, body: dict, model: str, tenant: str, rec: RequestRecord) -> Response:
-        """A create for `model` by `tenant`; raises ApiError. It is a generation request from
-        the start: its refusals count as the chat path's do."""
+    async def create(
+        self,
+        request: Request,
+        body: dict,
+        model: str,
+        tenant: str,
+        rec: RequestRecord,
+        previous: StoredResponse | None = None,
+    ) -> Response:
+        """A create for `model` by `tenant`, following `previous` (the stored response its
+        `previous_response_id` names, looked up by the caller: gateway/responses.py); raises
+        ApiError. It is a generation request from the start: its refusals count as the chat
+        path's do."""
         rec.generation = True
         req = parse_create(body, model)
-        history: tuple[Message, ...] = ()
-        if req.previous_response_id is not None:
-            history = (await self.owned(req.previous_response_id, tenant, "previous_response_id")).messages()
+        found = previous.response_id if previous is not None else None
+        assert found == req.previous_response_id, "a follow-up's previous response is looked up by the caller"
+        history = previous.messages() if previous is not None else ()
         conversation = history + req.input
         response_id, created_at = new_response_id(), int(time.time())
 
@@ -90,15 +99,6 @@ class LocalResponses:
             await stored  # a follow-up sent to another replica the instant this answer ends finds it
         headers = {k: v for k, v in answer.headers.items() if k.startswith(KEPT_HEADERS)}
         return JSONResponse(response, headers=headers)
-
-    async def owned(self, response_id: str, tenant: str, param: str) -> StoredResponse:
-        """The stored response `response_id` of `tenant`: a 404 when the gateway stores no such
-        response of the tenant's (another's answers as an unknown one does). Raises
-        LookupFailed when Redis does not answer."""
-        record = await self.store.find(response_id, tenant)
-        if record is None:
-            raise ApiError(404, f"Response with id '{response_id[:200]}' not found.", code=NOT_FOUND, param=param)
-        return record
 
     def retrieve(self, record: StoredResponse, stream: bool) -> Response:
         """A stored response as it was answered; its events are not kept, so `stream` is a 400."""

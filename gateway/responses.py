@@ -1,10 +1,13 @@
 """The Responses API through the gateway: `POST /v1/responses` (create), `GET
 /v1/responses/{response_id}` (retrieve; `?stream=true` replays the events of a response created
 with both `background` and `stream`)
-and `POST /v1/responses/{response_id}/cancel`. A model with a healthy vLLM worker is served by
-its vLLM workers, as below; a model of kvgate's own workers by the gateway itself, over its chat
-path (gateway/local_responses.py), the gateway keeping the responses: a retrieve or cancel finds
-an id among those first, then in the ledger of vLLM's.
+and `POST /v1/responses/{response_id}/cancel`. A model with a vLLM worker (registered, healthy or
+not) is served by its vLLM workers, as below; a model of kvgate's own workers alone by the
+gateway itself, over its chat path (gateway/local_responses.py), the gateway keeping the
+responses. A follow-up, retrieve or cancel goes where its id is known, whatever the model's
+workers now: among the gateway's own responses first, then in the ledger of vLLM's. So a model
+whose vLLM workers are all down answers 503s, as a vLLM model does, and a response the gateway
+made for it before it had a vLLM worker is still continued on the gateway's path.
 
 A vLLM server keeps a stored response in its own memory (with VLLM_ENABLE_RESPONSES_API_STORE;
 `store` is a create's default), and only that server can continue it (`previous_response_id`),
@@ -62,6 +65,7 @@ from gateway.pooling import input_tokens
 from gateway.record import RequestRecord
 from gateway.response_fields import create_fields, input_texts
 from gateway.response_ids import Owner, ResponseIds, valid_id
+from gateway.response_request import previous_id
 from gateway.response_tap import IdTap, Opening, TappedPassThrough
 from gateway.shared_records import LookupFailed
 from gateway.shared_response_ids import SharedResponseIds
@@ -129,24 +133,30 @@ class Responses:
         return await self.stored(request, kind, rec)
 
     async def create(self, request: Request, raw: bytes, rec: RequestRecord) -> Response:
-        """A create: checked, charged, to the previous response's worker or the least loaded."""
+        """A create: a follow-up where its previous response is known (the gateway's own
+        responses, or the ledger of vLLM's); else by the kinds of worker the model has,
+        registered, healthy or not (vLLM's path if it has a vLLM worker, else the gateway's):
+        a model's vLLM workers all down are a 503, never the gateway's path answering for
+        them. vLLM's: checked, charged, to the previous response's worker or the least loaded."""
         fwd = self.forwarder
         body = client_body(raw)
         model = rec.model = fwd.intake.resolve_model(body.get("model"), fwd.fleet.models())
         rec.trace.set(model=model)
         key = api_key(request.scope)
         tenant = key.tenant if key is not None else ""
-        served = any(w.kind == vllm_worker.KIND and w.healthy and w.model == model for w in fwd.fleet.workers.values())
-        if not served and self.local is not None:
-            return await self.lookup(self.local.create(request, body, model, tenant, rec))
+        vllm = any(w.kind == vllm_worker.KIND and w.model == model for w in fwd.fleet.workers.values())
+        rec.generation = self.local is not None and not vllm  # the gateway's path: counted as a chat
+        previous = await self.previous(body, tenant)
+        if self.local is not None and (isinstance(previous, StoredResponse) or (previous is None and not vllm)):
+            return await self.lookup(self.local.create(request, body, model, tenant, rec, previous))
+        rec.generation = False
         fields = create_fields(body)
         texts, estimated = input_texts(body)
         rec.stream = fields.stream
-        if not served:
+        if previous is None and not vllm:
             raise not_supported(model)
         holder = None
-        if fields.previous_response_id is not None:
-            previous = await self.owned(fields.previous_response_id, tenant, "previous_response_id")
+        if fields.previous_response_id is not None and isinstance(previous, Owner):
             holder = self.holder(fields.previous_response_id, previous)
         raw = await self.charged(request, body, raw, model, texts, estimated, fields.max_output_tokens)
         keep = tenant if fields.store else None
@@ -168,14 +178,13 @@ class Responses:
         key = api_key(request.scope)
         tenant = key.tenant if key is not None else ""
         query = retrieve_query(request) if kind == RETRIEVE else ""
-        if self.local is not None:
-            record = await self.local_record(self.local, response_id, tenant)
-            if record is not None:
-                rec.model = record.model
-                if kind == CANCEL:
-                    return self.local.cancel(record)
-                return self.local.retrieve(record, request.query_params.get("stream") == "true")
-        owner = await self.owned(response_id, tenant, "response_id")
+        owner = await self.known(response_id, tenant, "response_id")
+        if isinstance(owner, StoredResponse):
+            assert self.local is not None, "only the gateway's own path stores responses"
+            rec.model = owner.model
+            if kind == CANCEL:
+                return self.local.cancel(owner)
+            return self.local.retrieve(owner, request.query_params.get("stream") == "true")
         if kind == CANCEL:
             method, path = "POST", f"/v1/responses/{response_id}/cancel"
         else:
@@ -195,6 +204,22 @@ class Responses:
             return self.attempt(request, w, method, path, b"", headers, rec, False, None)
 
         return await self.forwarder.tries(rec, False, 0, lambda ex: w, attempt)
+
+    async def previous(self, body: dict, tenant: str) -> StoredResponse | Owner | None:
+        """The response a create continues (`previous_response_id`), where it is known; None
+        when it continues none. A 400 for an id that is not one, a 404 for one not the
+        tenant's anywhere."""
+        previous = previous_id(body.get("previous_response_id"))
+        return None if previous is None else await self.known(previous, tenant, "previous_response_id")
+
+    async def known(self, response_id: str, tenant: str, param: str) -> StoredResponse | Owner:
+        """Where `response_id` of `tenant` is known: the gateway's own response (its record),
+        else vLLM's (its owner); a 404 naming `param` when neither knows it for the tenant."""
+        if self.local is not None:
+            record = await self.local_record(self.local, response_id, tenant)
+            if record is not None:
+                return record
+        return await self.owned(response_id, tenant, param)
 
     async def local_record(self, local: LocalResponses, response_id: str, tenant: str) -> StoredResponse | None:
         """The response of kvgate's workers `response_id` of `tenant`, if the gateway stores one.

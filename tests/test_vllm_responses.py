@@ -10,7 +10,7 @@ import pytest
 
 from tests import vllm_data as vd
 from tests.fake_vllm_gateway import control, start_fake
-from gateway.procs import Proc, start_gateway, start_redis, stop_all, wait_redis
+from gateway.procs import Proc, Worker, start_gateway, start_redis, stop_all, wait_redis
 
 KEYS = [
     {"key": "sk-a", "name": "a"},
@@ -292,3 +292,54 @@ def test_a_streams_wait_for_its_first_output_is_bounded_by_the_first_byte_timeou
         assert gw.metric("kvgate_gateway_upstream_failures_total", stage="stream") == 2
     finally:
         gw.stop()
+
+
+def test_a_mixed_model_chooses_by_its_kinds_of_worker_and_a_follow_up_by_where_its_id_is_known(tmp_path):
+    """A model served by a vLLM server and a kvgate worker: the path was chosen by whether a
+    *healthy* vLLM worker served it, so while the vLLM one was down a follow-up to its response
+    was the gateway's own 404 (not the 503 that says it may come back), a vLLM-only field the
+    gateway path's 400, and a response made on the gateway's path meanwhile could not be
+    continued once vLLM was back. Now a create goes by the kinds the model has (registered,
+    healthy or not), a follow-up, retrieve or cancel by where its id is known."""
+    fake = start_fake(tmp_path, "fake-vllm").wait_ready("/health", 60)
+    kvgate = Worker(worker_id="k0", log_dir=str(tmp_path))
+    gw = None
+    try:
+        kvgate.ready()
+        control(fake, health=503)  # never up yet: the gateway does not know it serves the model
+        (tmp_path / "keys.json").write_text(json.dumps(KEYS))
+        argv = ["--api-key-file", str(tmp_path / "keys.json"), "--breaker-failures", "100"]
+        gw = start_gateway([f"vllm:{fake.url}", kvgate.url], extra=argv, log_dir=str(tmp_path))
+        gw.wait_ready(timeout=60)
+        gw.wait_healthy(1, 30, what="the kvgate worker up")
+        prompt = " ".join(f"word{i}" for i in range(60))  # blocks k0 caches: a follow-up's chat goes there
+        mine = create(gw, input=prompt, max_output_tokens=2)  # a model of kvgate's workers alone, for now
+        assert mine.status_code == 200 and mine.headers["x-kvgate-worker"] == "k0", mine.text
+        rid_local = mine.json()["id"]
+
+        control(fake, health=200)
+        gw.wait_healthy(2, 30, what="the vLLM server up")
+        first = create(gw)  # the model has a vLLM worker: vLLM's Responses API
+        assert first.status_code == 200 and first.headers["x-kvgate-worker"] == worker(fake), first.text
+        rid_vllm = first.json()["id"]
+
+        control(fake, health=503)
+        gw.wait_healthy(1, 30, what="the vLLM server down")
+        for r in (create(gw, previous_response_id=rid_vllm), call(gw, "GET", f"/v1/responses/{rid_vllm}")):
+            error = r.json()["error"]
+            assert r.status_code == 503 and error["code"] == "response_worker_unavailable", r.text
+            assert r.headers["retry-after"] == "1"
+        r = create(gw, tools=[{"type": "function", "name": "f", "parameters": {}}])  # vLLM's to serve
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_workers", r.text
+        assert call(gw, "GET", f"/v1/responses/{rid_local}").json() == mine.json()
+
+        control(fake, health=200)
+        gw.wait_healthy(2, 30, what="the vLLM server back")
+        follow = create(gw, input="and then?", max_output_tokens=2, previous_response_id=rid_local)
+        assert follow.status_code == 200 and follow.headers["x-kvgate-worker"] == "k0", follow.text
+        assert follow.json()["previous_response_id"] == rid_local
+        assert follow.json()["usage"]["input_tokens"] > mine.json()["usage"]["input_tokens"]
+        cancel = call(gw, "POST", f"/v1/responses/{rid_local}/cancel")  # the gateway's own: not a background one
+        assert cancel.status_code == 400 and cancel.json()["error"]["param"] == "response_id", cancel.text
+    finally:
+        stop_all([p for p in (gw, kvgate, fake) if p is not None])
