@@ -1,16 +1,20 @@
 """What the gateway reads of a Responses API create body (`POST /v1/responses`, vLLM 0.32's
 `ResponsesRequest`): the fields that steer its routing and recording, and the texts a key's
-tokens-per-minute budget is charged for. Every field the gateway reads is checked here; the
-rest is vLLM's to validate (gateway/responses.py forwards the body otherwise unchanged).
+tokens-per-minute budget is charged for; and of a retrieve's query. Every field the gateway
+reads is checked here; the rest is vLLM's to validate (gateway/responses.py forwards the body
+otherwise unchanged).
 """
 
 from dataclasses import dataclass
+
+from starlette.requests import Request
 
 from gateway.intake import ApiError
 from gateway.response_ids import MAX_ID_CHARS
 from workers.protocol import checked_cache_salt
 from workers.sampling_params import InvalidRequest
 
+MAX_STARTING_AFTER = 2**31 - 1
 # vLLM takes a body's `request_id` as the id of the response it stores, so a client that set it
 # could name (and overwrite) another tenant's stored response on the same server.
 CLIENT_REFUSED = "request_id"
@@ -99,3 +103,21 @@ def input_texts(body: dict) -> tuple[list[str], bool]:
         else:
             raise InvalidField("an input item's 'content' is a string or a list of parts", "input")
     return texts, estimated
+
+
+def retrieve_query(request: Request) -> str:
+    """A retrieve's query as vLLM reads it, checked: `stream` true or false, `starting_after`
+    (the event to replay after) a non-negative integer; other parameters are not forwarded."""
+    q = request.query_params
+    out = []
+    stream = q.get("stream")
+    if stream is not None:
+        if stream not in ("true", "false"):
+            raise ApiError(400, "'stream' must be true or false", param="stream")
+        out.append(f"stream={stream}")
+    after = q.get("starting_after")
+    if after is not None:
+        if not (after.isascii() and after.isdigit() and int(after) <= MAX_STARTING_AFTER):
+            raise ApiError(400, "'starting_after' must be a non-negative integer", param="starting_after")
+        out.append(f"starting_after={int(after)}")
+    return "?" + "&".join(out) if out else ""

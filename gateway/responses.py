@@ -63,7 +63,7 @@ from gateway.intake import ApiError, client_body, refused
 from gateway.local_responses import LocalResponses
 from gateway.pooling import input_tokens
 from gateway.record import RequestRecord
-from gateway.response_fields import create_fields, input_texts
+from gateway.response_fields import create_fields, input_texts, retrieve_query
 from gateway.response_ids import Owner, ResponseIds, valid_id
 from gateway.response_request import previous_id
 from gateway.response_tap import IdTap, Opening, TappedPassThrough
@@ -83,7 +83,6 @@ TRACE_NAMES = {
     CANCEL: "POST /v1/responses/{response_id}/cancel",
 }
 NOT_FOUND, UNAVAILABLE, LOOKUP_FAILED = "response_not_found", "response_worker_unavailable", "response_lookup_failed"
-MAX_STARTING_AFTER = 2**31 - 1
 T = TypeVar("T")
 
 
@@ -389,24 +388,6 @@ class Responses:
             closed()
 
         return TappedPassThrough(resp, 200, idle, failed, ended, out, [tap, *taps])
-
-
-def retrieve_query(request: Request) -> str:
-    """A retrieve's query as vLLM reads it, checked: `stream` true or false, `starting_after`
-    (the event to replay after) a non-negative integer; other parameters are not forwarded."""
-    q = request.query_params
-    out = []
-    stream = q.get("stream")
-    if stream is not None:
-        if stream not in ("true", "false"):
-            raise ApiError(400, "'stream' must be true or false", param="stream")
-        out.append(f"stream={stream}")
-    after = q.get("starting_after")
-    if after is not None:
-        if not (after.isascii() and after.isdigit() and int(after) <= MAX_STARTING_AFTER):
-            raise ApiError(400, "'starting_after' must be a non-negative integer", param="starting_after")
-        out.append(f"starting_after={int(after)}")
-    return "?" + "&".join(out) if out else ""
 
 
 def not_supported(model: str) -> ApiError:

@@ -16,12 +16,12 @@ from gateway.fleet import Fleet
 from gateway.index import ResidencyIndex
 from gateway.intake import ApiError, Intake
 from gateway.record import RequestRecord
-from gateway.response_fields import create_fields, input_texts
+from gateway.response_fields import create_fields, input_texts, retrieve_query
 from gateway.response_ids import MAX_ID_CHARS, Owner, ResponseIds, valid_id
 from gateway.response_tap import HEAD_BYTES, IdTap, Opening, answer_id
 from gateway.local_responses import LocalResponses
 from gateway.response_store import ResponseStore
-from gateway.responses import CREATE, LOOKUP_FAILED, NOT_FOUND, RETRIEVE, UNAVAILABLE, Responses, retrieve_query
+from gateway.responses import CREATE, LOOKUP_FAILED, NOT_FOUND, RETRIEVE, UNAVAILABLE, Responses
 from gateway.shared_response_store import SharedResponseStore
 from gateway.shared_response_ids import SharedResponseIds
 from gateway.vllm_worker import KIND as VLLM
