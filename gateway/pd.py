@@ -3,8 +3,8 @@
 The decode leg is the client's request plus `kv_transfer.wait_ms`: the decode worker holds it
 until the prompt's blocks are in its prefix cache, or the wait runs out and it computes them
 itself. The prefill leg is the same prompt with `max_tokens: 1` and
-`kv_transfer.export_to: <decode worker>`; the prefill worker ships its full blocks there when
-its prefill ends. The prefill leg's own answer is discarded; its failure only costs the decode
+`kv_transfer.export_to: <decode worker>`, less what only shapes the answer's delivery and length
+(`ANSWER_ONLY`); the prefill worker ships its full blocks there when its prefill ends. The prefill leg's own answer is discarded; its failure only costs the decode
 worker a recompute, so it is logged and counted, never shown to the client.
 
 `kv_transfer` is internal: workers read it only with the fleet's token, so both legs carry it
@@ -34,9 +34,16 @@ def decode_leg(body: dict, wait_ms: float) -> bytes:
     return json.dumps({**body, "kv_transfer": {"wait_ms": wait_ms}}).encode()
 
 
+# The client's fields the prefill leg leaves out: its stream and its budget, which `max_tokens: 1`
+# replaces, with `min_tokens`, which a worker holds to that budget (vLLM's P/D proxies drop it
+# too). The rest stays: the prompt's own fields shape its blocks, and the answer's other
+# controls (stop strings and ids, logit_bias, penalties, logprobs) hold for any budget.
+ANSWER_ONLY = ("stream", "stream_options", "max_completion_tokens", "min_tokens")
+
+
 def prefill_leg(body: dict, decode_url: str) -> bytes:
     """Prefill only: one token, no stream, blocks exported to the decode worker."""
-    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    leg = {k: v for k, v in body.items() if k not in ANSWER_ONLY}
     leg.update(max_tokens=1, stream=False, kv_transfer={"export_to": decode_url})
     return json.dumps(leg).encode()
 

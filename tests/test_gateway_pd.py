@@ -48,7 +48,7 @@ def pd_fleet(tiny_llama, tmp_path_factory):
         stop_all([gw, p, d, m])
 
 
-def ask(url, model, ids, stream=False, max_tokens=8):
+def ask(url, model, ids, stream=False, max_tokens=8, **extra):
     body = {
         "model": model,
         "prompt": ids,
@@ -58,6 +58,7 @@ def ask(url, model, ids, stream=False, max_tokens=8):
         "return_token_ids": True,
         "stream": stream,
         **({"stream_options": {"include_usage": True}} if stream else {}),
+        **extra,
     }
     if not stream:
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
@@ -90,6 +91,19 @@ def test_long_prompt_is_disaggregated_and_matches_a_mixed_worker(pd_fleet):
         assert headers["x-kvgate-prefill-worker"] == "pd-p" and headers["x-kvgate-worker"] == "pd-d"
         assert got == want
         assert cached == (n - 1) // 16 * 16, "the decode worker admitted it as a prefix hit"
+
+
+def test_min_tokens_stays_on_the_decode_leg(pd_fleet):
+    """A client's min_tokens above the prefill leg's one token: the prefill worker still serves
+    its leg and ships the blocks, so the decode worker admits the prompt as a prefix hit (a
+    refused leg had left it to wait out its kv wait and recompute the prompt)."""
+    f = pd_fleet
+    n = 230
+    ids = prompt(n, 3)
+    headers, got, cached = ask(f["gw"].url, f["model"], ids, min_tokens=6, logit_bias={"7": -5}, stop=["zz"])
+    assert headers["x-kvgate-prefill-worker"] == "pd-p" and headers["x-kvgate-worker"] == "pd-d"
+    assert len(got) == 8
+    assert cached == (n - 1) // 16 * 16, "the decode worker imported the prompt's blocks"
 
 
 def test_a_request_for_two_sequences_stays_on_one_worker(pd_fleet):
