@@ -315,6 +315,8 @@ class SimWorker:
         for r in running:
             r.num_computed += m
             r.token_ids += [r.token_ids[-1]] * m
+            if r.history is not None:
+                r.history.extend(r.token_ids[-m:])
             if r.num_computed // B > r.num_registered // B:
                 kv.commit(r)
         self.recent.extend(self.seg_steps[self.seg_done : self.seg_done + m])

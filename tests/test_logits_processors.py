@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from workers import logits_processors, sampling
 from workers.executors.batch import SeqChunk
-from workers.inflight import PLACEHOLDER
+from workers.inflight import PLACEHOLDER, chunks_of
 from workers.logits_processors import process_logits
 from workers.sampling import sample, sample_tensor
+from workers.request import Request
 from workers.sampling_params import SamplingParams
+from workers.scheduler import StepPlan, resolve
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", "cuda"] if CUDA else ["cpu"]
@@ -25,13 +27,16 @@ EOS = (0,)
 
 def chunk(prompt: list[int], output: list[int], params: SamplingParams, prev_sample: int = -1) -> SeqChunk:
     """The sampling chunk of a request with this prompt and output so far (its last token a
-    placeholder when `prev_sample` >= 0), as workers/inflight.py builds it."""
-    history = prompt + output
-    if prev_sample >= 0:
-        history[-1] = PLACEHOLDER
-    if output:
-        return SeqChunk(history[-1:], len(history) - 1, [], True, params, len(output), prev_sample, history)
-    return SeqChunk(list(prompt), 0, [], True, params, 0, all_token_ids=history)
+    placeholder when `prev_sample` >= 0), as the engine builds it: each token appended as a
+    placeholder and resolved (workers/inflight.py, Scheduler.update_from_output)."""
+    req = Request("r", list(prompt), params, sample_row=prev_sample)
+    for i, t in enumerate(output):
+        req.token_ids.append(PLACEHOLDER)
+        req.unresolved += 1
+        if prev_sample < 0 or i < len(output) - 1:
+            resolve(req, t)
+    req.num_computed = len(req.token_ids) - 1 if output else 0
+    return chunks_of(StepPlan([(req, req.num_remaining)]))[0]
 
 
 def reference(row: list[float], prompt: list[int], output: list[int], p: SamplingParams) -> list[float]:

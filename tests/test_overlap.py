@@ -174,3 +174,42 @@ def test_torch_runner_fills_placeholders_on_the_device(tiny_llama, seed):
     for blocks in (256, 24):
         sync = run(engine(TorchRunner, blocks), requests)
         assert run(engine(OverlappingRunner, blocks), requests) == sync
+
+
+class HistoryCheck(HostOverlap):
+    """At each launch, every request the scheduler holds keeps as its history exactly its
+    resolved tokens (its token ids less the trailing placeholders)."""
+
+    def __init__(self, executor, scheduler):
+        super().__init__(executor)
+        self.scheduler = scheduler
+
+    def launch(self, chunks: list[SeqChunk]):
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            assert list(req.history) == req.token_ids[: len(req.token_ids) - req.unresolved]
+        for c in chunks:
+            if c.sample:
+                assert len(c.history) + (c.prev_sample >= 0) == c.start_pos + len(c.token_ids)
+        return super().launch(chunks)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_penalised_requests_history_is_its_resolved_tokens(overlap):
+    """The penalties read a request's history, grown as its tokens resolve: through overlapped
+    steps and preemption by recompute (14 blocks of 4 tokens) it neither doubles nor loses a
+    token, and two choices of one prompt (n=2) each keep their own."""
+    requests = [
+        (prompt, dataclasses.replace(params, presence_penalty=0.5, repetition_penalty=1.2))
+        for prompt, params in workload(4, 1000)
+    ]
+    requests.append(requests[-1])
+    engine = sim_engine(num_blocks=14)
+    engine._launcher, engine._overlap = HistoryCheck(engine.executor, engine.scheduler), overlap
+    held = []
+    add = engine.scheduler.add
+    engine.scheduler.add = lambda req: (held.append(req), add(req))[1]
+    got = run(engine, requests)
+    assert engine.stats.preemptions > 0, "no preemption: the test would prove less"
+    for req in held:
+        assert list(req.history) == req.prompt_ids + list(got[req.request_id][0])
+    assert held[-1].history is not held[-2].history

@@ -56,8 +56,8 @@ class SyncLaunch:
 
 
 def chunks_of(plan: StepPlan) -> list[SeqChunk]:
-    """The step's chunks; each hands the request's own block-id and token lists (no copy per step). A chunk
-    whose one token is a placeholder names the previous step's sampled row it comes from."""
+    """The step's chunks; each hands the request's own block-id list and history (no copy per step). A
+    chunk whose one token is a placeholder names the previous step's sampled row it comes from."""
     chunks = []
     for req, n in plan.scheduled:
         start = req.num_computed
@@ -70,7 +70,7 @@ def chunks_of(plan: StepPlan) -> list[SeqChunk]:
             end == total,
             req.params,
             total - len(req.prompt_ids),
-            all_token_ids=req.token_ids,
+            history=req.history,
         )
         if req.unresolved:
             assert n == 1 and end == total, "only a decode's input token can be unresolved"

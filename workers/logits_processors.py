@@ -4,7 +4,9 @@ temperature (min_p, which keeps the argmax, is applied after temperature in work
 
 Plain data until here. Only the rows that ask are gathered, once per step: what they need goes to
 the device in one copy of integers and one of floats (pinned memory, asynchronous), and their
-token counts are built there from their token ids, as vLLM v1 does. A step where no row asks
+token counts are built there from their token ids, as vLLM v1 does. A penalised row's ids are its
+request's history (workers/request.py), an array grown as its tokens resolve, so the host copies
+it whole rather than rebuilding it token by token each step. A step where no row asks
 gets its logits back untouched: no tensor, no copy. A row whose last token is a placeholder (the
 sample of a step launched but not read yet, workers/inflight.py) takes it from that step's tokens
 on the device, so nothing waits for the step before.
@@ -21,6 +23,7 @@ from workers.executors.batch import SeqChunk
 # repetition_penalty is any finite number > 0 (vLLM); the device divides and multiplies by it
 # clamped here, where float32 logits stay finite (a penalty past float32's range made inf * 0 NaN).
 REPETITION_RANGE = (2.0**-100, 2.0**100)
+HOLE = array("q", [0])  # a placeholder's slot among a row's ids, written over on the device
 
 
 def process_logits(
@@ -39,10 +42,10 @@ def process_logits(
     rows = [i for i, c in enumerate(chunks) if c.params.processes_logits(c.output_index)]
     if not rows:
         return logits
-    ints, floats = _gather(chunks, rows, stop_ids)
+    ints, histories, floats = _gather(chunks, rows, stop_ids)
     device = logits.device
-    index, mask_rows, mask_ids, bias_rows, bias_ids, flat, lengths, prompts, pen_rows, holes, sources = _upload(
-        ints, torch.long, device
+    index, mask_rows, mask_ids, bias_rows, bias_ids, lengths, prompts, pen_rows, holes, sources, flat = _upload(
+        ints, torch.long, device, histories
     )
     biases, presence, frequency, repetition = _upload(floats, torch.float32, device)
     out = logits.to(torch.float32, copy=True)
@@ -83,15 +86,20 @@ def _token_counts(flat: Tensor, lengths: Tensor, prompts: Tensor, vocab: int) ->
     return seen.view(rows, vocab), counts.view(rows, vocab)
 
 
-def _gather(chunks: Sequence[SeqChunk], rows: list[int], stop_ids: Sequence[int]) -> tuple[list[array], list[array]]:
+def _gather(
+    chunks: Sequence[SeqChunk], rows: list[int], stop_ids: Sequence[int]
+) -> tuple[list[array], list[array], list[array]]:
     """The plain data of the asking `rows`, in `process_logits`' order: integer lists (the rows, the
-    (gathered row, token) pairs min_tokens masks and logit_bias raises, the penalised rows' token ids end
-    to end with their lengths, prompt lengths and rows, placeholder positions and their sources)
-    and float lists (the biases, the three penalties)."""
-    ints = [array("q") for _ in range(11)]
+    (gathered row, token) pairs min_tokens masks and logit_bias raises, the penalised rows' lengths,
+    prompt lengths and rows, placeholder positions and their sources), the penalised rows' ids as
+    parts to lay end to end (each history, then a HOLE for its placeholder) and float lists (the
+    biases, the three penalties)."""
+    ints = [array("q") for _ in range(10)]
     floats = [array("f") for _ in range(4)]
-    index, mask_rows, mask_ids, bias_rows, bias_ids, flat, lengths, prompts, pen_rows, holes, sources = ints
+    index, mask_rows, mask_ids, bias_rows, bias_ids, lengths, prompts, pen_rows, holes, sources = ints
     biases, presence, frequency, repetition = floats
+    histories: list[array] = []
+    size = 0
     for row, i in enumerate(rows):
         c, p = chunks[i], chunks[i].params
         index.append(i)
@@ -104,30 +112,38 @@ def _gather(chunks: Sequence[SeqChunk], rows: list[int], stop_ids: Sequence[int]
             bias_ids.append(token)
             biases.append(bias)
         if p.penalized:
-            end = c.start_pos + len(c.token_ids)
-            assert len(c.all_token_ids) >= end, "a penalised row needs its request's token ids"
-            if c.prev_sample >= 0:
-                holes.append(len(flat) + end - 1)
+            history, hole = c.history, c.prev_sample >= 0
+            assert history is not None, "a penalised row needs its request's history"
+            n = len(history) + hole
+            assert n == c.start_pos + len(c.token_ids), "a penalised row's history is its sequence so far"
+            histories.append(history)
+            if hole:
+                histories.append(HOLE)
+                holes.append(size + n - 1)
                 sources.append(c.prev_sample)
-            flat.extend(c.all_token_ids[:end])
-            lengths.append(end)
+            size += n
+            lengths.append(n)
             prompts.append(c.num_prompt)
             pen_rows.append(row)
             presence.append(p.presence_penalty)
             frequency.append(p.frequency_penalty)
             repetition.append(p.repetition_penalty)
-    for hole in holes:
-        flat[hole] = 0  # written over on the device, from the step that sampled it
-    return ints, floats
+    return ints, histories, floats
 
 
-def _upload(lists: list[array], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """The lists as tensors on `device`, through one host buffer and one copy (pinned and
-    asynchronous on CUDA)."""
+def _upload(
+    lists: list[array], dtype: torch.dtype, device: torch.device, tail: Sequence[array] | None = None
+) -> list[Tensor]:
+    """The lists as tensors on `device`, then the `tail` arrays end to end as one more, through
+    one host buffer and one copy (pinned and asynchronous on CUDA)."""
     sizes = [len(values) for values in lists]
     joined = array(lists[0].typecode)
     for values in lists:
         joined.extend(values)
+    if tail is not None:
+        for values in tail:
+            joined.extend(values)
+        sizes.append(len(joined) - sum(sizes))
     host = torch.frombuffer(joined, dtype=dtype) if joined else torch.empty(0, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory().to(device, non_blocking=True)

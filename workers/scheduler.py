@@ -47,9 +47,12 @@ class Sampled:
 
 
 def resolve(req: Request, token: int) -> None:
-    """Write a sampled token over the request's oldest placeholder (workers/inflight.py)."""
+    """Write a sampled token over the request's oldest placeholder (workers/inflight.py), and
+    add it to the request's history where a penalty keeps one."""
     req.token_ids[len(req.token_ids) - req.unresolved] = token
     req.unresolved -= 1
+    if req.history is not None:
+        req.history.append(token)
 
 
 def drop_unresolved(req: Request) -> None:

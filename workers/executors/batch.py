@@ -1,5 +1,6 @@
 """What the scheduler hands an executor each step: plain data, tensorised once by the executor."""
 
+from array import array
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Protocol
@@ -16,8 +17,9 @@ class SeqChunk:
     blocks of `block_table`, and, when `sample` is set, returns the next token. `block_table`
     is the sequence's own list and may hold blocks past the chunk: read only the first
     ceil((start_pos + len(token_ids)) / block_size), and never keep or change it.
-    `all_token_ids` is the request's own token list too (prompt, then output), read by the
-    penalties only: its first start_pos + len(token_ids) entries are the sequence so far.
+    `history` is the request's own array of resolved token ids (prompt, then output) where a
+    penalty reads them (workers/request.py): the sequence so far, less the placeholder of
+    `prev_sample`. Read it, never keep or change it.
     """
 
     token_ids: list[int]
@@ -27,7 +29,7 @@ class SeqChunk:
     params: SamplingParams
     output_index: int = 0
     prev_sample: int = -1  # >= 0: token_ids[0] is a placeholder for row prev_sample of the last step's samples
-    all_token_ids: Sequence[int] = ()
+    history: array | None = None
 
     @property
     def num_prompt(self) -> int:
