@@ -142,6 +142,26 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert torch.equal(run_rows(logits, [([1], [3, 4], p, False)]), logits)
 
 
+class Unread(tuple):
+    """A params tuple a step must not walk entry by entry."""
+
+    def __iter__(self):
+        raise AssertionError("a step walked the params' tuple")
+
+
+def test_a_step_extends_from_arrays_built_with_the_params():
+    """logit_bias and stop_token_ids become arrays once, with the params (ids distinct, those
+    out of range left to validate's 400); a step reads those, never the tuples, so 1024 biases
+    and stop ids cost a row two copies, not a loop."""
+    p = SamplingParams(min_tokens=3, stop_token_ids=(7, 7, 4, -1), logit_bias=((2, 1.5), (5, -100.0), (2**40, 1.0)))
+    assert (list(p.stop_id_array), list(p.logit_bias_ids), list(p.logit_bias_values)) == ([7, 4], [2, 5], [1.5, -100])
+    want = run_rows(torch.zeros(1, 10), [([1], [3], p, False)])
+    for name in ("stop_token_ids", "logit_bias"):
+        object.__setattr__(p, name, Unread(getattr(p, name)))
+    assert torch.equal(run_rows(torch.zeros(1, 10), [([1], [3], p, False)]), want)
+    assert want[0, 0] == want[0, 4] == want[0, 7] == -math.inf and want[0, 2] == 1.5 and want[0, 5] == -100
+
+
 def test_a_huge_repetition_penalty_stays_finite():
     """vLLM takes any finite penalty > 0; the device clamps it where float32 stays finite."""
     logits = torch.tensor([[0.0, 1.5, -2.0, 3.0]])

@@ -6,7 +6,8 @@ Plain data until here. Only the rows that ask are gathered, once per step: what 
 the device in one copy of integers and one of floats (pinned memory, asynchronous), and their
 token counts are built there from their token ids, as vLLM v1 does. A penalised row's ids are its
 request's history (workers/request.py), an array grown as its tokens resolve, so the host copies
-it whole rather than rebuilding it token by token each step. A step where no row asks
+it whole rather than rebuilding it token by token each step; a row's logit biases and stop ids
+come as arrays built with its params, their rows spread on the device. A step where no row asks
 gets its logits back untouched: no tensor, no copy. A row whose last token is a placeholder (the
 sample of a step launched but not read yet, workers/inflight.py) takes it from that step's tokens
 on the device, so nothing waits for the step before.
@@ -44,14 +45,14 @@ def process_logits(
         return logits
     ints, histories, floats = _gather(chunks, rows, stop_ids)
     device = logits.device
-    index, mask_rows, mask_ids, bias_rows, bias_ids, lengths, prompts, pen_rows, holes, sources, flat = _upload(
+    index, mask_counts, mask_ids, bias_counts, bias_ids, lengths, prompts, pen_rows, holes, sources, flat = _upload(
         ints, torch.long, device, histories
     )
     biases, presence, frequency, repetition = _upload(floats, torch.float32, device)
     out = logits.to(torch.float32, copy=True)
     x = out[index]
-    x[mask_rows, mask_ids] = float("-inf")
-    x.index_put_((bias_rows, bias_ids), biases, accumulate=True)
+    x[_rows_of(mask_counts, mask_ids.numel()), mask_ids] = float("-inf")
+    x.index_put_((_rows_of(bias_counts, bias_ids.numel()), bias_ids), biases, accumulate=True)
     if pen_rows.numel():
         if holes.numel():
             assert prev_sampled is not None, "a placeholder without a launched step before it"
@@ -77,7 +78,7 @@ def _token_counts(flat: Tensor, lengths: Tensor, prompts: Tensor, vocab: int) ->
     """From the rows' token ids laid end to end (`lengths` each, the first `prompts` of a row its
     prompt): which tokens each row has seen [P, V] and how often each is in its output [P, V]."""
     n, rows = flat.shape[0], lengths.shape[0]
-    row_of = torch.repeat_interleave(torch.arange(rows, device=flat.device), lengths, output_size=n)
+    row_of = _rows_of(lengths, n)
     starts = lengths.cumsum(0) - lengths
     is_output = torch.arange(n, device=flat.device) - starts[row_of] >= prompts[row_of]
     keys = row_of * vocab + flat
@@ -86,31 +87,40 @@ def _token_counts(flat: Tensor, lengths: Tensor, prompts: Tensor, vocab: int) ->
     return seen.view(rows, vocab), counts.view(rows, vocab)
 
 
+def _rows_of(counts: Tensor, total: int) -> Tensor:
+    """Each row's index `counts[row]` times, in row order: `total` in all (known on the host, so
+    the device is never asked)."""
+    rows = torch.arange(counts.shape[0], device=counts.device)
+    return torch.repeat_interleave(rows, counts, output_size=total)
+
+
 def _gather(
     chunks: Sequence[SeqChunk], rows: list[int], stop_ids: Sequence[int]
 ) -> tuple[list[array], list[array], list[array]]:
-    """The plain data of the asking `rows`, in `process_logits`' order: integer lists (the rows, the
-    (gathered row, token) pairs min_tokens masks and logit_bias raises, the penalised rows' lengths,
-    prompt lengths and rows, placeholder positions and their sources), the penalised rows' ids as
-    parts to lay end to end (each history, then a HOLE for its placeholder) and float lists (the
-    biases, the three penalties)."""
+    """The plain data of the asking `rows`, in `process_logits`' order: integer lists (the rows, how
+    many tokens each row's min_tokens masks and which, how many its logit_bias raises and which,
+    the penalised rows' lengths, prompt lengths and rows, placeholder positions and their sources),
+    the penalised rows' ids as parts to lay end to end (each history, then a HOLE for its
+    placeholder) and float lists (the biases, the three penalties). A row's own ids and biases
+    are extended from its params' arrays, never entry by entry."""
     ints = [array("q") for _ in range(10)]
     floats = [array("f") for _ in range(4)]
-    index, mask_rows, mask_ids, bias_rows, bias_ids, lengths, prompts, pen_rows, holes, sources = ints
+    index, mask_counts, mask_ids, bias_counts, bias_ids, lengths, prompts, pen_rows, holes, sources = ints
     biases, presence, frequency, repetition = floats
+    eos = array("q", stop_ids)
     histories: list[array] = []
     size = 0
     for row, i in enumerate(rows):
         c, p = chunks[i], chunks[i].params
         index.append(i)
-        if c.output_index < p.min_tokens:
-            stops = dict.fromkeys([*stop_ids, *p.stop_token_ids])
-            mask_rows.extend([row] * len(stops))
-            mask_ids.extend(stops)
-        for token, bias in p.logit_bias:
-            bias_rows.append(row)
-            bias_ids.append(token)
-            biases.append(bias)
+        masked = c.output_index < p.min_tokens
+        mask_counts.append(len(eos) + len(p.stop_id_array) if masked else 0)
+        if masked:
+            mask_ids.extend(eos)
+            mask_ids.extend(p.stop_id_array)
+        bias_counts.append(len(p.logit_bias_ids))
+        bias_ids.extend(p.logit_bias_ids)
+        biases.extend(p.logit_bias_values)
         if p.penalized:
             history, hole = c.history, c.prev_sample >= 0
             assert history is not None, "a penalised row needs its request's history"

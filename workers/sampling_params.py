@@ -1,6 +1,7 @@
 """Per-request sampling parameters: plain data, validated once at the API edge."""
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
 MAX_INT32 = 2**31 - 1
@@ -39,6 +40,19 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids distinct
     extra: dict = field(default_factory=dict, compare=False)
+    # logit_bias' ids and biases and the distinct stop_token_ids as arrays, which the sampler
+    # extends its step's data from (workers/logits_processors.py): built once, with the params
+    logit_bias_ids: array = field(init=False, repr=False, compare=False)
+    logit_bias_values: array = field(init=False, repr=False, compare=False)
+    stop_id_array: array = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """The arrays, of the ids in range only: `validate` refuses params with any other."""
+        bias = [(t, b) for t, b in self.logit_bias if 0 <= t <= MAX_INT32]
+        object.__setattr__(self, "logit_bias_ids", array("q", [t for t, _ in bias]))
+        object.__setattr__(self, "logit_bias_values", array("f", [b for _, b in bias]))
+        stops = dict.fromkeys(t for t in self.stop_token_ids if 0 <= t <= MAX_INT32)
+        object.__setattr__(self, "stop_id_array", array("q", stops))
 
     @property
     def greedy(self) -> bool:
