@@ -97,3 +97,29 @@ def test_fields_only_vllm_implements_pass_to_vllm_and_are_refused_for_kvgate_wor
     with pytest.raises(InvalidRequest) as e:
         m.prepare(body, "chat", 1024)
     assert e.value.param == field and e.value.code == "unsupported_parameter" and "vLLM" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("presence_penalty", "0.5"),  # pydantic's lax mode: a numeric string, a boolean
+        ("frequency_penalty", True),
+        ("repetition_penalty", "1.1"),
+        ("min_p", "0.05"),
+        ("min_tokens", "2"),
+        ("logit_bias", {str(t): 1 for t in range(2000)}),  # no key limit in vLLM's reader
+    ],
+)
+def test_sampling_controls_go_to_vllm_as_sent_and_kvgate_workers_read_them_strictly(tok, field, value):
+    """A vLLM fleet's request takes the sampling controls as vLLM reads them (they were left to it
+    while kvgate's workers refused them, and still are); kvgate's own workers keep their stricter
+    reader, a 400 naming the field."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, field: value}
+    m = ModelTokenizer("smollm2-135m", tok, 16)
+    whole = m.prepare(body, "chat", 1024, whole=True).parsed
+    assert (
+        whole.prompt_ids == parse_request({k: v for k, v in body.items() if k != field}, "chat", tok, 1024).prompt_ids
+    )
+    with pytest.raises(InvalidRequest) as e:
+        m.prepare(body, "chat", 1024)
+    assert e.value.param == field
