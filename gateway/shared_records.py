@@ -27,6 +27,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from workers.background import background
 from workers.kv import redis_schema as rs
@@ -63,6 +64,22 @@ class SharedRecords:
     async def close(self) -> None:
         if self.redis is not None:
             await self.redis.aclose()
+
+    async def read(self, key: str) -> tuple[bytes, float] | None:
+        """The value Redis holds at `key` and the seconds it has left, or None (absent, or
+        expiring now). Raises LookupFailed when Redis does not answer."""
+        try:
+            async with self.client().pipeline(transaction=False) as p:
+                p.get(key)
+                p.pttl(key)
+                raw, ttl_ms = await p.execute()
+            self.answered()
+        except (RedisError, OSError) as e:
+            self.failed(e)
+            raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
+        if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0:
+            return None
+        return raw, ttl_ms / 1000.0
 
     def held(self, write: Coroutine[Any, Any, None]) -> "asyncio.Future[None] | None":
         """Run `write` in the background (the caller is answering); returns what the answer holds

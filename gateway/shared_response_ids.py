@@ -25,7 +25,7 @@ import json
 from redis.exceptions import RedisError
 
 from gateway.response_ids import Owner
-from gateway.shared_records import WRITE_WAIT_S, LookupFailed, SharedRecords
+from gateway.shared_records import WRITE_WAIT_S, SharedRecords
 from workers.kv import redis_schema as rs
 from workers.strict_json import peer_object
 
@@ -61,19 +61,11 @@ class SharedResponseIds(SharedRecords):
         """The entry Redis holds for `response_id` and the seconds it has left, or None (absent,
         expired, or a record that is not one this fleet signed). Raises LookupFailed when Redis
         does not answer."""
-        try:
-            async with self.client().pipeline(transaction=False) as p:
-                p.get(rs.response_key(response_id))
-                p.pttl(rs.response_key(response_id))
-                raw, ttl_ms = await p.execute()
-            self.answered()
-        except (RedisError, OSError) as e:
-            self.failed(e)
-            raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
-        if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0:
+        found = await self.read(rs.response_key(response_id))
+        if found is None:
             return None
-        owner = self.parse(response_id, raw)
-        return None if owner is None else (owner, ttl_ms / 1000.0)
+        owner = self.parse(response_id, found[0])
+        return None if owner is None else (owner, found[1])
 
     def parse(self, response_id: str, raw: bytes) -> Owner | None:
         """A record read back, if it is well formed and this fleet's token signed it for this

@@ -39,7 +39,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from gateway.response_ids import DEFAULT_SIZE
-from gateway.shared_records import WRITE_WAIT_S, LookupFailed, SharedRecords
+from gateway.shared_records import WRITE_WAIT_S, SharedRecords
 from gateway.stored_response import StoredResponse
 from workers.kv import redis_schema as rs
 from workers.strict_json import peer_object
@@ -147,20 +147,11 @@ class SharedResponseStore(SharedRecords):
         """The record Redis holds for `response_id` of `tenant` and the seconds it has left, or
         None (absent, another tenant's, expired, or not one this fleet signed). Raises
         LookupFailed when Redis does not answer."""
-        key = rs.stored_response_key(self.tenant_tag(tenant), response_id)
-        try:
-            async with self.client().pipeline(transaction=False) as p:
-                p.get(key)
-                p.pttl(key)
-                raw, ttl_ms = await p.execute()
-            self.answered()
-        except (RedisError, OSError) as e:
-            self.failed(e)
-            raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
-        if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0:
+        found = await self.read(rs.stored_response_key(self.tenant_tag(tenant), response_id))
+        if found is None:
             return None
-        record = self.parse(response_id, tenant, raw)
-        return None if record is None else (record, ttl_ms / 1000.0)
+        record = self.parse(response_id, tenant, found[0])
+        return None if record is None else (record, found[1])
 
     def parse(self, response_id: str, tenant: str, raw: bytes) -> StoredResponse | None:
         """A record read back under `tenant`'s key if this fleet's token signed it for this id,

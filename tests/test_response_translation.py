@@ -5,7 +5,6 @@ tests/test_local_responses.py)."""
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from gateway.intake import ApiError
 from gateway.raw_send import RawBody
+from tests.raw_client import Client
 from gateway.relay import DONE
 from gateway.response_chat import ChatAnswer, answered, as_responses_error, chat_body, chat_messages
 from gateway.response_events import CUT_SHORT, ResponseEvents
@@ -347,21 +347,6 @@ def test_a_worker_failure_mid_stream_is_response_failed():
     }
     assert final["output"][0]["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == "hel"
     assert ended_by_error == [final] and [d["sequence_number"] for _, d in out] == list(range(len(out)))
-
-
-class Client:
-    """A client connection as `RawBody` writes to it: what reached it, chunk by chunk."""
-
-    def __init__(self):
-        self.disconnected, self.chunked_encoding, self.response_started, self.response_complete = (
-            False,
-            True,
-            True,
-            False,
-        )
-        self.got: list[bytes] = []
-        self.transport = SimpleNamespace(write=self.got.append)
-        self.flow = SimpleNamespace(write_paused=False, drain=lambda: asyncio.sleep(0))
 
 
 def test_a_terminal_event_a_write_makes_waits_until_the_response_is_stored():

@@ -6,7 +6,6 @@ replica B the moment it has read the id from A's answer still reaches the server
 import asyncio
 import signal
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from gateway.cli_args import parser
 from gateway.procs import TEST_TOKEN, free_port, start_redis, stop_all, wait_redis
 from gateway.raw_send import RawBody
+from tests.raw_client import Client
 from gateway.response_ids import Owner
 from gateway.response_tap import IdTap, TappedBody, answer_id
 from gateway.server import build, http_server
@@ -109,21 +109,6 @@ def test_a_follow_up_sent_to_another_replica_the_moment_the_id_is_read_finds_its
 
     for status, worker, holder in asyncio.run(go()):
         assert (status, worker) == (200, holder)
-
-
-class Client:
-    """A client connection as `RawBody` writes to it: what reached it, chunk by chunk."""
-
-    def __init__(self):
-        self.disconnected, self.chunked_encoding, self.response_started, self.response_complete = (
-            False,
-            True,
-            True,
-            False,
-        )
-        self.got: list[bytes] = []
-        self.transport = SimpleNamespace(write=self.got.append)
-        self.flow = SimpleNamespace(write_paused=False, drain=lambda: asyncio.sleep(0))
 
 
 def test_the_chunk_that_completes_an_id_and_those_after_wait_for_its_hold_then_go_in_order():
