@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from gateway.intake import ApiError
-from gateway.response_ids import MAX_ID_CHARS
+from gateway.response_request import InvalidField, previous_id
 from workers.protocol import checked_cache_salt
 from workers.sampling_params import InvalidRequest
 
@@ -18,11 +18,6 @@ MAX_STARTING_AFTER = 2**31 - 1
 # vLLM takes a body's `request_id` as the id of the response it stores, so a client that set it
 # could name (and overwrite) another tenant's stored response on the same server.
 CLIENT_REFUSED = "request_id"
-
-
-class InvalidField(ApiError):
-    def __init__(self, message: str, param: str):
-        super().__init__(400, message, param=param)
 
 
 @dataclass(frozen=True)
@@ -39,11 +34,12 @@ class CreateFields:
 
 
 def create_fields(body: dict) -> CreateFields:
-    """The routing fields of a create body, checked: `previous_response_id` a string of 1 to
-    MAX_ID_CHARS characters, `stream`, `store` and `background` booleans, `max_output_tokens` a
-    positive integer, `instructions` a string, `cache_salt` a salt as for completions (the
-    tenant's replaces it); `request_id` refused (CLIENT_REFUSED). Null is a field's default.
-    Raises InvalidField."""
+    """The routing fields of a create body, checked: `previous_response_id` as
+    gateway/response_request.py's `previous_id` reads it (one rule for both paths), `stream`,
+    `store` and `background` booleans, `max_output_tokens` a positive integer, `instructions` a
+    string, `cache_salt` a salt as for completions (the tenant's replaces it); `request_id`
+    refused (CLIENT_REFUSED). Null is a field's default. Raises InvalidField (or a 404 for an
+    id no response of this gateway's can have)."""
     if body.get(CLIENT_REFUSED) is not None:
         raise ApiError(
             400,
@@ -51,11 +47,7 @@ def create_fields(body: dict) -> CreateFields:
             param=CLIENT_REFUSED,
             code="internal_field",
         )
-    previous = body.get("previous_response_id")
-    if previous is not None and not (isinstance(previous, str) and 0 < len(previous) <= MAX_ID_CHARS):
-        raise InvalidField(
-            f"'previous_response_id' must be a response id: 1 to {MAX_ID_CHARS} characters", "previous_response_id"
-        )
+    previous = previous_id(body.get("previous_response_id"))
     for name in ("stream", "store", "background"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise InvalidField(f"'{name}' must be a boolean", name)
