@@ -44,7 +44,7 @@ class RequestRecord:
     slo_tpot_ms: float | None = None
     retries: int = 0
     route_reason: str = ""  # the policy's reason for the worker it chose
-    candidates: str = ""  # each candidate's cached prefix and load when it chose (app.candidates_summary)
+    candidates: str = ""  # each candidate's cached prefix and load when it chose (routing.candidates_summary)
 
     @property
     def leg(self) -> str:
