@@ -23,8 +23,8 @@ wait, not each one.
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -36,6 +36,7 @@ log = logging.getLogger("kvgate.gateway")
 
 REDIS_TIMEOUT_S = 0.25
 WRITE_WAIT_S = 2 * REDIS_TIMEOUT_S
+T = TypeVar("T")
 
 
 class LookupFailed(Exception):
@@ -106,6 +107,15 @@ class SharedRecords:
                 self.kept,
             )
         self.failing = True
+
+    def parsed(self, response_id: str, check: Callable[[], T]) -> T | None:
+        """The record `check` reads back, or None where it is not one of this fleet's (its
+        ValueError): `dropped`."""
+        try:
+            return check()
+        except ValueError as e:
+            self.dropped(response_id, e)
+            return None
 
     def dropped(self, response_id: str, e: ValueError) -> None:
         """A record read back and dropped: counted, and logged the first and every 1000th time."""

@@ -70,11 +70,7 @@ class SharedResponseIds(SharedRecords):
     def parse(self, response_id: str, raw: bytes) -> Owner | None:
         """A record read back, if it is well formed and this fleet's token signed it for this
         id; else None, the record counted and logged (the first and every 1000th)."""
-        try:
-            return self.checked(response_id, raw)
-        except ValueError as e:
-            self.dropped(response_id, e)
-            return None
+        return self.parsed(response_id, lambda: self.checked(response_id, raw))
 
     def checked(self, response_id: str, raw: bytes) -> Owner:
         """The owner a record names; ValueError unless it is this fleet's record for this id."""

@@ -157,11 +157,7 @@ class SharedResponseStore(SharedRecords):
         """A record read back under `tenant`'s key if this fleet's token signed it for this id,
         it is well formed and `tenant`'s; else None, the record counted and logged (the first
         and every 1000th)."""
-        try:
-            return self.checked(response_id, tenant, raw)
-        except ValueError as e:
-            self.dropped(response_id, e)
-            return None
+        return self.parsed(response_id, lambda: self.checked(response_id, tenant, raw))
 
     def checked(self, response_id: str, tenant: str, raw: bytes) -> StoredResponse:
         if len(raw) > SIG_BYTES + MAX_RECORD_BYTES:
