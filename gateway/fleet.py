@@ -44,6 +44,7 @@ from gateway.worker import DRAINING, KVGATE, Worker, idle, less_held, out_of_ser
 from gateway.worker_view import view_of_state, with_fields
 from policies.api import DEFAULT_TIER_CREDITS, Tally, TierCredits, WorkerView
 from policies.ledger import Sent
+from workers.generation_defaults import NEUTRAL, GenerationDefaults
 from workers.internal_auth import internal_headers
 from workers.kv.worker_state import WorkerState
 
@@ -264,6 +265,9 @@ class Fleet:
                 log.warning("worker %s at %s is out of service: %s", wid, w.url, out)
                 if out != DRAINING:
                     self._lose(w, out)
+        defaults = state.get("generation_defaults")
+        if defaults is not w.state.get("generation_defaults"):
+            w.generation_defaults = NEUTRAL if defaults is None else GenerationDefaults.from_json(defaults)
         w.worker_id, w.state, w.healthy, w.suspect, w.out = wid, state, True, False, out
         w.sent_since_poll = w.done_since_poll = 0
         w.state_at = time.monotonic()
@@ -356,6 +360,14 @@ class Fleet:
                 n = w.state.get("max_model_len") or 1 << 31
                 out[w.model] = min(out.get(w.model, n), n)
         return out
+
+    def generation_defaults(self, model: str) -> GenerationDefaults:
+        """The sampling defaults a healthy worker of `model` serves it with (one model's workers
+        share its generation config), so the gateway reads a request's budget as they will."""
+        for w in self.workers.values():
+            if w.healthy and w.model == model:
+                return w.generation_defaults
+        return NEUTRAL
 
     def begin(self, w: Worker, request_id: str = "", sent: Sent | None = None) -> None:
         """Count a request sent to `w` at once, when it is decided: the next decision, here or

@@ -110,7 +110,8 @@ class Intake:
         whole = kinds == {vllm_worker.KIND}  # gateway/passthrough.py
         try:
             if tok is not None:
-                prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole)
+                defaults = self.fleet.generation_defaults(model)
+                prep = await self.tokenizers.prepare(tok, body, kind, len(raw), models[model], whole, defaults)
             elif not whole:
                 check_request(body, kind)
             else:  # vLLM checks its fields; the salt is the tenant's boundary, checked here

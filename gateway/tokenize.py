@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.passthrough import parse_whole
+from workers.generation_defaults import NEUTRAL, GenerationDefaults
 from workers.given_ids import fingerprint
 from workers.prefix_tokens import Budgeted, OverBudget, PrefixTokenizer
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
@@ -79,17 +80,25 @@ class ModelTokenizer:
         return sum(len(e.ids) for e in self.backend.encode_batch(texts, add_special_tokens=True))
 
     def prepare(
-        self, body: object, kind: str, max_model_len: int, whole: bool = False, budget: int | None = None
+        self,
+        body: object,
+        kind: str,
+        max_model_len: int,
+        whole: bool = False,
+        budget: int | None = None,
+        defaults: GenerationDefaults = NEUTRAL,
     ) -> Prepared:
         """Validate and tokenize like the worker, then hash the full blocks (raises InvalidRequest).
         `whole`: the request goes unchanged to vLLM workers, which take more (gateway/passthrough.py).
         `budget`: OverBudget past that many characters to tokenize beyond cached prefixes (on
-        the event loop only)."""
-        parse = parse_whole if whole else parse_request
+        the event loop only). `defaults`: the kvgate workers' sampling defaults for the model."""
         tokenizer: PrefixTokenizer | Budgeted = self.tokenizer
         if budget is not None:
             self.inline.left, tokenizer = budget, self.inline
-        parsed = parse(body, kind, tokenizer, max_model_len)
+        if whole:
+            parsed = parse_whole(body, kind, tokenizer, max_model_len)
+        else:
+            parsed = parse_request(body, kind, tokenizer, max_model_len, defaults=defaults)
         seed = salted_seed(self.seed, parsed.cache_salt)
         return Prepared(parsed, block_hashes(parsed.prompt_ids, self.block_size, seed))
 
@@ -121,14 +130,22 @@ class Tokenizers:
             return None
 
     async def prepare(
-        self, tok: ModelTokenizer, body: dict, kind: str, size: int, max_model_len: int, whole: bool = False
+        self,
+        tok: ModelTokenizer,
+        body: dict,
+        kind: str,
+        size: int,
+        max_model_len: int,
+        whole: bool = False,
+        defaults: GenerationDefaults = NEUTRAL,
     ) -> Prepared:
         """`tok.prepare` here when the body (of `size` bytes) is short, or not too long and what
         it leaves to tokenize past cached prefixes is short; else in a thread (from the start:
         the parse is pure)."""
         if size <= INLINE_MAX_BYTES:
             try:
-                return tok.prepare(body, kind, max_model_len, whole, None if size <= INLINE_CHARS else INLINE_CHARS)
+                budget = None if size <= INLINE_CHARS else INLINE_CHARS
+                return tok.prepare(body, kind, max_model_len, whole, budget, defaults)
             except OverBudget:
                 pass
-        return await asyncio.to_thread(tok.prepare, body, kind, max_model_len, whole)
+        return await asyncio.to_thread(tok.prepare, body, kind, max_model_len, whole, None, defaults)

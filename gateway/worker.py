@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from gateway.breaker import Breaker
 from policies.api import WorkerView
 from policies.ledger import Ledger
+from workers.generation_defaults import NEUTRAL, GenerationDefaults
 
 KVGATE = "kvgate"  # the kind of kvgate's own workers (others: gateway/vllm_worker.py)
 
@@ -35,6 +36,7 @@ class Worker:
     state_rides: bool = False  # its last /kv/events answer carried its state
     redis_residency: bool = False
     kind: str = KVGATE
+    generation_defaults: GenerationDefaults = NEUTRAL  # its model's sampling defaults, from its state
     hash_ratio: int = 1  # index blocks per block of the worker's own size
     ledger: Ledger = field(default_factory=Ledger)  # what this gateway has in flight there
     base: WorkerView | None = None

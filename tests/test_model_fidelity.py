@@ -20,8 +20,8 @@ from workers.executors.torch_runner import (
     TOKEN_BUCKET,
     TorchRunner,
     blocks_that_fit,
-    eos_token_ids,
 )
+from workers.model_store import eos_token_ids
 from workers.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -5,7 +5,9 @@ the previous step's samples on the device) a penalised workload gives the tokens
 step at a time (CPU: the runner's own launch/collect made to overlap; CUDA: as served)."""
 
 import dataclasses
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from tests.test_overlap import OverlappingRunner, run
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.executors.torch_runner import TorchRunner
+from workers.generation_defaults import load_generation_defaults
 from workers.model_store import load_tokenizer
 from workers.sampling_params import SamplingParams
 from workers.server import WorkerServer
@@ -111,3 +114,29 @@ def test_overlapped_steps_penalise_what_one_step_at_a_time_does(tiny_llama, devi
     assert run(engine(True), requests) == sync
     unpenalised = [(p, dataclasses.replace(sp, repetition_penalty=1.0, presence_penalty=0.0)) for p, sp in requests]
     assert run(engine(False), unpenalised) != sync, "the penalties changed nothing: the test would prove nothing"
+
+
+def test_the_models_generation_config_samples_what_a_request_leaves_out(tiny_llama, tmp_path):
+    """A generation_config.json with temperature 0: requests that send none are greedy whatever
+    their seed, and one that sends its own temperature samples."""
+    model = tmp_path / "greedy-model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    defaults = load_generation_defaults(model)
+    runner = TorchRunner(str(model), 128, 4)
+    config = EngineConfig("m", 4, 128, 64, 8, generation_defaults=defaults)
+    engine = Engine(runner, load_tokenizer(str(model)), config)
+    engine.start()
+    server = WorkerServer(engine, "m", runner.vocab_size)
+    with TestClient(server.app, raise_server_exceptions=False) as client:
+
+        def tokens(**fields) -> list[int]:
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+            r = client.post("/v1/completions", json=body | fields)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        greedy = tokens(temperature=0)
+        assert tokens(seed=1) == tokens(seed=2) == greedy
+        assert tokens(seed=1, temperature=1.0) != tokens(seed=2, temperature=1.0)

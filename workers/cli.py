@@ -14,13 +14,14 @@ from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer, Drainable
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.generation_defaults import NEUTRAL, GenerationDefaults, load_generation_defaults
 from workers.http_server import add_client_args, client_limits, server_config
 from workers.startup_heap import settle_gc
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 from workers.listen import listen
 from workers.logs import add_log_args, setup_logging
-from workers.model_store import load_tokenizer, resolve, served_name
+from workers.model_store import eos_token_ids, load_tokenizer, resolve, served_name
 from workers.server import RETRY_AFTER_S, WorkerServer
 from workers.telemetry import add_trace_args, provider_from_args
 from workers.tracing import WorkerTracing
@@ -108,6 +109,18 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch at most")
     p.add_argument("--max-model-len", type=int, help="cap the context length below the model's")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="the sampling defaults a request's absent fields take, as vLLM's flag: auto (the model "
+        "folder's generation_config.json), vllm (none: OpenAI's), or a folder holding a "
+        "generation_config.json (whose max_new_tokens then caps every request's budget)",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        help="a JSON object of generation-config fields set over it, e.g. '{\"temperature\": 0.5}' "
+        "(a max_new_tokens here caps every request's budget)",
+    )
     p.add_argument(
         "--role",
         choices=["mixed", "prefill", "decode"],
@@ -228,11 +241,11 @@ def build_executor(args, path: Path, tokenizer):
 
         cfg = model_config(path)
         cost = CostModel.load(args.sim_profile) if args.sim_profile else CostModel()
-        eos = cfg.get("eos_token_id", tokenizer.eos_token_id)
+        eos = eos_token_ids(path, cfg) or tuple(t for t in [tokenizer.eos_token_id] if t is not None)
         runner = SimExecutor(
             cost,
             cfg.get("vocab_size", len(tokenizer)),
-            tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            eos,
             cfg.get("max_position_embeddings", 8192),
         )
     if args.max_model_len:
@@ -298,6 +311,7 @@ def build_server(args) -> WorkerServer:
         disk_gbps=args.disk_kv_gbps,
         load_every_hit=args.kv_load_every_hit,
         cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None),
+        generation_defaults=generation_defaults(args, path),
     )
     try:
         tracing = WorkerTracing(provider_from_args(args, "kvgate-worker"), config.worker_id, name)
@@ -316,6 +330,22 @@ def build_server(args) -> WorkerServer:
         tracing,
         args.nixl_quarantine_s,
     )
+
+
+def generation_defaults(args: argparse.Namespace, path: Path) -> GenerationDefaults:
+    """The model's sampling defaults, said once at start where they change what a request that
+    leaves a field out gets (vLLM warns of the same)."""
+    try:
+        defaults = load_generation_defaults(path, args.generation_config, args.override_generation_config)
+    except ValueError as e:
+        raise SystemExit(f"kvgate worker: {e}")
+    if defaults != NEUTRAL:
+        log.info(
+            "sampling defaults from the generation config (%s): %s; --generation-config vllm serves OpenAI's",
+            args.generation_config,
+            json.dumps(defaults.to_json()),
+        )
+    return defaults
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from workers.generation_defaults import NEUTRAL, GenerationDefaults
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 
@@ -24,3 +25,4 @@ class EngineConfig:
     host_gbps: float = HOST_GBPS  # host -> device copy rate (--host-kv-gbps): read or recompute
     disk_gbps: float = DISK_GBPS  # file -> device read rate (--disk-kv-gbps): read or recompute
     load_every_hit: bool = False  # copy back every slow-tier hit, even where recomputing is faster
+    generation_defaults: GenerationDefaults = NEUTRAL  # what a request's absent sampling fields take

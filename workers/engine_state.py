@@ -46,4 +46,5 @@ def engine_state(engine: "Engine", pending_kv: int) -> WorkerState:
         engine_calls_s=engine.stats.calls_s,
         max_model_len=engine.max_model_len,
         export_batch_blocks=c.export_batch_blocks,
+        generation_defaults=c.generation_defaults.to_json() or None,
     )

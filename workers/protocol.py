@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from workers.chat_template import chat_messages
 from workers.fields import as_list, flag, number
+from workers.generation_defaults import NEUTRAL, GenerationDefaults, capped, chat_budget
 from workers.prompt_options import PromptOptions, prompt_options, prompt_text
 from workers.sampling_params import LOGIT_BIAS_LIMIT, MAX_INT32, MAX_LOGIT_BIAS, InvalidRequest, SamplingParams
 from workers.unsupported import refuse_unsupported
@@ -88,6 +89,7 @@ def parse_request(
     max_model_len: int,
     vocab_size: int | None = None,
     given: list[list[int]] | None = None,
+    defaults: GenerationDefaults = NEUTRAL,
 ) -> ParsedRequest:
     """Validate an OpenAI completions/chat body into token ids and sampling parameters.
 
@@ -99,7 +101,7 @@ def parse_request(
     stream, include_usage, return_token_ids = _options(body)
     asked = _max_tokens(body, kind)
     n, echo = _choices(body, kind)
-    params = sampling_params(body, asked or 1, vocab_size, kind)
+    params = sampling_params(body, asked or 1, vocab_size, kind, defaults)
     kv, salt = _kv_transfer(body), checked_cache_salt(body)
     prompts, texts = [], []
     checked = _prompts(body, kind, vocab_size)
@@ -116,7 +118,8 @@ def parse_request(
         prompts.append(ids)
         texts.append(text)
     if asked is None:
-        asked = max_model_len - max(map(len, prompts)) if kind == "chat" else 16
+        asked = chat_budget(defaults, max_model_len - max(map(len, prompts))) if kind == "chat" else 16
+    asked = capped(defaults, asked)
     _check_min_tokens(params, asked)
     for ids in prompts:
         _check_context(len(ids), asked, max_model_len)
@@ -231,24 +234,29 @@ def _max_tokens(body: dict, kind: str) -> int | None:
 
 
 def sampling_params(
-    body: dict, max_tokens: int, vocab_size: int | None = None, kind: str = "completion"
+    body: dict,
+    max_tokens: int,
+    vocab_size: int | None = None,
+    kind: str = "completion",
+    defaults: GenerationDefaults = NEUTRAL,
 ) -> SamplingParams:
-    """The body's sampling fields, each type- and range-checked."""
-    top_k = number(body, "top_k", 0, int)
+    """The body's sampling fields, each type- and range-checked; an absent or null one takes
+    the model's default, else OpenAI's."""
+    top_k = number(body, "top_k", defaults.value("top_k", 0), int)
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=number(body, "temperature", 1.0),
-        top_p=number(body, "top_p", 1.0),
+        temperature=number(body, "temperature", defaults.value("temperature", 1.0)),
+        top_p=number(body, "top_p", defaults.value("top_p", 1.0)),
         top_k=0 if top_k == -1 else top_k,
         seed=number(body, "seed", None, int),
         stop=as_list(body.get("stop"), "stop", str),
         stop_token_ids=as_list(body.get("stop_token_ids"), "stop_token_ids", int),
         ignore_eos=flag(body, "ignore_eos"),
         logprobs=_logprobs(body, kind),
-        presence_penalty=number(body, "presence_penalty", 0.0),
-        frequency_penalty=number(body, "frequency_penalty", 0.0),
-        repetition_penalty=number(body, "repetition_penalty", 1.0),
-        min_p=number(body, "min_p", 0.0),
+        presence_penalty=number(body, "presence_penalty", defaults.value("presence_penalty", 0.0)),
+        frequency_penalty=number(body, "frequency_penalty", defaults.value("frequency_penalty", 0.0)),
+        repetition_penalty=number(body, "repetition_penalty", defaults.value("repetition_penalty", 1.0)),
+        min_p=number(body, "min_p", defaults.value("min_p", 0.0)),
         min_tokens=number(body, "min_tokens", 0, int),
         logit_bias=_logit_bias(body.get("logit_bias")),
     ).validate()

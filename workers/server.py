@@ -66,6 +66,7 @@ class WorkerServer:
         nixl_quarantine_s: float | None = None,
     ):
         self.engine = engine
+        self.generation_defaults = engine.config.generation_defaults
         self.max_in_flight = engine.config.max_num_seqs + max_queued_requests
         self.stall_timeout_s = stall_timeout_s
         self.draining = False  # set on SIGTERM (workers/drain.py)
@@ -178,9 +179,11 @@ class WorkerServer:
             value = body.pop(GIVEN_IDS, None)
             given = given_prompts(value, self.tokenizer_id, self.vocab_size) if trusted and value is not None else None
             if given is None:  # tokenizing: off the event loop
-                parsed = await asyncio.to_thread(parse_request, body, kind, tok, max_len, self.vocab_size)
+                parsed = await asyncio.to_thread(
+                    parse_request, body, kind, tok, max_len, self.vocab_size, None, self.generation_defaults
+                )
             else:  # nothing to tokenize: a thread hop would cost more than the checks
-                parsed = parse_request(body, kind, tok, max_len, self.vocab_size, given)
+                parsed = parse_request(body, kind, tok, max_len, self.vocab_size, given, self.generation_defaults)
         except InvalidRequest as e:
             return error(400, str(e), code=e.code, param=e.param)
         if has_text(body, kind):

@@ -10,12 +10,10 @@ activation and RoPE (workers/kernels), and decode steps replay CUDA graphs
 gather attention path: the reference the fidelity tests hold against HF.
 """
 
-import json
 import time
 from array import array
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -28,6 +26,7 @@ from workers.executors.kernel_inputs import Staging, decode_inputs, is_decode, k
 from workers.models.llama import ModelConfig
 from workers.models.loader import default_dtype, load_config, load_model
 from workers.logits_processors import process_logits
+from workers.model_store import eos_token_ids
 from workers.outputs import TokenLogprobs
 from workers.sampling import sample_tensor, to_device, token_logprobs
 from workers.sampling_params import SamplingParams
@@ -366,18 +365,3 @@ def blocks_that_fit(model_dir: str, memory_bytes: int, block_size: int, dtype: t
     """How many KV blocks a memory budget holds, before building a runner (to size `num_blocks`)."""
     cfg = ModelConfig.from_hf(load_config(model_dir))
     return memory_bytes // (block_size * kv_bytes_per_token(cfg, dtype))
-
-
-def eos_token_ids(model_dir: str, hf_config: dict) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (Llama 3 instruct lists several there)."""
-    ids: list[int] = []
-    sources = [hf_config]
-    generation = Path(model_dir) / "generation_config.json"
-    if generation.exists():
-        sources.append(json.loads(generation.read_text()))
-    for source in sources:
-        eos = source.get("eos_token_id")
-        for token in eos if isinstance(eos, list) else [eos]:
-            if token is not None and token not in ids:
-                ids.append(token)
-    return tuple(ids)

@@ -11,6 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from types import NoneType
 from typing import Any, NamedTuple, get_args, get_origin
 
+from workers.generation_defaults import GenerationDefaults
 from workers.kv.cost_model import CostModel
 from workers.kv.events import shown
 
@@ -56,6 +57,7 @@ class WorkerState:
     engine_calls_s: float = 0.0
     max_model_len: int | None = None
     export_batch_blocks: int = 0  # P/D: blocks per export batch mid-prefill (0: one transfer after it)
+    generation_defaults: dict | None = None  # the model's sampling defaults (GenerationDefaults' JSON)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -80,6 +82,8 @@ class WorkerState:
         for name, nested in _NESTED.items():
             if fresh.get(name) is not None:
                 check(fresh[name], nested, f"state.{name}")
+        if fresh.get("generation_defaults") is not None:
+            GenerationDefaults.from_json(fresh["generation_defaults"])  # raises ValueError naming the field
         state = object.__new__(WorkerState)
         object.__setattr__(state, "__dict__", _DEFAULTS | {name: d[name] for name in _FIELDS & d.keys()})
         return state
