@@ -45,6 +45,7 @@ class SamplingParams:
     logit_bias_ids: array = field(init=False, repr=False, compare=False)
     logit_bias_values: array = field(init=False, repr=False, compare=False)
     stop_id_array: array = field(init=False, repr=False, compare=False)
+    stop_id_set: frozenset = field(init=False, repr=False, compare=False)  # a token's stop check, O(1)
 
     def __post_init__(self) -> None:
         """The arrays, of the ids in range only: `validate` refuses params with any other."""
@@ -53,6 +54,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias_values", array("f", [b for _, b in bias]))
         stops = dict.fromkeys(t for t in self.stop_token_ids if 0 <= t <= MAX_INT32)
         object.__setattr__(self, "stop_id_array", array("q", stops))
+        object.__setattr__(self, "stop_id_set", frozenset(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

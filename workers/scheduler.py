@@ -122,7 +122,7 @@ class Scheduler:
         the detokenizer skips the strings, and an executor without logits may still emit one),
         "length" (max_tokens, or the context is full), or None."""
         p = req.params
-        stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        stop_token = token in p.stop_id_set or (not p.ignore_eos and token in self.eos_token_ids)
         if (stop_token or stop_string) and req.num_output > p.min_tokens:
             return "stop"
         if req.num_output >= p.max_tokens or len(req.token_ids) - req.unresolved >= self.max_model_len:
