@@ -111,6 +111,12 @@ class LocalResponses:
             )
         return Response(record.response, media_type="application/json")
 
+    async def delete(self, record: StoredResponse) -> Response:
+        """Delete a stored response (OpenAI's answer: its id, `response.deleted`, `deleted: true`);
+        raises LookupFailed when Redis does not answer."""
+        await self.store.delete(record)
+        return JSONResponse({"id": record.response_id, "object": "response.deleted", "deleted": True})
+
     def cancel(self, record: StoredResponse) -> Response:
         """A response of kvgate's workers is never a background one, so it cannot be cancelled:
         vLLM's and OpenAI's 400 for a synchronous response."""

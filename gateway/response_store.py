@@ -12,7 +12,9 @@ its quota forgets its own least recently used, so no tenant's traffic evicts ano
 store-wide bound the tenant holding the most (entries, or bytes) forgets its least recently
 used. With `--redis` every record is also written to Redis (gateway/shared_response_store.py,
 under the same quota per tenant), so a replica that did not create a response can return or
-continue it.
+continue it. A tenant deletes a response (`DELETE /v1/responses/{id}`) here and, with Redis, at
+every replica: Redis first (its record, and a mark the replicas check before serving a copy of
+their own), then this replica's copy.
 """
 
 import logging
@@ -95,14 +97,35 @@ class ResponseStore:
         if not valid_id(response_id):
             return None
         record = self.get(response_id, tenant)
-        if record is not None or self.shared is None:
-            return record
+        if record is not None:
+            return await self.confirmed(record)
+        if self.shared is None:
+            return None
         found = await self.shared.find(response_id, tenant)
         if found is None:
             return None
         shared, ttl_s = found
         self.remember(shared, ttl_s)
         return shared
+
+    async def confirmed(self, record: StoredResponse) -> StoredResponse | None:
+        """`record`, this replica's copy, unless its tenant deleted it at another replica (then
+        the copy goes too)."""
+        if self.shared is None or not await self.shared.deleted(record.response_id, record.tenant):
+            return record
+        t = self.tenants.get(record.tenant)
+        if t is not None:
+            self.drop(t, record.response_id)
+        return None
+
+    async def delete(self, record: StoredResponse) -> None:
+        """Delete `record` for its tenant: from Redis (raising LookupFailed when it does not
+        answer, nothing deleted then), then here."""
+        if self.shared is not None:
+            await self.shared.delete(record.response_id, record.tenant, self.ttl_s)
+        t = self.tenants.get(record.tenant)
+        if t is not None:
+            self.drop(t, record.response_id)
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """This replica's record of `response_id` for `tenant`, which becomes its most recently used."""

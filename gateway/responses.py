@@ -1,7 +1,8 @@
 """The Responses API through the gateway: `POST /v1/responses` (create), `GET
 /v1/responses/{response_id}` (retrieve; `?stream=true` replays the events of a response created
-with both `background` and `stream`)
-and `POST /v1/responses/{response_id}/cancel`. A model with a vLLM worker (registered, healthy or
+with both `background` and `stream`),
+`POST /v1/responses/{response_id}/cancel` and `DELETE /v1/responses/{response_id}` (the gateway's
+own responses only: vLLM deletes none). A model with a vLLM worker (registered, healthy or
 not) is served by its vLLM workers, as below; a model of kvgate's own workers alone by the
 gateway itself, over its chat path (gateway/local_responses.py), the gateway keeping the
 responses. A follow-up, retrieve or cancel goes where its id is known, whatever the model's
@@ -76,11 +77,13 @@ from policies.candidates import cheapest
 log = logging.getLogger("kvgate.gateway")
 
 CREATE, RETRIEVE, CANCEL = "responses", "responses_retrieve", "responses_cancel"
-RESPONSES_KINDS = frozenset({CREATE, RETRIEVE, CANCEL})
+DELETE = "responses_delete"
+RESPONSES_KINDS = frozenset({CREATE, RETRIEVE, CANCEL, DELETE})
 TRACE_NAMES = {
     CREATE: "POST /v1/responses",
     RETRIEVE: "GET /v1/responses/{response_id}",
     CANCEL: "POST /v1/responses/{response_id}/cancel",
+    DELETE: "DELETE /v1/responses/{response_id}",
 }
 NOT_FOUND, UNAVAILABLE, LOOKUP_FAILED = "response_not_found", "response_worker_unavailable", "response_lookup_failed"
 T = TypeVar("T")
@@ -92,7 +95,7 @@ def new_id() -> str:
 
 
 def routes(endpoint: Callable[[str], Callable[[Request], Awaitable[Response]]]) -> list[Route]:
-    """The three routes, each served by `endpoint(kind)`. The retrieve takes GET only, where
+    """The four routes, each served by `endpoint(kind)`. The retrieve takes GET only, where
     starlette adds HEAD to a GET route: a HEAD's answer has no body, but a worker's body is
     relayed past uvicorn's send (gateway/raw_send.py), so HEAD is the 405 every other method is."""
     retrieve = Route("/v1/responses/{response_id}", endpoint(RETRIEVE), methods=["GET"])
@@ -101,6 +104,7 @@ def routes(endpoint: Callable[[str], Callable[[Request], Awaitable[Response]]]) 
     return [
         Route("/v1/responses", endpoint(CREATE), methods=["POST"]),
         retrieve,
+        Route("/v1/responses/{response_id}", endpoint(DELETE), methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", endpoint(CANCEL), methods=["POST"]),
     ]
 
@@ -170,9 +174,11 @@ class Responses:
         return await fwd.tries(rec, True, 0, lambda ex: self.with_room(holder), attempt)
 
     async def stored(self, request: Request, kind: str, rec: RequestRecord) -> Response:
-        """A retrieve or a cancel, to the worker that stored the response. A retrieve's
-        `stream=true` of a response that cannot be replayed (`Owner.replayable`) is the
-        gateway's 400: vLLM would start its answer, then break it off."""
+        """A retrieve, cancel or delete: of the gateway's own response here, else at the worker
+        that stored it. A retrieve's `stream=true` of a response that cannot be replayed
+        (`Owner.replayable`) is the gateway's 400: vLLM would start its answer, then break it
+        off. vLLM deletes no response (it has no such route): a delete of one of its responses is
+        a 405 that changes nothing."""
         response_id = request.path_params["response_id"]
         key = api_key(request.scope)
         tenant = key.tenant if key is not None else ""
@@ -183,7 +189,16 @@ class Responses:
             rec.model = owner.model
             if kind == CANCEL:
                 return self.local.cancel(owner)
+            if kind == DELETE:
+                return await self.lookup(self.local.delete(owner))
             return self.local.retrieve(owner, request.query_params.get("stream") == "true")
+        if kind == DELETE:
+            raise ApiError(
+                405,
+                f"response '{response_id}' is stored by a vLLM server, which cannot delete responses",
+                code="method_not_allowed",
+                param="response_id",
+            )
         if kind == CANCEL:
             method, path = "POST", f"/v1/responses/{response_id}/cancel"
         else:
@@ -226,7 +241,7 @@ class Responses:
         id for the tenant: a vLLM response known here is served while Redis does not answer."""
         record = local.store.get(response_id, tenant)
         if record is not None:
-            return record
+            return await local.store.confirmed(record)
         known = self.ids.find(response_id)
         if known is not None and known.tenant == tenant:
             return None

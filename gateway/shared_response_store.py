@@ -28,6 +28,11 @@ atomic, so replicas writing one tenant's records at once keep its count and byte
 never touch another tenant's. A counter lost alone is counted again from the index, and an empty
 index restarts it at 0. The script names the records it evicts from their ids (a key it is not
 given): one Redis, not a cluster, as the rest of kvgate's layout.
+
+**A delete holds fleet-wide**: a second script (DELETE) takes the record out of Redis, its index
+and its bytes, and leaves a mark (`kvgate:deleted-response:{tenant}:{id}`) for the store's TTL,
+the longest a replica may hold a copy of it; a replica asks for that mark before it serves a copy
+of its own (`deleted`), so no replica answers for a response once its DELETE has answered.
 """
 
 import asyncio
@@ -39,7 +44,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from gateway.response_ids import DEFAULT_SIZE
-from gateway.shared_records import WRITE_WAIT_S, SharedRecords
+from gateway.shared_records import WRITE_WAIT_S, LookupFailed, SharedRecords
 from gateway.stored_response import StoredResponse
 from workers.kv import redis_schema as rs
 from workers.strict_json import peer_object
@@ -87,6 +92,21 @@ return evicted
 """
 
 
+# KEYS: the record, the tenant's index, its bytes, the deleted mark. ARGV: the record's id, the
+# mark's TTL (ms). Returns 1 when Redis held the record, else 0 (the mark is left either way).
+DELETE = """
+redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[2]))
+local value = redis.call('GET', KEYS[1])
+if not value then return 0 end
+local size = string.len(value)
+if redis.call('ZREM', KEYS[2], ARGV[1] .. ' ' .. size) == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('DECRBY', KEYS[3], size)
+end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
 class SharedResponseStore(SharedRecords):
     """The stored responses in Redis at `url`, signed with `token`, at most `tenant_size` of a
     tenant's holding `tenant_bytes` (their records' bytes in Redis)."""
@@ -104,6 +124,7 @@ class SharedResponseStore(SharedRecords):
             raise ValueError("a tenant's quota is at least one response and one byte")
         self.tenant_size, self.tenant_bytes = tenant_size, tenant_bytes
         self.script: AsyncScript | None = None
+        self.delete_script: AsyncScript | None = None
 
     def tenant_tag(self, tenant: str) -> str:
         """The tenant's name in its records' keys: an HMAC with the fleet's token, so the keys
@@ -142,6 +163,36 @@ class SharedResponseStore(SharedRecords):
             return
         if evicted == -1:
             log.warning("response %s is past its tenant's quota alone: not stored in redis", record.response_id)
+
+    async def delete(self, response_id: str, tenant: str, ttl_s: float) -> None:
+        """Take `tenant`'s `response_id` out of Redis and mark it deleted for `ttl_s` (DELETE).
+        Raises LookupFailed when Redis does not answer: the response may still be served."""
+        tag = self.tenant_tag(tenant)
+        keys = [
+            rs.stored_response_key(tag, response_id),
+            rs.stored_responses_key(tag),
+            rs.stored_response_bytes_key(tag),
+            rs.deleted_response_key(tag, response_id),
+        ]
+        try:
+            if self.delete_script is None:
+                self.delete_script = self.client().register_script(DELETE)
+            await self.delete_script(keys=keys, args=[response_id, max(1, int(ttl_s * 1000))])
+            self.answered()
+        except (RedisError, OSError) as e:
+            self.failed(e)
+            raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
+
+    async def deleted(self, response_id: str, tenant: str) -> bool:
+        """Whether `tenant`'s `response_id` was deleted (at any replica); False when Redis does not
+        answer: a replica's own copy is then served, as every lookup it can answer alone is."""
+        try:
+            marked = await self.client().exists(rs.deleted_response_key(self.tenant_tag(tenant), response_id))
+            self.answered()
+        except (RedisError, OSError) as e:
+            self.failed(e)
+            return False
+        return bool(marked)
 
     async def find(self, response_id: str, tenant: str) -> tuple[StoredResponse, float] | None:
         """The record Redis holds for `response_id` of `tenant` and the seconds it has left, or

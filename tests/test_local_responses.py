@@ -279,3 +279,24 @@ def test_a_worker_dying_mid_stream_is_response_failed(dying):
     )
     got = call(gw, "GET", f"/v1/responses/{final['id']}")
     assert got.status_code == 200 and got.json()["status"] == "failed"  # stored as the client saw it
+
+
+def test_a_tenant_deletes_its_response_at_every_replica(fleet):
+    """DELETE at replica a, of a response replica b holds a copy of: OpenAI's answer, then a 404
+    for it everywhere (retrieve, follow-up, delete again); another tenant's DELETE of it is the
+    404 of an unknown id and deletes nothing."""
+    a, b = fleet["a"], fleet["b"]
+    rid = create(a, input="Forget me", max_output_tokens=3).json()["id"]
+    wait_for(lambda: call(b, "GET", f"/v1/responses/{rid}").status_code == 200, timeout=10, what="b's copy")
+    other = call(a, "DELETE", f"/v1/responses/{rid}", key="sk-b")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "response_not_found", other.text
+    assert call(b, "GET", f"/v1/responses/{rid}").status_code == 200
+    gone = call(a, "DELETE", f"/v1/responses/{rid}", key="sk-a2")  # another key of the same tenant
+    assert gone.status_code == 200, gone.text
+    assert gone.json() == {"id": rid, "object": "response.deleted", "deleted": True}
+    for gw in (a, b):
+        r = call(gw, "GET", f"/v1/responses/{rid}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+        r = create(gw, input="and?", previous_response_id=rid)
+        assert (r.status_code, r.json()["error"]["param"]) == (404, "previous_response_id"), r.text
+        assert call(gw, "DELETE", f"/v1/responses/{rid}").status_code == 404

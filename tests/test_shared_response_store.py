@@ -260,3 +260,63 @@ def test_a_follow_up_sent_to_another_replica_the_instant_the_answer_ends_finds_i
             assert status == 200, text
     finally:
         stop_all([worker])
+
+
+def test_a_delete_at_one_replica_holds_at_every_replica_and_frees_its_quota(redis_url):
+    """Replica B holds its own copy of a response replica A deletes: B no longer serves it (the
+    mark in Redis), Redis no longer holds it, and the tenant's count and bytes there drop, so
+    the tenant's next response evicts none of its others. Another tenant's record is untouched."""
+    size = len(record("resp_a0").encoded()) + 64
+
+    async def go() -> tuple:
+        r = redis.Redis.from_url(redis_url)
+        a, b = (ResponseStore(shared=SharedResponseStore(redis_url, TOKEN, tenant_size=3)) for _ in range(2))
+        tag = a.shared.tenant_tag("a")
+        try:
+            for rid, tenant in (("resp_a0", "a"), ("resp_a1", "a"), ("resp_a2", "a"), ("resp_b0", "b")):
+                a.put(record(rid, tenant))
+                await stored(a, rid, tenant)
+            copy = await b.find("resp_a1", "a")  # B's own copy now
+            assert copy is not None and b.get("resp_a1", "a") is not None
+            bytes_before = int(r.get(rs.stored_response_bytes_key(tag)))
+            await a.delete(copy)
+            gone_here, gone_there = await a.find("resp_a1", "a"), await b.find("resp_a1", "a")
+            mark_ttl_s = r.pttl(rs.deleted_response_key(tag, "resp_a1")) / 1000
+            counted = (
+                r.zcard(rs.stored_responses_key(tag)),
+                bytes_before - int(r.get(rs.stored_response_bytes_key(tag))),
+            )
+            a.put(record("resp_a3"))
+            await stored(a, "resp_a3", "a")
+            kept = sorted(k.rsplit(":", 1)[1] for k in held(redis_url))
+            return gone_here, gone_there, b.get("resp_a1", "a"), mark_ttl_s, counted, kept
+        finally:
+            await a.close()
+            await b.close()
+            r.close()
+
+    here, there, copy_left, mark_ttl_s, counted, kept = asyncio.run(go())
+    assert here is None and there is None and copy_left is None
+    assert 0 < mark_ttl_s <= ResponseStore().ttl_s
+    assert counted == (2, size)
+    assert kept == ["resp_a0", "resp_a2", "resp_a3", "resp_b0"]
+
+
+def test_a_delete_redis_does_not_answer_deletes_nothing():
+    """Redis down: the delete raises LookupFailed (the gateway's 503) and the replica's own copy
+    stays, as does whatever Redis holds: a 200 would say it is gone while replicas still serve it."""
+    from gateway.shared_records import LookupFailed
+
+    async def go() -> tuple[bool, StoredResponse | None]:
+        store = ResponseStore(shared=SharedResponseStore(f"redis://127.0.0.1:{free_port()}/0", TOKEN))
+        store.remember(record("resp_x"), 60)
+        try:
+            await store.delete(record("resp_x"))
+        except LookupFailed:
+            return True, store.get("resp_x", "a")
+        finally:
+            await store.close()
+        return False, None
+
+    raised, kept = asyncio.run(go())
+    assert raised and kept == record("resp_x")

@@ -117,6 +117,12 @@ def test_other_tenants_unknown_and_unstored_ids_are_one_404(fakes, tmp_path):
         unknown = call(gw, "GET", "/v1/responses/resp_0123456789abcdef", key="sk-b").json()["error"]["message"]
         assert other.replace(rid, "resp_0123456789abcdef") == unknown  # nothing tells one from the other
 
+        # vLLM deletes no response: its owner's DELETE is a 405 that changes nothing, another's a 404
+        deleted = call(gw, "DELETE", f"/v1/responses/{rid}")
+        assert deleted.status_code == 405 and deleted.json()["error"]["code"] == "method_not_allowed", deleted.text
+        assert call(gw, "GET", f"/v1/responses/{rid}").status_code == 200
+        assert_not_found(call(gw, "DELETE", f"/v1/responses/{rid}", key="sk-b"), "response_id")
+
         unstored = create(gw, store=False)
         assert unstored.status_code == 200, unstored.text
         assert_not_found(create(gw, previous_response_id=unstored.json()["id"]), "previous_response_id")

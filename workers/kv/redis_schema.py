@@ -168,6 +168,12 @@ def stored_responses_key(tenant_tag: str) -> str:
     return f"{PREFIX}:stored-responses:{tenant_tag}"
 
 
+def deleted_response_key(tenant_tag: str, response_id: str) -> str:
+    """A stored response its tenant deleted, for as long as a replica may still hold a copy of
+    it (the store's TTL): a replica checks it before it serves its own copy."""
+    return f"{PREFIX}:deleted-response:{tenant_tag}:{response_id}"
+
+
 def stored_response_bytes_key(tenant_tag: str) -> str:
     """The bytes a tenant's stored responses hold in Redis (`stored_responses_key`'s sizes summed)."""
     return f"{PREFIX}:stored-response-bytes:{tenant_tag}"
