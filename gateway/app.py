@@ -112,7 +112,9 @@ class Gateway:
         )
         self.tries = Tries(self.retry, self.metrics, self.exchange, self.admission)
         store = response_store if response_store is not None else ResponseStore()  # an empty one is falsy
-        local = LocalResponses(lambda r, raw, rec: self.generate(r, "chat", raw, rec), store)
+        local = LocalResponses(
+            lambda r, raw, rec: self.generate(r, "chat", raw, rec), store, self.fleet.generation_defaults
+        )
         ids = response_ids if response_ids is not None else ResponseIds()
         self.responses = Responses(self.forwarder, ids, shared_response_ids, local)
         if redis is not None:
@@ -263,6 +265,7 @@ class Gateway:
             model, prep, view, raw = await self.intake.prepare(request, raw, kind, rec)
         trace.set(model=model, prompt_tokens=view.num_tokens)
         rec.model, rec.prompt_tokens = model, view.num_tokens
+        rec.max_tokens = prep.parsed.params.max_tokens if prep is not None else None
         rec.slo_ttft_ms, rec.slo_tpot_ms = view.slo_ttft_ms, view.slo_tpot_ms
         await self.intake.admit_tokens(request, view)
         return await self.dispatch(request, kind, raw, model, prep, view, rec)

@@ -362,12 +362,18 @@ class Fleet:
         return out
 
     def generation_defaults(self, model: str) -> GenerationDefaults:
-        """The sampling defaults a healthy worker of `model` serves it with (one model's workers
-        share its generation config), so the gateway reads a request's budget as they will."""
+        """The sampling defaults `model`'s healthy workers serve it with, where they all are
+        kvgate workers and agree, so the gateway reads a request's budget as they will; else
+        none (OpenAI's): the gateway then reads the largest budget any worker may use and caps
+        none, so it refuses nothing a worker would take (a vLLM worker's defaults are not known
+        here)."""
+        found: GenerationDefaults | None = None
         for w in self.workers.values():
             if w.healthy and w.model == model:
-                return w.generation_defaults
-        return NEUTRAL
+                if w.kind != KVGATE or (found is not None and w.generation_defaults != found):
+                    return NEUTRAL
+                found = w.generation_defaults
+        return NEUTRAL if found is None else found
 
     def begin(self, w: Worker, request_id: str = "", sent: Sent | None = None) -> None:
         """Count a request sent to `w` at once, when it is decided: the next decision, here or

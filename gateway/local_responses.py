@@ -16,6 +16,7 @@ Redis), scoped to the tenant whose key made it, for its retrieve and its follow-
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,6 +28,8 @@ from gateway.response_chat import ChatAnswer, answered, as_responses_error, chat
 from gateway.response_events import ResponseEvents
 from gateway.response_object import (
     COMPLETED,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
     INCOMPLETE,
     new_message_id,
     new_response_id,
@@ -34,10 +37,11 @@ from gateway.response_object import (
     response_json,
     status_of,
 )
-from gateway.response_request import parse_create
+from gateway.response_request import CreateRequest, parse_create
 from gateway.response_store import ResponseStore
 from gateway.response_stream import ResponseStream
 from gateway.stored_response import StoredResponse
+from workers.generation_defaults import NEUTRAL, GenerationDefaults
 
 Chat = Callable[[Request, bytes, RequestRecord], Awaitable[Response]]
 KEPT_HEADERS = ("x-kvgate-",)  # the chat answer's headers a Responses answer keeps: routing's
@@ -45,10 +49,13 @@ KEPT_HEADERS = ("x-kvgate-",)  # the chat answer's headers a Responses answer ke
 
 class LocalResponses:
     """Creates served by `chat` (the gateway's chat pipeline: body -> answer, raising ApiError),
-    stored in `store`."""
+    stored in `store`; `defaults(model)`, the sampling defaults its workers serve a model with
+    (what an answer shows for a field its create left out)."""
 
-    def __init__(self, chat: Chat, store: ResponseStore):
-        self.chat, self.store = chat, store
+    def __init__(
+        self, chat: Chat, store: ResponseStore, defaults: Callable[[str], GenerationDefaults] = lambda _: NEUTRAL
+    ):
+        self.chat, self.store, self.defaults = chat, store, defaults
 
     async def create(
         self,
@@ -81,6 +88,7 @@ class LocalResponses:
             answer = await self.chat(request, json.dumps(chat_body(req, conversation)).encode(), rec)
         except ApiError as e:
             raise as_responses_error(e)
+        req = self.sampled(req, rec)
         if isinstance(answer, PassThrough):
             return ResponseStream(answer, ResponseEvents(req, response_id, created_at, keep))
         if answer.status_code != 200:
@@ -99,6 +107,17 @@ class LocalResponses:
             await stored  # a follow-up sent to another replica the instant this answer ends finds it
         headers = {k: v for k, v in answer.headers.items() if k.startswith(KEPT_HEADERS)}
         return JSONResponse(response, headers=headers)
+
+    def sampled(self, req: CreateRequest, rec: RequestRecord) -> CreateRequest:
+        """`req` as its answer shows it, vLLM's way: the temperature, top_p and budget it was
+        generated with, the model's defaults (and the budget the gateway parsed) where it set none."""
+        d = self.defaults(req.model)
+        return replace(
+            req,
+            temperature=d.value("temperature", DEFAULT_TEMPERATURE) if req.temperature is None else req.temperature,
+            top_p=d.value("top_p", DEFAULT_TOP_P) if req.top_p is None else req.top_p,
+            max_output_tokens=rec.max_tokens if req.max_output_tokens is None else req.max_output_tokens,
+        )
 
     def retrieve(self, record: StoredResponse, stream: bool) -> Response:
         """A stored response as it was answered; its events are not kept, so `stream` is a 400."""

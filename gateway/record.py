@@ -33,6 +33,7 @@ class RequestRecord:
     ids_sent: bool = False  # the prompts' ids went to the worker (kv_prompt_ids), with the fleet's token
     generation: bool = False  # a Responses API create served as a chat (gateway/local_responses.py): counted as one
     prompt_tokens: int | None = None
+    max_tokens: int | None = None  # each choice's budget, as the gateway parsed it (None: not parsed here)
     predicted_cached: int | None = None
     cached_tokens: int | None = None
     output_tokens: int | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from gateway.response_request import CreateRequest
 
 COMPLETED, INCOMPLETE, FAILED, IN_PROGRESS = "completed", "incomplete", "failed", "in_progress"
-DEFAULT_TEMPERATURE = DEFAULT_TOP_P = 1.0  # what a kvgate worker samples with when a request sets none
+DEFAULT_TEMPERATURE = DEFAULT_TOP_P = 1.0  # OpenAI's, which a worker samples with where its model sets none
 
 
 def new_response_id() -> str:

@@ -15,7 +15,13 @@ from starlette.testclient import TestClient
 
 from workers.cli import build_server, parser
 from workers.kv.worker_state import WorkerState
-from workers.generation_defaults import NEUTRAL, GenerationDefaults, load_generation_defaults
+from workers.generation_defaults import (
+    NEUTRAL,
+    GenerationDefaults,
+    eos_token_ids,
+    load_generation_defaults,
+    read_generation_config,
+)
 from workers.model_store import load_tokenizer, resolve
 from workers.protocol import parse_request, sampling_params
 from workers.sampling_params import InvalidRequest
@@ -206,14 +212,32 @@ def test_a_sim_worker_serves_its_models_defaults(tmp_path):
     neutral = serve(path, "--generation-config", "vllm")
     try:
         assert neutral.generation_defaults == NEUTRAL
+        assert neutral.engine.executor.eos_token_ids == (2, 7)  # vllm: no defaults, the model's EOS ids still
     finally:
         neutral.engine.stop()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [9], "top_p": 0.5}))
+    named = serve(path, "--generation-config", str(other))
+    try:
+        assert named.generation_defaults == GenerationDefaults(top_p=0.5)
+        assert named.engine.executor.eos_token_ids == (2, 9)  # the tokenizer's, then the named config's
+    finally:
+        named.engine.stop()
 
 
 def test_a_worker_with_a_bad_generation_config_does_not_start(tmp_path):
     path = sim_model(tmp_path, {"temperature": -0.5})
     with pytest.raises(SystemExit, match="temperature must be a finite number >= 0"):
         serve(path)
+    for text, why in (
+        ("{not json", "not readable JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"eos_token_id": [[1]]}', "eos"),
+    ):
+        (path / "generation_config.json").write_text(text)
+        with pytest.raises(SystemExit, match=why):
+            serve(path)
     with pytest.raises(SystemExit, match="override-generation-config"):
         serve(path, "--generation-config", "vllm", "--override-generation-config", "[]")
 
@@ -229,3 +253,76 @@ def test_a_workers_state_carries_its_defaults_and_a_bad_one_is_refused():
     for bad in ({"temperature": -1}, {"top_k": "5"}, {"max_tokens": 0}, [1]):
         with pytest.raises(ValueError):
             WorkerState.from_json(base | {"generation_defaults": bad})
+
+
+def test_without_a_generation_config_the_fields_vllm_keeps_of_config_json_count(tmp_path):
+    """vLLM 0.32 (transformers 5.19) falls back to the folder's config.json, whose model config
+    keeps max_new_tokens, min_p and eos_token_id of the generation fields, not temperature."""
+    model = folder(tmp_path, None)
+    legacy = {"temperature": 0.3, "top_p": 0.5, "max_new_tokens": 33, "min_p": 0.1, "eos_token_id": [2, 7]}
+    (model / "config.json").write_text(json.dumps(legacy))
+    assert load_generation_defaults(model) == GenerationDefaults(min_p=0.1, max_tokens=33)
+    assert read_generation_config(model)["eos_token_id"] == [2, 7]
+    named = load_generation_defaults(folder(tmp_path, None, "other-model"), str(model))
+    assert named == GenerationDefaults(min_p=0.1, max_tokens=33, max_tokens_cap=33)
+    with pytest.raises(ValueError, match="nor a config.json"):
+        load_generation_defaults(model, str(folder(tmp_path, None, "empty")))
+
+
+def test_the_eos_ids_are_the_tokenizers_then_the_generation_configs():
+    assert eos_token_ids({"eos_token_id": [128001, 128009]}, 128009) == (128009, 128001)
+    assert eos_token_ids({"eos_token_id": 5}, None) == (5,)
+    assert eos_token_ids({}, 2) == (2,)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"temperature": 1' + "0" * 400 + "}", "finite and at most"),
+        ('{"top_k": ' + "9" * 30 + "}", "finite and at most"),
+        ("[" * 100_000 + "]" * 100_000, "not readable JSON"),
+        ('{"eos_token_id": [[1, 2]]}', "eos_token_id must be a token id"),
+        ('{"eos_token_id": -1}', "eos_token_id must be a token id"),
+        ('{"eos_token_id": "2"}', "eos_token_id must be a token id"),
+    ],
+)
+def test_files_past_any_range_or_depth_are_a_clean_refusal(tmp_path, text, why):
+    model = folder(tmp_path, None)
+    (model / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match=why):
+        load_generation_defaults(model)
+        read_generation_config(model)
+
+
+def test_a_state_of_numbers_past_any_range_is_refused_not_an_overflow():
+    for bad in ({"top_p": 10**400}, {"temperature": 10**30}, {"max_tokens": 2**70}):
+        with pytest.raises(ValueError):
+            WorkerState.from_json({"worker_id": "w0", "generation_defaults": bad})
+
+
+def test_the_gateway_reads_a_models_defaults_only_where_all_its_workers_agree():
+    """One worker capped by its operator must not make the gateway cap (or refuse) requests
+    another worker of the model would serve: disagreeing workers, or a worker of another kind
+    (whose defaults are unknown here), leave the gateway with none."""
+    from gateway.fleet import Fleet
+    from gateway.index import ResidencyIndex
+
+    fleet = Fleet(ResidencyIndex())
+    capped = GenerationDefaults(max_tokens=8, max_tokens_cap=8)
+
+    def up(url: str, defaults: GenerationDefaults, model: str = "m"):
+        w = fleet.add(url)
+        fleet.up(w, {"worker_id": url, "model": model, "generation_defaults": defaults.to_json() or None})
+        return w
+
+    a = up("a", capped)
+    assert fleet.generation_defaults("m") == capped and fleet.generation_defaults("other") == NEUTRAL
+    b = up("b", capped)
+    assert fleet.generation_defaults("m") == capped
+    fleet.up(b, {"worker_id": "b", "model": "m"})  # restarted without the override
+    assert b.generation_defaults == NEUTRAL and fleet.generation_defaults("m") == NEUTRAL
+    fleet.up(b, {"worker_id": "b", "model": "m", "generation_defaults": capped.to_json()})
+    b.kind = "vllm"
+    assert fleet.generation_defaults("m") == NEUTRAL
+    fleet.down(b, "gone")
+    assert fleet.generation_defaults("m") == capped and a.healthy

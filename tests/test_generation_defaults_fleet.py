@@ -49,3 +49,17 @@ def test_a_chat_without_a_budget_gets_and_is_charged_the_models_default(fleet):
     r = chat(url, model)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_a_response_shows_what_it_was_sampled_with(fleet):
+    """vLLM's Response shows the temperature, top_p and budget it generated with: the model's
+    defaults (and the budget they give) where the create set none, the create's own otherwise."""
+    url, model = fleet
+    headers = {"authorization": "Bearer sk-t"}
+    r = httpx.post(f"{url}/v1/responses", json={"model": model, "input": "hi"}, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    shown = r.json()
+    assert (shown["temperature"], shown["top_p"], shown["max_output_tokens"]) == (0.5, 1.0, 12)
+    own = {"model": model, "input": "hi", "temperature": 0.9, "top_p": 0.8, "max_output_tokens": 5}
+    r = httpx.post(f"{url}/v1/responses", json=own, headers=headers, timeout=60)
+    assert (r.json()["temperature"], r.json()["top_p"], r.json()["max_output_tokens"]) == (0.9, 0.8, 5), r.text

@@ -20,8 +20,8 @@ from workers.executors.torch_runner import (
     TOKEN_BUCKET,
     TorchRunner,
     blocks_that_fit,
+    default_eos_ids,
 )
-from workers.model_store import eos_token_ids
 from workers.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -217,6 +217,11 @@ def test_runner_metadata(checkpoints):
 
 
 def test_eos_ids_merge_config_and_generation_config(tmp_path):
+    """A runner built without a tokenizer stops on config.json's first EOS, then the generation
+    config's (workers/generation_defaults.py has the rule a worker's command line applies)."""
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 9]}))
-    assert eos_token_ids(str(tmp_path), {"eos_token_id": 2}) == (2, 7, 9)
-    assert eos_token_ids(str(tmp_path.parent), {"eos_token_id": None}) == ()
+    assert default_eos_ids(str(tmp_path), {"eos_token_id": 2}) == (2, 7, 9)
+    assert default_eos_ids(str(tmp_path), {"eos_token_id": [5, 6]}) == (5, 7, 2, 9)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert default_eos_ids(str(empty), {"eos_token_id": None}) == ()

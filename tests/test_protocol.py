@@ -389,3 +389,37 @@ def test_fuzzed_bodies_parse_or_are_400s(tok, body, kind):
         assert str(e)
         return
     assert 0 < len(p.prompt_ids) < CTX and p.params.max_tokens >= 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(1, 60), min_size=1, max_size=4),
+    st.one_of(st.none(), st.integers(1, 80)),
+    st.integers(0, 30),
+    st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_a_budget_past_the_context_is_cut_to_it_as_vllm_032_does(lengths, asked, min_tokens, cap):
+    """vLLM 0.32: a prompt must leave room for one token; a budget past the whole context is a
+    400; otherwise the budget is what the context leaves (each prompt's, so a completion's
+    choices share the shortest's and a longer one stops at the context), under the operator's
+    cap; `min_tokens` must fit the longest prompt's budget."""
+    from workers.generation_defaults import GenerationDefaults
+
+    limit = 64
+    body = {"model": "m", "prompt": [[7] * n for n in lengths], "min_tokens": min_tokens}
+    if asked is not None:
+        body["max_tokens"] = asked
+    defaults = GenerationDefaults(max_tokens=cap, max_tokens_cap=cap)
+    want = 16 if asked is None else asked
+    if max(lengths) >= limit or want > limit and asked is not None:
+        with pytest.raises(InvalidRequest) as e:
+            parse_request(body, "completion", None, limit, defaults=defaults)
+        assert e.value.code == "context_length_exceeded"
+        return
+    want = want if cap is None else min(want, cap)
+    if min_tokens > min(want, limit - max(lengths)):
+        with pytest.raises(InvalidRequest, match="min_tokens"):
+            parse_request(body, "completion", None, limit, defaults=defaults)
+        return
+    parsed = parse_request(body, "completion", None, limit, defaults=defaults)
+    assert parsed.params.max_tokens == min(want, limit - min(lengths))

@@ -137,16 +137,20 @@ def test_a_worker_without_token_refuses_kv_transfer():
 
 
 def test_advertised_context_is_what_the_pool_holds():
-    """64 blocks of 16 hold 1,024 tokens: that is the context, and what cannot fit is a 400."""
+    """64 blocks of 16 hold 1,024 tokens: that is the context. As vLLM 0.32 does, a budget past
+    what the prompt leaves of it stops at the context (finish "length"); a budget past the whole
+    context, or a prompt that leaves no room, is a 400."""
     w = Worker(worker_id="small", extra=("--num-blocks", "64")).ready()
     try:
         models = httpx.get(w.url + "/v1/models").json()["data"]
         assert models[0]["max_model_len"] == 1024
         assert w.state()["max_model_len"] == 1024
         prompt = [100 + i % 900 for i in range(1000)]
-        assert_error(complete(w.url, prompt, 100), 400, "context_length_exceeded")
-        r = complete(w.url, prompt, 24)
-        assert len(token_ids(r)) == 24 and r.json()["choices"][0]["finish_reason"] == "length"
+        for budget in (24, 100):
+            r = complete(w.url, prompt, budget)
+            assert len(token_ids(r)) == 24 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+        assert_error(complete(w.url, prompt, 1025), 400, "context_length_exceeded")
+        assert_error(complete(w.url, prompt + list(range(24)), 1), 400, "context_length_exceeded")
     finally:
         w.kill()
 

@@ -14,14 +14,20 @@ from workers.cli_help import HelpFormatter
 from workers.drain import DrainingServer, Drainable
 from workers.config import EngineConfig
 from workers.engine import Engine
-from workers.generation_defaults import NEUTRAL, GenerationDefaults, load_generation_defaults
+from workers.generation_defaults import (
+    NEUTRAL,
+    GenerationDefaults,
+    eos_token_ids,
+    load_generation_defaults,
+    read_generation_config,
+)
 from workers.http_server import add_client_args, client_limits, server_config
 from workers.startup_heap import settle_gc
 from workers.kv.cost_model import CostModel
 from workers.kv.read_back import DISK_GBPS, HOST_GBPS
 from workers.listen import listen
 from workers.logs import add_log_args, setup_logging
-from workers.model_store import eos_token_ids, load_tokenizer, resolve, served_name
+from workers.model_store import load_tokenizer, resolve, served_name
 from workers.server import RETRY_AFTER_S, WorkerServer
 from workers.telemetry import add_trace_args, provider_from_args
 from workers.tracing import WorkerTracing
@@ -211,8 +217,8 @@ def model_config(path: Path) -> dict:
     return json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
 
 
-def build_executor(args, path: Path, tokenizer):
-    """The torch model runner, or the sim executor with the model's vocabulary and EOS."""
+def build_executor(args, path: Path, tokenizer, eos: tuple[int, ...]):
+    """The torch model runner, or the sim executor with the model's vocabulary; both stop on `eos`."""
     if args.executor == "torch":
         import torch
 
@@ -235,13 +241,13 @@ def build_executor(args, path: Path, tokenizer):
             dtype,
             enforce_eager=args.enforce_eager,
             max_num_seqs=args.max_num_seqs,
+            eos_ids=eos,
         )
     else:
         from workers.executors.sim import SimExecutor
 
         cfg = model_config(path)
         cost = CostModel.load(args.sim_profile) if args.sim_profile else CostModel()
-        eos = eos_token_ids(path, cfg) or tuple(t for t in [tokenizer.eos_token_id] if t is not None)
         runner = SimExecutor(
             cost,
             cfg.get("vocab_size", len(tokenizer)),
@@ -292,7 +298,8 @@ def tier_blocks(gb: float, block_size: int, kv_bytes_per_token: int) -> int:
 def build_server(args) -> WorkerServer:
     path = resolve(args.model, tokenizer_only=args.executor == "sim")
     tokenizer = load_tokenizer(args.model)
-    executor = build_executor(args, path, tokenizer)
+    defaults, eos = generation_config(args, path, tokenizer.eos_token_id)
+    executor = build_executor(args, path, tokenizer, eos)
     name = args.served_model_name or served_name(args.model)
     config = EngineConfig(
         model_id=name,
@@ -311,7 +318,7 @@ def build_server(args) -> WorkerServer:
         disk_gbps=args.disk_kv_gbps,
         load_every_hit=args.kv_load_every_hit,
         cost_model=CostModel.load(args.sim_profile) if args.sim_profile else getattr(executor, "cost", None),
-        generation_defaults=generation_defaults(args, path),
+        generation_defaults=defaults,
     )
     try:
         tracing = WorkerTracing(provider_from_args(args, "kvgate-worker"), config.worker_id, name)
@@ -332,11 +339,15 @@ def build_server(args) -> WorkerServer:
     )
 
 
-def generation_defaults(args: argparse.Namespace, path: Path) -> GenerationDefaults:
-    """The model's sampling defaults, said once at start where they change what a request that
-    leaves a field out gets (vLLM warns of the same)."""
+def generation_config(
+    args: argparse.Namespace, path: Path, tokenizer_eos: int | None
+) -> tuple[GenerationDefaults, tuple[int, ...]]:
+    """The model's sampling defaults and the ids that end a generation, read once (a file that is
+    not a generation config stops the worker here); the defaults said where they change what a
+    request that leaves a field out gets (vLLM warns of the same)."""
     try:
         defaults = load_generation_defaults(path, args.generation_config, args.override_generation_config)
+        eos = eos_token_ids(read_generation_config(path, args.generation_config), tokenizer_eos)
     except ValueError as e:
         raise SystemExit(f"kvgate worker: {e}")
     if defaults != NEUTRAL:
@@ -345,7 +356,7 @@ def generation_defaults(args: argparse.Namespace, path: Path) -> GenerationDefau
             args.generation_config,
             json.dumps(defaults.to_json()),
         )
-    return defaults
+    return defaults, eos
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,10 @@ SAMPLING_FIELDS = (
     "min_p",
 )
 GENERATION_FILE = "generation_config.json"
+# What vLLM 0.32 (transformers 5.19) takes from a folder's config.json when it has no
+# generation_config.json: transformers' model config keeps these of the generation fields.
+FROM_MODEL_CONFIG = ("max_new_tokens", "min_p", "eos_token_id")
+MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -64,14 +68,11 @@ def load_generation_defaults(
     model_dir: str | Path, source: str = "auto", override: str | None = None
 ) -> GenerationDefaults:
     """The defaults a worker serves `model_dir` with. `source`: "auto" (the model folder's
-    generation_config.json), "vllm" (none: OpenAI's defaults) or a folder holding a
-    generation_config.json; `override` a JSON object of HF generation fields set over it.
-    Raises ValueError naming what is wrong, so a bad file stops the worker at start rather than
-    making every request that leaves a field out a 400."""
-    if source == "vllm":
-        config: dict = {}
-    else:
-        config = _read(Path(model_dir) if source == "auto" else Path(source), required=source != "auto")
+    generation config), "vllm" (none: OpenAI's defaults) or another folder's;
+    `override` a JSON object of HF generation fields set over it. Raises ValueError naming what
+    is wrong, so a bad file stops the worker at start rather than making every request that
+    leaves a field out a 400."""
+    config = {} if source == "vllm" else read_generation_config(model_dir, source)
     extra = _override(override)
     config.update(extra)
     values = {name: config[name] for name in SAMPLING_FIELDS if config.get(name) is not None}
@@ -83,17 +84,47 @@ def load_generation_defaults(
     return checked(values, f"--generation-config {source}" + (" with --override-generation-config" if extra else ""))
 
 
-def _read(folder: Path, required: bool) -> dict:
-    """A folder's generation_config.json as a dict ({} when absent and not `required`)."""
-    path = folder / GENERATION_FILE
-    if not path.is_file():
-        if required:
-            raise ValueError(f"{folder} holds no {GENERATION_FILE}")
-        return {}
+def read_generation_config(model_dir: str | Path, source: str = "auto") -> dict:
+    """The generation config vLLM loads for `source`: the model folder's ("auto", and "vllm",
+    whose EOS ids still count) or the named folder's generation_config.json; without one, the
+    FROM_MODEL_CONFIG fields of that folder's config.json. A named folder holding neither is an
+    error (vLLM would start without defaults: a mistyped path should not)."""
+    folder = Path(model_dir) if source in ("auto", "vllm") else Path(source)
+    if (folder / GENERATION_FILE).is_file():
+        config = _object_file(folder / GENERATION_FILE)
+    elif (folder / "config.json").is_file():
+        model = _object_file(folder / "config.json")
+        config = {k: model[k] for k in FROM_MODEL_CONFIG if model.get(k) is not None}
+    elif source in ("auto", "vllm"):
+        config = {}
+    else:
+        raise ValueError(f"{folder} holds no {GENERATION_FILE} (nor a config.json)")
+    _eos_list(config.get("eos_token_id"), folder)
+    return config
+
+
+def eos_token_ids(config: dict, primary: int | None) -> tuple[int, ...]:
+    """The ids that end a generation, as vLLM stops: the tokenizer's EOS (`primary`), then the
+    generation config's `eos_token_id`(s) (Llama 3 instruct lists several there)."""
+    ids = [] if primary is None else [primary]
+    return tuple(dict.fromkeys(ids + _eos_list(config.get("eos_token_id"), None)))
+
+
+def _eos_list(value: object, folder: Path | None) -> list[int]:
+    """An `eos_token_id`: a token id, a list of them, or null."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    ids = [t for t in values if type(t) is int and 0 <= t <= MAX_TOKEN_ID]
+    if len(ids) != len(values):
+        raise ValueError(f"{folder}: eos_token_id must be a token id or a list of token ids, not {value!r}"[:300])
+    return ids
+
+
+def _object_file(path: Path) -> dict:
+    """A JSON object file's contents; ValueError when it is not one."""
     try:
         config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is not readable JSON: {str(e)[:200]}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a JSON object")
     return config
@@ -105,8 +136,8 @@ def _override(text: str | None) -> dict:
         return {}
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--override-generation-config is not JSON: {e}") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"--override-generation-config is not JSON: {str(e)[:200]}") from None
     if not isinstance(value, dict):
         raise ValueError("--override-generation-config must be a JSON object")
     return value
@@ -114,13 +145,14 @@ def _override(text: str | None) -> dict:
 
 def checked(values: dict, origin: str) -> GenerationDefaults:
     """Defaults whose every value a request could have sent: the same ranges, so a default never
-    reaches the engine as a value it refuses from a client."""
+    reaches the engine as a value it refuses from a client (nor a number past any range as an
+    overflow, from a file or another process's state)."""
     for name, v in values.items():
         integer = name in ("top_k", "max_tokens", "max_tokens_cap")
         if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-            raise ValueError(f"{origin}: {name} must be {'an integer' if integer else 'a number'}, not {v!r}")
-        if not integer and not math.isfinite(v):
-            raise ValueError(f"{origin}: {name} must be finite")
+            raise ValueError(f"{origin}: {name} must be {'an integer' if integer else 'a number'}, not {v!r}"[:300])
+        if not (abs(v) <= MAX_TOKEN_ID if isinstance(v, int) else math.isfinite(v)):
+            raise ValueError(f"{origin}: {name} must be finite and at most {MAX_TOKEN_ID} in size")
     if values.get("top_k") == -1:
         values["top_k"] = 0
     for name in ("max_tokens", "max_tokens_cap"):

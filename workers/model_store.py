@@ -6,7 +6,6 @@ first use converts it (dequantised) into a normal HF folder under the cache dire
 
 import fcntl
 import importlib.util
-import json
 import os
 import shutil
 from pathlib import Path
@@ -88,18 +87,3 @@ def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def eos_token_ids(model_dir: str | Path, hf_config: dict) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (Llama 3 instruct lists several there)."""
-    ids: list[int] = []
-    sources = [hf_config]
-    generation = Path(model_dir) / "generation_config.json"
-    if generation.exists():
-        sources.append(json.loads(generation.read_text()))
-    for source in sources:
-        eos = source.get("eos_token_id")
-        for token in eos if isinstance(eos, list) else [eos]:
-            if token is not None and token not in ids:
-                ids.append(token)
-    return tuple(ids)

@@ -112,17 +112,11 @@ def parse_request(
         own_ids = kind != "chat" and isinstance(prompt, list)  # a client's own token ids stay its own
         if given is not None and not own_ids:
             ids, text = given[i], prompt if isinstance(prompt, str) else None
-            _check_context(len(ids), 1, max_model_len)
         else:
             ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len, options)
         prompts.append(ids)
         texts.append(text)
-    if asked is None:
-        asked = chat_budget(defaults, max_model_len - max(map(len, prompts))) if kind == "chat" else 16
-    asked = capped(defaults, asked)
-    _check_min_tokens(params, asked)
-    for ids in prompts:
-        _check_context(len(ids), asked, max_model_len)
+    budget = _budget(body, kind, asked, [len(ids) for ids in prompts], max_model_len, defaults, params)
     if kv and len(prompts) * n > 1:
         raise InvalidRequest("'kv_transfer' takes one prompt and n=1", "kv_transfer")
     echo_texts = [tokenizer.decode(ids) if t is None else t for ids, t in zip(prompts, texts)] if echo else None
@@ -130,7 +124,7 @@ def parse_request(
         kind,
         body.get("model") or "",
         prompts[0],
-        replace(params, max_tokens=asked),
+        replace(params, max_tokens=budget),
         stream,
         include_usage,
         return_token_ids,
@@ -325,12 +319,47 @@ def checked_cache_salt(body: dict) -> str | None:
     return salt or None
 
 
-def _check_context(n_prompt: int, n_out: int, max_model_len: int) -> None:
-    if n_prompt + max(n_out, 1) > max_model_len:
+def _budget(
+    body: dict,
+    kind: str,
+    asked: int | None,
+    lengths: list[int],
+    max_model_len: int,
+    defaults: GenerationDefaults,
+    params: SamplingParams,
+) -> int:
+    """Each choice's output budget, as vLLM 0.32 reads it: the budget asked (none: a chat's
+    default, else 16 for a completion), refused past the context, under the operator's cap, and
+    then only what the shortest prompt's context leaves; a longer prompt's choice stops at the
+    context (finish "length"), as vLLM's budget for it would. `min_tokens` must fit in the
+    longest prompt's budget. Every prompt must leave room for one output token."""
+    for n in lengths:
+        _check_context(n, max_model_len, "messages" if kind == "chat" else "prompt")
+    if asked is None:
+        asked = chat_budget(defaults, max_model_len - max(lengths)) if kind == "chat" else 16
+    elif asked > max_model_len:
+        key = (
+            "max_completion_tokens"
+            if kind == "chat" and body.get("max_completion_tokens") is not None
+            else "max_tokens"
+        )
         raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{n_prompt + n_out} tokens ({n_prompt} in the prompt, {n_out} in the completion).",
-            "max_tokens" if n_prompt < max_model_len else "prompt",
+            f"{key}={asked} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens.",
+            key,
+            "context_length_exceeded",
+        )
+    asked = capped(defaults, asked)
+    _check_min_tokens(params, min(asked, max_model_len - max(lengths)))
+    return min(asked, max_model_len - min(lengths))
+
+
+def _check_context(n_prompt: int, max_model_len: int, param: str) -> None:
+    """A prompt must leave room in the context for one output token."""
+    if n_prompt >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"contains {n_prompt} input tokens, which leaves no room for an output token.",
+            param,
             "context_length_exceeded",
         )
 
@@ -342,9 +371,7 @@ def prompt_ids(
     text as `prompt_text` makes it, tokenized as `options` ask; token ids as given (their text
     is None)."""
     if kind != "chat" and isinstance(prompt, list):
-        ids = cast(list[int], prompt)
-        _check_context(len(ids), 1, max_model_len)
-        return ids, None
+        return cast(list[int], prompt), None
     param = "messages" if kind == "chat" else "prompt"
     text = prompt_text(cast(str | list[dict], prompt), tokenizer, options)
     if surely_too_long(text, tokenizer, max_model_len):

@@ -26,7 +26,7 @@ from workers.executors.kernel_inputs import Staging, decode_inputs, is_decode, k
 from workers.models.llama import ModelConfig
 from workers.models.loader import default_dtype, load_config, load_model
 from workers.logits_processors import process_logits
-from workers.model_store import eos_token_ids
+from workers.generation_defaults import eos_token_ids, read_generation_config
 from workers.outputs import TokenLogprobs
 from workers.sampling import sample_tensor, to_device, token_logprobs
 from workers.sampling_params import SamplingParams
@@ -83,6 +83,7 @@ class TorchRunner(KVBlockCopies):
         kernels: bool | None = None,
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
+        eos_ids: tuple[int, ...] | None = None,
     ):
         hf_config = load_config(model_dir)
         self.config = ModelConfig.from_hf(hf_config)
@@ -96,7 +97,7 @@ class TorchRunner(KVBlockCopies):
         self.num_kv_heads = self.config.num_kv_heads
         self.head_dim = self.config.head_dim
         self.kv_bytes_per_token = kv_bytes_per_token(self.config, self.dtype)
-        self.eos_token_ids = eos_token_ids(model_dir, hf_config)
+        self.eos_token_ids = eos_ids if eos_ids is not None else default_eos_ids(model_dir, hf_config)
         cuda = self.device.type == "cuda"
         self.kernels = kernels_available(self.device) if kernels is None else kernels
         gather_on_cuda = cuda and not self.kernels
@@ -365,3 +366,11 @@ def blocks_that_fit(model_dir: str, memory_bytes: int, block_size: int, dtype: t
     """How many KV blocks a memory budget holds, before building a runner (to size `num_blocks`)."""
     cfg = ModelConfig.from_hf(load_config(model_dir))
     return memory_bytes // (block_size * kv_bytes_per_token(cfg, dtype))
+
+
+def default_eos_ids(model_dir: str, hf_config: dict) -> tuple[int, ...]:
+    """A runner's EOS ids when its caller has no tokenizer to name the first (the worker's
+    command line does: workers/cli.py): config.json's first, then the generation config's."""
+    primary = hf_config.get("eos_token_id")
+    first = primary[0] if isinstance(primary, list) and primary else primary
+    return eos_token_ids(read_generation_config(model_dir), first if type(first) is int else None)
