@@ -167,7 +167,7 @@ class Gateway:
         }
 
     def error(self, e: ApiError, worker: str = "") -> JSONResponse:
-        headers = self.headers(worker)
+        headers = self.headers(worker) | e.headers
         if e.retry_after is not None:
             headers["retry-after"] = str(e.retry_after)
         return JSONResponse(error_body(str(e), e.type, e.code, e.param), status_code=e.status, headers=headers)
@@ -267,7 +267,7 @@ class Gateway:
         rec.model, rec.prompt_tokens = model, view.num_tokens
         rec.max_tokens = prep.parsed.params.max_tokens if prep is not None else None
         rec.slo_ttft_ms, rec.slo_tpot_ms = view.slo_ttft_ms, view.slo_tpot_ms
-        await self.intake.admit_tokens(request, view)
+        await self.intake.admit_tokens(request, view, prep)
         return await self.dispatch(request, kind, raw, model, prep, view, rec)
 
     def decide(

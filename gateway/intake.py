@@ -36,10 +36,11 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.type, self.code, self.param = status, type_, code, param
-        self.retry_after = retry_after
+        self.retry_after, self.headers = retry_after, headers or {}
 
 
 def refused(r: Refusal) -> ApiError:
@@ -127,10 +128,10 @@ class Intake:
             changed = rec.ids_sent = True
         return model, prep, view, json.dumps(body).encode() if changed else raw
 
-    async def admit_tokens(self, request: Request, view: RequestView) -> None:
-        """Charge the request's key for its prompt and max_tokens; a 429 when the key's
-        tokens-per-minute budget is spent."""
-        await self.charge(request, view.num_tokens + view.max_tokens)
+    async def admit_tokens(self, request: Request, view: RequestView, prep: Prepared | None) -> None:
+        """Charge the request's key for its prompt and max_tokens (as asked: `Prepared.asked_tokens`);
+        a 429 when the key's tokens-per-minute budget is spent."""
+        await self.charge(request, view.num_tokens + (prep.asked_tokens if prep is not None else view.max_tokens))
 
     async def charge(self, request: Request, tokens: int, embeddings: bool = False) -> None:
         """Take `tokens` from the request's key's tokens-per-minute budget; a 429 when it is spent

@@ -95,16 +95,21 @@ def new_id() -> str:
 
 
 def routes(endpoint: Callable[[str], Callable[[Request], Awaitable[Response]]]) -> list[Route]:
-    """The four routes, each served by `endpoint(kind)`. The retrieve takes GET only, where
-    starlette adds HEAD to a GET route: a HEAD's answer has no body, but a worker's body is
-    relayed past uvicorn's send (gateway/raw_send.py), so HEAD is the 405 every other method is."""
-    retrieve = Route("/v1/responses/{response_id}", endpoint(RETRIEVE), methods=["GET"])
-    assert retrieve.methods is not None
-    retrieve.methods.discard("HEAD")
+    """The routes, each kind served by `endpoint(kind)`. A response's path takes GET (retrieve)
+    and DELETE in one route, so starlette's 405 for another method names both (`Allow`); not
+    HEAD, which starlette adds to a GET route: a HEAD's answer has no body, but a worker's body
+    is relayed past uvicorn's send (gateway/raw_send.py)."""
+    retrieve, delete = endpoint(RETRIEVE), endpoint(DELETE)
+
+    async def one(request: Request) -> Response:
+        return await (delete if request.method == "DELETE" else retrieve)(request)
+
+    response = Route("/v1/responses/{response_id}", one, methods=["GET", "DELETE"])
+    assert response.methods is not None
+    response.methods.discard("HEAD")
     return [
         Route("/v1/responses", endpoint(CREATE), methods=["POST"]),
-        retrieve,
-        Route("/v1/responses/{response_id}", endpoint(DELETE), methods=["DELETE"]),
+        response,
         Route("/v1/responses/{response_id}/cancel", endpoint(CANCEL), methods=["POST"]),
     ]
 
@@ -198,6 +203,7 @@ class Responses:
                 f"response '{response_id}' is stored by a vLLM server, which cannot delete responses",
                 code="method_not_allowed",
                 param="response_id",
+                headers={"allow": "GET"},
             )
         if kind == CANCEL:
             method, path = "POST", f"/v1/responses/{response_id}/cancel"

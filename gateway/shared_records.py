@@ -23,6 +23,7 @@ wait, not each one.
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ log = logging.getLogger("kvgate.gateway")
 
 REDIS_TIMEOUT_S = 0.25
 WRITE_WAIT_S = 2 * REDIS_TIMEOUT_S
+BACK_OFF_S = 1.0  # after a failure, how long a check that can be done without is not asked
 T = TypeVar("T")
 
 
@@ -53,6 +55,7 @@ class SharedRecords:
         self.url, self.token, self.what, self.kept, self.wait_s = url, token, what, kept, wait_s
         self.redis: aioredis.Redis | None = None
         self.failing = False
+        self.failed_at = 0.0  # time.monotonic() of the last failure
         self.malformed = 0  # records read back and dropped
 
     def client(self) -> aioredis.Redis:
@@ -66,21 +69,29 @@ class SharedRecords:
         if self.redis is not None:
             await self.redis.aclose()
 
-    async def read(self, key: str) -> tuple[bytes, float] | None:
-        """The value Redis holds at `key` and the seconds it has left, or None (absent, or
-        expiring now). Raises LookupFailed when Redis does not answer."""
+    async def read(self, key: str, unless: str | None = None) -> tuple[bytes, float] | None:
+        """The value Redis holds at `key` and the seconds it has left, or None (absent, expiring
+        now, or `unless` is a key Redis holds: a mark that the record is gone, read in the same
+        round trip). Raises LookupFailed when Redis does not answer."""
         try:
             async with self.client().pipeline(transaction=False) as p:
                 p.get(key)
                 p.pttl(key)
-                raw, ttl_ms = await p.execute()
+                if unless is not None:
+                    p.exists(unless)
+                raw, ttl_ms, *marked = await p.execute()
             self.answered()
         except (RedisError, OSError) as e:
             self.failed(e)
             raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
-        if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0:
+        if raw is None or not isinstance(ttl_ms, int) or ttl_ms <= 0 or any(marked):
             return None
         return raw, ttl_ms / 1000.0
+
+    def backing_off(self) -> bool:
+        """Whether Redis failed within the last BACK_OFF_S: a check a replica can do without is
+        then not asked (each would wait out the timeout)."""
+        return self.failing and time.monotonic() - self.failed_at < BACK_OFF_S
 
     def held(self, write: Coroutine[Any, Any, None]) -> "asyncio.Future[None] | None":
         """Run `write` in the background (the caller is answering); returns what the answer holds
@@ -106,7 +117,7 @@ class SharedRecords:
                 e,
                 self.kept,
             )
-        self.failing = True
+        self.failing, self.failed_at = True, time.monotonic()
 
     def parsed(self, response_id: str, check: Callable[[], T]) -> T | None:
         """The record `check` reads back, or None where it is not one of this fleet's (its

@@ -56,13 +56,17 @@ MAX_RECORD_BYTES = 16 << 20  # a conversation of a long context is some MiB of t
 SIG_BYTES = 64  # hex digits of the HMAC-SHA256
 TAG_CHARS = 32  # hex digits of a tenant's tag: 128 bits
 
-# KEYS: the record, the tenant's index, its bytes. ARGV: the record's value, its TTL (ms), the
-# tenant's quota of records and of bytes, its records' key prefix, the record's id. Returns the
-# records evicted, or -1 (nothing written) for a record alone past the bytes.
+# KEYS: the record, the tenant's index, its bytes, the record's deleted mark. ARGV: the record's
+# value, its TTL (ms), the tenant's quota of records and of bytes, its records' key prefix, the
+# record's id, its marks' key prefix. Returns the records evicted, -1 (nothing written) for a
+# record alone past the bytes, -2 (nothing written) for one deleted already (its write late).
+# A member of the index is "id size" for a record, "~id 0" for a deleted mark (its own entry
+# of the quota: a tenant cannot make Redis hold more marks than its quota of responses).
 STORE = """
 local value, ttl, most, most_bytes = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local size = string.len(value)
 if size > most_bytes then return -1 end
+if redis.call('EXISTS', KEYS[4]) == 1 then return -2 end
 local function size_of(member) return tonumber(string.match(member, ' (%d+)$')) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -79,7 +83,12 @@ local evicted = 0
 while count > 0 and (count >= most or total + size > most_bytes) do
   local m = redis.call('ZPOPMIN', KEYS[2])[1]
   total = total - size_of(m)
-  redis.call('DEL', ARGV[5] .. string.match(m, '^(%S+) '))
+  local id = string.match(m, '^(%S+) ')
+  if string.sub(id, 1, 1) == '~' then
+    redis.call('DEL', ARGV[7] .. string.sub(id, 2))
+  else
+    redis.call('DEL', ARGV[5] .. id)
+  end
   count, evicted = count - 1, evicted + 1
 end
 redis.call('SET', KEYS[1], value, 'PX', ttl)
@@ -93,17 +102,29 @@ return evicted
 
 
 # KEYS: the record, the tenant's index, its bytes, the deleted mark. ARGV: the record's id, the
-# mark's TTL (ms). Returns 1 when Redis held the record, else 0 (the mark is left either way).
+# mark's least TTL (ms: the deleting replica's store TTL). The mark lives as long as the record
+# would have, at least that TTL, in the index as "~id 0". Returns 1 when Redis held the record,
+# else 0 (the mark is set either way: replicas may hold copies of a record Redis evicted).
 DELETE = """
-redis.call('SET', KEYS[4], '1', 'PX', tonumber(ARGV[2]))
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = math.max(tonumber(ARGV[2]), redis.call('PTTL', KEYS[1]))
+redis.call('SET', KEYS[4], '1', 'PX', ttl)
+redis.call('ZADD', KEYS[2], now + ttl, '~' .. ARGV[1] .. ' 0')
+local held = 0
 local value = redis.call('GET', KEYS[1])
-if not value then return 0 end
-local size = string.len(value)
-if redis.call('ZREM', KEYS[2], ARGV[1] .. ' ' .. size) == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('DECRBY', KEYS[3], size)
+if value then
+  local size = string.len(value)
+  if redis.call('ZREM', KEYS[2], ARGV[1] .. ' ' .. size) == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('DECRBY', KEYS[3], size)
+  end
+  redis.call('DEL', KEYS[1])
+  held = 1
 end
-redis.call('DEL', KEYS[1])
-return 1
+local last = math.floor(tonumber(redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')[2]))
+redis.call('PEXPIREAT', KEYS[2], last)
+if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('PEXPIREAT', KEYS[3], last) end
+return held
 """
 
 
@@ -144,6 +165,7 @@ class SharedResponseStore(SharedRecords):
             rs.stored_response_key(tag, record.response_id),
             rs.stored_responses_key(tag),
             rs.stored_response_bytes_key(tag),
+            rs.deleted_response_key(tag, record.response_id),
         ]
         args: list[bytes | str | int] = [
             value,
@@ -152,6 +174,7 @@ class SharedResponseStore(SharedRecords):
             self.tenant_bytes,
             rs.stored_response_key(tag, ""),
             record.response_id,
+            rs.deleted_response_key(tag, ""),
         ]
         try:
             if self.script is None:
@@ -163,10 +186,14 @@ class SharedResponseStore(SharedRecords):
             return
         if evicted == -1:
             log.warning("response %s is past its tenant's quota alone: not stored in redis", record.response_id)
+        elif evicted == -2:
+            log.info("response %s was deleted before its record reached redis: not stored", record.response_id)
 
     async def delete(self, response_id: str, tenant: str, ttl_s: float) -> None:
-        """Take `tenant`'s `response_id` out of Redis and mark it deleted for `ttl_s` (DELETE).
-        Raises LookupFailed when Redis does not answer: the response may still be served."""
+        """Take `tenant`'s `response_id` out of Redis and mark it deleted, for at least `ttl_s`
+        (DELETE). Raises LookupFailed when Redis does not answer and the mark cannot be seen
+        either: the response may still be served (a script whose answer timed out may have run:
+        its mark says so, and the delete stands)."""
         tag = self.tenant_tag(tenant)
         keys = [
             rs.stored_response_key(tag, response_id),
@@ -181,13 +208,21 @@ class SharedResponseStore(SharedRecords):
             self.answered()
         except (RedisError, OSError) as e:
             self.failed(e)
-            raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
+            if not await self.marked(keys[3]):
+                raise LookupFailed(f"redis did not answer: {type(e).__name__}") from None
 
     async def deleted(self, response_id: str, tenant: str) -> bool:
         """Whether `tenant`'s `response_id` was deleted (at any replica); False when Redis does not
-        answer: a replica's own copy is then served, as every lookup it can answer alone is."""
+        answer, and without asking while it has just failed (`backing_off`): a replica's own copy
+        is then served, as every lookup it can answer alone is, without waiting on Redis."""
+        if self.backing_off():
+            return False
+        return await self.marked(rs.deleted_response_key(self.tenant_tag(tenant), response_id))
+
+    async def marked(self, key: str) -> bool:
+        """Whether the deleted mark `key` is set; False when Redis does not answer."""
         try:
-            marked = await self.client().exists(rs.deleted_response_key(self.tenant_tag(tenant), response_id))
+            marked = await self.client().exists(key)
             self.answered()
         except (RedisError, OSError) as e:
             self.failed(e)
@@ -198,7 +233,8 @@ class SharedResponseStore(SharedRecords):
         """The record Redis holds for `response_id` of `tenant` and the seconds it has left, or
         None (absent, another tenant's, expired, or not one this fleet signed). Raises
         LookupFailed when Redis does not answer."""
-        found = await self.read(rs.stored_response_key(self.tenant_tag(tenant), response_id))
+        tag = self.tenant_tag(tenant)
+        found = await self.read(rs.stored_response_key(tag, response_id), rs.deleted_response_key(tag, response_id))
         if found is None:
             return None
         record = self.parse(response_id, tenant, found[0])

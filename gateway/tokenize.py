@@ -46,8 +46,16 @@ class Prepared:
 
     @property
     def max_tokens(self) -> int:
-        """Output tokens the request may ask for, over all its completions."""
+        """Output tokens the request may generate, over all its completions (what the policies
+        predict by)."""
         return self.parsed.params.max_tokens * self.parsed.num_choices
+
+    @property
+    def asked_tokens(self) -> int:
+        """Output tokens the request asks for, over all its completions: its charge, as asked,
+        not cut to the context this gateway parsed it by (a worker of the model may have a
+        larger one, and generate them)."""
+        return self.parsed.asked_tokens * self.parsed.num_choices
 
 
 class ModelTokenizer:

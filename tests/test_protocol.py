@@ -393,7 +393,7 @@ def test_fuzzed_bodies_parse_or_are_400s(tok, body, kind):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.integers(1, 60), min_size=1, max_size=4),
+    st.lists(st.integers(1, 66), min_size=1, max_size=4),
     st.one_of(st.none(), st.integers(1, 80)),
     st.integers(0, 30),
     st.one_of(st.none(), st.integers(1, 40)),
@@ -423,3 +423,16 @@ def test_a_budget_past_the_context_is_cut_to_it_as_vllm_032_does(lengths, asked,
         return
     parsed = parse_request(body, "completion", None, limit, defaults=defaults)
     assert parsed.params.max_tokens == min(want, limit - min(lengths))
+
+
+def test_a_request_is_charged_its_budget_as_asked_not_as_cut_to_the_context(tok):
+    """The gateway parses by the smallest context of a model's workers, but a worker with a
+    larger one generates what was asked: the key is charged that (the policies predict by the
+    cut budget, which this gateway's context allows)."""
+    from gateway.tokenize import Prepared
+
+    body = {"model": "m", "prompt": [[7] * 10, [7] * 1000], "max_tokens": 500, "n": 2}
+    prep = Prepared(parse_request(body, "completion", tok, 1024), [])
+    assert prep.parsed.params.max_tokens == 500 and prep.max_tokens == 2000
+    cut = Prepared(parse_request(body | {"prompt": [[7] * 600]}, "completion", tok, 1024), [])
+    assert cut.max_tokens == 2 * 424 and cut.asked_tokens == 2 * 500

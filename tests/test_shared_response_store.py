@@ -17,6 +17,7 @@ from gateway.procs import TEST_TOKEN, Worker, free_port, start_redis, stop_all, 
 from gateway.server import build, http_server
 from gateway.response_request import Message
 from gateway.response_store import ResponseStore
+from gateway import shared_response_store
 from gateway.shared_response_store import SharedResponseStore
 from gateway.stored_response import StoredResponse
 from workers.kv import redis_schema as rs
@@ -262,10 +263,11 @@ def test_a_follow_up_sent_to_another_replica_the_instant_the_answer_ends_finds_i
         stop_all([worker])
 
 
-def test_a_delete_at_one_replica_holds_at_every_replica_and_frees_its_quota(redis_url):
+def test_a_delete_at_one_replica_holds_at_every_replica_and_frees_its_bytes(redis_url):
     """Replica B holds its own copy of a response replica A deletes: B no longer serves it (the
-    mark in Redis), Redis no longer holds it, and the tenant's count and bytes there drop, so
-    the tenant's next response evicts none of its others. Another tenant's record is untouched."""
+    mark in Redis), Redis no longer holds it, and the tenant's bytes there drop; the mark takes
+    the record's entry of the tenant's quota (so no tenant makes Redis hold marks past its
+    quota) and goes, oldest first, as any entry does. Another tenant's record is untouched."""
     size = len(record("resp_a0").encoded()) + 64
 
     async def go() -> tuple:
@@ -298,8 +300,8 @@ def test_a_delete_at_one_replica_holds_at_every_replica_and_frees_its_quota(redi
     here, there, copy_left, mark_ttl_s, counted, kept = asyncio.run(go())
     assert here is None and there is None and copy_left is None
     assert 0 < mark_ttl_s <= ResponseStore().ttl_s
-    assert counted == (2, size)
-    assert kept == ["resp_a0", "resp_a2", "resp_a3", "resp_b0"]
+    assert counted == (3, size)  # two records and the mark
+    assert kept == ["resp_a2", "resp_a3", "resp_b0"]  # resp_a0, the oldest entry, made room
 
 
 def test_a_delete_redis_does_not_answer_deletes_nothing():
@@ -320,3 +322,84 @@ def test_a_delete_redis_does_not_answer_deletes_nothing():
 
     raised, kept = asyncio.run(go())
     assert raised and kept == record("resp_x")
+
+
+def test_a_write_that_lands_after_its_delete_stores_nothing_and_a_marked_record_is_no_record(redis_url):
+    """A create's write may reach Redis after its response was deleted (its answer released
+    while Redis stalled): the write stores nothing. A record read back under a deleted mark is
+    no record, for any replica that never held a copy."""
+
+    async def go() -> tuple:
+        r = redis.Redis.from_url(redis_url)
+        a = ResponseStore(shared=SharedResponseStore(redis_url, TOKEN))
+        tag = a.shared.tenant_tag("a")
+        try:
+            late = record("resp_late")
+            a.remember(late, 60)
+            await a.delete(late)
+            await a.shared._put(late, a.shared.sign("resp_late", late.encoded()) + late.encoded(), 60)
+            late_stored = r.exists(rs.stored_response_key(tag, "resp_late"))
+            a.put(record("resp_kept"))
+            await stored(a, "resp_kept", "a")
+            r.set(rs.deleted_response_key(tag, "resp_kept"), "1")
+            return late_stored, await ResponseStore(shared=a.shared).find("resp_kept", "a")
+        finally:
+            await a.close()
+            r.close()
+
+    late_stored, marked = asyncio.run(go())
+    assert not late_stored and marked is None
+
+
+def test_a_delete_whose_answer_timed_out_stands_when_its_mark_is_there(redis_url):
+    """Redis ran the script but its answer came too late: the mark says the delete happened, so
+    it is no 503 (a client retrying it would then get a 404 for a delete that worked)."""
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    async def go() -> StoredResponse | None:
+        a = ResponseStore(shared=SharedResponseStore(redis_url, TOKEN))
+        try:
+            a.put(record("resp_slow"))
+            await stored(a, "resp_slow", "a")
+            real = a.shared.client().register_script(shared_response_store.DELETE)
+
+            async def ran_then_timed_out(**kw):
+                await real(**kw)
+                raise RedisTimeout("answer timed out")
+
+            a.shared.delete_script = ran_then_timed_out
+            await a.delete(record("resp_slow"))
+            return a.get("resp_slow", "a")
+        finally:
+            await a.close()
+
+    assert asyncio.run(go()) is None
+
+
+def test_while_redis_has_just_failed_a_local_copy_is_served_without_asking_it(redis_url):
+    """Each check of a copy against Redis waits out its timeout when Redis stalls: after a
+    failure, copies are served for a while without asking."""
+
+    async def go() -> tuple[int, int]:
+        store = ResponseStore(shared=SharedResponseStore(f"redis://127.0.0.1:{free_port()}/0", TOKEN))
+        store.remember(record("resp_local"), 60)
+        asked = []
+        client = store.shared.client()
+        exists = client.exists
+
+        async def counted(*keys):
+            asked.append(keys)
+            return await exists(*keys)
+
+        client.exists = counted
+        try:
+            first = await store.find("resp_local", "a")
+            before = len(asked)
+            second = await store.find("resp_local", "a")
+            assert first == second == record("resp_local")
+            return before, len(asked)
+        finally:
+            await store.close()
+
+    before, after = asyncio.run(go())
+    assert before == 1 and after == 1

@@ -120,6 +120,9 @@ def test_other_tenants_unknown_and_unstored_ids_are_one_404(fakes, tmp_path):
         # vLLM deletes no response: its owner's DELETE is a 405 that changes nothing, another's a 404
         deleted = call(gw, "DELETE", f"/v1/responses/{rid}")
         assert deleted.status_code == 405 and deleted.json()["error"]["code"] == "method_not_allowed", deleted.text
+        assert deleted.headers["allow"] == "GET"
+        other_method = call(gw, "PUT", f"/v1/responses/{rid}")
+        assert other_method.status_code == 405 and set(other_method.headers["allow"].split(", ")) == {"GET", "DELETE"}
         assert call(gw, "GET", f"/v1/responses/{rid}").status_code == 200
         assert_not_found(call(gw, "DELETE", f"/v1/responses/{rid}", key="sk-b"), "response_id")
 
@@ -266,7 +269,7 @@ def test_only_a_background_stream_is_streamed_again_and_no_retrieve_counts_again
         assert r.status_code == 200 and r.headers["x-kvgate-worker"] == holder, r.text
 
         r = httpx.head(gw.url + f"/v1/responses/{sid}", headers={"authorization": "Bearer sk-a"}, timeout=30)
-        assert r.status_code == 405 and r.headers["allow"] == "GET", r.headers
+        assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "DELETE"}, r.headers
         assert call(gw, "GET", f"/v1/responses/{sid}").status_code == 200
         assert gw.metric("kvgate_gateway_upstream_failures_total") == 1
         assert "is suspect" not in gw.log_path.read_text()

@@ -61,6 +61,9 @@ class ParsedRequest:
     n: int = 1
     echo_texts: list[str] | None = None
     client_request_id: str | None = None  # vLLM's body `request_id`: shown to its client, never a key
+    # each choice's budget as asked (a chat's default where none), under the operator's cap, before
+    # the context cut `params.max_tokens` holds: what a key's tokens per minute are charged for
+    asked_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -116,7 +119,7 @@ def parse_request(
             ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len, options)
         prompts.append(ids)
         texts.append(text)
-    budget = _budget(body, kind, asked, [len(ids) for ids in prompts], max_model_len, defaults, params)
+    asked, budget = _budget(body, kind, asked, [len(ids) for ids in prompts], max_model_len, defaults, params)
     if kv and len(prompts) * n > 1:
         raise InvalidRequest("'kv_transfer' takes one prompt and n=1", "kv_transfer")
     echo_texts = [tokenizer.decode(ids) if t is None else t for ids, t in zip(prompts, texts)] if echo else None
@@ -134,6 +137,7 @@ def parse_request(
         n,
         echo_texts,
         body.get("request_id"),
+        asked,
     )
 
 
@@ -327,12 +331,12 @@ def _budget(
     max_model_len: int,
     defaults: GenerationDefaults,
     params: SamplingParams,
-) -> int:
-    """Each choice's output budget, as vLLM 0.32 reads it: the budget asked (none: a chat's
-    default, else 16 for a completion), refused past the context, under the operator's cap, and
-    then only what the shortest prompt's context leaves; a longer prompt's choice stops at the
-    context (finish "length"), as vLLM's budget for it would. `min_tokens` must fit in the
-    longest prompt's budget. Every prompt must leave room for one output token."""
+) -> tuple[int, int]:
+    """(the budget asked, each choice's output budget), as vLLM 0.32 reads them: the budget
+    asked (none: a chat's default, else 16 for a completion), refused past the context, under
+    the operator's cap; then only what the shortest prompt's context leaves; a longer prompt's
+    choice stops at the context (finish "length"), as vLLM's budget for it would. `min_tokens`
+    must fit in the longest prompt's budget. Every prompt must leave room for one output token."""
     for n in lengths:
         _check_context(n, max_model_len, "messages" if kind == "chat" else "prompt")
     if asked is None:
@@ -350,7 +354,7 @@ def _budget(
         )
     asked = capped(defaults, asked)
     _check_min_tokens(params, min(asked, max_model_len - max(lengths)))
-    return min(asked, max_model_len - min(lengths))
+    return asked, min(asked, max_model_len - min(lengths))
 
 
 def _check_context(n_prompt: int, max_model_len: int, param: str) -> None:
