@@ -5,7 +5,9 @@ import pytest
 
 from workers.detokenizer import Detokenizer
 from workers.model_store import load_tokenizer
+from workers.sampling_params import SamplingParams
 
+PLAIN = SamplingParams()
 TEXT = "Héllo, wörld! 日本語のテキスト 🎉🦊 emojis, tabs\tand\nnew lines. " * 4
 
 
@@ -37,7 +39,7 @@ def run(d: Detokenizer, ids: list[int]) -> tuple[list[str], int | None]:
 def test_text_matches_decode_and_holds_back_partial_characters(tok, wrap):
     ids = tok.encode(TEXT)
     prompt, out = ids[:7], ids[7:]
-    d = Detokenizer(wrap(tok), prompt)
+    d = Detokenizer(wrap(tok), prompt, PLAIN)
     assert (d.stream is not None) == (wrap is not Windowed)
     pieces, stopped = run(d, out)
     assert stopped is None
@@ -51,8 +53,8 @@ def test_text_matches_decode_and_holds_back_partial_characters(tok, wrap):
 def test_stop_strings_cut_alike_on_both_paths(tok, stop):
     ids = tok.encode(TEXT)
     prompt, out = ids[:3], ids[3:]
-    stream = run(Detokenizer(tok, prompt, (stop,)), out)
-    windowed = run(Detokenizer(Windowed(tok), prompt, (stop,)), out)
+    stream = run(Detokenizer(tok, prompt, SamplingParams(stop=(stop,))), out)
+    windowed = run(Detokenizer(Windowed(tok), prompt, SamplingParams(stop=(stop,))), out)
     assert stream == windowed
     pieces, stopped = stream
     full = tok.decode(out, skip_special_tokens=True)
@@ -63,7 +65,7 @@ def test_stop_strings_cut_alike_on_both_paths(tok, stop):
 
 
 def test_special_and_out_of_vocab_ids_add_no_text(tok):
-    d = Detokenizer(tok, [1, 2])
+    d = Detokenizer(tok, [1, 2], PLAIN)
     assert run(d, [0, 2, len(tok) + 5]) == (["", "", "", ""], None)
 
 
@@ -74,8 +76,8 @@ def test_prompt_ending_mid_character_does_not_leak_into_the_output(tok):
     assert tok.decode(prompt).endswith("\ufffd")
     out = tok.encode(" The answer is 42.")
     for stop in ((), ("like",)):
-        got = run(Detokenizer(tok, prompt, stop), out)
-        assert got == run(Detokenizer(Windowed(tok), prompt, stop), out)
+        got = run(Detokenizer(tok, prompt, SamplingParams(stop=stop)), out)
+        assert got == run(Detokenizer(Windowed(tok), prompt, SamplingParams(stop=stop)), out)
         assert got[1] is None and "like" not in "".join(got[0])
 
 
@@ -98,7 +100,7 @@ def test_a_byte_run_the_stream_cannot_reconcile_falls_back_instead_of_raising():
     """tokenizers' DecodeStream raises when a byte-fallback run rewrites text it already gave
     (here "日" then a stray lead byte); on the engine thread that would stop every request."""
     tok, vocab = byte_fallback_tokenizer()
-    d = Detokenizer(tok, [vocab["▁a"]])
+    d = Detokenizer(tok, [vocab["▁a"]], PLAIN)
     assert d.stream is not None
     pieces, stopped = run(d, [vocab[t] for t in ("<0xE6>", "<0x97>", "<0xA5>", "<0xE2>", "▁a", "a")])
     assert stopped is None and d.stream is None

@@ -23,7 +23,7 @@ class Letters:
 
 def first_stop(ids: list[int], stop: tuple[str, ...], min_tokens: int) -> int | None:
     """The index of the token that hits a stop string, by the detokenizer."""
-    d = Detokenizer(Letters(), [], stop, min_tokens)
+    d = Detokenizer(Letters(), [], SamplingParams(stop=stop, min_tokens=min_tokens))
     return next((i for i, t in enumerate(ids) if d.add(t)), None)
 
 

@@ -4,28 +4,31 @@ With a fast (Rust) tokenizer, `tokenizers`' own `DecodeStream` turns each token 
 text: about 1 us a token against 6.5 us for two windowed `decode` calls through transformers,
 on the engine thread that every stream's step waits for. Other tokenizers decode a short
 window of ids per token, which keeps that O(1) per step too. Either way, text that could still
-become a stop string is held back until it can't.
+become a stop string is held back until it can't. The stop rules are vLLM's detokenizer's.
 """
 
 from tokenizers.decoders import DecodeStream
+
+from workers.sampling_params import SamplingParams
 
 CONTEXT = 4  # prompt ids before the output: how the first output token's text starts
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (), min_tokens: int = 0):
-        """`min_tokens`: stop strings count only once more tokens than this were added, and only
-        where they end in the text after the first `min_tokens` tokens' (vLLM's rule)."""
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
+        """The text fields of `params`: its stop strings, which count only once more tokens than
+        `min_tokens` were added and only where they end in the text after the first `min_tokens`
+        tokens' (vLLM's rule)."""
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
         self.emitted = 0
-        self.stop = stop
-        self.min_tokens = min_tokens
+        self.stop = params.stop
+        self.min_tokens = params.min_tokens
         self.num_added = 0
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.stream = DecodeStream(self.ids, skip_special_tokens=True) if self._streamable() else None
 
@@ -57,9 +60,13 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new[len(prefix) :]
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; True when a stop string has appeared (the text is cut before it)."""
+    def add(self, token_id: int, stop_token: bool = False) -> bool:
+        """Append a token; True when a stop string has appeared (the text is cut before it). A
+        token that ends the request as a stop token (`stop_token`: EOS or a stop token id) adds
+        no text (vLLM's rule: its text is the stop, left out as a stop string is)."""
         self.num_added += 1
+        if stop_token:
+            return False
         new = self._new_text(token_id)
         if not new:
             return False
@@ -67,10 +74,20 @@ class Detokenizer:
         self.text += new
         if self.num_added <= self.min_tokens:
             return False
-        hits = [at for at in (self.text.find(s, max(0, before - len(s) + 1)) for s in self.stop) if at >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-        return bool(hits)
+        hit = self._first_stop(before)
+        if hit is not None:
+            self.text = self.text[: hit[0]]
+        return hit is not None
+
+    def _first_stop(self, before: int) -> tuple[int, int] | None:
+        """(start, end) of the stop string that ends first past character `before`, the first
+        listed of those ending together: where vLLM stops when one token completes several."""
+        first = None
+        for s in self.stop:
+            at = self.text.find(s, max(0, before - len(s) + 1))
+            if at >= 0 and (first is None or at + len(s) < first[1]):
+                first = (at, at + len(s))
+        return first
 
     def flush(self, final: bool) -> str:
         """Text not yet emitted; while not final, keep back what may be a stop string's start."""

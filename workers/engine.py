@@ -195,8 +195,7 @@ class Engine:
                 cache_salt=cmd.cache_salt,
                 chunks=[] if cmd.trace else None,
             )
-            p = cmd.params
-            d = Detokenizer(self.tokenizer, cmd.prompt_ids, p.stop, p.min_tokens) if cmd.detokenize else None
+            d = Detokenizer(self.tokenizer, cmd.prompt_ids, cmd.params) if cmd.detokenize else None
         except Exception:
             log.exception("request %s could not be set up", rid)
             self.stats.failed += 1

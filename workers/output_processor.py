@@ -53,11 +53,12 @@ class OutputProcessor:
         batch, self.outbox = self.outbox, []
         return batch
 
-    def hit_stop_string(self, req: Request, tok: int) -> bool:
-        """Whether the request's text now ends in one of its stop strings (the scheduler's
-        `stop_string`: a stop is decided on the text, which only the detokenizer has)."""
+    def hit_stop_string(self, req: Request, tok: int, stop_token: bool) -> bool:
+        """Add `tok` to the request's text (a `stop_token` that ends it adds none) and say
+        whether the text now ends in one of its stop strings (the scheduler's `stop_string`: a
+        stop is decided on the text, which only the detokenizer has)."""
         detok = self.request_states[req.request_id].detokenizer
-        return detok.add(tok) if detok else False
+        return detok.add(tok, stop_token) if detok else False
 
     def make_output(self, s: Sampled, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """The delta for a resolved token (its text flushed whole when the request ended), with

@@ -116,14 +116,20 @@ class Scheduler:
         req.status, req.finish_reason = FINISHED, reason
         self.kv.free(req)
 
-    def check_stop(self, req: Request, token: int, stop_string: bool = False) -> str | None:
-        """Why `req` stops after appending `token`: "stop" (a stop token or string, or EOS unless
-        ignored; none of them among the first `min_tokens`, where the sampler masks the tokens and
-        the detokenizer skips the strings, and an executor without logits may still emit one),
-        "length" (max_tokens, or the context is full), or None."""
+    def stop_token(self, req: Request, token: int) -> bool:
+        """Whether appending `token` ends `req` as a stop token: one of its stop token ids, or EOS
+        unless ignored; none among the first `min_tokens`, where the sampler masks them (an
+        executor without logits may still emit one)."""
         p = req.params
-        stop_token = token in p.stop_id_set or (not p.ignore_eos and token in self.eos_token_ids)
-        if (stop_token or stop_string) and req.num_output > p.min_tokens:
+        stop = token in p.stop_id_set or (not p.ignore_eos and token in self.eos_token_ids)
+        return stop and req.num_output > p.min_tokens
+
+    def check_stop(self, req: Request, token: int, stop_string: bool = False) -> str | None:
+        """Why `req` stops after appending `token`: "stop" (a stop token, or a stop string, which
+        the detokenizer skips among the first `min_tokens` too), "length" (max_tokens, or the
+        context is full), or None."""
+        p = req.params
+        if self.stop_token(req, token) or (stop_string and req.num_output > p.min_tokens):
             return "stop"
         if req.num_output >= p.max_tokens or len(req.token_ids) - req.unresolved >= self.max_model_len:
             return "length"
@@ -134,12 +140,14 @@ class Scheduler:
         plan: StepPlan,
         sampled: Sequence[int | None],
         now: float,
-        stop_string: Callable[[Request, int], bool] | None = None,
+        stop_string: Callable[[Request, int, bool], bool] | None = None,
     ) -> list[Sampled]:
         """A launched step's results: per request still live, write its token over the
         placeholder, commit the blocks the step filled, check for a stop and finish it if so.
-        `stop_string(req, token)` says whether the text now ends in a stop string (asked of
-        non-EOS tokens only). Requests that ended meanwhile (aborted, failed) are skipped."""
+        `stop_string(req, token, stop_token)` adds the token to the request's text, told whether
+        it ends the request as a stop token (`stop_token`: its text is then left out), and says
+        whether the text now ends in a stop string. Requests that ended meanwhile (aborted,
+        failed) are skipped."""
         out = []
         for (req, _), token in zip(plan.scheduled, sampled):
             if req.status == FINISHED:
@@ -154,7 +162,7 @@ class Scheduler:
             first = req.first_token_at is None
             if first:
                 req.first_token_at = now
-            hit = stop_string is not None and token not in self.eos_token_ids and stop_string(req, token)
+            hit = stop_string is not None and stop_string(req, token, self.stop_token(req, token))
             reason = self.check_stop(req, token, hit)
             if reason is not None:
                 drop_unresolved(req)
