@@ -22,10 +22,20 @@ from workers.protocol import ParsedRequest, parse_request
 from workers.unsupported import IMPLEMENTED, NOOP_VALUES
 
 # Sampling controls kvgate's workers implement with a stricter reader than vLLM's pydantic one,
-# which takes what its lax mode coerces ("0.5", true) and more than 1024 logit_bias keys: they
-# only steer the answer, so a vLLM fleet's requests take them as vLLM reads them.
+# which takes what its lax mode coerces ("0.5", true, "false" for a boolean) and more than 1024
+# logit_bias keys: they only steer the answer, so a vLLM fleet's requests take them as vLLM reads them.
 VLLM_READS = frozenset(
-    ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
+    (
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+        "logit_bias",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    )
 )
 
 

@@ -68,7 +68,6 @@ REFUSED = [  # (field, a value that asks for something, its no-op value)
     ("include_reasoning", False, True),
     ("watermarking", True, False),
     ("repetition_detection", {"max_pattern_size": 4}, None),
-    ("spaces_between_special_tokens", False, True),
     ("return_tokens_as_token_ids", True, False),
     ("return_prompt_text", True, False),
     ("routed_experts_prompt_start", 3, 0),

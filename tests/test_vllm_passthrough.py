@@ -80,7 +80,6 @@ def test_fields_that_steer_vllms_cache_are_internal():
         ("response_format", {"type": "json_object"}),
         ("allowed_token_ids", [5]),
         ("structured_outputs", {"choice": ["yes", "no"]}),
-        ("skip_special_tokens", False),
         ("use_beam_search", True),
         ("chat_template", "{{ messages[0].content }}"),
         ("vllm_xargs", {"my_logits_processor": 1}),
@@ -108,6 +107,9 @@ def test_fields_only_vllm_implements_pass_to_vllm_and_are_refused_for_kvgate_wor
         ("min_p", "0.05"),
         ("min_tokens", "2"),
         ("logit_bias", {str(t): 1 for t in range(2000)}),  # no key limit in vLLM's reader
+        ("include_stop_str_in_output", "true"),
+        ("skip_special_tokens", 0),
+        ("spaces_between_special_tokens", "no"),
     ],
 )
 def test_sampling_controls_go_to_vllm_as_sent_and_kvgate_workers_read_them_strictly(tok, field, value):

@@ -123,8 +123,6 @@ UNIMPLEMENTED = [
     ("structured_outputs", {"regex": "a+"}),
     ("use_beam_search", True),
     ("bad_words", ["the"]),
-    ("include_stop_str_in_output", True),
-    ("skip_special_tokens", False),
     ("truncate_prompt_tokens", 1),
     ("truncate_prompt_tokens", -1),
 ]

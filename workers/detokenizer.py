@@ -4,21 +4,44 @@ With a fast (Rust) tokenizer, `tokenizers`' own `DecodeStream` turns each token 
 text: about 1 us a token against 6.5 us for two windowed `decode` calls through transformers,
 on the engine thread that every stream's step waits for. Other tokenizers decode a short
 window of ids per token, which keeps that O(1) per step too. Either way, text that could still
-become a stop string is held back until it can't. The stop rules are vLLM's detokenizer's.
+become a stop string is held back until it can't, unless the request keeps its stop string
+(`include_stop_str_in_output`): then nothing is held back, as vLLM holds back nothing then.
+The request's text fields (special tokens kept or skipped, spaces between added tokens, the
+stop string kept or cut) follow vLLM's detokenizer for fast tokenizers.
 """
+
+import weakref
 
 from tokenizers.decoders import DecodeStream
 
 from workers.sampling_params import SamplingParams
 
 CONTEXT = 4  # prompt ids before the output: how the first output token's text starts
+_added: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def added_tokens(tokenizer) -> dict[int, str]:
+    """A fast tokenizer's added tokens (special or not) by id, with their text; none for a
+    tokenizer without a Rust backend. Cached per tokenizer: read only when a request asks."""
+    try:
+        return _added[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    added = {} if backend is None else {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+    try:
+        _added[tokenizer] = added
+    except TypeError:
+        pass
+    return added
 
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
         """The text fields of `params`: its stop strings, which count only once more tokens than
         `min_tokens` were added and only where they end in the text after the first `min_tokens`
-        tokens' (vLLM's rule)."""
+        tokens' (vLLM's rule); `include_stop_str_in_output`, `skip_special_tokens` and
+        `spaces_between_special_tokens`."""
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-CONTEXT:])
         self.prefix_offset = 0
@@ -27,10 +50,16 @@ class Detokenizer:
         self.emitted = 0
         self.stop = params.stop
         self.min_tokens = params.min_tokens
+        self.include_stop = params.include_stop_str_in_output
+        self.skip_special = params.skip_special_tokens
         self.num_added = 0
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.holdback = 0 if self.include_stop else max((len(s) for s in self.stop), default=1) - 1
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.stream = DecodeStream(self.ids, skip_special_tokens=True) if self._streamable() else None
+        self.stream = DecodeStream(self.ids, skip_special_tokens=self.skip_special) if self._streamable() else None
+        # Added tokens shown as their own text when one follows another (no space between them).
+        keep_spaces = self.skip_special or params.spaces_between_special_tokens
+        self.unspaced = {} if keep_spaces else added_tokens(tokenizer)
+        self.after_added = False
 
     def _streamable(self) -> bool:
         """Whether DecodeStream gives the same text here. Not where transformers edits decoded
@@ -41,7 +70,7 @@ class Detokenizer:
         return not self._decode(self.ids).endswith("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def _new_text(self, token_id: int) -> str | None:
         """The text `token_id` completes, or None while it ends in a partial character."""
@@ -60,14 +89,25 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new[len(prefix) :]
 
+    def _unspaced(self, token_id: int, new: str | None) -> str | None:
+        """With `spaces_between_special_tokens` false, an added token right after another is its
+        own text: a decoder that joins tokens with spaces (WordPiece's, or none) puts none
+        between the two. vLLM's rule; ByteLevel and Metaspace decoders join without spaces anyway."""
+        content = self.unspaced.get(token_id)
+        after, self.after_added = self.after_added, content is not None
+        return content if content is not None and after else new
+
     def add(self, token_id: int, stop_token: bool = False) -> bool:
-        """Append a token; True when a stop string has appeared (the text is cut before it). A
-        token that ends the request as a stop token (`stop_token`: EOS or a stop token id) adds
-        no text (vLLM's rule: its text is the stop, left out as a stop string is)."""
+        """Append a token; True when a stop string has appeared: the text is then cut before it,
+        or after it with `include_stop_str_in_output`. A token that ends the request as a stop
+        token (`stop_token`: EOS or a stop token id) adds its text only with that flag too
+        (vLLM's rule: its text is the stop, kept or not as a stop string is)."""
         self.num_added += 1
-        if stop_token:
+        if stop_token and not self.include_stop:
             return False
         new = self._new_text(token_id)
+        if self.unspaced:
+            new = self._unspaced(token_id, new)
         if not new:
             return False
         before = len(self.text)
@@ -76,7 +116,7 @@ class Detokenizer:
             return False
         hit = self._first_stop(before)
         if hit is not None:
-            self.text = self.text[: hit[0]]
+            self.text = self.text[: hit[1] if self.include_stop else hit[0]]
         return hit is not None
 
     def _first_stop(self, before: int) -> tuple[int, int] | None:

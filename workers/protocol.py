@@ -257,6 +257,9 @@ def sampling_params(
         min_p=number(body, "min_p", defaults.value("min_p", 0.0)),
         min_tokens=number(body, "min_tokens", 0, int),
         logit_bias=_logit_bias(body.get("logit_bias")),
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
+        skip_special_tokens=flag(body, "skip_special_tokens", default=True),
+        spaces_between_special_tokens=flag(body, "spaces_between_special_tokens", default=True),
     ).validate()
     if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")

@@ -39,6 +39,11 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids distinct
+    # how the answer's text is made (workers/detokenizer.py): the stop string kept at its end,
+    # special tokens kept, and no space put between two added tokens where they are kept
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     extra: dict = field(default_factory=dict, compare=False)
     # logit_bias' ids and biases and the distinct stop_token_ids as arrays, which the sampler
     # extends its step's data from (workers/logits_processors.py): built once, with the params

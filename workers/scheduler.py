@@ -145,9 +145,9 @@ class Scheduler:
         """A launched step's results: per request still live, write its token over the
         placeholder, commit the blocks the step filled, check for a stop and finish it if so.
         `stop_string(req, token, stop_token)` adds the token to the request's text, told whether
-        it ends the request as a stop token (`stop_token`: its text is then left out), and says
-        whether the text now ends in a stop string. Requests that ended meanwhile (aborted,
-        failed) are skipped."""
+        it ends the request as a stop token (`stop_token`: its text is then shown only where the
+        request keeps its stop), and says whether the text now ends in a stop string. Requests
+        that ended meanwhile (aborted, failed) are skipped."""
         out = []
         for (req, _), token in zip(plan.scheduled, sampled):
             if req.status == FINISHED:
