@@ -67,6 +67,9 @@ def fields(kind: str) -> st.SearchStrategy[dict]:
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
         "return_token_ids": st.booleans(),
+        "include_stop_str_in_output": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+        "spaces_between_special_tokens": st.booleans(),
     }
     if kind == "chat":
         own = {
