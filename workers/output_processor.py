@@ -54,9 +54,10 @@ class OutputProcessor:
         return batch
 
     def hit_stop_string(self, req: Request, tok: int, stop_token: bool) -> bool:
-        """Add `tok` to the request's text (a `stop_token` that ends it only where the request
-        keeps its stop) and say whether the text now ends in one of its stop strings (the
-        scheduler's `stop_string`: a stop is decided on the text, which only the detokenizer has)."""
+        """Add `tok` to the request's text (the text of a `stop_token`, one that ends the request,
+        only where the request keeps its stop) and say whether the text now ends in one of its
+        stop strings (the scheduler's `stop_string`: a stop is decided on the text, which only
+        the detokenizer has)."""
         detok = self.request_states[req.request_id].detokenizer
         return detok.add(tok, stop_token) if detok else False
 
