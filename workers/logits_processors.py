@@ -15,6 +15,8 @@ on the device, so nothing waits for the step before.
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -25,6 +27,33 @@ from workers.executors.batch import SeqChunk
 # clamped here, where float32 logits stay finite (a penalty past float32's range made inf * 0 NaN).
 REPETITION_RANGE = (2.0**-100, 2.0**100)
 HOLE = array("q", [0])  # a placeholder's slot among a row's ids, written over on the device
+T = TypeVar("T")
+
+
+@dataclass
+class Ints(Generic[T]):
+    """A step's integer data, by name: arrays while `_gather` fills them, tensors once uploaded."""
+
+    index: T  # the asking rows, among the step's
+    mask_counts: T  # per row: how many tokens min_tokens masks
+    mask_ids: T  # and which
+    bias_counts: T  # per row: how many tokens its logit_bias raises
+    bias_ids: T  # and which
+    lengths: T  # per penalised row: its sequence's length
+    prompts: T  # and its prompt's
+    pen_rows: T  # the penalised rows, among the asking ones
+    holes: T  # placeholder positions among the penalised rows' ids
+    sources: T  # and the rows of the previous launch's samples they take
+
+
+@dataclass
+class Floats(Generic[T]):
+    """A step's float data, by name, as `Ints`."""
+
+    biases: T  # the logit biases, beside `Ints.bias_ids`
+    presence: T  # per penalised row: its three penalties
+    frequency: T
+    repetition: T
 
 
 def process_logits(
@@ -43,23 +72,21 @@ def process_logits(
     rows = [i for i, c in enumerate(chunks) if c.params.processes_logits(c.output_index)]
     if not rows:
         return logits
-    ints, histories, floats = _gather(chunks, rows, stop_ids)
+    ints, floats, histories = _gather(chunks, rows, stop_ids)
     device = logits.device
-    index, mask_counts, mask_ids, bias_counts, bias_ids, lengths, prompts, pen_rows, holes, sources, flat = _upload(
-        ints, torch.long, device, histories
-    )
-    biases, presence, frequency, repetition = _upload(floats, torch.float32, device)
+    *parts, flat = _upload(list(vars(ints).values()), torch.long, device, histories)
+    i, f = Ints(*parts), Floats(*_upload(list(vars(floats).values()), torch.float32, device))
     out = logits.to(torch.float32, copy=True)
-    x = out[index]
-    x[_rows_of(mask_counts, mask_ids.numel()), mask_ids] = float("-inf")
-    x.index_put_((_rows_of(bias_counts, bias_ids.numel()), bias_ids), biases, accumulate=True)
-    if pen_rows.numel():
-        if holes.numel():
+    x = out[i.index]
+    x[_rows_of(i.mask_counts, i.mask_ids.numel()), i.mask_ids] = float("-inf")
+    x.index_put_((_rows_of(i.bias_counts, i.bias_ids.numel()), i.bias_ids), f.biases, accumulate=True)
+    if i.pen_rows.numel():
+        if i.holes.numel():
             assert prev_sampled is not None, "a placeholder without a launched step before it"
-            flat[holes] = prev_sampled[sources]
-        seen, counts = _token_counts(flat, lengths, prompts, logits.shape[1])
-        x[pen_rows] = apply_penalties(x[pen_rows], seen, counts, presence, frequency, repetition)
-    out[index] = x
+            flat[i.holes] = prev_sampled[i.sources]
+        seen, counts = _token_counts(flat, i.lengths, i.prompts, logits.shape[1])
+        x[i.pen_rows] = apply_penalties(x[i.pen_rows], seen, counts, f.presence, f.frequency, f.repetition)
+    out[i.index] = x
     return out
 
 
@@ -96,31 +123,26 @@ def _rows_of(counts: Tensor, total: int) -> Tensor:
 
 def _gather(
     chunks: Sequence[SeqChunk], rows: list[int], stop_ids: Sequence[int]
-) -> tuple[list[array], list[array], list[array]]:
-    """The plain data of the asking `rows`, in `process_logits`' order: integer lists (the rows, how
-    many tokens each row's min_tokens masks and which, how many its logit_bias raises and which,
-    the penalised rows' lengths, prompt lengths and rows, placeholder positions and their sources),
-    the penalised rows' ids as parts to lay end to end (each history, then a HOLE for its
-    placeholder) and float lists (the biases, the three penalties). A row's own ids and biases
-    are extended from its params' arrays, never entry by entry."""
-    ints = [array("q") for _ in range(10)]
-    floats = [array("f") for _ in range(4)]
-    index, mask_counts, mask_ids, bias_counts, bias_ids, lengths, prompts, pen_rows, holes, sources = ints
-    biases, presence, frequency, repetition = floats
+) -> tuple[Ints[array], Floats[array], list[array]]:
+    """The plain data of the asking `rows`, in `process_logits`' order, and the penalised rows'
+    ids as parts to lay end to end (each history, then a HOLE for its placeholder). A row's own
+    ids and biases are extended from its params' arrays, never entry by entry."""
+    ints = Ints(*(array("q") for _ in fields(Ints)))
+    floats = Floats(*(array("f") for _ in fields(Floats)))
     eos = array("q", stop_ids)
     histories: list[array] = []
     size = 0
     for row, i in enumerate(rows):
         c, p = chunks[i], chunks[i].params
-        index.append(i)
+        ints.index.append(i)
         masked = c.output_index < p.min_tokens
-        mask_counts.append(len(eos) + len(p.stop_id_array) if masked else 0)
+        ints.mask_counts.append(len(eos) + len(p.stop_id_array) if masked else 0)
         if masked:
-            mask_ids.extend(eos)
-            mask_ids.extend(p.stop_id_array)
-        bias_counts.append(len(p.logit_bias_ids))
-        bias_ids.extend(p.logit_bias_ids)
-        biases.extend(p.logit_bias_values)
+            ints.mask_ids.extend(eos)
+            ints.mask_ids.extend(p.stop_id_array)
+        ints.bias_counts.append(len(p.logit_bias_ids))
+        ints.bias_ids.extend(p.logit_bias_ids)
+        floats.biases.extend(p.logit_bias_values)
         if p.penalized:
             history, hole = c.history, c.prev_sample >= 0
             assert history is not None, "a penalised row needs its request's history"
@@ -129,16 +151,16 @@ def _gather(
             histories.append(history)
             if hole:
                 histories.append(HOLE)
-                holes.append(size + n - 1)
-                sources.append(c.prev_sample)
+                ints.holes.append(size + n - 1)
+                ints.sources.append(c.prev_sample)
             size += n
-            lengths.append(n)
-            prompts.append(c.num_prompt)
-            pen_rows.append(row)
-            presence.append(p.presence_penalty)
-            frequency.append(p.frequency_penalty)
-            repetition.append(p.repetition_penalty)
-    return ints, histories, floats
+            ints.lengths.append(n)
+            ints.prompts.append(c.num_prompt)
+            ints.pen_rows.append(row)
+            floats.presence.append(p.presence_penalty)
+            floats.frequency.append(p.frequency_penalty)
+            floats.repetition.append(p.repetition_penalty)
+    return ints, floats, histories
 
 
 def _upload(
