@@ -1,7 +1,8 @@
-"""The penalties, logit_bias, min_tokens and min_p against references written plainly here, row by
-row in Python: the batch equals each row processed alone, placeholders are filled from the last
-step's samples on the device, rows that ask nothing are untouched, and a step where no row asks
-gets its logits back as they were. On CUDA (when present) the same, and no host sync in the step."""
+"""The penalties, logit_bias, min_tokens, allowed_token_ids, bad_words and min_p against references
+written plainly here, row by row in Python: the batch equals each row processed alone, placeholders
+are filled from the last step's samples on the device, rows that ask nothing are untouched, and a
+step where no row asks gets its logits back as they were. On CUDA (when present) the same, and no
+host sync in the step."""
 
 import math
 from collections import Counter
@@ -40,8 +41,12 @@ def chunk(prompt: list[int], output: list[int], params: SamplingParams, prev_sam
 
 
 def reference(row: list[float], prompt: list[int], output: list[int], p: SamplingParams) -> list[float]:
-    """vLLM v1's processing of one row, plainly: min_tokens, logit_bias, then the penalties."""
+    """vLLM's processing of one row, plainly: allowed_token_ids, min_tokens, logit_bias, the
+    penalties, then bad_words (vllm/v1/sample/ops/bad_words.py: a sequence's last token is banned
+    where the output, never the prompt, ends with the tokens before it)."""
     x = list(row)
+    if p.allowed_token_ids is not None:
+        x = [v if t in p.allowed_token_ids else -math.inf for t, v in enumerate(x)]
     if len(output) < p.min_tokens:
         for t in set(EOS) | set(p.stop_token_ids):
             x[t] = -math.inf
@@ -52,6 +57,10 @@ def reference(row: list[float], prompt: list[int], output: list[int], p: Samplin
         if t in seen:
             x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
         x[t] -= p.frequency_penalty * counts[t] + p.presence_penalty * (counts[t] > 0)
+    for seq in p.bad_words_token_ids:
+        prefix = list(seq[:-1])
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+            x[seq[-1]] = -math.inf
     return x
 
 
@@ -62,6 +71,10 @@ def rows(draw, vocab: int):
     prompt = draw(st.lists(token, min_size=1, max_size=12))
     output = draw(st.lists(token, max_size=12))
     penalty = st.floats(-2, 2, width=32)
+    # bad words: some the output's own tail (with the prompt's end, which must not count) and a
+    # token, so they match; others drawn at random
+    ends = st.integers(0, 4).map(lambda k: (prompt + output)[len(prompt + output) - k :])
+    seq = st.tuples(ends, token).map(lambda e: (*e[0], e[1])) | st.lists(token, min_size=1, max_size=4).map(tuple)
     params = SamplingParams(
         presence_penalty=draw(st.sampled_from([0.0]) | penalty),
         frequency_penalty=draw(st.sampled_from([0.0]) | penalty),
@@ -69,6 +82,8 @@ def rows(draw, vocab: int):
         min_tokens=draw(st.integers(0, 14)),
         stop_token_ids=tuple(draw(st.lists(token, max_size=3))),
         logit_bias=tuple(sorted(draw(st.dictionaries(token, st.floats(-100, 100, width=32), max_size=4)).items())),
+        allowed_token_ids=draw(st.none() | st.lists(token, min_size=1, max_size=6).map(tuple)),
+        bad_words_token_ids=tuple(draw(st.lists(seq, max_size=5))),
     )
     return prompt, output, params, bool(output) and draw(st.booleans())
 
@@ -99,13 +114,14 @@ def test_the_batch_equals_the_reference_and_each_row_alone(data):
 @pytest.mark.parametrize("device", DEVICES)
 def test_device_results_equal_the_cpus(device):
     g = torch.Generator().manual_seed(5)
-    logits = torch.randn(4, 50, generator=g)
+    logits = torch.randn(5, 50, generator=g)
     p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=-0.2, min_tokens=4)
     batch = [
         ([1, 2, 3], [4, 4, 9], p, True),
         ([7], [], SamplingParams(), False),
         ([5, 5], [6], SamplingParams(logit_bias=((3, -100.0), (6, 2.5))), False),
         ([8, 9], [9, 1, 1], p, False),
+        ([2], [5, 6, 7], SamplingParams(allowed_token_ids=(7, 3, 7), bad_words_token_ids=((6, 7, 3), (9,))), True),
     ]
     torch.testing.assert_close(run_rows(logits, batch, device), run_rows(logits, batch))
 
@@ -129,7 +145,8 @@ def test_a_step_without_controls_gets_its_logits_back_untouched(monkeypatch):
     noop = SamplingParams(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0)
     chunks = [chunk([1, 2], [3], noop), chunk([4], [], SamplingParams(temperature=0.7, seed=2, min_tokens=0))]
     chunks.append(chunk([1], [5, 6], SamplingParams(min_tokens=2)))  # min_tokens already met
-    step = logits[:3]
+    chunks.append(chunk([1, 2], [], SamplingParams(bad_words_token_ids=((2, 3),))))  # only the output counts
+    step = logits[:4]
     assert process_logits(step, chunks, EOS, None) is step
     sample(logits, [noop, SamplingParams(temperature=0.8, seed=1), noop, noop], [0, 1, 2, 3])
 
@@ -150,16 +167,35 @@ class Unread(tuple):
 
 
 def test_a_step_extends_from_arrays_built_with_the_params():
-    """logit_bias and stop_token_ids become arrays once, with the params (ids distinct, those
-    out of range left to validate's 400); a step reads those, never the tuples, so 1024 biases
-    and stop ids cost a row two copies, not a loop."""
-    p = SamplingParams(min_tokens=3, stop_token_ids=(7, 7, 4, -1), logit_bias=((2, 1.5), (5, -100.0), (2**40, 1.0)))
+    """logit_bias, stop_token_ids, allowed_token_ids and the bad words' sequences become arrays
+    once, with the params (ids distinct where that matters, those out of range left to validate's
+    400; sequences by prefix length); a step reads those, never the tuples, so 1024 biases, stop
+    ids or allowed ids cost a row a copy each, not a loop."""
+    p = SamplingParams(
+        min_tokens=3,
+        stop_token_ids=(7, 7, 4, -1),
+        logit_bias=((2, 1.5), (5, -100.0), (2**40, 1.0)),
+        allowed_token_ids=(0, 2, 4, 5, 6, 7, 8, 9, -1),
+        bad_words_token_ids=((3, 9, 8), (6,), (3, 9)),
+    )
     assert (list(p.stop_id_array), list(p.logit_bias_ids), list(p.logit_bias_values)) == ([7, 4], [2, 5], [1.5, -100])
-    want = run_rows(torch.zeros(1, 10), [([1], [3], p, False)])
-    for name in ("stop_token_ids", "logit_bias"):
+    assert list(p.allowed_id_array) == [0, 2, 4, 5, 6, 7, 8, 9]
+    b = p.banned
+    assert [list(a) for a in (b.lengths, b.ends, b.prefix, b.back, b.last)] == [
+        [0, 1, 2],
+        [0, 0, 1, 3],
+        [3, 3, 9],
+        [1, 2, 1],
+        [6, 9, 8],
+    ]
+    assert [b.usable(n) for n in range(4)] == [1, 2, 3, 3]
+    want = run_rows(torch.zeros(1, 10), [([1], [3, 9], p, False)])
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words_token_ids"):
         object.__setattr__(p, name, Unread(getattr(p, name)))
-    assert torch.equal(run_rows(torch.zeros(1, 10), [([1], [3], p, False)]), want)
+    assert torch.equal(run_rows(torch.zeros(1, 10), [([1], [3, 9], p, False)]), want)
     assert want[0, 0] == want[0, 4] == want[0, 7] == -math.inf and want[0, 2] == 1.5 and want[0, 5] == -100
+    assert want[0, 1] == want[0, 3] == -math.inf  # not allowed
+    assert want[0, 6] == want[0, 8] == -math.inf and want[0, 9] == 0  # banned: (6,) and (3, 9, 8)
 
 
 def test_a_huge_repetition_penalty_stays_finite():
@@ -215,14 +251,15 @@ def test_seeded_rows_with_controls_ignore_the_batch(device):
 def test_a_step_with_every_control_queues_without_a_host_sync():
     """process_logits and sample_tensor with all controls, a placeholder and seeded rows: under
     torch's sync debug mode any synchronising call raises."""
-    logits = torch.randn(4, 128, device="cuda")
-    prev = torch.tensor([5, 6], device="cuda")
+    logits = torch.randn(5, 128, device="cuda")
+    prev = torch.tensor([6, 6], device="cuda")
     p = SamplingParams(temperature=0.8, seed=1, min_p=0.1, presence_penalty=0.5, repetition_penalty=1.2, min_tokens=9)
     chunks = [
         chunk([1, 2], [3, 4], p, prev_sample=1),
         chunk([1], [], SamplingParams(logit_bias=((2, 5.0),), frequency_penalty=1.0)),
         chunk([3], [3], SamplingParams(temperature=0.0)),
         chunk([7], [8, 9], SamplingParams(temperature=1.0, top_k=5, top_p=0.9)),
+        chunk([7], [8, 6], SamplingParams(allowed_token_ids=(1, 2, 3), bad_words_token_ids=((8, 6, 2),)), 0),
     ]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -231,4 +268,4 @@ def test_a_step_with_every_control_queues_without_a_host_sync():
         tokens = sample_tensor(processed, [c.params for c in chunks], [c.output_index for c in chunks])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert tokens.shape == (4,)
+    assert tokens.shape == (5,) and tokens[4] in (1, 3)

@@ -38,14 +38,15 @@ class Request:
     unresolved: int = 0  # trailing tokens sampled by launched steps, not read yet (workers/inflight.py)
     sample_row: int = -1  # this request's row among the last launched step's sampled tokens
     load: Load | None = None  # its prefix's copy back from the host tier, until it lands
-    # its resolved token ids (prompt, then output; no placeholder), kept only when a penalty reads
-    # them: a step copies it whole without a Python loop, the history grows by its resolved tokens
+    # its resolved token ids (prompt, then output; no placeholder), kept only when a penalty or a
+    # bad word reads them: a step copies it (or its tail) without a Python loop, the history grows
+    # by its resolved tokens
     history: array | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
-        if self.history is None and self.params.penalized:
+        if self.history is None and self.params.reads_history:
             self.history = array("q", self.token_ids)
 
     @property

@@ -48,7 +48,7 @@ class Sampled:
 
 def resolve(req: Request, token: int) -> None:
     """Write a sampled token over the request's oldest placeholder (workers/inflight.py), and
-    add it to the request's history where a penalty keeps one."""
+    add it to the request's history where a control keeps one."""
     req.token_ids[len(req.token_ids) - req.unresolved] = token
     req.unresolved -= 1
     if req.history is not None:

@@ -18,8 +18,8 @@ class SeqChunk:
     is the sequence's own list and may hold blocks past the chunk: read only the first
     ceil((start_pos + len(token_ids)) / block_size), and never keep or change it.
     `history` is the request's own array of resolved token ids (prompt, then output) where a
-    penalty reads them (workers/request.py): the sequence so far, less the placeholder of
-    `prev_sample`. Read it, never keep or change it.
+    penalty or a bad word reads them (workers/request.py): the sequence so far, less the
+    placeholder of `prev_sample`. Read it, never keep or change it.
     """
 
     token_ids: list[int]
