@@ -22,8 +22,11 @@ from workers.protocol import ParsedRequest, parse_request
 from workers.unsupported import IMPLEMENTED, NOOP_VALUES
 
 # Sampling controls kvgate's workers implement with a stricter reader than vLLM's pydantic one,
-# which takes what its lax mode coerces ("0.5", true, "false" for a boolean) and more than 1024
-# logit_bias keys: they only steer the answer, so a vLLM fleet's requests take them as vLLM reads them.
+# which takes what its lax mode coerces ("0.5", true, "false" for a boolean, ["5"] for ids) and
+# more than 1024 logit_bias keys or allowed_token_ids, or bad_words of more than 1024 tokens in
+# all (vLLM's V1 runner takes them; its V2 runner's limits are kvgate's): they only steer the
+# answer, so a vLLM fleet's requests take them as vLLM reads them (bad_words then cost the
+# gateway no tokenizing).
 VLLM_READS = frozenset(
     (
         "presence_penalty",
@@ -35,6 +38,8 @@ VLLM_READS = frozenset(
         "include_stop_str_in_output",
         "skip_special_tokens",
         "spaces_between_special_tokens",
+        "allowed_token_ids",
+        "bad_words",
     )
 )
 

@@ -37,8 +37,9 @@ def decode_leg(body: dict, wait_ms: float) -> bytes:
 # The client's fields the prefill leg leaves out: its stream and its budget, which `max_tokens: 1`
 # replaces, with `min_tokens`, which a worker holds to that budget (vLLM's P/D proxies drop it
 # too). The rest stays: the prompt's own fields shape its blocks, and the answer's other
-# controls (stop strings and ids, logit_bias, penalties, logprobs, how its text is made:
-# `include_stop_str_in_output`, `skip_special_tokens`) hold for any budget.
+# controls (stop strings and ids, logit_bias, penalties, allowed_token_ids, bad_words, logprobs,
+# how its text is made: `include_stop_str_in_output`, `skip_special_tokens`) hold for any budget,
+# so the prefill leg is parsed and refused as its decode leg is.
 ANSWER_ONLY = ("stream", "stream_options", "max_completion_tokens", "min_tokens")
 
 

@@ -39,6 +39,8 @@ FIELDS = [
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
     "tools",
     "tool_choice",
     "response_format",

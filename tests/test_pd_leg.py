@@ -57,6 +57,8 @@ def fields(kind: str) -> st.SearchStrategy[dict]:
         "stop_token_ids": st.lists(token, max_size=3),
         "ignore_eos": st.booleans(),
         "logit_bias": st.dictionaries(token.map(str), st.floats(-150, 150), max_size=3),
+        "allowed_token_ids": st.lists(token, max_size=3),
+        "bad_words": st.lists(st.text(max_size=4), max_size=3),
         "presence_penalty": st.floats(-2, 2),
         "frequency_penalty": st.floats(-2, 2),
         "repetition_penalty": st.floats(0.1, 3),

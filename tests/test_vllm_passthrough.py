@@ -20,7 +20,7 @@ def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(to
         "n": 3,
         "max_tokens": 5,
         "logprobs": 2,
-        "bad_words": ["the"],
+        "include_stop_str_in_output": True,
     }
     first = parse_whole(body, "completion", tok, 1024)
     assert first.prompt_ids == tok.encode("one two three")
@@ -30,9 +30,9 @@ def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(to
     prep = m.prepare(body, "completion", 1024, whole=True)
     assert (prep.num_tokens, prep.max_tokens) == (tokens, 5 * 6)
     with pytest.raises(InvalidRequest) as e:
-        m.prepare(body, "completion", 1024)  # kvgate's own workers take n, lists, logprobs, not bad_words
-    assert e.value.param == "bad_words"
-    del body["bad_words"]
+        m.prepare(body, "completion", 1024)  # kvgate's own workers take n, lists, logprobs, not this
+    assert e.value.param == "include_stop_str_in_output"
+    del body["include_stop_str_in_output"]
     assert m.prepare(body, "completion", 1024).max_tokens == 5 * 6
 
 
@@ -78,7 +78,6 @@ def test_fields_that_steer_vllms_cache_are_internal():
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
-        ("allowed_token_ids", [5]),
         ("structured_outputs", {"choice": ["yes", "no"]}),
         ("use_beam_search", True),
         ("chat_template", "{{ messages[0].content }}"),
@@ -110,6 +109,9 @@ def test_fields_only_vllm_implements_pass_to_vllm_and_are_refused_for_kvgate_wor
         ("include_stop_str_in_output", "true"),
         ("skip_special_tokens", 0),
         ("spaces_between_special_tokens", "no"),
+        ("allowed_token_ids", ["5", 6.0, True]),
+        ("allowed_token_ids", [7] * 2000),  # vLLM's V1 runner takes any number
+        ("bad_words", [" ".join(["x"] * 600)]),  # 1,200 tokens with its spaced form: V1 takes them
     ],
 )
 def test_sampling_controls_go_to_vllm_as_sent_and_kvgate_workers_read_them_strictly(tok, field, value):

@@ -114,15 +114,12 @@ def test_a_kv_events_stream_lets_other_tasks_run_between_its_lines():
 # -- request fields the workers do not implement ------------------------------------------------
 
 UNIMPLEMENTED = [
-    ("allowed_token_ids", [5]),
-    ("allowed_token_ids", []),
     ("guided_json", {"type": "object"}),
     ("guided_choice", ["a", "b"]),
     ("guided_regex", "a+"),
     ("guided_grammar", "root ::= 'a'"),
     ("structured_outputs", {"regex": "a+"}),
     ("use_beam_search", True),
-    ("bad_words", ["the"]),
     ("truncate_prompt_tokens", 1),
     ("truncate_prompt_tokens", -1),
 ]

@@ -48,6 +48,16 @@ def as_list(v, name: str, item_type: type) -> tuple:
     raise InvalidRequest(f"'{name}' must be a {item_type.__name__} or a list of them", name)
 
 
+def list_of(v, name: str, item_type: type, what: str) -> tuple | None:
+    """A list of values of exactly `item_type` (a bool is no int), as a tuple; None when null.
+    `what` names the items in the error."""
+    if v is None:
+        return None
+    if isinstance(v, list) and all(type(x) is item_type for x in v):
+        return tuple(v)
+    raise InvalidRequest(f"'{name}' must be a list of {what}", name)
+
+
 def json_equal(a: object, b: object) -> bool:
     """Equality of two JSON values that keeps JSON's types apart: a bool equals only the same
     bool, a number (int or float alike: 0 and 0.0) only an equal number, a list or an object only

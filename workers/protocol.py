@@ -13,10 +13,19 @@ from typing import cast
 from dataclasses import dataclass, field, replace
 
 from workers.chat_template import chat_messages
-from workers.fields import as_list, flag, number
+from workers.fields import as_list, flag, list_of, number
 from workers.generation_defaults import NEUTRAL, GenerationDefaults, capped, chat_budget
 from workers.prompt_options import PromptOptions, prompt_options, prompt_text
-from workers.sampling_params import LOGIT_BIAS_LIMIT, MAX_INT32, MAX_LOGIT_BIAS, InvalidRequest, SamplingParams
+from workers.sampling_params import (
+    LOGIT_BIAS_LIMIT,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    InvalidRequest,
+    SamplingParams,
+    vllm_message,
+)
 from workers.unsupported import refuse_unsupported
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
@@ -104,7 +113,7 @@ def parse_request(
     stream, include_usage, return_token_ids = _options(body)
     asked = _max_tokens(body, kind)
     n, echo = _choices(body, kind)
-    params = sampling_params(body, asked or 1, vocab_size, kind, defaults)
+    params = sampling_params(body, asked or 1, vocab_size, kind, defaults, tokenizer)
     kv, salt = _kv_transfer(body), checked_cache_salt(body)
     prompts, texts = [], []
     checked = _prompts(body, kind, vocab_size)
@@ -237,9 +246,11 @@ def sampling_params(
     vocab_size: int | None = None,
     kind: str = "completion",
     defaults: GenerationDefaults = NEUTRAL,
+    tokenizer=None,
 ) -> SamplingParams:
     """The body's sampling fields, each type- and range-checked; an absent or null one takes
-    the model's default, else OpenAI's."""
+    the model's default, else OpenAI's. `bad_words` are tokenized with `tokenizer` (without
+    one, only checked)."""
     top_k = number(body, "top_k", defaults.value("top_k", 0), int)
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -260,12 +271,66 @@ def sampling_params(
         include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
         skip_special_tokens=flag(body, "skip_special_tokens", default=True),
         spaces_between_special_tokens=flag(body, "spaces_between_special_tokens", default=True),
-    ).validate()
+        allowed_token_ids=list_of(body.get("allowed_token_ids"), "allowed_token_ids", int, "token ids"),
+        bad_words=tuple(dict.fromkeys(list_of(body.get("bad_words"), "bad_words", str, "strings") or ())),
+    ).validate(vocab_size)
     if vocab_size is not None and any(t >= vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     if vocab_size is not None and any(t >= vocab_size for t, _ in params.logit_bias):
         raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if tokenizer is not None and params.bad_words:
+        return replace(params, bad_words_token_ids=bad_words_token_ids(params.bad_words, tokenizer, vocab_size))
     return params
+
+
+def bad_words_token_ids(words: tuple[str, ...], tokenizer, vocab_size: int | None) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of `bad_words` (SamplingParams.update_from_tokenizer), with its 400s:
+    each word's forms (`_forms`) in order, a word of none refused, and past MAX_BAD_WORDS forms
+    as they are counted; then a token outside the model's `vocab_size`; then, as vLLM's GPU
+    runner refuses them, more than MAX_BAD_WORD_TOKENS tokens in all (a word that surely
+    tokenizes to more is refused before it is tokenized, as a prompt is: a client's megabyte
+    word costs no tokenizer time)."""
+    if any(surely_too_long(w.lstrip(), tokenizer, MAX_BAD_WORD_TOKENS + 1) for w in words):
+        raise InvalidRequest(_too_many_tokens(f"more than {MAX_BAD_WORD_TOKENS}"), "bad_words")
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        forms = _forms(word, tokenizer)
+        if not forms:
+            raise _refused("bad_words entries must tokenize to at least one token.", words)
+        for form in forms:
+            sequences.append(form)
+            if len(sequences) > MAX_BAD_WORDS:
+                count = f"{len(sequences)}. The max number is {MAX_BAD_WORDS}."
+                raise _refused(f"Too many bad words after tokenization: {count}", words)
+    if vocab_size is not None and (bad := [t for seq in sequences for t in seq if t >= vocab_size]):
+        raise _refused(
+            f"The model vocabulary size is {vocab_size}, but the following tokens were specified as bad: {bad}. "
+            f"All token id values should be integers satisfying: 0 <= token_id <= {vocab_size - 1}.",
+            words,
+        )
+    if (total := sum(map(len, sequences))) > MAX_BAD_WORD_TOKENS:
+        raise InvalidRequest(_too_many_tokens(str(total)), "bad_words")
+    return tuple(sequences)
+
+
+def _forms(word: str, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """A bad word's token sequences, as vLLM makes them: the word, its leading whitespace
+    stripped, without special tokens (at a text's start); then with one leading space, where
+    that makes as many tokens and another first one (the word inside a text). None where the
+    word makes no token."""
+    plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+    if not plain:
+        return ()
+    spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+    return (plain, spaced) if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,)
+
+
+def _refused(message: str, words: tuple[str, ...]) -> InvalidRequest:
+    return InvalidRequest(vllm_message(message, "bad_words", list(words)), "bad_words")
+
+
+def _too_many_tokens(count: str) -> str:
+    return f"Too many total bad word tokens: {count}. The max is {MAX_BAD_WORD_TOKENS}."
 
 
 def _logit_bias(v: object) -> tuple[tuple[int, float], ...]:

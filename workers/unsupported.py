@@ -23,8 +23,6 @@ NOOP_VALUES: dict[str, tuple] = {
     "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
     "truncate_prompt_tokens": (),
     "structured_outputs": (),
     "guided_json": (),

@@ -13,8 +13,10 @@ from workers.kv.cost_model import CostModel
 
 class SimExecutor:
     """Emits deterministic token ids (never EOS) after waiting the modelled step time. It has no
-    logits: penalties, logit_bias and min_p change none of its tokens; min_tokens holds back an
-    early stop token of its in the scheduler (`check_stop`) and stop strings in the detokenizer."""
+    logits: penalties, logit_bias, min_p, allowed_token_ids and bad_words change none of its
+    tokens (the requests are still checked as a real worker checks them); min_tokens holds back
+    an early stop token of its in the scheduler (`check_stop`) and stop strings in the
+    detokenizer."""
 
     def __init__(
         self,
