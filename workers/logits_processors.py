@@ -199,7 +199,7 @@ def _gather(
         floats.biases.extend(p.logit_bias_values)
         if p.penalized:
             _gather_penalties(ints, floats, histories, row, c)
-        if usable := p.banned.usable(c.output_index):
+        if p.bad_words_token_ids and (usable := p.banned.usable(c.output_index)):
             _gather_bad_words(ints, row, c, usable)
     return ints, floats, histories
 

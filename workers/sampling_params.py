@@ -94,6 +94,10 @@ class SamplingParams:
     stop_id_set: frozenset = field(init=False, repr=False, compare=False)  # a token's stop check, O(1)
     allowed_id_array: array = field(init=False, repr=False, compare=False)
     banned: BannedSequences = field(init=False, repr=False, compare=False)
+    # `processes_logits`' terms, asked of every running row every step: whether a control applies
+    # at every step, and the first output index a bad word can apply at (none: past any)
+    always_processed: bool = field(init=False, repr=False, compare=False)
+    banned_from: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """The arrays, of the ids in range only: `validate` refuses params with any other."""
@@ -106,6 +110,9 @@ class SamplingParams:
         allowed = [t for t in self.allowed_token_ids or () if 0 <= t <= MAX_INT32]
         object.__setattr__(self, "allowed_id_array", array("q", allowed))
         object.__setattr__(self, "banned", BannedSequences.of(self.bad_words_token_ids))
+        always = self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
+        object.__setattr__(self, "always_processed", always)
+        object.__setattr__(self, "banned_from", self.banned.lengths[0] if self.banned.lengths else 2**63)
 
     @property
     def greedy(self) -> bool:
@@ -125,13 +132,7 @@ class SamplingParams:
         """Whether the logits of this request's next token (its `output_index`-th) are changed
         before sampling: a penalty, a logit bias, stop tokens held back by `min_tokens`, tokens
         outside `allowed_token_ids`, or a bad word the output so far can complete."""
-        return (
-            self.penalized
-            or bool(self.logit_bias)
-            or output_index < self.min_tokens
-            or self.allowed_token_ids is not None
-            or (bool(self.banned.lengths) and self.banned.lengths[0] <= output_index)
-        )
+        return self.always_processed or output_index < self.min_tokens or output_index >= self.banned_from
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Check every field's range, so no value a client can send reaches the engine as an
