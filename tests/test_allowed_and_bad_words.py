@@ -284,6 +284,16 @@ def test_allowed_token_ids_leave_the_logprobs_raw(worker):
     assert held["token_logprobs"][0] < free["token_logprobs"][0]
 
 
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_masks_that_leave_no_token_are_served(worker, temperature):
+    """allowed_token_ids of EOS alone under min_tokens, or of a banned token: every logit -inf.
+    vLLM samples some token then (none is right); the worker must answer, not fail its step."""
+    assert (28,) in parse({"bad_words": [","]}, vocab=None).params.bad_words_token_ids
+    eos = tok().eos_token_id
+    for fields in ({"allowed_token_ids": [eos], "min_tokens": 3}, {"allowed_token_ids": [28], "bad_words": [","]}):
+        assert len(tokens(worker, temperature=temperature, max_tokens=4, seed=1, **fields)) == 4
+
+
 def contains(seq: list[int], sub: tuple[int, ...]) -> bool:
     return any(tuple(seq[i : i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
 
