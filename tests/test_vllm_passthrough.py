@@ -20,7 +20,7 @@ def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(to
         "n": 3,
         "max_tokens": 5,
         "logprobs": 2,
-        "include_stop_str_in_output": True,
+        "truncate_prompt_tokens": 3,
     }
     first = parse_whole(body, "completion", tok, 1024)
     assert first.prompt_ids == tok.encode("one two three")
@@ -31,8 +31,8 @@ def test_n_prompt_lists_and_vllm_only_fields_parse_and_count_every_completion(to
     assert (prep.num_tokens, prep.max_tokens) == (tokens, 5 * 6)
     with pytest.raises(InvalidRequest) as e:
         m.prepare(body, "completion", 1024)  # kvgate's own workers take n, lists, logprobs, not this
-    assert e.value.param == "include_stop_str_in_output"
-    del body["include_stop_str_in_output"]
+    assert e.value.param == "truncate_prompt_tokens"
+    del body["truncate_prompt_tokens"]
     assert m.prepare(body, "completion", 1024).max_tokens == 5 * 6
 
 
