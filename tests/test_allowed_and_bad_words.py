@@ -26,7 +26,7 @@ from workers.executors.sim import SimExecutor
 from workers.executors.torch_runner import TorchRunner
 from workers.kv.cost_model import CostModel
 from workers.model_store import load_tokenizer
-from workers.protocol import check_request, parse_request
+from workers.protocol import token_chars, check_request, parse_request
 from workers.sampling_params import InvalidRequest, SamplingParams
 from workers.server import WorkerServer
 from workers.strict_json import loads
@@ -151,16 +151,17 @@ def test_an_error_shows_a_long_list_cut_short():
 
 
 class Counting:
-    """A tokenizer that records the longest text it was asked to encode."""
+    """A tokenizer that records the longest text it was asked to encode, and all it encoded."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.longest = tokenizer, 0
+        self.tokenizer, self.longest, self.total = tokenizer, 0, 0
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.longest = max(self.longest, len(text))
+        self.total += len(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -171,6 +172,24 @@ def test_a_megabyte_bad_word_is_refused_without_tokenizing_it():
         parse_request(body, "completion", counting, CTX)
     assert e.value.param == "bad_words" and "more than 1024" in str(e.value)
     assert counting.longest < 10_000
+
+
+def test_words_that_together_surely_pass_the_token_bound_are_refused_without_tokenizing_them():
+    """128 words of 30,000 letters (no space to cut a prefix at) each pass the one-word bound:
+    together they cannot tokenize to 1,024 tokens or fewer, refused before any is tokenized.
+    Words under that bound are tokenized whole (vLLM's count in its message): at most twice the
+    characters 1,024 of the longest tokens hold."""
+    rng = random.Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for words, why, most in (
+        (["".join(rng.choice(letters) for _ in range(30_000)) for _ in range(128)], "more than 1024", 0),
+        (["".join(rng.choice(letters) for _ in range(700)) for _ in range(40)], "The max is 1024", None),
+    ):
+        counting = Counting(tok())
+        with pytest.raises(InvalidRequest) as e:
+            parse_request({"model": "m", "prompt": [5], "bad_words": words}, "completion", counting, CTX)
+        assert e.value.param == "bad_words" and why in str(e.value)
+        assert counting.total <= (2 * 1024 * (token_chars(tok()) or 0) if most is None else most)
 
 
 def test_check_request_refuses_what_needs_no_tokenizer_or_vocabulary():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from workers.cli import build_server, parser
-from workers.detokenizer import Detokenizer
+from workers.detokenizer import CONTEXT, Detokenizer
 from workers.model_store import load_tokenizer
 from workers.sampling_params import SamplingParams
 
@@ -304,3 +304,18 @@ def test_logprob_tokens_show_special_tokens_whether_skipped_or_not(llama, stream
     for skip in (True, False):
         got = answer(client, "completion", stream, skip_special_tokens=skip, **fields)
         assert got["logprob_tokens"] == [tok.eos_token] * 2
+
+
+def test_after_a_prompt_ending_in_special_tokens_the_first_token_keeps_its_space():
+    """Skipping special tokens, a prompt ending in more of them than the detokenizer's context
+    (CONTEXT) left no text before the first output token, which then decoded as a text's start
+    ('the'); vLLM decodes after the whole prompt (' the'). The context reaches past them."""
+    from tokenizers.decoders import DecodeStream
+
+    tok, vocab = wordpiece()
+    prompt = [vocab["cat"], *[vocab["[SEP]"]] * (CONTEXT + 1)]
+    out = [vocab["the"], vocab["cat"]]
+    stream = DecodeStream(prompt, skip_special_tokens=True)  # vLLM's: primed with the whole prompt
+    want = "".join(stream.step(tok.backend_tokenizer, t) or "" for t in out)
+    assert want.startswith(" the")
+    assert "".join(run(Detokenizer(tok, prompt, SamplingParams()), out)[0]) == want

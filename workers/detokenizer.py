@@ -16,8 +16,10 @@ from tokenizers.decoders import DecodeStream
 
 from workers.sampling_params import SamplingParams
 
-CONTEXT = 4  # prompt ids before the output: how the first output token's text starts
+CONTEXT = 4  # prompt ids before the output that show text: how the first output token's text starts
+MAX_REACH = 64  # how far back a prompt's trailing special tokens are passed over to find them
 _added: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_special: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def added_tokens(tokenizer) -> dict[int, str]:
@@ -36,6 +38,37 @@ def added_tokens(tokenizer) -> dict[int, str]:
     return added
 
 
+def special_ids(tokenizer) -> frozenset[int]:
+    """A tokenizer's special token ids (which `skip_special_tokens` drops): its Rust backend's
+    special added tokens, which its decoder skips, and transformers' own; cached per tokenizer."""
+    try:
+        return _special[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    added = backend.get_added_tokens_decoder().items() if backend is not None else ()
+    ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added if t.special}
+    try:
+        _special[tokenizer] = ids
+    except TypeError:
+        pass
+    return ids
+
+
+def context_ids(tokenizer, prompt_ids: list[int], skip_special: bool) -> list[int]:
+    """The prompt's last ids the first output token is decoded after: CONTEXT of them that show
+    text (a skipped special token shows none: after a prompt ending in several, the first output
+    token would decode as a text's start, losing a leading space vLLM keeps, as it decodes after
+    the whole prompt), looking back at most MAX_REACH ids."""
+    if not skip_special:
+        return list(prompt_ids[-CONTEXT:])
+    special, shown, start = special_ids(tokenizer), 0, len(prompt_ids)
+    while start > 0 and shown < CONTEXT and len(prompt_ids) - start < MAX_REACH:
+        start -= 1
+        shown += prompt_ids[start] not in special
+    return list(prompt_ids[start:])
+
+
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
         """The text fields of `params`: its stop strings, which count only once more tokens than
@@ -43,7 +76,8 @@ class Detokenizer:
         tokens' (vLLM's rule); `include_stop_str_in_output`, `skip_special_tokens` and
         `spaces_between_special_tokens`."""
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-CONTEXT:])
+        self.skip_special = params.skip_special_tokens
+        self.ids = context_ids(tokenizer, prompt_ids, self.skip_special)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
@@ -51,7 +85,6 @@ class Detokenizer:
         self.stop = params.stop
         self.min_tokens = params.min_tokens
         self.include_stop = params.include_stop_str_in_output
-        self.skip_special = params.skip_special_tokens
         self.num_added = 0
         self.holdback = 0 if self.include_stop else max((len(s) for s in self.stop), default=1) - 1
         self.backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -289,8 +289,12 @@ def bad_words_token_ids(words: tuple[str, ...], tokenizer, vocab_size: int | Non
     as they are counted; then a token outside the model's `vocab_size`; then, as vLLM's GPU
     runner refuses them, more than MAX_BAD_WORD_TOKENS tokens in all (a word that surely
     tokenizes to more is refused before it is tokenized, as a prompt is: a client's megabyte
-    word costs no tokenizer time)."""
-    if any(surely_too_long(w.lstrip(), tokenizer, MAX_BAD_WORD_TOKENS + 1) for w in words):
+    word costs no tokenizer time, nor do words that together surely do: what is tokenized is at
+    most twice the characters of MAX_BAD_WORD_TOKENS of the longest tokens)."""
+    per_token = token_chars(tokenizer)
+    if any(surely_too_long(w.lstrip(), tokenizer, MAX_BAD_WORD_TOKENS + 1) for w in words) or (
+        per_token is not None and sum(len(w.lstrip()) for w in words) > per_token * MAX_BAD_WORD_TOKENS
+    ):
         raise InvalidRequest(_too_many_tokens(f"more than {MAX_BAD_WORD_TOKENS}"), "bad_words")
     sequences: list[tuple[int, ...]] = []
     for word in words:

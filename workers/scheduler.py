@@ -124,12 +124,17 @@ class Scheduler:
         stop = token in p.stop_id_set or (not p.ignore_eos and token in self.eos_token_ids)
         return stop and req.num_output > p.min_tokens
 
-    def check_stop(self, req: Request, token: int, stop_string: bool = False) -> str | None:
+    def check_stop(
+        self, req: Request, token: int, stop_string: bool = False, stop_token: bool | None = None
+    ) -> str | None:
         """Why `req` stops after appending `token`: "stop" (a stop token, or a stop string, which
         the detokenizer skips among the first `min_tokens` too), "length" (max_tokens, or the
-        context is full), or None."""
+        context is full), or None. `stop_token`: `self.stop_token(req, token)` where the caller
+        has it already (it is asked of every token)."""
         p = req.params
-        if self.stop_token(req, token) or (stop_string and req.num_output > p.min_tokens):
+        if stop_token is None:
+            stop_token = self.stop_token(req, token)
+        if stop_token or (stop_string and req.num_output > p.min_tokens):
             return "stop"
         if req.num_output >= p.max_tokens or len(req.token_ids) - req.unresolved >= self.max_model_len:
             return "length"
@@ -162,8 +167,9 @@ class Scheduler:
             first = req.first_token_at is None
             if first:
                 req.first_token_at = now
-            hit = stop_string is not None and stop_string(req, token, self.stop_token(req, token))
-            reason = self.check_stop(req, token, hit)
+            ends = self.stop_token(req, token)
+            hit = stop_string is not None and stop_string(req, token, ends)
+            reason = self.check_stop(req, token, hit, ends)
             if reason is not None:
                 drop_unresolved(req)
                 if req.export is not None and self.exporter is not None:

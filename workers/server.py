@@ -178,7 +178,7 @@ class WorkerServer:
         try:
             value = body.pop(GIVEN_IDS, None)
             given = given_prompts(value, self.tokenizer_id, self.vocab_size) if trusted and value is not None else None
-            if given is None:  # tokenizing: off the event loop
+            if given is None or body.get("bad_words"):  # tokenizing (prompts, bad words): off the event loop
                 parsed = await asyncio.to_thread(
                     parse_request, body, kind, tok, max_len, self.vocab_size, None, self.generation_defaults
                 )
