@@ -16,6 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.json_values import json_values
 from starlette.testclient import TestClient
 
 from tests.test_overlap import OverlappingRunner, run
@@ -207,15 +209,7 @@ def test_check_request_refuses_what_needs_no_tokenizer_or_vocabulary():
 @settings(max_examples=200, deadline=None)
 @given(
     field=st.sampled_from(["allowed_token_ids", "bad_words"]),
-    value=st.recursive(
-        st.none()
-        | st.booleans()
-        | st.integers()
-        | st.floats(allow_nan=False, allow_infinity=False)
-        | st.text(max_size=8),
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=8,
-    ),
+    value=json_values(8, 4),
 )
 def test_any_value_parses_or_is_a_400_naming_its_field(field, value):
     try:

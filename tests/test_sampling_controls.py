@@ -10,6 +10,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.json_values import json_values
 from starlette.testclient import TestClient
 
 from workers.config import EngineConfig
@@ -143,15 +145,7 @@ def test_check_request_refuses_the_same_without_a_tokenizer():
     field=st.sampled_from(
         ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias"]
     ),
-    value=st.recursive(
-        st.none()
-        | st.booleans()
-        | st.integers()
-        | st.floats(allow_nan=False, allow_infinity=False)
-        | st.text(max_size=8),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6,
-    ),
+    value=json_values(6, 3),
 )
 def test_any_value_parses_or_is_a_400_naming_its_field(field, value):
     try:
