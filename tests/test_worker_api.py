@@ -78,7 +78,7 @@ def test_streaming_ends_with_done_and_usage(worker):
         ({"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
         ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": list(range(600))}, 400, "prompt"),
-        ({"model": MODEL, "prompt": list(range(500)), "max_tokens": 100}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 513}, 400, "max_tokens"),  # past the whole context
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
         ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
