@@ -21,7 +21,8 @@ from workers.given_ids import fingerprint
 from workers.prefix_tokens import Budgeted, OverBudget, PrefixTokenizer
 from workers.kv.hashing import block_hashes, salted_seed, seed_hash
 from workers.model_store import load_tokenizer, served_name
-from workers.protocol import ParsedRequest, parse_request, token_chars
+from workers.prompt_length import token_chars
+from workers.protocol import ParsedRequest, parse_request
 
 log = logging.getLogger("kvgate.gateway")
 

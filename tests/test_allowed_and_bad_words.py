@@ -28,7 +28,8 @@ from workers.executors.sim import SimExecutor
 from workers.executors.torch_runner import TorchRunner
 from workers.kv.cost_model import CostModel
 from workers.model_store import load_tokenizer
-from workers.protocol import token_chars, check_request, parse_request
+from workers.prompt_length import token_chars
+from workers.protocol import check_request, parse_request
 from workers.sampling_params import InvalidRequest, SamplingParams
 from workers.server import WorkerServer
 from workers.strict_json import loads

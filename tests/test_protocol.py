@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from workers.model_store import load_tokenizer
-from workers.protocol import _LAST_CUT, check_request, parse_request, token_chars
+from workers.prompt_length import _LAST_CUT, token_chars
+from workers.protocol import check_request, parse_request
 from workers.sampling_params import InvalidRequest, SamplingParams
 from workers.strict_json import MAX_DEPTH, loads
 

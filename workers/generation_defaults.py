@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from workers.sampling_params import InvalidRequest, SamplingParams
+from workers.sampling_params import MAX_INT32, InvalidRequest, SamplingParams
 
 # the fields vLLM takes from a generation config (its ModelConfig.get_diff_sampling_param);
 # HF's `max_new_tokens` is vLLM's `max_tokens`
@@ -29,7 +29,6 @@ GENERATION_FILE = "generation_config.json"
 # What vLLM 0.32 (transformers 5.19) takes from a folder's config.json when it has no
 # generation_config.json: transformers' model config keeps these of the generation fields.
 FROM_MODEL_CONFIG = ("max_new_tokens", "min_p", "eos_token_id")
-MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ def eos_token_ids(config: dict, primary: int | None) -> tuple[int, ...]:
 def _eos_list(value: object, folder: Path | None) -> list[int]:
     """An `eos_token_id`: a token id, a list of them, or null."""
     values = value if isinstance(value, list) else [] if value is None else [value]
-    ids = [t for t in values if type(t) is int and 0 <= t <= MAX_TOKEN_ID]
+    ids = [t for t in values if type(t) is int and 0 <= t <= MAX_INT32]
     if len(ids) != len(values):
         raise ValueError(f"{folder}: eos_token_id must be a token id or a list of token ids, not {value!r}"[:300])
     return ids
@@ -151,8 +150,8 @@ def checked(values: dict, origin: str) -> GenerationDefaults:
         integer = name in ("top_k", "max_tokens", "max_tokens_cap")
         if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
             raise ValueError(f"{origin}: {name} must be {'an integer' if integer else 'a number'}, not {v!r}"[:300])
-        if not (abs(v) <= MAX_TOKEN_ID if isinstance(v, int) else math.isfinite(v)):
-            raise ValueError(f"{origin}: {name} must be finite and at most {MAX_TOKEN_ID} in size")
+        if not (abs(v) <= MAX_INT32 if isinstance(v, int) else math.isfinite(v)):
+            raise ValueError(f"{origin}: {name} must be finite and at most {MAX_INT32} in size")
     if values.get("top_k") == -1:
         values["top_k"] = 0
     for name in ("max_tokens", "max_tokens_cap"):
@@ -163,13 +162,3 @@ def checked(values: dict, origin: str) -> GenerationDefaults:
     except InvalidRequest as e:
         raise ValueError(f"{origin}: {e}") from None
     return GenerationDefaults(**values)
-
-
-def chat_budget(defaults: GenerationDefaults, context_left: int) -> int:
-    """A chat's budget when it asks for none: the model's default, at most what its context leaves."""
-    return context_left if defaults.max_tokens is None else min(defaults.max_tokens, context_left)
-
-
-def capped(defaults: GenerationDefaults, budget: int) -> int:
-    """A request's budget under the cap the operator set, if any."""
-    return budget if defaults.max_tokens_cap is None else min(budget, defaults.max_tokens_cap)

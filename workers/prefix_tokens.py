@@ -9,7 +9,7 @@ follows its longest cached prefix.
 A chunk ends at a cut: the first space after `chunk_chars` characters that follows a non-space.
 Word-splitting (byte-level BPE) pre-tokenizers start a pre-token at every such space, so the
 tokens before a cut never depend on the text after it (the same rule as
-`workers.protocol.surely_too_long`). Whether a tokenizer really splits there is checked once at
+`workers.prompt_length.surely_too_long`). Whether a tokenizer really splits there is checked once at
 load, on texts made to stress it (spaces, newlines, digits, punctuation, accents, special
 tokens); a tokenizer that fails (SentencePiece's prepended "▁", say) gets no cache, and every
 chunk stored is checked to start a token. So the ids are exactly the tokenizer's.

@@ -4,28 +4,23 @@ Pure (no torch): the gateway imports it too, so the gateway and the workers turn
 request into the same token ids, and refuse the same bad input with the same 400, by running
 the same code. Every field a client may send is checked for type and range before the prompt
 is tokenized; a feature this server does not implement is refused, never silently ignored.
-How a prompt becomes text (the prompt options, the chat template) is workers/prompt_options.py.
+How a prompt becomes text (the prompt options, the chat template) is workers/prompt_options.py;
+its output budget workers/budget.py, its bad words' tokens workers/bad_words.py, and the bound on
+a prompt's length before it is tokenized workers/prompt_length.py.
 """
 
 import re
-import weakref
 from typing import cast
 from dataclasses import dataclass, field, replace
 
 from workers.chat_template import chat_messages
 from workers.fields import as_list, flag, list_of, number
-from workers.generation_defaults import NEUTRAL, GenerationDefaults, capped, chat_budget
+from workers.bad_words import bad_words_token_ids
+from workers.budget import asked_budget, check_min_tokens, output_budget
+from workers.generation_defaults import NEUTRAL, GenerationDefaults
+from workers.prompt_length import surely_too_long
 from workers.prompt_options import PromptOptions, prompt_options, prompt_text
-from workers.sampling_params import (
-    LOGIT_BIAS_LIMIT,
-    MAX_BAD_WORD_TOKENS,
-    MAX_BAD_WORDS,
-    MAX_INT32,
-    MAX_LOGIT_BIAS,
-    InvalidRequest,
-    SamplingParams,
-    vllm_message,
-)
+from workers.sampling_params import LOGIT_BIAS_LIMIT, MAX_INT32, MAX_LOGIT_BIAS, InvalidRequest, SamplingParams
 from workers.unsupported import refuse_unsupported
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
@@ -44,11 +39,6 @@ CLIENT_ID = re.compile(rf"[!-~]{{1,{MAX_CLIENT_ID}}}")
 # On a whole (non-streaming) answer: ms from the worker's receipt of the request to its first
 # token, which the gateway adds to its own time before sending to get the client's TTFT.
 TTFT_HEADER = "x-kvgate-ttft-ms"
-# A prompt longer than this many characters per allowed token is first counted on a prefix.
-PREFIX_CHARS_PER_TOKEN = 8
-CUT_MARGIN = 16  # tokens a prefix cut at a word boundary may over-count (special tokens, prefix spaces)
-_LAST_CUT = re.compile(r".*\S( )", re.S)
-_token_chars: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -111,7 +101,7 @@ def parse_request(
     used instead of tokenizing again."""
     body = _object(body, kind)
     stream, include_usage, return_token_ids = _options(body)
-    asked = _max_tokens(body, kind)
+    asked = asked_budget(body, kind)
     n, echo = _choices(body, kind)
     params = sampling_params(body, asked or 1, vocab_size, kind, defaults, tokenizer)
     kv, salt = _kv_transfer(body), checked_cache_salt(body)
@@ -128,7 +118,7 @@ def parse_request(
             ids, text = prompt_ids(prompt, kind, tokenizer, max_model_len, options)
         prompts.append(ids)
         texts.append(text)
-    asked, budget = _budget(body, kind, asked, [len(ids) for ids in prompts], max_model_len, defaults, params)
+    asked, budget = output_budget(body, kind, asked, [len(ids) for ids in prompts], max_model_len, defaults, params)
     if kv and len(prompts) * n > 1:
         raise InvalidRequest("'kv_transfer' takes one prompt and n=1", "kv_transfer")
     echo_texts = [tokenizer.decode(ids) if t is None else t for ids, t in zip(prompts, texts)] if echo else None
@@ -155,10 +145,10 @@ def check_request(body: object, kind: str) -> None:
     body = _object(body, kind)
     _options(body)
     _choices(body, kind)
-    asked = _max_tokens(body, kind)
+    asked = asked_budget(body, kind)
     params = sampling_params(body, asked or 1, None, kind)
     if asked is not None or kind != "chat":
-        _check_min_tokens(params, asked or 16)
+        check_min_tokens(params, asked or 16)
     _kv_transfer(body)
     checked_cache_salt(body)
     checked = _prompts(body, kind, None)
@@ -231,15 +221,6 @@ def _options(body: dict) -> tuple[bool, bool, bool]:
     return stream, include_usage, flag(body, "return_token_ids")
 
 
-def _max_tokens(body: dict, kind: str) -> int | None:
-    """The completion budget asked for (chat prefers `max_completion_tokens`), None if not given."""
-    key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
-    n = number(body, key, None, int)
-    if n is not None and n < 1:
-        raise InvalidRequest(f"'{key}' must be at least 1", key)
-    return n
-
-
 def sampling_params(
     body: dict,
     max_tokens: int,
@@ -283,60 +264,6 @@ def sampling_params(
     return params
 
 
-def bad_words_token_ids(words: tuple[str, ...], tokenizer, vocab_size: int | None) -> tuple[tuple[int, ...], ...]:
-    """vLLM's tokenization of `bad_words` (SamplingParams.update_from_tokenizer), with its 400s:
-    each word's forms (`_forms`) in order, a word of none refused, and past MAX_BAD_WORDS forms
-    as they are counted; then a token outside the model's `vocab_size`; then, as vLLM's GPU
-    runner refuses them, more than MAX_BAD_WORD_TOKENS tokens in all (a word that surely
-    tokenizes to more is refused before it is tokenized, as a prompt is: a client's megabyte
-    word costs no tokenizer time, nor do words that together surely do: what is tokenized is at
-    most twice the characters of MAX_BAD_WORD_TOKENS of the longest tokens)."""
-    per_token = token_chars(tokenizer)
-    if any(surely_too_long(w.lstrip(), tokenizer, MAX_BAD_WORD_TOKENS + 1) for w in words) or (
-        per_token is not None and sum(len(w.lstrip()) for w in words) > per_token * MAX_BAD_WORD_TOKENS
-    ):
-        raise InvalidRequest(_too_many_tokens(f"more than {MAX_BAD_WORD_TOKENS}"), "bad_words")
-    sequences: list[tuple[int, ...]] = []
-    for word in words:
-        forms = _forms(word, tokenizer)
-        if not forms:
-            raise _refused("bad_words entries must tokenize to at least one token.", words)
-        for form in forms:
-            sequences.append(form)
-            if len(sequences) > MAX_BAD_WORDS:
-                count = f"{len(sequences)}. The max number is {MAX_BAD_WORDS}."
-                raise _refused(f"Too many bad words after tokenization: {count}", words)
-    if vocab_size is not None and (bad := [t for seq in sequences for t in seq if t >= vocab_size]):
-        raise _refused(
-            f"The model vocabulary size is {vocab_size}, but the following tokens were specified as bad: {bad}. "
-            f"All token id values should be integers satisfying: 0 <= token_id <= {vocab_size - 1}.",
-            words,
-        )
-    if (total := sum(map(len, sequences))) > MAX_BAD_WORD_TOKENS:
-        raise InvalidRequest(_too_many_tokens(str(total)), "bad_words")
-    return tuple(sequences)
-
-
-def _forms(word: str, tokenizer) -> tuple[tuple[int, ...], ...]:
-    """A bad word's token sequences, as vLLM makes them: the word, its leading whitespace
-    stripped, without special tokens (at a text's start); then with one leading space, where
-    that makes as many tokens and another first one (the word inside a text). None where the
-    word makes no token."""
-    plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-    if not plain:
-        return ()
-    spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-    return (plain, spaced) if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,)
-
-
-def _refused(message: str, words: tuple[str, ...]) -> InvalidRequest:
-    return InvalidRequest(vllm_message(message, "bad_words", list(words)), "bad_words")
-
-
-def _too_many_tokens(count: str) -> str:
-    return f"Too many total bad word tokens: {count}. The max is {MAX_BAD_WORD_TOKENS}."
-
-
 def _logit_bias(v: object) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias` as vLLM reads it: an object of token id (a string `int()` takes)
     -> bias (a number, clamped to [-100, 100]), the last of equal ids kept; sorted pairs."""
@@ -359,13 +286,6 @@ def _logit_bias(v: object) -> tuple[tuple[int, float], ...]:
     if any(t < 0 for t in bias):
         raise InvalidRequest(f"'logit_bias' token ids must be in [0, {MAX_INT32}]", "logit_bias")
     return tuple(sorted(bias.items()))
-
-
-def _check_min_tokens(params: SamplingParams, max_tokens: int) -> None:
-    """vLLM's rule: `min_tokens` at most the completion budget (when not given, what the
-    context leaves a chat, 16 for a completion)."""
-    if params.min_tokens > max_tokens:
-        raise InvalidRequest(f"'min_tokens' must be at most max_tokens ({max_tokens})", "min_tokens")
 
 
 def _kv_transfer(body: dict) -> dict:
@@ -393,51 +313,6 @@ def checked_cache_salt(body: dict) -> str | None:
     if salt is not None and not (isinstance(salt, str) and len(salt) <= MAX_CACHE_SALT):
         raise InvalidRequest(f"'cache_salt' must be a string of at most {MAX_CACHE_SALT} characters", "cache_salt")
     return salt or None
-
-
-def _budget(
-    body: dict,
-    kind: str,
-    asked: int | None,
-    lengths: list[int],
-    max_model_len: int,
-    defaults: GenerationDefaults,
-    params: SamplingParams,
-) -> tuple[int, int]:
-    """(the budget asked, each choice's output budget), as vLLM 0.32 reads them: the budget
-    asked (none: a chat's default, else 16 for a completion), refused past the context, under
-    the operator's cap; then only what the shortest prompt's context leaves; a longer prompt's
-    choice stops at the context (finish "length"), as vLLM's budget for it would. `min_tokens`
-    must fit in the longest prompt's budget. Every prompt must leave room for one output token."""
-    for n in lengths:
-        _check_context(n, max_model_len, "messages" if kind == "chat" else "prompt")
-    if asked is None:
-        asked = chat_budget(defaults, max_model_len - max(lengths)) if kind == "chat" else 16
-    elif asked > max_model_len:
-        key = (
-            "max_completion_tokens"
-            if kind == "chat" and body.get("max_completion_tokens") is not None
-            else "max_tokens"
-        )
-        raise InvalidRequest(
-            f"{key}={asked} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens.",
-            key,
-            "context_length_exceeded",
-        )
-    asked = capped(defaults, asked)
-    _check_min_tokens(params, min(asked, max_model_len - max(lengths)))
-    return asked, min(asked, max_model_len - min(lengths))
-
-
-def _check_context(n_prompt: int, max_model_len: int, param: str) -> None:
-    """A prompt must leave room in the context for one output token."""
-    if n_prompt >= max_model_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-            f"contains {n_prompt} input tokens, which leaves no room for an output token.",
-            param,
-            "context_length_exceeded",
-        )
 
 
 def prompt_ids(
@@ -515,42 +390,3 @@ def tokenize_body(body: dict, tokenizer, max_model_len: int) -> tuple[list[int],
             f"this prompt is far longer than the model's {max_model_len} tokens", "prompt", "context_length_exceeded"
         )
     return tokenizer.encode(text, add_special_tokens=options.add_special_tokens), strs
-
-
-def surely_too_long(text: str, tokenizer, limit: int) -> bool:
-    """True only if `text` must tokenize to at least `limit` tokens, decided without tokenizing
-    all of it, so a megabyte prompt costs neither the memory nor the CPU of its tokens.
-
-    A text of n characters has at least n / `token_chars` tokens. Past that bound, a prefix cut
-    just before a space that follows a non-space is counted: word-splitting pre-tokenizers split
-    there anyway, so the prefix's tokens start the full text's (up to CUT_MARGIN for tokens added
-    at either end). False means only "not decided": the caller tokenizes the whole text."""
-    if len(text) <= PREFIX_CHARS_PER_TOKEN * limit:
-        return False
-    per_token = token_chars(tokenizer)
-    if per_token is not None and len(text) > per_token * limit:
-        return True
-    cut = _LAST_CUT.match(text, 0, PREFIX_CHARS_PER_TOKEN * limit)
-    if cut is None:
-        return False
-    return len(tokenizer.encode(text[: cut.start(1)], add_special_tokens=False)) - CUT_MARGIN >= limit
-
-
-def token_chars(tokenizer) -> int | None:
-    """The most characters of text one token can stand for (cached per tokenizer): its longest
-    vocabulary entry, tripled when a normaliser may compose characters (NFC folds up to three
-    into one). None when the tokenizer does not list its vocabulary."""
-    try:
-        return _token_chars[tokenizer]
-    except KeyError:
-        pass
-    except TypeError:
-        return None
-    try:
-        longest = max(map(len, tokenizer.get_vocab()))
-    except (AttributeError, TypeError, ValueError):
-        return None
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    chars = longest * (1 if backend is not None and backend.normalizer is None else 3)
-    _token_chars[tokenizer] = chars
-    return chars
