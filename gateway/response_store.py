@@ -113,9 +113,7 @@ class ResponseStore:
         the copy goes too)."""
         if self.shared is None or not await self.shared.deleted(record.response_id, record.tenant):
             return record
-        t = self.tenants.get(record.tenant)
-        if t is not None:
-            self.drop(t, record.response_id)
+        self.forget(record)
         return None
 
     async def delete(self, record: StoredResponse) -> None:
@@ -123,9 +121,7 @@ class ResponseStore:
         answer, nothing deleted then), then here."""
         if self.shared is not None:
             await self.shared.delete(record.response_id, record.tenant, self.ttl_s)
-        t = self.tenants.get(record.tenant)
-        if t is not None:
-            self.drop(t, record.response_id)
+        self.forget(record)
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """This replica's record of `response_id` for `tenant`, which becomes its most recently used."""
@@ -139,13 +135,17 @@ class ResponseStore:
         t.entries.move_to_end(response_id)
         return entry.record
 
+    def forget(self, record: StoredResponse) -> None:
+        """Drop this replica's copy of `record`, if it holds one."""
+        t = self.tenants.get(record.tenant)
+        if t is not None:
+            self.drop(t, record.response_id)
+
     def remember(self, record: StoredResponse, ttl_s: float) -> None:
         """Hold `record` here for `ttl_s` (at most the store's own TTL): its tenant's least
         recently used go past the tenant's quota, then the least recently used of the tenant
         holding the most past the store's bounds."""
-        t = self.tenants.get(record.tenant)
-        if t is not None:
-            self.drop(t, record.response_id)
+        self.forget(record)
         t = self.tenants.get(record.tenant)
         if t is None:
             t = self.tenants[record.tenant] = Tenant(record.tenant)

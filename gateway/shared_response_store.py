@@ -30,9 +30,10 @@ index restarts it at 0. The script names the records it evicts from their ids (a
 given): one Redis, not a cluster, as the rest of kvgate's layout.
 
 **A delete holds fleet-wide**: a second script (DELETE) takes the record out of Redis, its index
-and its bytes, and leaves a mark (`kvgate:deleted-response:{tenant}:{id}`) for the store's TTL,
-the longest a replica may hold a copy of it; a replica asks for that mark before it serves a copy
-of its own (`deleted`), so no replica answers for a response once its DELETE has answered.
+and its bytes, and leaves a mark (`kvgate:deleted-response:{tenant}:{id}`) as long as the record
+would have lived and at least the store's TTL, the longest a replica may hold a copy of it; a
+replica asks for that mark before it serves a copy of its own (`deleted`), so no replica answers
+for a response once its DELETE has answered.
 """
 
 import asyncio
@@ -56,20 +57,26 @@ MAX_RECORD_BYTES = 16 << 20  # a conversation of a long context is some MiB of t
 SIG_BYTES = 64  # hex digits of the HMAC-SHA256
 TAG_CHARS = 32  # hex digits of a tenant's tag: 128 bits
 
+# Redis's clock in ms, which both scripts score the index by
+NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
 # KEYS: the record, the tenant's index, its bytes, the record's deleted mark. ARGV: the record's
 # value, its TTL (ms), the tenant's quota of records and of bytes, its records' key prefix, the
 # record's id, its marks' key prefix. Returns the records evicted, -1 (nothing written) for a
 # record alone past the bytes, -2 (nothing written) for one deleted already (its write late).
 # A member of the index is "id size" for a record, "~id 0" for a deleted mark (its own entry
 # of the quota: a tenant cannot make Redis hold more marks than its quota of responses).
-STORE = """
+STORE = (
+    NOW
+    + """
 local value, ttl, most, most_bytes = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local size = string.len(value)
 if size > most_bytes then return -1 end
 if redis.call('EXISTS', KEYS[4]) == 1 then return -2 end
 local function size_of(member) return tonumber(string.match(member, ' (%d+)$')) end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local total = tonumber(redis.call('GET', KEYS[3]))
 if total == nil then
   total = 0
@@ -99,15 +106,16 @@ redis.call('PEXPIREAT', KEYS[3], last)
 redis.call('PEXPIREAT', KEYS[2], last)
 return evicted
 """
+)
 
 
 # KEYS: the record, the tenant's index, its bytes, the deleted mark. ARGV: the record's id, the
 # mark's least TTL (ms: the deleting replica's store TTL). The mark lives as long as the record
 # would have, at least that TTL, in the index as "~id 0". Returns 1 when Redis held the record,
 # else 0 (the mark is set either way: replicas may hold copies of a record Redis evicted).
-DELETE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+DELETE = (
+    NOW
+    + """
 local ttl = math.max(tonumber(ARGV[2]), redis.call('PTTL', KEYS[1]))
 redis.call('SET', KEYS[4], '1', 'PX', ttl)
 redis.call('ZADD', KEYS[2], now + ttl, '~' .. ARGV[1] .. ' 0')
@@ -126,6 +134,7 @@ redis.call('PEXPIREAT', KEYS[2], last)
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('PEXPIREAT', KEYS[3], last) end
 return held
 """
+)
 
 
 class SharedResponseStore(SharedRecords):
