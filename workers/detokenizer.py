@@ -11,6 +11,8 @@ stop string kept or cut) follow vLLM's detokenizer for fast tokenizers.
 """
 
 import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tokenizers.decoders import DecodeStream
 
@@ -20,39 +22,45 @@ CONTEXT = 4  # prompt ids before the output that show text: how the first output
 MAX_REACH = 64  # how far back a prompt's trailing special tokens are passed over to find them
 _added: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _special: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+T = TypeVar("T")
+
+
+def _per_tokenizer(cache: "weakref.WeakKeyDictionary", tokenizer, make: Callable[[Any], T]) -> T:
+    """`make(tokenizer)`, cached in `cache` per tokenizer (made again for one no weak reference
+    can name): read only when a request asks."""
+    try:
+        return cache[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    value = make(tokenizer)
+    try:
+        cache[tokenizer] = value
+    except TypeError:
+        pass
+    return value
+
+
+def _added_decoder(tokenizer) -> dict:
+    """A fast tokenizer's added tokens by id (tokenizers' AddedToken); none without a Rust backend."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return {} if backend is None else backend.get_added_tokens_decoder()
 
 
 def added_tokens(tokenizer) -> dict[int, str]:
     """A fast tokenizer's added tokens (special or not) by id, with their text; none for a
-    tokenizer without a Rust backend. Cached per tokenizer: read only when a request asks."""
-    try:
-        return _added[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    added = {} if backend is None else {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-    try:
-        _added[tokenizer] = added
-    except TypeError:
-        pass
-    return added
+    tokenizer without a Rust backend. Cached per tokenizer."""
+    return _per_tokenizer(_added, tokenizer, lambda tok: {i: t.content for i, t in _added_decoder(tok).items()})
 
 
 def special_ids(tokenizer) -> frozenset[int]:
     """A tokenizer's special token ids (which `skip_special_tokens` drops): its Rust backend's
     special added tokens, which its decoder skips, and transformers' own; cached per tokenizer."""
-    try:
-        return _special[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    added = backend.get_added_tokens_decoder().items() if backend is not None else ()
-    ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ()) | {i for i, t in added if t.special}
-    try:
-        _special[tokenizer] = ids
-    except TypeError:
-        pass
-    return ids
+
+    def make(tok) -> frozenset[int]:
+        special = {i for i, t in _added_decoder(tok).items() if t.special}
+        return frozenset(getattr(tok, "all_special_ids", ()) or ()) | special
+
+    return _per_tokenizer(_special, tokenizer, make)
 
 
 def context_ids(tokenizer, prompt_ids: list[int], skip_special: bool) -> list[int]:
